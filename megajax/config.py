@@ -1,0 +1,445 @@
+"""The configuration tree: frozen dataclasses, YAML presets and `--set a.b=c` overrides.
+
+Every section checks itself in `__post_init__`; `Config.__post_init__` checks what needs two sections
+(heads vs tensor parallelism, layers vs pipeline stages, batch vs data parallelism). Checks that need the
+device count run in `Config.for_devices`, before anything is compiled. Every error names the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message says what to change."""
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture. `arch` picks the family defaults; every field can still be set by hand."""
+
+    arch: Literal["gpt2", "llama"] = "gpt2"
+    num_layers: int = 2
+    hidden_size: int = 128
+    num_heads: int = 4
+    num_kv_heads: int | None = None  # None: as many as num_heads (no grouped-query attention)
+    ffn_hidden_size: int | None = None  # None: 4h (gpt2) or Llama's 2/3 * 4h rounded up to 256
+    vocab_size: int = 256
+    make_vocab_size_divisible_by: int = 128  # Megatron pads the vocabulary to a multiple of this
+    seq_length: int = 128
+    dropout: float = 0.0
+    attention_dropout: float = 0.0
+    compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    recompute: Literal["none", "selective", "full"] = "none"
+    attention_impl: Literal["xla", "pallas", "cudnn"] = "xla"
+    norm_impl: Literal["xla", "pallas"] = "xla"
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_embeddings: bool | None = None  # None: tied for gpt2, untied for llama
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        for name in ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_length"):
+            _check(getattr(self, name) > 0, f"model.{name} must be positive, got {getattr(self, name)}")
+        _check(
+            self.hidden_size % self.num_heads == 0,
+            f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads={self.num_heads}: "
+            "pick a head count that divides the hidden size",
+        )
+        _check(
+            self.kv_heads > 0 and self.num_heads % self.kv_heads == 0,
+            f"model.num_heads={self.num_heads} must be a multiple of model.num_kv_heads={self.kv_heads}",
+        )
+        for name in ("dropout", "attention_dropout"):
+            _check(0.0 <= getattr(self, name) < 1.0, f"model.{name} must be in [0, 1), got {getattr(self, name)}")
+        _check(self.make_vocab_size_divisible_by > 0, "model.make_vocab_size_divisible_by must be positive")
+        _check(self.param_dtype != "float16", "model.param_dtype=float16 is not supported: keep float32 master "
+               "weights and set model.compute_dtype=float16")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        if self.arch == "llama":
+            return 256 * math.ceil(int(2 * 4 * self.hidden_size / 3) / 256)
+        return 4 * self.hidden_size
+
+    @property
+    def tied(self) -> bool:
+        return self.arch == "gpt2" if self.tie_embeddings is None else self.tie_embeddings
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.make_vocab_size_divisible_by
+        return m * math.ceil(self.vocab_size / m)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """The mesh (data, pipeline, tensor) and how it is used. data=None takes every device left over."""
+
+    data: int | None = None
+    pipeline: int = 1
+    tensor: int = 1
+    sequence_parallel: bool = False
+    virtual_stages: int = 1
+    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    distributed_optimizer: bool = False
+
+    def __post_init__(self):
+        for name in ("pipeline", "tensor", "virtual_stages"):
+            _check(getattr(self, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        _check(self.data is None or self.data >= 1, f"parallel.data must be >= 1 (or null), got {self.data}")
+        _check(
+            not self.sequence_parallel or self.tensor > 1,
+            "parallel.sequence_parallel=true needs parallel.tensor > 1 (it shards over the tensor axis)",
+        )
+        _check(
+            self.virtual_stages == 1 or self.schedule == "interleaved",
+            f"parallel.virtual_stages={self.virtual_stages} needs parallel.schedule=interleaved",
+        )
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.pipeline * self.tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100
+    global_batch_size: int = 8
+    micro_batch_size: int | None = None  # None: the whole per-data-rank batch in one micro batch
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 0  # 0: no evaluation
+    eval_batches: int = 4
+    output_dir: str = "runs/default"
+    max_bad_steps: int = 5  # stop after this many non-finite steps in a row
+    exit_after_minutes: float | None = None  # save and exit cleanly after this much wall time
+
+    def __post_init__(self):
+        _check(self.steps >= 1, f"train.steps must be >= 1, got {self.steps}")
+        _check(self.global_batch_size >= 1, f"train.global_batch_size must be >= 1, got {self.global_batch_size}")
+        _check(
+            self.micro_batch_size is None or self.micro_batch_size >= 1,
+            f"train.micro_batch_size must be >= 1, got {self.micro_batch_size}",
+        )
+        _check(self.log_every >= 1, f"train.log_every must be >= 1, got {self.log_every}")
+        _check(self.eval_every >= 0, f"train.eval_every must be >= 0, got {self.eval_every}")
+        _check(self.max_bad_steps >= 1, f"train.max_bad_steps must be >= 1, got {self.max_bad_steps}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_steps: int = 10
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    decay_steps: int | None = None  # None: train.steps
+    weight_decay: float = 0.1
+    clip_grad: float = 1.0  # 0: no clipping
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    # fp16 dynamic loss scaling (used only with model.compute_dtype=float16)
+    initial_loss_scale: float = 2.0**16
+    loss_scale_growth_interval: int = 1000
+    min_loss_scale: float = 1.0
+
+    def __post_init__(self):
+        _check(self.lr > 0, f"optim.lr must be positive, got {self.lr}")
+        _check(0 <= self.min_lr <= self.lr, f"optim.min_lr must be in [0, optim.lr], got {self.min_lr}")
+        _check(self.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        _check(self.clip_grad >= 0, f"optim.clip_grad must be >= 0 (0 disables), got {self.clip_grad}")
+        _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
+        _check(self.initial_loss_scale >= 1, "optim.initial_loss_scale must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from. Empty `paths`: the bundled corpus, tokenized on first use."""
+
+    paths: list[Any] = dataclasses.field(default_factory=list)  # [prefix] or [w1, prefix1, w2, prefix2, ...]
+    split: str = "949,50,1"
+    tokenizer: str = "byte"
+    cache_dir: str | None = None  # None: $XDG_CACHE_HOME/megajax (or ~/.cache/megajax)
+
+    def __post_init__(self):
+        parts = self.split.split(",")
+        _check(
+            1 <= len(parts) <= 3 and all(p.strip().replace(".", "", 1).isdigit() for p in parts),
+            f"data.split={self.split!r} must be up to three comma-separated weights, like '949,50,1'",
+        )
+        _check(sum(float(p) for p in parts) > 0, f"data.split={self.split!r} must have a positive weight")
+        if len(self.paths) > 1:
+            _check(
+                len(self.paths) % 2 == 0,
+                f"data.paths={self.paths} must be [prefix] or weight/prefix pairs like [0.3, a, 0.7, b]",
+            )
+            for w in self.paths[::2]:
+                _check(isinstance(w, (int, float)) and w > 0, f"data.paths weight {w!r} must be a positive number")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str | None = None  # None: <train.output_dir>/checkpoints
+    every: int = 0  # 0: only at the end (and on a signal)
+    keep: int = 3
+    async_: bool = True  # spelled `checkpoint.async` in YAML and --set
+    load_from: str | None = None  # params-only start (a converted or exported checkpoint)
+
+    def __post_init__(self):
+        _check(self.every >= 0, f"checkpoint.every must be >= 0 (0: only at the end), got {self.every}")
+        _check(self.keep >= 1, f"checkpoint.keep must be >= 1, got {self.keep}")
+
+
+# YAML keys that are Python keywords map onto attribute names with a trailing underscore.
+_KEY_ALIASES = {"async": "async_"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig = ModelConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    train: TrainConfig = TrainConfig()
+    optim: OptimConfig = OptimConfig()
+    data: DataConfig = DataConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+
+    def __post_init__(self):
+        m, p, t = self.model, self.parallel, self.train
+        _check(
+            m.num_heads % p.tensor == 0,
+            f"model.num_heads={m.num_heads} is not divisible by parallel.tensor={p.tensor}: "
+            f"choose parallel.tensor from {_divisors(m.num_heads)}",
+        )
+        _check(
+            m.kv_heads % p.tensor == 0,
+            f"model.num_kv_heads={m.kv_heads} is not divisible by parallel.tensor={p.tensor}: "
+            f"choose parallel.tensor from {_divisors(m.kv_heads)} or raise model.num_kv_heads",
+        )
+        _check(
+            m.ffn_size % p.tensor == 0,
+            f"the MLP width {m.ffn_size} is not divisible by parallel.tensor={p.tensor}: set model.ffn_hidden_size",
+        )
+        _check(
+            m.padded_vocab_size % p.tensor == 0,
+            f"the padded vocabulary {m.padded_vocab_size} is not divisible by parallel.tensor={p.tensor}: "
+            f"set model.make_vocab_size_divisible_by to a multiple of {p.tensor}",
+        )
+        _check(
+            not p.sequence_parallel or m.seq_length % p.tensor == 0,
+            f"sequence parallelism shards model.seq_length={m.seq_length} over parallel.tensor={p.tensor}: "
+            "make the sequence length a multiple of the tensor size",
+        )
+        chunks = p.pipeline * p.virtual_stages
+        _check(
+            chunks <= m.num_layers,
+            f"parallel.pipeline * parallel.virtual_stages = {chunks} is more than model.num_layers={m.num_layers}: "
+            "every pipeline chunk needs at least one layer",
+        )
+        _check(
+            m.num_layers % chunks == 0,
+            f"model.num_layers={m.num_layers} is not divisible by parallel.pipeline * parallel.virtual_stages = "
+            f"{chunks}: choose layers that split evenly into {chunks} chunks",
+        )
+        if p.data is not None:
+            self._check_batch(p.data)
+
+    def _check_batch(self, data: int) -> None:
+        t, p = self.train, self.parallel
+        mb = self.micro_batch_size(data)
+        _check(
+            t.global_batch_size % (data * mb) == 0,
+            f"train.global_batch_size={t.global_batch_size} is not divisible by data parallel size {data} x "
+            f"train.micro_batch_size={mb}: make the global batch a multiple of {data * mb}",
+        )
+        m = t.global_batch_size // (data * mb)
+        if p.schedule == "interleaved" and p.pipeline > 1:
+            _check(
+                m % p.pipeline == 0,
+                f"the interleaved schedule needs the number of micro batches ({m} = global batch "
+                f"{t.global_batch_size} / (data {data} x micro batch {mb})) to be a multiple of "
+                f"parallel.pipeline={p.pipeline}: change train.global_batch_size or train.micro_batch_size",
+            )
+
+    def micro_batch_size(self, data: int) -> int:
+        if self.train.micro_batch_size is not None:
+            return self.train.micro_batch_size
+        return max(1, self.train.global_batch_size // data)
+
+    @property
+    def num_micro_batches(self) -> int:
+        d = self.parallel.data
+        assert d is not None, "call Config.for_devices first"
+        return self.train.global_batch_size // (d * self.micro_batch_size(d))
+
+    def for_devices(self, num_devices: int) -> Config:
+        """Fills parallel.data from the device count and checks that the layout fits the devices."""
+        p = self.parallel
+        mp = p.pipeline * p.tensor
+        if p.data is None:
+            _check(
+                num_devices % mp == 0,
+                f"{num_devices} devices cannot be split into pipeline={p.pipeline} x tensor={p.tensor} "
+                f"groups: choose parallel.pipeline * parallel.tensor dividing {num_devices}",
+            )
+            return override(self, {"parallel.data": num_devices // mp})
+        _check(
+            p.data * mp == num_devices,
+            f"parallel.data * parallel.pipeline * parallel.tensor = {p.data} x {p.pipeline} x {p.tensor} = "
+            f"{p.data * mp}, but there are {num_devices} devices: set parallel.data={num_devices // mp} "
+            "or parallel.data=null (use every device)" if num_devices % mp == 0 else
+            f"parallel.data * parallel.pipeline * parallel.tensor = {p.data * mp} does not match the "
+            f"{num_devices} devices: choose sizes whose product is {num_devices}",
+        )
+        return self
+
+    def to_dict(self) -> dict:
+        return _to_dict(self)
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _to_dict(obj) -> dict:
+    out = {}
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        key = {a: k for k, a in _KEY_ALIASES.items()}.get(f.name, f.name)
+        out[key] = _to_dict(v) if dataclasses.is_dataclass(v) else v
+    return out
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Checks (and gently converts) `value` to the annotated type `tp`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        _check(value in choices, f"{where}={value!r} is not one of {', '.join(map(str, choices))}")
+        return value
+    if origin is list:
+        _check(isinstance(value, (list, tuple)), f"{where} must be a list, got {value!r}")
+        return list(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        _check(isinstance(value, bool), f"{where} must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        _check(isinstance(value, int) and not isinstance(value, bool), f"{where} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        _check(isinstance(value, (int, float)) and not isinstance(value, bool), f"{where} must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        _check(isinstance(value, str), f"{where} must be a string, got {value!r}")
+        return value
+    raise ConfigError(f"{where}: unsupported type {tp}")
+
+
+def _build(cls, data: dict, where: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'the config'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        name = _KEY_ALIASES.get(key, key)
+        path = f"{where}.{key}" if where else key
+        if name not in names:
+            known = sorted({k for k, a in _KEY_ALIASES.items() if a in names} | names - set(_KEY_ALIASES.values()))
+            raise ConfigError(f"unknown config key {path!r}; known keys here: {', '.join(known)}")
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, value, path)
+        else:
+            kwargs[name] = _coerce(value, tp, path)
+    return cls(**kwargs)
+
+
+def from_dict(data: dict) -> Config:
+    """Builds a Config from a nested mapping; unknown keys and wrong types raise ConfigError."""
+    return _build(Config, data or {}, "")
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """['model.num_layers=4', 'data.paths=[0.3,a,0.7,b]'] -> {'model.num_layers': 4, ...} (values as YAML)."""
+    out = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        _check(bool(sep) and bool(key), f"override {item!r} must look like section.key=value")
+        try:
+            out[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: value is not valid YAML ({e})") from None
+    return out
+
+
+def override(cfg: Config, flat: dict) -> Config:
+    """Applies dotted-key overrides ({'model.num_layers': 4}) and re-validates everything."""
+    data = cfg.to_dict()
+    for key, value in flat.items():
+        parts = key.split(".")
+        node = data
+        for i, part in enumerate(parts[:-1]):
+            if not isinstance(node.get(part), dict):
+                raise ConfigError(f"unknown config key {'.'.join(parts[: i + 1])!r} in override {key!r}")
+            node = node[part]
+        if parts[-1] not in node:
+            raise ConfigError(f"unknown config key {key!r}; known keys here: {', '.join(sorted(node))}")
+        node[parts[-1]] = value
+    return from_dict(data)
+
+
+def load(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Loads a YAML preset (or the defaults) and applies `--set` style overrides."""
+    data = {}
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"config file {path} does not exist (presets live in configs/)")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    cfg = from_dict(data)
+    return override(cfg, parse_overrides(overrides or []))

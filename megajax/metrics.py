@@ -1,0 +1,139 @@
+"""Measuring like the paper: FLOPs per step, TFLOP/s per device, MFU, tokens/s; stdout, JSONL, TensorBoard.
+
+FLOPs are counted from the architecture (GQA, SwiGLU, padded vocabulary). For GPT-2 style models they
+reduce to the papers' formulas:
+  model FLOPs     72 B s L h^2 (1 + s/(6h) + V/(12 L h))   (Korthikanti et al.: no recomputation; for MFU)
+  hardware FLOPs  96 B s L h^2 (1 + s/(6h) + V/(16 L h))   (Narayanan et al., full recomputation)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from megajax.config import ModelConfig
+
+# dense peak FLOP/s per GPU by compute dtype (float32 matmuls run as TF32 on these GPUs)
+PEAK_FLOPS = {
+    "A100": {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12},
+    "H100": {"bfloat16": 989.4e12, "float16": 989.4e12, "float32": 494.7e12},
+    "H200": {"bfloat16": 989.4e12, "float16": 989.4e12, "float32": 494.7e12},
+}
+
+
+def layer_forward_flops_per_token(cfg: ModelConfig) -> tuple[float, float]:
+    """(matmul FLOPs of one layer's forward per token without the attention core, the core's FLOPs)."""
+    d, h, g, k, f, s = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.ffn_size, cfg.seq_length
+    qkv = 2 * d * (h * k + 2 * g * k)
+    out = 2 * h * k * d
+    mlp = 2 * d * f * (3 if cfg.arch == "llama" else 2)
+    core = 2 * 2 * s * h * k  # q k^T and probs v over the full (uncausal) square, as Megatron counts
+    return qkv + out + mlp, core
+
+
+def step_flops(cfg: ModelConfig, tokens: int) -> dict[str, float]:
+    """Model FLOPs (3x forward: for MFU) and hardware FLOPs (with recomputation: for TFLOP/s)."""
+    dense, core = layer_forward_flops_per_token(cfg)
+    layer_fwd = cfg.num_layers * (dense + core)
+    logits_fwd = 2 * cfg.hidden_size * cfg.padded_vocab_size
+    model = 3 * (layer_fwd + logits_fwd) * tokens
+    if cfg.recompute == "full":
+        hardware = model + layer_fwd * tokens
+    elif cfg.recompute == "selective":
+        hardware = model + cfg.num_layers * core * tokens
+    else:
+        hardware = model
+    return {"model_flops": float(model), "hardware_flops": float(hardware)}
+
+
+def megatron_gpt_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int, recompute: bool) -> float:
+    """The closed forms from the papers (for checking `step_flops` on GPT-2 style models)."""
+    if recompute:
+        return 96 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+    return 72 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
+
+
+def measure_cpu_peak(seconds: float = 0.5, n: int = 1024) -> float:
+    """FLOP/s of fp32 n x n matmuls on this host's CPU, one per local device at once (fake CPU devices
+    share the cores, so the machine's rate is what they split), measured once."""
+    devices = jax.local_devices()
+    mesh = jax.sharding.Mesh(devices, ("d",))
+    a = jax.device_put(jnp.ones((len(devices), n, n), jnp.float32),
+                       jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")))
+    mm = jax.jit(lambda x: jnp.einsum("bij,bjk->bik", x, x))
+    mm(a).block_until_ready()
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        mm(a).block_until_ready()
+        count += 1
+    return 2 * n**3 * len(devices) * count / (time.perf_counter() - start)
+
+
+def device_peak(compute_dtype: str) -> tuple[float, str]:
+    """(peak FLOP/s per device, where the number comes from)."""
+    dev = jax.devices()[0]
+    kind = getattr(dev, "device_kind", "") or ""
+    for name, table in PEAK_FLOPS.items():
+        if name in kind.upper():
+            return table[compute_dtype], f"{name} {compute_dtype} datasheet"
+    if dev.platform == "cpu":
+        local = max(1, len(jax.local_devices()))
+        return measure_cpu_peak() / local, f"measured fp32 matmul on this CPU / {local} devices"
+    return math.nan, f"unknown device {kind!r}"
+
+
+class MetricsLogger:
+    """One line per log step on stdout, one JSON object per line in metrics.jsonl, TensorBoard scalars.
+
+    Only process 0 writes; the others are silent.
+    """
+
+    def __init__(self, output_dir: str | os.PathLike, enabled: bool = True):
+        self.enabled = enabled
+        self._jsonl = None
+        self._tb = None
+        if enabled:
+            out = Path(output_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            self._jsonl = open(out / "metrics.jsonl", "a", buffering=1)
+            try:
+                from tensorboardX import SummaryWriter
+
+                self._tb = SummaryWriter(str(out / "tensorboard"))
+            except ImportError:  # TensorBoard is optional: the JSONL log is the record
+                self._tb = None
+
+    def log(self, record: dict, line: str | None = None) -> None:
+        if not self.enabled:
+            return
+        if line:
+            print(line, flush=True)
+        self._jsonl.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            step = record.get("step", 0)
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(key, value, step)
+
+    def info(self, message: str) -> None:
+        if self.enabled:
+            print(message, flush=True)
+
+    def close(self) -> None:
+        if self._jsonl:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def format_eta(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:d}:{s:02d}"

@@ -1,0 +1,149 @@
+"""GPT-2 and Llama style decoder-only transformers.
+
+The model is three stages that the trainer (and the pipeline) calls separately:
+  embed:  tokens [b, s] -> residual stream [b, s, d]
+  layers: [b, s, d] -> [b, s, d], a scan over stacked blocks (compile time flat in depth)
+  head:   [b, s, d] -> summed token losses, vocab-parallel: the full logits are never gathered
+`GPT` composes them for `init` (its parameter tree is {embed, layers, head}); `embed_apply`,
+`layers_apply` and `head_apply` run one stage on its slice of that tree, so a pipeline chunk is
+`layers_apply` on a slice of the stacked layers.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from megajax.config import ModelConfig
+from megajax.model.layers import GATHERED, MLP, RESIDUAL, Attention, Embed, Norm, dropout, dtype_of
+from megajax.sharding import constrain
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + Attn(Norm(x)), then x + MLP(Norm(x))."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_bsd: jax.Array, layer: jax.Array, keys: jax.Array | None):
+        cfg = self.cfg
+        a = Attention(cfg, name="attn")(Norm(cfg, name="attn_norm")(x_bsd), layer, keys)
+        x = constrain(x_bsd + dropout(a, cfg.dropout, keys, salt=2 + 4 * layer), RESIDUAL)
+        m = MLP(cfg, name="mlp")(Norm(cfg, name="mlp_norm")(x))
+        x = constrain(x + dropout(m, cfg.dropout, keys, salt=3 + 4 * layer), RESIDUAL)
+        return x, None
+
+
+class LayerStack(nn.Module):
+    """`num_layers` blocks stacked on a leading 'layers' axis and run with a scan.
+
+    recompute="full" keeps only each block's input for the backward (Megatron's full recomputation);
+    "selective" recomputes the attention core only (inside Attention).
+    """
+
+    cfg: ModelConfig
+    num_layers: int
+
+    @nn.compact
+    def __call__(self, x_bsd: jax.Array, keys: jax.Array | None, first_layer: jax.Array | int = 0) -> jax.Array:
+        block = Block
+        if self.cfg.recompute == "full":
+            block = nn.remat(Block, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
+        scan = nn.scan(
+            block,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(0, nn.broadcast),
+            length=self.num_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )
+        layers = jnp.arange(self.num_layers) + first_layer  # global layer index: salts the dropout masks
+        x, _ = scan(self.cfg, name="block")(x_bsd, layers, keys)
+        return x
+
+
+class Head(nn.Module):
+    """Final norm, output layer (untied) and the vocab-parallel cross entropy."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_bsd: jax.Array, tied_table_vd: jax.Array | None = None) -> jax.Array:
+        """Returns fp32 logits [b, s, v_padded], sharded over v. tied_table: the embedding, if tied."""
+        cfg = self.cfg
+        x = constrain(Norm(cfg, name="final_norm")(x_bsd), GATHERED)
+        if cfg.tied:
+            logits = jnp.einsum("bsd,vd->bsv", x, tied_table_vd.astype(dtype_of(cfg.compute_dtype)))
+        else:
+            w = self.param("output", nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std),
+                                                                  ("embed", "vocab")),
+                           (cfg.hidden_size, cfg.padded_vocab_size), dtype_of(cfg.param_dtype))
+            logits = jnp.einsum("bsd,dv->bsv", x, w.astype(dtype_of(cfg.compute_dtype)))
+        return constrain(logits.astype(jnp.float32), ("batch", None, "vocab"))
+
+
+def cross_entropy(logits_bsv: jax.Array, targets_bs: jax.Array, vocab_size: int) -> jax.Array:
+    """Per-token loss [b, s] from vocab-sharded logits, without gathering them (Megatron's
+    vocab-parallel cross entropy: a max, a sum of exponentials and the target logit, each reduced over
+    the vocab shards). Padded vocabulary entries are masked out of the softmax."""
+    ids = jax.lax.broadcasted_iota(jnp.int32, logits_bsv.shape, 2)
+    logits = jnp.where(ids < vocab_size, logits_bsv, -jnp.inf)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target = jnp.sum(jnp.where(ids == targets_bs[..., None], logits, 0.0), axis=-1)
+    return lse - target
+
+
+class GPT(nn.Module):
+    """The whole model: used to initialise parameters and for plain forward passes."""
+
+    cfg: ModelConfig
+
+    def setup(self):
+        self.embed = Embed(self.cfg)
+        self.layers = LayerStack(self.cfg, self.cfg.num_layers)
+        self.head = Head(self.cfg)
+
+    def __call__(self, tokens_bs: jax.Array, keys: jax.Array | None = None) -> jax.Array:
+        """tokens [b, s] -> fp32 logits [b, s, v_padded]."""
+        x = self.layers(self.embed(tokens_bs, keys), keys)
+        return self.head(x, self.embed.embedding if self.cfg.tied else None)
+
+
+def init_params(cfg: ModelConfig, rng: jax.Array) -> dict:
+    """Boxed (nn.LogicallyPartitioned) parameters; use nn.unbox for arrays and `logical_axes` for names."""
+    tokens = jnp.zeros((1, cfg.seq_length), jnp.int32)
+    return GPT(cfg).init(rng, tokens)["params"]
+
+
+def logical_axes(boxed_params) -> dict:
+    """The tree of logical axis-name tuples for a boxed parameter tree."""
+    return jax.tree.map(lambda b: tuple(b.names), boxed_params,
+                        is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+
+
+def embed_apply(cfg: ModelConfig, params: dict, tokens_bs: jax.Array, keys: jax.Array | None) -> jax.Array:
+    return Embed(cfg).apply({"params": params["embed"]}, tokens_bs, keys)
+
+
+def layers_apply(cfg: ModelConfig, stack_params: dict, x_bsd: jax.Array, keys: jax.Array | None,
+                 first_layer: jax.Array | int = 0) -> jax.Array:
+    """Runs the blocks stacked in `stack_params` ({"block": leaves with a leading layer axis})."""
+    n = jax.tree.leaves(stack_params)[0].shape[0]
+    return LayerStack(cfg, n).apply({"params": stack_params}, x_bsd, keys, first_layer)
+
+
+def head_apply(cfg: ModelConfig, params: dict, x_bsd: jax.Array, targets_bs: jax.Array,
+               mask_bs: jax.Array) -> jax.Array:
+    """Sum of the masked token losses (fp32 scalar)."""
+    table = params["embed"]["embedding"] if cfg.tied else None
+    logits = Head(cfg).apply({"params": params["head"]}, x_bsd, table)
+    losses = cross_entropy(logits, targets_bs, cfg.vocab_size)
+    return jnp.sum(losses * mask_bs)
+
+
+def loss_sum(cfg: ModelConfig, params: dict, batch: dict, keys: jax.Array | None) -> jax.Array:
+    """The summed token loss of one micro batch: embed -> layers -> head."""
+    x = embed_apply(cfg, params, batch["tokens"], keys)
+    x = layers_apply(cfg, params["layers"], x, keys)
+    return head_apply(cfg, params, x, batch["targets"], batch["loss_mask"])

@@ -1,0 +1,202 @@
+"""Transformer layers with Megatron tensor parallelism expressed as logical sharding.
+
+Dimension letters: b batch, s sequence, d model, h heads, g kv heads, k head dim, f MLP, v vocabulary.
+
+Every parameter carries logical axis names (see megajax.sharding): QKV and the MLP input are
+column-parallel (their output dim is 'heads'/'mlp', sharded over 'tensor'), the attention output and MLP
+output are row-parallel (their input dim is sharded), so each layer costs two all-reduces forward and two
+backward. With sequence parallelism the residual stream is sharded over the sequence ('seq' -> 'tensor'):
+each all-reduce becomes an all-gather before the column-parallel matmul and a reduce-scatter after the
+row-parallel one, the same bytes, while norms and dropout work on 1/t of the activations.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from megajax import kernels
+from megajax.config import ModelConfig
+from megajax.sharding import constrain
+
+RESIDUAL = ("batch", "seq", "embed")  # the residual stream: sequence-sharded with sequence parallelism
+GATHERED = ("batch", None, "embed")  # input of a column-parallel matmul: the whole sequence
+
+
+def dtype_of(name: str):
+    return jnp.dtype(name)
+
+
+def _param(module: nn.Module, name: str, shape, names, std: float | None, dtype):
+    """A parameter with logical axis names; std=None means ones (norm scales), 0 means zeros (biases)."""
+    if std is None:
+        init = nn.initializers.ones
+    elif std == 0:
+        init = nn.initializers.zeros
+    else:
+        init = nn.initializers.normal(std)
+    return module.param(name, nn.with_logical_partitioning(init, names), shape, dtype)
+
+
+def dropout(x: jax.Array, rate: float, keys: jax.Array | None, salt: int | jax.Array) -> jax.Array:
+    """Dropout whose mask depends only on (sample key, salt), never on the mesh or the micro batch split.
+
+    keys: [b] typed PRNG keys, one per sample (derived from the seed and the global sample index), or None
+    for no dropout. salt separates the sites (layer and position in the layer).
+    """
+    if rate == 0.0 or keys is None:
+        return x
+
+    def mask(key):
+        return jax.random.bernoulli(jax.random.fold_in(key, salt), 1.0 - rate, x.shape[1:])
+
+    keep = jax.vmap(mask)(keys)
+    return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
+
+
+class Norm(nn.Module):
+    """LayerNorm (gpt2) or RMSNorm (llama), computed in fp32 and returned in the compute dtype."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_bsd: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        d = x_bsd.shape[-1]
+        pdt = dtype_of(cfg.param_dtype)
+        scale = _param(self, "scale", (d,), ("embed",), None, pdt)
+        if cfg.arch == "llama":
+            y = kernels.rms_norm(x_bsd, scale, cfg.norm_eps, impl=cfg.norm_impl)
+        else:
+            bias = _param(self, "bias", (d,), ("embed",), 0, pdt)
+            y = kernels.layer_norm(x_bsd, scale, bias, cfg.norm_eps, impl=cfg.norm_impl)
+        return y.astype(dtype_of(cfg.compute_dtype))
+
+
+class Embed(nn.Module):
+    """Vocab-parallel token embedding (+ learned positions for gpt2); `attend` is the tied output layer."""
+
+    cfg: ModelConfig
+
+    def setup(self):
+        cfg = self.cfg
+        pdt = dtype_of(cfg.param_dtype)
+        self.embedding = _param(self, "embedding", (cfg.padded_vocab_size, cfg.hidden_size), ("vocab", "embed"),
+                                cfg.init_std, pdt)
+        if cfg.arch == "gpt2":
+            self.position_embedding = _param(self, "position_embedding", (cfg.seq_length, cfg.hidden_size),
+                                             (None, "embed"), cfg.init_std, pdt)
+
+    def __call__(self, tokens_bs: jax.Array, keys: jax.Array | None) -> jax.Array:
+        cfg = self.cfg
+        cdt = dtype_of(cfg.compute_dtype)
+        # With the table sharded over 'vocab', XLA looks up locally with out-of-range ids masked and
+        # all-reduces over 'tensor': Megatron's VocabParallelEmbedding.
+        x = jnp.take(self.embedding.astype(cdt), tokens_bs, axis=0)
+        if cfg.arch == "gpt2":
+            x = x + self.position_embedding[: tokens_bs.shape[1]].astype(cdt)[None]
+        x = dropout(x, cfg.dropout, keys, salt=0)
+        return constrain(x, RESIDUAL)
+
+    def attend(self, x_bsd: jax.Array) -> jax.Array:
+        """Logits with the tied embedding: [b, s, d] -> [b, s, v] sharded over v."""
+        w = self.embedding.astype(dtype_of(self.cfg.compute_dtype))
+        return jnp.einsum("bsd,vd->bsv", x_bsd, w)
+
+
+def rope(x_bshk: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding, "rotate half" convention (as Hugging Face's Llama)."""
+    s, k = x_bshk.shape[1], x_bshk.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, k, 2, dtype=jnp.float32) / k))
+    angles = jnp.arange(s, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # [s, k/2]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, -1)[None, :, None, :]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, -1)[None, :, None, :]
+    xf = x_bshk.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (xf * cos + rotated * sin).astype(x_bshk.dtype)
+
+
+class Attention(nn.Module):
+    """Causal self-attention, grouped-query when num_kv_heads < num_heads. Column-parallel QKV over
+    heads, row-parallel output projection."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_bsd: jax.Array, layer, keys: jax.Array | None) -> jax.Array:
+        cfg = self.cfg
+        h, g, k, d = cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.hidden_size
+        pdt, cdt = dtype_of(cfg.param_dtype), dtype_of(cfg.compute_dtype)
+        bias = cfg.arch == "gpt2"
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+
+        x = constrain(x_bsd, GATHERED)  # sequence parallel: the all-gather before the column-parallel matmul
+        wq = _param(self, "wq", (d, h, k), ("embed", "heads", "head_dim"), cfg.init_std, pdt)
+        wk = _param(self, "wk", (d, g, k), ("embed", "kv_heads", "head_dim"), cfg.init_std, pdt)
+        wv = _param(self, "wv", (d, g, k), ("embed", "kv_heads", "head_dim"), cfg.init_std, pdt)
+        q = jnp.einsum("bsd,dhk->bshk", x, wq.astype(cdt))
+        kk = jnp.einsum("bsd,dgk->bsgk", x, wk.astype(cdt))
+        v = jnp.einsum("bsd,dgk->bsgk", x, wv.astype(cdt))
+        if bias:
+            q = q + _param(self, "bq", (h, k), ("heads", "head_dim"), 0, pdt).astype(cdt)
+            kk = kk + _param(self, "bk", (g, k), ("kv_heads", "head_dim"), 0, pdt).astype(cdt)
+            v = v + _param(self, "bv", (g, k), ("kv_heads", "head_dim"), 0, pdt).astype(cdt)
+        if cfg.arch == "llama":
+            q, kk = rope(q, cfg.rope_theta), rope(kk, cfg.rope_theta)
+        q = constrain(q, ("batch", None, "heads", "head_dim"))
+        kk = constrain(kk, ("batch", None, "kv_heads", "head_dim"))
+        v = constrain(v, ("batch", None, "kv_heads", "head_dim"))
+
+        probs_dropout = None
+        if cfg.attention_dropout > 0 and keys is not None:
+            def probs_dropout(p):
+                return dropout(p, cfg.attention_dropout, keys, salt=1 + 4 * layer)
+
+        def core(q, kk, v):
+            return kernels.attention(q, kk, v, causal=True, impl=cfg.attention_impl, probs_dropout=probs_dropout)
+
+        if cfg.recompute == "selective":
+            # Megatron's selective recomputation: keep q, k, v; recompute softmax(qk^T) v in the backward.
+            core = jax.checkpoint(core, prevent_cse=False)
+        o = constrain(core(q, kk, v), ("batch", None, "heads", "head_dim"))
+
+        wo = _param(self, "wo", (h, k, d), ("heads", "head_dim", "embed"), out_std, pdt)
+        y = jnp.einsum("bshk,hkd->bsd", o, wo.astype(cdt))
+        y = constrain(y, RESIDUAL)  # the all-reduce (or reduce-scatter with sequence parallelism)
+        if bias:
+            y = y + _param(self, "bo", (d,), ("embed",), 0, pdt).astype(cdt)
+        return y
+
+
+class MLP(nn.Module):
+    """GeLU MLP (gpt2) or SwiGLU (llama): column-parallel in, row-parallel out."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_bsd: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        d, f = cfg.hidden_size, cfg.ffn_size
+        pdt, cdt = dtype_of(cfg.param_dtype), dtype_of(cfg.compute_dtype)
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        x = constrain(x_bsd, GATHERED)
+        if cfg.arch == "llama":
+            w_gate = _param(self, "w_gate", (d, f), ("embed", "mlp"), cfg.init_std, pdt)
+            w_up = _param(self, "w_up", (d, f), ("embed", "mlp"), cfg.init_std, pdt)
+            gate = jnp.einsum("bsd,df->bsf", x, w_gate.astype(cdt))
+            up = jnp.einsum("bsd,df->bsf", x, w_up.astype(cdt))
+            hidden = nn.silu(gate) * up
+        else:
+            w_in = _param(self, "w_in", (d, f), ("embed", "mlp"), cfg.init_std, pdt)
+            b_in = _param(self, "b_in", (f,), ("mlp",), 0, pdt)
+            hidden = nn.gelu(jnp.einsum("bsd,df->bsf", x, w_in.astype(cdt)) + b_in.astype(cdt), approximate=True)
+        hidden = constrain(hidden, ("batch", None, "mlp"))
+        w_out = _param(self, "w_out", (f, d), ("mlp", "embed"), out_std, pdt)
+        y = constrain(jnp.einsum("bsf,fd->bsd", hidden, w_out.astype(cdt)), RESIDUAL)
+        if cfg.arch == "gpt2":
+            y = y + _param(self, "b_out", (d,), ("embed",), 0, pdt).astype(cdt)
+        return y

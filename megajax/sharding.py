@@ -1,0 +1,118 @@
+"""The device mesh and the one table that maps logical axis names to mesh axes.
+
+Mesh axes, outermost first: data, pipeline, tensor. Tensor is innermost so that its all-reduces stay
+inside a node (NVLink); data is outermost so that its once-per-step gradient reduction crosses nodes.
+
+Logical names (one vocabulary for parameters and activations):
+  batch, seq, embed, heads, kv_heads, head_dim, mlp, vocab, layers, stage
+Parameters and activations have separate rules: the sequence axis of the residual stream is sharded over
+'tensor' only with sequence parallelism, and only activations are sharded over 'data'.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from megajax.config import ConfigError, ParallelConfig
+
+AXES = ("data", "pipeline", "tensor")
+
+# logical name -> mesh axis (None: replicated)
+PARAM_RULES: dict[str, str | None] = {
+    "vocab": "tensor",
+    "embed": None,
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "head_dim": None,
+    "mlp": "tensor",
+    "layers": None,
+    "stage": "pipeline",
+}
+
+
+def activation_rules(sequence_parallel: bool) -> dict[str, str | None]:
+    return {
+        "batch": "data",
+        "seq": "tensor" if sequence_parallel else None,
+        "embed": None,
+        "heads": "tensor",
+        "kv_heads": "tensor",
+        "head_dim": None,
+        "mlp": "tensor",
+        "vocab": "tensor",
+    }
+
+
+_ACTIVATION_RULES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("megajax_rules", default=None)
+
+
+@contextlib.contextmanager
+def activation_sharding(sequence_parallel: bool):
+    """Within this context `constrain` pins activations to the mesh; outside it, `constrain` is a no-op."""
+    token = _ACTIVATION_RULES.set(activation_rules(sequence_parallel))
+    try:
+        yield
+    finally:
+        _ACTIVATION_RULES.reset(token)
+
+
+def make_mesh(parallel: ParallelConfig, devices: Sequence | None = None) -> Mesh:
+    """A (data, pipeline, tensor) mesh over `devices` (default: every device of every process).
+
+    Devices are ordered process by process, so tensor (innermost) stays inside a host and data goes across.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    d, p, t = parallel.data, parallel.pipeline, parallel.tensor
+    if d is None or d * p * t != len(devices):
+        raise ConfigError(
+            f"mesh data x pipeline x tensor = {d} x {p} x {t} does not match {len(devices)} devices: "
+            "resolve the layout with Config.for_devices first"
+        )
+    devices.sort(key=lambda dev: (dev.process_index, dev.id))
+    grid = np.array(devices, dtype=object).reshape(d, p, t)
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def spec_for(names: Sequence[str | None], rules: dict[str, str | None]) -> P:
+    """Logical names -> PartitionSpec. A mesh axis is used at most once (later dims fall back to None)."""
+    used, out = set(), []
+    for name in names:
+        axis = rules.get(name) if name is not None else None
+        if axis in used:
+            axis = None
+        if axis is not None:
+            used.add(axis)
+        out.append(axis)
+    return P(*out)
+
+
+def param_spec(names: Sequence[str | None]) -> P:
+    return spec_for(names, PARAM_RULES)
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Pins an activation's sharding by logical names (inside `activation_sharding`; else a no-op).
+
+    Mesh axes that are manual in the surrounding shard_map (data and pipeline inside the pipeline) or
+    absent from the mesh are dropped, so the same model code runs under GSPMD and inside shard_map.
+    """
+    rules = _ACTIVATION_RULES.get()
+    if rules is None:
+        return x
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    manual = set(getattr(mesh, "manual_axes", ()))
+    live = {k: (v if v in mesh.axis_names and v not in manual and mesh.shape[v] > 1 else None)
+            for k, v in rules.items()}
+    return jax.lax.with_sharding_constraint(x, spec_for(names, live))
+
+
+def named(mesh: Mesh, spec: P) -> NamedSharding:
+    return NamedSharding(mesh, spec)

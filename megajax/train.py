@@ -1,0 +1,448 @@
+"""`python -m megajax.train --config configs/tiny.yaml [--set key=value ...]`
+
+The train state, the jitted train and eval steps, and the loop. The step is
+
+    shard_map(data and pipeline manual, tensor left to GSPMD):
+        micro-batch loop (or a pipeline schedule) -> summed gradients on each data rank
+        one reduction over 'data' (all-reduce, or reduce-scatter with the distributed optimizer)
+    GSPMD: unscale, global norm, AdamW update, non-finite steps skipped
+
+The micro-batch loop runs with 'data' manual even without a pipeline: with 'data' left to GSPMD, XLA
+reduces the gradient over 'data' once per micro batch instead of once per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import signal
+import sys
+import time
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from megajax import config as config_lib
+from megajax import metrics as metrics_lib
+from megajax import model, pipeline, sharding
+from megajax.config import Config, ConfigError
+from megajax.distributed import prefer_cpu_without_gpu
+from megajax.optim import make_optimizer, update_loss_scale
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: optimizer steps taken (skipped steps count too)
+    params: Any
+    opt_state: Any
+    loss_scale: jax.Array  # f32 scalar; 1.0 unless compute_dtype is float16
+    good_steps: jax.Array  # int32: finite steps since the loss scale last changed
+    bad_steps: jax.Array  # int32: non-finite steps in a row
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSetup:
+    """Everything the step needs that follows from (config, mesh); no arrays."""
+
+    cfg: Config
+    mesh: jax.sharding.Mesh
+    logical: Any  # logical axis names per parameter (canonical layout)
+    tx: optax.GradientTransformation
+    abstract_state: TrainState
+    state_shardings: TrainState
+    batch_shardings: dict[str, NamedSharding]
+    zero_dims: Any  # per parameter: the dim the distributed optimizer shards over 'data' (or None)
+
+
+def _layout_spec(cfg: Config, names: tuple) -> P:
+    """The parameter's PartitionSpec in the train state (staged layer layout under a pipeline)."""
+    spec = sharding.param_spec(names)
+    if cfg.parallel.pipeline > 1 and names and names[0] == "layers":
+        return P(None, "pipeline", None, *spec[1:])  # [v, p, layers per chunk, ...]
+    return spec
+
+
+def _zero_dim(shape: tuple[int, ...], spec: P, mesh_shape: dict, data: int) -> int | None:
+    """The largest unsharded dim that splits evenly over 'data' (for the distributed optimizer)."""
+    best = None
+    for dim, size in enumerate(shape):
+        taken = spec[dim] if dim < len(spec) else None
+        if taken is None and size % data == 0 and (best is None or size > shape[best]):
+            best = dim
+    return best
+
+
+def _with_data(spec: P, dim: int | None, ndim: int) -> P:
+    if dim is None:
+        return spec
+    parts = list(spec) + [None] * (ndim - len(spec))
+    parts[dim] = "data"
+    return P(*parts)
+
+
+def build(cfg: Config, mesh: jax.sharding.Mesh) -> StepSetup:
+    """Derives shapes and shardings of the state and batch (with jax.eval_shape: nothing is allocated)."""
+    boxed = jax.eval_shape(lambda: model.init_params(cfg.model, jax.random.key(0)))
+    logical = model.logical_axes(boxed)
+    tx = make_optimizer(cfg.optim, cfg.train.steps, logical)
+    abstract_state = jax.eval_shape(lambda: _fresh_state(cfg, tx, jax.random.key(0)))
+
+    def named(spec):
+        return NamedSharding(mesh, spec)
+
+    is_names = lambda x: isinstance(x, tuple)  # noqa: E731
+    param_specs = jax.tree.map(lambda n: _layout_spec(cfg, n), logical, is_leaf=is_names)
+    data = cfg.parallel.data
+    if cfg.parallel.distributed_optimizer and data > 1:
+        zero_dims = jax.tree.map(lambda a, s: _zero_dim(a.shape, s, dict(mesh.shape), data),
+                                 abstract_state.params, param_specs)
+    else:
+        zero_dims = jax.tree.map(lambda _: None, abstract_state.params)
+    opt_specs = jax.tree.map(lambda a, s, z: _with_data(s, z, a.ndim), abstract_state.params, param_specs,
+                             zero_dims, is_leaf=lambda x: x is None)
+    opt_shardings = optax.tree_map_params(
+        tx, lambda _, s: named(s), abstract_state.opt_state, opt_specs,
+        transform_non_params=lambda _: named(P()), is_leaf=lambda x: isinstance(x, P))
+    state_shardings = TrainState(
+        step=named(P()), params=jax.tree.map(named, param_specs, is_leaf=lambda x: isinstance(x, P)),
+        opt_state=opt_shardings, loss_scale=named(P()), good_steps=named(P()), bad_steps=named(P()))
+    batch_shardings = {k: named(P("data")) for k in ("tokens", "targets", "loss_mask", "sample_ids")}
+    return StepSetup(cfg, mesh, logical, tx, abstract_state, state_shardings, batch_shardings, zero_dims)
+
+
+def _fresh_state(cfg: Config, tx: optax.GradientTransformation, rng: jax.Array) -> TrainState:
+    params = nn.unbox(model.init_params(cfg.model, rng))
+    if cfg.parallel.pipeline > 1:
+        params = pipeline.to_stages(params, cfg.parallel.pipeline, cfg.parallel.virtual_stages)
+    scale = cfg.optim.initial_loss_scale if cfg.model.compute_dtype == "float16" else 1.0
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                      loss_scale=jnp.asarray(scale, jnp.float32), good_steps=jnp.zeros((), jnp.int32),
+                      bad_steps=jnp.zeros((), jnp.int32))
+
+
+def init_state(setup: StepSetup) -> TrainState:
+    """A fresh state, created directly in its shardings (no host copy of the full model)."""
+    init = jax.jit(lambda key: _fresh_state(setup.cfg, setup.tx, key), out_shardings=setup.state_shardings)
+    with jax.set_mesh(setup.mesh):
+        return init(jax.random.key(setup.cfg.train.seed))
+
+
+def sample_keys(cfg: Config, sample_ids: jax.Array) -> jax.Array | None:
+    """One dropout key per sample from (seed, global sample index): masks never depend on the layout."""
+    if cfg.model.dropout == 0 and cfg.model.attention_dropout == 0:
+        return None
+    root = jax.random.fold_in(jax.random.key(cfg.train.seed), 0x5EED)
+    return jax.vmap(lambda i: jax.random.fold_in(root, i))(sample_ids)
+
+
+def micro_batches(batch: dict, m: int) -> dict:
+    """[m * mb, ...] -> [m, mb, ...]: local row r goes to micro batch r // mb."""
+    return jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
+
+
+def _varying(x, axes):
+    return jax.lax.pcast(x, axes, to="varying")
+
+
+def accumulate_grads(cfg: Config, params, batch: dict, seed_scale: jax.Array):
+    """Per data rank (inside shard_map): summed loss and gradients of `seed_scale * loss` over the
+    micro batches, with no cross-rank communication."""
+    m = cfg.num_micro_batches
+    # Marking the weights as varying over 'data' keeps the transpose from reducing gradients per micro batch.
+    params = jax.tree.map(lambda x: _varying(x, "data"), params)
+
+    def micro_loss(p, mb):
+        raw = model.loss_sum(cfg.model, p, mb, sample_keys(cfg, mb["sample_ids"]))
+        return raw * seed_scale, raw
+
+    grad_fn = jax.grad(micro_loss, has_aux=True)
+
+    def body(carry, mb):
+        loss, grads = carry
+        g, raw = grad_fn(params, mb)
+        return (loss + raw, jax.tree.map(jnp.add, grads, g)), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    init = (_varying(jnp.zeros((), jnp.float32), "data"), zeros)
+    (loss, grads), _ = jax.lax.scan(body, init, micro_batches(batch, m))
+    return loss, grads
+
+
+def reduce_grads(grads, zero_dims):
+    """The step's one gradient reduction over 'data': reduce-scatter onto the distributed optimizer's
+    shard where a parameter has one, all-reduce otherwise."""
+    def one(g, dim):
+        if dim is None:
+            return jax.lax.psum(g, "data")
+        return jax.lax.psum_scatter(g, "data", scatter_dimension=dim, tiled=True)
+
+    return jax.tree.map(one, grads, zero_dims, is_leaf=lambda x: x is None)
+
+
+def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
+    """(summed token loss, gradients of seed_scale * summed loss), reduced over data and pipeline."""
+    cfg = setup.cfg
+    p_specs = jax.tree.map(lambda s: P(*[a if a == "pipeline" else None for a in s.spec]),
+                           setup.state_shardings.params)
+    g_specs = jax.tree.map(lambda s, z, a: _with_data(s, z, a.ndim), p_specs, setup.zero_dims,
+                           setup.abstract_state.params, is_leaf=lambda x: x is None or isinstance(x, P))
+
+    def local(params, batch, seed_scale):
+        if cfg.parallel.pipeline > 1:
+            loss, grads = pipeline.pipeline_grads(cfg, params, batch, seed_scale)
+        else:
+            loss, grads = accumulate_grads(cfg, params, batch, seed_scale)
+        return jax.lax.psum(loss, "data"), reduce_grads(grads, setup.zero_dims)
+
+    batch_specs = {k: P("data") for k in batch}
+    return jax.shard_map(local, mesh=setup.mesh, in_specs=(p_specs, batch_specs, P()),
+                         out_specs=(P(), g_specs), axis_names={"data", "pipeline"})(params, batch, seed_scale)
+
+
+def train_step(setup: StepSetup, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+    """One optimizer step on one global batch. Non-finite loss or gradients leave the weights and the
+    optimizer state untouched (the step is counted as skipped)."""
+    cfg = setup.cfg
+    total = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
+    with sharding.activation_sharding(cfg.parallel.sequence_parallel):
+        loss_sum, grads = compute_grads(setup, state.params, batch, state.loss_scale / total)
+    grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
+    loss = loss_sum / total
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, opt_state = setup.tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+    if cfg.model.compute_dtype == "float16":
+        loss_scale, good = update_loss_scale(state.loss_scale, state.good_steps, finite, cfg.optim)
+    else:
+        loss_scale, good = state.loss_scale, state.good_steps + 1
+    new_state = TrainState(
+        step=state.step + 1, params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state),
+        loss_scale=loss_scale, good_steps=good, bad_steps=jnp.where(finite, 0, state.bad_steps + 1))
+    stats = {
+        "loss": loss, "grad_norm": grad_norm, "update_norm": optax.global_norm(updates),
+        "param_norm": optax.global_norm(new_state.params), "finite": finite, "loss_scale": state.loss_scale,
+        "bad_steps": new_state.bad_steps,
+    }
+    return new_state, stats
+
+
+def eval_loss(setup: StepSetup, params, batch: dict) -> tuple[jax.Array, jax.Array]:
+    """(summed token loss, token count) of a batch, forward only, under GSPMD."""
+    cfg = setup.cfg
+    if cfg.parallel.pipeline > 1:
+        params = pipeline.from_stages(params)
+    m = cfg.num_micro_batches
+
+    def body(total, mb):
+        return total + model.loss_sum(cfg.model, params, mb, None), None
+
+    with sharding.activation_sharding(cfg.parallel.sequence_parallel):
+        mbs = jax.tree.map(lambda x: x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1), batch)
+        loss, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), mbs)
+    return loss, jnp.sum(batch["loss_mask"])
+
+
+def jit_train_step(setup: StepSetup):
+    return jax.jit(lambda s, b: train_step(setup, s, b),
+                   in_shardings=(setup.state_shardings, setup.batch_shardings),
+                   out_shardings=(setup.state_shardings, None), donate_argnums=0)
+
+
+def jit_eval_step(setup: StepSetup):
+    return jax.jit(lambda p, b: eval_loss(setup, p, b),
+                   in_shardings=(setup.state_shardings.params, setup.batch_shardings))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The loop
+
+
+class _StopRequest:
+    """SIGTERM/SIGINT: finish the current step, save, exit 0 (Megatron's exit-signal handler)."""
+
+    def __init__(self):
+        self.signal = None
+
+    def install(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, _frame):
+        self.signal = signal.Signals(signum).name
+
+
+def _meta(cfg: Config, step: int, consumed: int) -> dict:
+    return {"step": step, "consumed_samples": consumed, "config": cfg.to_dict(),
+            "layout": {"data": cfg.parallel.data, "pipeline": cfg.parallel.pipeline,
+                       "tensor": cfg.parallel.tensor, "virtual_stages": cfg.parallel.virtual_stages}}
+
+
+def run(cfg: Config) -> dict:
+    """Trains for cfg.train.steps (resuming from the newest checkpoint if there is one).
+
+    Returns a summary: last logged metrics, eval loss, steps run in this process.
+    """
+    from megajax import checkpoint
+    from megajax.data.loader import build_datasets, global_batch
+
+    cfg = cfg.for_devices(jax.device_count())
+    mesh = sharding.make_mesh(cfg.parallel)
+    setup = build(cfg, mesh)
+    gbs, steps = cfg.train.global_batch_size, cfg.train.steps
+    is_main = jax.process_index() == 0
+    log = metrics_lib.MetricsLogger(cfg.train.output_dir, enabled=is_main)
+    num_eval = cfg.train.eval_batches * gbs if cfg.train.eval_every else 0
+    datasets = build_datasets(cfg, {"train": steps * gbs, **({"valid": num_eval} if num_eval else {})})
+
+    mgr = checkpoint.manager(cfg)
+    start, consumed = 0, 0
+    latest = mgr.latest_step()
+    if latest is not None:
+        fields, meta = checkpoint.restore(mgr, latest, setup.abstract_state, setup.state_shardings)
+        state = TrainState(**fields)
+        start, consumed = int(meta["step"]), int(meta["consumed_samples"])
+        log.info(f"resumed from {checkpoint.checkpoint_dir(cfg)} step {start} ({consumed} samples consumed)")
+    else:
+        state = init_state(setup)
+
+    n_params = sum(math.prod(a.shape) for a in jax.tree.leaves(setup.abstract_state.params))
+    p = cfg.parallel
+    log.info(f"megajax: {n_params / 1e6:.2f}M parameters, {jax.device_count()} devices "
+             f"(data={p.data} pipeline={p.pipeline} tensor={p.tensor}"
+             f"{' sp' if p.sequence_parallel else ''}), {cfg.num_micro_batches} micro batches of "
+             f"{cfg.micro_batch_size(p.data)}, global batch {gbs} x {cfg.model.seq_length} tokens")
+
+    step_fn, eval_fn = jit_train_step(setup), jit_eval_step(setup)
+    with jax.set_mesh(mesh):
+        t0 = time.perf_counter()
+        first = global_batch(datasets["train"], consumed, gbs, setup.batch_shardings)
+        compiled = step_fn.lower(state, first).compile()
+        log.info(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
+        peak, peak_src = metrics_lib.device_peak(cfg.model.compute_dtype)
+        log.info(f"peak for MFU: {peak / 1e12:.4g} TFLOP/s per device ({peak_src})")
+        summary = _loop(cfg, setup, compiled, eval_fn, state, datasets, start, consumed, first, mgr, log, peak)
+    mgr.wait_until_finished()
+    mgr.close()
+    log.close()
+    return summary
+
+
+def _evaluate(cfg, setup, eval_fn, params, dataset) -> float:
+    from megajax.data.loader import global_batch
+
+    gbs = cfg.train.global_batch_size
+    total, count = 0.0, 0.0
+    for i in range(cfg.train.eval_batches):
+        batch = global_batch(dataset, i * gbs, gbs, setup.batch_shardings)
+        s, c = eval_fn(params, batch)
+        total, count = total + float(s), count + float(c)
+    return total / max(count, 1.0)
+
+
+def _loop(cfg, setup, step_fn, eval_fn, state, datasets, start, consumed, first_batch, mgr, log, peak) -> dict:
+    from megajax import checkpoint
+    from megajax.data.loader import global_batch
+
+    gbs, steps, seq = cfg.train.global_batch_size, cfg.train.steps, cfg.model.seq_length
+    flops = metrics_lib.step_flops(cfg.model, gbs * seq)
+    n_dev = jax.device_count()
+    stop = _StopRequest()
+    stop.install()
+    deadline = None if cfg.train.exit_after_minutes is None else time.time() + 60 * cfg.train.exit_after_minutes
+    record: dict = {}
+    eval_loss_value = None
+    pending = None  # (step, stats) of the previous step: read after the next one is dispatched
+    batch = first_batch
+    t_last, step_last, t_start = time.perf_counter(), start, time.perf_counter()
+    step = start
+    for step in range(start, steps):
+        state, stats = step_fn(state, batch)
+        consumed += gbs
+        if step + 1 < steps:
+            batch = global_batch(datasets["train"], consumed, gbs, setup.batch_shardings)
+        if pending is not None:
+            _check_health(cfg, *pending, log)
+        pending = (step, stats)
+        done = step + 1
+        if done % cfg.train.log_every == 0 or done == steps:
+            host = jax.device_get(stats)
+            now = time.perf_counter()
+            dt = (now - t_last) / max(done - step_last, 1)
+            t_last, step_last = now, done
+            record = {
+                "step": done, "loss": float(host["loss"]), "lr": float(_lr(setup, done - 1)),
+                "grad_norm": float(host["grad_norm"]), "param_norm": float(host["param_norm"]),
+                "update_norm": float(host["update_norm"]), "loss_scale": float(host["loss_scale"]),
+                "step_time_s": dt, "tokens_per_s": gbs * seq / dt,
+                "tflops_per_device": flops["hardware_flops"] / dt / n_dev / 1e12,
+                "mfu": flops["model_flops"] / dt / n_dev / peak, "consumed_samples": consumed,
+            }
+            eta = metrics_lib.format_eta((steps - done) * dt)
+            log.log(record, f"step {done}/{steps} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
+                            f"grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:.0f} tok/s | "
+                            f"{record['tflops_per_device']:.4f} TFLOP/s/dev | MFU {record['mfu']:.1%} | "
+                            f"eta {eta}")
+        if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == steps) and "valid" in datasets:
+            eval_loss_value = _evaluate(cfg, setup, eval_fn, state.params, datasets["valid"])
+            log.log({"step": done, "eval_loss": eval_loss_value, "eval_ppl": math.exp(min(eval_loss_value, 50))},
+                    f"eval at step {done}: loss {eval_loss_value:.4f} | ppl {math.exp(min(eval_loss_value, 50)):.2f}")
+        timed_out = deadline is not None and time.time() > deadline
+        if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == steps or stop.signal or timed_out:
+            checkpoint.save(mgr, done, state, _meta(cfg, done, consumed))
+        if stop.signal or timed_out:
+            log.info(f"stopping after step {done} ({stop.signal or 'train.exit_after_minutes'}): checkpoint saved")
+            break
+    if pending is not None:
+        _check_health(cfg, *pending, log)
+    return {"last": record, "eval_loss": eval_loss_value, "steps_run": step + 1 - start,
+            "wall_s": time.perf_counter() - t_start}
+
+
+def _lr(setup: StepSetup, step: int) -> float:
+    from megajax.optim import lr_schedule
+
+    return float(lr_schedule(setup.cfg.optim, setup.cfg.train.steps)(step))
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+def _check_health(cfg: Config, step: int, stats: dict, log) -> None:
+    finite, bad = jax.device_get((stats["finite"], stats["bad_steps"]))
+    if not finite:
+        log.info(f"warning: step {step + 1} had a non-finite loss or gradient: skipped "
+                 f"(weights unchanged; {int(bad)} in a row)")
+        if int(bad) >= cfg.train.max_bad_steps:
+            raise NonFiniteError(
+                f"{int(bad)} non-finite steps in a row (train.max_bad_steps={cfg.train.max_bad_steps}): stopping. "
+                "Lower optim.lr, check the data, or use bfloat16; the last checkpoint is intact.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megajax.train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", help="YAML preset (configs/*.yaml)")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="override config fields, e.g. --set model.num_layers=4 parallel.tensor=2")
+    args = parser.parse_args(argv)
+    prefer_cpu_without_gpu()
+    try:
+        cfg = config_lib.load(args.config, args.set)
+        run(cfg)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
