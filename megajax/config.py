@@ -368,6 +368,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         _check(isinstance(value, int) and not isinstance(value, bool), f"{where} must be an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         _check(isinstance(value, (int, float)) and not isinstance(value, bool), f"{where} must be a number, got {value!r}")
         return float(value)
     if tp is str:

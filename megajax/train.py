@@ -215,7 +215,7 @@ def train_step(setup: StepSetup, state: TrainState, batch: dict) -> tuple[TrainS
         loss_sum, grads = compute_grads(setup, state.params, batch, state.loss_scale / total)
     grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
     loss = loss_sum / total
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = setup.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -228,8 +228,8 @@ def train_step(setup: StepSetup, state: TrainState, batch: dict) -> tuple[TrainS
         step=state.step + 1, params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state),
         loss_scale=loss_scale, good_steps=good, bad_steps=jnp.where(finite, 0, state.bad_steps + 1))
     stats = {
-        "loss": loss, "grad_norm": grad_norm, "update_norm": optax.global_norm(updates),
-        "param_norm": optax.global_norm(new_state.params), "finite": finite, "loss_scale": state.loss_scale,
+        "loss": loss, "grad_norm": grad_norm, "update_norm": optax.tree.norm(updates),
+        "param_norm": optax.tree.norm(new_state.params), "finite": finite, "loss_scale": state.loss_scale,
         "bad_steps": new_state.bad_steps,
     }
     return new_state, stats

@@ -135,16 +135,18 @@ class Attention(nn.Module):
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
 
         x = constrain(x_bsd, GATHERED)  # sequence parallel: the all-gather before the column-parallel matmul
-        wq = _param(self, "wq", (d, h, k), ("embed", "heads", "head_dim"), cfg.init_std, pdt)
-        wk = _param(self, "wk", (d, g, k), ("embed", "kv_heads", "head_dim"), cfg.init_std, pdt)
-        wv = _param(self, "wv", (d, g, k), ("embed", "kv_heads", "head_dim"), cfg.init_std, pdt)
-        q = jnp.einsum("bsd,dhk->bshk", x, wq.astype(cdt))
-        kk = jnp.einsum("bsd,dgk->bsgk", x, wk.astype(cdt))
-        v = jnp.einsum("bsd,dgk->bsgk", x, wv.astype(cdt))
+        # One fused QKV matrix, grouped by kv head as Megatron lays it out: [d, g, r + 2, k] holds, for each
+        # kv head, its r = h / g query heads, then its key, then its value. Sharding g over 'tensor' keeps
+        # every group on one rank, and the backward has a single partial dX to all-reduce (three separate
+        # q/k/v matmuls would all-reduce three).
+        r = h // g
+        wqkv = _param(self, "wqkv", (d, g, r + 2, k), ("embed", "kv_heads", None, "head_dim"), cfg.init_std, pdt)
+        qkv = jnp.einsum("bsd,dgjk->bsgjk", x, wqkv.astype(cdt))
         if bias:
-            q = q + _param(self, "bq", (h, k), ("heads", "head_dim"), 0, pdt).astype(cdt)
-            kk = kk + _param(self, "bk", (g, k), ("kv_heads", "head_dim"), 0, pdt).astype(cdt)
-            v = v + _param(self, "bv", (g, k), ("kv_heads", "head_dim"), 0, pdt).astype(cdt)
+            qkv = qkv + _param(self, "bqkv", (g, r + 2, k), ("kv_heads", None, "head_dim"), 0, pdt).astype(cdt)
+        b, s = qkv.shape[:2]
+        q = qkv[:, :, :, :r].reshape(b, s, h, k)  # query head i uses kv head i // r
+        kk, v = qkv[:, :, :, r], qkv[:, :, :, r + 1]
         if cfg.arch == "llama":
             q, kk = rope(q, cfg.rope_theta), rope(kk, cfg.rope_theta)
         q = constrain(q, ("batch", None, "heads", "head_dim"))
@@ -185,11 +187,10 @@ class MLP(nn.Module):
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         x = constrain(x_bsd, GATHERED)
         if cfg.arch == "llama":
-            w_gate = _param(self, "w_gate", (d, f), ("embed", "mlp"), cfg.init_std, pdt)
-            w_up = _param(self, "w_up", (d, f), ("embed", "mlp"), cfg.init_std, pdt)
-            gate = jnp.einsum("bsd,df->bsf", x, w_gate.astype(cdt))
-            up = jnp.einsum("bsd,df->bsf", x, w_up.astype(cdt))
-            hidden = nn.silu(gate) * up
+            # gate and up fused as [d, 2, f] (one partial dX to all-reduce in the backward, as for QKV)
+            w_gate_up = _param(self, "w_gate_up", (d, 2, f), ("embed", None, "mlp"), cfg.init_std, pdt)
+            gate_up = jnp.einsum("bsd,dtf->bstf", x, w_gate_up.astype(cdt))
+            hidden = nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
         else:
             w_in = _param(self, "w_in", (d, f), ("embed", "mlp"), cfg.init_std, pdt)
             b_in = _param(self, "b_in", (f,), ("mlp",), 0, pdt)

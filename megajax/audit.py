@@ -1,0 +1,163 @@
+"""`python -m megajax.audit --config ... [--set ...] [--target cpu|a100|h100|h200] [--devices N]`
+
+Compiles (does not run) the train step for a layout and prints JSON: per-device memory from XLA's memory
+analysis, every collective by kind and mesh axes (executions and bytes per step), XLA's FLOP count and
+Megatron's analytic FLOPs, and what Megatron's tensor/sequence parallelism should move, for comparison.
+
+`--target h100` (a100, h200) compiles with XLA's real GPU compiler against compile-only GPUs (needs the
+`gpu-audit` extra: jax-cuda12-plugin), on a machine without a GPU: the CPU compiler never forms
+reduce-scatter, the GPU one does, and its memory analysis is what a GPU would hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+TARGETS = ("cpu", "a100", "h100", "h200")
+GPUS_PER_HOST = 8
+
+
+def _gpu_devices(target: str, n: int):
+    from jax.experimental import topologies
+
+    desc = (Path(__file__).parent / "targets" / f"{target}.txtpb").read_text()
+    per_host = min(GPUS_PER_HOST, n)
+    if n % per_host:
+        raise ValueError(f"--devices {n} must be a multiple of {GPUS_PER_HOST} (GPUs per host) for a GPU target")
+    try:
+        topo = topologies.get_topology_desc(platform="cuda", topology=f"1x{n // per_host}x{per_host}",
+                                            target_config=desc)
+    except Exception as e:  # the plugin is missing or does not match jax
+        raise RuntimeError(
+            f"cannot build compile-only {target} devices ({e}). Install the GPU compiler: "
+            "pip install \"jax-cuda12-plugin==$(python -c 'import jax; print(jax.__version__)')\" "
+            "\"jax-cuda12-pjrt==$(python -c 'import jax; print(jax.__version__)')\"") from None
+    return list(topo.devices)
+
+
+def _device_memory_bytes(target: str) -> int:
+    desc = (Path(__file__).parent / "targets" / f"{target}.txtpb").read_text()
+    return int(re.search(r"device_memory_size:\s*(\d+)", desc).group(1))
+
+
+def megatron_expected(cfg) -> dict:
+    """What Megatron's tensor (and sequence) parallelism moves over 'tensor' in one step: per micro batch
+    and layer, 2 all-reduces forward and 2 backward (+2 forward again with full recomputation), or with
+    sequence parallelism an all-gather + reduce-scatter pair in place of each, of [b, s, d] activations."""
+    m, p = cfg.model, cfg.parallel
+    if p.tensor == 1:
+        return {}
+    mb = cfg.micro_batch_size(p.data)
+    act_bytes = mb * m.seq_length * m.hidden_size * (2 if m.compute_dtype != "float32" else 4)
+    per_layer = 4 + (2 if m.recompute == "full" else 0)
+    n = per_layer * (m.num_layers // p.pipeline) * cfg.num_micro_batches
+    if p.sequence_parallel:
+        return {"all-gather": {"count": n, "bytes_each": act_bytes},
+                "reduce-scatter": {"count": n, "bytes_each": act_bytes}}
+    return {"all-reduce": {"count": n, "bytes_each": act_bytes}}
+
+
+def compile_step(cfg, devices):
+    """Lowers and compiles the train step for `cfg` on `devices` (real or compile-only)."""
+    import jax
+
+    from megajax import sharding, train
+    from megajax.data.loader import batch_shapes
+
+    cfg = cfg.for_devices(len(devices))
+    mesh = sharding.make_mesh(cfg.parallel, devices)
+    setup = train.build(cfg, mesh)
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                         setup.abstract_state, setup.state_shardings)
+    batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=setup.batch_shardings[k])
+             for k, (shape, dtype) in batch_shapes(cfg.train.global_batch_size, cfg.model.seq_length).items()}
+    with jax.set_mesh(mesh):
+        compiled = train.jit_train_step(setup).lower(state, batch).compile()
+    return cfg, mesh, compiled
+
+
+def audit(cfg, target: str = "cpu", devices: int | None = None, dump_hlo: str | None = None) -> dict:
+    import jax
+
+    from megajax import hlo, metrics
+
+    if target == "cpu":
+        devs = jax.devices()
+        if devices is not None and devices != len(devs):
+            raise ValueError(f"--devices {devices} but JAX has {len(devs)} CPU devices: run through "
+                             "`python -m megajax.audit` (it sets the count) or set jax_num_cpu_devices")
+    else:
+        devs = _gpu_devices(target, devices or 8)
+    cfg, mesh, compiled = compile_step(cfg, devs)
+    text = compiled.as_text()
+    if dump_hlo:
+        Path(dump_hlo).write_text(text)
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list):
+        cost = cost[0] if cost else None
+    colls = hlo.parse(text, dict(mesh.shape))
+    flops = metrics.step_flops(cfg.model, cfg.train.global_batch_size * cfg.model.seq_length)
+    gib = 2**30
+    memory = {
+        "argument_bytes": mem.argument_size_in_bytes, "output_bytes": mem.output_size_in_bytes,
+        "temp_bytes": mem.temp_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes,
+        "peak_estimate_gib": (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+                              + mem.temp_size_in_bytes) / gib,
+    }
+    if target != "cpu":
+        capacity = _device_memory_bytes(target)
+        memory["device_memory_gib"] = capacity / gib
+        memory["fits"] = memory["peak_estimate_gib"] * gib <= capacity
+    p = cfg.parallel
+    return {
+        "target": target,
+        "devices": len(devs),
+        "layout": {"data": p.data, "pipeline": p.pipeline, "tensor": p.tensor,
+                   "sequence_parallel": p.sequence_parallel, "virtual_stages": p.virtual_stages,
+                   "schedule": p.schedule, "distributed_optimizer": p.distributed_optimizer,
+                   "micro_batches": cfg.num_micro_batches, "micro_batch_size": cfg.micro_batch_size(p.data)},
+        "memory_per_device": memory,
+        "collectives": hlo.summarize(colls),
+        "xla_flops_per_device": (cost or {}).get("flops"),
+        "megatron_flops_per_step": flops,
+        "megatron_expected_tensor_collectives": megatron_expected(cfg),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megajax.audit", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--target", choices=TARGETS, default="cpu")
+    parser.add_argument("--devices", type=int, help="device count (default: the host's devices; 8 for GPUs)")
+    parser.add_argument("--dump-hlo", metavar="FILE", help="also write the compiled HLO text here")
+    args = parser.parse_args(argv)
+
+    import os
+
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # GPU targets are compile-only: CPU stays the backend
+    import jax
+
+    if args.target == "cpu" and args.devices:
+        jax.config.update("jax_num_cpu_devices", args.devices)
+    from megajax import config as config_lib
+    from megajax.config import ConfigError
+
+    try:
+        cfg = config_lib.load(args.config, args.set)
+        report = audit(cfg, args.target, args.devices, args.dump_hlo)
+    except (ConfigError, ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2, default=lambda x: None if isinstance(x, float) and math.isnan(x) else x))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""Reading compiled HLO text: every collective with its bytes, its device groups and how often it runs.
+
+XLA prints replica groups in several forms, all handled here:
+  {{0,1},{2,3}}                         explicit groups
+  [2,4]<=[8]  or  [4,2]<=[2,4]T(1,0)    iota: arange(N) reshaped (and transposed), rows are groups
+  mesh['axis_0'=2,'axis_1'=4] {'axis_1'}  a mesh of XLA's own factorisation (device ids optional) and the
+                                         axes the collective spans
+Groups are mapped back to the (data, pipeline, tensor) mesh by device coordinates. Ops inside a while body
+run `known_trip_count` times; ops inside a conditional branch run at most once per visit (reported apart).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections import defaultdict
+
+import numpy as np
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1,
+                "token": 0, "s4": 1, "u4": 1}
+_OP = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$")
+_COMP = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
+_SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
+
+
+@dataclasses.dataclass
+class Collective:
+    kind: str  # one of KINDS
+    name: str
+    bytes: int  # the full buffer: all-reduce in/out, all-gather output, reduce-scatter input, permute/all-to-all input
+    group_size: int
+    axes: tuple[str, ...]  # mesh axes the groups span (permute: the axes source and target differ on)
+    count: int  # executions per step (while trip counts multiplied in)
+    in_conditional: bool  # inside a conditional branch: runs only when that branch is taken
+    computation: str
+
+
+def _parse_shape_tree(text: str):
+    """'(f32[2,3]{1,0}, (bf16[4]))' -> nested lists of byte sizes."""
+    text = text.strip()
+    if text.startswith("("):
+        return [_parse_shape_tree(p) for p in _split_top(text[1:text.rindex(")")])]
+    m = _SHAPE.match(text)
+    if not m:
+        return 0
+    dims = [int(x) for x in m.group(2).split(",") if x]
+    return _DTYPE_BYTES.get(m.group(1), 4) * math.prod(dims)
+
+
+def _total(tree) -> int:
+    return sum(_total(t) for t in tree) if isinstance(tree, list) else tree
+
+
+def _split_top(text: str) -> list[str]:
+    depth, parts, cur = 0, [], ""
+    for ch in text:
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth == 0:
+            parts.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        parts.append(cur.strip())
+    return parts
+
+
+def _iota(dims: list[int], perm: list[int] | None, reshape: list[int]) -> np.ndarray:
+    arr = np.arange(math.prod(reshape)).reshape(reshape)
+    if perm:
+        arr = arr.transpose(perm)
+    return arr.reshape(dims)
+
+
+def parse_groups(attrs: str, num_devices: int) -> list[list[int]] | None:
+    """Device groups of a collective from its attribute text (None: every device in one group)."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*\)?)\))?\s*\{([^}]*)\}", attrs)
+    if m:
+        sizes = [int(s.split("=")[1]) for s in m.group(1).split(",")]
+        names = [s.split("=")[0].strip().strip("'") for s in m.group(1).split(",")]
+        ids = np.arange(math.prod(sizes))
+        if m.group(2):
+            dm = re.match(r"\[([0-9,]+)\](?:T\(([0-9,]+)\))?", m.group(2))
+            dims = [int(x) for x in dm.group(1).split(",")]
+            perm = [int(x) for x in dm.group(2).split(",")] if dm.group(2) else None
+            ids = _iota([math.prod(sizes)], perm, dims)
+        grid = ids.reshape(sizes)
+        over = [names.index(a.strip().strip("'")) for a in m.group(3).split(",") if a.strip()]
+        keep = [i for i in range(len(sizes)) if i not in over]
+        grid = grid.transpose(keep + over).reshape(-1, math.prod(sizes[i] for i in over) if over else 1)
+        return grid.tolist()
+    m = re.search(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", attrs)
+    if m:
+        dims = [int(x) for x in m.group(1).split(",")]
+        reshape = [int(x) for x in m.group(2).split(",")]
+        perm = [int(x) for x in m.group(3).split(",")] if m.group(3) else None
+        return _iota(dims, perm, reshape).reshape(dims[0], -1).tolist()
+    m = re.search(r"replica_groups=\{(\{[0-9,{} ]*\})\}", attrs)
+    if m:
+        groups = [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([0-9, ]*)\}", m.group(1))]
+        return groups or None
+    return None
+
+
+def _axes_of_groups(groups, coords: np.ndarray, axis_names) -> tuple[str, ...]:
+    if groups is None:
+        return tuple(n for i, n in enumerate(axis_names) if coords[:, i].max() > 0)
+    varying = set()
+    for g in groups:
+        c = coords[g]
+        for i, n in enumerate(axis_names):
+            if len(set(c[:, i])) > 1:
+                varying.add(n)
+    return tuple(n for n in axis_names if n in varying)
+
+
+def _permute_axes(attrs: str, coords: np.ndarray, axis_names) -> tuple[tuple[str, ...], int]:
+    pairs = [(int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", attrs.split("source_target_pairs=")[1])]
+    varying = {n for s, t in pairs for i, n in enumerate(axis_names) if coords[s, i] != coords[t, i]}
+    return tuple(n for n in axis_names if n in varying), len(pairs)
+
+
+def _kind(opcode: str) -> str | None:
+    base = opcode[:-6] if opcode.endswith("-start") else opcode
+    return base if base in KINDS else None
+
+
+def _bytes(kind: str, opcode: str, shape_text: str, group_size: int) -> int:
+    tree = _parse_shape_tree(shape_text)
+    if opcode.endswith("-start") and isinstance(tree, list) and kind != "all-reduce":
+        # async start ops return (operands, results[, contexts])
+        if kind == "all-gather":
+            return _total(tree[1])
+        return _total(tree[0])
+    if kind == "reduce-scatter":
+        return _total(tree) * group_size
+    return _total(tree)
+
+
+def parse(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
+    """Every collective of a compiled module, with executions per step."""
+    axis_names = list(mesh_shape)
+    sizes = [mesh_shape[a] for a in axis_names]
+    n = math.prod(sizes)
+    coords = np.stack(np.unravel_index(np.arange(n), sizes), axis=1)
+
+    comps: dict[str, list[tuple[str, str, str, str]]] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        line = re.sub(r"/\*.*?\*/", "", line)  # XLA's /*index=5*/ markers inside tuple shapes
+        cm = _COMP.match(line)
+        if cm:
+            current = cm.group(2)
+            comps[current] = []
+            if cm.group(1):
+                entry = current
+            continue
+        if current is None:
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        om = _OP.match(line)
+        if om:
+            comps[current].append((om.group(1), om.group(2), om.group(3), om.group(4)))
+
+    # executions of each computation: walk calls from the entry
+    multiplicity: dict[str, int] = defaultdict(int)
+    conditional: dict[str, bool] = defaultdict(bool)
+
+    def visit(comp: str, mult: int, in_cond: bool, depth: int = 0) -> None:
+        if depth > 64 or comp not in comps:
+            return
+        multiplicity[comp] += mult
+        conditional[comp] |= in_cond
+        for _, _, opcode, rest in comps[comp]:
+            if opcode == "while":
+                body = re.search(r"body=%?([\w.\-]+)", rest)
+                trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
+                if body:
+                    visit(body.group(1), mult * (int(trip.group(1)) if trip else 1), in_cond, depth + 1)
+            elif opcode == "conditional":
+                names = re.findall(r"%([\w.\-]+)", (re.search(r"branch_computations=\{([^}]*)\}", rest) or
+                                                    re.search(r"(true_computation=.*)", rest)).group(1))
+                for b in names:
+                    visit(b, mult, True, depth + 1)
+            elif opcode in ("call", "async-start"):
+                for callee in re.findall(r"(?:to_apply|calls)=%?([\w.\-]+)", rest):
+                    visit(callee, mult, in_cond, depth + 1)
+
+    if entry:
+        visit(entry, 1, False)
+
+    out = []
+    for comp, ops in comps.items():
+        if multiplicity.get(comp, 0) == 0:
+            continue
+        for name, shape_text, opcode, rest in ops:
+            kind = _kind(opcode)
+            if kind is None:
+                continue
+            if kind == "collective-permute":
+                axes, _ = _permute_axes(rest, coords, axis_names)
+                group = 2
+            else:
+                groups = parse_groups(rest, n)
+                group = len(groups[0]) if groups else n
+                axes = _axes_of_groups(groups, coords, axis_names)
+            out.append(Collective(kind, name, _bytes(kind, opcode, shape_text, group), group, axes,
+                                  multiplicity[comp], conditional[comp], comp))
+    return out
+
+
+def wire_bytes(c: Collective) -> float:
+    """Bytes each device sends for one execution with ring algorithms (Megatron's accounting)."""
+    g = c.group_size
+    if c.kind == "all-reduce":
+        return 2 * (g - 1) / g * c.bytes
+    if c.kind in ("all-gather", "reduce-scatter", "all-to-all"):
+        return (g - 1) / g * c.bytes
+    return float(c.bytes)
+
+
+def summarize(collectives: list[Collective]) -> dict:
+    """By kind and mesh axes: executions per step, bytes per step, ring wire bytes per step."""
+    table: dict[str, dict] = {}
+    for c in collectives:
+        key = f"{c.kind} over {'+'.join(c.axes) or 'none'}"
+        row = table.setdefault(key, {"kind": c.kind, "axes": list(c.axes), "ops": 0, "count": 0, "bytes": 0,
+                                     "wire_bytes": 0.0, "in_conditional": 0})
+        row["ops"] += 1
+        row["count"] += c.count
+        row["bytes"] += c.bytes * c.count
+        row["wire_bytes"] += wire_bytes(c) * c.count
+        row["in_conditional"] += c.count if c.in_conditional else 0
+    return dict(sorted(table.items()))

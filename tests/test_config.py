@@ -1,0 +1,84 @@
+import glob
+import os
+
+import pytest
+
+from megajax import config as config_lib
+from megajax.config import ConfigError
+
+from conftest import REPO
+
+
+def load(*sets, path=None):
+    return config_lib.load(path, list(sets))
+
+
+def test_defaults_and_overrides_are_typed():
+    cfg = load("model.num_layers=4", "parallel.sequence_parallel=true", "parallel.tensor=2",
+               "data.paths=[0.3,a,0.7,b]", "optim.lr=1e-3", "checkpoint.async=false")
+    assert cfg.model.num_layers == 4 and cfg.parallel.sequence_parallel is True
+    assert cfg.data.paths == [0.3, "a", 0.7, "b"]
+    assert cfg.optim.lr == 1e-3 and cfg.checkpoint.async_ is False
+    assert cfg.to_dict()["checkpoint"]["async"] is False
+
+
+@pytest.mark.parametrize("sets, needle", [
+    (["model.num_layer=4"], "unknown config key 'model.num_layer'"),
+    (["nosuch.key=1"], "unknown config key 'nosuch"),
+    (["model.num_layers=four"], "model.num_layers must be an integer"),
+    (["parallel.sequence_parallel=maybe"], "must be true or false"),
+    (["model.arch=bert"], "model.arch='bert' is not one of gpt2, llama"),
+    (["parallel.tensor=3"], "model.num_heads=4 is not divisible by parallel.tensor=3"),
+    (["model.num_heads=8", "model.num_kv_heads=2", "parallel.tensor=4"], "model.num_kv_heads=2 is not divisible"),
+    (["model.num_layers=3", "parallel.pipeline=2"], "model.num_layers=3 is not divisible by parallel.pipeline"),
+    (["model.num_layers=2", "parallel.pipeline=2", "parallel.virtual_stages=2", "parallel.schedule=interleaved"],
+     "more than model.num_layers=2"),
+    (["parallel.data=2", "train.global_batch_size=6", "train.micro_batch_size=2"],
+     "not divisible by data parallel size 2 x train.micro_batch_size=2"),
+    (["parallel.virtual_stages=2"], "needs parallel.schedule=interleaved"),
+    (["parallel.sequence_parallel=true"], "needs parallel.tensor > 1"),
+    (["model.make_vocab_size_divisible_by=2", "model.vocab_size=257", "parallel.tensor=4"],
+     "padded vocabulary 258 is not divisible by parallel.tensor=4"),
+    (["model.hidden_size=130"], "not divisible by model.num_heads"),
+    (["data.split=90,abc"], "data.split"),
+])
+def test_bad_configs_name_the_fix(sets, needle):
+    with pytest.raises(ConfigError, match=None) as err:
+        load(*sets)
+    assert needle in str(err.value), str(err.value)
+
+
+def test_device_count_mismatch():
+    cfg = load("parallel.data=2", "parallel.tensor=2")
+    with pytest.raises(ConfigError, match="there are 8 devices: set parallel.data=4"):
+        cfg.for_devices(8)
+    assert load("parallel.tensor=2").for_devices(8).parallel.data == 4
+    with pytest.raises(ConfigError, match="cannot be split"):
+        load("parallel.tensor=4", "model.num_heads=4").for_devices(6)
+
+
+def test_interleaved_needs_microbatches_multiple_of_p():
+    cfg = load("model.num_layers=4", "parallel.pipeline=2", "parallel.virtual_stages=2",
+               "parallel.schedule=interleaved", "train.global_batch_size=6", "train.micro_batch_size=2")
+    with pytest.raises(ConfigError, match="multiple of parallel.pipeline=2"):
+        cfg.for_devices(2)
+
+
+def test_missing_file_and_bad_override_syntax():
+    with pytest.raises(ConfigError, match="does not exist"):
+        config_lib.load("configs/nope.yaml")
+    with pytest.raises(ConfigError, match="must look like section.key=value"):
+        load("model.num_layers")
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml"))))
+def test_presets_load(path):
+    cfg = config_lib.load(path)
+    assert cfg.model.num_layers > 0
+
+
+def test_derived_sizes():
+    llama = load("model.arch=llama", "model.hidden_size=4096", "model.num_heads=32")
+    assert llama.model.ffn_size == 11008 and not llama.model.tied
+    gpt = load("model.vocab_size=50257")
+    assert gpt.model.padded_vocab_size == 50304 and gpt.model.tied and gpt.model.ffn_size == 4 * 128
