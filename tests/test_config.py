@@ -71,7 +71,7 @@ def test_missing_file_and_bad_override_syntax():
         load("model.num_layers")
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml"))))
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO, "configs", "**", "*.yaml"), recursive=True)))
 def test_presets_load(path):
     cfg = config_lib.load(path)
     assert cfg.model.num_layers > 0
