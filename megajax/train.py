@@ -134,14 +134,6 @@ def init_state(setup: StepSetup) -> TrainState:
         return init(jax.random.key(setup.cfg.train.seed))
 
 
-def sample_keys(cfg: Config, sample_ids: jax.Array) -> jax.Array | None:
-    """One dropout key per sample from (seed, global sample index): masks never depend on the layout."""
-    if cfg.model.dropout == 0 and cfg.model.attention_dropout == 0:
-        return None
-    root = jax.random.fold_in(jax.random.key(cfg.train.seed), 0x5EED)
-    return jax.vmap(lambda i: jax.random.fold_in(root, i))(sample_ids)
-
-
 def micro_batches(batch: dict, m: int) -> dict:
     """[m * mb, ...] -> [m, mb, ...]: local row r goes to micro batch r // mb."""
     return jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
@@ -159,7 +151,7 @@ def accumulate_grads(cfg: Config, params, batch: dict, seed_scale: jax.Array):
     params = jax.tree.map(lambda x: _varying(x, "data"), params)
 
     def micro_loss(p, mb):
-        raw = model.loss_sum(cfg.model, p, mb, sample_keys(cfg, mb["sample_ids"]))
+        raw = model.loss_sum(cfg.model, p, mb, model.dropout_keys(cfg.model, cfg.train.seed, mb["sample_ids"]))
         return raw * seed_scale, raw
 
     grad_fn = jax.grad(micro_loss, has_aux=True)

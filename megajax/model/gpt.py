@@ -142,6 +142,15 @@ def head_apply(cfg: ModelConfig, params: dict, x_bsd: jax.Array, targets_bs: jax
     return jnp.sum(losses * mask_bs)
 
 
+def dropout_keys(cfg: ModelConfig, seed: int, sample_ids: jax.Array) -> jax.Array | None:
+    """One dropout key per sample from (seed, global sample index), so masks never depend on the layout
+    or the micro batch split; None when the model has no dropout."""
+    if cfg.dropout == 0 and cfg.attention_dropout == 0:
+        return None
+    root = jax.random.fold_in(jax.random.key(seed), 0x5EED)
+    return jax.vmap(lambda i: jax.random.fold_in(root, i))(sample_ids)
+
+
 def loss_sum(cfg: ModelConfig, params: dict, batch: dict, keys: jax.Array | None) -> jax.Array:
     """The summed token loss of one micro batch: embed -> layers -> head."""
     x = embed_apply(cfg, params, batch["tokens"], keys)
