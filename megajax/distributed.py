@@ -1,11 +1,20 @@
-"""Process start-up: the platform choice and (with many hosts) jax.distributed.
+"""Process start-up: the platform choice and, with several processes, jax.distributed.
 
 Only entry points (`python -m megajax.*`) call these; importing megajax changes nothing.
+
+Several processes are started either by SLURM (srun: one task per GPU or per node; JAX reads SLURM's
+environment) or explicitly, as scripts/launch_local.sh does, with
+    MEGAJAX_COORDINATOR=host:port  MEGAJAX_NUM_PROCESSES=N  MEGAJAX_PROCESS_ID=i
+    MEGAJAX_CPU_DEVICES=K   (optional: K CPU devices per process, for development on one machine)
 """
 
 from __future__ import annotations
 
 import os
+
+# A process whose peer died is told so by the coordination service after this many seconds, and exits
+# with an error instead of hanging in a collective.
+HEARTBEAT_TIMEOUT_S = 30
 
 
 def prefer_cpu_without_gpu() -> None:
@@ -13,3 +22,22 @@ def prefer_cpu_without_gpu() -> None:
     plugin (for `megajax.audit --target`) does not print a failed GPU initialisation on every run."""
     if "JAX_PLATFORMS" not in os.environ and not os.path.exists("/dev/nvidiactl"):
         os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def initialize() -> None:
+    """Joins the other processes of the job, if there are any (a no-op for a single process)."""
+    import jax
+
+    env = os.environ
+    if "MEGAJAX_CPU_DEVICES" in env:
+        jax.config.update("jax_num_cpu_devices", int(env["MEGAJAX_CPU_DEVICES"]))
+    if "MEGAJAX_COORDINATOR" in env:
+        missing = [k for k in ("MEGAJAX_NUM_PROCESSES", "MEGAJAX_PROCESS_ID") if k not in env]
+        if missing:
+            raise ValueError(f"MEGAJAX_COORDINATOR is set but {', '.join(missing)} is not: set all three "
+                             "(scripts/launch_local.sh does)")
+        jax.distributed.initialize(env["MEGAJAX_COORDINATOR"], int(env["MEGAJAX_NUM_PROCESSES"]),
+                                   int(env["MEGAJAX_PROCESS_ID"]), heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+                                   initialization_timeout=120)
+    elif int(env.get("SLURM_NTASKS", "1")) > 1:
+        jax.distributed.initialize(heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S)

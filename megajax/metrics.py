@@ -16,6 +16,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from megajax.config import ModelConfig
 
@@ -64,7 +65,7 @@ def measure_cpu_peak(seconds: float = 0.5, n: int = 1024) -> float:
     share the cores, so the machine's rate is what they split), measured once."""
     devices = jax.local_devices()
     mesh = jax.sharding.Mesh(devices, ("d",))
-    a = jax.device_put(jnp.ones((len(devices), n, n), jnp.float32),
+    a = jax.device_put(np.ones((len(devices), n, n), np.float32),
                        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")))
     mm = jax.jit(lambda x: jnp.einsum("bij,bjk->bik", x, x))
     mm(a).block_until_ready()

@@ -33,7 +33,7 @@ from megajax import config as config_lib
 from megajax import metrics as metrics_lib
 from megajax import model, pipeline, sharding
 from megajax.config import Config, ConfigError
-from megajax.distributed import prefer_cpu_without_gpu
+from megajax import distributed
 from megajax.optim import make_optimizer, update_loss_scale
 
 
@@ -314,13 +314,13 @@ def run(cfg: Config) -> dict:
              f"{cfg.micro_batch_size(p.data)}, global batch {gbs} x {cfg.model.seq_length} tokens")
 
     step_fn, eval_fn = jit_train_step(setup), jit_eval_step(setup)
+    peak, peak_src = metrics_lib.device_peak(cfg.model.compute_dtype)
+    log.info(f"peak for MFU: {peak / 1e12:.4g} TFLOP/s per device ({peak_src})")
     with jax.set_mesh(mesh):
         t0 = time.perf_counter()
         first = global_batch(datasets["train"], consumed, gbs, setup.batch_shardings)
         compiled = step_fn.lower(state, first).compile()
         log.info(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
-        peak, peak_src = metrics_lib.device_peak(cfg.model.compute_dtype)
-        log.info(f"peak for MFU: {peak / 1e12:.4g} TFLOP/s per device ({peak_src})")
         summary = _loop(cfg, setup, compiled, eval_fn, state, datasets, start, consumed, first, mgr, log, peak)
     mgr.wait_until_finished()
     mgr.close()
@@ -426,9 +426,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="override config fields, e.g. --set model.num_layers=4 parallel.tensor=2")
     args = parser.parse_args(argv)
-    prefer_cpu_without_gpu()
+    distributed.prefer_cpu_without_gpu()
     try:
         cfg = config_lib.load(args.config, args.set)
+        distributed.initialize()
         run(cfg)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

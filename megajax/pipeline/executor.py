@@ -61,12 +61,15 @@ def plan(name: str, p: int, v: int, m: int):
     kinds[(s.kind == BWD) & (g == last)] = K_B_LAST
     fsend = np.any((s.kind == FWD) & (g < last), axis=1)
     bsend = np.any((s.kind == BWD) & (g > 0), axis=1)
-    segments, start = [], 0
-    for t in range(1, s.ticks + 1):
-        if t == s.ticks or (fsend[t], bsend[t]) != (fsend[start], bsend[start]):
-            present = tuple(sorted(set(kinds[start:t].ravel().tolist()) | {K_IDLE}))
-            segments.append((start, t, bool(fsend[start]), bool(bsend[start]), present))
-            start = t
+    # At most three segments, so the tick body is compiled a bounded number of times whatever m is:
+    # warm-up (before the first gradient send), steady, cool-down (after the last activation send).
+    warm_end = int(np.argmax(bsend)) if bsend.any() else s.ticks
+    cool_start = int(s.ticks - np.argmax(fsend[::-1])) if fsend.any() else 0
+    bounds = sorted({0, min(warm_end, cool_start), max(warm_end, cool_start), s.ticks})
+    segments = []
+    for start, stop in zip(bounds[:-1], bounds[1:]):
+        present = tuple(sorted(set(kinds[start:stop].ravel().tolist()) | {K_IDLE}))
+        segments.append((start, stop, bool(fsend[start:stop].any()), bool(bsend[start:stop].any()), present))
     return s, kinds, segments
 
 
