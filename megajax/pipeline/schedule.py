@@ -230,7 +230,10 @@ def timeline(s: Schedule) -> str:
 
 def save_png(s: Schedule, path: str) -> None:
     """A Figure-4-like picture: forwards light, backwards dark, one hue per chunk."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("--png needs matplotlib: pip install matplotlib (or megajax[plot])") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
