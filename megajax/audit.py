@@ -141,8 +141,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import os
 
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # GPU targets are compile-only: CPU stays the backend
     import jax
+
+    if not os.environ.get("JAX_PLATFORMS"):
+        jax.config.update("jax_platforms", "cpu")  # GPU targets are compile-only: CPU stays the backend
 
     if args.target == "cpu" and args.devices:
         jax.config.update("jax_num_cpu_devices", args.devices)

@@ -20,8 +20,10 @@ HEARTBEAT_TIMEOUT_S = 30
 def prefer_cpu_without_gpu() -> None:
     """On a machine with no NVIDIA driver, pick the CPU backend before JAX starts, so an installed CUDA
     plugin (for `megajax.audit --target`) does not print a failed GPU initialisation on every run."""
-    if "JAX_PLATFORMS" not in os.environ and not os.path.exists("/dev/nvidiactl"):
-        os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+
+    if not os.environ.get("JAX_PLATFORMS") and not jax.config.jax_platforms and not os.path.exists("/dev/nvidiactl"):
+        jax.config.update("jax_platforms", "cpu")
 
 
 def initialize() -> None:

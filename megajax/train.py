@@ -272,8 +272,19 @@ class _StopRequest:
         self.signal = signal.Signals(signum).name
 
 
+def _warn_if_data_changed(cfg: Config, meta: dict, log) -> None:
+    """The batches after a resume depend on the seed and the data: say so if they changed."""
+    old = meta.get("config", {})
+    for section, key in (("train", "seed"), ("train", "global_batch_size"), ("data", "paths"),
+                         ("data", "split"), ("data", "tokenizer"), ("model", "seq_length")):
+        before, now = old.get(section, {}).get(key), getattr(getattr(cfg, section), key)
+        if before is not None and before != now:
+            log.info(f"warning: {section}.{key} was {before!r} in the checkpoint and is {now!r} now: the run "
+                     "will not see the batches an uninterrupted run would have")
+
+
 def _meta(cfg: Config, step: int, consumed: int) -> dict:
-    return {"step": step, "consumed_samples": consumed, "config": cfg.to_dict(),
+    return {"step": step, "consumed_samples": consumed, "seed": cfg.train.seed, "config": cfg.to_dict(),
             "layout": {"data": cfg.parallel.data, "pipeline": cfg.parallel.pipeline,
                        "tensor": cfg.parallel.tensor, "virtual_stages": cfg.parallel.virtual_stages}}
 
@@ -295,14 +306,16 @@ def run(cfg: Config) -> dict:
     num_eval = cfg.train.eval_batches * gbs if cfg.train.eval_every else 0
     datasets = build_datasets(cfg, {"train": steps * gbs, **({"valid": num_eval} if num_eval else {})})
 
-    mgr = checkpoint.manager(cfg)
+    mgr = checkpoint.manager_for(cfg)
     start, consumed = 0, 0
     latest = mgr.latest_step()
     if latest is not None:
-        fields, meta = checkpoint.restore(mgr, latest, setup.abstract_state, setup.state_shardings)
+        fields, meta = checkpoint.restore(mgr, latest, setup.abstract_state, setup.state_shardings, cfg)
         state = TrainState(**fields)
         start, consumed = int(meta["step"]), int(meta["consumed_samples"])
-        log.info(f"resumed from {checkpoint.checkpoint_dir(cfg)} step {start} ({consumed} samples consumed)")
+        log.info(f"resumed from {checkpoint.checkpoint_dir(cfg)} step {start} ({consumed} samples consumed, "
+                 f"written with layout {meta.get('layout')})")
+        _warn_if_data_changed(cfg, meta, log)
     else:
         state = init_state(setup)
 
@@ -362,7 +375,7 @@ def _loop(cfg, setup, step_fn, eval_fn, state, datasets, start, consumed, first_
         if step + 1 < steps:
             batch = global_batch(datasets["train"], consumed, gbs, setup.batch_shardings)
         if pending is not None:
-            _check_health(cfg, *pending, log)
+            _check_health(cfg, *pending, log, on_fatal=lambda: _save(mgr, step + 1, state, cfg, consumed, log))
         pending = (step, stats)
         done = step + 1
         if done % cfg.train.log_every == 0 or done == steps:
@@ -389,14 +402,28 @@ def _loop(cfg, setup, step_fn, eval_fn, state, datasets, start, consumed, first_
                     f"eval at step {done}: loss {eval_loss_value:.4f} | ppl {math.exp(min(eval_loss_value, 50)):.2f}")
         timed_out = deadline is not None and time.time() > deadline
         if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == steps or stop.signal or timed_out:
-            checkpoint.save(mgr, done, state, _meta(cfg, done, consumed))
+            log.log({"step": done, "checkpoint_blocking_s": _save(mgr, done, state, cfg, consumed, log)})
         if stop.signal or timed_out:
             log.info(f"stopping after step {done} ({stop.signal or 'train.exit_after_minutes'}): checkpoint saved")
             break
     if pending is not None:
-        _check_health(cfg, *pending, log)
+        _check_health(cfg, *pending, log, on_fatal=lambda: _save(mgr, step + 1, state, cfg, consumed, log))
     return {"last": record, "eval_loss": eval_loss_value, "steps_run": step + 1 - start,
             "wall_s": time.perf_counter() - t_start}
+
+
+def _save(mgr, step: int, state: TrainState, cfg: Config, consumed: int, log) -> float:
+    """Starts a checkpoint save; returns the seconds the loop was blocked (the async part is not counted)."""
+    from megajax import checkpoint
+
+    if step in (mgr.all_steps() or []):
+        return 0.0
+    t0 = time.perf_counter()
+    checkpoint.save(mgr, step, state, _meta(cfg, step, consumed))
+    blocked = time.perf_counter() - t0
+    log.info(f"checkpoint at step {step} -> {mgr.directory} ({blocked * 1e3:.0f} ms blocking"
+             f"{', writing in the background' if cfg.checkpoint.async_ else ''})")
+    return blocked
 
 
 def _lr(setup: StepSetup, step: int) -> float:
@@ -409,12 +436,16 @@ class NonFiniteError(RuntimeError):
     pass
 
 
-def _check_health(cfg: Config, step: int, stats: dict, log) -> None:
+def _check_health(cfg: Config, step: int, stats: dict, log, on_fatal=None) -> None:
+    """Logs a skipped (non-finite) step; after train.max_bad_steps in a row saves the (last good) weights
+    and stops with an error."""
     finite, bad = jax.device_get((stats["finite"], stats["bad_steps"]))
     if not finite:
         log.info(f"warning: step {step + 1} had a non-finite loss or gradient: skipped "
                  f"(weights unchanged; {int(bad)} in a row)")
         if int(bad) >= cfg.train.max_bad_steps:
+            if on_fatal is not None:
+                on_fatal()
             raise NonFiniteError(
                 f"{int(bad)} non-finite steps in a row (train.max_bad_steps={cfg.train.max_bad_steps}): stopping. "
                 "Lower optim.lr, check the data, or use bfloat16; the last checkpoint is intact.")
@@ -434,6 +465,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
