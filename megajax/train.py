@@ -213,12 +213,15 @@ def train_step(setup: StepSetup, state: TrainState, batch: dict) -> tuple[TrainS
     params = optax.apply_updates(state.params, updates)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
     if cfg.model.compute_dtype == "float16":
+        # An overflowing gradient is routine with fp16: skip the step and back off the loss scale. Only a
+        # non-finite loss counts towards train.max_bad_steps.
         loss_scale, good = update_loss_scale(state.loss_scale, state.good_steps, finite, cfg.optim)
+        healthy = jnp.isfinite(loss)
     else:
-        loss_scale, good = state.loss_scale, state.good_steps + 1
+        loss_scale, good, healthy = state.loss_scale, state.good_steps + 1, finite
     new_state = TrainState(
         step=state.step + 1, params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state),
-        loss_scale=loss_scale, good_steps=good, bad_steps=jnp.where(finite, 0, state.bad_steps + 1))
+        loss_scale=loss_scale, good_steps=good, bad_steps=jnp.where(healthy, 0, state.bad_steps + 1))
     stats = {
         "loss": loss, "grad_norm": grad_norm, "update_norm": optax.tree.norm(updates),
         "param_norm": optax.tree.norm(new_state.params), "finite": finite, "loss_scale": state.loss_scale,
@@ -334,11 +337,12 @@ def run(cfg: Config) -> dict:
         first = global_batch(datasets["train"], consumed, gbs, setup.batch_shardings)
         compiled = step_fn.lower(state, first).compile()
         log.info(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
-        summary = _loop(cfg, setup, compiled, eval_fn, state, datasets, start, consumed, first, mgr, log, peak)
-    mgr.wait_until_finished()
-    mgr.close()
-    log.close()
-    return summary
+        try:
+            return _loop(cfg, setup, compiled, eval_fn, state, datasets, start, consumed, first, mgr, log, peak)
+        finally:  # a checkpoint started in the background completes even when the loop stops on an error
+            mgr.wait_until_finished()
+            mgr.close()
+            log.close()
 
 
 def _evaluate(cfg, setup, eval_fn, params, dataset) -> float:
@@ -439,8 +443,11 @@ class NonFiniteError(RuntimeError):
 def _check_health(cfg: Config, step: int, stats: dict, log, on_fatal=None) -> None:
     """Logs a skipped (non-finite) step; after train.max_bad_steps in a row saves the (last good) weights
     and stops with an error."""
-    finite, bad = jax.device_get((stats["finite"], stats["bad_steps"]))
+    finite, bad, scale = jax.device_get((stats["finite"], stats["bad_steps"], stats["loss_scale"]))
     if not finite:
+        if int(bad) == 0:  # fp16: the loss was fine, the scaled gradient overflowed
+            log.info(f"step {step + 1}: gradient overflow at loss scale {float(scale):g}: skipped, scale halved")
+            return
         log.info(f"warning: step {step + 1} had a non-finite loss or gradient: skipped "
                  f"(weights unchanged; {int(bad)} in a row)")
         if int(bad) >= cfg.train.max_bad_steps:

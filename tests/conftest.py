@@ -48,3 +48,41 @@ def run_steps(cfg: config_lib.Config, num_devices: int, steps: int, *, return_st
 @pytest.fixture(scope="session")
 def repo_root() -> str:
     return REPO
+
+
+# A small model for runs of the real entry point (python -m megajax.train) in subprocesses.
+CLI_SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.seq_length=64",
+             "train.global_batch_size=8", "train.log_every=1", "train.eval_every=0", "optim.warmup_steps=2"]
+
+
+def cli_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+    env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}, **extra)
+    return env
+
+
+def train_cli(out_dir, *sets, devices: int = 1, timeout: int = 300, check: bool = True):
+    """Runs `python -m megajax.train --config configs/tiny.yaml --set ...` and returns the process."""
+    import subprocess
+    import sys
+
+    env = cli_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    cmd = [sys.executable, "-m", "megajax.train", "--config", "configs/tiny.yaml", "--set", *CLI_SMALL,
+           f"train.output_dir={out_dir}", *sets]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def read_metrics(out_dir) -> dict[int, dict]:
+    """The logged records by step (a resumed run's lines replace the earlier ones)."""
+    import json
+
+    out = {}
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        for line in f:
+            rec = json.loads(line)
+            if "loss" in rec:
+                out[rec["step"]] = rec
+    return out

@@ -1,0 +1,144 @@
+"""Checkpoints: resume is bitwise, restore reshards onto other layouts, crashes never damage old steps."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from megajax import checkpoint, config as config_lib, train
+
+from conftest import CLI_SMALL, REPO, cli_env, read_metrics, train_cli
+
+
+def test_resume_after_kill_is_bitwise(tmp_path):
+    """20 steps straight == 10 steps, kill -9, rerun the same command to 20 (CPU: bitwise)."""
+    sets = ["train.steps=20", "checkpoint.every=5"]
+    train_cli(tmp_path / "a", *sets)
+    b = tmp_path / "b"
+    cmd = [sys.executable, "-m", "megajax.train", "--config", "configs/tiny.yaml", "--set", *CLI_SMALL,
+           f"train.output_dir={b}", *sets]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        if (b / "metrics.jsonl").exists() and '"step": 12,' in (b / "metrics.jsonl").read_text():
+            break
+        time.sleep(0.1)
+    proc.kill()
+    proc.wait()
+    assert 12 <= len(read_metrics(b)) < 20, "the first run should have been killed part way"
+    rerun = train_cli(b, *sets)
+    assert "resumed from" in rerun.stdout and "step 10" in rerun.stdout
+    a_loss = {s: r["loss"] for s, r in read_metrics(tmp_path / "a").items()}
+    b_loss = {s: r["loss"] for s, r in read_metrics(b).items()}
+    assert a_loss == b_loss
+
+
+def _run(out, steps, layout):
+    cfg = config_lib.load("configs/tiny.yaml", [
+        "model.num_layers=4", "model.hidden_size=64", "model.seq_length=64", "train.global_batch_size=16",
+        "train.micro_batch_size=2", "train.log_every=1", "train.eval_every=0", "checkpoint.every=3",
+        f"train.output_dir={out}", f"train.steps={steps}", *layout])
+    train.run(cfg)
+    return {s: r["loss"] for s, r in read_metrics(out).items()}
+
+
+D8 = ["parallel.data=8"]
+PAIRS = {
+    "pipeline2-zero1-to-pipeline1": (["parallel.data=2", "parallel.pipeline=2", "parallel.tensor=2",
+                                      "parallel.distributed_optimizer=true"], D8),
+    "interleaved-sp-to-pipeline4": (["parallel.data=2", "parallel.pipeline=2", "parallel.tensor=2",
+                                     "parallel.schedule=interleaved", "parallel.virtual_stages=2",
+                                     "parallel.sequence_parallel=true"],
+                                    ["parallel.data=1", "parallel.pipeline=4", "parallel.tensor=2"]),
+    "tensor4-sp-to-data8-zero1": (["parallel.data=2", "parallel.tensor=4", "parallel.sequence_parallel=true"],
+                                  ["parallel.data=8", "parallel.distributed_optimizer=true"]),
+}
+
+
+@pytest.fixture(scope="module")
+def reference_losses(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("ref"), 9, D8)
+
+
+@pytest.mark.parametrize("pair", list(PAIRS))
+def test_restore_onto_another_layout_continues_the_same_run(pair, tmp_path, reference_losses):
+    first, second = PAIRS[pair]
+    _run(tmp_path, 6, first)
+    losses = _run(tmp_path, 9, second)
+    np.testing.assert_allclose([losses[s] for s in range(1, 10)], [reference_losses[s] for s in range(1, 10)],
+                               rtol=1e-4)
+
+
+def test_shape_mismatch_names_the_parameters(tmp_path):
+    train_cli(tmp_path, "train.steps=2")
+    proc = train_cli(tmp_path, "train.steps=4", "model.hidden_size=32", check=False)
+    assert proc.returncode == 2
+    assert "mismatched parameters" in proc.stderr and "['embed']['embedding']" in proc.stderr
+
+
+def test_inspect_lists_steps_and_arrays(tmp_path):
+    train_cli(tmp_path, "train.steps=4", "checkpoint.every=2")
+    report = checkpoint.inspect(str(tmp_path / "checkpoints"))
+    assert report["steps"] == [2, 4] and report["consumed_samples"] == 32
+    names = {a["name"] for a in report["arrays"]}
+    assert any("embedding" in n for n in names) and report["total_bytes"] > 0
+    out = subprocess.run([sys.executable, "-m", "megajax.checkpoint", "inspect", str(tmp_path / "checkpoints")],
+                         cwd=REPO, env=cli_env(), capture_output=True, text=True)
+    assert out.returncode == 0 and json.loads(out.stdout)["latest"] == 4
+
+
+def test_a_crash_mid_save_never_damages_earlier_steps(tmp_path):
+    """An unfinished save (what kill -9 leaves behind) is ignored; the newest complete step is used."""
+    train_cli(tmp_path, "train.steps=4", "checkpoint.every=2")
+    ckpt = tmp_path / "checkpoints"
+    partial = ckpt / "6.orbax-checkpoint-tmp-1234"
+    (partial / "state").mkdir(parents=True)
+    (partial / "state" / "garbage").write_bytes(os.urandom(100))
+    proc = train_cli(tmp_path, "train.steps=6", "checkpoint.every=2")
+    assert "resumed from" in proc.stdout and "step 4" in proc.stdout
+    assert checkpoint.inspect(str(ckpt))["latest"] == 6
+
+
+def test_kill_during_async_saves_then_resume(tmp_path):
+    """kill -9 while checkpoints are written every step: the restart finds a complete step and finishes."""
+    sets = ["train.steps=40", "checkpoint.every=1", "checkpoint.keep=2"]
+    cmd = [sys.executable, "-m", "megajax.train", "--config", "configs/tiny.yaml", "--set", *CLI_SMALL,
+           f"train.output_dir={tmp_path}", *sets]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    for line in proc.stdout:
+        if "checkpoint at step 6" in line:
+            break
+    proc.kill()
+    proc.wait()
+    rerun = train_cli(tmp_path, *sets)
+    assert "resumed from" in rerun.stdout
+    assert checkpoint.inspect(str(tmp_path / "checkpoints"))["latest"] == 40
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT"])
+def test_signal_saves_and_exits_zero(tmp_path, how):
+    cmd = [sys.executable, "-m", "megajax.train", "--config", "configs/tiny.yaml", "--set", *CLI_SMALL,
+           f"train.output_dir={tmp_path}", "train.steps=100000"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    for line in proc.stdout:
+        if line.startswith("step 3/"):
+            proc.send_signal(getattr(signal, how))
+            break
+    rest = proc.stdout.read()
+    assert proc.wait(timeout=120) == 0, rest
+    assert f"stopping after step" in rest and how in rest
+    latest = checkpoint.inspect(str(tmp_path / "checkpoints"))["latest"]
+    assert 3 <= latest < 100
+
+
+def test_exit_after_minutes(tmp_path):
+    proc = train_cli(tmp_path, "train.steps=100000", "train.exit_after_minutes=0.0001")
+    assert "train.exit_after_minutes" in proc.stdout
+    assert checkpoint.inspect(str(tmp_path / "checkpoints"))["latest"] >= 1
