@@ -16,14 +16,16 @@ it are never visited.
 
 Backend: Triton (`pallas.triton.CompilerParams`), on purpose. It compiles for A100 (sm80) and H100/H200
 (sm90), the GPUs Megatron-style training runs on today, and it runs in Pallas interpret mode on CPU, so
-every test of this file runs on a laptop. Pallas Mosaic GPU is where Pallas GPU is heading (TMA, warpgroup
-MMA, explicit pipelining; jax's attention_mgpu.py beats Triton on H100), but it needs Hopper or newer and
-its TMA copies and barriers do not run in interpret mode, so it could be tested only on a GPU; a Mosaic
-variant can sit beside this one behind the same BlockSizes and custom_vjp when a GPU is at hand.
+every test of this file runs on a laptop. Pallas Mosaic GPU is where Pallas GPU is heading (TMA copies,
+warpgroup MMA and explicit pipelining, the Hopper features Triton reaches only through its compiler; jax
+ships its own Hopper attention in attention_mgpu.py), but it needs Hopper or newer, and its TMA copies and
+barriers do not run in interpret mode, so it could be tested only on a GPU. A Mosaic variant can sit
+beside this one behind the same custom_vjp once a GPU is at hand to test and time it.
 
 Shapes that do not fit the tiles are padded, never mis-computed: head dims are zero-padded to a power of 2
 (at least 16, a Triton dot minimum), sequences to a multiple of the blocks, and padded keys are masked.
-Head dims above 256 are rejected (the tiles would not fit in shared memory).
+Head dims above 256 are rejected (the tiles would not fit in shared memory). Under a mesh every kernel runs
+per shard, heads over 'tensor' and batch over 'data' (launch.shard_kernel).
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ Forward: one program per block of rows reads its rows once, keeps them in regist
 (mean and variance computed from the centered values, not E[x^2] - E[x]^2) and writes y, plus per row the
 mean (LayerNorm) and 1/std, saved for the backward. Backward: one program per group of row blocks reads x
 and dy once, recomputes x_hat from the saved statistics, writes dx and accumulates its group's partial
-dscale and dbias in fp32 registers; XLA sums the few partial rows (one per program). What XLA would do
-for the jnp reference is several passes over x: statistics, normalize, and in the backward two reductions
-over d and two over the rows, each reading x or dy again.
+dscale and dbias in fp32 registers; XLA sums the few partial rows (one per program). XLA cannot do this
+for the jnp reference in one pass: the backward needs reductions along both axes (over d for dx, over the
+rows for dscale and dbias), which its fusions do not share, so x and dy are read more than once.
 
 Backend: Triton (see flash_attention.py for why). d need not be a power of 2 (GPT-2's 768): the columns
 are loaded as a power-of-2 tile with the tail masked. Row blocks are powers of 2 that divide the row count
