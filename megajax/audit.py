@@ -7,6 +7,11 @@ Megatron's analytic FLOPs, and what Megatron's tensor/sequence parallelism shoul
 `--target h100` (a100, h200) compiles with XLA's real GPU compiler against compile-only GPUs (needs the
 `gpu-audit` extra: jax-cuda12-plugin), on a machine without a GPU: the CPU compiler never forms
 reduce-scatter, the GPU one does, and its memory analysis is what a GPU would hold.
+
+`--lower-for cuda` instead exports the train step with `jax.export(..., platforms=["cuda"])` (lowering only,
+no compiler, no plugin needed) and reports the Pallas kernel custom calls it contains (Triton or Mosaic
+GPU) by kernel name: with model.attention_impl=pallas / model.norm_impl=pallas, proof that the kernels
+lower for the GPU rather than falling back to their CPU interpreter.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import sys
 from pathlib import Path
 
 TARGETS = ("cpu", "a100", "h100", "h200")
+# Custom-call targets of Pallas GPU kernels: Triton (XLA's own, and the FFI path used for ROCm), Mosaic GPU.
+KERNEL_CALL_TARGETS = ("__gpu$xla.gpu.triton", "triton_kernel_call_ffi", "mosaic_gpu", "mosaic_gpu_v2")
 GPUS_PER_HOST = 8
 
 
@@ -130,6 +137,49 @@ def audit(cfg, target: str = "cpu", devices: int | None = None, dump_hlo: str | 
     }
 
 
+def lower_for(cfg, platform: str) -> dict:
+    """Exports the train step for `platform` on this host's devices and counts the kernel custom calls.
+
+    Each custom call appears once per site in the module (a kernel inside the layer scan counts once).
+    """
+    import jax
+
+    from megajax import sharding, train
+    from megajax.data.loader import batch_shapes
+
+    devs = jax.devices()
+    cfg = cfg.for_devices(len(devs))
+    mesh = sharding.make_mesh(cfg.parallel, devs)
+    setup = train.build(cfg, mesh)
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                         setup.abstract_state, setup.state_shardings)
+    batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=setup.batch_shardings[k])
+             for k, (shape, dtype) in batch_shapes(cfg.train.global_batch_size, cfg.model.seq_length).items()}
+    # Kernel IR carries no compatibility guarantee: fine for an artifact that is inspected, not shipped.
+    unchecked = [jax.export.DisabledSafetyCheck.custom_call(t) for t in KERNEL_CALL_TARGETS]
+    with jax.set_mesh(mesh):
+        exported = jax.export.export(train.jit_train_step(setup), platforms=[platform],
+                                     disabled_checks=unchecked)(state, batch)
+    kernels: dict[str, dict] = {}
+    others: dict[str, int] = {}
+    for line in exported.mlir_module().splitlines():
+        call = re.search(r"stablehlo\.custom_call @([\w$.]+)\(", line)
+        if call is None:
+            continue
+        target = call.group(1)
+        if target not in KERNEL_CALL_TARGETS:
+            others[target] = others.get(target, 0) + 1
+            continue
+        entry = kernels.setdefault(target, {"count": 0, "names": {}})
+        entry["count"] += 1
+        name = re.search(r'\bname = "([^"]+)"', line)
+        key = name.group(1) if name else "?"
+        entry["names"][key] = entry["names"].get(key, 0) + 1
+    return {"lowered_for": platform, "devices": len(devs), "model": {
+                "attention_impl": cfg.model.attention_impl, "norm_impl": cfg.model.norm_impl},
+            "kernel_custom_calls": kernels, "other_custom_calls": others}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megajax.audit", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config")
@@ -137,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", choices=TARGETS, default="cpu")
     parser.add_argument("--devices", type=int, help="device count (default: the host's devices; 8 for GPUs)")
     parser.add_argument("--dump-hlo", metavar="FILE", help="also write the compiled HLO text here")
+    parser.add_argument("--lower-for", choices=("cuda", "rocm"),
+                        help="only export the train step for this platform and report its kernel custom calls")
     args = parser.parse_args(argv)
 
     import os
@@ -153,7 +205,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = config_lib.load(args.config, args.set)
-        report = audit(cfg, args.target, args.devices, args.dump_hlo)
+        if args.lower_for:
+            report = lower_for(cfg, args.lower_for)
+        else:
+            report = audit(cfg, args.target, args.devices, args.dump_hlo)
     except (ConfigError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,4 +1,5 @@
-"""Attention: the jnp reference (impl="xla") and the cuDNN path; the Pallas flash kernel plugs in here.
+"""Attention: the jnp reference (impl="xla"), and the dispatch to the Pallas flash attention kernels
+(impl="pallas", megajax/kernels/flash_attention.py) or cuDNN (impl="cudnn").
 
 q [b, s, h, k], k and v [b, s, g, k] with h a multiple of g (grouped-query attention).
 """
@@ -10,6 +11,8 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+
+from megajax.kernels.flash_attention import flash_attention
 
 
 def attention_reference(
@@ -71,5 +74,6 @@ def attention(
             raise ValueError("impl='cudnn' does not take segment_ids here: use impl='xla' or 'pallas'")
         return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation="cudnn")
     if impl == "pallas":
-        raise NotImplementedError("the Pallas flash attention kernel is not built yet: use model.attention_impl=xla")
+        # Under a mesh the kernels run per shard: heads over 'tensor', batch over 'data' (launch.py).
+        return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale)
     raise ValueError(f"unknown attention impl {impl!r}: use xla, pallas or cudnn")

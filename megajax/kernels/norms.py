@@ -1,9 +1,13 @@
-"""LayerNorm and RMSNorm: the jnp references (impl="xla"); the fused Pallas kernels plug in here."""
+"""LayerNorm and RMSNorm: the jnp references (impl="xla") and the dispatch to the fused Pallas kernels
+(impl="pallas", megajax/kernels/fused_norm.py)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
+
+from megajax.kernels.fused_norm import layer_norm_pallas, rms_norm_pallas
 
 
 def layer_norm_reference(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
@@ -21,17 +25,29 @@ def rms_norm_reference(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return xf * jax.lax.rsqrt(ms + eps) * scale.astype(jnp.float32)
 
 
-def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-5, *, impl: str = "xla") -> jax.Array:
+def _cast(y: jax.Array, out_dtype: DTypeLike | None) -> jax.Array:
+    return y if out_dtype is None else y.astype(out_dtype)
+
+
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-5, *, impl: str = "xla",
+               out_dtype: DTypeLike | None = None) -> jax.Array:
+    """LayerNorm over the last dim, statistics in fp32. x [..., d], scale and bias [d] -> [..., d].
+
+    Returns fp32 unless out_dtype is given (the fused kernel then writes that dtype directly).
+    """
     if impl == "xla":
-        return layer_norm_reference(x, scale, bias, eps)
+        return _cast(layer_norm_reference(x, scale, bias, eps), out_dtype)
     if impl == "pallas":
-        raise NotImplementedError("the fused Pallas LayerNorm is not built yet: use model.norm_impl=xla")
+        return layer_norm_pallas(x, scale, bias, eps, out_dtype=out_dtype)
     raise ValueError(f"unknown norm impl {impl!r}: use xla or pallas")
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-6, *, impl: str = "xla") -> jax.Array:
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-6, *, impl: str = "xla",
+             out_dtype: DTypeLike | None = None) -> jax.Array:
+    """RMSNorm over the last dim, statistics in fp32. x [..., d], scale [d] -> [..., d] (fp32 unless
+    out_dtype is given)."""
     if impl == "xla":
-        return rms_norm_reference(x, scale, eps)
+        return _cast(rms_norm_reference(x, scale, eps), out_dtype)
     if impl == "pallas":
-        raise NotImplementedError("the fused Pallas RMSNorm is not built yet: use model.norm_impl=xla")
+        return rms_norm_pallas(x, scale, eps, out_dtype=out_dtype)
     raise ValueError(f"unknown norm impl {impl!r}: use xla or pallas")

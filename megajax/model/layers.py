@@ -66,14 +66,15 @@ class Norm(nn.Module):
     def __call__(self, x_bsd: jax.Array) -> jax.Array:
         cfg = self.cfg
         d = x_bsd.shape[-1]
-        pdt = dtype_of(cfg.param_dtype)
+        pdt, cdt = dtype_of(cfg.param_dtype), dtype_of(cfg.compute_dtype)
         scale = _param(self, "scale", (d,), ("embed",), None, pdt)
+        # out_dtype: the fused kernel writes the compute dtype directly instead of an fp32 copy to cast.
         if cfg.arch == "llama":
-            y = kernels.rms_norm(x_bsd, scale, cfg.norm_eps, impl=cfg.norm_impl)
+            y = kernels.rms_norm(x_bsd, scale, cfg.norm_eps, impl=cfg.norm_impl, out_dtype=cdt)
         else:
             bias = _param(self, "bias", (d,), ("embed",), 0, pdt)
-            y = kernels.layer_norm(x_bsd, scale, bias, cfg.norm_eps, impl=cfg.norm_impl)
-        return y.astype(dtype_of(cfg.compute_dtype))
+            y = kernels.layer_norm(x_bsd, scale, bias, cfg.norm_eps, impl=cfg.norm_impl, out_dtype=cdt)
+        return y
 
 
 class Embed(nn.Module):

@@ -1,0 +1,418 @@
+"""Flash attention (forward and backward) as Pallas kernels on the Triton backend.
+
+q [b, s, h, k], k and v [b, s, g, k], h a multiple of g (grouped-query attention: query head i reads kv head
+i // (h // g)). The jnp oracle is `megajax.kernels.attention.attention_reference`.
+
+Algorithm (FlashAttention-2). Forward: one program per (batch, head, block of block_q queries) keeps its
+queries in SRAM and streams the keys and values in blocks of block_k, with an online softmax (running max
+m, running sum l, fp32 accumulator rescaled when m grows); it writes the output and the log-sum-exp
+lse = m + log2(l) per query. Backward: delta = rowsum(o * do) (one fused XLA pass), then two kernels that
+recompute the probabilities blockwise from q, k and lse: dq (a program per query block, looping over key
+blocks) and dk/dv (a program per key block of a kv head, looping over the query blocks of all h // g query
+heads that share it, so grouped-query gradients are summed in registers, not in an [b, s, h, k] buffer).
+No [s, s] matrix exists anywhere. Logits are scaled by scale * log2(e) so the kernels use exp2. With
+causal masking the loops stop at (forward, dq) or start from (dk/dv) the diagonal block: the blocks above
+it are never visited.
+
+Backend: Triton (`pallas.triton.CompilerParams`), on purpose. It compiles for A100 (sm80) and H100/H200
+(sm90), the GPUs Megatron-style training runs on today, and it runs in Pallas interpret mode on CPU, so
+every test of this file runs on a laptop. Pallas Mosaic GPU is where Pallas GPU is heading (TMA copies,
+warpgroup MMA and explicit pipelining, the Hopper features Triton reaches only through its compiler; jax
+ships its own Hopper attention in attention_mgpu.py), but it needs Hopper or newer, and its TMA copies and
+barriers do not run in interpret mode, so it could be tested only on a GPU. A Mosaic variant can sit
+beside this one behind the same custom_vjp once a GPU is at hand to test and time it.
+
+Shapes that do not fit the tiles are padded, never mis-computed: head dims are zero-padded to a power of 2
+(at least 16, a Triton dot minimum), sequences to a multiple of the blocks, and padded keys are masked.
+Head dims above 256 are rejected (the tiles would not fit in shared memory). Under a mesh every kernel runs
+per shard, heads over 'tensor' and batch over 'data' (launch.shard_kernel).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from megajax.kernels.launch import match_varying, next_power_of_2, pallas_call, shard_kernel, varying_axes
+
+LOG2E = math.log2(math.e)
+# Finite, so a fully masked row (only ever a padded one) yields uniform weights rather than NaNs that would
+# reach real gradients through 0 * NaN; 0.7 leaves headroom for subtracting the running max.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+MIN_BLOCK = 16  # Triton's dot needs every dim >= 16
+MAX_HEAD_DIM = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes (rows of q or k per tile) of the three kernels, and the Triton launch parameters.
+
+    Every block is a power of 2 >= 16; each is clipped to the (power-of-2 rounded) sequence length.
+    """
+
+    block_q: int = 64  # forward: queries per program
+    block_k: int = 64  # forward: keys per inner step
+    block_q_dq: int = 64  # dq kernel: queries per program
+    block_k_dq: int = 64  # dq kernel: keys per inner step
+    block_q_dkv: int = 64  # dk/dv kernel: queries per inner step
+    block_k_dkv: int = 64  # dk/dv kernel: keys per program
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name.startswith("block") and (value < MIN_BLOCK or value & (value - 1)):
+                raise ValueError(f"BlockSizes.{f.name}={value} must be a power of 2 >= {MIN_BLOCK}")
+
+    def fit(self, seq_len: int) -> BlockSizes:
+        """Blocks no larger than the sequence rounded up to a power of 2 (short sequences: one block)."""
+        cap = max(MIN_BLOCK, next_power_of_2(seq_len))
+        return dataclasses.replace(self, **{f.name: min(getattr(self, f.name), cap)
+                                            for f in dataclasses.fields(self) if f.name.startswith("block")})
+
+    @property
+    def largest(self) -> int:
+        return max(getattr(self, f.name) for f in dataclasses.fields(self) if f.name.startswith("block"))
+
+
+# Defaults by (head dim bucket, bytes per element). Sized to the shared memory of an A100 (164 KiB) with
+# Triton's 2-stage pipelining: fp32 tiles take twice the bytes, so they get half the rows; the backward
+# holds more tiles live (q, k, v, do, dk, dv) than the forward, so its blocks are smaller. Not yet tuned
+# on a GPU (scripts/bench_kernels.py is the tool); tests/test_kernels.py compiles every entry for A100 and
+# H100 with XLA's GPU compiler, so each one at least fits.
+BLOCK_TABLE: dict[tuple[int, int], BlockSizes] = {
+    (64, 2): BlockSizes(128, 64, 64, 64, 64, 64, num_warps=4),
+    (128, 2): BlockSizes(128, 64, 64, 64, 64, 64, num_warps=8),
+    (256, 2): BlockSizes(64, 32, 32, 32, 32, 32, num_warps=8),
+    (64, 4): BlockSizes(64, 64, 64, 32, 32, 64, num_warps=4),
+    (128, 4): BlockSizes(64, 32, 32, 32, 32, 32, num_warps=8),
+    (256, 4): BlockSizes(32, 16, 16, 16, 16, 16, num_warps=8),
+}
+
+
+def default_block_sizes(head_dim: int, dtype) -> BlockSizes:
+    """The table entry for this head dim (rounded up to 64, 128 or 256) and dtype width."""
+    bucket = next(d for d in (64, 128, 256) if head_dim <= d)
+    return BLOCK_TABLE[(bucket, 4 if jnp.dtype(dtype).itemsize >= 4 else 2)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Kernels. Refs arrive as 2D tiles: the batch and head dims are squeezed out by the BlockSpecs.
+
+
+def _dot(a: jax.Array, b: jax.Array, contract: tuple[int, int]) -> jax.Array:
+    """a and b contracted over dims (contract[0] of a, contract[1] of b), accumulated in fp32."""
+    return lax.dot_general(a, b, ((contract[:1], contract[1:]), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _masked_logits(s, q_pos, k_pos, q_seg, k_seg, *, causal: bool, kv_len: int | None):
+    """Applies the causal, segment and padding masks to a [block_q, block_k] tile of logits."""
+    mask = None
+    if causal:
+        mask = q_pos[:, None] >= k_pos[None, :]
+    if q_seg is not None:
+        same = q_seg[:, None] == k_seg[None, :]
+        mask = same if mask is None else mask & same
+    if kv_len is not None:  # non-causal with padded keys (causal already hides them from real queries)
+        real = jnp.broadcast_to(k_pos[None, :] < kv_len, s.shape)
+        mask = real if mask is None else mask & real
+    return s if mask is None else jnp.where(mask, s, MASK_VALUE)
+
+
+def _split_refs(refs, has_segments: bool, n_in: int):
+    """(inputs, q segment ids ref, kv segment ids ref, outputs); the segment refs are None without them."""
+    if has_segments:
+        return refs[:n_in], refs[n_in], refs[n_in + 1], refs[n_in + 2:]
+    return refs[:n_in], None, None, refs[n_in:]
+
+
+def _forward_kernel(*refs, scale: float, causal: bool, kv_len: int, length_mask: bool, block_k: int,
+                    has_segments: bool):
+    (q_ref, k_ref, v_ref), sq_ref, sk_ref, (o_ref, lse_ref) = _split_refs(refs, has_segments, 3)
+    block_q = q_ref.shape[0]
+    qi = pl.program_id(2)
+    q = q_ref[...]
+    q_pos = qi * block_q + jnp.arange(block_q)
+    q_seg = None if sq_ref is None else sq_ref[...]
+
+    def body(j, carry):
+        acc, m, l = carry
+        ks = pl.ds(j * block_k, block_k)
+        k_seg = None if sk_ref is None else sk_ref[ks]
+        s = _dot(q, k_ref[ks, :], (1, 1)) * (scale * LOG2E)
+        s = _masked_logits(s, q_pos, j * block_k + jnp.arange(block_k), q_seg, k_seg, causal=causal,
+                           kv_len=kv_len if length_mask else None)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp2(m - m_new)  # rescales what was accumulated under the old max
+        p = jnp.exp2(s - m_new[:, None])
+        v = v_ref[ks, :]
+        acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, (1, 0))
+        return acc, m_new, l * alpha + jnp.sum(p, axis=1)
+
+    n_kv = pl.cdiv(kv_len, block_k)  # key blocks made only of padding are never read
+    upper = jnp.minimum(lax.div((qi + 1) * block_q + block_k - 1, block_k), n_kv) if causal else n_kv
+    init = (jnp.zeros(q.shape, jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
+            jnp.zeros((block_q,), jnp.float32))
+    acc, m, l = lax.fori_loop(0, upper, body, init)
+    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = m + jnp.log2(l)
+
+
+def _dq_kernel(*refs, scale: float, causal: bool, kv_len: int, length_mask: bool, block_k: int,
+               has_segments: bool):
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), sq_ref, sk_ref, (dq_ref,) = _split_refs(
+        refs, has_segments, 6)
+    block_q = q_ref.shape[0]
+    qi = pl.program_id(2)
+    q, do = q_ref[...], do_ref[...]
+    lse, delta = lse_ref[...], delta_ref[...]
+    q_pos = qi * block_q + jnp.arange(block_q)
+    q_seg = None if sq_ref is None else sq_ref[...]
+
+    def body(j, dq):
+        ks = pl.ds(j * block_k, block_k)
+        k = k_ref[ks, :]
+        k_seg = None if sk_ref is None else sk_ref[ks]
+        s = _dot(q, k, (1, 1)) * (scale * LOG2E)
+        s = _masked_logits(s, q_pos, j * block_k + jnp.arange(block_k), q_seg, k_seg, causal=causal,
+                           kv_len=kv_len if length_mask else None)
+        p = jnp.exp2(s - lse[:, None])
+        ds = p * (_dot(do, v_ref[ks, :], (1, 1)) - delta[:, None])  # dL/dlogits
+        return dq + _dot(ds.astype(k.dtype), k, (1, 0))
+
+    n_kv = pl.cdiv(kv_len, block_k)
+    upper = jnp.minimum(lax.div((qi + 1) * block_q + block_k - 1, block_k), n_kv) if causal else n_kv
+    dq = lax.fori_loop(0, upper, body, jnp.zeros(q.shape, jnp.float32))
+    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(*refs, scale: float, causal: bool, kv_len: int, length_mask: bool, block_q: int,
+                group: int, has_segments: bool):
+    """q, do: [s, group, k] (the query heads of this kv head); lse, delta: [group, s]; k, v: [block_k, k]."""
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), sq_ref, sk_ref, (dk_ref, dv_ref) = _split_refs(
+        refs, has_segments, 6)
+    block_k = k_ref.shape[0]
+    ki = pl.program_id(2)
+    k, v = k_ref[...], v_ref[...]
+    k_pos = ki * block_k + jnp.arange(block_k)
+    k_seg = None if sk_ref is None else sk_ref[...]
+
+    def q_block(i, carry, head):
+        dk, dv = carry
+        qs = pl.ds(i * block_q, block_q)
+        q, do = q_ref[qs, head, :], do_ref[qs, head, :]
+        q_seg = None if sq_ref is None else sq_ref[qs]
+        s = _dot(q, k, (1, 1)) * (scale * LOG2E)
+        s = _masked_logits(s, i * block_q + jnp.arange(block_q), k_pos, q_seg, k_seg, causal=causal,
+                           kv_len=kv_len if length_mask else None)
+        p = jnp.exp2(s - lse_ref[head, qs][:, None])
+        dv = dv + _dot(p.astype(do.dtype), do, (0, 0))
+        ds = p * (_dot(do, v, (1, 1)) - delta_ref[head, qs][:, None])
+        return dk + _dot(ds.astype(q.dtype), q, (0, 0)), dv
+
+    # Query blocks after the last real query only hold padding, whose do is zero: skip them.
+    lower = lax.div(ki * block_k, block_q) if causal else 0
+    n_q = pl.cdiv(kv_len, block_q)
+
+    def one_head(head, carry):
+        return lax.fori_loop(lower, n_q, functools.partial(q_block, head=head), carry)
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    dk, dv = lax.fori_loop(0, group, one_head, (zeros, zeros))
+    dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------
+# pallas_calls. Grids are (batch, head, block); the 4D arrays keep their [b, s, h, k] layout in HBM (no
+# transposes) and the BlockSpecs pick one head's [block, k] tile out of it.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """What the kernels need besides arrays; hashable, so it can be a nondiff argument of the custom_vjp."""
+
+    causal: bool
+    scale: float
+    kv_len: int  # real (unpadded) sequence length
+    blocks: BlockSizes
+    interpret: bool | None
+
+    def params(self, name: str) -> dict:
+        return dict(name=name, interpret=self.interpret, compiler_params=pltriton.CompilerParams(
+            num_warps=self.blocks.num_warps, num_stages=self.blocks.num_stages))
+
+    def kernel_args(self, key_block: int, has_segments: bool) -> dict:
+        # Padded keys need their own mask only without causality (which already hides them from every real
+        # query) and only when the last key block is part padding (whole padding blocks are not visited).
+        return dict(scale=self.scale, causal=self.causal, kv_len=self.kv_len, has_segments=has_segments,
+                    length_mask=not self.causal and self.kv_len % key_block != 0)
+
+
+def _segment_specs(segment_ids, row_block: int, row_index, full_index) -> tuple[list, list]:
+    """(specs, arrays) passing the segment ids twice: this program's rows, and the whole sequence."""
+    if segment_ids is None:
+        return [], []
+    s_pad = segment_ids.shape[1]
+    return ([pl.BlockSpec((None, row_block), row_index), pl.BlockSpec((None, s_pad), full_index)],
+            [segment_ids, segment_ids])
+
+
+def _forward(q, k, v, segment_ids, st: _Static):
+    b, s_pad, h, d = q.shape
+    group = h // k.shape[2]
+    bq, bk = st.blocks.block_q, st.blocks.block_k
+    seg_specs, seg_args = _segment_specs(segment_ids, bq, lambda bi, hi, qi: (bi, qi),
+                                         lambda bi, hi, qi: (bi, 0))
+    kernel = functools.partial(_forward_kernel, block_k=bk, **st.kernel_args(bk, bool(seg_args)))
+    q_spec = pl.BlockSpec((None, bq, None, d), lambda bi, hi, qi: (bi, qi, hi, 0))
+    kv_spec = pl.BlockSpec((None, s_pad, None, d), lambda bi, hi, qi: (bi, 0, hi // group, 0))
+    return pallas_call(
+        kernel, grid=(b, h, s_pad // bq),
+        in_specs=[q_spec, kv_spec, kv_spec, *seg_specs],
+        out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda bi, hi, qi: (bi, hi, qi))],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, s_pad), jnp.float32)],
+        **st.params("flash_attention_fwd"))(q, k, v, *seg_args)
+
+
+def _backward_dq(q, k, v, do, lse, delta, segment_ids, st: _Static):
+    b, s_pad, h, d = q.shape
+    group = h // k.shape[2]
+    bq, bk = st.blocks.block_q_dq, st.blocks.block_k_dq
+    seg_specs, seg_args = _segment_specs(segment_ids, bq, lambda bi, hi, qi: (bi, qi),
+                                         lambda bi, hi, qi: (bi, 0))
+    kernel = functools.partial(_dq_kernel, block_k=bk, **st.kernel_args(bk, bool(seg_args)))
+    q_spec = pl.BlockSpec((None, bq, None, d), lambda bi, hi, qi: (bi, qi, hi, 0))
+    kv_spec = pl.BlockSpec((None, s_pad, None, d), lambda bi, hi, qi: (bi, 0, hi // group, 0))
+    row_spec = pl.BlockSpec((None, None, bq), lambda bi, hi, qi: (bi, hi, qi))
+    return pallas_call(
+        kernel, grid=(b, h, s_pad // bq),
+        in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *seg_specs],
+        out_specs=q_spec, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        **st.params("flash_attention_dq"))(q, k, v, do, lse, delta, *seg_args)
+
+
+def _backward_dkv(q, k, v, do, lse, delta, segment_ids, st: _Static):
+    b, s_pad, g, d = k.shape
+    group = q.shape[2] // g
+    bq, bk = st.blocks.block_q_dkv, st.blocks.block_k_dkv
+    seg_specs, seg_args = _segment_specs(segment_ids, bk, lambda bi, gi, ki: (bi, ki),
+                                         lambda bi, gi, ki: (bi, 0))
+    seg_specs = seg_specs[::-1]  # the kernel reads the whole query sequence, and this program's key rows
+    kernel = functools.partial(_dkv_kernel, block_q=bq, group=group,
+                               **st.kernel_args(bk, bool(seg_args)))
+    # Query head j of kv head gi is gi * group + j: a block of `group` heads at block index gi.
+    q_spec = pl.BlockSpec((None, s_pad, group, d), lambda bi, gi, ki: (bi, 0, gi, 0))
+    kv_spec = pl.BlockSpec((None, bk, None, d), lambda bi, gi, ki: (bi, ki, gi, 0))
+    row_spec = pl.BlockSpec((None, group, s_pad), lambda bi, gi, ki: (bi, gi, 0))
+    return pallas_call(
+        kernel, grid=(b, g, s_pad // bk),
+        in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *seg_specs],
+        out_specs=[kv_spec, kv_spec],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        **st.params("flash_attention_dkv"))(q, k, v, do, lse, delta, *seg_args)
+
+
+# Logical axis names of the operands: shard_kernel splits batch and heads over the mesh.
+Q_NAMES = ("batch", None, "heads", None)
+KV_NAMES = ("batch", None, "kv_heads", None)
+ROW_NAMES = ("batch", "heads", None)  # lse and delta, [b, h, s]
+SEGMENT_NAMES = ("batch", None)
+
+
+def _sharded_forward(q, k, v, segment_ids, st: _Static):
+    seg_names = None if segment_ids is None else SEGMENT_NAMES
+    return shard_kernel(lambda q, k, v, seg: _forward(q, k, v, seg, st), (q, k, v, segment_ids),
+                        (Q_NAMES, KV_NAMES, KV_NAMES, seg_names), (Q_NAMES, ROW_NAMES))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _flash(q, k, v, segment_ids, st: _Static):
+    return _sharded_forward(q, k, v, segment_ids, st)[0]
+
+
+def _flash_fwd(q, k, v, segment_ids, st: _Static):
+    o, lse = _sharded_forward(q, k, v, segment_ids, st)
+    return o, (q, k, v, segment_ids, o, lse)
+
+
+def _flash_bwd(st: _Static, res, do):
+    q, k, v, segment_ids, o, lse = res
+    # delta_i = sum_k o_ik do_ik = sum_j p_ij dp_ij: one memory-bound pass XLA fuses; doing it in the dq
+    # kernel would leave the dk/dv kernel without it.
+    delta = jnp.einsum("bshk,bshk->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
+
+    def grads(q, k, v, do, lse, delta, seg):
+        dq = _backward_dq(q, k, v, do, lse, delta, seg, st)
+        return (dq, *_backward_dkv(q, k, v, do, lse, delta, seg, st))
+
+    seg_names = None if segment_ids is None else SEGMENT_NAMES
+    dq, dk, dv = shard_kernel(grads, (q, k, v, do, lse, delta, segment_ids),
+                              (Q_NAMES, KV_NAMES, KV_NAMES, Q_NAMES, ROW_NAMES, ROW_NAMES, seg_names),
+                              (Q_NAMES, KV_NAMES, KV_NAMES))
+    # Each cotangent typed as its primal (inside the pipeline's shard_map: varying over 'data').
+    return (match_varying(dq, varying_axes(q)), match_varying(dk, varying_axes(k)),
+            match_varying(dv, varying_axes(v)), None)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = True,
+    segment_ids: jax.Array | None = None,
+    scale: float | None = None,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """softmax(q k^T * scale + mask) v with flash attention kernels. [b,s,h,k] x [b,s,g,k] -> [b,s,h,k].
+
+    segment_ids [b, s] (int): tokens attend only within their segment (packed documents). scale defaults
+    to 1/sqrt(k). block_sizes defaults to BLOCK_TABLE's entry for the head dim and dtype. interpret=None
+    interprets on CPU and compiles on GPU. Differentiable (custom_vjp with the backward kernels).
+    """
+    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
+        raise ValueError(f"expected q [b, s, h, k] and k, v [b, s, g, k]: {q.shape=} {k.shape=} {v.shape=}")
+    b, s, h, d = q.shape
+    if k.shape[0] != b or k.shape[1] != s or k.shape[3] != d:
+        raise ValueError(f"q and k/v must share batch, sequence (self-attention) and head dim: {q.shape=} "
+                         f"{k.shape=}")
+    g = k.shape[2]
+    if h % g:
+        raise ValueError(f"the query heads must be a multiple of the kv heads: {h=} {g=}")
+    if q.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32) or not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q, k, v must share one of bfloat16, float16, float32: {q.dtype=} {k.dtype=} {v.dtype=}")
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"head dim {d=} > {MAX_HEAD_DIM}: its tiles would not fit in shared memory; use "
+                         "impl='xla' or 'cudnn'")
+    if segment_ids is not None and segment_ids.shape != (b, s):
+        raise ValueError(f"segment_ids must be [b, s] = {(b, s)}: {segment_ids.shape=}")
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    blocks = (block_sizes or default_block_sizes(d, q.dtype)).fit(s)
+
+    # Pad the head dim to a power of 2 (zeros change no logit and give zero output columns) and the
+    # sequence to a multiple of every block (padded keys are masked, padded query rows dropped).
+    d_pad = max(MIN_BLOCK, next_power_of_2(d))
+    s_pad = -(-s // blocks.largest) * blocks.largest
+    if (d_pad, s_pad) != (d, s):
+        pad = lambda x: jnp.pad(x, ((0, 0), (0, s_pad - s), (0, 0), (0, d_pad - d)))  # noqa: E731
+        q, k, v = pad(q), pad(k), pad(v)
+        if segment_ids is not None:
+            segment_ids = jnp.pad(segment_ids, ((0, 0), (0, s_pad - s)))
+    if segment_ids is not None:
+        segment_ids = segment_ids.astype(jnp.int32)
+    out = _flash(q, k, v, segment_ids, _Static(bool(causal), scale, s, blocks, interpret))
+    return out[:, :s, :, :d]

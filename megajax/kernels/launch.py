@@ -1,0 +1,136 @@
+"""Where and how a Pallas kernel runs: the platform (compiled on GPU, interpreted on CPU) and the mesh.
+
+Two concerns every kernel in this package shares, kept out of the kernels themselves:
+
+1. **Platform.** `pallas_call` wraps `pl.pallas_call` in `lax.platform_dependent`: the CPU branch runs the
+   kernel in Pallas interpret mode (the tests), every other platform compiles it (Triton on CUDA). The
+   choice is made when the program is lowered, not from `jax.default_backend()`, so a CPU-only machine can
+   still `jax.export(..., platforms=["cuda"])` a train step and get the real Triton custom calls.
+2. **Partitioning.** A pallas_call is an opaque custom call that GSPMD cannot split. `shard_kernel` runs
+   kernels shard by shard in a nested `jax.shard_map` over the mesh axes still left to GSPMD ('tensor'
+   inside the train step's manual 'data'/'pipeline' region; every axis under plain jit), each operand
+   split by its logical axis names (megajax.sharding's activation rules: heads over 'tensor', the sequence
+   over 'tensor' with sequence parallelism, batch over 'data') and replicated over the other axes, which
+   costs no communication.
+
+The custom_vjp of each kernel stays outside these shard_maps: its forward and backward each call
+`shard_kernel`, so the shard_maps are never differentiated. That is what makes `check_vma=False` safe
+here (a nested unchecked shard_map cannot be transposed inside the train step's checked one), and an
+unchecked region is what Pallas' interpreter needs (it cannot evaluate a kernel on values typed as varying
+over manual axes). Outputs get back the varying axes of the inputs, so the custom_vjp sees proper types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from megajax import sharding
+
+Names = Sequence[str | None]
+
+
+def pallas_call(kernel: Callable, *, interpret: bool | None = None, **params: Any) -> Callable:
+    """`pl.pallas_call(kernel, **params)` that interprets on CPU and compiles elsewhere.
+
+    interpret=None picks per lowering platform; True or False forces one (True: debug a kernel on GPU).
+    """
+    out_shape = params.pop("out_shape")
+
+    def call(*args):
+        # In a shard_map that checks varying axes and has nothing left to make manual (shard_kernel could
+        # not open an unchecked region), Pallas needs the outputs' varying axes: those of the inputs.
+        axes = frozenset().union(*(varying_axes(a) for a in jax.tree.leaves(args)))
+        shapes = jax.tree.map(lambda s: _struct(s.shape, s.dtype, axes), out_shape)
+        compiled = pl.pallas_call(kernel, interpret=False, out_shape=shapes, **params)
+
+        def interpreted(*a):
+            return pl.pallas_call(kernel, interpret=True, out_shape=shapes, **params)(*map(_strip, a))
+
+        if interpret is not None:
+            return (interpreted if interpret else compiled)(*args)
+        return jax.lax.platform_dependent(*args, cpu=interpreted, default=compiled)
+
+    return call
+
+
+def shard_kernel(fn: Callable, args: Sequence[jax.Array | None], in_names: Sequence[Names | None],
+                 out_names: Sequence[Names], *, summed: Sequence[int] = ()) -> tuple:
+    """fn(*args) -> tuple of outputs, run shard by shard; never differentiate through it.
+
+    in_names[i] names the dims of args[i] (None for an argument that is None), out_names[j] those of output
+    j. Outputs listed in `summed` are partial sums over the rows fn saw (a norm's dscale): they are summed
+    over every axis that split an input and is absent from their names. Outside a mesh, fn runs as is.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = set(getattr(mesh, "manual_axes", ()))
+    auto = set() if mesh.empty else set(mesh.axis_names) - manual
+    if not auto:
+        return tuple(fn(*args))
+    # The model's rules inside sharding.activation_sharding, else the defaults (no sequence parallelism).
+    rules = sharding._ACTIVATION_RULES.get() or sharding.activation_rules(False)
+    live = {k: (v if v in auto and mesh.shape[v] > 1 else None) for k, v in rules.items()}
+    # An axis that does not divide every dim it would split (flax's init traces the model on a batch of
+    # one) is dropped from all specs, so that, e.g., query and kv heads are always split together.
+    for arg, names in zip(args, in_names):
+        for size, name in zip([] if arg is None else arg.shape, names or ()):
+            axis = live.get(name) if name is not None else None
+            if axis is not None and size % mesh.shape[axis]:
+                live = {k: (None if v == axis else v) for k, v in live.items()}
+    in_specs = tuple(None if n is None else sharding.spec_for(n, live) for n in in_names)
+    out_specs = tuple(sharding.spec_for(n, live) for n in out_names)
+    split = sorted({a for spec in in_specs if spec is not None for a in spec if a is not None})
+
+    def local(*a):
+        out = list(fn(*a))
+        for j in summed:
+            axes = tuple(ax for ax in split if ax not in out_specs[j])
+            out[j] = jax.lax.psum(out[j], axes) if axes else out[j]
+        return tuple(out)
+
+    # Every automatic axis becomes manual: the operands are replicated over those that split nothing.
+    out = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=auto,
+                        check_vma=False)(*args)
+    axes = frozenset().union(*(varying_axes(a) for a in jax.tree.leaves(args)))
+    return tuple(match_varying(o, axes) for o in out)
+
+
+def varying_axes(x: jax.Array) -> frozenset:
+    """The manual mesh axes x varies over (jax 0.10: aval.manual_axis_type.varying; earlier: aval.vma)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def match_varying(x: jax.Array | None, axes: frozenset) -> jax.Array | None:
+    """x typed to vary over exactly `axes`: pcast where it lacks one, psum where it has one too many (the
+    cotangent of a value that was broadcast over that axis). Only for code that is not differentiated."""
+    if x is None:
+        return None
+    have = varying_axes(x)
+    if have - axes:
+        x = jax.lax.psum(x, tuple(sorted(have - axes)))
+    if axes - have:
+        x = jax.lax.pcast(x, tuple(sorted(axes - have)), to="varying")
+    return x
+
+
+def _strip(x: jax.Array) -> jax.Array:
+    """x without varying-axis types (in an unchecked shard_map any op drops them); exact, and XLA removes
+    the multiply. Pallas' interpreter fails on typed values."""
+    return x * jnp.ones((), x.dtype)
+
+
+def _struct(shape, dtype, varying: frozenset) -> jax.ShapeDtypeStruct:
+    if hasattr(jax.sharding, "ManualAxisType"):
+        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
+    return jax.ShapeDtypeStruct(shape, dtype, vma=varying)
+
+
+def next_power_of_2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()
+

@@ -1,0 +1,217 @@
+"""Benchmark (on a GPU) or check (on CPU) megajax's Pallas kernels against the alternatives.
+
+    python scripts/bench_kernels.py            # GPU: forward+backward timings; CPU: correctness sweep
+    python scripts/bench_kernels.py --json out.json
+
+On a GPU, for attention at GPT-2 and Llama shapes it times forward + backward of impl="xla" (the jnp
+reference), impl="pallas" (megajax's flash kernels), impl="cudnn", and jax.experimental.pallas.ops.gpu's
+Triton flash attention (`mha`, no grouped-query support: kv heads are repeated for it), and prints TFLOP/s
+and the fraction of the device's dense peak. For LayerNorm and RMSNorm it prints GB/s against the HBM
+bandwidth (norms are memory-bound). Attention FLOPs are the flash-attention convention: 4 b h s^2 k
+forward (halved when causal), backward 2.5x the forward.
+
+On CPU the kernels run in Pallas interpret mode, which says nothing about speed: the script instead runs a
+small sweep of shapes against the jnp references and prints the errors (and the interpret-mode time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from megajax import kernels  # noqa: E402
+from megajax.kernels import flash_attention as fa  # noqa: E402
+from megajax.kernels import fused_norm  # noqa: E402
+from megajax.metrics import PEAK_FLOPS  # noqa: E402
+
+HBM_BYTES_PER_S = {"A100": 2.04e12, "H100": 3.35e12, "H200": 4.8e12}  # SXM datasheets
+
+# (name, batch, seq, heads, kv heads, head dim): the attention of the presets in configs/ at their micro
+# batch, plus a long-sequence Llama case.
+ATTENTION_SHAPES = [
+    ("gpt2-124m", 8, 1024, 12, 12, 64),
+    ("gpt2-1.3b", 4, 2048, 16, 16, 128),
+    ("llama-1b", 4, 2048, 32, 8, 64),
+    ("llama-8k", 1, 8192, 32, 8, 128),
+]
+# (name, rows, width): b * s tokens of the residual stream.
+NORM_SHAPES = [("gpt2-124m", 8 * 1024, 768), ("gpt2-1.3b", 4 * 2048, 2048), ("llama-8b", 4 * 2048, 4096)]
+
+
+def time_fn(fn: Callable, *args, iters: int = 20) -> float:
+    """Median seconds per call of a jitted fn (after a warm-up call that compiles)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def fwd_bwd(attend: Callable) -> Callable:
+    """jit of forward + backward (the gradients of sum(o * do) with respect to q, k, v)."""
+    def run(q, k, v, do):
+        o, vjp = jax.vjp(attend, q, k, v)
+        return vjp(do)
+
+    return jax.jit(run)
+
+
+def jax_ops_mha(q, k, v, *, causal: bool):
+    """jax's own Pallas Triton flash attention: repeats kv heads (it has no grouped-query path)."""
+    from jax.experimental.pallas.ops.gpu import attention as jax_attention
+
+    r = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
+    return jax_attention.mha(q, k, v, None, sm_scale=1.0 / np.sqrt(q.shape[-1]), causal=causal)
+
+
+def attention_impls() -> dict[str, Callable]:
+    causal = True
+    return {
+        "xla": functools.partial(kernels.attention, causal=causal, impl="xla"),
+        "pallas": functools.partial(kernels.attention, causal=causal, impl="pallas"),
+        "cudnn": functools.partial(kernels.attention, causal=causal, impl="cudnn"),
+        "jax-pallas-ops": functools.partial(jax_ops_mha, causal=causal),
+    }
+
+
+def device_name() -> str:
+    kind = jax.devices()[0].device_kind.upper()
+    return next((name for name in PEAK_FLOPS if name in kind), kind)
+
+
+def bench_attention(dtype=jnp.bfloat16) -> list[dict]:
+    device = device_name()
+    peak = PEAK_FLOPS.get(device, {}).get(jnp.dtype(dtype).name, float("nan"))
+    rows = []
+    for name, b, s, h, g, d in ATTENTION_SHAPES:
+        keys = jax.random.split(jax.random.key(0), 4)
+        q = jax.random.normal(keys[0], (b, s, h, d), dtype)
+        k, v = (jax.random.normal(key, (b, s, g, d), dtype) for key in keys[1:3])
+        do = jax.random.normal(keys[3], (b, s, h, d), dtype)
+        flops = 3.5 * 4 * b * h * s * s * d / 2  # causal: half the blocks
+        for impl, attend in attention_impls().items():
+            try:
+                seconds = time_fn(fwd_bwd(attend), q, k, v, do)
+            except Exception as e:  # noqa: BLE001 - an impl that cannot run this shape is reported, not fatal
+                rows.append({"op": "attention", "shape": name, "impl": impl, "error": str(e).splitlines()[0]})
+                continue
+            rows.append({"op": "attention", "shape": name, "impl": impl, "ms": 1e3 * seconds,
+                         "tflops": flops / seconds / 1e12, "of_peak": flops / seconds / peak})
+    return rows
+
+
+def bench_norms(dtype=jnp.bfloat16) -> list[dict]:
+    bandwidth = HBM_BYTES_PER_S.get(device_name(), float("nan"))
+    rows = []
+    for name, n, d in NORM_SHAPES:
+        x = jax.random.normal(jax.random.key(0), (n, d), dtype)
+        dy = jnp.ones_like(x)
+        w = jnp.ones((d,), jnp.float32)
+        # forward reads x, writes y; backward reads x and dy, writes dx (statistics and weights are noise)
+        moved = 5 * n * d * jnp.dtype(dtype).itemsize
+        for impl in ("xla", "pallas"):
+            for norm in ("layer_norm", "rms_norm"):
+                if norm == "layer_norm":
+                    f = functools.partial(kernels.layer_norm, impl=impl, out_dtype=dtype)
+                    args = (w, w)
+                else:
+                    f = functools.partial(kernels.rms_norm, impl=impl, out_dtype=dtype)
+                    args = (w,)
+
+                def run(x, dy, *params, f=f):
+                    y, vjp = jax.vjp(lambda x, *p: f(x, *p), x, *params)
+                    return vjp(dy)
+
+                seconds = time_fn(jax.jit(run), x, dy, *args)
+                rows.append({"op": norm, "shape": name, "impl": impl, "ms": 1e3 * seconds,
+                             "gb_per_s": moved / seconds / 1e9, "of_peak": moved / seconds / bandwidth})
+    return rows
+
+
+def rel_err(got, want) -> float:
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
+
+
+def cpu_sweep() -> list[dict]:
+    """Interpret-mode kernels against the references: max relative error of outputs and gradients."""
+    rows = []
+    cases = [(1, 64, 4, 1, 32, True, jnp.float32), (1, 48, 4, 2, 24, False, jnp.float32),
+             (2, 64, 8, 2, 64, True, jnp.bfloat16), (1, 100, 4, 4, 16, True, jnp.float16)]
+    for b, s, h, g, d, causal, dtype in cases:
+        keys = jax.random.split(jax.random.key(s), 4)
+        q = jax.random.normal(keys[0], (b, s, h, d), jnp.float32).astype(dtype)
+        k, v = (jax.random.normal(key, (b, s, g, d), jnp.float32).astype(dtype) for key in keys[1:3])
+        do = jax.random.normal(keys[3], (b, s, h, d), jnp.float32).astype(dtype)
+
+        def grads(attend):
+            return jax.jit(lambda *a: (attend(*a[:3]), *jax.vjp(attend, *a[:3])[1](a[3])))
+
+        start = time.perf_counter()
+        got = jax.block_until_ready(grads(functools.partial(fa.flash_attention, causal=causal))(q, k, v, do))
+        seconds = time.perf_counter() - start
+        want = grads(functools.partial(kernels.attention_reference, causal=causal))(q, k, v, do)
+        errors = {n: rel_err(a, w) for n, a, w in zip(["out", "dq", "dk", "dv"], got, want)}
+        rows.append({"op": "attention", "shape": f"b{b} s{s} h{h} g{g} k{d} causal={causal}",
+                     "dtype": jnp.dtype(dtype).name, "interpret_s": seconds, **errors})
+    for n, d, dtype in [(64, 96, jnp.float32), (30, 768, jnp.bfloat16)]:
+        x = 3 * jax.random.normal(jax.random.key(n), (n, d), jnp.float32).astype(dtype) + 1
+        w = jnp.linspace(0.5, 1.5, d)
+        for norm, kernel, ref, params in [("layer_norm", fused_norm.layer_norm_pallas, kernels.layer_norm_reference,
+                                           (w, w)),
+                                          ("rms_norm", fused_norm.rms_norm_pallas, kernels.rms_norm_reference, (w,))]:
+            def value_and_grads(f):
+                def run(x, *p):
+                    y, vjp = jax.vjp(lambda x, *p: f(x, *p, 1e-5), x, *p)
+                    return (y, *vjp(jnp.cos(y)))  # a cotangent that varies along the row
+
+                return jax.jit(run)
+
+            start = time.perf_counter()
+            got = jax.block_until_ready(value_and_grads(kernel)(x, *params))
+            seconds = time.perf_counter() - start
+            want = value_and_grads(ref)(x, *params)
+            errors = {k: rel_err(a, b) for k, a, b in zip(["y", "dx", "dscale", "dbias"], got, want)}
+            rows.append({"op": norm, "shape": f"{n}x{d}", "dtype": jnp.dtype(dtype).name, "interpret_s": seconds,
+                         **errors})
+    return rows
+
+
+def print_rows(rows: list[dict]) -> None:
+    for row in rows:
+        print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    if jax.default_backend() == "gpu":
+        print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+        rows = bench_attention() + bench_norms()
+    else:
+        print(f"no GPU ({jax.default_backend()}): interpret-mode correctness sweep, not a benchmark")
+        rows = cpu_sweep()
+    print_rows(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
