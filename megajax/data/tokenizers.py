@@ -235,7 +235,7 @@ def _resolve_file(path: Path) -> TokenizerSpec:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (ValueError, UnicodeDecodeError) as e:
             raise DataError(f"{path}: not valid JSON ({e})") from None
-        if isinstance(data, dict) and "model" in data:
+        if isinstance(data, dict) and isinstance(data.get("model"), dict):  # a vocab.json may hold "model" too
             return TokenizerSpec("hf", (str(path),))
         for merges in ("merges.txt", "vocab.bpe", "gpt2-merges.txt"):
             if path.with_name(merges).is_file():
