@@ -91,12 +91,12 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
 
-def _require(module: str, extra: str):
+def _require(module: str, extra: str | None = None):
     try:
         return __import__(module)
     except ImportError:
-        raise DataError(f"this tokenizer needs the `{module}` package: pip install '{module}' "
-                        f"(or pip install 'megajax[{extra}]')") from None
+        hint = f" (or pip install 'megajax[{extra}]')" if extra else ""
+        raise DataError(f"this tokenizer needs the `{module}` package: pip install {module}{hint}") from None
 
 
 class HFTokenizer:
@@ -113,7 +113,7 @@ class HFTokenizer:
 
     @classmethod
     def gpt2(cls, spec: TokenizerSpec) -> HFTokenizer:
-        tk = _require("tokenizers", "data")
+        tk = _require("tokenizers")
         vocab, merges = spec.files
         for f in spec.files:
             if not os.path.isfile(f):
@@ -130,7 +130,7 @@ class HFTokenizer:
 
     @classmethod
     def from_json(cls, spec: TokenizerSpec) -> HFTokenizer:
-        tk = _require("tokenizers", "data")
+        tk = _require("tokenizers")
         (path,) = spec.files
         try:
             tok = tk.Tokenizer.from_file(path)
