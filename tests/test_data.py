@@ -86,7 +86,10 @@ def test_idx_bytes_field_by_field(tmp_path):
     assert ds.document_indices.tolist() == [0, 1, 1, 3]
 
 
-def test_writer_merges_and_streams(tmp_path):
+def test_writer_merges_and_streams(tmp_path, monkeypatch):
+    from megajax.data import indexed
+
+    monkeypatch.setattr(indexed, "_SPOOL", 3)  # spool the index to disk every 3 entries: same bytes
     rng = np.random.default_rng(0)
     a = write_docs(tmp_path / "a", random_docs(rng, 30, empty_every=7))
     b = write_docs(tmp_path / "b", random_docs(rng, 20))

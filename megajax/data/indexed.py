@@ -35,6 +35,7 @@ DTYPE_CODES: dict[int, np.dtype] = {
 CODE_OF = {v: k for k, v in DTYPE_CODES.items()}
 HEADER_BYTES = len(MAGIC) + 8 + 1 + 8 + 8  # 34
 _CHUNK = 1 << 22  # entries per chunk when streaming index arrays (bounded memory for any dataset size)
+_SPOOL = 1 << 16  # the writer's buffered lengths / document ends go to disk every this many entries
 
 
 class DataError(ValueError):
@@ -190,7 +191,7 @@ class IndexedDatasetWriter:
         self._bin = open(self._tmp["bin"], "wb")
         self._lengths_file = open(self._tmp["lengths"], "wb")
         self._docs_file = open(self._tmp["docs"], "wb")
-        self._lengths: list[int] = []  # buffered, spooled every _CHUNK entries
+        self._lengths: list[int] = []  # buffered, spooled every _SPOOL entries
         self._docs: list[int] = []
         self.num_sequences = 0
         self.num_documents = 0
@@ -216,7 +217,7 @@ class IndexedDatasetWriter:
         self._docs.append(self.num_sequences)
         self._doc_end = self.num_sequences
         self.num_documents += 1
-        if len(self._docs) >= _CHUNK:
+        if len(self._docs) >= _SPOOL:
             self._flush()
 
     def add_document(self, tokens: Sequence[int] | np.ndarray, lengths: Sequence[int] | None = None) -> None:
@@ -252,7 +253,7 @@ class IndexedDatasetWriter:
         self._docs.extend((base + np.cumsum(counts)).tolist())
         self._doc_end = self.num_sequences
         self.num_documents += len(counts)
-        if len(self._docs) >= _CHUNK:
+        if len(self._docs) >= _SPOOL:
             self._flush()
 
     def add_index(self, prefix: str | os.PathLike) -> None:
@@ -277,7 +278,7 @@ class IndexedDatasetWriter:
         self._lengths.extend(lengths)
         self.num_sequences += len(lengths)
         self.num_tokens += int(sum(lengths))
-        if len(self._lengths) >= _CHUNK:
+        if len(self._lengths) >= _SPOOL:
             self._flush()
 
     def _flush(self) -> None:
