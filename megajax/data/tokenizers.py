@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
+
 from megajax.data.indexed import DataError
 
 VOCAB_DIR = Path(__file__).resolve().parent / "vocab"
@@ -39,7 +41,7 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
+    def encode_batch(self, texts: Sequence[str]) -> Sequence[Sequence[int]]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
@@ -84,8 +86,9 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [list(t.encode("utf-8")) for t in texts]
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        # arrays over the UTF-8 bytes: no Python int per token on the preprocessing hot path
+        return [np.frombuffer(t.encode("utf-8"), np.uint8) for t in texts]
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
