@@ -272,6 +272,17 @@ def test_index_cache_hit_miss_and_corruption(tmp_path, caplog):
                                   a.sample_index)
 
 
+def test_index_cache_falls_back_when_the_data_dir_is_not_writable(tmp_path):
+    rng = np.random.default_rng(0)
+    ds = IndexedDataset(write_docs(tmp_path / "c", random_docs(rng, 40)))
+    (tmp_path / "blocked").write_text("a file where a directory would go")
+    cache = IndexCache([tmp_path / "blocked" / "indices", tmp_path / "fallback"])
+    gpt_dataset.GPTDataset(ds, (0, 40), 8, 50, seed=0, cache=cache)
+    assert len(os.listdir(tmp_path / "fallback")) == 4
+    again = gpt_dataset.GPTDataset(ds, (0, 40), 8, 50, seed=0, cache=cache)
+    assert isinstance(again.shuffle_index, np.memmap)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Blending
 
