@@ -193,7 +193,7 @@ def test_resume_on_another_layout_matches_uninterrupted(tmp_path):
     np.testing.assert_allclose([resumed[3], resumed[4]], [losses[3], losses[4]], rtol=1e-4)
 
 
-def test_writer_is_importable_without_jax_side_effects():
+def test_importing_megajax_data_does_not_import_jax():
     code = "import sys, megajax.data; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
