@@ -183,10 +183,14 @@ class OptimConfig:
 class DataConfig:
     """Where tokens come from. Empty `paths`: the bundled corpus, tokenized on first use."""
 
-    paths: list[Any] = dataclasses.field(default_factory=list)  # [prefix] or [w1, prefix1, w2, prefix2, ...]
-    split: str = "949,50,1"
-    tokenizer: str = "byte"
+    # [prefix], [prefixA, prefixB] (blended by size) or [w1, prefix1, w2, prefix2, ...] (Megatron's --data-path)
+    paths: list[Any] = dataclasses.field(default_factory=list)
+    split: str = "949,50,1"  # train, valid, test weights over each dataset's sequences
+    tokenizer: str = "byte"  # byte, gpt2, or a path (tokenizer.json, SentencePiece .model, or their directory)
     cache_dir: str | None = None  # None: $XDG_CACHE_HOME/megajax (or ~/.cache/megajax)
+    index_cache_dir: str | None = None  # None: <data dir>/cache/megajax_indices, else cache_dir/indices
+    prefetch: int = 2  # batches read ahead by a background thread (0: read in the step loop)
+    eod_mask_loss: bool = False  # no loss on targets that follow an end-of-document token (Megatron's flag)
 
     def __post_init__(self):
         parts = self.split.split(",")
@@ -195,13 +199,18 @@ class DataConfig:
             f"data.split={self.split!r} must be up to three comma-separated weights, like '949,50,1'",
         )
         _check(sum(float(p) for p in parts) > 0, f"data.split={self.split!r} must have a positive weight")
-        if len(self.paths) > 1:
-            _check(
-                len(self.paths) % 2 == 0,
-                f"data.paths={self.paths} must be [prefix] or weight/prefix pairs like [0.3, a, 0.7, b]",
-            )
-            for w in self.paths[::2]:
-                _check(isinstance(w, (int, float)) and w > 0, f"data.paths weight {w!r} must be a positive number")
+        _check(self.prefetch >= 0, f"data.prefetch must be >= 0 (0: no background reading), got {self.prefetch}")
+        if all(isinstance(p, str) for p in self.paths):
+            _check(all(p for p in self.paths), f"data.paths={self.paths} has an empty prefix")
+            return
+        _check(
+            len(self.paths) % 2 == 0
+            and all(isinstance(p, str) and p for p in self.paths[1::2]),
+            f"data.paths={self.paths} must be prefixes [a, b] or weight/prefix pairs like [0.3, a, 0.7, b]",
+        )
+        for w in self.paths[::2]:
+            _check(isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0,
+                   f"data.paths weight {w!r} must be a positive number")
 
 
 @dataclasses.dataclass(frozen=True)

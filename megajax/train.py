@@ -298,7 +298,7 @@ def run(cfg: Config) -> dict:
     Returns a summary: last logged metrics, eval loss, steps run in this process.
     """
     from megajax import checkpoint
-    from megajax.data.loader import build_datasets, global_batch
+    from megajax.data.loader import BatchLoader, batch_shapes, build_datasets
 
     cfg = cfg.for_devices(jax.device_count())
     mesh = sharding.make_mesh(cfg.parallel)
@@ -332,13 +332,16 @@ def run(cfg: Config) -> dict:
     step_fn, eval_fn = jit_train_step(setup), jit_eval_step(setup)
     peak, peak_src = metrics_lib.device_peak(cfg.model.compute_dtype)
     log.info(f"peak for MFU: {peak / 1e12:.4g} TFLOP/s per device ({peak_src})")
-    with jax.set_mesh(mesh):
+    # reads ahead on a background thread from here on, while the step compiles
+    loader = BatchLoader(datasets["train"], gbs, setup.batch_shardings, consumed, steps * gbs, cfg.data.prefetch)
+    abstract_batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=setup.batch_shardings[k])
+                      for k, (shape, dtype) in batch_shapes(gbs, cfg.model.seq_length).items()}
+    with jax.set_mesh(mesh), loader:
         t0 = time.perf_counter()
-        first = global_batch(datasets["train"], consumed, gbs, setup.batch_shardings)
-        compiled = step_fn.lower(state, first).compile()
+        compiled = step_fn.lower(state, abstract_batch).compile()
         log.info(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
         try:
-            return _loop(cfg, setup, compiled, eval_fn, state, datasets, start, consumed, first, mgr, log, peak)
+            return _loop(cfg, setup, compiled, eval_fn, state, datasets, start, consumed, loader, mgr, log, peak)
         finally:  # a checkpoint started in the background completes even when the loop stops on an error
             mgr.wait_until_finished()
             mgr.close()
@@ -357,9 +360,8 @@ def _evaluate(cfg, setup, eval_fn, params, dataset) -> float:
     return total / max(count, 1.0)
 
 
-def _loop(cfg, setup, step_fn, eval_fn, state, datasets, start, consumed, first_batch, mgr, log, peak) -> dict:
+def _loop(cfg, setup, step_fn, eval_fn, state, datasets, start, consumed, loader, mgr, log, peak) -> dict:
     from megajax import checkpoint
-    from megajax.data.loader import global_batch
 
     gbs, steps, seq = cfg.train.global_batch_size, cfg.train.steps, cfg.model.seq_length
     flops = metrics_lib.step_flops(cfg.model, gbs * seq)
@@ -370,14 +372,13 @@ def _loop(cfg, setup, step_fn, eval_fn, state, datasets, start, consumed, first_
     record: dict = {}
     eval_loss_value = None
     pending = None  # (step, stats) of the previous step: read after the next one is dispatched
-    batch = first_batch
+    wait_last = loader.wait_s  # seconds spent waiting for input, at the last log
     t_last, step_last, t_start = time.perf_counter(), start, time.perf_counter()
     step = start
     for step in range(start, steps):
+        batch = next(loader)
         state, stats = step_fn(state, batch)
         consumed += gbs
-        if step + 1 < steps:
-            batch = global_batch(datasets["train"], consumed, gbs, setup.batch_shardings)
         if pending is not None:
             _check_health(cfg, *pending, log, on_fatal=lambda: _save(mgr, step + 1, state, cfg, consumed, log))
         pending = (step, stats)
@@ -386,6 +387,7 @@ def _loop(cfg, setup, step_fn, eval_fn, state, datasets, start, consumed, first_
             host = jax.device_get(stats)
             now = time.perf_counter()
             dt = (now - t_last) / max(done - step_last, 1)
+            data_wait, wait_last = (loader.wait_s - wait_last) / max(done - step_last, 1), loader.wait_s
             t_last, step_last = now, done
             record = {
                 "step": done, "loss": float(host["loss"]), "lr": float(_lr(setup, done - 1)),
@@ -394,6 +396,7 @@ def _loop(cfg, setup, step_fn, eval_fn, state, datasets, start, consumed, first_
                 "step_time_s": dt, "tokens_per_s": gbs * seq / dt,
                 "tflops_per_device": flops["hardware_flops"] / dt / n_dev / 1e12,
                 "mfu": flops["model_flops"] / dt / n_dev / peak, "consumed_samples": consumed,
+                "data_wait_s": data_wait,
             }
             eta = metrics_lib.format_eta((steps - done) * dt)
             log.log(record, f"step {done}/{steps} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "

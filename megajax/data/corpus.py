@@ -1,37 +1,34 @@
-"""The bundled corpus: the King James Bible (public domain; 1,189 chapters, 4.2 MB of English text),
-one document per chapter, tokenized on first use into a cached Megatron indexed dataset."""
+"""The bundled corpus: the King James Bible (public domain; 1,189 chapters, 4.2 MB of English text), one
+document per chapter, tokenized on first use into a cached Megatron indexed dataset by the same
+preprocessor as any other corpus (`python -m megajax.data.preprocess ... --append-eod`)."""
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
-from megajax.data.indexed import IndexedDatasetWriter, token_dtype
-from megajax.data.tokenizers import Tokenizer
+from megajax.data.indexed import exists
+from megajax.data.tokenizers import TokenizerSpec
 
 CORPUS_FILE = Path(__file__).resolve().parent.parent / "corpus" / "kjv.jsonl.gz"
 
 
 def default_cache_dir() -> Path:
+    """$XDG_CACHE_HOME/megajax, or ~/.cache/megajax."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "megajax"
 
 
-def documents() -> Iterator[str]:
-    with gzip.open(CORPUS_FILE, "rt", encoding="utf-8") as f:
-        for line in f:
-            yield json.loads(line)["text"]
+def bundled_prefix(tokenizer: TokenizerSpec, cache_dir: str | os.PathLike | None = None) -> str:
+    """Path prefix of the bundled corpus tokenized with `tokenizer`, building it on first use (about a
+    second with the byte or GPT-2 tokenizer). The name carries the tokenizer's fingerprint, so another
+    tokenizer (or changed tokenizer files) gets its own copy."""
+    from megajax.data.preprocess import preprocess
 
-
-def bundled_prefix(tokenizer: Tokenizer, cache_dir: str | os.PathLike | None = None) -> str:
-    """Path prefix of the tokenized bundled corpus, building it on first use (a second or two)."""
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
-    prefix = cache / f"kjv_{tokenizer.name}_text_document"
-    if not (Path(str(prefix) + ".bin").exists() and Path(str(prefix) + ".idx").exists()):
-        with IndexedDatasetWriter(prefix, token_dtype(tokenizer.vocab_size)) as writer:
-            for text in documents():
-                writer.add_document(tokenizer.encode(text) + [tokenizer.eod])
-    return str(prefix)
+    prefix = str(cache / f"kjv_{tokenizer.name}_text_document")
+    if not exists(prefix):
+        # one process: the caller may hold JAX threads, and the corpus is small
+        preprocess([str(CORPUS_FILE)], prefix, tokenizer, append_eod=True, workers=1, progress=None,
+                   output_names={"text": prefix})
+    return prefix
