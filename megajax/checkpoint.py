@@ -19,7 +19,7 @@ import orbax.checkpoint as ocp
 import yaml
 
 from megajax import config as config_lib
-from megajax.config import Config
+from megajax.config import Config, ModelConfig
 
 
 def checkpoint_dir(cfg: Config) -> str:
@@ -121,9 +121,9 @@ def find_params(directory: str | os.PathLike) -> ParamsSource:
     elif not _has_steps(root) and _has_steps(root / "checkpoints"):
         ckpt_dir = root / "checkpoints"
     if not ckpt_dir.is_dir() or (step is None and not _has_steps(ckpt_dir)):
-        raise FileNotFoundError(f"{root} is not a megajax checkpoint: expected {PARAMS_ITEM}/ and {CONFIG_FILE} "
+        raise ValueError(f"{root} is not a megajax checkpoint: expected {PARAMS_ITEM}/ and {CONFIG_FILE} "
                                 "(python -m megajax.convert from-hf) or a training checkpoint directory")
-    mgr = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(read_only=True, create=False),
+    mgr = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0),
                                 item_names=("state", "meta"))
     try:
         step = mgr.latest_step() if step is None else step
@@ -210,3 +210,20 @@ def load_params(source: ParamsSource | str | os.PathLike, target=None):
     # Staged on disk: reassemble on the host, then place each canonical shard where the target wants it.
     return jax.tree.map(lambda a, t: jax.make_array_from_callback(
         t.shape, t.sharding, lambda idx: np.asarray(a[idx], dtype=t.dtype)), host, target)
+
+
+# Model fields that change what the parameters compute without changing their shapes.
+_SAME_MODEL_FIELDS = ("arch", "num_layers", "hidden_size", "num_heads", "kv_heads", "ffn_size", "vocab_size",
+                      "padded_vocab_size", "tied", "norm_eps", "rope_theta")
+
+
+def check_same_model(stored: ModelConfig, wanted: ModelConfig, where: str) -> None:
+    """The architecture a checkpoint was written for must be the one being built; names each difference."""
+    diffs = [f"model.{f}: {getattr(stored, f)!r} in the checkpoint, {getattr(wanted, f)!r} here"
+             for f in _SAME_MODEL_FIELDS if getattr(stored, f) != getattr(wanted, f)]
+    if stored.arch == "gpt2" and stored.seq_length != wanted.seq_length:
+        diffs.append(f"model.seq_length (GPT-2's position embedding): {stored.seq_length} in the checkpoint, "
+                     f"{wanted.seq_length} here")
+    if diffs:
+        raise config_lib.ConfigError(f"{where} holds a different model: {'; '.join(diffs)}. Use the config written "
+                                     "with it (its config.yaml, or megajax.convert --config-out)")

@@ -26,13 +26,16 @@ import sys
 import time
 from pathlib import Path
 
+import absl.logging
 import jax
 import yaml
 
 from megajax import checkpoint, hf
 from megajax.config import Config, ConfigError, DataConfig
+from megajax.data.tokenizers import ByteTokenizer
 
 HF_SUBDIR = "hf"  # inside a converted checkpoint: the source's config.json and tokenizer files
+NO_TOKENIZER = "none"  # data.tokenizer of a converted model that came without tokenizer files
 
 
 def _expected_shapes(cfg) -> dict:
@@ -71,8 +74,13 @@ def from_hf(model_dir: str | Path, output: str | Path, config_out: str | Path | 
     for name in hf.SIDE_FILES:
         if (model_dir / name).exists():
             shutil.copy2(model_dir / name, side / name)
-    # A tokenizer.json beside the weights becomes the data tokenizer (for training and generation).
-    tokenizer = str(side / "tokenizer.json") if (side / "tokenizer.json").exists() else DataConfig.tokenizer
+    # A tokenizer.json beside the weights becomes the data tokenizer (for training and generation). Without
+    # one, a 257-token vocabulary is taken for a byte-level model exported by megajax; anything else gets
+    # no tokenizer rather than a wrong one (generation then takes --prompt-ids or --tokenizer).
+    if (side / "tokenizer.json").exists():
+        tokenizer = str(side / "tokenizer.json")
+    else:
+        tokenizer = "byte" if model_cfg.vocab_size == ByteTokenizer.vocab_size else NO_TOKENIZER
     cfg = Config(model=model_cfg, data=DataConfig(tokenizer=tokenizer))
     checkpoint.save_params(output, params, cfg)
     if config_out is not None:
@@ -102,6 +110,8 @@ def _side_dir(source: checkpoint.ParamsSource) -> Path | None:
 def _eos_id(cfg: Config) -> int | None:
     from megajax.data.tokenizers import get_tokenizer
 
+    if cfg.data.tokenizer == NO_TOKENIZER:
+        return None
     try:
         return get_tokenizer(cfg.data.tokenizer).eod
     except (ValueError, OSError):
@@ -155,6 +165,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    absl.logging.set_verbosity(absl.logging.ERROR)  # Orbax's notes on read-only directories are not news here
     t0 = time.perf_counter()
     try:
         if args.command == "from-hf":
@@ -165,9 +176,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{m.num_heads} heads / {m.kv_heads} kv heads, vocab {m.vocab_size} padded to "
                   f"{m.padded_vocab_size}, {'tied' if m.tied else 'untied'}) in {time.perf_counter() - t0:.1f} s"
                   + (f"; preset {args.config_out}" if args.config_out else ""))
-            if cfg.data.tokenizer == DataConfig.tokenizer and m.vocab_size != 257:
-                print("note: no tokenizer.json beside the weights: generate with --prompt-ids or --tokenizer",
-                      file=sys.stderr)
+            if cfg.data.tokenizer == NO_TOKENIZER:
+                print(f"note: no tokenizer.json beside the weights, so data.tokenizer={NO_TOKENIZER}: generate with "
+                      "--prompt-ids or --tokenizer, and set data.tokenizer before training", file=sys.stderr)
         else:
             files = to_hf(args.checkpoint, args.output, args.dtype, args.max_shard_size, args.force)
             print(f"wrote {args.output}: {', '.join(files)} in {time.perf_counter() - t0:.1f} s")

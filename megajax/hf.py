@@ -127,7 +127,8 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", base: dict | 
     if base is None:
         out.update(bos_token_id=eos_token_id, eos_token_id=eos_token_id)
     out.update(architectures=[ARCHITECTURES[cfg.arch]], model_type=cfg.arch, vocab_size=cfg.vocab_size,
-               tie_word_embeddings=cfg.tied, initializer_range=cfg.init_std, torch_dtype=dtype, use_cache=True)
+               tie_word_embeddings=cfg.tied, initializer_range=cfg.init_std, use_cache=True,
+               torch_dtype=dtype, dtype=dtype)  # transformers 4 reads torch_dtype, 5 prefers dtype
     if cfg.arch == "gpt2":
         if cfg.kv_heads != cfg.num_heads:
             raise ConversionError(f"GPT2LMHeadModel has no grouped-query attention: model.num_kv_heads="

@@ -134,6 +134,25 @@ def init_state(setup: StepSetup) -> TrainState:
         return init(jax.random.key(setup.cfg.train.seed))
 
 
+def load_initial_params(setup: StepSetup, directory: str):
+    """Params from a params-only or training checkpoint (megajax.checkpoint.find_params), restored onto
+    the train state's shardings: canonical [L, ...] layers, staged to [v, p, L / (p v), ...] under a pipeline."""
+    from megajax import checkpoint
+
+    cfg, mesh = setup.cfg, setup.mesh
+    source = checkpoint.find_params(directory)
+    checkpoint.check_same_model(source.config.model, cfg.model, directory)
+    canonical = jax.eval_shape(lambda: nn.unbox(model.init_params(cfg.model, jax.random.key(0))))
+    target = jax.tree.map(lambda names, a: jax.ShapeDtypeStruct(
+        a.shape, a.dtype, sharding=NamedSharding(mesh, sharding.param_spec(names))),
+        setup.logical, canonical, is_leaf=lambda x: isinstance(x, tuple))
+    params = checkpoint.load_params(source, target)
+    if cfg.parallel.pipeline > 1:
+        p, v = cfg.parallel.pipeline, cfg.parallel.virtual_stages
+        params = jax.jit(lambda x: pipeline.to_stages(x, p, v), out_shardings=setup.state_shardings.params)(params)
+    return params
+
+
 def sample_keys(cfg: Config, sample_ids: jax.Array) -> jax.Array | None:
     """One dropout key per sample from (seed, global sample index): masks never depend on the layout."""
     if cfg.model.dropout == 0 and cfg.model.attention_dropout == 0:
@@ -313,6 +332,9 @@ def run(cfg: Config) -> dict:
         log.info(f"resumed from {checkpoint.checkpoint_dir(cfg)} step {start} ({consumed} samples consumed)")
     else:
         state = init_state(setup)
+        if cfg.checkpoint.load_from:  # a converted or exported model: its params, a fresh optimizer
+            state = state.replace(params=load_initial_params(setup, cfg.checkpoint.load_from))
+            log.info(f"loaded params from {cfg.checkpoint.load_from} (checkpoint.load_from; fresh optimizer state)")
 
     n_params = sum(math.prod(a.shape) for a in jax.tree.leaves(setup.abstract_state.params))
     p = cfg.parallel
