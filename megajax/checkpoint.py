@@ -5,6 +5,8 @@ A checkpoint step holds two items:
   meta   JSON: consumed samples, the config used, the layout it was written with
 Orbax writes each step into a temporary directory and renames it when complete, so a crash mid-save
 never damages earlier steps, and `latest_step` only ever sees complete ones.
+
+Params-only checkpoints (converted or exported models, `checkpoint.load_from`) are at the end of the file.
 """
 
 from __future__ import annotations
@@ -122,9 +124,9 @@ def find_params(directory: str | os.PathLike) -> ParamsSource:
         ckpt_dir = root / "checkpoints"
     if not ckpt_dir.is_dir() or (step is None and not _has_steps(ckpt_dir)):
         raise ValueError(f"{root} is not a megajax checkpoint: expected {PARAMS_ITEM}/ and {CONFIG_FILE} "
-                                "(python -m megajax.convert from-hf) or a training checkpoint directory")
-    mgr = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0),
-                                item_names=("state", "meta"))
+                         "(python -m megajax.convert from-hf) or a training checkpoint directory")
+    options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
+    mgr = ocp.CheckpointManager(ckpt_dir, options=options, item_names=("state", "meta"))
     try:
         step = mgr.latest_step() if step is None else step
         meta = mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
@@ -137,12 +139,19 @@ def _has_steps(path: Path) -> bool:
     return path.is_dir() and any(p.name.isdigit() and (p / "state").is_dir() for p in path.iterdir())
 
 
+def _is_meta(x) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _stored_metadata(source: ParamsSource):
+    """Orbax's per-array metadata (shape, dtype) of the stored params, as stored."""
+    tree = ocp.PyTreeCheckpointer().metadata(source.tree).item_metadata.tree
+    return tree["params"] if source.in_state else tree
+
+
 def stored_shapes(source: ParamsSource) -> dict:
     """Tree of (shape, dtype) of the stored params, in the canonical layout (staged layers unstaged)."""
-    tree = ocp.PyTreeCheckpointer().metadata(source.tree).item_metadata.tree
-    tree = tree["params"] if source.in_state else tree
-    shapes = jax.tree.map(lambda m: (tuple(m.shape), np.dtype(m.dtype)), tree,
-                          is_leaf=lambda m: hasattr(m, "shape"))
+    shapes = jax.tree.map(lambda m: (tuple(m.shape), np.dtype(m.dtype)), _stored_metadata(source), is_leaf=_is_meta)
     if source.staged:
         def unstage(sd):
             (v, p, n, *rest), dtype = sd
@@ -168,7 +177,7 @@ def _restore(source: ParamsSource, item, restore_args):
 def check_params_fit(stored: dict, expected: dict, where: str) -> None:
     """Same parameter names and shapes (trees of (shape, dtype) or arrays), else an error naming the tensor."""
     def flat(tree):
-        leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: _is_shape(x) or hasattr(x, "shape"))[0]
+        leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: _is_shape(x) or _is_meta(x))[0]
         return {"/".join(str(getattr(k, "key", k)) for k in path): tuple(x[0] if _is_shape(x) else x.shape)
                 for path, x in leaves}
 
@@ -195,12 +204,10 @@ def load_params(source: ParamsSource | str | os.PathLike, target=None):
     if target is not None and not source.staged:
         args = jax.tree.map(lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding, dtype=t.dtype), target)
         return _restore(source, target, args)
-    stored = ocp.PyTreeCheckpointer().metadata(source.tree).item_metadata.tree
-    stored = stored["params"] if source.in_state else stored
-    is_meta = lambda m: hasattr(m, "shape")  # noqa: E731
-    item = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), stored, is_leaf=is_meta)
+    stored = _stored_metadata(source)
+    item = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), stored, is_leaf=_is_meta)
     host = _restore(source, item, jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), stored,
-                                               is_leaf=is_meta))
+                                               is_leaf=_is_meta))
     if source.staged:
         from megajax.pipeline.layout import from_stages
 

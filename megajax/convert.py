@@ -32,7 +32,7 @@ import yaml
 
 from megajax import checkpoint, hf
 from megajax.config import Config, ConfigError, DataConfig
-from megajax.data.tokenizers import ByteTokenizer
+from megajax.data.tokenizers import get_tokenizer
 
 HF_SUBDIR = "hf"  # inside a converted checkpoint: the source's config.json and tokenizer files
 NO_TOKENIZER = "none"  # data.tokenizer of a converted model that came without tokenizer files
@@ -80,7 +80,7 @@ def from_hf(model_dir: str | Path, output: str | Path, config_out: str | Path | 
     if (side / "tokenizer.json").exists():
         tokenizer = str(side / "tokenizer.json")
     else:
-        tokenizer = "byte" if model_cfg.vocab_size == ByteTokenizer.vocab_size else NO_TOKENIZER
+        tokenizer = "byte" if model_cfg.vocab_size == get_tokenizer("byte").vocab_size else NO_TOKENIZER
     cfg = Config(model=model_cfg, data=DataConfig(tokenizer=tokenizer))
     checkpoint.save_params(output, params, cfg)
     if config_out is not None:
@@ -108,8 +108,6 @@ def _side_dir(source: checkpoint.ParamsSource) -> Path | None:
 
 
 def _eos_id(cfg: Config) -> int | None:
-    from megajax.data.tokenizers import get_tokenizer
-
     if cfg.data.tokenizer == NO_TOKENIZER:
         return None
     try:

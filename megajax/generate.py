@@ -117,10 +117,15 @@ class Generation:
     compile_s: float  # 0 when the programs were already compiled
 
     @property
-    def tokens_per_s(self) -> float:
-        """Decode throughput: tokens sampled per second after the first, over the batch."""
+    def tokens_per_s(self) -> float | None:
+        """Decode throughput: tokens sampled per second after the first, over the batch (None for one token)."""
         b, n = self.tokens.shape
-        return b * (n - 1) / self.decode_s if n > 1 and self.decode_s > 0 else float("nan")
+        return b * (n - 1) / self.decode_s if n > 1 and self.decode_s > 0 else None
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        """All new tokens over prefill plus decode time (compile excluded)."""
+        return self.tokens.size / (self.prefill_s + self.decode_s)
 
 
 def generate(cfg: ModelConfig, params, prompt_bs: np.ndarray, max_new_tokens: int,
@@ -235,7 +240,7 @@ def run(args: argparse.Namespace) -> dict:
         samples.append({"ids": row, "text": tokenizer.decode(row) if has_tok else None})
     return {"prompt_ids": ids, "prompt": tokenizer.decode(ids) if has_tok else None, "ids": samples[0]["ids"],
             "text": samples[0]["text"], "samples": samples, "new_tokens": int(out.tokens.size),
-            "tokens_per_s": out.tokens_per_s, "prefill_s": out.prefill_s, "decode_s": out.decode_s,
+            "tokens_per_s": out.tokens_per_s, "total_tokens_per_s": out.total_tokens_per_s, "prefill_s": out.prefill_s, "decode_s": out.decode_s,
             "compile_s": out.compile_s, "device": str(jax.devices()[0].device_kind)}
 
 
@@ -257,9 +262,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{result['prompt_ids']} + {s['ids']}")
         else:
             print((result["prompt"] or "") + s["text"])
-    print(f"[{result['new_tokens']} tokens: {result['tokens_per_s']:.1f} tokens/s decoding, prefill of "
-          f"{len(result['prompt_ids'])} tokens {1e3 * result['prefill_s']:.1f} ms, compile {result['compile_s']:.1f} s, "
-          f"{result['device']}]", file=sys.stderr)
+    rate = result["tokens_per_s"]
+    print(f"[{result['new_tokens']} tokens: {'n/a' if rate is None else f'{rate:.1f}'} tokens/s decoding "
+          f"({result['total_tokens_per_s']:.1f} with the prefill of {len(result['prompt_ids'])} tokens, "
+          f"{1e3 * result['prefill_s']:.1f} ms); compile {result['compile_s']:.1f} s; {result['device']}]",
+          file=sys.stderr)
     return 0
 
 

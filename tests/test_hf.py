@@ -123,6 +123,27 @@ def test_original_gpt2_tensor_names_and_buffers(models, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
+def test_bfloat16_weights(models, tmp_path):
+    """bfloat16 safetensors (most released Llamas) import exactly into fp32 params and export back to bf16."""
+    import ml_dtypes
+    from safetensors.numpy import load_file, save_file
+
+    hf_model, src, _ = models["llama-gqa-tied"]
+    bf16 = {k: v.astype(ml_dtypes.bfloat16) for k, v in load_file(src / "model.safetensors").items()}
+    (tmp_path / "src").mkdir()
+    save_file(bf16, tmp_path / "src" / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "src" / "config.json").write_text((src / "config.json").read_text())
+    convert.from_hf(tmp_path / "src", tmp_path / "ckpt")
+    params = checkpoint.load_params(tmp_path / "ckpt")
+    assert params["embed"]["embedding"].dtype == np.float32
+    np.testing.assert_array_equal(params["embed"]["embedding"][:VOCAB], bf16["model.embed_tokens.weight"].astype(np.float32))
+    convert.to_hf(tmp_path / "ckpt", tmp_path / "out", dtype="bfloat16")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.bfloat16)
+    got = {k: v.float().numpy() for k, v in again.state_dict().items()}
+    for name, w in bf16.items():
+        np.testing.assert_array_equal(got[name], w.astype(np.float32), err_msg=name)
+
+
 def _convert_error(capsys, args) -> str:
     assert convert.main(args) == 2
     err = capsys.readouterr().err
@@ -303,7 +324,7 @@ def test_tiny_model_generates_corpus_text(tmp_path):
                          cwd=REPO, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-2000:]
     gen = subprocess.run(env_cmd + ["megajax.generate", "--checkpoint", str(tmp_path / "tiny"), "--prompt",
-                                    "And the LORD said unto Moses, ", "--max-new-tokens", "100", "--json"],
+                                    "And the LORD said unto Moses, ", "--max-new-tokens", "90", "--json"],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert gen.returncode == 0, gen.stderr[-2000:]
     out = json.loads(gen.stdout)
@@ -319,6 +340,6 @@ def test_tiny_model_generates_corpus_text(tmp_path):
     hfm = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     prompt = out["prompt_ids"]
     with torch.no_grad():
-        ref = hfm.generate(torch.tensor([prompt]), max_new_tokens=100, do_sample=False, eos_token_id=None,
+        ref = hfm.generate(torch.tensor([prompt]), max_new_tokens=90, do_sample=False, eos_token_id=None,
                            pad_token_id=0)
     assert out["ids"] == ref[0, len(prompt):len(prompt) + len(out["ids"])].tolist()
