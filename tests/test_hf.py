@@ -218,8 +218,9 @@ def test_sampling_settings():
     np.testing.assert_array_equal(greedy, np.argmax(np.asarray(logits)[:, :300], -1))
     for s in (generate.Sampling(1.0, top_k=1), generate.Sampling(1.0, top_p=1e-6)):
         np.testing.assert_array_equal(generate.sample_next(logits, jax.random.key(1), s, 300), greedy)
+    sample = jax.jit(generate.sample_next, static_argnums=(2, 3))
     s = generate.Sampling(1.0, top_k=5)
-    draws = np.stack([generate.sample_next(logits, jax.random.key(i), s, 300) for i in range(50)])
+    draws = np.stack([sample(logits, jax.random.key(i), s, 300) for i in range(50)])
     top5 = np.argsort(-np.asarray(logits)[:, :300], -1)[:, :5]
     assert all(set(draws[:, r]) <= set(top5[r]) for r in range(4)) and len(set(draws[:, 0])) > 1
     with pytest.raises(ValueError, match="top-p"):
@@ -312,34 +313,47 @@ def test_resume_takes_precedence_over_load_from(tmp_path):
     assert resumed["steps_run"] == 1  # resumed at step 1: load_from was not applied again
 
 
+def _generate_json(*args: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "megajax.generate", *args, "--json"], cwd=REPO, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
 @pytest.mark.slow
 def test_tiny_model_generates_corpus_text(tmp_path):
-    """Train configs/tiny.yaml for 300 steps, generate greedily from a corpus-like prompt: the words are the
-    corpus's; the exported model's greedy continuation in transformers is the same."""
+    """Train configs/tiny.yaml (300 steps, a few minutes on 2 cores) and sample from it: the bytes are text
+    and most words are the corpus's. Its greedy continuation equals transformers' on the exported model.
+
+    After 300 steps (loss ~2.2 nats/byte) the model knows common words and spelling, not sentences:
+    greedy decoding settles into a loop such as "the the the"; sampling gives corpus-like word salad.
+    """
     from megajax.data.corpus import documents
 
-    env_cmd = [sys.executable, "-m"]
-    run = subprocess.run(env_cmd + ["megajax.train", "--config", "configs/tiny.yaml", "--set",
-                                    f"train.output_dir={tmp_path / 'tiny'}", "train.eval_every=0"],
-                         cwd=REPO, capture_output=True, text=True, timeout=900)
+    run = subprocess.run([sys.executable, "-m", "megajax.train", "--config", "configs/tiny.yaml", "--set",
+                          f"train.output_dir={tmp_path / 'tiny'}", "train.eval_every=0"],
+                         cwd=REPO, capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stderr[-2000:]
-    gen = subprocess.run(env_cmd + ["megajax.generate", "--checkpoint", str(tmp_path / "tiny"), "--prompt",
-                                    "And the LORD said unto Moses, ", "--max-new-tokens", "90", "--json"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert gen.returncode == 0, gen.stderr[-2000:]
-    out = json.loads(gen.stdout)
-    print(repr(out["text"]), f"{out['tokens_per_s']:.0f} tokens/s")
+    prompt = "And the LORD said unto Moses, "
+    sampled = _generate_json("--checkpoint", str(tmp_path / "tiny"), "--prompt", prompt, "--max-new-tokens", "90",
+                             "--temperature", "0.5", "--top-k", "10", "--num-samples", "3", "--seed", "0")
+    text = " ".join(s["text"] for s in sampled["samples"])
+    print(repr(text), f"{sampled['tokens_per_s']:.0f} tokens/s")
     corpus_words = set()
     for doc in documents():
         corpus_words.update(re.findall(r"[A-Za-z]+", doc))
-    words = re.findall(r"[A-Za-z]+", out["text"])
-    assert len(words) >= 8
-    assert sum(w in corpus_words for w in words) / len(words) >= 0.8, out["text"]
+    words = re.findall(r"[A-Za-z]+", text)
+    known = [w for w in words if w in corpus_words]
+    assert sum(c.isascii() and (c.isprintable() or c == "\n") for c in text) >= 0.95 * len(text)
+    # An untrained byte model emits mostly unprintable bytes; this one writes words, a third or more of them
+    # (0.49 measured) real.
+    assert len(words) >= 20 and len(known) >= 0.35 * len(words), text
+    assert len({w for w in known if len(w) >= 3}) >= 5, text
 
+    greedy = _generate_json("--checkpoint", str(tmp_path / "tiny"), "--prompt", prompt, "--max-new-tokens", "90")
     convert.to_hf(tmp_path / "tiny", tmp_path / "hf")
     hfm = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    prompt = out["prompt_ids"]
+    ids = greedy["prompt_ids"]
     with torch.no_grad():
-        ref = hfm.generate(torch.tensor([prompt]), max_new_tokens=90, do_sample=False, eos_token_id=None,
-                           pad_token_id=0)
-    assert out["ids"] == ref[0, len(prompt):len(prompt) + len(out["ids"])].tolist()
+        ref = hfm.generate(torch.tensor([ids]), max_new_tokens=90, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert greedy["ids"] == ref[0, len(ids):len(ids) + len(greedy["ids"])].tolist()
