@@ -170,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg = from_hf(args.model, args.output, args.config_out, args.force)
             m = cfg.model
             n = sum(math.prod(a.shape) for a in jax.tree.leaves(_expected_shapes(m)))
-            print(f"wrote {args.output}: {m.arch}, {n / 1e6:.2f}M parameters ({m.num_layers} layers, d={m.hidden_size}, "
-                  f"{m.num_heads} heads / {m.kv_heads} kv heads, vocab {m.vocab_size} padded to "
+            print(f"wrote {args.output}: {m.arch}, {n / 1e6:.2f}M parameters ({m.num_layers} layers, "
+                  f"d={m.hidden_size}, {m.num_heads} heads / {m.kv_heads} kv heads, vocab {m.vocab_size} padded to "
                   f"{m.padded_vocab_size}, {'tied' if m.tied else 'untied'}) in {time.perf_counter() - t0:.1f} s"
                   + (f"; preset {args.config_out}" if args.config_out else ""))
             if cfg.data.tokenizer == NO_TOKENIZER:

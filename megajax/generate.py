@@ -240,8 +240,9 @@ def run(args: argparse.Namespace) -> dict:
         samples.append({"ids": row, "text": tokenizer.decode(row) if has_tok else None})
     return {"prompt_ids": ids, "prompt": tokenizer.decode(ids) if has_tok else None, "ids": samples[0]["ids"],
             "text": samples[0]["text"], "samples": samples, "new_tokens": int(out.tokens.size),
-            "tokens_per_s": out.tokens_per_s, "total_tokens_per_s": out.total_tokens_per_s, "prefill_s": out.prefill_s, "decode_s": out.decode_s,
-            "compile_s": out.compile_s, "device": str(jax.devices()[0].device_kind)}
+            "tokens_per_s": out.tokens_per_s, "total_tokens_per_s": out.total_tokens_per_s,
+            "prefill_s": out.prefill_s, "decode_s": out.decode_s, "compile_s": out.compile_s,
+            "device": str(jax.devices()[0].device_kind)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -105,7 +105,8 @@ def test_export_then_reload_reproduces_the_weights(models, case, tmp_path):
     assert set(got) == set(want)
     for name in want:
         assert torch.equal(got[name], want[name]), name
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"] == hf_model.config.tie_word_embeddings
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["tie_word_embeddings"] == hf_model.config.tie_word_embeddings
 
 
 def test_original_gpt2_tensor_names_and_buffers(models, tmp_path):
@@ -136,7 +137,8 @@ def test_bfloat16_weights(models, tmp_path):
     convert.from_hf(tmp_path / "src", tmp_path / "ckpt")
     params = checkpoint.load_params(tmp_path / "ckpt")
     assert params["embed"]["embedding"].dtype == np.float32
-    np.testing.assert_array_equal(params["embed"]["embedding"][:VOCAB], bf16["model.embed_tokens.weight"].astype(np.float32))
+    np.testing.assert_array_equal(params["embed"]["embedding"][:VOCAB],
+                                  bf16["model.embed_tokens.weight"].astype(np.float32))
     convert.to_hf(tmp_path / "ckpt", tmp_path / "out", dtype="bfloat16")
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.bfloat16)
     got = {k: v.float().numpy() for k, v in again.state_dict().items()}
@@ -173,9 +175,11 @@ def test_conversion_errors_name_the_problem(models, tmp_path, capsys):
     assert "missing tensor 'model.layers.1.mlp.up_proj.weight'" in err
     err = _convert_error(capsys, folder("shape", {**config, "intermediate_size": 128}))
     assert "model.layers.0.mlp.gate_proj.weight" in err and "(96, 64)" in err and "(128, 64)" in err
-    err = _convert_error(capsys, folder("extra", add={"model.layers.2.input_layernorm.weight": np.ones(64, np.float32)}))
+    extra = {"model.layers.2.input_layernorm.weight": np.ones(64, np.float32)}
+    err = _convert_error(capsys, folder("extra", add=extra))
     assert "unexpected tensor 'model.layers.2.input_layernorm.weight'" in err
-    err = _convert_error(capsys, folder("rope", {**config, "rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}))
+    rope = {"rope_type": "llama3", "rope_theta": 1e4}
+    err = _convert_error(capsys, folder("rope", {**config, "rope_parameters": rope}))
     assert "llama3" in err
     err = _convert_error(capsys, ["to-hf", "--checkpoint", str(tmp_path), "--output", str(tmp_path / "x")])
     assert "is not a megajax checkpoint" in err

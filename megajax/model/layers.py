@@ -133,6 +133,8 @@ def cached_attention(q_bshk: jax.Array, k_bsgk: jax.Array, v_bsgk: jax.Array, ca
 
     Writes the new keys and values into the cache at [offset, offset + s), then each query attends to
     the cache positions up to its own (later slots are still empty). Returns ([b, s, h, k], new cache).
+    Always XLA's attention, whatever model.attention_impl says: a decode step reads the whole cache for one
+    query per sequence, which is bandwidth-bound, and the flash kernels are built for long queries.
     """
     k_cache, v_cache = cache
     k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k_bsgk.astype(k_cache.dtype), offset, axis=1)
