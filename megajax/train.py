@@ -134,6 +134,25 @@ def init_state(setup: StepSetup) -> TrainState:
         return init(jax.random.key(setup.cfg.train.seed))
 
 
+def load_initial_params(setup: StepSetup, directory: str):
+    """Params from a params-only or training checkpoint (megajax.checkpoint.find_params), restored onto
+    the train state's shardings: canonical [L, ...] layers, staged to [v, p, L / (p v), ...] under a pipeline."""
+    from megajax import checkpoint
+
+    cfg, mesh = setup.cfg, setup.mesh
+    source = checkpoint.find_params(directory)
+    checkpoint.check_same_model(source.config.model, cfg.model, directory)
+    canonical = jax.eval_shape(lambda: nn.unbox(model.init_params(cfg.model, jax.random.key(0))))
+    target = jax.tree.map(lambda names, a: jax.ShapeDtypeStruct(
+        a.shape, a.dtype, sharding=NamedSharding(mesh, sharding.param_spec(names))),
+        setup.logical, canonical, is_leaf=lambda x: isinstance(x, tuple))
+    params = checkpoint.load_params(source, target)
+    if cfg.parallel.pipeline > 1:
+        p, v = cfg.parallel.pipeline, cfg.parallel.virtual_stages
+        params = jax.jit(lambda x: pipeline.to_stages(x, p, v), out_shardings=setup.state_shardings.params)(params)
+    return params
+
+
 def micro_batches(batch: dict, m: int) -> dict:
     """[m * mb, ...] -> [m, mb, ...]: local row r goes to micro batch r // mb."""
     return jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
@@ -321,6 +340,9 @@ def run(cfg: Config) -> dict:
         _warn_if_data_changed(cfg, meta, log)
     else:
         state = init_state(setup)
+        if cfg.checkpoint.load_from:  # a converted or exported model: its params, a fresh optimizer
+            state = state.replace(params=load_initial_params(setup, cfg.checkpoint.load_from))
+            log.info(f"loaded params from {cfg.checkpoint.load_from} (checkpoint.load_from; fresh optimizer state)")
 
     n_params = sum(math.prod(a.shape) for a in jax.tree.leaves(setup.abstract_state.params))
     p = cfg.parallel

@@ -12,11 +12,12 @@ The model is three stages that the trainer (and the pipeline) calls separately:
 from __future__ import annotations
 
 import flax.linen as nn
+import flax.struct
 import jax
 import jax.numpy as jnp
 
 from megajax.config import ModelConfig
-from megajax.model.layers import GATHERED, MLP, RESIDUAL, Attention, Embed, Norm, dropout, dtype_of
+from megajax.model.layers import GATHERED, MLP, RESIDUAL, Attention, Embed, KVCache, Norm, dropout, dtype_of
 from megajax.sharding import constrain
 
 
@@ -26,13 +27,17 @@ class Block(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x_bsd: jax.Array, layer: jax.Array, keys: jax.Array | None):
+    def __call__(self, x_bsd: jax.Array, layer: jax.Array, keys: jax.Array | None,
+                 cache: KVCache | None = None, offset: jax.Array | int = 0):
+        """(x [b, s, d], None), or (x, this layer's updated KV cache) when decoding with `cache`."""
         cfg = self.cfg
-        a = Attention(cfg, name="attn")(Norm(cfg, name="attn_norm")(x_bsd), layer, keys)
+        a = Attention(cfg, name="attn")(Norm(cfg, name="attn_norm")(x_bsd), layer, keys, cache, offset)
+        if cache is not None:
+            a, cache = a
         x = constrain(x_bsd + dropout(a, cfg.dropout, keys, salt=2 + 4 * layer), RESIDUAL)
         m = MLP(cfg, name="mlp")(Norm(cfg, name="mlp_norm")(x))
         x = constrain(x + dropout(m, cfg.dropout, keys, salt=3 + 4 * layer), RESIDUAL)
-        return x, None
+        return x, cache
 
 
 class LayerStack(nn.Module):
@@ -46,7 +51,17 @@ class LayerStack(nn.Module):
     num_layers: int
 
     @nn.compact
-    def __call__(self, x_bsd: jax.Array, keys: jax.Array | None, first_layer: jax.Array | int = 0) -> jax.Array:
+    def __call__(self, x_bsd: jax.Array, keys: jax.Array | None, first_layer: jax.Array | int = 0,
+                 cache: KVCache | None = None, offset: jax.Array | int = 0):
+        """[b, s, d] -> [b, s, d]. Decoding passes `cache` (keys and values [layers, b, t, g, k]) and the
+        position `offset` of the first of the s tokens, and gets (x, updated cache) back."""
+        if cache is not None:
+            # The same block and parameter tree, scanned with each layer's cache slice in and out.
+            scan = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                           in_axes=(0, nn.broadcast, 0, nn.broadcast), length=self.num_layers,
+                           metadata_params={nn.PARTITION_NAME: "layers"})
+            layers = jnp.arange(self.num_layers) + first_layer
+            return scan(self.cfg, name="block")(x_bsd, layers, keys, cache, offset)
         block = Block
         if self.cfg.recompute == "full":
             block = nn.remat(Block, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
@@ -156,3 +171,36 @@ def loss_sum(cfg: ModelConfig, params: dict, batch: dict, keys: jax.Array | None
     x = embed_apply(cfg, params, batch["tokens"], keys)
     x = layers_apply(cfg, params["layers"], x, keys)
     return head_apply(cfg, params, x, batch["targets"], batch["loss_mask"])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Decoding with a KV cache: the same parameter tree and layer code, one call per prefill or decode step.
+
+
+@flax.struct.dataclass
+class DecodeState:
+    """Keys and values of every layer for a batch of sequences, and how many positions are filled."""
+
+    k: jax.Array  # [layers, b, t, g, k]
+    v: jax.Array  # [layers, b, t, g, k]
+    length: jax.Array  # int32 scalar: positions 0 .. length - 1 are filled
+
+
+def init_decode_state(cfg: ModelConfig, batch: int, max_length: int) -> DecodeState:
+    """An empty cache for `batch` sequences of up to `max_length` tokens, in the compute dtype."""
+    shape = (cfg.num_layers, batch, max_length, cfg.kv_heads, cfg.head_dim)
+    zeros = jnp.zeros(shape, dtype_of(cfg.compute_dtype))
+    return DecodeState(k=zeros, v=zeros, length=jnp.zeros((), jnp.int32))
+
+
+def decode_apply(cfg: ModelConfig, params: dict, tokens_bs: jax.Array,
+                 state: DecodeState) -> tuple[jax.Array, DecodeState]:
+    """Feeds s new tokens [b, s] (the prompt, or one sampled token) at positions state.length ..;
+    returns the fp32 logits of the last one [b, v_padded] and the cache with the s positions added."""
+    offset = state.length
+    x = Embed(cfg).apply({"params": params["embed"]}, tokens_bs, None, offset)
+    x, (k, v) = LayerStack(cfg, cfg.num_layers).apply({"params": params["layers"]}, x, None, 0,
+                                                      (state.k, state.v), offset)
+    table = params["embed"]["embedding"] if cfg.tied else None
+    logits = Head(cfg).apply({"params": params["head"]}, x[:, -1:], table)[:, 0]
+    return logits, DecodeState(k=k, v=v, length=offset + tokens_bs.shape[1])

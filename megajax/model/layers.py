@@ -91,14 +91,16 @@ class Embed(nn.Module):
             self.position_embedding = _param(self, "position_embedding", (cfg.seq_length, cfg.hidden_size),
                                              (None, "embed"), cfg.init_std, pdt)
 
-    def __call__(self, tokens_bs: jax.Array, keys: jax.Array | None) -> jax.Array:
+    def __call__(self, tokens_bs: jax.Array, keys: jax.Array | None, offset: jax.Array | int = 0) -> jax.Array:
+        """tokens [b, s] at positions offset .. offset + s - 1 -> [b, s, d]."""
         cfg = self.cfg
         cdt = dtype_of(cfg.compute_dtype)
         # With the table sharded over 'vocab', XLA looks up locally with out-of-range ids masked and
         # all-reduces over 'tensor': Megatron's VocabParallelEmbedding.
         x = jnp.take(self.embedding.astype(cdt), tokens_bs, axis=0)
         if cfg.arch == "gpt2":
-            x = x + self.position_embedding[: tokens_bs.shape[1]].astype(cdt)[None]
+            positions = jax.lax.dynamic_slice_in_dim(self.position_embedding, offset, tokens_bs.shape[1])
+            x = x + positions.astype(cdt)[None]
         x = dropout(x, cfg.dropout, keys, salt=0)
         return constrain(x, RESIDUAL)
 
@@ -108,17 +110,42 @@ class Embed(nn.Module):
         return jnp.einsum("bsd,vd->bsv", x_bsd, w)
 
 
-def rope(x_bshk: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding, "rotate half" convention (as Hugging Face's Llama)."""
+def rope(x_bshk: jax.Array, theta: float, offset: jax.Array | int = 0) -> jax.Array:
+    """Rotary position embedding, "rotate half" convention (as Hugging Face's Llama); the s positions
+    start at `offset` (nonzero when decoding with a KV cache)."""
     s, k = x_bshk.shape[1], x_bshk.shape[-1]
     inv_freq = 1.0 / (theta ** (jnp.arange(0, k, 2, dtype=jnp.float32) / k))
-    angles = jnp.arange(s, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # [s, k/2]
+    positions = jnp.arange(s, dtype=jnp.float32) + jnp.asarray(offset, jnp.float32)
+    angles = positions[:, None] * inv_freq[None, :]  # [s, k/2]
     cos = jnp.concatenate([jnp.cos(angles)] * 2, -1)[None, :, None, :]
     sin = jnp.concatenate([jnp.sin(angles)] * 2, -1)[None, :, None, :]
     xf = x_bshk.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     return (xf * cos + rotated * sin).astype(x_bshk.dtype)
+
+
+KVCache = tuple[jax.Array, jax.Array]  # one layer's keys and values, each [b, t, g, k]
+
+
+def cached_attention(q_bshk: jax.Array, k_bsgk: jax.Array, v_bsgk: jax.Array, cache: KVCache,
+                     offset: jax.Array | int) -> tuple[jax.Array, KVCache]:
+    """Attention of s new positions (starting at `offset`) over a KV cache of t >= offset + s positions.
+
+    Writes the new keys and values into the cache at [offset, offset + s), then each query attends to
+    the cache positions up to its own (later slots are still empty). Returns ([b, s, h, k], new cache).
+    Always XLA's attention, whatever model.attention_impl says: a decode step reads the whole cache for one
+    query per sequence, which is bandwidth-bound, and the flash kernels are built for long queries.
+    """
+    k_cache, v_cache = cache
+    k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k_bsgk.astype(k_cache.dtype), offset, axis=1)
+    v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v_bsgk.astype(v_cache.dtype), offset, axis=1)
+    s, t = q_bshk.shape[1], k_cache.shape[1]
+    visible_st = jnp.arange(t)[None, :] <= offset + jnp.arange(s)[:, None]
+    # XLA's fused attention takes the grouped-query layout as is (query head i reads kv head i // r).
+    o = jax.nn.dot_product_attention(q_bshk, k_cache.astype(q_bshk.dtype), v_cache.astype(q_bshk.dtype),
+                                     mask=visible_st[None, None], implementation="xla")
+    return o, (k_cache, v_cache)
 
 
 class Attention(nn.Module):
@@ -128,7 +155,13 @@ class Attention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x_bsd: jax.Array, layer, keys: jax.Array | None) -> jax.Array:
+    def __call__(self, x_bsd: jax.Array, layer, keys: jax.Array | None, cache: KVCache | None = None,
+                 offset: jax.Array | int = 0):
+        """x [b, s, d] -> [b, s, d] (training and full forward passes).
+
+        With `cache` (decoding), the s positions start at `offset`, attend through `cached_attention`
+        and the result is (y [b, s, d], updated cache); the parameters and projections are the same.
+        """
         cfg = self.cfg
         h, g, k, d = cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.hidden_size
         pdt, cdt = dtype_of(cfg.param_dtype), dtype_of(cfg.compute_dtype)
@@ -149,7 +182,7 @@ class Attention(nn.Module):
         q = qkv[:, :, :, :r].reshape(b, s, h, k)  # query head i uses kv head i // r
         kk, v = qkv[:, :, :, r], qkv[:, :, :, r + 1]
         if cfg.arch == "llama":
-            q, kk = rope(q, cfg.rope_theta), rope(kk, cfg.rope_theta)
+            q, kk = rope(q, cfg.rope_theta, offset), rope(kk, cfg.rope_theta, offset)
         q = constrain(q, ("batch", None, "heads", "head_dim"))
         kk = constrain(kk, ("batch", None, "kv_heads", "head_dim"))
         v = constrain(v, ("batch", None, "kv_heads", "head_dim"))
@@ -165,14 +198,18 @@ class Attention(nn.Module):
         if cfg.recompute == "selective":
             # Megatron's selective recomputation: keep q, k, v; recompute softmax(qk^T) v in the backward.
             core = jax.checkpoint(core, prevent_cse=False)
-        o = constrain(core(q, kk, v), ("batch", None, "heads", "head_dim"))
+        if cache is None:
+            o = core(q, kk, v)
+        else:  # decoding: the new positions attend over the cache (no dropout, nothing to recompute)
+            o, cache = cached_attention(q, kk, v, cache, offset)
+        o = constrain(o, ("batch", None, "heads", "head_dim"))
 
         wo = _param(self, "wo", (h, k, d), ("heads", "head_dim", "embed"), out_std, pdt)
         y = jnp.einsum("bshk,hkd->bsd", o, wo.astype(cdt))
         y = constrain(y, RESIDUAL)  # the all-reduce (or reduce-scatter with sequence parallelism)
         if bias:
             y = y + _param(self, "bo", (d,), ("embed",), 0, pdt).astype(cdt)
-        return y
+        return y if cache is None else (y, cache)
 
 
 class MLP(nn.Module):

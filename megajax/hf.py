@@ -1,0 +1,429 @@
+"""Hugging Face <-> megajax: configs, tensor names and layouts, and safetensors files.
+
+Supported: GPT2LMHeadModel and LlamaForCausalLM (grouped-query attention, tied or untied embeddings).
+Everything here is NumPy (safetensors' NumPy API, ml_dtypes for bfloat16); torch is never imported.
+
+One table per architecture (`rules`) says, for every megajax parameter, which HF tensors it is made of
+and how to go each way. The layouts differ in four places:
+  - QKV: megajax fuses it grouped by kv head, [d, g, r + 2, k] (each kv head's r query heads, then its
+    key, then its value: Megatron's layout); GPT-2 fuses it as [d, q | k | v] (Conv1D, in x out), Llama
+    keeps q_proj [h k, d], k_proj and v_proj [g k, d] apart (nn.Linear, out x in).
+  - Llama's gate and up projections are fused as [d, 2, f].
+  - Layers are stacked on a leading axis ('layers') instead of one tensor per layer.
+  - The vocabulary is padded to model.padded_vocab_size: zero rows on import, dropped on export.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy, so safetensors' NumPy API reads and writes it)
+import numpy as np
+
+from megajax.config import ConfigError, ModelConfig
+
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+# Buffers some checkpoints carry that are not weights (GPT-2's causal mask, old Llama's RoPE frequencies).
+_BUFFERS = {"gpt2": re.compile(r"(^|\.)attn\.(bias|masked_bias)$"), "llama": re.compile(r"rotary_emb\.inv_freq$")}
+# Tokenizer and generation files copied along with the weights in both directions.
+SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
+
+
+class ConversionError(ValueError):
+    """A model that cannot be converted; the message names the tensor or config field."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# Configs
+
+
+def read_hf_config(model_dir: str | Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not path.exists():
+        raise ConversionError(f"{model_dir} has no config.json: is it a Hugging Face model folder?")
+    return json.loads(path.read_text())
+
+
+def hf_arch(hf: dict) -> str:
+    """'gpt2' or 'llama' from config.json's model_type and architectures; anything else is an error."""
+    model_type = hf.get("model_type")
+    archs = hf.get("architectures") or []
+    if model_type not in ARCHITECTURES:
+        raise ConversionError(f"unknown architecture: model_type={model_type!r} (architectures={archs}); "
+                              f"megajax converts {', '.join(ARCHITECTURES.values())}")
+    want = ARCHITECTURES[model_type]
+    if archs and want not in archs:
+        raise ConversionError(f"unknown architecture {archs}: megajax converts {want} for model_type="
+                              f"{model_type!r} (a causal language model with its output layer)")
+    return model_type
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConversionError(message)
+
+
+def model_config_from_hf(hf: dict) -> ModelConfig:
+    """The megajax model config equivalent to an HF config.json (fp32 parameters, Megatron vocab padding)."""
+    arch = hf_arch(hf)
+    try:
+        return _gpt2_config(hf) if arch == "gpt2" else _llama_config(hf)
+    except KeyError as e:
+        raise ConversionError(f"config.json of a {arch} model has no {e.args[0]!r}") from None
+    except ConfigError as e:
+        raise ConversionError(f"config.json does not make a valid megajax model: {e}") from None
+
+
+def _gpt2_config(hf: dict) -> ModelConfig:
+    act = hf.get("activation_function", "gelu_new")
+    _require(act in ("gelu_new", "gelu_pytorch_tanh"),
+             f"GPT-2 activation_function={act!r} is not supported: megajax uses the tanh GeLU (gelu_new)")
+    _require(hf.get("scale_attn_weights", True), "GPT-2 scale_attn_weights=false is not supported")
+    _require(not hf.get("scale_attn_by_inverse_layer_idx", False),
+             "GPT-2 scale_attn_by_inverse_layer_idx=true is not supported")
+    _require(not hf.get("add_cross_attention", False), "GPT-2 add_cross_attention=true is not supported")
+    return ModelConfig(
+        arch="gpt2", num_layers=hf["n_layer"], hidden_size=hf["n_embd"], num_heads=hf["n_head"],
+        ffn_hidden_size=hf.get("n_inner") or 4 * hf["n_embd"], vocab_size=hf["vocab_size"],
+        seq_length=hf.get("n_positions", hf.get("n_ctx", 1024)), norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+        dropout=hf.get("resid_pdrop", 0.0), attention_dropout=hf.get("attn_pdrop", 0.0),
+        tie_embeddings=hf.get("tie_word_embeddings", True), init_std=hf.get("initializer_range", 0.02))
+
+
+def _llama_config(hf: dict) -> ModelConfig:
+    _require(hf.get("hidden_act", "silu") == "silu",
+             f"Llama hidden_act={hf.get('hidden_act')!r} is not supported: megajax's SwiGLU uses silu")
+    _require(not hf.get("attention_bias", False), "Llama attention_bias=true is not supported (megajax's Llama "
+                                                  "attention has no biases)")
+    _require(not hf.get("mlp_bias", False), "Llama mlp_bias=true is not supported")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    _require(rope_type == "default", f"Llama rope type {rope_type!r} is not supported: only plain RoPE "
+                                     "(rope_type 'default', no scaling)")
+    d, h = hf["hidden_size"], hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or d // h
+    _require(head_dim * h == d, f"Llama head_dim={head_dim} with num_attention_heads={h} does not give "
+                                f"hidden_size={d}: megajax needs head_dim = hidden_size / heads")
+    return ModelConfig(
+        arch="llama", num_layers=hf["num_hidden_layers"], hidden_size=d, num_heads=h,
+        num_kv_heads=hf.get("num_key_value_heads") or h, ffn_hidden_size=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"], seq_length=hf.get("max_position_embeddings", 2048),
+        norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 1e4))),
+        attention_dropout=hf.get("attention_dropout", 0.0),
+        tie_embeddings=hf.get("tie_word_embeddings", False), init_std=hf.get("initializer_range", 0.02))
+
+
+def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", base: dict | None = None,
+                         eos_token_id: int | None = None) -> dict:
+    """config.json for `cfg`. `base` (the config.json a model was imported from) keeps its other fields,
+    such as token ids; without it, bos and eos are `eos_token_id`."""
+    out = {k: v for k, v in (base or {}).items() if k != "transformers_version"}
+    if base is None:
+        out.update(bos_token_id=eos_token_id, eos_token_id=eos_token_id)
+    out.update(architectures=[ARCHITECTURES[cfg.arch]], model_type=cfg.arch, vocab_size=cfg.vocab_size,
+               tie_word_embeddings=cfg.tied, initializer_range=cfg.init_std, use_cache=True,
+               torch_dtype=dtype, dtype=dtype)  # transformers 4 reads torch_dtype, 5 prefers dtype
+    if cfg.arch == "gpt2":
+        if cfg.kv_heads != cfg.num_heads:
+            raise ConversionError(f"GPT2LMHeadModel has no grouped-query attention: model.num_kv_heads="
+                                  f"{cfg.kv_heads} != model.num_heads={cfg.num_heads} cannot be exported")
+        out.update(n_layer=cfg.num_layers, n_embd=cfg.hidden_size, n_head=cfg.num_heads, n_inner=cfg.ffn_size,
+                   n_positions=cfg.seq_length, n_ctx=cfg.seq_length, layer_norm_epsilon=cfg.norm_eps,
+                   activation_function="gelu_new", resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
+                   attn_pdrop=cfg.attention_dropout, scale_attn_weights=True)
+    else:
+        rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+        out.update(num_hidden_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+                   num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+                   intermediate_size=cfg.ffn_size, max_position_embeddings=cfg.seq_length,
+                   rms_norm_eps=cfg.norm_eps, hidden_act="silu", attention_bias=False, mlp_bias=False,
+                   attention_dropout=cfg.attention_dropout, rope_theta=cfg.rope_theta, rope_parameters=rope)
+        out.pop("rope_scaling", None)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tensors
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One megajax parameter and the HF tensors it is made of ('{i}' in a name: the layer index)."""
+
+    path: tuple[str, ...]
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]  # the HF shapes the config implies, one per name
+    to_megajax: Callable[..., np.ndarray]  # HF tensors (one layer) -> megajax array (one layer)
+    to_hf: Callable[[np.ndarray], tuple[np.ndarray, ...]]
+
+    @property
+    def per_layer(self) -> bool:
+        return "{i}" in self.names[0]
+
+
+def _same(path, name, shape) -> Rule:
+    return Rule(path, (name,), (shape,), lambda w: w, lambda x: (x,))
+
+
+def _transposed(path, name, shape) -> Rule:
+    return Rule(path, (name,), (shape,), lambda w: w.T, lambda x: (x.T,))
+
+
+def _vocab_rules(cfg: ModelConfig, embed_name: str) -> list[Rule]:
+    """Embedding [v, d] and untied output layer (HF [v, d], megajax [d, v]), zero-padded to v_padded."""
+    v, d, pad = cfg.vocab_size, cfg.hidden_size, cfg.padded_vocab_size - cfg.vocab_size
+
+    def padded(w):
+        return np.concatenate([w, np.zeros((pad, d), w.dtype)]) if pad else w
+
+    rules = [Rule(("embed", "embedding"), (embed_name,), ((v, d),), padded, lambda x: (x[:v],))]
+    if not cfg.tied:
+        rules.append(Rule(("head", "output"), ("lm_head.weight",), ((v, d),), lambda w: padded(w).T,
+                          lambda x: (x.T[:v],)))
+    return rules
+
+
+def _gpt2_rules(cfg: ModelConfig) -> list[Rule]:
+    d, h, k, f = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.ffn_size
+    p = "transformer.h.{i}."
+    blk = ("layers", "block")
+    # GPT-2's Conv1D weights are [in, out]; c_attn's output is [q heads | k heads | v heads]. With g = h
+    # and r = 1, megajax's group j is (q head j, k head j, v head j): a transpose of the (3, h) axes.
+    wqkv = Rule(blk + ("attn", "wqkv"), (p + "attn.c_attn.weight",), ((d, 3 * d),),
+                lambda w: w.reshape(d, 3, h, k).transpose(0, 2, 1, 3),
+                lambda x: (x.transpose(0, 2, 1, 3).reshape(d, 3 * d),))
+    bqkv = Rule(blk + ("attn", "bqkv"), (p + "attn.c_attn.bias",), ((3 * d,),),
+                lambda w: w.reshape(3, h, k).transpose(1, 0, 2), lambda x: (x.transpose(1, 0, 2).reshape(3 * d),))
+    wo = Rule(blk + ("attn", "wo"), (p + "attn.c_proj.weight",), ((d, d),),
+              lambda w: w.reshape(h, k, d), lambda x: (x.reshape(h * k, d),))
+    return [
+        *_vocab_rules(cfg, "transformer.wte.weight"),
+        _same(("embed", "position_embedding"), "transformer.wpe.weight", (cfg.seq_length, d)),
+        _same(blk + ("attn_norm", "scale"), p + "ln_1.weight", (d,)),
+        _same(blk + ("attn_norm", "bias"), p + "ln_1.bias", (d,)),
+        wqkv, bqkv, wo,
+        _same(blk + ("attn", "bo"), p + "attn.c_proj.bias", (d,)),
+        _same(blk + ("mlp_norm", "scale"), p + "ln_2.weight", (d,)),
+        _same(blk + ("mlp_norm", "bias"), p + "ln_2.bias", (d,)),
+        _same(blk + ("mlp", "w_in"), p + "mlp.c_fc.weight", (d, f)),
+        _same(blk + ("mlp", "b_in"), p + "mlp.c_fc.bias", (f,)),
+        _same(blk + ("mlp", "w_out"), p + "mlp.c_proj.weight", (f, d)),
+        _same(blk + ("mlp", "b_out"), p + "mlp.c_proj.bias", (d,)),
+        _same(("head", "final_norm", "scale"), "transformer.ln_f.weight", (d,)),
+        _same(("head", "final_norm", "bias"), "transformer.ln_f.bias", (d,)),
+    ]
+
+
+def _llama_rules(cfg: ModelConfig) -> list[Rule]:
+    d, h, g, k, f = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.ffn_size
+    r = h // g
+    p = "model.layers.{i}."
+    blk = ("layers", "block")
+
+    # nn.Linear weights are [out, in]. Query head j*r + m belongs to kv head j (HF's repeat_kv order),
+    # so q_proj.T reshapes straight into [d, g, r, k].
+    def fuse_qkv(q, kk, v):
+        return np.concatenate([q.T.reshape(d, g, r, k), kk.T.reshape(d, g, 1, k), v.T.reshape(d, g, 1, k)], axis=2)
+
+    def split_qkv(x):
+        return x[:, :, :r].reshape(d, h * k).T, x[:, :, r].reshape(d, g * k).T, x[:, :, r + 1].reshape(d, g * k).T
+
+    attn = p + "self_attn."
+    wqkv = Rule(blk + ("attn", "wqkv"), (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
+                ((h * k, d), (g * k, d), (g * k, d)), fuse_qkv, split_qkv)
+    wo = Rule(blk + ("attn", "wo"), (attn + "o_proj.weight",), ((d, h * k),),
+              lambda w: w.T.reshape(h, k, d), lambda x: (x.reshape(h * k, d).T,))
+    gate_up = Rule(blk + ("mlp", "w_gate_up"), (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                   ((f, d), (f, d)), lambda gate, up: np.stack([gate.T, up.T], axis=1),
+                   lambda x: (x[:, 0].T, x[:, 1].T))
+    return [
+        *_vocab_rules(cfg, "model.embed_tokens.weight"),
+        _same(blk + ("attn_norm", "scale"), p + "input_layernorm.weight", (d,)),
+        wqkv, wo,
+        _same(blk + ("mlp_norm", "scale"), p + "post_attention_layernorm.weight", (d,)),
+        gate_up,
+        _transposed(blk + ("mlp", "w_out"), p + "mlp.down_proj.weight", (d, f)),
+        _same(("head", "final_norm", "scale"), "model.norm.weight", (d,)),
+    ]
+
+
+def rules(cfg: ModelConfig) -> list[Rule]:
+    return _gpt2_rules(cfg) if cfg.arch == "gpt2" else _llama_rules(cfg)
+
+
+def _config_summary(cfg: ModelConfig) -> str:
+    return (f"num_layers={cfg.num_layers} hidden_size={cfg.hidden_size} num_heads={cfg.num_heads} "
+            f"num_kv_heads={cfg.kv_heads} ffn={cfg.ffn_size} vocab_size={cfg.vocab_size} "
+            f"seq_length={cfg.seq_length} tied={cfg.tied}")
+
+
+def params_from_hf(cfg: ModelConfig, get: Callable[[str], np.ndarray | None], names: Iterable[str],
+                   source: str = "the model") -> dict:
+    """The megajax parameter tree (NumPy, layers stacked, cfg.param_dtype) from HF tensors.
+
+    get(name) returns a tensor or None if missing; names lists every tensor the source holds, so that
+    tensors the config does not account for (more layers, biases) are errors rather than dropped.
+    """
+    dtype = _np_dtype(cfg.param_dtype)
+    used: set[str] = set()
+
+    def fetch(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        w = get(name)
+        if w is None:
+            raise ConversionError(f"missing tensor {name!r} in {source} (a {cfg.arch} model with "
+                                  f"{_config_summary(cfg)})")
+        if tuple(w.shape) != shape:
+            raise ConversionError(f"tensor {name!r} in {source} has shape {tuple(w.shape)}, but config.json "
+                                  f"({_config_summary(cfg)}) needs {shape}")
+        used.add(name)
+        return w.astype(dtype)
+
+    params: dict = {}
+    for rule in rules(cfg):
+        def one(i: int | None, rule=rule) -> np.ndarray:
+            ws = [fetch(n.format(i=i), s) for n, s in zip(rule.names, rule.shapes)]
+            return np.ascontiguousarray(rule.to_megajax(*ws))
+
+        value = np.stack([one(i) for i in range(cfg.num_layers)]) if rule.per_layer else one(None)
+        node = params
+        for key in rule.path[:-1]:
+            node = node.setdefault(key, {})
+        node[rule.path[-1]] = value
+    ignorable = _BUFFERS[cfg.arch]
+    for name in sorted(set(names) - used):
+        if ignorable.search(name) or (cfg.tied and name == "lm_head.weight"):
+            continue  # a buffer, or the tied output layer saved twice
+        raise ConversionError(f"unexpected tensor {name!r} in {source}: not part of a {cfg.arch} model with "
+                              f"{_config_summary(cfg)} (does config.json describe these weights?)")
+    return params
+
+
+def _leaf(params: dict, path: tuple[str, ...], where: str) -> np.ndarray:
+    node: Any = params
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            raise ConversionError(f"parameter {'/'.join(path)} is missing from {where}")
+        node = node[key]
+    return np.asarray(node)
+
+
+def params_to_hf(cfg: ModelConfig, params: dict, dtype: str | None = None,
+                 where: str = "the checkpoint") -> dict[str, np.ndarray]:
+    """HF tensor name -> array for a megajax parameter tree (NumPy or jax arrays, canonical layout).
+
+    dtype: the output dtype (float32, bfloat16, float16); None keeps each parameter's own.
+    """
+    out: dict[str, np.ndarray] = {}
+    for rule in rules(cfg):
+        value = _leaf(params, rule.path, where)
+        layers = range(cfg.num_layers) if rule.per_layer else [None]
+        for i in layers:
+            ws = rule.to_hf(value[i] if i is not None else value)
+            for name, shape, w in zip(rule.names, rule.shapes, ws):
+                name = name.format(i=i)
+                if tuple(w.shape) != shape:
+                    raise ConversionError(f"parameter {'/'.join(rule.path)} in {where} gives {name!r} the shape "
+                                          f"{tuple(w.shape)}, but its config ({_config_summary(cfg)}) needs {shape}")
+                w = np.ascontiguousarray(w)
+                out[name] = w.astype(_np_dtype(dtype)) if dtype else w
+    return out
+
+
+def _np_dtype(name: str) -> np.dtype:
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+# ----------------------------------------------------------------------------------------------------
+# safetensors files
+
+
+class SafetensorsReader:
+    """The tensors of an HF model folder: model.safetensors, or the shards that
+    model.safetensors.index.json lists. Tensors are read one at a time, when asked for."""
+
+    def __init__(self, model_dir: str | Path, arch: str):
+        from safetensors import safe_open
+
+        self._open = safe_open
+        self.dir = Path(model_dir)
+        index = self.dir / "model.safetensors.index.json"
+        single = self.dir / "model.safetensors"
+        if index.exists():
+            files = json.loads(index.read_text())["weight_map"]
+        elif single.exists():
+            with safe_open(single, framework="numpy") as f:
+                files = {name: single.name for name in f.keys()}
+        else:
+            raise ConversionError(f"{self.dir} has no model.safetensors or model.safetensors.index.json "
+                                  "(PyTorch .bin weights are not read: save them with safe_serialization=True)")
+        # Original GPT-2 checkpoints name tensors without the "transformer." prefix that
+        # GPT2LMHeadModel.save_pretrained writes.
+        self._files = {self._canonical(n, arch): (n, file) for n, file in files.items()}
+        self._handles: dict[str, Any] = {}
+
+    @staticmethod
+    def _canonical(name: str, arch: str) -> str:
+        if arch == "gpt2" and not name.startswith(("transformer.", "lm_head.")):
+            return "transformer." + name
+        return name
+
+    def names(self) -> list[str]:
+        return list(self._files)
+
+    def get(self, name: str) -> np.ndarray | None:
+        if name not in self._files:
+            return None
+        stored, file = self._files[name]
+        if file not in self._handles:
+            path = self.dir / file
+            if not path.exists():
+                raise ConversionError(f"tensor {name!r} is listed in model.safetensors.index.json in {file}, "
+                                      f"but {path} does not exist")
+            self._handles[file] = self._open(path, framework="numpy")
+        return self._handles[file].get_tensor(stored)
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '64KiB' or a byte count -> bytes."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(I?)B?", text.strip().upper())
+    if not m:
+        raise ConversionError(f"size {text!r} must look like 5GB, 500MB, 64KiB or a number of bytes")
+    base = 1024 if m.group(3) else 1000
+    return int(float(m.group(1)) * base ** " KMGT".index(m.group(2) or " "))
+
+
+def write_safetensors(tensors: dict[str, np.ndarray], out_dir: str | Path, max_shard_bytes: int) -> list[str]:
+    """Writes model.safetensors, or model-0000i-of-0000n.safetensors and the index json when the tensors
+    exceed max_shard_bytes. Returns the file names written."""
+    from safetensors.numpy import save_file
+
+    out_dir = Path(out_dir)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        w = tensors[name]
+        if shards[-1] and size + w.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = w
+        size += w.nbytes
+    metadata = {"format": "pt"}  # transformers refuses safetensors files without a known format tag
+    if len(shards) == 1:
+        save_file(shards[0], out_dir / "model.safetensors", metadata=metadata)
+        return ["model.safetensors"]
+    n = len(shards)
+    names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    weight_map = {}
+    for file, shard in zip(names, shards):
+        save_file(shard, out_dir / file, metadata=metadata)
+        weight_map.update({name: file for name in shard})
+    total = sum(w.nbytes for w in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return names + ["model.safetensors.index.json"]
