@@ -1,0 +1,97 @@
+"""Several processes on 127.0.0.1 (scripts/launch_local.sh, CPU collectives): same losses as one process,
+checkpoints move between process counts, and a dead process never leaves the others hanging."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import CLI_SMALL, REPO, cli_env, read_metrics, train_cli
+
+# decay_steps fixed: the runs below stop at different train.steps, and the schedule must not change with it
+LAYOUT = ["parallel.data=2", "parallel.tensor=4", "parallel.sequence_parallel=true", "checkpoint.every=2",
+          "optim.decay_steps=8"]
+
+
+def launch(out_dir, *sets, n=2, d=4, timeout=300):
+    cmd = ["bash", "scripts/launch_local.sh", "-n", str(n), "-d", str(d), "--", sys.executable, "-m",
+           "megajax.train", "--config", "configs/tiny.yaml", "--set", *CLI_SMALL, f"train.output_dir={out_dir}",
+           *sets]
+    proc = subprocess.run(cmd, cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc
+
+
+def test_processes_match_one_process_and_checkpoints_move_between_them(tmp_path):
+    ref = read_metrics(train_cli(tmp_path / "ref", "train.steps=8", *LAYOUT, devices=8) and tmp_path / "ref")
+    run = tmp_path / "run"
+    two = launch(run, "train.steps=4", *LAYOUT)  # 2 processes x 4 devices, steps 1-4
+    assert "[0] step 4/4" in two.stdout and "[1] step" not in two.stdout, "only process 0 logs"
+    one = train_cli(run, "train.steps=6", *LAYOUT, devices=8)  # 1 process x 8 devices resumes at 4
+    assert "resumed from" in one.stdout and "step 4" in one.stdout
+    again = launch(run, "train.steps=8", *LAYOUT)  # and back to 2 processes at 6
+    assert "[0] resumed from" in again.stdout
+    got = read_metrics(run)
+    assert sorted(got) == list(range(1, 9))
+    for step in range(1, 9):
+        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5), step
+
+
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_dead_process_stops_the_others(tmp_path, victim):
+    """Without a launcher: kill -9 one process; the other exits with an error within the heartbeat timeout."""
+    port = _free_port()
+    procs = []
+    for i in range(2):
+        env = cli_env(MEGAJAX_COORDINATOR=f"127.0.0.1:{port}", MEGAJAX_NUM_PROCESSES="2",
+                      MEGAJAX_PROCESS_ID=str(i), MEGAJAX_CPU_DEVICES="2")
+        cmd = [sys.executable, "-m", "megajax.train", "--config", "configs/tiny.yaml", "--set", *CLI_SMALL,
+               f"train.output_dir={tmp_path}", "train.steps=100000", "parallel.data=4"]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE if i == 0 else subprocess.DEVNULL,
+                                      stderr=subprocess.STDOUT, text=True))
+    for line in procs[0].stdout:
+        if line.startswith("step 3/"):
+            break
+    procs[victim].kill()
+    start = time.time()
+    survivor = procs[1 - victim]
+    try:
+        code = survivor.wait(timeout=120)
+    finally:
+        for p in procs:
+            p.kill()
+    assert code != 0
+    assert time.time() - start < 120
+
+
+def test_launcher_kills_the_rest_when_one_fails(tmp_path):
+    cmd = ["bash", "scripts/launch_local.sh", "-n", "2", "-d", "2", "--", sys.executable, "-m", "megajax.train",
+           "--config", "configs/tiny.yaml", "--set", *CLI_SMALL, f"train.output_dir={tmp_path}",
+           "train.steps=100000", "parallel.data=4"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    for line in proc.stdout:
+        if line.startswith("[0] step 3/"):
+            break
+    out = subprocess.run(["pgrep", "-f", f"output_dir={tmp_path}"], capture_output=True, text=True).stdout.split()
+    victims = [int(pid) for pid in out if int(pid) != proc.pid]
+    assert victims
+    os.kill(max(victims), signal.SIGKILL)
+    start = time.time()
+    try:
+        code = proc.wait(timeout=60)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+    assert code != 0 and time.time() - start < 60
