@@ -109,7 +109,8 @@ def audit(cfg, target: str = "cpu", devices: int | None = None, dump_hlo: str | 
     if isinstance(cost, list):
         cost = cost[0] if cost else None
     colls = hlo.parse(text, dict(mesh.shape))
-    flops = metrics.step_flops(cfg.model, cfg.train.global_batch_size * cfg.model.seq_length)
+    flops = metrics.step_flops(cfg.model, cfg.train.global_batch_size * cfg.model.seq_length,
+                               pipelined=cfg.parallel.pipeline > 1)
     gib = 2**30
     memory = {
         "argument_bytes": mem.argument_size_in_bytes, "output_bytes": mem.output_size_in_bytes,

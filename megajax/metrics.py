@@ -38,18 +38,22 @@ def layer_forward_flops_per_token(cfg: ModelConfig) -> tuple[float, float]:
     return qkv + out + mlp, core
 
 
-def step_flops(cfg: ModelConfig, tokens: int) -> dict[str, float]:
-    """Model FLOPs (3x forward: for MFU) and hardware FLOPs (with recomputation: for TFLOP/s)."""
+def step_flops(cfg: ModelConfig, tokens: int, pipelined: bool = False) -> dict[str, float]:
+    """Model FLOPs (3x forward: for MFU) and hardware FLOPs (with recomputation: for TFLOP/s).
+
+    The pipeline executor always recomputes each layer's forward before its backward (it stashes only
+    layer inputs), so a pipelined step counts as full recomputation, plus the attention core once more
+    with model.recompute=selective.
+    """
     dense, core = layer_forward_flops_per_token(cfg)
     layer_fwd = cfg.num_layers * (dense + core)
     logits_fwd = 2 * cfg.hidden_size * cfg.padded_vocab_size
     model = 3 * (layer_fwd + logits_fwd) * tokens
-    if cfg.recompute == "full":
-        hardware = model + layer_fwd * tokens
-    elif cfg.recompute == "selective":
-        hardware = model + cfg.num_layers * core * tokens
-    else:
-        hardware = model
+    hardware = model
+    if cfg.recompute == "full" or pipelined:
+        hardware += layer_fwd * tokens
+    if cfg.recompute == "selective":
+        hardware += cfg.num_layers * core * tokens
     return {"model_flops": float(model), "hardware_flops": float(hardware)}
 
 

@@ -386,7 +386,7 @@ def _loop(cfg, setup, step_fn, eval_fn, state, datasets, start, consumed, loader
     from megajax import checkpoint
 
     gbs, steps, seq = cfg.train.global_batch_size, cfg.train.steps, cfg.model.seq_length
-    flops = metrics_lib.step_flops(cfg.model, gbs * seq)
+    flops = metrics_lib.step_flops(cfg.model, gbs * seq, pipelined=cfg.parallel.pipeline > 1)
     n_dev = jax.device_count()
     stop = _StopRequest()
     stop.install()

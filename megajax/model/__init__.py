@@ -1,7 +1,7 @@
 """GPT-2 and Llama style transformers with logical axis names on every parameter."""
 
-from megajax.model.gpt import (GPT, DecodeState, cross_entropy, decode_apply, dropout_keys, embed_apply, head_apply,
+from megajax.model.gpt import (GPT, DecodeState, block_apply, cross_entropy, decode_apply, dropout_keys, embed_apply, head_apply,
                                init_decode_state, init_params, layers_apply, logical_axes, loss_sum)
 
-__all__ = ["GPT", "DecodeState", "cross_entropy", "decode_apply", "dropout_keys", "embed_apply", "head_apply", "init_decode_state",
+__all__ = ["GPT", "DecodeState", "block_apply", "cross_entropy", "decode_apply", "dropout_keys", "embed_apply", "head_apply", "init_decode_state",
            "init_params", "layers_apply", "logical_axes", "loss_sum"]

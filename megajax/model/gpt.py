@@ -148,6 +148,14 @@ def layers_apply(cfg: ModelConfig, stack_params: dict, x_bsd: jax.Array, keys: j
     return LayerStack(cfg, n).apply({"params": stack_params}, x_bsd, keys, first_layer)
 
 
+def block_apply(cfg: ModelConfig, layer_params: dict, x_bsd: jax.Array, layer: jax.Array | int,
+                keys: jax.Array | None) -> jax.Array:
+    """One block (its parameters sliced from the stack) at global index `layer`: [b, s, d] -> [b, s, d].
+    The pipeline runs layers one at a time with it, to stash each layer's input and recompute layer by
+    layer in the backward."""
+    return Block(cfg).apply({"params": layer_params}, x_bsd, layer, keys)[0]
+
+
 def head_apply(cfg: ModelConfig, params: dict, x_bsd: jax.Array, targets_bs: jax.Array,
                mask_bs: jax.Array) -> jax.Array:
     """Sum of the masked token losses (fp32 scalar)."""

@@ -2,14 +2,16 @@
 
 Called inside the train step's shard_map, where 'data' and 'pipeline' are manual and 'tensor' is left to
 GSPMD. Each rank reads its column of the table (axis_index('pipeline')) and, tick by tick in a scan:
-  - runs the action with lax.switch (a real conditional, so an idle tick costs nothing):
+  - runs its forward, then its backward, each chosen with lax.switch (a real conditional: an absent
+    action costs nothing):
       forward  of local chunk c on micro batch i (the first chunk embeds tokens, the last adds the loss)
-      backward of chunk c on micro batch i: jax.vjp of the chunk recomputed from its stashed input
-               (the first chunk recomputes from tokens, the last seeds the vjp with the loss scale)
+      backward of chunk c on micro batch i: layer by layer from the last, recomputed from its stashed
+               input, then its jax.vjp (the last chunk first backpropagates the loss, the first
+               finishes with the embedding)
   - sends its output activation to rank r + 1 and its input gradient to rank r - 1 (ppermute), and
     writes what arrives into the buffer slot the table names (a spare trash slot takes empty ticks)
-Only chunk inputs are stashed, for at most the in-flight micro batches, so activation memory is bounded
-by the schedule's depth, not by the number of micro batches. Gradients accumulate per local chunk in
+Only each layer's input is stashed (Megatron's full recomputation), for at most the in-flight micro
+batches, so activation memory is bounded by the schedule's depth, not by the number of micro batches. Gradients accumulate per local chunk in
 fp32; the embedding and head gradients and the loss are summed over 'pipeline' once after the scan, and
 the caller reduces everything over 'data' once per step.
 
@@ -29,11 +31,10 @@ import numpy as np
 from megajax import model
 from megajax.config import Config
 from megajax.pipeline import schedule as schedule_lib
-from megajax.pipeline.schedule import BWD, FWD, IDLE
 
 MANUAL = ("data", "pipeline")
-# expanded action kinds: what a branch does depends on where its chunk sits in the model
-K_IDLE, K_F_FIRST, K_F_MID, K_F_LAST, K_B_FIRST, K_B_MID, K_B_LAST = range(7)
+# what an action does depends on where its chunk sits in the model: 0 none, 1 first, 2 middle, 3 last chunk
+NONE, FIRST, MID, LAST = range(4)
 
 
 def vary(tree):
@@ -46,21 +47,24 @@ def vary(tree):
     return jax.tree.map(one, tree)
 
 
+def _position(global_chunk: np.ndarray, chunks: int) -> np.ndarray:
+    out = np.full(global_chunk.shape, NONE, np.int32)
+    out[global_chunk == 0] = FIRST
+    out[(global_chunk > 0) & (global_chunk < chunks - 1)] = MID
+    out[global_chunk == chunks - 1] = LAST
+    return out
+
+
 @functools.lru_cache(maxsize=64)
 def plan(name: str, p: int, v: int, m: int):
-    """The schedule, its expanded kinds and its segments [(start, stop, fwd_send, bwd_send, kinds)]."""
+    """The schedule, the forward and backward kinds per (tick, rank), and the tick segments
+    [(start, stop, forward sends?, backward sends?, forward kinds present, backward kinds present)]."""
     s = schedule_lib.build(name, p, v, m)
-    g = s.global_chunk()
-    last = p * v - 1
-    kinds = np.full(s.kind.shape, K_IDLE, np.int32)
-    kinds[(s.kind == FWD) & (g == 0)] = K_F_FIRST
-    kinds[(s.kind == FWD) & (g > 0) & (g < last)] = K_F_MID
-    kinds[(s.kind == FWD) & (g == last)] = K_F_LAST
-    kinds[(s.kind == BWD) & (g == 0)] = K_B_FIRST
-    kinds[(s.kind == BWD) & (g > 0) & (g < last)] = K_B_MID
-    kinds[(s.kind == BWD) & (g == last)] = K_B_LAST
-    fsend = np.any((s.kind == FWD) & (g < last), axis=1)
-    bsend = np.any((s.kind == BWD) & (g > 0), axis=1)
+    chunks = p * v
+    fg, bg = s.global_chunk(s.f_chunk), s.global_chunk(s.b_chunk)
+    f_kind, b_kind = _position(fg, chunks), _position(bg, chunks)
+    fsend = np.any((fg >= 0) & (fg < chunks - 1), axis=1)
+    bsend = np.any(bg > 0, axis=1)
     # At most three segments, so the tick body is compiled a bounded number of times whatever m is:
     # warm-up (before the first gradient send), steady, cool-down (after the last activation send).
     warm_end = int(np.argmax(bsend)) if bsend.any() else s.ticks
@@ -68,9 +72,11 @@ def plan(name: str, p: int, v: int, m: int):
     bounds = sorted({0, min(warm_end, cool_start), max(warm_end, cool_start), s.ticks})
     segments = []
     for start, stop in zip(bounds[:-1], bounds[1:]):
-        present = tuple(sorted(set(kinds[start:stop].ravel().tolist()) | {K_IDLE}))
-        segments.append((start, stop, bool(fsend[start:stop].any()), bool(bsend[start:stop].any()), present))
-    return s, kinds, segments
+        present_f = tuple(sorted(set(f_kind[start:stop].ravel().tolist()) | {NONE}))
+        present_b = tuple(sorted(set(b_kind[start:stop].ravel().tolist()) | {NONE}))
+        segments.append((start, stop, bool(fsend[start:stop].any()), bool(bsend[start:stop].any()),
+                         present_f, present_b))
+    return s, f_kind, b_kind, segments
 
 
 def permute_bytes_per_step(cfg: Config) -> dict:
@@ -83,8 +89,8 @@ def permute_bytes_per_step(cfg: Config) -> dict:
     if par.schedule == "gpipe":
         ticks = m + par.pipeline - 1
         return {"ppermutes": 2 * ticks, "bytes": 2 * ticks * act}  # forward scan and its transpose
-    _, _, segments = plan(par.schedule, par.pipeline, par.virtual_stages, m)
-    n = sum((stop - start) * (int(f) + int(b)) for start, stop, f, b, _ in segments)
+    segments = plan(par.schedule, par.pipeline, par.virtual_stages, m)[3]
+    n = sum((stop - start) * (int(f) + int(b)) for start, stop, f, b, _, _ in segments)
     return {"ppermutes": n, "bytes": n * act}
 
 
@@ -96,6 +102,13 @@ def _perm(p: int, v: int, step: int) -> list[tuple[int, int]]:
     return pairs
 
 
+def _local_kinds(present: tuple[int, ...], kinds: np.ndarray) -> jax.Array:
+    """Kind codes -> indices into the segment's list of branches."""
+    index = np.zeros(4, np.int32)
+    index[list(present)] = np.arange(len(present))
+    return jnp.asarray(index[kinds])
+
+
 def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array):
     """(summed token loss over the local batch, gradients of seed_scale * summed loss) on this data
     rank, summed over 'pipeline' where parameters are shared. params: stacked layers in the staged
@@ -104,37 +117,46 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
     m = cfg.num_micro_batches
     if par.schedule == "gpipe":
         return _gpipe_grads(cfg, params, batch, seed_scale)
-    sched, kinds, segments = plan(par.schedule, par.pipeline, par.virtual_stages, m)
+    sched, f_kind, b_kind, segments = plan(par.schedule, par.pipeline, par.virtual_stages, m)
     layers = vary(jax.tree.map(lambda x: x[:, 0], params["layers"]))  # [v, Lc, ...]
     shared = vary({k: val for k, val in params.items() if k != "layers"})
     mbs = vary(jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch))
-    mb_rows = batch["tokens"].shape[0] // m
+    act_shape = (batch["tokens"].shape[0] // m, cfg.model.seq_length, cfg.model.hidden_size)
     act_dtype = jnp.dtype(cfg.model.compute_dtype)
-    act_shape = (mb_rows, cfg.model.seq_length, cfg.model.hidden_size)
+    lc = jax.tree.leaves(layers)[0].shape[1]
     carry = vary({
-        "act": jnp.zeros((sched.act_slots, *act_shape), act_dtype),
+        # slot i holds a (chunk, micro batch)'s stash: the input of each of its layers, then its output
+        "act": jnp.zeros((sched.act_slots, lc + 1, *act_shape), act_dtype),
         "grad": jnp.zeros((sched.grad_slots, *act_shape), act_dtype),
         "g_layers": jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), layers),
         "g_shared": jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), shared),
         "loss": jnp.zeros((), jnp.float32),
     })
-    branches = _branches(cfg, layers, shared, mbs, vary(seed_scale))
+    fwd, bwd = _branches(cfg, layers, shared, mbs, vary(seed_scale))
     rank = jax.lax.axis_index("pipeline")
-    table = {"kind": kinds, "chunk": sched.chunk, "micro": sched.micro, "act_slot": sched.act_slot,
-             "grad_slot": sched.grad_slot, "recv_act": sched.recv_act, "recv_grad": sched.recv_grad}
-    for start, stop, fsend, bsend, present in segments:
-        local_kind = np.full(7, 0, np.int32)
-        local_kind[list(present)] = np.arange(len(present))
-        xs = {k: jnp.asarray(v[start:stop]) for k, v in table.items()}
-        xs["kind"] = jnp.asarray(local_kind[kinds[start:stop]])
-        seg_branches = [branches[k] for k in present]
+    fields = ("f_chunk", "f_micro", "f_slot", "b_chunk", "b_micro", "b_act_slot", "b_grad_slot", "recv_act",
+              "recv_grad")
+    for start, stop, fsend, bsend, present_f, present_b in segments:
+        xs = {k: jnp.asarray(getattr(sched, k)[start:stop]) for k in fields}
+        xs["f_kind"] = _local_kinds(present_f, f_kind[start:stop])
+        xs["b_kind"] = _local_kinds(present_b, b_kind[start:stop])
 
-        def tick(carry, row, seg_branches=seg_branches, fsend=fsend, bsend=bsend):
+        def tick(carry, row, fwd_branches=[fwd[k] for k in present_f], bwd_branches=[bwd[k] for k in present_b],
+                 fsend=fsend, bsend=bsend):
             row = {k: jnp.clip(val[rank], 0, None) for k, val in row.items()}
-            carry, send_act, send_grad = jax.lax.switch(row["kind"], seg_branches, carry, row)
+            # Only the slices an action reads go into the switch, and its results come out of it: the big
+            # buffers and accumulators stay outside, so no conditional copies them every tick.
+            send_act, stash, loss = jax.lax.switch(row["f_kind"], fwd_branches, carry["act"][row["f_slot"], 0], row)
+            carry["act"] = carry["act"].at[row["f_slot"]].set(stash)  # (the trash slot when no forward)
+            send_grad, dw, dsh = jax.lax.switch(row["b_kind"], bwd_branches, carry["act"][row["b_act_slot"]],
+                                                carry["grad"][row["b_grad_slot"]], row)
+            carry["loss"] = carry["loss"] + loss
+            c = row["b_chunk"]
+            carry["g_layers"] = jax.tree.map(lambda acc, d: acc.at[c].add(d), carry["g_layers"], dw)
+            carry["g_shared"] = jax.tree.map(jnp.add, carry["g_shared"], dsh)
             if fsend:
                 recv = jax.lax.ppermute(send_act, "pipeline", _perm(par.pipeline, par.virtual_stages, 1))
-                carry["act"] = carry["act"].at[row["recv_act"]].set(recv)
+                carry["act"] = carry["act"].at[row["recv_act"], 0].set(recv)
             if bsend:
                 recv = jax.lax.ppermute(send_grad, "pipeline", _perm(par.pipeline, par.virtual_stages, -1))
                 carry["grad"] = carry["grad"].at[row["recv_grad"]].set(recv)
@@ -147,78 +169,105 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
 
 
 def _branches(cfg: Config, layers, shared, mbs, seed_scale):
-    """The seven tick actions, each (carry, row) -> (carry, activation to send, gradient to send)."""
+    """The forward and backward actions of a tick, indexed by NONE / FIRST / MID / LAST.
+
+    forward  (x, row) -> (activation to send, stash, loss): runs the chunk's layers one by one and keeps
+             each layer's input (and the chunk's output) in the stash
+    backward (stash, g, row) -> (gradient to send, chunk gradients, shared-parameter gradients): walks the
+             layers backwards, recomputing each from its stashed input just before its backward
+    So every micro batch costs one forward, one recomputed forward and one backward, like Megatron with
+    full recomputation, and only [layers + 1, mb, s, d] per in-flight micro batch is kept.
+    """
     mcfg = cfg.model
     lc = jax.tree.leaves(layers)[0].shape[1]
     p = cfg.parallel.pipeline
+    zero_dw = jax.tree.map(lambda x: jnp.zeros(x.shape[1:], jnp.float32), layers)
+    zero_dsh = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), shared)
 
-    def chunk(row):
-        params = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, row["chunk"], keepdims=False), layers)
-        first_layer = (row["chunk"] * p + jax.lax.axis_index("pipeline")) * lc
+    def chunk(row, prefix):
+        first_layer = (row[prefix + "chunk"] * p + jax.lax.axis_index("pipeline")) * lc
+        if jax.tree.leaves(layers)[0].shape[0] == 1:  # one chunk per rank: a static slice, no copy
+            return jax.tree.map(lambda x: x[0], layers), first_layer
+        params = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, row[prefix + "chunk"], keepdims=False),
+                              layers)
         return params, first_layer
 
-    def micro(row):
-        mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, row["micro"], keepdims=False), mbs)
-        return mb, model.dropout_keys(cfg.model, cfg.train.seed, mb["sample_ids"])
+    def micro(row, prefix):
+        mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, row[prefix + "micro"], keepdims=False), mbs)
+        return mb, model.dropout_keys(mcfg, cfg.train.seed, mb["sample_ids"])
 
-    def stack(w, x, keys, first_layer):
-        return model.layers_apply(mcfg, w, x, keys, first_layer)
+    def forward(w, x, keys, first_layer):
+        """The chunk's layers in order: (output, stash [lc + 1, mb, s, d])."""
+        def body(x, wl):
+            w_l, l = wl
+            return model.block_apply(mcfg, w_l, x, l, keys).astype(x.dtype), x
 
-    def add_layer_grads(carry, row, dw):
-        carry["g_layers"] = jax.tree.map(lambda acc, d: acc.at[row["chunk"]].add(d.astype(acc.dtype)),
-                                         carry["g_layers"], dw)
-        return carry
+        y, inputs = jax.lax.scan(body, x, (w["block"], first_layer + jnp.arange(lc)))
+        return y, jnp.concatenate([inputs, y[None]], axis=0)
 
-    def add_shared_grads(carry, dsh):
-        carry["g_shared"] = jax.tree.map(lambda acc, d: acc + d.astype(acc.dtype), carry["g_shared"], dsh)
-        return carry
+    def backward(w, stash, g, keys, first_layer):
+        """Layer by layer from the last: recompute from the stashed input, then its vjp.
+        Returns (gradient at the chunk input, stacked parameter gradients)."""
+        def body(g, wxl):
+            w_l, x_l, l = wxl
+            _, vjp = jax.vjp(lambda w, x: model.block_apply(mcfg, w, x, l, keys), w_l, x_l)
+            dw, dx = vjp(g.astype(x_l.dtype))
+            return dx, jax.tree.map(lambda d: d.astype(jnp.float32), dw)
 
-    def out(carry, send_act=None, send_grad=None):
-        zeros = jnp.zeros_like(carry["act"][0])
-        return vary((carry, zeros if send_act is None else send_act.astype(zeros.dtype),
-                     zeros if send_grad is None else send_grad.astype(zeros.dtype)))
+        g_in, dw = jax.lax.scan(body, g, (w["block"], stash[:lc], first_layer + jnp.arange(lc)), reverse=True)
+        return g_in, {"block": dw}
 
-    def idle(carry, row):
-        return out(carry)
+    def fwd_out(x, send=None, stash=None, loss=None):
+        return vary((jnp.zeros_like(x) if send is None else send.astype(x.dtype),
+                     jnp.zeros((lc + 1, *x.shape), x.dtype) if stash is None else stash,
+                     jnp.zeros((), jnp.float32) if loss is None else loss))
 
-    def f_first(carry, row):
-        (w, first), (mb, keys) = chunk(row), micro(row)
-        return out(carry, send_act=stack(w, model.embed_apply(mcfg, shared, mb["tokens"], keys), keys, first))
+    def bwd_out(g, send=None, dw=None, dsh=None):
+        return vary((jnp.zeros_like(g) if send is None else send.astype(g.dtype), zero_dw if dw is None else dw,
+                     zero_dsh if dsh is None else jax.tree.map(lambda d: d.astype(jnp.float32), dsh)))
 
-    def f_mid(carry, row):
-        (w, first), (_, keys) = chunk(row), micro(row)
-        return out(carry, send_act=stack(w, carry["act"][row["act_slot"]], keys, first))
+    def f_none(x, row):
+        return fwd_out(x)
 
-    def f_last(carry, row):
-        (w, first), (mb, keys) = chunk(row), micro(row)
-        y = stack(w, carry["act"][row["act_slot"]], keys, first)
-        carry["loss"] = carry["loss"] + model.head_apply(mcfg, shared, y, mb["targets"], mb["loss_mask"])
-        return out(carry)
+    def f_first(x, row):
+        (w, first), (mb, keys) = chunk(row, "f_"), micro(row, "f_")
+        y, stash = forward(w, model.embed_apply(mcfg, shared, mb["tokens"], keys).astype(x.dtype), keys, first)
+        return fwd_out(x, y, stash)
 
-    def b_first(carry, row):
-        (w, first), (mb, keys) = chunk(row), micro(row)
-        _, vjp = jax.vjp(lambda w, sh: stack(w, model.embed_apply(mcfg, sh, mb["tokens"], keys), keys, first),
-                         w, shared)
-        dw, dsh = vjp(carry["grad"][row["grad_slot"]])
-        return out(add_shared_grads(add_layer_grads(carry, row, dw), dsh))
+    def f_mid(x, row):
+        (w, first), (_, keys) = chunk(row, "f_"), micro(row, "f_")
+        y, stash = forward(w, x, keys, first)
+        return fwd_out(x, y, stash)
 
-    def b_mid(carry, row):
-        (w, first), (_, keys) = chunk(row), micro(row)
-        _, vjp = jax.vjp(lambda w, x: stack(w, x, keys, first), w, carry["act"][row["act_slot"]])
-        dw, dx = vjp(carry["grad"][row["grad_slot"]])
-        return out(add_layer_grads(carry, row, dw), send_grad=dx)
+    def f_last(x, row):
+        (w, first), (mb, keys) = chunk(row, "f_"), micro(row, "f_")
+        y, stash = forward(w, x, keys, first)
+        return fwd_out(x, stash=stash, loss=model.head_apply(mcfg, shared, y, mb["targets"], mb["loss_mask"]))
 
-    def b_last(carry, row):
-        (w, first), (mb, keys) = chunk(row), micro(row)
+    def b_none(stash, g, row):
+        return bwd_out(g)
 
-        def loss(w, sh, x):
-            return model.head_apply(mcfg, sh, stack(w, x, keys, first), mb["targets"], mb["loss_mask"])
+    def b_first(stash, g, row):
+        (w, first), (mb, keys) = chunk(row, "b_"), micro(row, "b_")
+        g_in, dw = backward(w, stash, g, keys, first)
+        _, vjp = jax.vjp(lambda sh: model.embed_apply(mcfg, sh, mb["tokens"], keys), shared)
+        (dsh,) = vjp(g_in.astype(stash.dtype))
+        return bwd_out(g, dw=dw, dsh=dsh)
 
-        _, vjp = jax.vjp(loss, w, shared, carry["act"][row["act_slot"]])
-        dw, dsh, dx = vjp(seed_scale)
-        return out(add_shared_grads(add_layer_grads(carry, row, dw), dsh), send_grad=dx)
+    def b_mid(stash, g, row):
+        (w, first), (_, keys) = chunk(row, "b_"), micro(row, "b_")
+        g_in, dw = backward(w, stash, g, keys, first)
+        return bwd_out(g, g_in, dw)
 
-    return [idle, f_first, f_mid, f_last, b_first, b_mid, b_last]
+    def b_last(stash, g, row):
+        (w, first), (mb, keys) = chunk(row, "b_"), micro(row, "b_")
+        _, vjp = jax.vjp(lambda sh, y: model.head_apply(mcfg, sh, y, mb["targets"], mb["loss_mask"]),
+                         shared, stash[lc])
+        dsh, g_out = vjp(seed_scale)
+        g_in, dw = backward(w, stash, g_out, keys, first)
+        return bwd_out(g, g_in, dw, dsh)
+
+    return [f_none, f_first, f_mid, f_last], [b_none, b_first, b_mid, b_last]
 
 
 def _gpipe_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array):

@@ -1,18 +1,26 @@
 """Pipeline schedules as data: GPipe, 1F1B and interleaved 1F1B (Narayanan et al., SC21).
 
 A schedule is built in plain NumPy, without JAX. Each pipeline rank gets Megatron's order of actions:
-  1F1B         p - r - 1 warm-up forwards, then one forward one backward, then the remaining backwards
+  1F1B         2 (p - r - 1) warm-up forwards, then one forward one backward, then the remaining backwards
   interleaved  v model chunks per rank; forward k runs micro batch (k // (p v)) p + k % p on local chunk
                (k // p) % v (backwards the same with the chunk reversed); (p - r - 1) 2 + (v - 1) p
                warm-up forwards (capped at m v); needs m % p == 0
   GPipe        every forward, then every backward
 Global chunk c = local chunk * p + rank holds layers [c L / (p v), (c + 1) L / (p v)).
 
-A lock-step simulation turns the orders into a table: at every tick each rank runs its next action if
-its inputs have arrived (sent during an earlier tick), else idles. Each tick ends with one send of an
-activation to rank r + 1 and one of a gradient to rank r - 1. The simulation also assigns every message a
-buffer slot on its receiver (one spare "trash" slot takes the ticks with nothing to keep), so the executor's
-writes are unconditional and its buffers have a fixed size.
+The executor runs in lock step: every tick ends with one send of activations to rank r + 1 and one of
+gradients to rank r - 1, so a tick lasts as long as its slowest rank. A tick therefore holds up to one
+forward AND one backward per rank, taken in the rank's order (1F1B's steady state is exactly one of each),
+and every rank's tick costs about the same: with a backward twice a forward, that gives the paper's bubble
+(p - 1) / (v m), which ticks of one action each (costing a forward on some ranks, a backward on others)
+would not. One consequence: an activation needs a tick per hop, so the gradient of a micro batch comes
+back to rank r 2 (p - r - 1) ticks after its forward, and 1F1B warms up with 2 (p - r - 1) forwards (as
+Megatron's interleaved schedule does) instead of p - r - 1, or its steady state would idle every other
+tick. In-flight micro batches stay bounded by the pipeline depth (2 p - 1 at most), never by m.
+A lock-step simulation turns the orders into the table: an action runs when its inputs arrived
+in an earlier tick (the last chunk's backward may follow its own forward in the same tick). It also gives
+every message a buffer slot on its receiver (a spare "trash" slot takes ticks with nothing to keep), so the
+executor's writes are unconditional and its buffers have a fixed size.
 
     python -m megajax.pipeline.schedule --schedule interleaved -p 4 -v 2 -m 8 [--png out.png]
 """
@@ -26,71 +34,75 @@ import sys
 
 import numpy as np
 
-IDLE, FWD, BWD = 0, 1, 2
+FWD, BWD = 1, 2
+BWD_COST = 2.0  # a backward costs twice a forward (the paper's assumption, for bubble accounting)
 
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """Tables are [ticks, p] int32 arrays; -1 where a field does not apply.
+    """Tables are [ticks, p] int32 arrays, -1 where nothing runs (or no slot applies).
 
-    kind        IDLE / FWD / BWD
-    chunk       local chunk index (0 .. v-1) of the action
-    micro       micro batch of the action
-    act_slot    activation-buffer slot the action reads (its input, kept until its backward)
-    grad_slot   gradient-buffer slot a backward reads
-    recv_act    slot where the activation arriving at the end of the tick is written (trash: no arrival)
-    recv_grad   slot where the arriving gradient is written
+    f_chunk, f_micro   the forward of the tick: local chunk and micro batch
+    f_slot             activation slot of the forward: its input arrived there (chunk > 0), and the forward
+                       stashes there what its backward needs (the first chunk takes a fresh slot)
+    b_chunk, b_micro   the backward of the tick (after the forward in the same tick)
+    b_act_slot         activation slot of the backward's stash; freed by it
+    b_grad_slot        gradient slot the backward reads (not the last chunk); freed by it
+    recv_act           slot the activation arriving at the end of the tick is written to
+    recv_grad          slot for the arriving gradient
+    Slot fields with nothing to read or keep point at the trash slot (the last one).
     """
 
     name: str
     p: int
     v: int
     m: int
-    kind: np.ndarray
-    chunk: np.ndarray
-    micro: np.ndarray
-    act_slot: np.ndarray
-    grad_slot: np.ndarray
+    f_chunk: np.ndarray
+    f_micro: np.ndarray
+    f_slot: np.ndarray
+    b_chunk: np.ndarray
+    b_micro: np.ndarray
+    b_act_slot: np.ndarray
+    b_grad_slot: np.ndarray
     recv_act: np.ndarray
     recv_grad: np.ndarray
-    act_slots: int  # buffer sizes including the trash slot
+    act_slots: int  # buffer sizes, including the trash slot
     grad_slots: int
 
     @property
     def ticks(self) -> int:
-        return self.kind.shape[0]
+        return self.f_chunk.shape[0]
 
     @property
     def num_chunks(self) -> int:
         return self.p * self.v
 
-    def global_chunk(self) -> np.ndarray:
-        """[ticks, p] global chunk index of each action (-1 when idle)."""
-        ranks = np.arange(self.p)[None, :]
-        return np.where(self.kind == IDLE, -1, self.chunk * self.p + ranks)
+    def global_chunk(self, local: np.ndarray) -> np.ndarray:
+        """Global chunk index of a [ticks, p] table of local chunks (-1 stays -1)."""
+        return np.where(local < 0, -1, local * self.p + np.arange(self.p)[None, :])
 
-    def bubble_fraction(self) -> float:
-        """Idle ticks over busy ticks per rank (every rank has the same count): the paper's bubble
-        time / ideal time, (p - 1) / m for 1F1B and (p - 1) / (v m) interleaved."""
-        busy = 2 * self.m * self.v
-        return (self.ticks - busy) / busy
+    def tick_costs(self, bwd_cost: float = BWD_COST) -> np.ndarray:
+        """[ticks] duration of each tick in forward-chunk units: its slowest rank's work."""
+        work = (self.f_chunk >= 0) * 1.0 + (self.b_chunk >= 0) * bwd_cost
+        return work.max(axis=1) / self.v
+
+    def bubble_fraction(self, bwd_cost: float = BWD_COST) -> float:
+        """Step time over the ideal (every rank busy), minus one: the paper's bubble time / ideal time,
+        (p - 1) / m for 1F1B and (p - 1) / (v m) interleaved."""
+        ideal = self.m * (1.0 + bwd_cost)
+        return float(self.tick_costs(bwd_cost).sum() / ideal - 1.0)
 
     def in_flight(self) -> np.ndarray:
-        """Peak number of micro batches (per chunk) whose forward ran and backward has not, per rank."""
-        peak = np.zeros(self.p, int)
-        for r in range(self.p):
-            live = 0
-            for t in range(self.ticks):
-                live += int(self.kind[t, r] == FWD) - int(self.kind[t, r] == BWD)
-                peak[r] = max(peak[r], live)
-        return peak
+        """Peak number of (chunk, micro batch) pairs whose forward ran and backward has not, per rank."""
+        before = np.cumsum((self.f_chunk >= 0).astype(int) - (self.b_chunk >= 0).astype(int), axis=0)
+        after_forward = before + (self.b_chunk >= 0)  # a tick's forward runs before its backward
+        return after_forward.max(axis=0)
 
     def sends(self) -> dict[str, int]:
         """Messages the schedule needs (activations forward, gradients backward) over all ranks."""
-        g = self.global_chunk()
-        fwd = int(np.sum((self.kind == FWD) & (g < self.num_chunks - 1)))
-        bwd = int(np.sum((self.kind == BWD) & (g > 0)))
-        return {"activations": fwd, "gradients": bwd}
+        last = self.num_chunks - 1
+        fg, bg = self.global_chunk(self.f_chunk), self.global_chunk(self.b_chunk)
+        return {"activations": int(np.sum((fg >= 0) & (fg < last))), "gradients": int(np.sum(bg > 0))}
 
     def summary(self) -> dict:
         return {
@@ -106,7 +118,7 @@ def rank_order(name: str, p: int, v: int, m: int, r: int) -> list[tuple[int, int
     if name == "gpipe":
         return [(FWD, 0, i) for i in range(m)] + [(BWD, 0, i) for i in range(m)]
     if name == "1f1b":
-        warm = min(p - r - 1, m)
+        warm = min(2 * (p - r - 1), m)  # lock-step ticks: see the module docstring
         fwd = [(FWD, 0, i) for i in range(m)]
         bwd = [(BWD, 0, i) for i in range(m)]
         steady = [a for i in range(m - warm) for a in (fwd[warm + i], bwd[i])]
@@ -151,85 +163,106 @@ class _Slots:
         self.free.append(slot)
 
 
+class _Simulator:
+    """Lock-step execution of the rank orders: which actions run in which tick, and buffer slots."""
+
+    FIELDS = ("f_chunk", "f_micro", "f_slot", "b_chunk", "b_micro", "b_act_slot", "b_grad_slot",
+              "recv_act", "recv_grad")
+
+    def __init__(self, name: str, p: int, v: int, m: int):
+        self.p, self.chunks = p, p * v
+        self.orders = [rank_order(name, p, v, m, r) for r in range(p)]
+        self.ptr = [0] * p
+        self.done: dict[tuple[int, int, int], int] = {}  # (kind, global chunk, micro) -> tick
+        self.act_at: dict[tuple[int, int], int] = {}  # (global chunk, micro) -> slot on its rank
+        self.grad_at: dict[tuple[int, int], int] = {}
+        self.act_alloc = [_Slots() for _ in range(p)]
+        self.grad_alloc = [_Slots() for _ in range(p)]
+
+    def ready(self, kind: int, g: int, mb: int, t: int) -> bool:
+        if kind == FWD:
+            return g == 0 or self.done.get((FWD, g - 1, mb), t) < t
+        own_forward = (FWD, g, mb) in self.done  # may be this very tick, on this rank
+        return own_forward and (g == self.chunks - 1 or self.done.get((BWD, g + 1, mb), t) < t)
+
+    def tick(self, t: int) -> dict[str, list[int]]:
+        row = {f: [-1] * self.p for f in self.FIELDS}
+        finished = []
+        for r in range(self.p):
+            actions = []
+            while self.ptr[r] < len(self.orders[r]):
+                kind, c, mb = self.orders[r][self.ptr[r]]
+                g = c * self.p + r
+                if kind in {a[0] for a in actions} or not self.ready(kind, g, mb, t):
+                    break
+                self.ptr[r] += 1
+                self.done[(kind, g, mb)] = t
+                actions.append((kind, c, g, mb))
+            # The executor runs a tick's forward before its backward, whatever their order in the rank's
+            # list (no dependency is broken by that): slots are taken and freed in that order too.
+            for kind, c, g, mb in sorted(actions):
+                finished.append((kind, g, mb))
+                self._record(row, r, kind, c, g, mb)
+        for kind, g, mb in finished:  # sends at the end of the tick
+            if kind == FWD and g < self.chunks - 1:
+                dst = (g + 1) % self.p
+                self.act_at[(g + 1, mb)] = row["recv_act"][dst] = self.act_alloc[dst].take()
+            if kind == BWD and g > 0:
+                dst = (g - 1) % self.p
+                self.grad_at[(g - 1, mb)] = row["recv_grad"][dst] = self.grad_alloc[dst].take()
+        return row
+
+    def _record(self, row, r, kind, c, g, mb) -> None:
+        if kind == FWD:
+            row["f_chunk"][r], row["f_micro"][r] = c, mb
+            if g == 0:  # the first chunk's input is computed here (the embedding): stash it in a fresh slot
+                self.act_at[(0, mb)] = self.act_alloc[r].take()
+            row["f_slot"][r] = self.act_at[(g, mb)]
+            return
+        row["b_chunk"][r], row["b_micro"][r] = c, mb
+        row["b_act_slot"][r] = self.act_at.pop((g, mb))
+        self.act_alloc[r].give(row["b_act_slot"][r])
+        if g < self.chunks - 1:
+            row["b_grad_slot"][r] = self.grad_at.pop((g, mb))
+            self.grad_alloc[r].give(row["b_grad_slot"][r])
+
+    def finished(self) -> bool:
+        return all(self.ptr[r] >= len(self.orders[r]) for r in range(self.p))
+
+
 def build(name: str, p: int, v: int = 1, m: int = 1) -> Schedule:
     """Simulates the rank orders in lock step and assigns buffer slots."""
     _check_layout(name, p, v, m)
-    orders = [rank_order(name, p, v, m, r) for r in range(p)]
-    chunks = p * v
-    done: dict[tuple[int, int, int], int] = {}  # (kind, global chunk, micro) -> tick finished
-    arrived_act: dict[tuple[int, int], int] = {}  # (global chunk, micro) -> slot on the chunk's rank
-    arrived_grad: dict[tuple[int, int], int] = {}
-    act_alloc = [_Slots() for _ in range(p)]
-    grad_alloc = [_Slots() for _ in range(p)]
-    ptr = [0] * p
+    sim = _Simulator(name, p, v, m)
     rows = []
-    t = 0
-    while any(ptr[r] < len(orders[r]) for r in range(p)):
-        if t > 4 * (len(orders[0]) + p) * v + 16:
+    while not sim.finished():
+        if len(rows) > 4 * (m * v + p) + 16:
             raise RuntimeError(f"schedule {name} p={p} v={v} m={m} deadlocked")  # never for Megatron's orders
-        row = {f: [-1] * p for f in ("kind", "chunk", "micro", "act_slot", "grad_slot", "recv_act", "recv_grad")}
-        row["kind"] = [IDLE] * p
-        finished = []
-        for r in range(p):
-            if ptr[r] >= len(orders[r]):
-                continue
-            kind, c, mb = orders[r][ptr[r]]
-            g = c * p + r
-            if kind == FWD:
-                ready = g == 0 or done.get((FWD, g - 1, mb), t) < t
-            else:
-                ready = done.get((FWD, g, mb), t) < t and (g == chunks - 1 or done.get((BWD, g + 1, mb), t) < t)
-            if not ready:
-                continue
-            ptr[r] += 1
-            row["kind"][r], row["chunk"][r], row["micro"][r] = kind, c, mb
-            if g > 0:
-                row["act_slot"][r] = arrived_act[(g, mb)]
-            if kind == BWD:
-                if g > 0:
-                    act_alloc[r].give(arrived_act.pop((g, mb)))
-                if g < chunks - 1:
-                    row["grad_slot"][r] = arrived_grad.pop((g, mb))
-                    grad_alloc[r].give(row["grad_slot"][r])
-            finished.append((kind, g, mb))
-        for kind, g, mb in finished:  # messages sent at the end of the tick
-            done[(kind, g, mb)] = t
-            if kind == FWD and g < chunks - 1:
-                dst = (g + 1) % p
-                slot = act_alloc[dst].take()
-                arrived_act[(g + 1, mb)] = slot
-                row["recv_act"][dst] = slot
-            if kind == BWD and g > 0:
-                dst = (g - 1) % p
-                slot = grad_alloc[dst].take()
-                arrived_grad[(g - 1, mb)] = slot
-                row["recv_grad"][dst] = slot
-        rows.append(row)
-        t += 1
-    act_slots = max(a.size for a in act_alloc) + 1  # + the trash slot
-    grad_slots = max(a.size for a in grad_alloc) + 1
-    table = {f: np.array([row[f] for row in rows], np.int32) for f in rows[0]}
-    table["recv_act"] = np.where(table["recv_act"] < 0, act_slots - 1, table["recv_act"])
+        rows.append(sim.tick(len(rows)))
+    act_slots = max(a.size for a in sim.act_alloc) + 1  # + the trash slot
+    grad_slots = max(a.size for a in sim.grad_alloc) + 1
+    table = {f: np.array([row[f] for row in rows], np.int32) for f in _Simulator.FIELDS}
+    for name in ("recv_act", "f_slot", "b_act_slot"):  # nothing to read or keep: the trash slot
+        table[name] = np.where(table[name] < 0, act_slots - 1, table[name])
     table["recv_grad"] = np.where(table["recv_grad"] < 0, grad_slots - 1, table["recv_grad"])
     return Schedule(name, p, v, m, act_slots=act_slots, grad_slots=grad_slots, **table)
 
 
 def timeline(s: Schedule) -> str:
-    """One line per rank: forwards as micro batch numbers, backwards in brackets-free letters, '.' idle.
-    Chunk 0 forwards print as digits, chunk 1 as letters a.., backwards upper-case (like Figure 4)."""
-    def cell(t, r):
-        k, c, mb = s.kind[t, r], s.chunk[t, r], s.micro[t, r]
-        if k == IDLE:
-            return "  ."
-        tag = f"{'F' if k == FWD else 'B'}{mb}" + (chr(ord("a") + c) if s.v > 1 else "")
-        return f"{tag:>3}" if len(tag) <= 3 else tag
+    """One line per rank, one cell per tick: 'F3' forward of micro batch 3, 'B1' backward, 'F3B1' both;
+    with v > 1 a chunk letter follows each micro batch (a, b, ...); '.' is idle."""
+    def part(kind, chunk, micro):
+        return "" if chunk < 0 else f"{kind}{micro}" + (chr(ord("a") + chunk) if s.v > 1 else "")
 
-    lines = [f"rank {r}: " + " ".join(cell(t, r) for t in range(s.ticks)) for r in range(s.p)]
-    return "\n".join(lines)
+    cells = [[part("F", s.f_chunk[t, r], s.f_micro[t, r]) + part("B", s.b_chunk[t, r], s.b_micro[t, r]) or "."
+              for t in range(s.ticks)] for r in range(s.p)]
+    width = max(len(c) for row in cells for c in row)
+    return "\n".join(f"rank {r}: " + " ".join(c.rjust(width) for c in cells[r]) for r in range(s.p))
 
 
 def save_png(s: Schedule, path: str) -> None:
-    """A Figure-4-like picture: forwards light, backwards dark, one hue per chunk."""
+    """A Figure-4-like picture in time units (a forward 1 / v, a backward 2 / v): forwards light,
+    backwards dark, one hue per chunk; gaps are the bubble."""
     try:
         import matplotlib
     except ImportError:
@@ -238,22 +271,27 @@ def save_png(s: Schedule, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(max(6, s.ticks * 0.3), 0.5 * s.p + 1))
+    costs = s.tick_costs()
+    starts = np.concatenate([[0.0], np.cumsum(costs)])
+    fig, ax = plt.subplots(figsize=(max(6, starts[-1] * 0.35), 0.5 * s.p + 1.2))
     hues = plt.get_cmap("tab10")
     for t in range(s.ticks):
         for r in range(s.p):
-            k = s.kind[t, r]
-            if k == IDLE:
-                continue
-            color = hues(int(s.chunk[t, r]) % 10)
-            ax.add_patch(plt.Rectangle((t, s.p - 1 - r), 1, 1, color=color, alpha=0.45 if k == FWD else 0.95))
-            ax.text(t + 0.5, s.p - 0.5 - r, str(s.micro[t, r]), ha="center", va="center", fontsize=7)
-    ax.set_xlim(0, s.ticks)
+            x, y = starts[t], s.p - 1 - r
+            for kind, chunk, micro, width in ((FWD, s.f_chunk[t, r], s.f_micro[t, r], 1 / s.v),
+                                              (BWD, s.b_chunk[t, r], s.b_micro[t, r], BWD_COST / s.v)):
+                if chunk < 0:
+                    continue
+                ax.add_patch(plt.Rectangle((x, y), width, 1, facecolor=hues(int(chunk) % 10), edgecolor="white",
+                                           alpha=0.45 if kind == FWD else 0.95))
+                ax.text(x + width / 2, y + 0.5, str(micro), ha="center", va="center", fontsize=7)
+                x += width
+    ax.set_xlim(0, starts[-1])
     ax.set_ylim(0, s.p)
     ax.set_yticks([s.p - 0.5 - r for r in range(s.p)], [f"rank {r}" for r in range(s.p)])
-    ax.set_xlabel("tick")
+    ax.set_xlabel("time (one forward of a whole stage = 1)")
     ax.set_title(f"{s.name} p={s.p} v={s.v} m={s.m}: bubble {s.bubble_fraction():.3f} "
-                 f"(formula {(s.p - 1) / (s.v * s.m):.3f})")
+                 f"(formula {(s.p - 1) / (s.v * s.m):.3f}); light = forward, dark = backward")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
