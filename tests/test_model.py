@@ -1,0 +1,96 @@
+"""Model shapes, logical axes, FLOP counting, and compile time flat in depth."""
+
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from megajax import metrics, model
+from megajax.config import ModelConfig
+
+
+@pytest.mark.parametrize("arch,kv", [("gpt2", None), ("llama", 2), ("llama", None)])
+def test_shapes_and_logical_axes(arch, kv):
+    cfg = ModelConfig(arch=arch, num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=kv, vocab_size=300,
+                      seq_length=16)
+    boxed = model.init_params(cfg, jax.random.key(0))
+    params, axes = nn.unbox(boxed), model.logical_axes(boxed)
+    g, r, k = cfg.kv_heads, cfg.num_heads // cfg.kv_heads, cfg.head_dim
+    block = params["layers"]["block"]
+    assert block["attn"]["wqkv"].shape == (3, 64, g, r + 2, k)
+    assert axes["layers"]["block"]["attn"]["wqkv"] == ("layers", "embed", "kv_heads", None, "head_dim")
+    assert axes["layers"]["block"]["attn"]["wo"] == ("layers", "heads", "head_dim", "embed")
+    assert params["embed"]["embedding"].shape == (384, 64)  # padded to a multiple of 128
+    assert axes["embed"]["embedding"] == ("vocab", "embed")
+    assert ("output" in params["head"]) == (arch == "llama")
+    # every parameter has a name for every dimension
+    jax.tree.map(lambda a, n: len(n) == a.ndim or pytest.fail(f"{n} vs {a.shape}"), params, axes,
+                 is_leaf=lambda x: isinstance(x, tuple))
+    logits = model.GPT(cfg).apply({"params": params}, jnp.zeros((2, 16), jnp.int32))
+    assert logits.shape == (2, 16, 384) and logits.dtype == jnp.float32
+
+
+def test_initial_loss_is_near_uniform():
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_heads=4, vocab_size=257, seq_length=32)
+    params = nn.unbox(model.init_params(cfg, jax.random.key(1)))
+    tokens = jax.random.randint(jax.random.key(2), (4, 32), 0, 257)
+    targets = jax.random.randint(jax.random.key(3), (4, 32), 0, 257)
+    batch = {"tokens": tokens, "targets": targets, "loss_mask": jnp.ones((4, 32))}
+    loss = model.loss_sum(cfg, params, batch, None) / (4 * 32)
+    assert abs(float(loss) - np.log(257)) < 0.5
+
+
+def test_cross_entropy_ignores_padded_vocab_and_matches_softmax():
+    logits = jax.random.normal(jax.random.key(0), (2, 3, 8)) * 3
+    targets = jnp.array([[0, 1, 4], [2, 3, 4]])
+    got = model.cross_entropy(logits, targets, vocab_size=5)
+    ref = -jnp.take_along_axis(jax.nn.log_softmax(logits[..., :5]), targets[..., None], -1)[..., 0]
+    np.testing.assert_allclose(got, ref, rtol=1e-6)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_flops_reduce_to_the_papers_formulas(recompute):
+    cfg = ModelConfig(num_layers=24, hidden_size=2048, num_heads=16, vocab_size=51200, seq_length=2048,
+                      make_vocab_size_divisible_by=1, recompute="full" if recompute else "none")
+    got = metrics.step_flops(cfg, tokens=512 * 2048)
+    want = metrics.megatron_gpt_flops(512, 2048, 24, 2048, 51200, recompute)
+    key = "hardware_flops" if recompute else "model_flops"
+    assert got[key] == pytest.approx(want, rel=1e-12)
+    assert got["model_flops"] == pytest.approx(metrics.megatron_gpt_flops(512, 2048, 24, 2048, 51200, False))
+
+
+def test_llama_flops_count_gqa_and_swiglu():
+    mha = ModelConfig(arch="llama", num_layers=2, hidden_size=256, num_heads=8, vocab_size=1024, seq_length=64,
+                      ffn_hidden_size=512)
+    gqa = ModelConfig(arch="llama", num_layers=2, hidden_size=256, num_heads=8, num_kv_heads=2, vocab_size=1024,
+                      seq_length=64, ffn_hidden_size=512)
+    d, k = 256, 32
+    saved = 3 * 2 * 64 * 2 * d * (2 * 8 * k - 2 * 2 * k)  # fewer k/v projection FLOPs, 3x for fwd+bwd
+    assert metrics.step_flops(mha, 64)["model_flops"] - metrics.step_flops(gqa, 64)["model_flops"] == saved
+
+
+def _compile_seconds(layers: int) -> float:
+    from megajax import config as config_lib, sharding, train
+    from megajax.data.loader import batch_shapes
+
+    cfg = config_lib.override(config_lib.Config(), {
+        "model.num_layers": layers, "model.hidden_size": 64, "model.num_heads": 4, "model.seq_length": 32,
+        "train.global_batch_size": 4}).for_devices(1)
+    mesh = sharding.make_mesh(cfg.parallel, jax.devices()[:1])
+    setup = train.build(cfg, mesh)
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), setup.abstract_state,
+                         setup.state_shardings)
+    batch = {k: jax.ShapeDtypeStruct(s, d, sharding=setup.batch_shardings[k]) for k, (s, d) in batch_shapes(4, 32).items()}
+    start = time.perf_counter()
+    with jax.set_mesh(mesh):
+        train.jit_train_step(setup).lower(state, batch).compile()
+    return time.perf_counter() - start
+
+
+def test_scan_keeps_compile_time_flat_in_depth():
+    _compile_seconds(2)  # warm up JAX's own caches
+    shallow, deep = _compile_seconds(4), _compile_seconds(48)
+    assert deep < 2.0 * shallow + 1.0, (shallow, deep)
