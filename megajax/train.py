@@ -186,35 +186,42 @@ def accumulate_grads(cfg: Config, params, batch: dict, seed_scale: jax.Array):
     return loss, grads
 
 
-def reduce_grads(grads, zero_dims):
-    """The step's one gradient reduction over 'data': reduce-scatter onto the distributed optimizer's
-    shard where a parameter has one, all-reduce otherwise."""
-    def one(g, dim):
-        if dim is None:
-            return jax.lax.psum(g, "data")
-        return jax.lax.psum_scatter(g, "data", scatter_dimension=dim, tiled=True)
-
-    return jax.tree.map(one, grads, zero_dims, is_leaf=lambda x: x is None)
-
-
 def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
-    """(summed token loss, gradients of seed_scale * summed loss), reduced over data and pipeline."""
+    """(summed token loss, gradients of seed_scale * summed loss), reduced over data and pipeline.
+
+    The step's one gradient reduction over 'data' is an all-reduce (psum inside the shard_map), or with
+    the distributed optimizer a reduce-scatter onto each parameter's optimizer shard. The latter is left
+    to GSPMD: each data rank returns its partial sum on a leading 'data' axis, and summing that axis into
+    the optimizer's sharding keeps the 'tensor' sharding of the gradients (a psum_scatter inside the
+    shard_map makes XLA gather them over 'tensor' first, moving t times the bytes).
+    """
     cfg = setup.cfg
+    zero = setup.zero_dims
+    is_none = lambda x: x is None  # noqa: E731
     p_specs = jax.tree.map(lambda s: P(*[a if a == "pipeline" else None for a in s.spec]),
                            setup.state_shardings.params)
-    g_specs = jax.tree.map(lambda s, z, a: _with_data(s, z, a.ndim), p_specs, setup.zero_dims,
-                           setup.abstract_state.params, is_leaf=lambda x: x is None or isinstance(x, P))
+    g_specs = jax.tree.map(lambda s, z: s if z is None else P("data", *s), p_specs, zero, is_leaf=is_none)
 
     def local(params, batch, seed_scale):
         if cfg.parallel.pipeline > 1:
             loss, grads = pipeline.pipeline_grads(cfg, params, batch, seed_scale)
         else:
             loss, grads = accumulate_grads(cfg, params, batch, seed_scale)
-        return jax.lax.psum(loss, "data"), reduce_grads(grads, setup.zero_dims)
+        grads = jax.tree.map(lambda g, z: jax.lax.psum(g, "data") if z is None else g[None], grads, zero,
+                             is_leaf=is_none)
+        return jax.lax.psum(loss, "data"), grads
 
     batch_specs = {k: P("data") for k in batch}
-    return jax.shard_map(local, mesh=setup.mesh, in_specs=(p_specs, batch_specs, P()),
-                         out_specs=(P(), g_specs), axis_names={"data", "pipeline"})(params, batch, seed_scale)
+    loss, grads = jax.shard_map(local, mesh=setup.mesh, in_specs=(p_specs, batch_specs, P()),
+                                out_specs=(P(), g_specs), axis_names={"data", "pipeline"})(params, batch, seed_scale)
+
+    def scatter(g, z, param_sharding):
+        if z is None:
+            return g
+        target = NamedSharding(setup.mesh, _with_data(param_sharding.spec, z, g.ndim - 1))
+        return jax.lax.with_sharding_constraint(jnp.sum(g, axis=0), target)
+
+    return loss, jax.tree.map(scatter, grads, zero, setup.state_shardings.params, is_leaf=is_none)
 
 
 def train_step(setup: StepSetup, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
