@@ -70,7 +70,8 @@ def megatron_expected(cfg) -> dict:
 
 
 def compile_step(cfg, devices):
-    """Lowers and compiles the train step for `cfg` on `devices` (real or compile-only)."""
+    """Lowers and compiles the train step for `cfg` on `devices` (real or compile-only).
+    Returns (the config with the layout resolved, the mesh, the compiled step, its StepSetup)."""
     import jax
 
     from megajax import sharding, train
@@ -85,7 +86,7 @@ def compile_step(cfg, devices):
              for k, (shape, dtype) in batch_shapes(cfg.train.global_batch_size, cfg.model.seq_length).items()}
     with jax.set_mesh(mesh):
         compiled = train.jit_train_step(setup).lower(state, batch).compile()
-    return cfg, mesh, compiled
+    return cfg, mesh, compiled, setup
 
 
 def audit(cfg, target: str = "cpu", devices: int | None = None, dump_hlo: str | None = None) -> dict:
@@ -100,7 +101,7 @@ def audit(cfg, target: str = "cpu", devices: int | None = None, dump_hlo: str | 
                              "`python -m megajax.audit` (it sets the count) or set jax_num_cpu_devices")
     else:
         devs = _gpu_devices(target, devices or 8)
-    cfg, mesh, compiled = compile_step(cfg, devs)
+    cfg, mesh, compiled, setup = compile_step(cfg, devs)
     text = compiled.as_text()
     if dump_hlo:
         Path(dump_hlo).write_text(text)
@@ -131,6 +132,7 @@ def audit(cfg, target: str = "cpu", devices: int | None = None, dump_hlo: str | 
                    "schedule": p.schedule, "distributed_optimizer": p.distributed_optimizer,
                    "micro_batches": cfg.num_micro_batches, "micro_batch_size": cfg.micro_batch_size(p.data)},
         "memory_per_device": memory,
+        "distributed_optimizer_sharded_fraction": (setup.zero_sharded_fraction() if p.distributed_optimizer else None),
         "collectives": hlo.summarize(colls),
         "xla_flops_per_device": (cost or {}).get("flops"),
         "megatron_flops_per_step": flops,

@@ -60,6 +60,15 @@ class StepSetup:
     batch_shardings: dict[str, NamedSharding]
     zero_dims: Any  # per parameter: the dim the distributed optimizer shards over 'data' (or None)
 
+    def zero_sharded_fraction(self) -> float:
+        """Fraction of the parameters whose optimizer state the distributed optimizer shards over 'data'
+        (a parameter with no dim divisible by the data size stays replicated)."""
+        sizes = jax.tree.map(lambda a, z: (math.prod(a.shape), z is not None), self.abstract_state.params,
+                             self.zero_dims, is_leaf=lambda x: x is None)
+        pairs = jax.tree.leaves(sizes, is_leaf=lambda x: isinstance(x, tuple))
+        total = sum(n for n, _ in pairs)
+        return sum(n for n, sharded in pairs if sharded) / max(total, 1)
+
 
 def _layout_spec(cfg: Config, names: tuple) -> P:
     """The parameter's PartitionSpec in the train state (staged layer layout under a pipeline)."""
@@ -358,6 +367,9 @@ def run(cfg: Config) -> dict:
              f"{' sp' if p.sequence_parallel else ''}), {cfg.num_micro_batches} micro batches of "
              f"{cfg.micro_batch_size(p.data)}, global batch {gbs} x {cfg.model.seq_length} tokens")
 
+    if p.distributed_optimizer and p.data > 1 and setup.zero_sharded_fraction() < 1:
+        log.info(f"warning: the distributed optimizer shards {setup.zero_sharded_fraction():.0%} of the optimizer "
+                 f"state over data={p.data}; the rest has no dimension divisible by {p.data} and stays replicated")
     step_fn, eval_fn = jit_train_step(setup), jit_eval_step(setup)
     peak, peak_src = metrics_lib.device_peak(cfg.model.compute_dtype)
     log.info(f"peak for MFU: {peak / 1e12:.4g} TFLOP/s per device ({peak_src})")

@@ -19,7 +19,7 @@ LAYOUT = ["parallel.data=2", "parallel.tensor=4"]
 def _collectives(sets, target="cpu"):
     cfg = config_lib.load(f"{REPO}/configs/tiny.yaml", sets)
     devices = jax.devices() if target == "cpu" else audit._gpu_devices(target, 8)
-    cfg, mesh, compiled = audit.compile_step(cfg, devices)
+    cfg, mesh, compiled, _ = audit.compile_step(cfg, devices)
     return cfg, hlo.parse(compiled.as_text(), dict(mesh.shape))
 
 

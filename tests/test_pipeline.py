@@ -70,7 +70,7 @@ def _compile(schedule, v, gbs):
     cfg = config_lib.load("configs/tiny.yaml", [
         "parallel.data=2", "parallel.pipeline=2", "parallel.tensor=2", "train.micro_batch_size=2",
         f"train.global_batch_size={gbs}", f"parallel.schedule={schedule}", f"parallel.virtual_stages={v}"])
-    cfg, mesh, compiled = compile_step(cfg, jax.devices())
+    cfg, mesh, compiled, _ = compile_step(cfg, jax.devices())
     return cfg, mesh, compiled
 
 
