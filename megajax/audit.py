@@ -69,9 +69,9 @@ def megatron_expected(cfg) -> dict:
     return {"all-reduce": {"count": n, "bytes_each": act_bytes}}
 
 
-def compile_step(cfg, devices):
-    """Lowers and compiles the train step for `cfg` on `devices` (real or compile-only).
-    Returns (the config with the layout resolved, the mesh, the compiled step, its StepSetup)."""
+def abstract_step(cfg, devices):
+    """The train step's setup and abstract arguments (ShapeDtypeStructs with shardings) on `devices`:
+    (config with the layout resolved, mesh, StepSetup, state, batch). Nothing is allocated."""
     import jax
 
     from megajax import sharding, train
@@ -84,6 +84,17 @@ def compile_step(cfg, devices):
                          setup.abstract_state, setup.state_shardings)
     batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=setup.batch_shardings[k])
              for k, (shape, dtype) in batch_shapes(cfg.train.global_batch_size, cfg.model.seq_length).items()}
+    return cfg, mesh, setup, state, batch
+
+
+def compile_step(cfg, devices):
+    """Lowers and compiles the train step for `cfg` on `devices` (real or compile-only).
+    Returns (the config with the layout resolved, the mesh, the compiled step, its StepSetup)."""
+    import jax
+
+    from megajax import train
+
+    cfg, mesh, setup, state, batch = abstract_step(cfg, devices)
     with jax.set_mesh(mesh):
         compiled = train.jit_train_step(setup).lower(state, batch).compile()
     return cfg, mesh, compiled, setup
@@ -147,17 +158,9 @@ def lower_for(cfg, platform: str) -> dict:
     """
     import jax
 
-    from megajax import sharding, train
-    from megajax.data.loader import batch_shapes
+    from megajax import train
 
-    devs = jax.devices()
-    cfg = cfg.for_devices(len(devs))
-    mesh = sharding.make_mesh(cfg.parallel, devs)
-    setup = train.build(cfg, mesh)
-    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                         setup.abstract_state, setup.state_shardings)
-    batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=setup.batch_shardings[k])
-             for k, (shape, dtype) in batch_shapes(cfg.train.global_batch_size, cfg.model.seq_length).items()}
+    cfg, mesh, setup, state, batch = abstract_step(cfg, jax.devices())
     # Kernel IR carries no compatibility guarantee: fine for an artifact that is inspected, not shipped.
     unchecked = [jax.export.DisabledSafetyCheck.custom_call(t) for t in KERNEL_CALL_TARGETS]
     with jax.set_mesh(mesh):
@@ -178,7 +181,7 @@ def lower_for(cfg, platform: str) -> dict:
         name = re.search(r'\bname = "([^"]+)"', line)
         key = name.group(1) if name else "?"
         entry["names"][key] = entry["names"].get(key, 0) + 1
-    return {"lowered_for": platform, "devices": len(devs), "model": {
+    return {"lowered_for": platform, "devices": mesh.size, "model": {
                 "attention_impl": cfg.model.attention_impl, "norm_impl": cfg.model.norm_impl},
             "kernel_custom_calls": kernels, "other_custom_calls": others}
 
