@@ -266,18 +266,26 @@ def train_step(setup: StepSetup, state: TrainState, batch: dict) -> tuple[TrainS
 
 
 def eval_loss(setup: StepSetup, params, batch: dict) -> tuple[jax.Array, jax.Array]:
-    """(summed token loss, token count) of a batch, forward only, under GSPMD."""
+    """(summed token loss, token count) of a batch, forward only: micro batch by micro batch under GSPMD,
+    or through the pipeline (never gathering the layers) when there is one."""
     cfg = setup.cfg
-    if cfg.parallel.pipeline > 1:
-        params = pipeline.from_stages(params)
     m = cfg.num_micro_batches
-
-    def body(total, mb):
-        return total + model.loss_sum(cfg.model, params, mb, None), None
-
     with sharding.activation_sharding(cfg.parallel.sequence_parallel):
-        mbs = jax.tree.map(lambda x: x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1), batch)
-        loss, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), mbs)
+        if cfg.parallel.pipeline > 1:
+            p_specs = jax.tree.map(lambda s: P(*[a if a == "pipeline" else None for a in s.spec]),
+                                   setup.state_shardings.params)
+
+            def local(params, batch):
+                return jax.lax.psum(pipeline.pipeline_loss(cfg, params, batch), "data")
+
+            loss = jax.shard_map(local, mesh=setup.mesh, in_specs=(p_specs, {k: P("data") for k in batch}),
+                                 out_specs=P(), axis_names={"data", "pipeline"})(params, batch)
+        else:
+            def body(total, mb):
+                return total + model.loss_sum(cfg.model, params, mb, None), None
+
+            mbs = jax.tree.map(lambda x: x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1), batch)
+            loss, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), mbs)
     return loss, jnp.sum(batch["loss_mask"])
 
 

@@ -310,3 +310,51 @@ def _gpipe_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array):
     grads = {k: jax.lax.psum(g, "pipeline") for k, g in g_shared.items()}
     grads["layers"] = g_layers
     return jax.lax.psum(loss, "pipeline"), grads
+
+
+def pipeline_loss(cfg: Config, params: dict, batch: dict) -> jax.Array:
+    """Forward only (evaluation): the summed token loss of this data rank's rows, run through the
+    pipeline without gathering the layers. For each local chunk i in turn (a "round"), the micro batches
+    flow GPipe-style through the p ranks; rank 0 keeps what comes back around the ring from rank p - 1 as
+    the input of the next round. Inside the train step's shard_map, like `pipeline_grads`."""
+    par, mcfg = cfg.parallel, cfg.model
+    p, v, m = par.pipeline, par.virtual_stages, cfg.num_micro_batches
+    layers = vary(jax.tree.map(lambda x: x[:, 0], params["layers"]))  # [v, Lc, ...]
+    shared = vary({k: val for k, val in params.items() if k != "layers"})
+    mbs = vary(jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch))
+    rank = jax.lax.axis_index("pipeline")
+    lc = jax.tree.leaves(layers)[0].shape[1]
+    shape = (batch["tokens"].shape[0] // m, mcfg.seq_length, mcfg.hidden_size)
+    dtype = jnp.dtype(mcfg.compute_dtype)
+    returned = vary(jnp.zeros((m, *shape), dtype))  # rank 0: the previous round's outputs
+    loss = vary(jnp.zeros((), jnp.float32))
+    for i in range(v):
+        w = jax.tree.map(lambda x: x[i], layers)
+
+        def tick(carry, t, w=w, i=i):
+            x_in, returned, loss = carry
+            k = t - rank
+            active = (k >= 0) & (k < m)
+            mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, jnp.clip(k, 0, m - 1), keepdims=False), mbs)
+            if i == 0:
+                first = vary(model.embed_apply(mcfg, shared, mb["tokens"], None).astype(dtype))
+            else:
+                first = jax.lax.dynamic_index_in_dim(returned, jnp.clip(k, 0, m - 1), keepdims=False)
+            x = jnp.where(rank == 0, first, x_in)
+            first_layer = (i * p + rank) * lc
+            y = jax.lax.cond(active, lambda: model.layers_apply(mcfg, w, x, None, first_layer).astype(dtype),
+                             lambda: x)
+            if i == v - 1:
+                loss = loss + jax.lax.cond(active & (rank == p - 1),
+                                           lambda: vary(model.head_apply(mcfg, shared, y, mb["targets"],
+                                                                         mb["loss_mask"])),
+                                           lambda: vary(jnp.zeros((), jnp.float32)))
+            recv = jax.lax.ppermute(y, "pipeline", _perm(p, v, 1))
+            back = t - (p - 1)  # the micro batch rank p - 1 just finished reaches rank 0 around the ring
+            keep = (rank == 0) & (back >= 0) & (back < m)
+            returned = jnp.where(keep, returned.at[jnp.clip(back, 0, m - 1)].set(recv), returned)
+            return (recv, returned, loss), None
+
+        init = (vary(jnp.zeros(shape, dtype)), returned, loss)
+        (_, returned, loss), _ = jax.lax.scan(tick, init, jnp.arange(m + p - 1))
+    return jax.lax.psum(loss, "pipeline")
