@@ -332,7 +332,13 @@ def test_tiny_model_generates_corpus_text(tmp_path):
     After 800 steps (eval loss ~1.7 nats/byte) the model writes the corpus' verse layout and common words,
     not sense: greedy decoding settles into loops such as "the LORD the LORD"; sampling gives KJV-like salad.
     """
-    from megajax.data.corpus import documents
+    import gzip
+
+    from megajax.data.corpus import CORPUS_FILE
+
+    def documents():
+        with gzip.open(CORPUS_FILE, "rt", encoding="utf-8") as f:
+            return [json.loads(line)["text"] for line in f]
 
     run = subprocess.run([sys.executable, "-m", "megajax.train", "--config", "configs/tiny.yaml", "--set",
                           f"train.output_dir={tmp_path / 'tiny'}", "train.eval_every=0"],
