@@ -24,8 +24,10 @@ def small_config(**overrides) -> config_lib.Config:
     return config_lib.override(config_lib.Config(), base)
 
 
-def run_steps(cfg: config_lib.Config, num_devices: int, steps: int, *, return_state: bool = False):
-    """Trains `steps` steps on the first `num_devices` devices in this process; returns the losses."""
+def run_steps(cfg: config_lib.Config, num_devices: int, steps: int, *, return_state: bool = False,
+              grad_norms: list | None = None):
+    """Trains `steps` steps on the first `num_devices` devices in this process; returns the losses
+    (and appends each step's gradient norm to `grad_norms` if given)."""
     from megajax import sharding, train
     from megajax.data.loader import build_datasets, global_batch
 
@@ -42,6 +44,8 @@ def run_steps(cfg: config_lib.Config, num_devices: int, steps: int, *, return_st
                                  setup.batch_shardings)
             state, stats = step_fn(state, batch)
             losses.append(float(stats["loss"]))
+            if grad_norms is not None:
+                grad_norms.append(float(stats["grad_norm"]))
     return (losses, state, setup) if return_state else losses
 
 

@@ -18,8 +18,10 @@ ARCHS = {
 
 
 @functools.lru_cache(maxsize=None)
-def reference(arch: str) -> tuple[float, ...]:
-    return tuple(run_steps(small_config(**ARCHS[arch]), 1, STEPS))
+def reference(arch: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    norms = []
+    losses = run_steps(small_config(**ARCHS[arch]), 1, STEPS, grad_norms=norms)
+    return tuple(losses), tuple(norms)
 
 
 def layout(schedule, p, v, d, t, sp, mb=1):
@@ -59,8 +61,11 @@ def _id(case):
                          ids=[_id(c) for c in FAST + SLOW])
 def test_pipeline_matches_single_device(case):
     arch, lay = case
-    got = run_steps(small_config(**ARCHS[arch], **lay), 8, STEPS)
-    np.testing.assert_allclose(got, reference(arch), rtol=1e-4)
+    norms = []
+    got = run_steps(small_config(**ARCHS[arch], **lay), 8, STEPS, grad_norms=norms)
+    ref_losses, ref_norms = reference(arch)
+    np.testing.assert_allclose(got, ref_losses, rtol=1e-4)
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-4)  # the gradients too, not only the losses
 
 
 def _compile(schedule, v, gbs):
@@ -119,3 +124,37 @@ def test_evaluation_runs_through_the_pipeline_without_gathering_layers():
     assert got == pytest.approx(ref, rel=1e-5)
     assert not [c for c in colls if c.kind == "all-gather" and "pipeline" in c.axes]
     assert [c for c in colls if c.kind == "collective-permute"], "activations move between stages"
+
+
+def _grads(cfg, n):
+    import jax
+
+    from megajax import sharding, train
+    from megajax.data.loader import build_datasets, global_batch
+    from megajax.pipeline import from_stages
+
+    cfg = cfg.for_devices(n)
+    mesh = sharding.make_mesh(cfg.parallel, jax.devices()[:n])
+    setup = train.build(cfg, mesh)
+    state = train.init_state(setup)
+    data = build_datasets(cfg, {"train": 16})["train"]
+    with jax.set_mesh(mesh):
+        batch = global_batch(data, 0, cfg.train.global_batch_size, setup.batch_shardings)
+
+        @jax.jit
+        def grads(params, batch):
+            with sharding.activation_sharding(cfg.parallel.sequence_parallel):
+                return train.compute_grads(setup, params, batch, jax.numpy.float32(1.0))[1]
+
+        g = jax.device_get(grads(state.params, batch))
+    return from_stages(g) if cfg.parallel.pipeline > 1 else g
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved", 2)])
+def test_pipeline_gradients_equal_plain_gradients(schedule, v):
+    import jax
+
+    ref = _grads(small_config(**ARCHS["llama"]), 1)
+    got = _grads(small_config(**ARCHS["llama"], **layout(schedule, 2, v, 2, 2, True, mb=2)), 8)
+    scale = max(float(np.abs(x).max()) for x in jax.tree.leaves(ref))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * scale), got, ref)
