@@ -114,5 +114,50 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, spec_for(names, live))
 
 
-def named(mesh: Mesh, spec: P) -> NamedSharding:
-    return NamedSharding(mesh, spec)
+# ----------------------------------------------------------------------------------------------------
+# The train step's manual region (shard_map over 'data' and 'pipeline', 'tensor' left to GSPMD)
+
+MANUAL = ("data", "pipeline")
+
+
+def manual_axes_of(mesh: Mesh) -> tuple[str, ...]:
+    """The axes the train step makes manual: 'data' and 'pipeline', each only if it has more than one
+    device. XLA rejects a reduction over a manual axis of size 1 when every manual axis has size 1
+    (jax 0.10.2: "Cross-partition allreduce must be in (partial) manual partitioning mode"), and a size-1
+    axis has nothing to reduce: such an axis stays automatic, and `psum` skips it."""
+    return tuple(a for a in MANUAL if mesh.shape[a] > 1)
+
+
+def manual_spec(spec: P, manual: Sequence[str]) -> P:
+    """`spec` with only the manual axes kept (shard_map's specs may name nothing else)."""
+    return P(*[a if a in manual else None for a in spec])
+
+
+def current_manual_axes() -> tuple[str, ...]:
+    mesh = jax.sharding.get_abstract_mesh()
+    return () if mesh.empty else tuple(getattr(mesh, "manual_axes", ()))
+
+
+def varying_axes(x: jax.Array) -> frozenset:
+    """The manual mesh axes x varies over."""
+    return frozenset(jax.typeof(x).manual_axis_type.varying)
+
+
+def vary(tree, axes: Sequence[str] | None = None):
+    """Marks every leaf as varying over `axes` (default: every manual axis of the current region): scan
+    carries, switch branches and vjp cotangents inside shard_map must agree on their varying axes."""
+    want = current_manual_axes() if axes is None else tuple(a for a in axes if a in current_manual_axes())
+
+    def one(x):
+        need = tuple(a for a in want if a not in varying_axes(x))
+        return jax.lax.pcast(x, need, to="varying") if need else x
+
+    return jax.tree.map(one, tree)
+
+
+def psum(x, axis: str):
+    """psum over `axis` inside the train step's region; the identity where `axis` is not manual (it
+    then has one device, see manual_axes_of)."""
+    if axis not in current_manual_axes():
+        return x
+    return jax.lax.psum(x, axis)

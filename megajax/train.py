@@ -167,16 +167,12 @@ def micro_batches(batch: dict, m: int) -> dict:
     return jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
 
 
-def _varying(x, axes):
-    return jax.lax.pcast(x, axes, to="varying")
-
-
 def accumulate_grads(cfg: Config, params, batch: dict, seed_scale: jax.Array):
     """Per data rank (inside shard_map): summed loss and gradients of `seed_scale * loss` over the
     micro batches, with no cross-rank communication."""
     m = cfg.num_micro_batches
     # Marking the weights as varying over 'data' keeps the transpose from reducing gradients per micro batch.
-    params = jax.tree.map(lambda x: _varying(x, "data"), params)
+    params = sharding.vary(params, ("data",))
 
     def micro_loss(p, mb):
         raw = model.loss_sum(cfg.model, p, mb, model.dropout_keys(cfg.model, cfg.train.seed, mb["sample_ids"]))
@@ -190,9 +186,21 @@ def accumulate_grads(cfg: Config, params, batch: dict, seed_scale: jax.Array):
         return (loss + raw, jax.tree.map(jnp.add, grads, g)), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    init = (_varying(jnp.zeros((), jnp.float32), "data"), zeros)
+    init = (sharding.vary(jnp.zeros((), jnp.float32), ("data",)), zeros)
     (loss, grads), _ = jax.lax.scan(body, init, micro_batches(batch, m))
     return loss, grads
+
+
+def _in_manual_region(mesh, fn, in_specs, out_specs):
+    """fn under shard_map with 'data' and 'pipeline' manual ('tensor' left to GSPMD); specs may name any
+    mesh axis (those that stay automatic are dropped). With neither axis split (pure tensor parallelism,
+    or one device) there is nothing to make manual and fn runs under GSPMD as it is."""
+    manual = sharding.manual_axes_of(mesh)
+    if not manual:
+        return fn
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    only = lambda specs: jax.tree.map(lambda s: sharding.manual_spec(s, manual), specs, is_leaf=is_spec)  # noqa: E731
+    return jax.shard_map(fn, mesh=mesh, in_specs=only(in_specs), out_specs=only(out_specs), axis_names=set(manual))
 
 
 def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
@@ -207,22 +215,20 @@ def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
     cfg = setup.cfg
     zero = setup.zero_dims
     is_none = lambda x: x is None  # noqa: E731
-    p_specs = jax.tree.map(lambda s: P(*[a if a == "pipeline" else None for a in s.spec]),
-                           setup.state_shardings.params)
-    g_specs = jax.tree.map(lambda s, z: s if z is None else P("data", *s), p_specs, zero, is_leaf=is_none)
 
     def local(params, batch, seed_scale):
         if cfg.parallel.pipeline > 1:
             loss, grads = pipeline.pipeline_grads(cfg, params, batch, seed_scale)
         else:
             loss, grads = accumulate_grads(cfg, params, batch, seed_scale)
-        grads = jax.tree.map(lambda g, z: jax.lax.psum(g, "data") if z is None else g[None], grads, zero,
+        grads = jax.tree.map(lambda g, z: sharding.psum(g, "data") if z is None else g[None], grads, zero,
                              is_leaf=is_none)
-        return jax.lax.psum(loss, "data"), grads
+        return sharding.psum(loss, "data"), grads
 
-    batch_specs = {k: P("data") for k in batch}
-    loss, grads = jax.shard_map(local, mesh=setup.mesh, in_specs=(p_specs, batch_specs, P()),
-                                out_specs=(P(), g_specs), axis_names={"data", "pipeline"})(params, batch, seed_scale)
+    p_specs = jax.tree.map(lambda s: s.spec, setup.state_shardings.params)
+    g_specs = jax.tree.map(lambda s, z: s if z is None else P("data", *s), p_specs, zero, is_leaf=is_none)
+    loss, grads = _in_manual_region(setup.mesh, local, (p_specs, {k: P("data") for k in batch}, P()),
+                                    (P(), g_specs))(params, batch, seed_scale)
 
     def scatter(g, z, param_sharding):
         if z is None:
@@ -272,14 +278,11 @@ def eval_loss(setup: StepSetup, params, batch: dict) -> tuple[jax.Array, jax.Arr
     m = cfg.num_micro_batches
     with sharding.activation_sharding(cfg.parallel.sequence_parallel):
         if cfg.parallel.pipeline > 1:
-            p_specs = jax.tree.map(lambda s: P(*[a if a == "pipeline" else None for a in s.spec]),
-                                   setup.state_shardings.params)
-
             def local(params, batch):
-                return jax.lax.psum(pipeline.pipeline_loss(cfg, params, batch), "data")
+                return sharding.psum(pipeline.pipeline_loss(cfg, params, batch), "data")
 
-            loss = jax.shard_map(local, mesh=setup.mesh, in_specs=(p_specs, {k: P("data") for k in batch}),
-                                 out_specs=P(), axis_names={"data", "pipeline"})(params, batch)
+            p_specs = jax.tree.map(lambda s: s.spec, setup.state_shardings.params)
+            loss = _in_manual_region(setup.mesh, local, (p_specs, {k: P("data") for k in batch}), P())(params, batch)
         else:
             def body(total, mb):
                 return total + model.loss_sum(cfg.model, params, mb, None), None

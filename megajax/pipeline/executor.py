@@ -31,20 +31,10 @@ import numpy as np
 from megajax import model
 from megajax.config import Config
 from megajax.pipeline import schedule as schedule_lib
+from megajax.sharding import vary
 
-MANUAL = ("data", "pipeline")
 # what an action does depends on where its chunk sits in the model: 0 none, 1 first, 2 middle, 3 last chunk
 NONE, FIRST, MID, LAST = range(4)
-
-
-def vary(tree):
-    """Marks values as varying over the manual axes (switch branches and scan carries must agree)."""
-    def one(x):
-        have = jax.typeof(x).manual_axis_type.varying
-        need = tuple(a for a in MANUAL if a not in have)
-        return jax.lax.pcast(x, need, to="varying") if need else x
-
-    return jax.tree.map(one, tree)
 
 
 def _position(global_chunk: np.ndarray, chunks: int) -> np.ndarray:
