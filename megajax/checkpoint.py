@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import yaml
@@ -77,14 +78,24 @@ def read_meta(mgr: ocp.CheckpointManager, step: int) -> dict:
 
 
 def saved_shapes(mgr: ocp.CheckpointManager, step: int) -> list[tuple[str, tuple, str]]:
-    """(name, shape, dtype) of every saved state array, in tree order."""
+    """(name, shape, dtype) of every saved state array; names are dotted tree paths
+    ("opt_state.1.mu.embed.embedding")."""
     tree = mgr.item_metadata(step)["state"].tree
     leaves = jax.tree.leaves(tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
     return [(getattr(a, "name", "?"), tuple(a.shape), str(a.dtype)) for a in leaves]
 
 
+def path_name(path) -> str:
+    """A tree path as Orbax names the saved array: keys, indices and attributes joined by dots."""
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
 def _is_layer_leaf(path) -> bool:
     return any(getattr(k, "key", None) == "layers" for k in path)
+
+
+def _is_opt_leaf(path) -> bool:
+    return bool(path) and getattr(path[0], "key", None) == "opt_state"
 
 
 def _lead_dims(pipeline: int) -> int:
@@ -92,44 +103,68 @@ def _lead_dims(pipeline: int) -> int:
     return 3 if pipeline > 1 else 1
 
 
-def _read_target(want: jax.ShapeDtypeStruct, saved_shape: tuple, lead_saved: int, lead_want: int,
-                 pipeline: int) -> jax.ShapeDtypeStruct:
-    """How to read a layer leaf saved in another pipeline layout: its saved shape, the current sharding
-    of the per-layer dims, and 'pipeline' on the first layer dim it divides (no device reads every layer)."""
+def _read_spec(saved_shape: tuple, want: jax.ShapeDtypeStruct, lead_saved: int, lead_want: int) -> P:
+    """A sharding to read a leaf in its saved shape: the current sharding of the trailing dims where it
+    divides the saved size, and for stacked layers 'pipeline' on the first leading dim it divides (so no
+    device reads every layer)."""
+    mesh = want.sharding.mesh
     spec = list(want.sharding.spec) + [None] * (len(want.shape) - len(want.sharding.spec))
+    trailing = spec[lead_want:]
     leading = [None] * lead_saved
-    for i in range(lead_saved):
-        if pipeline > 1 and saved_shape[i] % pipeline == 0:
-            leading[i] = "pipeline"
-            break
-    read_spec = P(*leading, *spec[lead_want:])
-    return jax.ShapeDtypeStruct(saved_shape, want.dtype, sharding=NamedSharding(want.sharding.mesh, read_spec))
+    if lead_want and "pipeline" in spec[:lead_want]:
+        for i in range(lead_saved):
+            if saved_shape[i] % mesh.shape["pipeline"] == 0:
+                leading[i] = "pipeline"
+                break
+    out = leading + trailing
+    for i, axes in enumerate(out):
+        names = axes if isinstance(axes, tuple) else (axes,) if axes else ()
+        if names and saved_shape[i] % math.prod(mesh.shape[a] for a in names):
+            out[i] = None
+    return P(*out)
+
+
+def _convert(x: jax.Array, want_shape: tuple, lead_saved: int, lead_want: int) -> jax.Array:
+    """A saved leaf into the wanted layout: stacked layers reshaped between pipeline layouts (both list the
+    layers in the same order, so a reshape, never a permutation), then the distributed optimizer's
+    zero padding sliced off or added (the padding holds zeros, and both sizes are >= the true size)."""
+    if lead_saved or lead_want:
+        x = x.reshape(*want_shape[:lead_want], *x.shape[lead_saved:])
+    x = x[tuple(slice(0, min(a, b)) for a, b in zip(x.shape, want_shape))]
+    return jnp.pad(x, [(0, b - a) for a, b in zip(x.shape, want_shape)])
 
 
 def restore(mgr: ocp.CheckpointManager, step: int, abstract_state, shardings, cfg: Config) -> tuple[dict, dict]:
-    """Restores `step` onto `shardings` (any mesh, any layout): returns (state fields, meta)."""
+    """Restores `step` onto `shardings` (any mesh, any layout): returns (state fields, meta).
+
+    Arrays are matched by their tree path. Parameters must have the wanted shape up to the pipeline
+    layout of stacked layers; optimizer state may also differ by the distributed optimizer's padding.
+    """
     meta = read_meta(mgr, step)
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           state_dict(abstract_state), state_dict(shardings))
-    saved = saved_shapes(mgr, step)
+    saved = {name: shape for name, shape, _ in saved_shapes(mgr, step)}
     flat, treedef = jax.tree_util.tree_flatten_with_path(target)
-    if len(saved) != len(flat):
+    names = [path_name(path) for path, _ in flat]
+    missing, extra = sorted(set(names) - set(saved)), sorted(set(saved) - set(names))
+    if missing or extra:
         raise CheckpointError(
-            f"checkpoint step {step} in {mgr.directory} holds {len(saved)} arrays but this config's train "
-            f"state has {len(flat)}: it was written for a different model or optimizer (its model config: "
-            f"{meta.get('config', {}).get('model')})")
-    lead_saved = _lead_dims(int(meta.get("layout", {}).get("pipeline", 1)))
-    lead_want = _lead_dims(cfg.parallel.pipeline)
-    read, relayout, mismatched = [], [], []
-    for (path, want), (_, shape, _) in zip(flat, saved):
-        if _is_layer_leaf(path) and len(shape) - lead_saved == len(want.shape) - lead_want \
-                and shape[lead_saved:] == want.shape[lead_want:] \
-                and math.prod(shape[:lead_saved]) == math.prod(want.shape[:lead_want]) and shape != want.shape:
-            read.append(_read_target(want, shape, lead_saved, lead_want, cfg.parallel.pipeline))
-            relayout.append(True)
-        elif shape == want.shape:
+            f"checkpoint step {step} in {mgr.directory} was written for a different model or optimizer: "
+            + (f"this config's train state has {', '.join(missing[:8])}, which the checkpoint lacks; " if missing
+               else "") + (f"the checkpoint has {', '.join(extra[:8])}, which this config lacks; " if extra else "")
+            + f"its model config: {meta.get('config', {}).get('model')}")
+    saved_pipeline = int(meta.get("layout", {}).get("pipeline", 1))
+    read, plans, mismatched = [], [], []
+    for (path, want), name in zip(flat, names):
+        shape = saved[name]
+        leads = (_lead_dims(saved_pipeline), _lead_dims(cfg.parallel.pipeline)) if _is_layer_leaf(path) else (0, 0)
+        if shape == want.shape:
             read.append(want)
-            relayout.append(False)
+            plans.append(None)
+        elif _fits(shape, want.shape, *leads, padded=_is_opt_leaf(path)):
+            read.append(jax.ShapeDtypeStruct(shape, want.dtype, sharding=NamedSharding(
+                want.sharding.mesh, _read_spec(shape, want, *leads))))
+            plans.append(leads)
         else:
             mismatched.append(f"{jax.tree_util.keystr(path)}: checkpoint {shape}, config {want.shape}")
     if mismatched:
@@ -139,13 +174,22 @@ def restore(mgr: ocp.CheckpointManager, step: int, abstract_state, shardings, cf
             "(see `python -m megajax.checkpoint inspect DIR`), or start a new run elsewhere (checkpoint.dir).")
     out = mgr.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(jax.tree_util.tree_unflatten(treedef, read))))["state"]
-    if any(relayout):
-        # Both layouts stack the layers in the same order, so a reshape moves each layer where it belongs.
+    if any(plan is not None for plan in plans):
         wants = [w for _, w in flat]
-        convert = jax.jit(lambda xs: [x.reshape(w.shape) if r else x for x, w, r in zip(xs, wants, relayout)],
+        convert = jax.jit(lambda xs: [x if plan is None else _convert(x, w.shape, *plan)
+                                      for x, w, plan in zip(xs, wants, plans)],
                           out_shardings=[w.sharding for w in wants])
         out = jax.tree_util.tree_unflatten(treedef, convert(jax.tree.leaves(out)))
     return out, meta
+
+
+def _fits(saved: tuple, want: tuple, lead_saved: int, lead_want: int, padded: bool) -> bool:
+    """Whether a saved leaf converts into the wanted shape: the same layers in another pipeline layout,
+    and (optimizer state) trailing dims that differ only by the distributed optimizer's padding."""
+    if len(saved) - lead_saved != len(want) - lead_want or math.prod(saved[:lead_saved]) != math.prod(want[:lead_want]):
+        return False
+    differ = [i for i, (a, b) in enumerate(zip(saved[lead_saved:], want[lead_want:])) if a != b]
+    return not differ or (padded and len(differ) == 1)
 
 
 def latest_step(cfg: Config) -> int | None:

@@ -31,10 +31,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from megajax import config as config_lib
 from megajax import metrics as metrics_lib
-from megajax import model, pipeline, sharding
+from megajax import model, optim, pipeline, sharding
 from megajax.config import Config, ConfigError
 from megajax import distributed
-from megajax.optim import make_optimizer, update_loss_scale
+from megajax.optim import applied_lr, make_optimizer, update_loss_scale
 
 
 @flax.struct.dataclass
@@ -58,16 +58,20 @@ class StepSetup:
     abstract_state: TrainState
     state_shardings: TrainState
     batch_shardings: dict[str, NamedSharding]
-    zero_dims: Any  # per parameter: the dim the distributed optimizer shards over 'data' (or None)
+    zero_dims: Any  # per parameter: where the distributed optimizer shards its state (optim.ZeroDim or None)
 
     def zero_sharded_fraction(self) -> float:
-        """Fraction of the parameters whose optimizer state the distributed optimizer shards over 'data'
-        (a parameter with no dim divisible by the data size stays replicated)."""
+        """Fraction of the parameters whose optimizer state the distributed optimizer shards over 'data'."""
         sizes = jax.tree.map(lambda a, z: (math.prod(a.shape), z is not None), self.abstract_state.params,
                              self.zero_dims, is_leaf=lambda x: x is None)
         pairs = jax.tree.leaves(sizes, is_leaf=lambda x: isinstance(x, tuple))
         total = sum(n for n, _ in pairs)
         return sum(n for n, sharded in pairs if sharded) / max(total, 1)
+
+    def optimizer_bytes_per_device(self) -> int:
+        """Bytes of optimizer state one device holds (the distributed optimizer divides it by data)."""
+        return sum(math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize for a, s in zip(
+            jax.tree.leaves(self.abstract_state.opt_state), jax.tree.leaves(self.state_shardings.opt_state)))
 
 
 def _layout_spec(cfg: Config, names: tuple) -> P:
@@ -78,44 +82,28 @@ def _layout_spec(cfg: Config, names: tuple) -> P:
     return spec
 
 
-def _zero_dim(shape: tuple[int, ...], spec: P, mesh_shape: dict, data: int) -> int | None:
-    """The largest unsharded dim that splits evenly over 'data' (for the distributed optimizer)."""
-    best = None
-    for dim, size in enumerate(shape):
-        taken = spec[dim] if dim < len(spec) else None
-        if taken is None and size % data == 0 and (best is None or size > shape[best]):
-            best = dim
-    return best
-
-
-def _with_data(spec: P, dim: int | None, ndim: int) -> P:
-    if dim is None:
-        return spec
-    parts = list(spec) + [None] * (ndim - len(spec))
-    parts[dim] = "data"
-    return P(*parts)
-
-
 def build(cfg: Config, mesh: jax.sharding.Mesh) -> StepSetup:
     """Derives shapes and shardings of the state and batch (with jax.eval_shape: nothing is allocated)."""
     boxed = jax.eval_shape(lambda: model.init_params(cfg.model, jax.random.key(0)))
     logical = model.logical_axes(boxed)
     tx = make_optimizer(cfg.optim, cfg.train.steps, logical)
-    abstract_state = jax.eval_shape(lambda: _fresh_state(cfg, tx, jax.random.key(0)))
 
     def named(spec):
         return NamedSharding(mesh, spec)
 
     is_names = lambda x: isinstance(x, tuple)  # noqa: E731
+    is_none = lambda x: x is None  # noqa: E731
     param_specs = jax.tree.map(lambda n: _layout_spec(cfg, n), logical, is_leaf=is_names)
-    data = cfg.parallel.data
-    if cfg.parallel.distributed_optimizer and data > 1:
-        zero_dims = jax.tree.map(lambda a, s: _zero_dim(a.shape, s, dict(mesh.shape), data),
-                                 abstract_state.params, param_specs)
+    params = jax.eval_shape(lambda: _fresh_params(cfg, jax.random.key(0)))
+    if cfg.parallel.distributed_optimizer and cfg.parallel.data > 1:
+        # stacked layers carry leading dims beyond their one 'layers' name ([v, p, L / (p v)] staged)
+        zero_dims = jax.tree.map(lambda a, s, n: optim.zero_dim(a.shape, s, a.ndim - len(n) + 1 if n[:1] == (
+            "layers",) else 0, dict(mesh.shape)), params, param_specs, logical, is_leaf=is_names)
     else:
-        zero_dims = jax.tree.map(lambda _: None, abstract_state.params)
-    opt_specs = jax.tree.map(lambda a, s, z: _with_data(s, z, a.ndim), abstract_state.params, param_specs,
-                             zero_dims, is_leaf=lambda x: x is None)
+        zero_dims = jax.tree.map(lambda _: None, params)
+    abstract_state = jax.eval_shape(lambda: _fresh_state(cfg, tx, zero_dims, jax.random.key(0)))
+    opt_specs = jax.tree.map(lambda a, s, z: optim.zero_spec(s, z, a.ndim), params, param_specs, zero_dims,
+                             is_leaf=is_none)
     opt_shardings = optax.tree_map_params(
         tx, lambda _, s: named(s), abstract_state.opt_state, opt_specs,
         transform_non_params=lambda _: named(P()), is_leaf=lambda x: isinstance(x, P))
@@ -126,19 +114,30 @@ def build(cfg: Config, mesh: jax.sharding.Mesh) -> StepSetup:
     return StepSetup(cfg, mesh, logical, tx, abstract_state, state_shardings, batch_shardings, zero_dims)
 
 
-def _fresh_state(cfg: Config, tx: optax.GradientTransformation, rng: jax.Array) -> TrainState:
+def _fresh_params(cfg: Config, rng: jax.Array):
     params = nn.unbox(model.init_params(cfg.model, rng))
     if cfg.parallel.pipeline > 1:
         params = pipeline.to_stages(params, cfg.parallel.pipeline, cfg.parallel.virtual_stages)
+    return params
+
+
+def _zero_layout(tree, zero_dims):
+    """Parameter-shaped values in the optimizer's layout (padded where the distributed optimizer pads)."""
+    return jax.tree.map(lambda x, z: optim.zero_pad(x, z), tree, zero_dims, is_leaf=lambda x: x is None)
+
+
+def _fresh_state(cfg: Config, tx: optax.GradientTransformation, zero_dims, rng: jax.Array) -> TrainState:
+    params = _fresh_params(cfg, rng)
     scale = cfg.optim.initial_loss_scale if cfg.model.compute_dtype == "float16" else 1.0
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(_zero_layout(params, zero_dims)),
                       loss_scale=jnp.asarray(scale, jnp.float32), good_steps=jnp.zeros((), jnp.int32),
                       bad_steps=jnp.zeros((), jnp.int32))
 
 
 def init_state(setup: StepSetup) -> TrainState:
     """A fresh state, created directly in its shardings (no host copy of the full model)."""
-    init = jax.jit(lambda key: _fresh_state(setup.cfg, setup.tx, key), out_shardings=setup.state_shardings)
+    init = jax.jit(lambda key: _fresh_state(setup.cfg, setup.tx, setup.zero_dims, key),
+                   out_shardings=setup.state_shardings)
     with jax.set_mesh(setup.mesh):
         return init(jax.random.key(setup.cfg.train.seed))
 
@@ -221,8 +220,9 @@ def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
             loss, grads = pipeline.pipeline_grads(cfg, params, batch, seed_scale)
         else:
             loss, grads = accumulate_grads(cfg, params, batch, seed_scale)
-        grads = jax.tree.map(lambda g, z: sharding.psum(g, "data") if z is None else g[None], grads, zero,
-                             is_leaf=is_none)
+        # Distributed optimizer: the partial sums, padded to the optimizer's layout, on a leading 'data' axis.
+        grads = jax.tree.map(lambda g, z: sharding.psum(g, "data") if z is None else optim.zero_pad(g, z)[None],
+                             grads, zero, is_leaf=is_none)
         return sharding.psum(loss, "data"), grads
 
     p_specs = jax.tree.map(lambda s: s.spec, setup.state_shardings.params)
@@ -233,7 +233,7 @@ def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
     def scatter(g, z, param_sharding):
         if z is None:
             return g
-        target = NamedSharding(setup.mesh, _with_data(param_sharding.spec, z, g.ndim - 1))
+        target = NamedSharding(setup.mesh, optim.zero_spec(param_sharding.spec, z, g.ndim - 1))
         return jax.lax.with_sharding_constraint(jnp.sum(g, axis=0), target)
 
     return loss, jax.tree.map(scatter, grads, zero, setup.state_shardings.params, is_leaf=is_none)
@@ -250,7 +250,10 @@ def train_step(setup: StepSetup, state: TrainState, batch: dict) -> tuple[TrainS
     loss = loss_sum / total
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    updates, opt_state = setup.tx.update(grads, state.opt_state, state.params)
+    # With the distributed optimizer, grads are already in its layout (padded, sharded over 'data'); the
+    # params follow (a local slice), and the updates come back to the params' shape (the all-gather).
+    updates, opt_state = setup.tx.update(grads, state.opt_state, _zero_layout(state.params, setup.zero_dims))
+    updates = jax.tree.map(lambda u, p: optim.zero_unpad(u, p.shape), updates, state.params)
     params = optax.apply_updates(state.params, updates)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
     if cfg.model.compute_dtype == "float16":
@@ -264,7 +267,8 @@ def train_step(setup: StepSetup, state: TrainState, batch: dict) -> tuple[TrainS
         step=state.step + 1, params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state),
         loss_scale=loss_scale, good_steps=good, bad_steps=jnp.where(healthy, 0, state.bad_steps + 1))
     stats = {
-        "loss": loss, "grad_norm": grad_norm, "update_norm": optax.tree.norm(updates),
+        "loss": loss, "lr": applied_lr(cfg.optim, cfg.train.steps, state.opt_state),
+        "grad_norm": grad_norm, "update_norm": optax.tree.norm(updates),
         "param_norm": optax.tree.norm(new_state.params), "finite": finite, "loss_scale": state.loss_scale,
         "bad_steps": new_state.bad_steps,
     }
@@ -442,7 +446,7 @@ def _loop(cfg, setup, step_fn, eval_fn, state, datasets, start, consumed, loader
             data_wait, wait_last = (loader.wait_s - wait_last) / max(done - step_last, 1), loader.wait_s
             t_last, step_last = now, done
             record = {
-                "step": done, "loss": float(host["loss"]), "lr": float(_lr(setup, done - 1)),
+                "step": done, "loss": float(host["loss"]), "lr": float(host["lr"]),
                 "grad_norm": float(host["grad_norm"]), "param_norm": float(host["param_norm"]),
                 "update_norm": float(host["update_norm"]), "loss_scale": float(host["loss_scale"]),
                 "step_time_s": dt, "tokens_per_s": gbs * seq / dt,
@@ -483,12 +487,6 @@ def _save(mgr, step: int, state: TrainState, cfg: Config, consumed: int, log) ->
     log.info(f"checkpoint at step {step} -> {mgr.directory} ({blocked * 1e3:.0f} ms blocking"
              f"{', writing in the background' if cfg.checkpoint.async_ else ''})")
     return blocked
-
-
-def _lr(setup: StepSetup, step: int) -> float:
-    from megajax.optim import lr_schedule
-
-    return float(lr_schedule(setup.cfg.optim, setup.cfg.train.steps)(step))
 
 
 class NonFiniteError(RuntimeError):

@@ -142,3 +142,38 @@ def test_exit_after_minutes(tmp_path):
     proc = train_cli(tmp_path, "train.steps=100000", "train.exit_after_minutes=0.0001")
     assert "train.exit_after_minutes" in proc.stdout
     assert checkpoint.inspect(str(tmp_path / "checkpoints"))["latest"] >= 1
+
+
+def test_distributed_optimizer_state_moves_between_data_sizes(tmp_path):
+    """The distributed optimizer pads each parameter's state to a multiple of the data size (64 -> 66 at
+    data 3): a checkpoint written at data 3 x tensor 2 restores exactly onto data 4 x tensor 2 (other
+    padding) and onto one device without the distributed optimizer (none)."""
+    import jax
+
+    from megajax import optim, sharding
+    from conftest import run_steps, small_config
+
+    cfg = small_config(**{"parallel.data": 3, "parallel.tensor": 2, "parallel.distributed_optimizer": True,
+                          "train.global_batch_size": 12})
+    _, state, setup = run_steps(cfg, 6, 2, return_state=True)
+    assert setup.zero_sharded_fraction() == 1.0
+    mgr = checkpoint.manager(str(tmp_path), use_async=False)
+    checkpoint.save(mgr, 2, state, train._meta(setup.cfg, 2, 24))
+    mgr.wait_until_finished()
+
+    def unpadded(st, params):
+        mu = st.opt_state[1].mu
+        return jax.device_get((st.params, jax.tree.map(lambda m, p: optim.zero_unpad(m, p.shape), mu, params)))
+
+    want = unpadded(state, state.params)
+    for n, layout in ((8, {"parallel.data": 4, "parallel.tensor": 2, "parallel.distributed_optimizer": True}),
+                      (1, {"parallel.data": 1})):
+        other = small_config(**layout, **{"train.global_batch_size": 12}).for_devices(n)
+        mesh = sharding.make_mesh(other.parallel, jax.devices()[:n])
+        target = train.build(other, mesh)
+        fields, _ = checkpoint.restore(mgr, 2, target.abstract_state, target.state_shardings, other)
+        got = train.TrainState(**fields)
+        assert jax.tree.map(lambda a: a.shape, got.opt_state) == jax.tree.map(lambda a: a.shape,
+                                                                                target.abstract_state.opt_state)
+        jax.tree.map(np.testing.assert_array_equal, unpadded(got, got.params), want)
+    mgr.close()

@@ -19,17 +19,21 @@ def _setup(cfg, steps=8):
 
 
 def test_non_finite_step_leaves_weights_and_optimizer_untouched():
-    cfg, mesh, setup, data = _setup(small_config())
+    cfg, mesh, setup, data = _setup(small_config(**{"optim.warmup_steps": 4}))
     state = train.init_state(setup)
     step_fn = train.jit_train_step(setup)
     with jax.set_mesh(mesh):
         batch = global_batch(data, 0, cfg.train.global_batch_size, setup.batch_shardings)
-        batch["loss_mask"] = batch["loss_mask"].at[0, 0].set(jnp.nan)
+        bad = {**batch, "loss_mask": batch["loss_mask"].at[0, 0].set(jnp.nan)}
         before = jax.device_get((state.params, state.opt_state))
-        state, stats = step_fn(state, batch)
-    assert not bool(stats["finite"]) and int(stats["bad_steps"]) == 1
-    after = jax.device_get((state.params, state.opt_state))
-    jax.tree.map(np.testing.assert_array_equal, before, after)
+        state, stats = step_fn(state, bad)
+        assert not bool(stats["finite"]) and int(stats["bad_steps"]) == 1
+        after = jax.device_get((state.params, state.opt_state))
+        jax.tree.map(np.testing.assert_array_equal, before, after)
+        # The logged learning rate is the one applied: the skipped step does not advance optax's schedule.
+        _, good = step_fn(state, batch)
+    lr = cfg.optim.lr / cfg.optim.warmup_steps  # warm-up step 0
+    assert float(stats["lr"]) == float(good["lr"]) == np.float32(lr)
 
 
 def test_fp16_loss_scale_backs_off_then_trains():
