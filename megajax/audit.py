@@ -144,6 +144,7 @@ def audit(cfg, target: str = "cpu", devices: int | None = None, dump_hlo: str | 
                    "micro_batches": cfg.num_micro_batches, "micro_batch_size": cfg.micro_batch_size(p.data)},
         "memory_per_device": memory,
         "distributed_optimizer_sharded_fraction": (setup.zero_sharded_fraction() if p.distributed_optimizer else None),
+        "optimizer_state_bytes_per_device": setup.optimizer_bytes_per_device(),
         "collectives": hlo.summarize(colls),
         "xla_flops_per_device": (cost or {}).get("flops"),
         "megatron_flops_per_step": flops,

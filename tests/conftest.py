@@ -1,9 +1,18 @@
-"""8 fake CPU devices (a 2x2x2 mesh) for every test; set before JAX starts."""
+"""8 fake CPU devices (a 2x2x2 mesh) for every test; set before JAX starts.
+
+Tests compile the same programs many times (the one-device references, the init of a model, every CLI run
+of the small preset), so the session shares JAX's persistent compilation cache, in a fresh directory per
+session (what a fresh clone gets: nothing carried over from earlier runs); subprocesses inherit it.
+"""
 
 import os
+import tempfile
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="megajax-test-jit-cache-"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

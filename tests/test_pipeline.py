@@ -1,4 +1,5 @@
-"""The pipeline executor: losses equal the non-pipelined run; memory flat in m; collectives as planned."""
+"""The pipeline executor: gradients equal plain jax.grad; memory flat in m; collectives as planned; evaluation
+through the stages. (Losses and gradient norms of every schedule and layout against one device: test_layouts.)"""
 
 import functools
 
@@ -28,44 +29,6 @@ def layout(schedule, p, v, d, t, sp, mb=1):
     return {"parallel.schedule": schedule, "parallel.pipeline": p, "parallel.virtual_stages": v,
             "parallel.data": d, "parallel.tensor": t, "parallel.sequence_parallel": sp,
             "train.micro_batch_size": mb}
-
-
-FAST = [
-    ("gpt2", layout("1f1b", 2, 1, 2, 2, True)),
-    ("gpt2", layout("interleaved", 2, 2, 2, 2, True)),
-    ("gpt2", layout("gpipe", 2, 1, 2, 2, False)),
-    ("llama", layout("interleaved", 4, 2, 1, 2, True)),
-    ("llama", layout("1f1b", 4, 1, 2, 1, False)),
-]
-SLOW = [
-    ("llama", layout("1f1b", 2, 1, 2, 2, True)),
-    ("llama", layout("interleaved", 2, 2, 2, 2, True)),
-    ("llama", layout("gpipe", 2, 1, 2, 2, True)),
-    ("gpt2", layout("1f1b", 4, 1, 1, 2, True)),
-    ("gpt2", layout("interleaved", 4, 2, 1, 2, True, mb=1)),
-    ("gpt2", layout("gpipe", 4, 1, 2, 1, False)),
-    ("gpt2", layout("1f1b", 2, 1, 2, 2, False) | {"parallel.distributed_optimizer": True}),
-    ("llama", layout("interleaved", 4, 1, 2, 1, False)),
-]
-
-
-def _id(case):
-    arch, lay = case
-    p = lay["parallel.pipeline"]
-    return (f"{arch}-{lay['parallel.schedule']}-p{p}v{lay['parallel.virtual_stages']}"
-            f"-d{lay['parallel.data']}t{lay['parallel.tensor']}{'sp' if lay['parallel.sequence_parallel'] else ''}"
-            f"{'-zero1' if lay.get('parallel.distributed_optimizer') else ''}")
-
-
-@pytest.mark.parametrize("case", FAST + [pytest.param(c, marks=pytest.mark.slow) for c in SLOW],
-                         ids=[_id(c) for c in FAST + SLOW])
-def test_pipeline_matches_single_device(case):
-    arch, lay = case
-    norms = []
-    got = run_steps(small_config(**ARCHS[arch], **lay), 8, STEPS, grad_norms=norms)
-    ref_losses, ref_norms = reference(arch)
-    np.testing.assert_allclose(got, ref_losses, rtol=1e-4)
-    np.testing.assert_allclose(norms, ref_norms, rtol=1e-4)  # the gradients too, not only the losses
 
 
 def _compile(schedule, v, gbs):

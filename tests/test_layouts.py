@@ -1,0 +1,124 @@
+"""Every layout the config accepts trains and equals one device.
+
+The space: every (data, pipeline, tensor) with data x pipeline x tensor in {1, 2, 4, 6, 8} devices (data = 1
+included), sequence parallelism on and off (t > 1), the distributed optimizer on and off (d > 1), GPT-2 and
+Llama with grouped-query attention, and every schedule (p > 1). `test_the_space_is_accepted` checks the
+whole space against the config (cheap); `test_layout_matches_one_device` trains each layout for two steps
+and compares the losses and gradient norms with one device (fp32, relative 1e-4). The default run covers
+every (d, p, t) triple once, with the features rotated so that each appears on and off (data = 1 with
+tensor > 1 with and without sequence parallelism, and with a pipeline, among them); `-m slow` runs the rest.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import numpy as np
+import pytest
+
+from conftest import run_steps, small_config
+
+STEPS = 2
+DEVICE_COUNTS = (1, 2, 4, 6, 8)
+# One model for every layout: 24 layers split into 1, 2, 3, 4, 6 or 8 stages (and 2 interleaved chunks
+# per rank up to p = 6); heads, kv heads (48 over 24: grouped-query attention), the MLP, the padded
+# vocabulary (384) and the sequence (24, for sequence parallelism) divide by every tensor size (1-8);
+# 24 sequences divide over every data size.
+SIZE = {"model.num_layers": 24, "model.hidden_size": 96, "model.seq_length": 24, "model.ffn_hidden_size": 384}
+ARCHS = {
+    "gpt2": {**SIZE, "model.num_heads": 24},
+    "llama": {**SIZE, "model.num_heads": 48, "model.num_kv_heads": 24, "model.arch": "llama"},
+}
+BATCH = 24
+
+
+def triples() -> list[tuple[int, int, int]]:
+    """Every (data, pipeline, tensor) with a product in DEVICE_COUNTS."""
+    return [(d, p, t) for n in DEVICE_COUNTS for d in range(1, n + 1) for p in range(1, n + 1)
+            for t in range(1, n + 1) if d * p * t == n]
+
+
+def schedules(p: int) -> list[tuple[str, int]]:
+    if p == 1:
+        return [("1f1b", 1)]
+    out = [("gpipe", 1), ("1f1b", 1)]
+    if 24 % (2 * p) == 0:
+        out.append(("interleaved", 2))
+    return out
+
+
+def case(arch, d, p, t, sp, zero, schedule, v) -> dict:
+    # one micro batch per data rank, or p of them through a pipeline (the fewest every schedule takes)
+    mb = BATCH // (d * p) if p > 1 else None
+    return {"arch": arch, "n": d * p * t, "sets": {
+        **ARCHS[arch], "train.global_batch_size": BATCH, "train.micro_batch_size": mb, "parallel.data": d, "parallel.pipeline": p, "parallel.tensor": t,
+        "parallel.sequence_parallel": sp, "parallel.distributed_optimizer": zero,
+        "parallel.schedule": schedule, "parallel.virtual_stages": v}}
+
+
+def space() -> list[dict]:
+    """The whole configuration space."""
+    out = []
+    for d, p, t in triples():
+        for arch, sp, zero, (schedule, v) in itertools.product(
+                ARCHS, (False, True) if t > 1 else (False,), (False, True) if d > 1 else (False,), schedules(p)):
+            out.append(case(arch, d, p, t, sp, zero, schedule, v))
+    return out
+
+
+def default_cases() -> list[dict]:
+    """One case per (d, p, t), features rotated so that each value appears in the default run."""
+    out = []
+    for i, (d, p, t) in enumerate(triples()):
+        options = schedules(p)
+        schedule, v = options[i % len(options)]
+        out.append(case(("gpt2", "llama")[i % 2], d, p, t, t > 1 and (i // 2) % 2 == 0, d > 1 and i % 3 != 1,
+                        schedule, v))
+    return out
+
+
+def name(c: dict) -> str:
+    s = c["sets"]
+    d, p, t = s["parallel.data"], s["parallel.pipeline"], s["parallel.tensor"]
+    return (f"{c['arch']}-d{d}p{p}t{t}{'-sp' if s['parallel.sequence_parallel'] else ''}"
+            f"{'-zero1' if s['parallel.distributed_optimizer'] else ''}"
+            + (f"-{s['parallel.schedule']}v{s['parallel.virtual_stages']}" if p > 1 else ""))
+
+
+DEFAULT = default_cases()
+_DEFAULT_NAMES = {name(c) for c in DEFAULT}
+CASES = DEFAULT + [c for c in space() if name(c) not in _DEFAULT_NAMES]
+
+
+def test_the_space_is_accepted():
+    """Every layout of the space passes the config's checks, and the default run covers what it must."""
+    for c in space():
+        cfg = small_config(**c["sets"]).for_devices(c["n"])
+        assert cfg.num_micro_batches * cfg.parallel.data * cfg.micro_batch_size(cfg.parallel.data) == BATCH
+    assert len(triples()) == 29 and len({(c["sets"]["parallel.data"], c["sets"]["parallel.pipeline"],
+                                          c["sets"]["parallel.tensor"]) for c in DEFAULT}) == 29
+    data1 = [c["sets"] for c in DEFAULT if c["sets"]["parallel.data"] == 1 and c["sets"]["parallel.tensor"] > 1]
+    assert {s["parallel.sequence_parallel"] for s in data1} == {False, True}
+    assert any(s["parallel.pipeline"] > 1 for s in data1)
+    for key in ("parallel.sequence_parallel", "parallel.distributed_optimizer"):
+        assert {c["sets"][key] for c in DEFAULT} == {False, True}
+    assert {c["sets"]["parallel.schedule"] for c in DEFAULT} == {"gpipe", "1f1b", "interleaved"}
+    assert {c["arch"] for c in DEFAULT} == set(ARCHS)
+
+
+@functools.lru_cache(maxsize=None)
+def reference(arch: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    norms = []
+    losses = run_steps(small_config(**ARCHS[arch], **{"train.global_batch_size": BATCH}), 1, STEPS, grad_norms=norms)
+    return tuple(losses), tuple(norms)
+
+
+@pytest.mark.parametrize("c", [c if c in DEFAULT else pytest.param(c, marks=pytest.mark.slow) for c in CASES],
+                         ids=[name(c) for c in CASES])
+def test_layout_matches_one_device(c):
+    norms = []
+    got = run_steps(small_config(**c["sets"]), c["n"], STEPS, grad_norms=norms)
+    ref_losses, ref_norms = reference(c["arch"])
+    np.testing.assert_allclose(got, ref_losses, rtol=1e-4)
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-4)
