@@ -16,16 +16,16 @@ from conftest import REPO, cli_env
 LAYOUT = ["parallel.data=2", "parallel.tensor=4"]
 
 
-def _collectives(sets, target="cpu"):
+def _collectives(sets, target="cpu", n=8):
     cfg = config_lib.load(f"{REPO}/configs/tiny.yaml", sets)
-    devices = jax.devices() if target == "cpu" else audit._gpu_devices(target, 8)
+    devices = jax.devices()[:n] if target == "cpu" else audit._gpu_devices(target, n)
     cfg, mesh, compiled, _ = audit.compile_step(cfg, devices)
     return cfg, hlo.parse(compiled.as_text(), dict(mesh.shape))
 
 
 def _act_bytes(cfg):
     m = cfg.model
-    return cfg.micro_batch_size(cfg.parallel.data) * m.seq_length * m.hidden_size * (
+    return cfg.train.micro_batch_size * m.seq_length * m.hidden_size * (
         2 if m.compute_dtype == "bfloat16" else 4)
 
 
@@ -89,6 +89,40 @@ def test_sequence_parallel_on_h100_target_is_all_gather_plus_reduce_scatter():
             for k in ("all-gather", "reduce-scatter")}
     # the same bytes on the wire as the 16 all-reduces they replace
     assert ring["all-gather"] + ring["reduce-scatter"] == pytest.approx(16 * 2 * 3 / 4 * size)
+
+
+# Sequence parallelism on the GPU compiler, for every tensor size, data 1 and > 1, both dtypes, every
+# recompute mode and both architectures: the default run covers each value, -m slow the product.
+SP_SPACE = [(t, d, dt, rc, arch) for t, d in ((2, 1), (2, 4), (4, 1), (4, 2), (8, 1))
+            for dt in ("float32", "bfloat16") for rc in ("none", "selective", "full") for arch in ("gpt2", "llama")]
+SP_DEFAULT = [(8, 1, "float32", "none", "gpt2"), (2, 4, "float32", "full", "gpt2"),
+              (4, 2, "bfloat16", "selective", "llama"), (4, 1, "float32", "full", "llama")]
+
+
+@gpu
+@pytest.mark.parametrize("case", SP_DEFAULT + [pytest.param(c, marks=pytest.mark.slow) for c in SP_SPACE
+                                               if c not in SP_DEFAULT], ids=lambda c: "-".join(map(str, c)))
+def test_sequence_parallel_is_megatrons_pattern_on_h100(case):
+    """Per layer and micro batch: an all-gather of [b, s, d] before each column-parallel matmul and a
+    reduce-scatter after each row-parallel one, forward and backward (4 + 4; full recompute adds the
+    forward's again, less the recomputed MLP-output reduce-scatter that no backward reads), and no
+    all-reduce over 'tensor' of anything activation-sized anywhere in the step."""
+    t, d, dtype, recompute, arch = case
+    heads = ["model.num_heads=8"] + (["model.arch=llama", "model.num_kv_heads=8"] if arch == "llama" else [])
+    cfg, colls = _collectives([f"parallel.data={d}", f"parallel.tensor={t}", "parallel.sequence_parallel=true",
+                               f"model.compute_dtype={dtype}", f"model.recompute={recompute}",
+                               f"train.global_batch_size={4 * d}", "train.micro_batch_size=4", *heads],
+                              target="h100", n=d * t)
+    size, layers = _act_bytes(cfg), cfg.model.num_layers
+    assert cfg.num_micro_batches == 1  # so that only the layer scan runs an op more than once
+
+    def loop_bytes(kind):
+        return sum(c.bytes * c.count for c in colls if c.kind == kind and c.axes == ("tensor",) and c.count > 1)
+
+    full = recompute == "full"
+    assert loop_bytes("all-gather") == (6 if full else 4) * layers * size
+    assert loop_bytes("reduce-scatter") == (5 if full else 4) * layers * size
+    assert not [c for c in colls if c.kind == "all-reduce" and "tensor" in c.axes and c.bytes >= size // t]
 
 
 @gpu

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from megajax.config import ModelConfig
-from megajax.model.layers import GATHERED, MLP, RESIDUAL, Attention, Embed, KVCache, Norm, dropout, dtype_of
+from megajax.model.layers import (MLP, RESIDUAL, Attention, Embed, KVCache, Norm, dropout, dtype_of,
+                                  gather_sequence)
 from megajax.sharding import constrain
 
 
@@ -79,7 +80,8 @@ class LayerStack(nn.Module):
 
 
 class Head(nn.Module):
-    """Final norm, output layer (untied) and the vocab-parallel cross entropy."""
+    """Final norm and output layer (the embedding when tied): fp32 logits sharded over the vocabulary.
+    `head_apply` adds the vocab-parallel cross entropy."""
 
     cfg: ModelConfig
 
@@ -87,7 +89,7 @@ class Head(nn.Module):
     def __call__(self, x_bsd: jax.Array, tied_table_vd: jax.Array | None = None) -> jax.Array:
         """Returns fp32 logits [b, s, v_padded], sharded over v. tied_table: the embedding, if tied."""
         cfg = self.cfg
-        x = constrain(Norm(cfg, name="final_norm")(x_bsd), GATHERED)
+        x = gather_sequence(Norm(cfg, name="final_norm")(x_bsd))
         if cfg.tied:
             logits = jnp.einsum("bsd,vd->bsv", x, tied_table_vd.astype(dtype_of(cfg.compute_dtype)))
         else:
@@ -129,6 +131,12 @@ def init_params(cfg: ModelConfig, rng: jax.Array) -> dict:
     """Boxed (nn.LogicallyPartitioned) parameters; use nn.unbox for arrays and `logical_axes` for names."""
     tokens = jnp.zeros((1, cfg.seq_length), jnp.int32)
     return GPT(cfg).init(rng, tokens)["params"]
+
+
+def abstract_params(cfg: ModelConfig) -> dict:
+    """The parameter tree as jax.ShapeDtypeStructs (canonical layout, layers stacked on a leading axis);
+    nothing is allocated."""
+    return jax.eval_shape(lambda: nn.unbox(init_params(cfg, jax.random.key(0))))
 
 
 def logical_axes(boxed_params) -> dict:

@@ -12,6 +12,7 @@ row-parallel one, the same bytes, while norms and dropout work on 1/t of the act
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
@@ -24,6 +25,32 @@ from megajax.sharding import constrain
 
 RESIDUAL = ("batch", "seq", "embed")  # the residual stream: sequence-sharded with sequence parallelism
 GATHERED = ("batch", None, "embed")  # input of a column-parallel matmul: the whole sequence
+
+
+@jax.custom_vjp
+def gather_sequence(x_bsd: jax.Array) -> jax.Array:
+    """The input of a column-parallel matmul, constrained to GATHERED (with sequence parallelism, the
+    all-gather), whose cotangent is constrained to RESIDUAL: the matmul's partial input-gradient is
+    reduce-scattered straight back onto the sequence shards (Megatron's gather_from_sequence_parallel_region).
+
+    A plain constraint transposes to itself, asking for that gradient all-reduced over the whole sequence,
+    which XLA turns into a reduce-scatter only when every user of the all-reduce slices it. In fp32,
+    LayerNorm's bias gradient (the sum of the cotangent over b and s) read the whole all-reduced buffer (in
+    bf16 the cast back to fp32 sits in between and is sliced), so every gpt2 layer all-reduced two [b, s, d]
+    activations in the backward, and the head one more.
+    """
+    return constrain(x_bsd, GATHERED)
+
+
+def _gather_sequence_fwd(x_bsd):
+    return constrain(x_bsd, GATHERED), None
+
+
+def _gather_sequence_bwd(_, ct_bsd):
+    return (constrain(ct_bsd, RESIDUAL),)
+
+
+gather_sequence.defvjp(_gather_sequence_fwd, _gather_sequence_bwd)
 
 
 def dtype_of(name: str):
@@ -78,7 +105,8 @@ class Norm(nn.Module):
 
 
 class Embed(nn.Module):
-    """Vocab-parallel token embedding (+ learned positions for gpt2); `attend` is the tied output layer."""
+    """Vocab-parallel token embedding (+ learned positions for gpt2); with tied embeddings the Head reads
+    its table as the output layer."""
 
     cfg: ModelConfig
 
@@ -103,11 +131,6 @@ class Embed(nn.Module):
             x = x + positions.astype(cdt)[None]
         x = dropout(x, cfg.dropout, keys, salt=0)
         return constrain(x, RESIDUAL)
-
-    def attend(self, x_bsd: jax.Array) -> jax.Array:
-        """Logits with the tied embedding: [b, s, d] -> [b, s, v] sharded over v."""
-        w = self.embedding.astype(dtype_of(self.cfg.compute_dtype))
-        return jnp.einsum("bsd,vd->bsv", x_bsd, w)
 
 
 def rope(x_bshk: jax.Array, theta: float, offset: jax.Array | int = 0) -> jax.Array:
@@ -168,7 +191,7 @@ class Attention(nn.Module):
         bias = cfg.arch == "gpt2"
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
 
-        x = constrain(x_bsd, GATHERED)  # sequence parallel: the all-gather before the column-parallel matmul
+        x = gather_sequence(x_bsd)  # sequence parallel: the all-gather before the column-parallel matmul
         # One fused QKV matrix, grouped by kv head as Megatron lays it out: [d, g, r + 2, k] holds, for each
         # kv head, its r = h / g query heads, then its key, then its value. Sharding g over 'tensor' keeps
         # every group on one rank, and the backward has a single partial dX to all-reduce (three separate
@@ -189,8 +212,7 @@ class Attention(nn.Module):
 
         probs_dropout = None
         if cfg.attention_dropout > 0 and keys is not None:
-            def probs_dropout(p):
-                return dropout(p, cfg.attention_dropout, keys, salt=1 + 4 * layer)
+            probs_dropout = functools.partial(dropout, rate=cfg.attention_dropout, keys=keys, salt=1 + 4 * layer)
 
         def core(q, kk, v):
             return kernels.attention(q, kk, v, causal=True, impl=cfg.attention_impl, probs_dropout=probs_dropout)
@@ -223,7 +245,7 @@ class MLP(nn.Module):
         d, f = cfg.hidden_size, cfg.ffn_size
         pdt, cdt = dtype_of(cfg.param_dtype), dtype_of(cfg.compute_dtype)
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        x = constrain(x_bsd, GATHERED)
+        x = gather_sequence(x_bsd)
         if cfg.arch == "llama":
             # gate and up fused as [d, 2, f] (one partial dX to all-reduce in the backward, as for QKV)
             w_gate_up = _param(self, "w_gate_up", (d, 2, f), ("embed", None, "mlp"), cfg.init_std, pdt)
