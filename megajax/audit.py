@@ -23,6 +23,8 @@ import re
 import sys
 from pathlib import Path
 
+from megajax.config import ConfigError
+
 TARGETS = ("cpu", "a100", "h100", "h200")
 # Custom-call targets of Pallas GPU kernels: Triton (XLA's own, and the FFI path used for ROCm), Mosaic GPU.
 KERNEL_CALL_TARGETS = ("__gpu$xla.gpu.triton", "triton_kernel_call_ffi", "mosaic_gpu", "mosaic_gpu_v2")
@@ -35,12 +37,12 @@ def _gpu_devices(target: str, n: int):
     desc = (Path(__file__).parent / "targets" / f"{target}.txtpb").read_text()
     per_host = min(GPUS_PER_HOST, n)
     if n % per_host:
-        raise ValueError(f"--devices {n} must be a multiple of {GPUS_PER_HOST} (GPUs per host) for a GPU target")
+        raise ConfigError(f"--devices {n} must be a multiple of {GPUS_PER_HOST} (GPUs per host) for a GPU target")
     try:
         topo = topologies.get_topology_desc(platform="cuda", topology=f"1x{n // per_host}x{per_host}",
                                             target_config=desc)
     except Exception as e:  # the plugin is missing or does not match jax
-        raise RuntimeError(
+        raise ConfigError(
             f"cannot build compile-only {target} devices ({e}). Install the GPU compiler: "
             "pip install \"jax-cuda12-plugin==$(python -c 'import jax; print(jax.__version__)')\" "
             "\"jax-cuda12-pjrt==$(python -c 'import jax; print(jax.__version__)')\"") from None
@@ -59,7 +61,7 @@ def megatron_expected(cfg) -> dict:
     m, p = cfg.model, cfg.parallel
     if p.tensor == 1:
         return {}
-    mb = cfg.micro_batch_size(p.data)
+    mb = cfg.train.micro_batch_size
     act_bytes = mb * m.seq_length * m.hidden_size * (2 if m.compute_dtype != "float32" else 4)
     per_layer = 4 + (2 if m.recompute == "full" else 0)
     n = per_layer * (m.num_layers // p.pipeline) * cfg.num_micro_batches
@@ -74,12 +76,11 @@ def abstract_step(cfg, devices):
     (config with the layout resolved, mesh, StepSetup, state, batch). Nothing is allocated."""
     import jax
 
-    from megajax import sharding, train
+    from megajax import train
     from megajax.data.loader import batch_shapes
 
-    cfg = cfg.for_devices(len(devices))
-    mesh = sharding.make_mesh(cfg.parallel, devices)
-    setup = train.build(cfg, mesh)
+    setup = train.setup_for(cfg, devices)
+    cfg, mesh = setup.cfg, setup.mesh
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                          setup.abstract_state, setup.state_shardings)
     batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=setup.batch_shardings[k])
@@ -108,7 +109,7 @@ def audit(cfg, target: str = "cpu", devices: int | None = None, dump_hlo: str | 
     if target == "cpu":
         devs = jax.devices()
         if devices is not None and devices != len(devs):
-            raise ValueError(f"--devices {devices} but JAX has {len(devs)} CPU devices: run through "
+            raise ConfigError(f"--devices {devices} but JAX has {len(devs)} CPU devices: run through "
                              "`python -m megajax.audit` (it sets the count) or set jax_num_cpu_devices")
     else:
         devs = _gpu_devices(target, devices or 8)
@@ -141,7 +142,7 @@ def audit(cfg, target: str = "cpu", devices: int | None = None, dump_hlo: str | 
         "layout": {"data": p.data, "pipeline": p.pipeline, "tensor": p.tensor,
                    "sequence_parallel": p.sequence_parallel, "virtual_stages": p.virtual_stages,
                    "schedule": p.schedule, "distributed_optimizer": p.distributed_optimizer,
-                   "micro_batches": cfg.num_micro_batches, "micro_batch_size": cfg.micro_batch_size(p.data)},
+                   "micro_batches": cfg.num_micro_batches, "micro_batch_size": cfg.train.micro_batch_size},
         "memory_per_device": memory,
         "distributed_optimizer_sharded_fraction": (setup.zero_sharded_fraction() if p.distributed_optimizer else None),
         "optimizer_state_bytes_per_device": setup.optimizer_bytes_per_device(),
@@ -208,7 +209,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.target == "cpu" and args.devices:
         jax.config.update("jax_num_cpu_devices", args.devices)
     from megajax import config as config_lib
-    from megajax.config import ConfigError
 
     try:
         cfg = config_lib.load(args.config, args.set)
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             report = lower_for(cfg, args.lower_for)
         else:
             report = audit(cfg, args.target, args.devices, args.dump_hlo)
-    except (ConfigError, ValueError, RuntimeError) as e:
+    except config_lib.InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=2, default=lambda x: None if isinstance(x, float) and math.isnan(x) else x))

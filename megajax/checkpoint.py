@@ -38,11 +38,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from megajax import config as config_lib
 from megajax.config import Config, ModelConfig
+from megajax.pipeline.layout import from_stages, lead_dims
 
 STATE_FIELDS = ("step", "params", "opt_state", "loss_scale", "good_steps", "bad_steps")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(config_lib.InputError):
     """A checkpoint that cannot be restored as asked; the message names the parameters and the fix."""
 
 
@@ -96,11 +97,6 @@ def _is_layer_leaf(path) -> bool:
 
 def _is_opt_leaf(path) -> bool:
     return bool(path) and getattr(path[0], "key", None) == "opt_state"
-
-
-def _lead_dims(pipeline: int) -> int:
-    """Leading dims of a stacked-layer leaf: [L, ...] without a pipeline, [v, p, L/(p v), ...] with one."""
-    return 3 if pipeline > 1 else 1
 
 
 def _read_spec(saved_shape: tuple, want: jax.ShapeDtypeStruct, lead_saved: int, lead_want: int) -> P:
@@ -157,7 +153,8 @@ def restore(mgr: ocp.CheckpointManager, step: int, abstract_state, shardings, cf
     read, plans, mismatched = [], [], []
     for (path, want), name in zip(flat, names):
         shape = saved[name]
-        leads = (_lead_dims(saved_pipeline), _lead_dims(cfg.parallel.pipeline)) if _is_layer_leaf(path) else (0, 0)
+        leads = ((lead_dims(saved_pipeline > 1), lead_dims(cfg.parallel.pipeline > 1)) if _is_layer_leaf(path)
+                 else (0, 0))
         if shape == want.shape:
             read.append(want)
             plans.append(None)
@@ -190,16 +187,6 @@ def _fits(saved: tuple, want: tuple, lead_saved: int, lead_want: int, padded: bo
         return False
     differ = [i for i, (a, b) in enumerate(zip(saved[lead_saved:], want[lead_want:])) if a != b]
     return not differ or (padded and len(differ) == 1)
-
-
-def latest_step(cfg: Config) -> int | None:
-    if not Path(checkpoint_dir(cfg)).exists():
-        return None
-    mgr = manager(checkpoint_dir(cfg), read_only=True)
-    try:
-        return mgr.latest_step()
-    finally:
-        mgr.close()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -258,7 +245,7 @@ def find_params(directory: str | os.PathLike) -> ParamsSource:
     elif not _has_steps(root) and _has_steps(root / "checkpoints"):
         ckpt_dir = root / "checkpoints"
     if not ckpt_dir.is_dir() or (step is None and not _has_steps(ckpt_dir)):
-        raise ValueError(f"{root} is not a megajax checkpoint: expected {PARAMS_ITEM}/ and {CONFIG_FILE} "
+        raise CheckpointError(f"{root} is not a megajax checkpoint: expected {PARAMS_ITEM}/ and {CONFIG_FILE} "
                          "(python -m megajax.convert from-hf) or a training checkpoint directory")
     options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
     mgr = ocp.CheckpointManager(ckpt_dir, options=options, item_names=("state", "meta"))
@@ -286,14 +273,11 @@ def _stored_metadata(source: ParamsSource):
 
 def stored_shapes(source: ParamsSource) -> dict:
     """Tree of (shape, dtype) of the stored params, in the canonical layout (staged layers unstaged)."""
-    shapes = jax.tree.map(lambda m: (tuple(m.shape), np.dtype(m.dtype)), _stored_metadata(source), is_leaf=_is_meta)
+    stored = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), np.dtype(m.dtype)),
+                          _stored_metadata(source), is_leaf=_is_meta)
     if source.staged:
-        def unstage(sd):
-            (v, p, n, *rest), dtype = sd
-            return (v * p * n, *rest), dtype
-
-        shapes = {**shapes, "layers": jax.tree.map(unstage, shapes["layers"], is_leaf=_is_shape)}
-    return shapes
+        stored = jax.eval_shape(from_stages, stored)
+    return jax.tree.map(lambda a: (a.shape, np.dtype(a.dtype)), stored)
 
 
 def _is_shape(x) -> bool:
@@ -319,11 +303,11 @@ def check_params_fit(stored: dict, expected: dict, where: str) -> None:
     have, want = flat(stored), flat(expected)
     for name in sorted(set(want) | set(have)):
         if name not in have:
-            raise ValueError(f"parameter {name} is missing from {where} (was it written for another model config?)")
+            raise CheckpointError(f"parameter {name} is missing from {where} (was it written for another model config?)")
         if name not in want:
-            raise ValueError(f"{where} has parameter {name}, which this model config does not have")
+            raise CheckpointError(f"{where} has parameter {name}, which this model config does not have")
         if have[name] != want[name]:
-            raise ValueError(f"parameter {name} in {where} has shape {have[name]}, but the model config needs "
+            raise CheckpointError(f"parameter {name} in {where} has shape {have[name]}, but the model config needs "
                              f"{want[name]}")
 
 
@@ -344,8 +328,6 @@ def load_params(source: ParamsSource | str | os.PathLike, target=None):
     host = _restore(source, item, jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), stored,
                                                is_leaf=_is_meta))
     if source.staged:
-        from megajax.pipeline.layout import from_stages
-
         host = from_stages(host)
     if target is None:
         return host
@@ -413,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
             source = find_params(args.dir)
             save_params(args.out, load_params(source), source.config)
             print(f"exported the params of {source.tree} to {os.path.abspath(args.out)}")
-    except (CheckpointError, ValueError) as e:
+    except config_lib.InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -17,7 +17,13 @@ from typing import Any, Literal
 import yaml
 
 
-class ConfigError(ValueError):
+class InputError(ValueError):
+    """Bad input from the user (a config, a layout, a data file, a checkpoint, a flag) whose message names
+    the fix. Entry points print it as one line and exit 2; any other exception is a bug and keeps its
+    traceback."""
+
+
+class ConfigError(InputError):
     """A configuration that cannot run; the message says what to change."""
 
 
@@ -122,10 +128,6 @@ class ParallelConfig:
             self.virtual_stages == 1 or self.schedule == "interleaved",
             f"parallel.virtual_stages={self.virtual_stages} needs parallel.schedule=interleaved",
         )
-
-    @property
-    def model_parallel_size(self) -> int:
-        return self.pipeline * self.tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,7 +242,7 @@ class Config:
     checkpoint: CheckpointConfig = CheckpointConfig()
 
     def __post_init__(self):
-        m, p, t = self.model, self.parallel, self.train
+        m, p = self.model, self.parallel
         _check(
             m.num_heads % p.tensor == 0,
             f"model.num_heads={m.num_heads} is not divisible by parallel.tensor={p.tensor}: "
@@ -281,7 +283,7 @@ class Config:
 
     def _check_batch(self, data: int) -> None:
         t, p = self.train, self.parallel
-        mb = self.micro_batch_size(data)
+        mb = self._micro_batch_size(data)
         _check(
             t.global_batch_size % (data * mb) == 0,
             f"train.global_batch_size={t.global_batch_size} is not divisible by data parallel size {data} x "
@@ -296,19 +298,20 @@ class Config:
                 f"parallel.pipeline={p.pipeline}: change train.global_batch_size or train.micro_batch_size",
             )
 
-    def micro_batch_size(self, data: int) -> int:
+    def _micro_batch_size(self, data: int) -> int:
         if self.train.micro_batch_size is not None:
             return self.train.micro_batch_size
         return max(1, self.train.global_batch_size // data)
 
     @property
     def num_micro_batches(self) -> int:
-        d = self.parallel.data
-        assert d is not None, "call Config.for_devices first"
-        return self.train.global_batch_size // (d * self.micro_batch_size(d))
+        d, mb = self.parallel.data, self.train.micro_batch_size
+        assert d is not None and mb is not None, "call Config.for_devices first"
+        return self.train.global_batch_size // (d * mb)
 
     def for_devices(self, num_devices: int) -> Config:
-        """Fills parallel.data from the device count and checks that the layout fits the devices."""
+        """Fills parallel.data from the device count (and train.micro_batch_size from the data size) and
+        checks that the layout fits the devices."""
         p = self.parallel
         mp = p.pipeline * p.tensor
         if p.data is None:
@@ -317,7 +320,7 @@ class Config:
                 f"{num_devices} devices cannot be split into pipeline={p.pipeline} x tensor={p.tensor} "
                 f"groups: choose parallel.pipeline * parallel.tensor dividing {num_devices}",
             )
-            return override(self, {"parallel.data": num_devices // mp})
+            return override(self, {"parallel.data": num_devices // mp}).for_devices(num_devices)
         _check(
             p.data * mp == num_devices,
             f"parallel.data * parallel.pipeline * parallel.tensor = {p.data} x {p.pipeline} x {p.tensor} = "
@@ -326,6 +329,8 @@ class Config:
             f"parallel.data * parallel.pipeline * parallel.tensor = {p.data * mp} does not match the "
             f"{num_devices} devices: choose sizes whose product is {num_devices}",
         )
+        if self.train.micro_batch_size is None:  # one micro batch per data rank
+            return override(self, {"train.micro_batch_size": self._micro_batch_size(p.data)})
         return self
 
     def to_dict(self) -> dict:

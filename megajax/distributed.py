@@ -12,9 +12,15 @@ from __future__ import annotations
 
 import os
 
+from megajax.config import ConfigError
+
 # A process whose peer died is told so by the coordination service after this many seconds, and exits
-# with an error instead of hanging in a collective.
+# with an error instead of hanging in a collective (MEGAJAX_HEARTBEAT_TIMEOUT_S overrides it).
 HEARTBEAT_TIMEOUT_S = 30
+
+
+def _heartbeat_timeout() -> int:
+    return int(os.environ.get("MEGAJAX_HEARTBEAT_TIMEOUT_S", HEARTBEAT_TIMEOUT_S))
 
 
 def prefer_cpu_without_gpu() -> None:
@@ -36,10 +42,10 @@ def initialize() -> None:
     if "MEGAJAX_COORDINATOR" in env:
         missing = [k for k in ("MEGAJAX_NUM_PROCESSES", "MEGAJAX_PROCESS_ID") if k not in env]
         if missing:
-            raise ValueError(f"MEGAJAX_COORDINATOR is set but {', '.join(missing)} is not: set all three "
+            raise ConfigError(f"MEGAJAX_COORDINATOR is set but {', '.join(missing)} is not: set all three "
                              "(scripts/launch_local.sh does)")
         jax.distributed.initialize(env["MEGAJAX_COORDINATOR"], int(env["MEGAJAX_NUM_PROCESSES"]),
-                                   int(env["MEGAJAX_PROCESS_ID"]), heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+                                   int(env["MEGAJAX_PROCESS_ID"]), heartbeat_timeout_seconds=_heartbeat_timeout(),
                                    initialization_timeout=120)
     elif int(env.get("SLURM_NTASKS", "1")) > 1:
-        jax.distributed.initialize(heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S)
+        jax.distributed.initialize(heartbeat_timeout_seconds=_heartbeat_timeout())

@@ -158,14 +158,12 @@ def generate(cfg: ModelConfig, params, prompt_bs: np.ndarray, max_new_tokens: in
 
 def load(checkpoint_dir: str | Path, compute_dtype: str | None = None):
     """(config, params on one device) from any checkpoint megajax.checkpoint.find_params accepts."""
-    import flax.linen as nn
-
     source = checkpoint.find_params(checkpoint_dir)
     cfg = source.config
     if compute_dtype:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, compute_dtype=compute_dtype))
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = jax.eval_shape(lambda: nn.unbox(model.init_params(cfg.model, jax.random.key(0))))
+    abstract = model.abstract_params(cfg.model)
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
     return cfg, checkpoint.load_params(source, target)
 

@@ -25,7 +25,7 @@ from typing import Any
 import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy, so safetensors' NumPy API reads and writes it)
 import numpy as np
 
-from megajax.config import ConfigError, ModelConfig
+from megajax.config import ConfigError, InputError, ModelConfig
 
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
 # Buffers some checkpoints carry that are not weights (GPT-2's causal mask, old Llama's RoPE frequencies).
@@ -35,7 +35,7 @@ SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json
               "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
 
 
-class ConversionError(ValueError):
+class ConversionError(InputError):
     """A model that cannot be converted; the message names the tensor or config field."""
 
 

@@ -4,7 +4,7 @@ Mesh axes, outermost first: data, pipeline, tensor. Tensor is innermost so that 
 inside a node (NVLink); data is outermost so that its once-per-step gradient reduction crosses nodes.
 
 Logical names (one vocabulary for parameters and activations):
-  batch, seq, embed, heads, kv_heads, head_dim, mlp, vocab, layers, stage
+  batch, seq, embed, heads, kv_heads, head_dim, mlp, vocab, layers (and chunk, stage under a pipeline)
 Parameters and activations have separate rules: the sequence axis of the residual stream is sharded over
 'tensor' only with sequence parallelism, and only activations are sharded over 'data'.
 """
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 from megajax.config import ConfigError, ParallelConfig
 
@@ -32,6 +32,7 @@ PARAM_RULES: dict[str, str | None] = {
     "head_dim": None,
     "mlp": "tensor",
     "layers": None,
+    "chunk": None,  # the staged pipeline layout [chunk, stage, layers, ...] (megajax.pipeline.layout)
     "stage": "pipeline",
 }
 
@@ -60,6 +61,11 @@ def activation_sharding(sequence_parallel: bool):
         yield
     finally:
         _ACTIVATION_RULES.reset(token)
+
+
+def current_activation_rules() -> dict[str, str | None]:
+    """The activation rules in force (inside `activation_sharding`), else those without sequence parallelism."""
+    return _ACTIVATION_RULES.get() or activation_rules(False)
 
 
 def make_mesh(parallel: ParallelConfig, devices: Sequence | None = None) -> Mesh:

@@ -25,15 +25,16 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from megajax import config as config_lib
 from megajax import metrics as metrics_lib
 from megajax import model, optim, pipeline, sharding
-from megajax.config import Config, ConfigError
+from megajax.pipeline import layout
+from megajax.config import Config, InputError
 from megajax import distributed
+from megajax.data.loader import micro_batches
 from megajax.optim import applied_lr, make_optimizer, update_loss_scale
 
 
@@ -76,10 +77,7 @@ class StepSetup:
 
 def _layout_spec(cfg: Config, names: tuple) -> P:
     """The parameter's PartitionSpec in the train state (staged layer layout under a pipeline)."""
-    spec = sharding.param_spec(names)
-    if cfg.parallel.pipeline > 1 and names and names[0] == "layers":
-        return P(None, "pipeline", None, *spec[1:])  # [v, p, layers per chunk, ...]
-    return spec
+    return sharding.param_spec(layout.layout_names(names, cfg.parallel.pipeline > 1))
 
 
 def build(cfg: Config, mesh: jax.sharding.Mesh) -> StepSetup:
@@ -96,9 +94,10 @@ def build(cfg: Config, mesh: jax.sharding.Mesh) -> StepSetup:
     param_specs = jax.tree.map(lambda n: _layout_spec(cfg, n), logical, is_leaf=is_names)
     params = jax.eval_shape(lambda: _fresh_params(cfg, jax.random.key(0)))
     if cfg.parallel.distributed_optimizer and cfg.parallel.data > 1:
-        # stacked layers carry leading dims beyond their one 'layers' name ([v, p, L / (p v)] staged)
-        zero_dims = jax.tree.map(lambda a, s, n: optim.zero_dim(a.shape, s, a.ndim - len(n) + 1 if n[:1] == (
-            "layers",) else 0, dict(mesh.shape)), params, param_specs, logical, is_leaf=is_names)
+        lead = layout.lead_dims(cfg.parallel.pipeline > 1)  # stacked-layer dims: never the one padded
+        zero_dims = jax.tree.map(lambda a, s, n: optim.zero_dim(a.shape, s, lead if n[:1] == ("layers",) else 0,
+                                                                dict(mesh.shape)), params, param_specs, logical,
+                                 is_leaf=is_names)
     else:
         zero_dims = jax.tree.map(lambda _: None, params)
     abstract_state = jax.eval_shape(lambda: _fresh_state(cfg, tx, zero_dims, jax.random.key(0)))
@@ -112,6 +111,14 @@ def build(cfg: Config, mesh: jax.sharding.Mesh) -> StepSetup:
         opt_state=opt_shardings, loss_scale=named(P()), good_steps=named(P()), bad_steps=named(P()))
     batch_shardings = {k: named(P("data")) for k in ("tokens", "targets", "loss_mask", "sample_ids")}
     return StepSetup(cfg, mesh, logical, tx, abstract_state, state_shardings, batch_shardings, zero_dims)
+
+
+def setup_for(cfg: Config, devices=None) -> StepSetup:
+    """The step's setup on `devices` (default: every device of every process): the layout resolved for
+    their number (Config.for_devices), the mesh, and build()."""
+    devices = jax.devices() if devices is None else list(devices)
+    cfg = cfg.for_devices(len(devices))
+    return build(cfg, sharding.make_mesh(cfg.parallel, devices))
 
 
 def _fresh_params(cfg: Config, rng: jax.Array):
@@ -150,7 +157,7 @@ def load_initial_params(setup: StepSetup, directory: str):
     cfg, mesh = setup.cfg, setup.mesh
     source = checkpoint.find_params(directory)
     checkpoint.check_same_model(source.config.model, cfg.model, directory)
-    canonical = jax.eval_shape(lambda: nn.unbox(model.init_params(cfg.model, jax.random.key(0))))
+    canonical = model.abstract_params(cfg.model)
     target = jax.tree.map(lambda names, a: jax.ShapeDtypeStruct(
         a.shape, a.dtype, sharding=NamedSharding(mesh, sharding.param_spec(names))),
         setup.logical, canonical, is_leaf=lambda x: isinstance(x, tuple))
@@ -159,11 +166,6 @@ def load_initial_params(setup: StepSetup, directory: str):
         p, v = cfg.parallel.pipeline, cfg.parallel.virtual_stages
         params = jax.jit(lambda x: pipeline.to_stages(x, p, v), out_shardings=setup.state_shardings.params)(params)
     return params
-
-
-def micro_batches(batch: dict, m: int) -> dict:
-    """[m * mb, ...] -> [m, mb, ...]: local row r goes to micro batch r // mb."""
-    return jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
 
 
 def accumulate_grads(cfg: Config, params, batch: dict, seed_scale: jax.Array):
@@ -291,8 +293,7 @@ def eval_loss(setup: StepSetup, params, batch: dict) -> tuple[jax.Array, jax.Arr
             def body(total, mb):
                 return total + model.loss_sum(cfg.model, params, mb, None), None
 
-            mbs = jax.tree.map(lambda x: x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1), batch)
-            loss, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), mbs)
+            loss, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), micro_batches(batch, m, cfg.parallel.data))
     return loss, jnp.sum(batch["loss_mask"])
 
 
@@ -350,9 +351,8 @@ def run(cfg: Config) -> dict:
     from megajax import checkpoint
     from megajax.data.loader import BatchLoader, batch_shapes, build_datasets
 
-    cfg = cfg.for_devices(jax.device_count())
-    mesh = sharding.make_mesh(cfg.parallel)
-    setup = build(cfg, mesh)
+    setup = setup_for(cfg)
+    cfg, mesh = setup.cfg, setup.mesh
     gbs, steps = cfg.train.global_batch_size, cfg.train.steps
     is_main = jax.process_index() == 0
     log = metrics_lib.MetricsLogger(cfg.train.output_dir, enabled=is_main)
@@ -380,7 +380,7 @@ def run(cfg: Config) -> dict:
     log.info(f"megajax: {n_params / 1e6:.2f}M parameters, {jax.device_count()} devices "
              f"(data={p.data} pipeline={p.pipeline} tensor={p.tensor}"
              f"{' sp' if p.sequence_parallel else ''}), {cfg.num_micro_batches} micro batches of "
-             f"{cfg.micro_batch_size(p.data)}, global batch {gbs} x {cfg.model.seq_length} tokens")
+             f"{cfg.train.micro_batch_size}, global batch {gbs} x {cfg.model.seq_length} tokens")
 
     if p.distributed_optimizer and p.data > 1 and setup.zero_sharded_fraction() < 1:
         log.info(f"warning: the distributed optimizer shards {setup.zero_sharded_fraction():.0%} of the optimizer "
@@ -417,8 +417,6 @@ def _evaluate(cfg, setup, eval_fn, params, dataset) -> float:
 
 
 def _loop(cfg, setup, step_fn, eval_fn, state, datasets, start, consumed, loader, mgr, log, peak) -> dict:
-    from megajax import checkpoint
-
     gbs, steps, seq = cfg.train.global_batch_size, cfg.train.steps, cfg.model.seq_length
     flops = metrics_lib.step_flops(cfg.model, gbs * seq, pipelined=cfg.parallel.pipeline > 1)
     n_dev = jax.device_count()
@@ -522,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_lib.load(args.config, args.set)
         distributed.initialize()
         run(cfg)
-    except (ConfigError, ValueError) as e:
+    except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except NonFiniteError as e:

@@ -37,12 +37,11 @@ def run_steps(cfg: config_lib.Config, num_devices: int, steps: int, *, return_st
               grad_norms: list | None = None):
     """Trains `steps` steps on the first `num_devices` devices in this process; returns the losses
     (and appends each step's gradient norm to `grad_norms` if given)."""
-    from megajax import sharding, train
+    from megajax import train
     from megajax.data.loader import build_datasets, global_batch
 
-    cfg = cfg.for_devices(num_devices)
-    mesh = sharding.make_mesh(cfg.parallel, jax.devices()[:num_devices])
-    setup = train.build(cfg, mesh)
+    setup = train.setup_for(cfg, jax.devices()[:num_devices])
+    cfg, mesh = setup.cfg, setup.mesh
     state = train.init_state(setup)
     data = build_datasets(cfg, {"train": steps * cfg.train.global_batch_size})["train"]
     step_fn = train.jit_train_step(setup)

@@ -1,7 +1,6 @@
 """The data pipeline: indexed-dataset format, GPT sampling indices against a slow replica of Megatron's
 loop, blending, the index cache, bad-input errors, and batches that do not depend on the layout."""
 
-import json
 import math
 import os
 import struct
@@ -13,7 +12,7 @@ from megajax import config as config_lib
 from megajax.data import blended, gpt_dataset
 from megajax.data.datasets import build_datasets, split_matrix, split_range
 from megajax.data.index_cache import IndexCache
-from megajax.data.indexed import DTYPE_CODES, MAGIC, DataError, IndexedDataset, IndexedDatasetWriter
+from megajax.data.indexed import DTYPE_CODES, DataError, IndexedDataset, IndexedDatasetWriter
 
 from conftest import small_config
 

@@ -4,16 +4,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from megajax import sharding, train
+from megajax import train
 from megajax.data.loader import build_datasets, global_batch
 
 from conftest import read_metrics, small_config, train_cli
 
 
 def _setup(cfg, steps=8):
-    cfg = cfg.for_devices(1)
-    mesh = sharding.make_mesh(cfg.parallel, jax.devices()[:1])
-    setup = train.build(cfg, mesh)
+    setup = train.setup_for(cfg, jax.devices()[:1])
+    cfg, mesh = setup.cfg, setup.mesh
     data = build_datasets(cfg, {"train": steps * cfg.train.global_batch_size})["train"]
     return cfg, mesh, setup, data
 

@@ -6,12 +6,10 @@ redrawn with a large spread (norm scales around 1, everything else N(0, 0.2)) so
 of order 1-10 and every tensor, biases and norms included, moves them.
 """
 
-import dataclasses
 import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -23,7 +21,7 @@ torch = pytest.importorskip("torch", reason="the parity tests need torch (pip in
 transformers = pytest.importorskip("transformers", reason="the parity tests need transformers (the test extra)")
 pytest.importorskip("safetensors", reason="megajax.convert reads safetensors files (the safetensors package)")
 
-from megajax import checkpoint, convert, generate, hf, model  # noqa: E402
+from megajax import checkpoint, convert, generate, model  # noqa: E402
 
 VOCAB = 300  # not a multiple of 128: the megajax vocabulary is padded to 384
 CASES = {
@@ -240,13 +238,13 @@ def test_gpt2_generation_longer_than_positions_is_an_error(models, capsys):
 def test_pipeline_staged_training_checkpoint_exports(tmp_path):
     """A training state with pipeline (and interleaved) stages stores layers as [v, p, L/(p v), ...];
     export and load_params give the canonical [L, ...] layers back."""
-    from megajax import config as config_lib, pipeline, sharding, train
+    from megajax import config as config_lib, pipeline, train
 
-    cfg = small_config(**{"model.num_layers": 4, "parallel.pipeline": 2, "parallel.virtual_stages": 2,
-                          "parallel.schedule": "interleaved", "train.global_batch_size": 4,
-                          "train.micro_batch_size": 1, "model.vocab_size": VOCAB,
-                          "train.output_dir": str(tmp_path / "run")}).for_devices(2)
-    setup = train.build(cfg, sharding.make_mesh(cfg.parallel, jax.devices()[:2]))
+    setup = train.setup_for(small_config(**{
+        "model.num_layers": 4, "parallel.pipeline": 2, "parallel.virtual_stages": 2, "parallel.schedule": "interleaved",
+        "train.global_batch_size": 4, "train.micro_batch_size": 1, "model.vocab_size": VOCAB,
+        "train.output_dir": str(tmp_path / "run")}), jax.devices()[:2])
+    cfg = setup.cfg
     state = train.init_state(setup)
     assert state.params["layers"]["block"]["attn"]["wqkv"].shape[:3] == (2, 2, 1)
     mgr = checkpoint.manager_for(cfg)
@@ -265,10 +263,8 @@ def test_pipeline_staged_training_checkpoint_exports(tmp_path):
     # checkpoint.load_from onto another layout (no pipeline) and onto the staged one.
     for layout in ({"parallel.pipeline": 1, "parallel.virtual_stages": 1, "parallel.schedule": "1f1b"},
                    {"parallel.pipeline": 2, "parallel.virtual_stages": 2, "parallel.schedule": "interleaved"}):
-        other = config_lib.override(cfg, layout).for_devices(layout["parallel.pipeline"])
-        devices = jax.devices()[:layout["parallel.pipeline"]]
-        loaded = train.load_initial_params(train.build(other, sharding.make_mesh(other.parallel, devices)),
-                                           str(tmp_path / "run"))
+        other = train.setup_for(config_lib.override(cfg, layout), jax.devices()[:layout["parallel.pipeline"]])
+        loaded = train.load_initial_params(other, str(tmp_path / "run"))
         if layout["parallel.pipeline"] > 1:
             loaded = pipeline.from_stages(loaded)
         jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), loaded, want)
@@ -290,14 +286,13 @@ def _train_one_step_from_import(tmp_path):
 def test_training_starts_from_an_imported_checkpoint(tmp_path):
     """checkpoint.load_from: the first step's loss is the imported model's loss on that batch, and a
     checkpoint of another architecture is refused by name."""
-    from megajax import config as config_lib, sharding, train
+    from megajax import config as config_lib, train
     from megajax.data.loader import build_datasets, global_batch
 
     cfg, summary = _train_one_step_from_import(tmp_path)
     params = checkpoint.load_params(tmp_path / "ckpt")
-    full = cfg.for_devices(jax.device_count())
-    data = build_datasets(full, {"train": 8})["train"]
-    setup = train.build(full, sharding.make_mesh(full.parallel))
+    setup = train.setup_for(cfg)
+    data = build_datasets(setup.cfg, {"train": 8})["train"]
     batch = jax.device_get(global_batch(data, 0, 8, setup.batch_shardings))
     want = float(model.loss_sum(cfg.model, params, batch, None) / batch["loss_mask"].sum())
     print(f"first loss {summary['last']['loss']:.6f}, imported model's loss on that batch {want:.6f}")

@@ -95,7 +95,7 @@ def test_the_space_is_accepted():
     """Every layout of the space passes the config's checks, and the default run covers what it must."""
     for c in space():
         cfg = small_config(**c["sets"]).for_devices(c["n"])
-        assert cfg.num_micro_batches * cfg.parallel.data * cfg.micro_batch_size(cfg.parallel.data) == BATCH
+        assert cfg.num_micro_batches * cfg.parallel.data * cfg.train.micro_batch_size == BATCH
     assert len(triples()) == 29 and len({(c["sets"]["parallel.data"], c["sets"]["parallel.pipeline"],
                                           c["sets"]["parallel.tensor"]) for c in DEFAULT}) == 29
     data1 = [c["sets"] for c in DEFAULT if c["sets"]["parallel.data"] == 1 and c["sets"]["parallel.tensor"] > 1]

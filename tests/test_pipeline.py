@@ -65,12 +65,11 @@ def test_memory_flat_in_micro_batches_and_collectives_as_planned(schedule, v, re
 def _eval_loss(cfg, n):
     import jax
 
-    from megajax import sharding, train
+    from megajax import train
     from megajax.data.loader import build_datasets, global_batch
 
-    cfg = cfg.for_devices(n)
-    mesh = sharding.make_mesh(cfg.parallel, jax.devices()[:n])
-    setup = train.build(cfg, mesh)
+    setup = train.setup_for(cfg, jax.devices()[:n])
+    cfg, mesh = setup.cfg, setup.mesh
     state = train.init_state(setup)
     data = build_datasets(cfg, {"train": 16})["train"]
     with jax.set_mesh(mesh):
@@ -96,9 +95,8 @@ def _grads(cfg, n):
     from megajax.data.loader import build_datasets, global_batch
     from megajax.pipeline import from_stages
 
-    cfg = cfg.for_devices(n)
-    mesh = sharding.make_mesh(cfg.parallel, jax.devices()[:n])
-    setup = train.build(cfg, mesh)
+    setup = train.setup_for(cfg, jax.devices()[:n])
+    cfg, mesh = setup.cfg, setup.mesh
     state = train.init_state(setup)
     data = build_datasets(cfg, {"train": 16})["train"]
     with jax.set_mesh(mesh):

@@ -1,6 +1,5 @@
 """Schedule tables, checked without JAX: every action once, dependencies, buffers, bubble = formula."""
 
-import numpy as np
 import pytest
 
 from megajax.pipeline import schedule as sl

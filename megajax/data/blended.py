@@ -17,6 +17,7 @@ import numpy as np
 
 from megajax.data.gpt_dataset import GPTDataset, log
 from megajax.data.index_cache import IndexCache, describe
+from megajax.data.indexed import DataError
 
 FORMAT = 1
 
@@ -70,7 +71,7 @@ class BlendedDataset:
         if len(datasets) != len(weights) or not datasets:
             raise ValueError(f"{len(datasets)} datasets and {len(weights)} weights")
         if len(datasets) >= 32767:
-            raise ValueError("at most 32766 datasets can be blended (the dataset index is int16)")
+            raise DataError("at most 32766 datasets can be blended (the dataset index is int16)")
         self.datasets, self.weights, self.size, self.name = list(datasets), normalize(weights), size, name
         self.seq_length = datasets[0].seq_length
         self.description = {"class": "BlendedDataset", "format": FORMAT, "split": name, "size": size,
@@ -93,7 +94,7 @@ class BlendedDataset:
         counts = np.bincount(np.asarray(self.dataset_index), minlength=len(self.datasets))
         for d, (ds, need) in enumerate(zip(self.datasets, counts)):
             if need > len(ds):
-                raise ValueError(f"the {self.name} blend draws {need} samples from {ds.indexed.prefix} "
+                raise DataError(f"the {self.name} blend draws {need} samples from {ds.indexed.prefix} "
                                  f"(dataset {d}), which has only {len(ds)}")
 
     def __len__(self) -> int:

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from megajax.config import InputError
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 DTYPE_CODES: dict[int, np.dtype] = {
@@ -38,7 +40,7 @@ _CHUNK = 1 << 22  # entries per chunk when streaming index arrays (bounded memor
 _SPOOL = 1 << 16  # the writer's buffered lengths / document ends go to disk every this many entries
 
 
-class DataError(ValueError):
+class DataError(InputError):
     """A data file or data setting that cannot be used; the message names the file and the problem."""
 
 

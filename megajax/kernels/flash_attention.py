@@ -41,7 +41,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from megajax.kernels.launch import match_varying, next_power_of_2, pallas_call, shard_kernel, varying_axes
+from megajax.kernels.launch import match_varying, next_power_of_2, pallas_call, shard_kernel
+from megajax.sharding import varying_axes
 
 LOG2E = math.log2(math.e)
 # Finite, so a fully masked row (only ever a padded one) yields uniform weights rather than NaNs that would

@@ -44,7 +44,7 @@ def pallas_call(kernel: Callable, *, interpret: bool | None = None, **params: An
     def call(*args):
         # In a shard_map that checks varying axes and has nothing left to make manual (shard_kernel could
         # not open an unchecked region), Pallas needs the outputs' varying axes: those of the inputs.
-        axes = frozenset().union(*(varying_axes(a) for a in jax.tree.leaves(args)))
+        axes = frozenset().union(*(sharding.varying_axes(a) for a in jax.tree.leaves(args)))
         shapes = jax.tree.map(lambda s: _struct(s.shape, s.dtype, axes), out_shape)
         compiled = pl.pallas_call(kernel, interpret=False, out_shape=shapes, **params)
 
@@ -72,7 +72,7 @@ def shard_kernel(fn: Callable, args: Sequence[jax.Array | None], in_names: Seque
     if not auto:
         return tuple(fn(*args))
     # The model's rules inside sharding.activation_sharding, else the defaults (no sequence parallelism).
-    rules = sharding._ACTIVATION_RULES.get() or sharding.activation_rules(False)
+    rules = sharding.current_activation_rules()
     live = {k: (v if v in auto and mesh.shape[v] > 1 else None) for k, v in rules.items()}
     # An axis that does not divide every dim it would split (flax's init traces the model on a batch of
     # one) is dropped from all specs, so that, e.g., query and kv heads are always split together.
@@ -95,15 +95,8 @@ def shard_kernel(fn: Callable, args: Sequence[jax.Array | None], in_names: Seque
     # Every automatic axis becomes manual: the operands are replicated over those that split nothing.
     out = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=auto,
                         check_vma=False)(*args)
-    axes = frozenset().union(*(varying_axes(a) for a in jax.tree.leaves(args)))
+    axes = frozenset().union(*(sharding.varying_axes(a) for a in jax.tree.leaves(args)))
     return tuple(match_varying(o, axes) for o in out)
-
-
-def varying_axes(x: jax.Array) -> frozenset:
-    """The manual mesh axes x varies over (jax 0.10: aval.manual_axis_type.varying; earlier: aval.vma)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)
-    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
 
 
 def match_varying(x: jax.Array | None, axes: frozenset) -> jax.Array | None:
@@ -111,7 +104,7 @@ def match_varying(x: jax.Array | None, axes: frozenset) -> jax.Array | None:
     cotangent of a value that was broadcast over that axis). Only for code that is not differentiated."""
     if x is None:
         return None
-    have = varying_axes(x)
+    have = sharding.varying_axes(x)
     if have - axes:
         x = jax.lax.psum(x, tuple(sorted(have - axes)))
     if axes - have:
@@ -126,9 +119,7 @@ def _strip(x: jax.Array) -> jax.Array:
 
 
 def _struct(shape, dtype, varying: frozenset) -> jax.ShapeDtypeStruct:
-    if hasattr(jax.sharding, "ManualAxisType"):
-        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
-    return jax.ShapeDtypeStruct(shape, dtype, vma=varying)
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
 
 
 def next_power_of_2(x: int) -> int:

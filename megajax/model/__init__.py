@@ -1,7 +1,8 @@
 """GPT-2 and Llama style transformers with logical axis names on every parameter."""
 
-from megajax.model.gpt import (GPT, DecodeState, block_apply, cross_entropy, decode_apply, dropout_keys, embed_apply, head_apply,
-                               init_decode_state, init_params, layers_apply, logical_axes, loss_sum)
+from megajax.model.gpt import (GPT, DecodeState, abstract_params, block_apply, cross_entropy, decode_apply,
+                               dropout_keys, embed_apply, head_apply, init_decode_state, init_params, layers_apply,
+                               logical_axes, loss_sum)
 
-__all__ = ["GPT", "DecodeState", "block_apply", "cross_entropy", "decode_apply", "dropout_keys", "embed_apply", "head_apply", "init_decode_state",
-           "init_params", "layers_apply", "logical_axes", "loss_sum"]
+__all__ = ["GPT", "DecodeState", "abstract_params", "block_apply", "cross_entropy", "decode_apply", "dropout_keys",
+           "embed_apply", "head_apply", "init_decode_state", "init_params", "layers_apply", "logical_axes", "loss_sum"]

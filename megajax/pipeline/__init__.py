@@ -1,6 +1,18 @@
-"""Pipeline parallelism: schedules as data and the shard_map executor that runs them."""
+"""Pipeline parallelism: schedules as data (schedule.py, NumPy only), the staged layer layout (layout.py)
+and the shard_map executor that runs a schedule (executor.py).
 
-from megajax.pipeline.executor import permute_bytes_per_step, pipeline_grads, pipeline_loss
-from megajax.pipeline.layout import from_stages, to_stages
+The executor and the layout are imported on first use, so that `python -m megajax.pipeline.schedule`
+plans and draws schedules with NumPy alone (no JAX import).
+"""
 
-__all__ = ["from_stages", "permute_bytes_per_step", "pipeline_grads", "pipeline_loss", "to_stages"]
+import importlib
+
+_EXPORTS = {"permute_bytes_per_step": "executor", "pipeline_grads": "executor", "pipeline_loss": "executor",
+            "from_stages": "layout", "to_stages": "layout"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'megajax.pipeline' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"megajax.pipeline.{_EXPORTS[name]}"), name)

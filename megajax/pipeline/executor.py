@@ -30,7 +30,9 @@ import numpy as np
 
 from megajax import model
 from megajax.config import Config
+from megajax.data.loader import micro_batches
 from megajax.pipeline import schedule as schedule_lib
+from megajax.pipeline.layout import local_chunks
 from megajax.sharding import vary
 
 # what an action does depends on where its chunk sits in the model: 0 none, 1 first, 2 middle, 3 last chunk
@@ -74,7 +76,7 @@ def permute_bytes_per_step(cfg: Config) -> dict:
     [micro batch, seq, hidden] activation (for the audit to check against the compiled program)."""
     par = cfg.parallel
     m = cfg.num_micro_batches
-    mb = cfg.micro_batch_size(par.data)
+    mb = cfg.train.micro_batch_size
     act = mb * cfg.model.seq_length * cfg.model.hidden_size * jnp.dtype(cfg.model.compute_dtype).itemsize
     if par.schedule == "gpipe":
         ticks = m + par.pipeline - 1
@@ -108,9 +110,9 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
     if par.schedule == "gpipe":
         return _gpipe_grads(cfg, params, batch, seed_scale)
     sched, f_kind, b_kind, segments = plan(par.schedule, par.pipeline, par.virtual_stages, m)
-    layers = vary(jax.tree.map(lambda x: x[:, 0], params["layers"]))  # [v, Lc, ...]
+    layers = vary(local_chunks(params["layers"]))  # [v, Lc, ...]
     shared = vary({k: val for k, val in params.items() if k != "layers"})
-    mbs = vary(jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch))
+    mbs = vary(micro_batches(batch, m))
     act_shape = (batch["tokens"].shape[0] // m, cfg.model.seq_length, cfg.model.hidden_size)
     act_dtype = jnp.dtype(cfg.model.compute_dtype)
     lc = jax.tree.leaves(layers)[0].shape[1]
@@ -168,135 +170,133 @@ def _branches(cfg: Config, layers, shared, mbs, seed_scale):
     So every micro batch costs one forward, one recomputed forward and one backward, like Megatron with
     full recomputation, and only [layers + 1, mb, s, d] per in-flight micro batch is kept.
     """
-    mcfg = cfg.model
-    lc = jax.tree.leaves(layers)[0].shape[1]
-    p = cfg.parallel.pipeline
-    zero_dw = jax.tree.map(lambda x: jnp.zeros(x.shape[1:], jnp.float32), layers)
-    zero_dsh = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), shared)
+    acts = _ChunkActions(cfg, layers, shared, mbs, seed_scale)
+    return ([acts.f_none, acts.f_first, acts.f_mid, acts.f_last],
+            [acts.b_none, acts.b_first, acts.b_mid, acts.b_last])
 
-    def chunk(row, prefix):
-        first_layer = (row[prefix + "chunk"] * p + jax.lax.axis_index("pipeline")) * lc
-        if jax.tree.leaves(layers)[0].shape[0] == 1:  # one chunk per rank: a static slice, no copy
-            return jax.tree.map(lambda x: x[0], layers), first_layer
+
+class _ChunkActions:
+    """What one rank can do with one (local chunk, micro batch) in a tick: the chunk's forward and its
+    backward, each in four variants by where the chunk sits in the model (see `_branches`)."""
+
+    def __init__(self, cfg: Config, layers, shared, mbs, seed_scale):
+        self.cfg, self.mcfg = cfg, cfg.model
+        self.layers, self.shared, self.mbs, self.seed_scale = layers, shared, mbs, seed_scale
+        self.lc = jax.tree.leaves(layers)[0].shape[1]
+        self.zero_dw = jax.tree.map(lambda x: jnp.zeros(x.shape[1:], jnp.float32), layers)
+        self.zero_dsh = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), shared)
+
+    # -- what an action reads: the chunk's weights and the micro batch ------------------------------------
+
+    def chunk(self, row, prefix):
+        """(this local chunk's stacked weights, the global index of its first layer)."""
+        p = self.cfg.parallel.pipeline
+        first_layer = (row[prefix + "chunk"] * p + jax.lax.axis_index("pipeline")) * self.lc
+        if jax.tree.leaves(self.layers)[0].shape[0] == 1:  # one chunk per rank: a static slice, no copy
+            return jax.tree.map(lambda x: x[0], self.layers), first_layer
         params = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, row[prefix + "chunk"], keepdims=False),
-                              layers)
+                              self.layers)
         return params, first_layer
 
-    def micro(row, prefix):
-        mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, row[prefix + "micro"], keepdims=False), mbs)
-        return mb, model.dropout_keys(mcfg, cfg.train.seed, mb["sample_ids"])
+    def micro(self, row, prefix):
+        mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, row[prefix + "micro"], keepdims=False),
+                          self.mbs)
+        return mb, model.dropout_keys(self.mcfg, self.cfg.train.seed, mb["sample_ids"])
 
-    def forward(w, x, keys, first_layer):
+    # -- the chunk's layers, forward and backward ----------------------------------------------------------
+
+    def forward(self, w, x, keys, first_layer):
         """The chunk's layers in order: (output, stash [lc + 1, mb, s, d])."""
         def body(x, wl):
             w_l, l = wl
-            return model.block_apply(mcfg, w_l, x, l, keys).astype(x.dtype), x
+            return model.block_apply(self.mcfg, w_l, x, l, keys).astype(x.dtype), x
 
-        y, inputs = jax.lax.scan(body, x, (w["block"], first_layer + jnp.arange(lc)))
+        y, inputs = jax.lax.scan(body, x, (w["block"], first_layer + jnp.arange(self.lc)))
         return y, jnp.concatenate([inputs, y[None]], axis=0)
 
-    def backward(w, stash, g, keys, first_layer):
+    def backward(self, w, stash, g, keys, first_layer):
         """Layer by layer from the last: recompute from the stashed input, then its vjp.
         Returns (gradient at the chunk input, stacked parameter gradients)."""
         def body(g, wxl):
             w_l, x_l, l = wxl
-            _, vjp = jax.vjp(lambda w, x: model.block_apply(mcfg, w, x, l, keys), w_l, x_l)
+            _, vjp = jax.vjp(lambda w, x: model.block_apply(self.mcfg, w, x, l, keys), w_l, x_l)
             dw, dx = vjp(g.astype(x_l.dtype))
             return dx, jax.tree.map(lambda d: d.astype(jnp.float32), dw)
 
-        g_in, dw = jax.lax.scan(body, g, (w["block"], stash[:lc], first_layer + jnp.arange(lc)), reverse=True)
+        g_in, dw = jax.lax.scan(body, g, (w["block"], stash[:self.lc], first_layer + jnp.arange(self.lc)),
+                                reverse=True)
         return g_in, {"block": dw}
 
-    def fwd_out(x, send=None, stash=None, loss=None):
+    # -- branch outputs: every branch returns the same types (absent parts are zeros) ----------------------
+
+    def fwd_out(self, x, send=None, stash=None, loss=None):
         return vary((jnp.zeros_like(x) if send is None else send.astype(x.dtype),
-                     jnp.zeros((lc + 1, *x.shape), x.dtype) if stash is None else stash,
+                     jnp.zeros((self.lc + 1, *x.shape), x.dtype) if stash is None else stash,
                      jnp.zeros((), jnp.float32) if loss is None else loss))
 
-    def bwd_out(g, send=None, dw=None, dsh=None):
-        return vary((jnp.zeros_like(g) if send is None else send.astype(g.dtype), zero_dw if dw is None else dw,
-                     zero_dsh if dsh is None else jax.tree.map(lambda d: d.astype(jnp.float32), dsh)))
+    def bwd_out(self, g, send=None, dw=None, dsh=None):
+        return vary((jnp.zeros_like(g) if send is None else send.astype(g.dtype),
+                     self.zero_dw if dw is None else dw,
+                     self.zero_dsh if dsh is None else jax.tree.map(lambda d: d.astype(jnp.float32), dsh)))
 
-    def f_none(x, row):
-        return fwd_out(x)
+    # -- the branches --------------------------------------------------------------------------------------
 
-    def f_first(x, row):
-        (w, first), (mb, keys) = chunk(row, "f_"), micro(row, "f_")
-        y, stash = forward(w, model.embed_apply(mcfg, shared, mb["tokens"], keys).astype(x.dtype), keys, first)
-        return fwd_out(x, y, stash)
+    def f_none(self, x, row):
+        return self.fwd_out(x)
 
-    def f_mid(x, row):
-        (w, first), (_, keys) = chunk(row, "f_"), micro(row, "f_")
-        y, stash = forward(w, x, keys, first)
-        return fwd_out(x, y, stash)
+    def f_first(self, x, row):
+        (w, first), (mb, keys) = self.chunk(row, "f_"), self.micro(row, "f_")
+        x0 = model.embed_apply(self.mcfg, self.shared, mb["tokens"], keys).astype(x.dtype)
+        y, stash = self.forward(w, x0, keys, first)
+        return self.fwd_out(x, y, stash)
 
-    def f_last(x, row):
-        (w, first), (mb, keys) = chunk(row, "f_"), micro(row, "f_")
-        y, stash = forward(w, x, keys, first)
-        return fwd_out(x, stash=stash, loss=model.head_apply(mcfg, shared, y, mb["targets"], mb["loss_mask"]))
+    def f_mid(self, x, row):
+        (w, first), (_, keys) = self.chunk(row, "f_"), self.micro(row, "f_")
+        y, stash = self.forward(w, x, keys, first)
+        return self.fwd_out(x, y, stash)
 
-    def b_none(stash, g, row):
-        return bwd_out(g)
+    def f_last(self, x, row):
+        (w, first), (mb, keys) = self.chunk(row, "f_"), self.micro(row, "f_")
+        y, stash = self.forward(w, x, keys, first)
+        loss = model.head_apply(self.mcfg, self.shared, y, mb["targets"], mb["loss_mask"])
+        return self.fwd_out(x, stash=stash, loss=loss)
 
-    def b_first(stash, g, row):
-        (w, first), (mb, keys) = chunk(row, "b_"), micro(row, "b_")
-        g_in, dw = backward(w, stash, g, keys, first)
-        _, vjp = jax.vjp(lambda sh: model.embed_apply(mcfg, sh, mb["tokens"], keys), shared)
+    def b_none(self, stash, g, row):
+        return self.bwd_out(g)
+
+    def b_first(self, stash, g, row):
+        (w, first), (mb, keys) = self.chunk(row, "b_"), self.micro(row, "b_")
+        g_in, dw = self.backward(w, stash, g, keys, first)
+        _, vjp = jax.vjp(lambda sh: model.embed_apply(self.mcfg, sh, mb["tokens"], keys), self.shared)
         (dsh,) = vjp(g_in.astype(stash.dtype))
-        return bwd_out(g, dw=dw, dsh=dsh)
+        return self.bwd_out(g, dw=dw, dsh=dsh)
 
-    def b_mid(stash, g, row):
-        (w, first), (_, keys) = chunk(row, "b_"), micro(row, "b_")
-        g_in, dw = backward(w, stash, g, keys, first)
-        return bwd_out(g, g_in, dw)
+    def b_mid(self, stash, g, row):
+        (w, first), (_, keys) = self.chunk(row, "b_"), self.micro(row, "b_")
+        g_in, dw = self.backward(w, stash, g, keys, first)
+        return self.bwd_out(g, g_in, dw)
 
-    def b_last(stash, g, row):
-        (w, first), (mb, keys) = chunk(row, "b_"), micro(row, "b_")
-        _, vjp = jax.vjp(lambda sh, y: model.head_apply(mcfg, sh, y, mb["targets"], mb["loss_mask"]),
-                         shared, stash[lc])
-        dsh, g_out = vjp(seed_scale)
-        g_in, dw = backward(w, stash, g_out, keys, first)
-        return bwd_out(g, g_in, dw, dsh)
-
-    return [f_none, f_first, f_mid, f_last], [b_none, b_first, b_mid, b_last]
+    def b_last(self, stash, g, row):
+        (w, first), (mb, keys) = self.chunk(row, "b_"), self.micro(row, "b_")
+        _, vjp = jax.vjp(lambda sh, y: model.head_apply(self.mcfg, sh, y, mb["targets"], mb["loss_mask"]),
+                         self.shared, stash[self.lc])
+        dsh, g_out = vjp(self.seed_scale)
+        g_in, dw = self.backward(w, stash, g_out, keys, first)
+        return self.bwd_out(g, g_in, dw, dsh)
 
 
 def _gpipe_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array):
-    """GPipe: every forward, then autodiff runs the backward (stashing every tick's residuals)."""
-    par, mcfg = cfg.parallel, cfg.model
-    p, m = par.pipeline, cfg.num_micro_batches
+    """GPipe: every forward (`_forward_rounds`), then autodiff runs the backward, stashing every tick's
+    residuals (memory grows with m: the simple baseline)."""
+    mbs = vary(micro_batches(batch, cfg.num_micro_batches))
 
-    mbs = vary(jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch))
-    rank = jax.lax.axis_index("pipeline")
-    lc = jax.tree.leaves(params["layers"])[0].shape[2]
-
-    def forward(layers, shared):
-        w = jax.tree.map(lambda x: x[0, 0], layers)  # v == 1: this rank's one chunk
-        first_layer = rank * lc
-
-        def tick(carry, t):
-            x_in, loss = carry
-            i = jnp.clip(t - rank, 0, m - 1)
-            active = (t - rank >= 0) & (t - rank < m)
-            mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), mbs)
-            keys = model.dropout_keys(cfg.model, cfg.train.seed, mb["sample_ids"])
-            x = jax.lax.cond(rank == 0, lambda: vary(model.embed_apply(mcfg, shared, mb["tokens"], keys)).astype(
-                x_in.dtype), lambda: x_in)
-            y = jax.lax.cond(active, lambda: model.layers_apply(mcfg, w, x, keys, first_layer).astype(x_in.dtype),
-                             lambda: x)
-            step_loss = jax.lax.cond(active & (rank == p - 1),
-                                     lambda: vary(model.head_apply(mcfg, shared, y, mb["targets"], mb["loss_mask"])),
-                                     lambda: vary(jnp.zeros((), jnp.float32)))
-            recv = jax.lax.ppermute(y, "pipeline", _perm(p, 1, 1))
-            return (recv, loss + step_loss), None
-
-        shape = (batch["tokens"].shape[0] // m, mcfg.seq_length, mcfg.hidden_size)
-        init = vary((jnp.zeros(shape, mcfg.compute_dtype), jnp.zeros((), jnp.float32)))
-        (_, loss), _ = jax.lax.scan(tick, init, jnp.arange(m + p - 1))
+    def loss_fn(layers, shared):
+        loss = _forward_rounds(cfg, local_chunks(layers), shared, mbs, train=True)
         return loss * seed_scale, loss
 
     layers = vary(params["layers"])
     shared = vary({k: val for k, val in params.items() if k != "layers"})
-    (g_layers, g_shared), loss = jax.grad(forward, argnums=(0, 1), has_aux=True)(layers, shared)
+    (g_layers, g_shared), loss = jax.grad(loss_fn, argnums=(0, 1), has_aux=True)(layers, shared)
     grads = {k: jax.lax.psum(g, "pipeline") for k, g in g_shared.items()}
     grads["layers"] = g_layers
     return jax.lax.psum(loss, "pipeline"), grads
@@ -304,35 +304,41 @@ def _gpipe_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array):
 
 def pipeline_loss(cfg: Config, params: dict, batch: dict) -> jax.Array:
     """Forward only (evaluation): the summed token loss of this data rank's rows, run through the
-    pipeline without gathering the layers. For each local chunk i in turn (a "round"), the micro batches
-    flow GPipe-style through the p ranks; rank 0 keeps what comes back around the ring from rank p - 1 as
-    the input of the next round. Inside the train step's shard_map, like `pipeline_grads`."""
+    pipeline without gathering the layers. Inside the train step's shard_map, like `pipeline_grads`."""
+    layers = vary(local_chunks(params["layers"]))
+    shared = vary({k: val for k, val in params.items() if k != "layers"})
+    loss = _forward_rounds(cfg, layers, shared, vary(micro_batches(batch, cfg.num_micro_batches)), train=False)
+    return jax.lax.psum(loss, "pipeline")
+
+
+def _forward_rounds(cfg: Config, layers, shared, mbs, train: bool) -> jax.Array:
+    """The forward pipeline: for each local chunk i in turn (a "round"), the micro batches flow GPipe-style
+    through the p ranks, one tick per hop; rank 0 keeps what comes back around the ring from rank p - 1 as
+    the input of the next round. Returns this rank's part of the summed token loss (rank p - 1 holds it).
+    layers: this rank's chunks [v, Lc, ...]; mbs: micro batches [m, mb, ...]; train: dropout on."""
     par, mcfg = cfg.parallel, cfg.model
     p, v, m = par.pipeline, par.virtual_stages, cfg.num_micro_batches
-    layers = vary(jax.tree.map(lambda x: x[:, 0], params["layers"]))  # [v, Lc, ...]
-    shared = vary({k: val for k, val in params.items() if k != "layers"})
-    mbs = vary(jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch))
     rank = jax.lax.axis_index("pipeline")
     lc = jax.tree.leaves(layers)[0].shape[1]
-    shape = (batch["tokens"].shape[0] // m, mcfg.seq_length, mcfg.hidden_size)
+    shape = (mbs["tokens"].shape[1], mcfg.seq_length, mcfg.hidden_size)
     dtype = jnp.dtype(mcfg.compute_dtype)
-    returned = vary(jnp.zeros((m, *shape), dtype))  # rank 0: the previous round's outputs
+    returned = vary(jnp.zeros((m, *shape), dtype)) if v > 1 else None  # rank 0: the last round's outputs
     loss = vary(jnp.zeros((), jnp.float32))
     for i in range(v):
         w = jax.tree.map(lambda x: x[i], layers)
 
         def tick(carry, t, w=w, i=i):
             x_in, returned, loss = carry
-            k = t - rank
+            k = t - rank  # the micro batch this rank works on
             active = (k >= 0) & (k < m)
             mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, jnp.clip(k, 0, m - 1), keepdims=False), mbs)
+            keys = model.dropout_keys(mcfg, cfg.train.seed, mb["sample_ids"]) if train else None
             if i == 0:
-                first = vary(model.embed_apply(mcfg, shared, mb["tokens"], None).astype(dtype))
+                first = lambda: vary(model.embed_apply(mcfg, shared, mb["tokens"], keys).astype(dtype))  # noqa: E731
             else:
-                first = jax.lax.dynamic_index_in_dim(returned, jnp.clip(k, 0, m - 1), keepdims=False)
-            x = jnp.where(rank == 0, first, x_in)
-            first_layer = (i * p + rank) * lc
-            y = jax.lax.cond(active, lambda: model.layers_apply(mcfg, w, x, None, first_layer).astype(dtype),
+                first = lambda: jax.lax.dynamic_index_in_dim(returned, jnp.clip(k, 0, m - 1), keepdims=False)  # noqa: E731
+            x = jax.lax.cond(rank == 0, first, lambda: x_in)
+            y = jax.lax.cond(active, lambda: model.layers_apply(mcfg, w, x, keys, (i * p + rank) * lc).astype(dtype),
                              lambda: x)
             if i == v - 1:
                 loss = loss + jax.lax.cond(active & (rank == p - 1),
@@ -340,11 +346,12 @@ def pipeline_loss(cfg: Config, params: dict, batch: dict) -> jax.Array:
                                                                          mb["loss_mask"])),
                                            lambda: vary(jnp.zeros((), jnp.float32)))
             recv = jax.lax.ppermute(y, "pipeline", _perm(p, v, 1))
-            back = t - (p - 1)  # the micro batch rank p - 1 just finished reaches rank 0 around the ring
-            keep = (rank == 0) & (back >= 0) & (back < m)
-            returned = jnp.where(keep, returned.at[jnp.clip(back, 0, m - 1)].set(recv), returned)
+            if returned is not None:  # the micro batch rank p - 1 just finished reaches rank 0 around the ring
+                back = t - (p - 1)
+                keep = (rank == 0) & (back >= 0) & (back < m)
+                returned = jnp.where(keep, returned.at[jnp.clip(back, 0, m - 1)].set(recv), returned)
             return (recv, returned, loss), None
 
         init = (vary(jnp.zeros(shape, dtype)), returned, loss)
         (_, returned, loss), _ = jax.lax.scan(tick, init, jnp.arange(m + p - 1))
-    return jax.lax.psum(loss, "pipeline")
+    return loss

@@ -242,8 +242,8 @@ def build(name: str, p: int, v: int = 1, m: int = 1) -> Schedule:
     act_slots = max(a.size for a in sim.act_alloc) + 1  # + the trash slot
     grad_slots = max(a.size for a in sim.grad_alloc) + 1
     table = {f: np.array([row[f] for row in rows], np.int32) for f in _Simulator.FIELDS}
-    for name in ("recv_act", "f_slot", "b_act_slot"):  # nothing to read or keep: the trash slot
-        table[name] = np.where(table[name] < 0, act_slots - 1, table[name])
+    for field in ("recv_act", "f_slot", "b_act_slot"):  # nothing to read or keep: the trash slot
+        table[field] = np.where(table[field] < 0, act_slots - 1, table[field])
     table["recv_grad"] = np.where(table["recv_grad"] < 0, grad_slots - 1, table["recv_grad"])
     return Schedule(name, p, v, m, act_slots=act_slots, grad_slots=grad_slots, **table)
 
