@@ -122,7 +122,11 @@ def setup_for(cfg: Config, devices=None) -> StepSetup:
 
 
 def _fresh_params(cfg: Config, rng: jax.Array):
-    params = nn.unbox(model.init_params(cfg.model, rng))
+    return _staged(cfg, nn.unbox(model.init_params(cfg.model, rng)))
+
+
+def _staged(cfg: Config, params):
+    """Canonical params ([L, ...] layers) in the train state's layout."""
     if cfg.parallel.pipeline > 1:
         params = pipeline.to_stages(params, cfg.parallel.pipeline, cfg.parallel.virtual_stages)
     return params
@@ -134,19 +138,27 @@ def _zero_layout(tree, zero_dims):
 
 
 def _fresh_state(cfg: Config, tx: optax.GradientTransformation, zero_dims, rng: jax.Array) -> TrainState:
-    params = _fresh_params(cfg, rng)
+    return _state_from(cfg, tx, zero_dims, _fresh_params(cfg, rng))
+
+
+def _state_from(cfg: Config, tx: optax.GradientTransformation, zero_dims, params) -> TrainState:
+    """Step 0 with these (staged) params and a fresh optimizer state."""
     scale = cfg.optim.initial_loss_scale if cfg.model.compute_dtype == "float16" else 1.0
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(_zero_layout(params, zero_dims)),
                       loss_scale=jnp.asarray(scale, jnp.float32), good_steps=jnp.zeros((), jnp.int32),
                       bad_steps=jnp.zeros((), jnp.int32))
 
 
-def init_state(setup: StepSetup) -> TrainState:
-    """A fresh state, created directly in its shardings (no host copy of the full model)."""
-    init = jax.jit(lambda key: _fresh_state(setup.cfg, setup.tx, setup.zero_dims, key),
-                   out_shardings=setup.state_shardings)
+def init_state(setup: StepSetup, params=None) -> TrainState:
+    """A fresh state, created directly in its shardings (no host copy of the full model), with parameters
+    drawn from train.seed; or from `params` (canonical layout, e.g. NumPy arrays: compiles no random init)."""
+    cfg = setup.cfg
     with jax.set_mesh(setup.mesh):
-        return init(jax.random.key(setup.cfg.train.seed))
+        if params is None:
+            return jax.jit(lambda key: _fresh_state(cfg, setup.tx, setup.zero_dims, key),
+                           out_shardings=setup.state_shardings)(jax.random.key(cfg.train.seed))
+        return jax.jit(lambda p: _state_from(cfg, setup.tx, setup.zero_dims, _staged(cfg, p)),
+                       out_shardings=setup.state_shardings)(params)
 
 
 def load_initial_params(setup: StepSetup, directory: str):

@@ -5,6 +5,7 @@ of the small preset), so the session shares JAX's persistent compilation cache, 
 session (what a fresh clone gets: nothing carried over from earlier runs); subprocesses inherit it.
 """
 
+import functools
 import os
 import tempfile
 
@@ -33,6 +34,18 @@ def small_config(**overrides) -> config_lib.Config:
     return config_lib.override(config_lib.Config(), base)
 
 
+@functools.lru_cache(maxsize=8)
+def initial_params(model_cfg: config_lib.ModelConfig, seed: int):
+    """The parameters train.init_state draws from `seed` (canonical layout, NumPy), drawn once per model:
+    layouts of one model start from these instead of each compiling its own random init (that init is
+    the same on every layout: tests/test_model.py)."""
+    import flax.linen as nn
+
+    from megajax import model
+
+    return jax.device_get(jax.jit(lambda key: nn.unbox(model.init_params(model_cfg, key)))(jax.random.key(seed)))
+
+
 def run_steps(cfg: config_lib.Config, num_devices: int, steps: int, *, return_state: bool = False,
               grad_norms: list | None = None):
     """Trains `steps` steps on the first `num_devices` devices in this process; returns the losses
@@ -42,7 +55,7 @@ def run_steps(cfg: config_lib.Config, num_devices: int, steps: int, *, return_st
 
     setup = train.setup_for(cfg, jax.devices()[:num_devices])
     cfg, mesh = setup.cfg, setup.mesh
-    state = train.init_state(setup)
+    state = train.init_state(setup, initial_params(cfg.model, cfg.train.seed))
     data = build_datasets(cfg, {"train": steps * cfg.train.global_batch_size})["train"]
     step_fn = train.jit_train_step(setup)
     losses = []

@@ -94,3 +94,19 @@ def test_scan_keeps_compile_time_flat_in_depth():
     _compile_seconds(2)  # warm up JAX's own caches
     shallow, deep = _compile_seconds(4), _compile_seconds(48)
     assert deep < 2.0 * shallow + 1.0, (shallow, deep)
+
+
+def test_random_init_is_the_same_on_every_layout():
+    """train.init_state draws the same parameters from the seed on any mesh (so tests may start every
+    layout of a model from one draw: conftest.initial_params), and its optimizer state starts at zero."""
+    from megajax import train
+    from megajax.pipeline import from_stages
+
+    from conftest import initial_params, small_config
+
+    cfg = small_config(**{"model.num_layers": 4, "parallel.data": 2, "parallel.pipeline": 2, "parallel.tensor": 2,
+                          "parallel.distributed_optimizer": True, "train.micro_batch_size": 1})
+    state = train.init_state(train.setup_for(cfg, jax.devices()))
+    want = initial_params(cfg.model, cfg.train.seed)
+    jax.tree.map(np.testing.assert_array_equal, from_stages(jax.device_get(state.params)), want)
+    assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(state.opt_state[1].mu))
