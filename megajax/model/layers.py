@@ -38,12 +38,15 @@ def gather_sequence(x_bsd: jax.Array) -> jax.Array:
     LayerNorm's bias gradient (the sum of the cotangent over b and s) read the whole all-reduced buffer (in
     bf16 the cast back to fp32 sits in between and is sliced), so every gpt2 layer all-reduced two [b, s, d]
     activations in the backward, and the head one more.
+
+    The barrier keeps the all-gather on the compute-dtype value: without it XLA's GPU compiler (pure
+    tensor parallelism, bf16) gathered the norm's fp32 output and cast after, twice the bytes.
     """
-    return constrain(x_bsd, GATHERED)
+    return constrain(jax.lax.optimization_barrier(constrain(x_bsd, RESIDUAL)), GATHERED)
 
 
 def _gather_sequence_fwd(x_bsd):
-    return constrain(x_bsd, GATHERED), None
+    return gather_sequence(x_bsd), None
 
 
 def _gather_sequence_bwd(_, ct_bsd):
