@@ -35,7 +35,6 @@ from megajax.pipeline import layout
 from megajax.config import Config, InputError
 from megajax import distributed
 from megajax.data.loader import micro_batches
-from megajax.optim import applied_lr, make_optimizer, update_loss_scale
 
 
 @flax.struct.dataclass
@@ -84,7 +83,7 @@ def build(cfg: Config, mesh: jax.sharding.Mesh) -> StepSetup:
     """Derives shapes and shardings of the state and batch (with jax.eval_shape: nothing is allocated)."""
     boxed = jax.eval_shape(lambda: model.init_params(cfg.model, jax.random.key(0)))
     logical = model.logical_axes(boxed)
-    tx = make_optimizer(cfg.optim, cfg.train.steps, logical)
+    tx = optim.make_optimizer(cfg.optim, cfg.train.steps, logical)
 
     def named(spec):
         return NamedSharding(mesh, spec)
@@ -92,7 +91,7 @@ def build(cfg: Config, mesh: jax.sharding.Mesh) -> StepSetup:
     is_names = lambda x: isinstance(x, tuple)  # noqa: E731
     is_none = lambda x: x is None  # noqa: E731
     param_specs = jax.tree.map(lambda n: _layout_spec(cfg, n), logical, is_leaf=is_names)
-    params = jax.eval_shape(lambda: _fresh_params(cfg, jax.random.key(0)))
+    params = jax.eval_shape(lambda b: _staged(cfg, nn.unbox(b)), boxed)  # the train state's param shapes
     if cfg.parallel.distributed_optimizer and cfg.parallel.data > 1:
         lead = layout.lead_dims(cfg.parallel.pipeline > 1)  # stacked-layer dims: never the one padded
         zero_dims = jax.tree.map(lambda a, s, n: optim.zero_dim(a.shape, s, lead if n[:1] == ("layers",) else 0,
@@ -273,7 +272,7 @@ def train_step(setup: StepSetup, state: TrainState, batch: dict) -> tuple[TrainS
     if cfg.model.compute_dtype == "float16":
         # An overflowing gradient is routine with fp16: skip the step and back off the loss scale. Only a
         # non-finite loss counts towards train.max_bad_steps.
-        loss_scale, good = update_loss_scale(state.loss_scale, state.good_steps, finite, cfg.optim)
+        loss_scale, good = optim.update_loss_scale(state.loss_scale, state.good_steps, finite, cfg.optim)
         healthy = jnp.isfinite(loss)
     else:
         loss_scale, good, healthy = state.loss_scale, state.good_steps + 1, finite
@@ -281,7 +280,7 @@ def train_step(setup: StepSetup, state: TrainState, batch: dict) -> tuple[TrainS
         step=state.step + 1, params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state),
         loss_scale=loss_scale, good_steps=good, bad_steps=jnp.where(healthy, 0, state.bad_steps + 1))
     stats = {
-        "loss": loss, "lr": applied_lr(cfg.optim, cfg.train.steps, state.opt_state),
+        "loss": loss, "lr": optim.applied_lr(cfg.optim, cfg.train.steps, state.opt_state),
         "grad_norm": grad_norm, "update_norm": optax.tree.norm(updates),
         "param_norm": optax.tree.norm(new_state.params), "finite": finite, "loss_scale": state.loss_scale,
         "bad_steps": new_state.bad_steps,
