@@ -49,8 +49,9 @@ def schedules(p: int) -> list[tuple[str, int]]:
 
 
 def case(arch, d, p, t, sp, zero, schedule, v) -> dict:
-    # one micro batch per data rank, or p of them through a pipeline (the fewest every schedule takes)
-    mb = BATCH // (d * p) if p > 1 else None
+    # p micro batches through a pipeline (the fewest every schedule takes); without one, 2 or 3 per data
+    # rank, so gradient accumulation runs on every layout too
+    mb = BATCH // (d * p) if p > 1 else max(1, BATCH // (2 * d))
     return {"arch": arch, "n": d * p * t, "sets": {
         **ARCHS[arch], "train.global_batch_size": BATCH, "train.micro_batch_size": mb, "parallel.data": d, "parallel.pipeline": p, "parallel.tensor": t,
         "parallel.sequence_parallel": sp, "parallel.distributed_optimizer": zero,
