@@ -68,6 +68,10 @@ class StepSetup:
         total = sum(n for n, _ in pairs)
         return sum(n for n, sharded in pairs if sharded) / max(total, 1)
 
+    def param_specs(self):
+        """The PartitionSpec of every parameter in the train state."""
+        return jax.tree.map(lambda s: s.spec, self.state_shardings.params)
+
     def optimizer_bytes_per_device(self) -> int:
         """Bytes of optimizer state one device holds (the distributed optimizer divides it by data)."""
         return sum(math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize for a, s in zip(
@@ -238,7 +242,7 @@ def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
                              grads, zero, is_leaf=is_none)
         return sharding.psum(loss, "data"), grads
 
-    p_specs = jax.tree.map(lambda s: s.spec, setup.state_shardings.params)
+    p_specs = setup.param_specs()
     g_specs = jax.tree.map(lambda s, z: s if z is None else P("data", *s), p_specs, zero, is_leaf=is_none)
     loss, grads = _in_manual_region(setup.mesh, local, (p_specs, {k: P("data") for k in batch}, P()),
                                     (P(), g_specs))(params, batch, seed_scale)
@@ -298,8 +302,8 @@ def eval_loss(setup: StepSetup, params, batch: dict) -> tuple[jax.Array, jax.Arr
             def local(params, batch):
                 return sharding.psum(pipeline.pipeline_loss(cfg, params, batch), "data")
 
-            p_specs = jax.tree.map(lambda s: s.spec, setup.state_shardings.params)
-            loss = _in_manual_region(setup.mesh, local, (p_specs, {k: P("data") for k in batch}), P())(params, batch)
+            specs = (setup.param_specs(), {k: P("data") for k in batch})
+            loss = _in_manual_region(setup.mesh, local, specs, P())(params, batch)
         else:
             def body(total, mb):
                 return total + model.loss_sum(cfg.model, params, mb, None), None

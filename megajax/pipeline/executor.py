@@ -111,7 +111,7 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
         return _gpipe_grads(cfg, params, batch, seed_scale)
     sched, f_kind, b_kind, segments = plan(par.schedule, par.pipeline, par.virtual_stages, m)
     layers = vary(local_chunks(params["layers"]))  # [v, Lc, ...]
-    shared = vary({k: val for k, val in params.items() if k != "layers"})
+    shared = _shared(params)
     mbs = vary(micro_batches(batch, m))
     act_shape = (batch["tokens"].shape[0] // m, cfg.model.seq_length, cfg.model.hidden_size)
     act_dtype = jnp.dtype(cfg.model.compute_dtype)
@@ -285,6 +285,11 @@ class _ChunkActions:
         return self.bwd_out(g, g_in, dw, dsh)
 
 
+def _shared(params: dict) -> dict:
+    """The parameters every stage may use (embedding and head), marked varying over the manual axes."""
+    return vary({k: val for k, val in params.items() if k != "layers"})
+
+
 def _gpipe_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array):
     """GPipe: every forward (`_forward_rounds`), then autodiff runs the backward, stashing every tick's
     residuals (memory grows with m: the simple baseline)."""
@@ -295,7 +300,7 @@ def _gpipe_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array):
         return loss * seed_scale, loss
 
     layers = vary(params["layers"])
-    shared = vary({k: val for k, val in params.items() if k != "layers"})
+    shared = _shared(params)
     (g_layers, g_shared), loss = jax.grad(loss_fn, argnums=(0, 1), has_aux=True)(layers, shared)
     grads = {k: jax.lax.psum(g, "pipeline") for k, g in g_shared.items()}
     grads["layers"] = g_layers
@@ -306,7 +311,7 @@ def pipeline_loss(cfg: Config, params: dict, batch: dict) -> jax.Array:
     """Forward only (evaluation): the summed token loss of this data rank's rows, run through the
     pipeline without gathering the layers. Inside the train step's shard_map, like `pipeline_grads`."""
     layers = vary(local_chunks(params["layers"]))
-    shared = vary({k: val for k, val in params.items() if k != "layers"})
+    shared = _shared(params)
     loss = _forward_rounds(cfg, layers, shared, vary(micro_batches(batch, cfg.num_micro_batches)), train=False)
     return jax.lax.psum(loss, "pipeline")
 
