@@ -17,7 +17,9 @@ small sweep of shapes against the jnp references and prints the errors (and the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
+import itertools
 import json
 import os
 import sys
@@ -114,6 +116,52 @@ def bench_attention(dtype=jnp.bfloat16) -> list[dict]:
     return rows
 
 
+# One shape per BLOCK_TABLE head-dim bucket that --tune searches (the presets' attention at their micro batch).
+TUNE_SHAPES = [("llama-1b", 4, 2048, 32, 8, 64), ("gpt2-1.3b", 4, 2048, 16, 16, 128)]
+
+
+def tune_attention(dtype=jnp.bfloat16) -> list[dict]:
+    """A search of the flash kernels' BlockSizes on this GPU: first the forward's tiles and launch
+    parameters (forward alone), then the backward's with that forward (forward + backward). Rows carry the
+    times; the best of each shape is marked best=True."""
+    rows = []
+    for name, b, s, h, g, d in TUNE_SHAPES:
+        keys = jax.random.split(jax.random.key(0), 4)
+        q = jax.random.normal(keys[0], (b, s, h, d), dtype)
+        k, v = (jax.random.normal(key, (b, s, g, d), dtype) for key in keys[1:3])
+        do = jax.random.normal(keys[3], (b, s, h, d), dtype)
+        base = fa.default_block_sizes(d, dtype)
+
+        def timed(blocks, backward):
+            attend = functools.partial(fa.flash_attention, causal=True, block_sizes=blocks)
+            fn = fwd_bwd(attend) if backward else jax.jit(attend)
+            try:
+                return time_fn(fn, q, k, v, *((do,) if backward else ()), iters=10)
+            except Exception:  # noqa: BLE001 - tiles that do not fit (shared memory) are skipped
+                return float("inf")
+
+        fwd = [(timed(base, False), base)]
+        for bq, bk, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)):
+            blocks = dataclasses.replace(base, block_q=bq, block_k=bk, num_warps=warps, num_stages=stages)
+            fwd.append((timed(blocks, False), blocks))
+        fwd_s, best = min(fwd, key=lambda t: t[0])
+        rows.append({"op": "tune-fwd", "shape": name, "ms": 1e3 * fwd_s, "default_ms": 1e3 * timed(base, False),
+                     "blocks": dataclasses.asdict(best), "tried": len(fwd)})
+        bwd = [(timed(best, True), best)]
+        for (bq_dq, bk_dq), (bq_dkv, bk_dkv), warps, stages in itertools.product(
+                [(64, 32), (64, 64), (128, 32), (128, 64)], [(32, 64), (64, 64), (32, 128), (64, 128)], (4, 8),
+                (2, 3)):
+            blocks = dataclasses.replace(best, block_q_dq=bq_dq, block_k_dq=bk_dq, block_q_dkv=bq_dkv,
+                                         block_k_dkv=bk_dkv, bwd_num_warps=warps, bwd_num_stages=stages)
+            bwd.append((timed(blocks, True), blocks))
+        total_s, best = min(bwd, key=lambda t: t[0])
+        flops = 3.5 * 4 * b * h * s * s * d / 2
+        rows.append({"op": "tune-fwd-bwd", "shape": name, "ms": 1e3 * total_s,
+                     "default_ms": 1e3 * timed(base, True), "tflops": flops / total_s / 1e12,
+                     "blocks": dataclasses.asdict(best), "tried": len(bwd)})
+    return rows
+
+
 def bench_norms(dtype=jnp.bfloat16) -> list[dict]:
     bandwidth = HBM_BYTES_PER_S.get(device_name(), float("nan"))
     rows = []
@@ -147,11 +195,15 @@ def rel_err(got, want) -> float:
     return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
 
 
-def cpu_sweep() -> list[dict]:
-    """Interpret-mode kernels against the references: max relative error of outputs and gradients."""
+def error_sweep(large: bool = False) -> list[dict]:
+    """The kernels (interpret mode on CPU, compiled on a GPU) against the references: max relative error of
+    outputs and gradients. `large` adds preset-sized cases (for a GPU)."""
     rows = []
     cases = [(1, 64, 4, 1, 32, True, jnp.float32), (1, 48, 4, 2, 24, False, jnp.float32),
              (2, 64, 8, 2, 64, True, jnp.bfloat16), (1, 100, 4, 4, 16, True, jnp.float16)]
+    if large:
+        cases += [(2, 1024, 12, 12, 64, True, jnp.bfloat16), (1, 2048, 16, 4, 128, True, jnp.bfloat16),
+                  (1, 1000, 8, 2, 128, False, jnp.float32)]
     for b, s, h, g, d, causal, dtype in cases:
         keys = jax.random.split(jax.random.key(s), 4)
         q = jax.random.normal(keys[0], (b, s, h, d), jnp.float32).astype(dtype)
@@ -161,13 +213,19 @@ def cpu_sweep() -> list[dict]:
         def grads(attend):
             return jax.jit(lambda *a: (attend(*a[:3]), *jax.vjp(attend, *a[:3])[1](a[3])))
 
-        start = time.perf_counter()
-        got = jax.block_until_ready(grads(functools.partial(fa.flash_attention, causal=causal))(q, k, v, do))
-        seconds = time.perf_counter() - start
-        want = grads(functools.partial(kernels.attention_reference, causal=causal))(q, k, v, do)
+        shape = f"b{b} s{s} h{h} g{g} k{d} causal={causal}"
+        try:
+            start = time.perf_counter()
+            got = jax.block_until_ready(grads(functools.partial(fa.flash_attention, causal=causal))(q, k, v, do))
+            seconds = time.perf_counter() - start
+            want = grads(functools.partial(kernels.attention_reference, causal=causal))(q, k, v, do)
+        except Exception as e:  # noqa: BLE001 - a case that fails is reported, the sweep goes on
+            rows.append({"op": "attention", "shape": shape, "dtype": jnp.dtype(dtype).name,
+                         "error": str(e).splitlines()[0]})
+            continue
         errors = {n: rel_err(a, w) for n, a, w in zip(["out", "dq", "dk", "dv"], got, want)}
-        rows.append({"op": "attention", "shape": f"b{b} s{s} h{h} g{g} k{d} causal={causal}",
-                     "dtype": jnp.dtype(dtype).name, "interpret_s": seconds, **errors})
+        rows.append({"op": "attention", "shape": shape, "dtype": jnp.dtype(dtype).name, "first_call_s": seconds,
+                     **errors})
     for n, d, dtype in [(64, 96, jnp.float32), (30, 768, jnp.bfloat16)]:
         x = 3 * jax.random.normal(jax.random.key(n), (n, d), jnp.float32).astype(dtype) + 1
         w = jnp.linspace(0.5, 1.5, d)
@@ -186,7 +244,7 @@ def cpu_sweep() -> list[dict]:
             seconds = time.perf_counter() - start
             want = value_and_grads(ref)(x, *params)
             errors = {k: rel_err(a, b) for k, a, b in zip(["y", "dx", "dscale", "dbias"], got, want)}
-            rows.append({"op": norm, "shape": f"{n}x{d}", "dtype": jnp.dtype(dtype).name, "interpret_s": seconds,
+            rows.append({"op": norm, "shape": f"{n}x{d}", "dtype": jnp.dtype(dtype).name, "first_call_s": seconds,
                          **errors})
     return rows
 
@@ -199,13 +257,16 @@ def print_rows(rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--tune", action="store_true", help="GPU: search the flash kernels' block sizes instead")
     args = parser.parse_args(argv)
-    if jax.default_backend() == "gpu":
+    if args.tune:
+        rows = tune_attention()
+    elif jax.default_backend() == "gpu":
         print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
-        rows = bench_attention() + bench_norms()
+        rows = error_sweep(large=True) + bench_attention() + bench_norms()
     else:
         print(f"no GPU ({jax.default_backend()}): interpret-mode correctness sweep, not a benchmark")
-        rows = cpu_sweep()
+        rows = error_sweep()
     print_rows(rows)
     if args.json:
         with open(args.json, "w") as f:

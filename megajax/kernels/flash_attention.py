@@ -65,8 +65,10 @@ class BlockSizes:
     block_k_dq: int = 64  # dq kernel: keys per inner step
     block_q_dkv: int = 64  # dk/dv kernel: queries per inner step
     block_k_dkv: int = 64  # dk/dv kernel: keys per program
-    num_warps: int = 4
+    num_warps: int = 4  # forward kernel
     num_stages: int = 2
+    bwd_num_warps: int | None = None  # dq and dk/dv kernels; None: as the forward
+    bwd_num_stages: int | None = None
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -87,12 +89,14 @@ class BlockSizes:
 
 # Defaults by (head dim bucket, bytes per element). Sized to the shared memory of an A100 (164 KiB) with
 # Triton's 2-stage pipelining: fp32 tiles take twice the bytes, so they get half the rows; the backward
-# holds more tiles live (q, k, v, do, dk, dv) than the forward, so its blocks are smaller. Not yet tuned
-# on a GPU (scripts/bench_kernels.py is the tool); tests/test_kernels.py compiles every entry for A100 and
-# H100 with XLA's GPU compiler, so each one at least fits.
+# holds more tiles live (q, k, v, do, dk, dv) than the forward, so its blocks are smaller. The bf16 entries
+# for head dims 64 and 128 are the best of `scripts/bench_kernels.py --tune` on an H100 (jax 0.11.2, causal,
+# s 2048: forward + backward 1.28 -> 1.07 ms at llama-1b's shape, 1.98 -> 1.12 ms at gpt2-1.3b's); the
+# others are untuned. tests/test_kernels.py compiles every entry for A100 and H100 with XLA's GPU compiler,
+# so each one at least fits.
 BLOCK_TABLE: dict[tuple[int, int], BlockSizes] = {
-    (64, 2): BlockSizes(128, 64, 64, 64, 64, 64, num_warps=4),
-    (128, 2): BlockSizes(128, 64, 64, 64, 64, 64, num_warps=8),
+    (64, 2): BlockSizes(64, 64, 64, 32, 64, 64, num_warps=4, num_stages=2, bwd_num_warps=4, bwd_num_stages=3),
+    (128, 2): BlockSizes(128, 128, 128, 32, 64, 64, num_warps=8, num_stages=2, bwd_num_warps=4, bwd_num_stages=2),
     (256, 2): BlockSizes(64, 32, 32, 32, 32, 32, num_warps=8),
     (64, 4): BlockSizes(64, 64, 64, 32, 32, 64, num_warps=4),
     (128, 4): BlockSizes(64, 32, 32, 32, 32, 32, num_warps=8),
@@ -248,9 +252,13 @@ class _Static:
     blocks: BlockSizes
     interpret: bool | None
 
-    def params(self, name: str) -> dict:
-        return dict(name=name, interpret=self.interpret, compiler_params=pltriton.CompilerParams(
-            num_warps=self.blocks.num_warps, num_stages=self.blocks.num_stages))
+    def params(self, name: str, backward: bool = False) -> dict:
+        b = self.blocks
+        warps, stages = b.num_warps, b.num_stages
+        if backward:
+            warps, stages = b.bwd_num_warps or warps, b.bwd_num_stages or stages
+        return dict(name=name, interpret=self.interpret,
+                    compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages))
 
     def kernel_args(self, key_block: int, has_segments: bool) -> dict:
         # Padded keys need their own mask only without causality (which already hides them from every real
@@ -299,7 +307,7 @@ def _backward_dq(q, k, v, do, lse, delta, segment_ids, st: _Static):
         kernel, grid=(b, h, s_pad // bq),
         in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *seg_specs],
         out_specs=q_spec, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        **st.params("flash_attention_dq"))(q, k, v, do, lse, delta, *seg_args)
+        **st.params("flash_attention_dq", backward=True))(q, k, v, do, lse, delta, *seg_args)
 
 
 def _backward_dkv(q, k, v, do, lse, delta, segment_ids, st: _Static):
@@ -320,7 +328,7 @@ def _backward_dkv(q, k, v, do, lse, delta, segment_ids, st: _Static):
         in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *seg_specs],
         out_specs=[kv_spec, kv_spec],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        **st.params("flash_attention_dkv"))(q, k, v, do, lse, delta, *seg_args)
+        **st.params("flash_attention_dkv", backward=True))(q, k, v, do, lse, delta, *seg_args)
 
 
 # Logical axis names of the operands: shard_kernel splits batch and heads over the mesh.

@@ -1,0 +1,98 @@
+"""Time megajax's train step on the devices at hand: step time, tokens/s, TFLOP/s and MFU per device, peak memory.
+
+    python scripts/bench_train.py --config configs/gpt2-124m.yaml --set train.global_batch_size=64 \
+        --steps 20 --label gpt2-124m --jsonl out.jsonl
+
+The batch is random tokens (the step's cost does not depend on them), so no data is read and nothing is saved:
+this is the step alone, as `python -m megajax.train` runs it. MFU counts model FLOPs (no recomputation) against
+the device's dense datasheet peak for the compute dtype, as the train log does; the first `--warmup` steps
+(compilation included) are not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from megajax import config as config_lib  # noqa: E402
+from megajax import distributed, metrics, train  # noqa: E402
+from megajax.data.loader import batch_shapes  # noqa: E402
+
+
+def random_batch(cfg, shardings) -> dict:
+    rng = np.random.default_rng(0)
+    gbs, seq = cfg.train.global_batch_size, cfg.model.seq_length
+    arrays = {}
+    for name, (shape, dtype) in batch_shapes(gbs, seq).items():
+        if name == "loss_mask":
+            value = np.ones(shape, dtype)
+        elif name == "sample_ids":
+            value = np.arange(gbs, dtype=dtype)
+        else:
+            value = rng.integers(0, cfg.model.vocab_size, shape, dtype=dtype)
+        arrays[name] = jax.device_put(value, shardings[name])
+    return arrays
+
+
+def bench(cfg, steps: int, warmup: int) -> dict:
+    setup = train.setup_for(cfg)
+    cfg = setup.cfg
+    state = train.init_state(setup)
+    batch = random_batch(cfg, setup.batch_shardings)
+    with jax.set_mesh(setup.mesh):
+        t0 = time.perf_counter()
+        step_fn = train.jit_train_step(setup).lower(state, batch).compile()
+        compile_s = time.perf_counter() - t0
+        for _ in range(warmup):
+            state, stats = step_fn(state, batch)
+        jax.block_until_ready(stats)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            state, stats = step_fn(state, batch)
+        loss = float(jax.device_get(stats["loss"]))
+        dt = (time.perf_counter() - t0) / steps
+    gbs, seq, n_dev = cfg.train.global_batch_size, cfg.model.seq_length, jax.device_count()
+    flops = metrics.step_flops(cfg.model, gbs * seq, pipelined=cfg.parallel.pipeline > 1)
+    peak, peak_src = metrics.device_peak(cfg.model.compute_dtype)
+    mem = jax.devices()[0].memory_stats() or {}
+    return {
+        "device": jax.devices()[0].device_kind, "devices": n_dev, "jax": jax.__version__,
+        "compile_s": compile_s, "step_s": dt, "tokens_per_s": gbs * seq / dt,
+        "tflops_per_device": flops["hardware_flops"] / dt / n_dev / 1e12,
+        "model_tflops_per_device": flops["model_flops"] / dt / n_dev / 1e12,
+        "mfu": flops["model_flops"] / dt / n_dev / peak, "peak_source": peak_src,
+        "peak_bytes_in_use": mem.get("peak_bytes_in_use"), "loss": loss,
+        "micro_batches": cfg.num_micro_batches, "micro_batch_size": cfg.train.micro_batch_size,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", help="YAML preset (configs/*.yaml)")
+    parser.add_argument("--set", nargs="*", default=[], action="extend", metavar="KEY=VALUE",
+                        help="config overrides, as for python -m megajax.train")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compilation")
+    parser.add_argument("--label", default="", help="a name for this row")
+    parser.add_argument("--jsonl", help="append the row to this file")
+    args = parser.parse_args(argv)
+    distributed.prefer_cpu_without_gpu()
+    cfg = config_lib.load(args.config, args.set)
+    row = {"label": args.label, "config": args.config, "set": args.set, **bench(cfg, args.steps, args.warmup)}
+    print(json.dumps(row))
+    if args.jsonl:
+        with open(args.jsonl, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# What to run first on a GPU machine: the kernels' errors and speed, the tiny preset trained on the GPU, and
+# the train step's MFU on one GPU. Results go to $OUT (default gpu_out/): *.log, kernels.json, train.jsonl.
+#   bash scripts/gpu_check.sh kernels   # scripts/bench_kernels.py, tiny preset with xla and pallas kernels
+#   bash scripts/gpu_check.sh small     # step timings: gpt2-124m and llama-1b (bf16, one GPU)
+#   bash scripts/gpu_check.sh large     # step timings: gpt2-1.3b on one GPU
+# Each part fits in ten minutes on one H100 (compilation included).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+
+bench() {  # label, timeout in seconds, then bench_train.py arguments
+    local label=$1 limit=$2
+    shift 2
+    echo "== $label"
+    timeout "$limit" $PY scripts/bench_train.py --label "$label" --jsonl "$OUT/train.jsonl" "$@" 2>&1 \
+        | grep -v -E '^(WARNING|I0000|W0000)' | tail -n 3
+}
+
+case "${1:-kernels}" in
+kernels)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/env.log"
+    $PY -c 'import jax, flax, optax, orbax.checkpoint as o; print("jax", jax.__version__, "flax", flax.__version__,
+"optax", optax.__version__, "devices", jax.devices())' 2>&1 | tail -n 1 | tee -a "$OUT/env.log"
+    timeout 300 $PY scripts/bench_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | grep -E '^(op|device)'
+    for impl in xla pallas; do
+        echo "== tiny preset, $impl kernels, 200 steps"
+        rm -rf "/tmp/megajax-gpu-tiny-$impl"
+        timeout 150 $PY -m megajax.train --config configs/tiny.yaml --set train.steps=200 train.log_every=50 \
+            model.attention_impl=$impl model.norm_impl=$impl train.output_dir=/tmp/megajax-gpu-tiny-$impl \
+            2>&1 | tee "$OUT/tiny-$impl.log" | grep -E 'step|eval|compiled|error'
+    done
+    ;;
+small)
+    for impl in xla pallas cudnn; do
+        norm=$([ $impl = cudnn ] && echo xla || echo $impl)
+        bench "gpt2-124m mb8 $impl" 150 --config configs/gpt2-124m.yaml --steps 10 --set train.global_batch_size=32 \
+            model.attention_impl=$impl model.norm_impl=$norm
+    done
+    bench "gpt2-124m mb8 xla recompute=none" 150 --config configs/gpt2-124m.yaml --steps 10 \
+        --set train.global_batch_size=32 model.recompute=none
+    for impl in cudnn pallas; do
+        norm=$([ $impl = cudnn ] && echo xla || echo $impl)
+        bench "llama-1b mb4 $impl" 200 --config configs/llama-1b.yaml --steps 5 --set train.global_batch_size=8 \
+            train.micro_batch_size=4 model.attention_impl=$impl model.norm_impl=$norm parallel.tensor=1 \
+            parallel.sequence_parallel=false parallel.distributed_optimizer=false
+    done
+    ;;
+large)
+    for impl in cudnn pallas xla; do
+        norm=$([ $impl = cudnn ] && echo xla || echo $impl)
+        bench "gpt2-1.3b mb4 $impl" 200 --config configs/gpt2-1.3b.yaml --steps 5 --set train.global_batch_size=8 \
+            parallel.tensor=1 parallel.sequence_parallel=false parallel.distributed_optimizer=false \
+            model.attention_impl=$impl model.norm_impl=$norm
+    done
+    ;;
+*)
+    echo "usage: $0 kernels|small|large" >&2
+    exit 2
+    ;;
+esac
