@@ -95,15 +95,20 @@ def device_name() -> str:
     return next((name for name in PEAK_FLOPS if name in kind), kind)
 
 
+def attention_inputs(b: int, s: int, h: int, g: int, d: int, dtype) -> tuple[jax.Array, ...]:
+    """Random q [b, s, h, d], k and v [b, s, g, d], and an output gradient like q."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (b, s, h, d), dtype)
+    k, v = (jax.random.normal(key, (b, s, g, d), dtype) for key in keys[1:3])
+    return q, k, v, jax.random.normal(keys[3], (b, s, h, d), dtype)
+
+
 def bench_attention(dtype=jnp.bfloat16) -> list[dict]:
     device = device_name()
     peak = PEAK_FLOPS.get(device, {}).get(jnp.dtype(dtype).name, float("nan"))
     rows = []
     for name, b, s, h, g, d in ATTENTION_SHAPES:
-        keys = jax.random.split(jax.random.key(0), 4)
-        q = jax.random.normal(keys[0], (b, s, h, d), dtype)
-        k, v = (jax.random.normal(key, (b, s, g, d), dtype) for key in keys[1:3])
-        do = jax.random.normal(keys[3], (b, s, h, d), dtype)
+        q, k, v, do = attention_inputs(b, s, h, g, d, dtype)
         flops = 3.5 * 4 * b * h * s * s * d / 2  # causal: half the blocks
         for impl, attend in attention_impls().items():
             try:
@@ -126,10 +131,7 @@ def tune_attention(dtype=jnp.bfloat16) -> list[dict]:
     times; the best of each shape is marked best=True."""
     rows = []
     for name, b, s, h, g, d in TUNE_SHAPES:
-        keys = jax.random.split(jax.random.key(0), 4)
-        q = jax.random.normal(keys[0], (b, s, h, d), dtype)
-        k, v = (jax.random.normal(key, (b, s, g, d), dtype) for key in keys[1:3])
-        do = jax.random.normal(keys[3], (b, s, h, d), dtype)
+        q, k, v, do = attention_inputs(b, s, h, g, d, dtype)
         base = fa.default_block_sizes(d, dtype)
 
         def timed(blocks, backward):

@@ -15,23 +15,13 @@ import argparse
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-
-
-def time_fn(fn, *args, iters: int = 20) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+from bench_kernels import print_rows, time_fn  # noqa: E402 - the timing and printing of the kernel benchmark
 
 
 def fp8_dot(x, w, sx, sw):
@@ -88,8 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     scale = 1 if jax.default_backend() == "gpu" else 16
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, shapes / {scale}")
     rows = dense_rows(scale) + grouped_rows(scale)
-    for row in rows:
-        print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+    print_rows(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
