@@ -57,6 +57,13 @@ def step_flops(cfg: ModelConfig, tokens: int, pipelined: bool = False) -> dict[s
     return {"model_flops": float(model), "hardware_flops": float(hardware)}
 
 
+def step_rates(flops: dict[str, float], tokens: int, step_s: float, devices: int, peak: float) -> dict[str, float]:
+    """A step's throughput: tokens/s, hardware TFLOP/s per device and MFU (model FLOPs over the peak)."""
+    return {"tokens_per_s": tokens / step_s,
+            "tflops_per_device": flops["hardware_flops"] / step_s / devices / 1e12,
+            "mfu": flops["model_flops"] / step_s / devices / peak}
+
+
 def megatron_gpt_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int, recompute: bool) -> float:
     """The closed forms from the papers (for checking `step_flops` on GPT-2 style models)."""
     if recompute:

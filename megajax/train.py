@@ -462,9 +462,8 @@ def _loop(cfg, setup, step_fn, eval_fn, state, datasets, start, consumed, loader
                 "step": done, "loss": float(host["loss"]), "lr": float(host["lr"]),
                 "grad_norm": float(host["grad_norm"]), "param_norm": float(host["param_norm"]),
                 "update_norm": float(host["update_norm"]), "loss_scale": float(host["loss_scale"]),
-                "step_time_s": dt, "tokens_per_s": gbs * seq / dt,
-                "tflops_per_device": flops["hardware_flops"] / dt / n_dev / 1e12,
-                "mfu": flops["model_flops"] / dt / n_dev / peak, "consumed_samples": consumed,
+                "step_time_s": dt, **metrics_lib.step_rates(flops, gbs * seq, dt, n_dev, peak),
+                "consumed_samples": consumed,
                 "data_wait_s": data_wait,
             }
             eta = metrics_lib.format_eta((steps - done) * dt)

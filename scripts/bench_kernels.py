@@ -251,9 +251,13 @@ def error_sweep(large: bool = False) -> list[dict]:
     return rows
 
 
-def print_rows(rows: list[dict]) -> None:
+def print_rows(rows: list[dict], json_path: str | None = None) -> None:
+    """One line per row; with json_path, also the rows as JSON in that file."""
     for row in rows:
         print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -269,10 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"no GPU ({jax.default_backend()}): interpret-mode correctness sweep, not a benchmark")
         rows = error_sweep()
-    print_rows(rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    print_rows(rows, args.json)
     return 0
 
 

@@ -12,7 +12,6 @@ On CPU the shapes are cut down and the numbers say nothing about a GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -78,10 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     scale = 1 if jax.default_backend() == "gpu" else 16
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, shapes / {scale}")
     rows = dense_rows(scale) + grouped_rows(scale)
-    print_rows(rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    print_rows(rows, args.json)
     return 0
 
 

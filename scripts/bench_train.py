@@ -65,10 +65,8 @@ def bench(cfg, steps: int, warmup: int) -> dict:
     mem = jax.devices()[0].memory_stats() or {}
     return {
         "device": jax.devices()[0].device_kind, "devices": n_dev, "jax": jax.__version__,
-        "compile_s": compile_s, "step_s": dt, "tokens_per_s": gbs * seq / dt,
-        "tflops_per_device": flops["hardware_flops"] / dt / n_dev / 1e12,
-        "model_tflops_per_device": flops["model_flops"] / dt / n_dev / 1e12,
-        "mfu": flops["model_flops"] / dt / n_dev / peak, "peak_source": peak_src,
+        "compile_s": compile_s, "step_s": dt, **metrics.step_rates(flops, gbs * seq, dt, n_dev, peak),
+        "model_tflops_per_device": flops["model_flops"] / dt / n_dev / 1e12, "peak_source": peak_src,
         "peak_bytes_in_use": mem.get("peak_bytes_in_use"), "loss": loss,
         "micro_batches": cfg.num_micro_batches, "micro_batch_size": cfg.train.micro_batch_size,
     }
