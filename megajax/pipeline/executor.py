@@ -1,27 +1,34 @@
 """The pipeline executor: runs a schedule table inside one jitted train step.
 
 Called inside the train step's shard_map, where 'data' and 'pipeline' are manual and 'tensor' is left to
-GSPMD. Each rank reads its column of the table (axis_index('pipeline')) and, tick by tick in a scan:
-  - runs its forward, then its backward, each chosen with lax.switch (a real conditional: an absent
-    action costs nothing):
-      forward  of local chunk c on micro batch i (the first chunk embeds tokens, the last adds the loss)
-      backward of chunk c on micro batch i: layer by layer from the last, recomputed from its stashed
-               input, then its jax.vjp (the last chunk first backpropagates the loss, the first
-               finishes with the embedding)
-  - sends its output activation to rank r + 1 and its input gradient to rank r - 1 (ppermute), and
-    writes what arrives into the buffer slot the table names (a spare trash slot takes empty ticks)
-Only each layer's input is stashed (Megatron's full recomputation), for at most the in-flight micro
-batches, so activation memory is bounded by the schedule's depth, not by the number of micro batches. Gradients accumulate per local chunk in
-fp32; the embedding and head gradients and the loss are summed over 'pipeline' once after the scan, and
-the caller reduces everything over 'data' once per step.
+GSPMD. Each rank reads its column of the table (axis_index('pipeline')) and, tick by tick in a scan, runs
+what the table gives it, each action chosen with lax.switch (a real conditional: an absent action costs
+nothing):
+  B  backward of chunk c on micro batch i from the residuals the previous tick kept: input and weight
+     gradients at once (jax.vjp's pullback, carried between ticks as its arrays); the first chunk finishes
+     with the embedding's backward; the weight gradients are added to the chunk's fp32 accumulator inside
+     the branch, so ticks without a backward add nothing
+  F  forward of chunk c on micro batch i from its input slot (the first chunk embeds tokens into a fresh
+     slot); the input stays as the stash. The last chunk runs the head's forward and backward right away
+     (loss, head gradients, and the output gradient for its own backward) and keeps its residuals
+  R  recompute of the next backward's chunk from its stash, keeping the residuals for the next tick
+Sends are at the end of the tick: in the staggered lock step (schedule.py) a rank in its forward role
+sends an activation to rank r + 1 while rank r + 1, in its backward role, sends a gradient to rank r, so
+one ppermute of static swap pairs per tick carries both (two, one per direction, for an odd ring with
+interleaving); while the pipeline fills only activations move. What arrives goes into the buffer slot the
+table names (a spare trash slot takes ticks with nothing to keep).
+Memory: the stash is one activation per in-flight micro batch (Megatron's full recomputation of a chunk)
+plus one chunk's residuals. The embedding and head gradients and the loss are summed over 'pipeline' once
+after the scan, and the caller reduces everything over 'data' once per step.
 
-Ticks are grouped into segments (warm-up, steady, cool-down) by which sends they need: a segment with no
-forward (or backward) sends has no ppermute in that direction, and its switch holds only the actions it
-runs. GPipe is the simple baseline: autodiff of a forward-only pipeline scan (memory grows with m).
+Ticks are grouped into segments (filling, steady, cool-down) by what they run and send; a segment's switches
+hold only the actions it runs. GPipe is the simple baseline: autodiff of a forward-only pipeline scan
+(memory grows with m).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -37,6 +44,8 @@ from megajax.sharding import vary
 
 # what an action does depends on where its chunk sits in the model: 0 none, 1 first, 2 middle, 3 last chunk
 NONE, FIRST, MID, LAST = range(4)
+FIELDS = ("f_chunk", "f_micro", "f_slot", "f_keep", "f_grad_slot", "r_chunk", "r_micro", "r_slot", "b_chunk",
+          "b_micro", "b_grad_slot", "recv_act", "recv_grad")
 
 
 def _position(global_chunk: np.ndarray, chunks: int) -> np.ndarray:
@@ -47,32 +56,74 @@ def _position(global_chunk: np.ndarray, chunks: int) -> np.ndarray:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Ticks [start, stop) run by one scan. roles: the staggered lock step (ticks go in pairs, even then odd
+    from `start`'s parity); else every rank may run a forward and only activations move. f, r, b: the
+    action kinds present (NONE always)."""
+
+    start: int
+    stop: int
+    roles: bool
+    parity: int  # of the segment's first tick in the schedule (the table here is padded)
+    f: tuple[int, ...]
+    r: tuple[int, ...]
+    b: tuple[int, ...]
+
+
+def perm_pairs(p: int, v: int, roles: bool, parity: int) -> list[list[tuple[int, int]]]:
+    """The ppermutes of a tick: a list of (source, destination) pair lists. Without roles, activations go
+    to r + 1. With roles, ranks with (parity + r) even send activations forward, the others gradients back;
+    one ppermute when that is a permutation, else one per direction. The wrap-around pair only when v > 1."""
+    ring = v > 1
+    if not roles:
+        return [[(r, (r + 1) % p) for r in range(p) if ring or r + 1 < p]]
+    fwd = [(r, (r + 1) % p) for r in range(p) if (parity + r) % 2 == 0 and (ring or r + 1 < p)]
+    bwd = [(r, (r - 1) % p) for r in range(p) if (parity + r) % 2 == 1 and (ring or r > 0)]
+    if len({d for _, d in fwd + bwd}) == len(fwd + bwd):
+        return [fwd + bwd]
+    return [fwd, bwd]
+
+
 @functools.lru_cache(maxsize=64)
 def plan(name: str, p: int, v: int, m: int):
-    """The schedule, the forward and backward kinds per (tick, rank), and the tick segments
-    [(start, stop, forward sends?, backward sends?, forward kinds present, backward kinds present)]."""
+    """(the schedule padded to whole tick pairs per segment, its forward / backward kinds per (tick, rank),
+    the segments)."""
     s = schedule_lib.build(name, p, v, m)
     chunks = p * v
-    fg, bg = s.global_chunk(s.f_chunk), s.global_chunk(s.b_chunk)
-    f_kind, b_kind = _position(fg, chunks), _position(bg, chunks)
-    fsend = np.any((fg >= 0) & (fg < chunks - 1), axis=1)
-    bsend = np.any(bg > 0, axis=1)
-    # At most three segments, so the tick body is compiled a bounded number of times whatever m is:
-    # warm-up (before the first gradient send), steady, cool-down (after the last activation send).
-    warm_end = int(np.argmax(bsend)) if bsend.any() else s.ticks
-    cool_start = int(s.ticks - np.argmax(fsend[::-1])) if fsend.any() else 0
-    bounds = sorted({0, min(warm_end, cool_start), max(warm_end, cool_start), s.ticks})
+    tables = {k: getattr(s, k) for k in FIELDS}
+    fg, rg, bg = s.global_chunk(s.f_chunk), s.global_chunk(s.r_chunk), s.global_chunk(s.b_chunk)
+    free = s.free_ticks
+    fsend_any = np.any((fg >= 0) & (fg < chunks - 1), axis=1)
+    last_fwd = int(s.ticks - np.argmax(fsend_any[::-1])) if fsend_any.any() else free
+    bounds = sorted({0, free, max(free, last_fwd), s.ticks})
+    idle = {k: (np.full(p, s.act_slots - 1 if k in ("f_slot", "r_slot", "recv_act") else
+                        s.grad_slots - 1 if k in ("f_grad_slot", "b_grad_slot", "recv_grad") else
+                        0 if k == "f_keep" else -1, np.int32)) for k in FIELDS}
+    rows = {k: [] for k in FIELDS}
+    kinds = {"f": [], "r": [], "b": []}
     segments = []
     for start, stop in zip(bounds[:-1], bounds[1:]):
-        present_f = tuple(sorted(set(f_kind[start:stop].ravel().tolist()) | {NONE}))
-        present_b = tuple(sorted(set(b_kind[start:stop].ravel().tolist()) | {NONE}))
-        segments.append((start, stop, bool(fsend[start:stop].any()), bool(bsend[start:stop].any()),
-                         present_f, present_b))
-    return s, f_kind, b_kind, segments
+        roles = start >= free
+        n = stop - start
+        pad = n % 2 if roles else 0  # tick pairs: an idle tick completes an odd segment
+        seg_start = len(rows["f_chunk"])
+        for k in FIELDS:
+            rows[k] += list(tables[k][start:stop]) + [idle[k]] * pad
+        for key, g in (("f", fg), ("r", rg), ("b", bg)):
+            kind = _position(g[start:stop], chunks)
+            if key == "r":  # a recompute is the same for every chunk position
+                kind = np.where(kind == NONE, NONE, MID)
+            kinds[key] += list(kind) + [np.zeros(p, np.int32)] * pad
+        present = {key: tuple(sorted(set(np.ravel(kinds[key][seg_start:]).tolist()) | {NONE})) for key in kinds}
+        segments.append(Segment(seg_start, seg_start + n + pad, roles, start % 2, present["f"], present["r"],
+                                present["b"]))
+    table = {k: np.array(rows[k], np.int32) for k in FIELDS}
+    return s, table, {k: np.array(val, np.int32) for k, val in kinds.items()}, tuple(segments)
 
 
 def permute_bytes_per_step(cfg: Config) -> dict:
-    """What the executor sends per step over 'pipeline', per device: segment ticks x directions x one
+    """What the executor sends per step over 'pipeline', per device: each tick's ppermutes of one
     [micro batch, seq, hidden] activation (for the audit to check against the compiled program)."""
     par = cfg.parallel
     m = cfg.num_micro_batches
@@ -81,17 +132,12 @@ def permute_bytes_per_step(cfg: Config) -> dict:
     if par.schedule == "gpipe":
         ticks = m + par.pipeline - 1
         return {"ppermutes": 2 * ticks, "bytes": 2 * ticks * act}  # forward scan and its transpose
-    segments = plan(par.schedule, par.pipeline, par.virtual_stages, m)[3]
-    n = sum((stop - start) * (int(f) + int(b)) for start, stop, f, b, _, _ in segments)
+    p, v = par.pipeline, par.virtual_stages
+    n = 0
+    for seg in plan(par.schedule, p, v, m)[3]:
+        for j in range(seg.stop - seg.start):
+            n += len(perm_pairs(p, v, seg.roles, (seg.parity + j) % 2))
     return {"ppermutes": n, "bytes": n * act}
-
-
-def _perm(p: int, v: int, step: int) -> list[tuple[int, int]]:
-    """Ring neighbours; without interleaving the wrap-around pair carries nothing and is left out."""
-    pairs = [(i, (i + step) % p) for i in range(p)]
-    if v == 1:
-        pairs = [(a, b) for a, b in pairs if (b - a) == step]
-    return pairs
 
 
 def _local_kinds(present: tuple[int, ...], kinds: np.ndarray) -> jax.Array:
@@ -109,82 +155,86 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
     m = cfg.num_micro_batches
     if par.schedule == "gpipe":
         return _gpipe_grads(cfg, params, batch, seed_scale)
-    sched, f_kind, b_kind, segments = plan(par.schedule, par.pipeline, par.virtual_stages, m)
+    p, v = par.pipeline, par.virtual_stages
+    _, table, kinds, segments = plan(par.schedule, p, v, m)
+    sched = schedule_lib.build(par.schedule, p, v, m)
     layers = vary(local_chunks(params["layers"]))  # [v, Lc, ...]
     shared = _shared(params)
     mbs = vary(micro_batches(batch, m))
     act_shape = (batch["tokens"].shape[0] // m, cfg.model.seq_length, cfg.model.hidden_size)
     act_dtype = jnp.dtype(cfg.model.compute_dtype)
-    lc = jax.tree.leaves(layers)[0].shape[1]
+    acts = _ChunkActions(cfg, layers, shared, mbs, vary(seed_scale), act_shape, act_dtype)
     carry = vary({
-        # slot i holds a (chunk, micro batch)'s stash: the input of each of its layers, then its output
-        "act": jnp.zeros((sched.act_slots, lc + 1, *act_shape), act_dtype),
+        "act": jnp.zeros((sched.act_slots, *act_shape), act_dtype),  # chunk inputs: stashes and arrivals
         "grad": jnp.zeros((sched.grad_slots, *act_shape), act_dtype),
+        "res": acts.zero_res(),
         "g_layers": jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), layers),
         "g_shared": jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), shared),
         "loss": jnp.zeros((), jnp.float32),
     })
-    fwd, bwd = _branches(cfg, layers, shared, mbs, vary(seed_scale))
     rank = jax.lax.axis_index("pipeline")
-    fields = ("f_chunk", "f_micro", "f_slot", "b_chunk", "b_micro", "b_act_slot", "b_grad_slot", "recv_act",
-              "recv_grad")
-    for start, stop, fsend, bsend, present_f, present_b in segments:
-        xs = {k: jnp.asarray(getattr(sched, k)[start:stop]) for k in fields}
-        xs["f_kind"] = _local_kinds(present_f, f_kind[start:stop])
-        xs["b_kind"] = _local_kinds(present_b, b_kind[start:stop])
+    for seg in segments:
+        xs = {k: jnp.asarray(table[k][seg.start:seg.stop]) for k in FIELDS}
+        for key, present in (("f", seg.f), ("r", seg.r), ("b", seg.b)):
+            xs[key + "_kind"] = _local_kinds(present, kinds[key][seg.start:seg.stop])
+        tick = functools.partial(_tick, acts, seg, p, v, rank)
+        if seg.roles:  # pairs of ticks, so that each one's ppermute pairs are static
+            xs = jax.tree.map(lambda x: x.reshape(-1, 2, *x.shape[1:]), xs)
 
-        def tick(carry, row, fwd_branches=[fwd[k] for k in present_f], bwd_branches=[bwd[k] for k in present_b],
-                 fsend=fsend, bsend=bsend):
-            row = {k: jnp.clip(val[rank], 0, None) for k, val in row.items()}
-            # Only the slices an action reads go into the switch, and its results come out of it: the big
-            # buffers and accumulators stay outside, so no conditional copies them every tick.
-            send_act, stash, loss = jax.lax.switch(row["f_kind"], fwd_branches, carry["act"][row["f_slot"], 0], row)
-            carry["act"] = carry["act"].at[row["f_slot"]].set(stash)  # (the trash slot when no forward)
-            send_grad, dw, dsh = jax.lax.switch(row["b_kind"], bwd_branches, carry["act"][row["b_act_slot"]],
-                                                carry["grad"][row["b_grad_slot"]], row)
-            carry["loss"] = carry["loss"] + loss
-            c = row["b_chunk"]
-            carry["g_layers"] = jax.tree.map(lambda acc, d: acc.at[c].add(d), carry["g_layers"], dw)
-            carry["g_shared"] = jax.tree.map(jnp.add, carry["g_shared"], dsh)
-            if fsend:
-                recv = jax.lax.ppermute(send_act, "pipeline", _perm(par.pipeline, par.virtual_stages, 1))
-                carry["act"] = carry["act"].at[row["recv_act"], 0].set(recv)
-            if bsend:
-                recv = jax.lax.ppermute(send_grad, "pipeline", _perm(par.pipeline, par.virtual_stages, -1))
-                carry["grad"] = carry["grad"].at[row["recv_grad"]].set(recv)
-            return carry, None
+            def pair(carry, row2, tick=tick, parity=seg.parity):
+                carry = tick(carry, jax.tree.map(lambda x: x[0], row2), parity)
+                return tick(carry, jax.tree.map(lambda x: x[1], row2), 1 - parity), None
 
-        carry, _ = jax.lax.scan(tick, carry, xs)
+            carry, _ = jax.lax.scan(pair, carry, xs)
+        else:
+            carry, _ = jax.lax.scan(lambda carry, row, tick=tick: (tick(carry, row, None), None), carry, xs)
     grads = {k: jax.lax.psum(g, "pipeline") for k, g in carry["g_shared"].items()}
     grads["layers"] = jax.tree.map(lambda g: g[:, None], carry["g_layers"])
     return jax.lax.psum(carry["loss"], "pipeline"), grads
 
 
-def _branches(cfg: Config, layers, shared, mbs, seed_scale):
-    """The forward and backward actions of a tick, indexed by NONE / FIRST / MID / LAST.
-
-    forward  (x, row) -> (activation to send, stash, loss): runs the chunk's layers one by one and keeps
-             each layer's input (and the chunk's output) in the stash
-    backward (stash, g, row) -> (gradient to send, chunk gradients, shared-parameter gradients): walks the
-             layers backwards, recomputing each from its stashed input just before its backward
-    So every micro batch costs one forward, one recomputed forward and one backward, like Megatron with
-    full recomputation, and only [layers + 1, mb, s, d] per in-flight micro batch is kept.
-    """
-    acts = _ChunkActions(cfg, layers, shared, mbs, seed_scale)
-    return ([acts.f_none, acts.f_first, acts.f_mid, acts.f_last],
-            [acts.b_none, acts.b_first, acts.b_mid, acts.b_last])
+def _tick(acts: _ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, row: dict, parity):
+    """One tick of one rank: B, then F, then R, then the sends (see the module docstring)."""
+    row = {k: jnp.clip(val[rank], 0, None) for k, val in row.items()}
+    # Only the slices an action reads go into a switch; the accumulators go through the backward's and the
+    # forward's switches so that only the branches with something to add touch them.
+    send_grad, carry["g_layers"], carry["g_shared"] = jax.lax.switch(
+        row["b_kind"], [acts.backward_branch(k) for k in seg.b], carry["res"], carry["grad"][row["b_grad_slot"]],
+        carry["g_layers"], carry["g_shared"], row)
+    send_act, stash, loss, g_self, res_f, carry["g_shared"] = jax.lax.switch(
+        row["f_kind"], [acts.forward_branch(k) for k in seg.f], carry["act"][row["f_slot"]], carry["g_shared"], row)
+    carry["act"] = carry["act"].at[row["f_slot"]].set(stash)  # (the trash slot when no forward)
+    carry["grad"] = carry["grad"].at[row["f_grad_slot"]].set(g_self)
+    carry["loss"] = carry["loss"] + loss
+    res_r = jax.lax.switch(row["r_kind"], [acts.recompute_branch(k) for k in seg.r], carry["act"][row["r_slot"]],
+                           row)
+    keep = row["f_keep"] > 0
+    carry["res"] = jax.tree.map(lambda a, b: jnp.where(keep, a, b), res_f, res_r)
+    perms = perm_pairs(p, v, parity is not None, parity or 0)
+    if parity is None:
+        carry["act"] = carry["act"].at[row["recv_act"]].set(jax.lax.ppermute(send_act, "pipeline", perms[0]))
+    elif len(perms) == 1:
+        forward_role = (rank + parity) % 2 == 0
+        recv = jax.lax.ppermute(jnp.where(forward_role, send_act, send_grad), "pipeline", perms[0])
+        carry["act"] = carry["act"].at[row["recv_act"]].set(recv)
+        carry["grad"] = carry["grad"].at[row["recv_grad"]].set(recv)
+    else:
+        carry["act"] = carry["act"].at[row["recv_act"]].set(jax.lax.ppermute(send_act, "pipeline", perms[0]))
+        carry["grad"] = carry["grad"].at[row["recv_grad"]].set(jax.lax.ppermute(send_grad, "pipeline", perms[1]))
+    return carry
 
 
 class _ChunkActions:
-    """What one rank can do with one (local chunk, micro batch) in a tick: the chunk's forward and its
-    backward, each in four variants by where the chunk sits in the model (see `_branches`)."""
+    """What one rank can do with one (local chunk, micro batch) in a tick: the branches of the forward,
+    recompute and backward switches, by where the chunk sits in the model (NONE / FIRST / MID / LAST)."""
 
-    def __init__(self, cfg: Config, layers, shared, mbs, seed_scale):
+    def __init__(self, cfg: Config, layers, shared, mbs, seed_scale, act_shape, act_dtype):
         self.cfg, self.mcfg = cfg, cfg.model
         self.layers, self.shared, self.mbs, self.seed_scale = layers, shared, mbs, seed_scale
+        self.act_shape, self.act_dtype = act_shape, act_dtype
         self.lc = jax.tree.leaves(layers)[0].shape[1]
-        self.zero_dw = jax.tree.map(lambda x: jnp.zeros(x.shape[1:], jnp.float32), layers)
-        self.zero_dsh = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), shared)
+        self._res_tree = None
+        self._res_avals = None
 
     # -- what an action reads: the chunk's weights and the micro batch ------------------------------------
 
@@ -203,86 +253,88 @@ class _ChunkActions:
                           self.mbs)
         return mb, model.dropout_keys(self.mcfg, self.cfg.train.seed, mb["sample_ids"])
 
-    # -- the chunk's layers, forward and backward ----------------------------------------------------------
+    # -- the chunk's layers, forward with its residuals -----------------------------------------------------
 
-    def forward(self, w, x, keys, first_layer):
-        """The chunk's layers in order: (output, stash [lc + 1, mb, s, d])."""
+    def _layers(self, w, x, keys, first_layer):
         def body(x, wl):
             w_l, l = wl
-            return model.block_apply(self.mcfg, w_l, x, l, keys).astype(x.dtype), x
+            return model.block_apply(self.mcfg, w_l, x, l, keys).astype(x.dtype), None
 
-        y, inputs = jax.lax.scan(body, x, (w["block"], first_layer + jnp.arange(self.lc)))
-        return y, jnp.concatenate([inputs, y[None]], axis=0)
+        return jax.lax.scan(body, x, (w["block"], first_layer + jnp.arange(self.lc)))[0]
 
-    def backward(self, w, stash, g, keys, first_layer):
-        """Layer by layer from the last: recompute from the stashed input, then its vjp.
-        Returns (gradient at the chunk input, stacked parameter gradients)."""
-        def body(g, wxl):
-            w_l, x_l, l = wxl
-            _, vjp = jax.vjp(lambda w, x: model.block_apply(self.mcfg, w, x, l, keys), w_l, x_l)
-            dw, dx = vjp(g.astype(x_l.dtype))
-            return dx, jax.tree.map(lambda d: d.astype(jnp.float32), dw)
+    def forward_keeping(self, row, prefix, x):
+        """(chunk output, its residuals as a list of arrays): jax.vjp's pullback, flattened so that the scan
+        can carry it to the backward's tick."""
+        (w, first), (_, keys) = self.chunk(row, prefix), self.micro(row, prefix)
+        y, pullback = jax.vjp(lambda w, x: self._layers(w, x, keys, first), w, x)
+        leaves, tree = jax.tree.flatten(pullback)
+        avals = [(leaf.shape, leaf.dtype) for leaf in leaves]
+        if self._res_avals is None:
+            self._res_avals = avals
+        elif avals != self._res_avals:
+            raise AssertionError("the chunk's residuals differ between the forward and the recompute")
+        self._res_tree = tree  # the backward unflattens with the latest trace's (the same function)
+        return y, leaves
 
-        g_in, dw = jax.lax.scan(body, g, (w["block"], stash[:self.lc], first_layer + jnp.arange(self.lc)),
-                                reverse=True)
-        return g_in, {"block": dw}
-
-    # -- branch outputs: every branch returns the same types (absent parts are zeros) ----------------------
-
-    def fwd_out(self, x, send=None, stash=None, loss=None):
-        return vary((jnp.zeros_like(x) if send is None else send.astype(x.dtype),
-                     jnp.zeros((self.lc + 1, *x.shape), x.dtype) if stash is None else stash,
-                     jnp.zeros((), jnp.float32) if loss is None else loss))
-
-    def bwd_out(self, g, send=None, dw=None, dsh=None):
-        return vary((jnp.zeros_like(g) if send is None else send.astype(g.dtype),
-                     self.zero_dw if dw is None else dw,
-                     self.zero_dsh if dsh is None else jax.tree.map(lambda d: d.astype(jnp.float32), dsh)))
+    def zero_res(self) -> list:
+        """Zeros shaped like the residuals (traced once, abstractly, to learn them)."""
+        if self._res_avals is None:
+            row = {k: jnp.zeros((), jnp.int32) for k in ("f_chunk", "f_micro")}
+            jax.eval_shape(lambda x: self.forward_keeping(row, "f_", vary(x))[1],
+                           jax.ShapeDtypeStruct(self.act_shape, self.act_dtype))
+        return [jnp.zeros(shape, dtype) for shape, dtype in self._res_avals]
 
     # -- the branches --------------------------------------------------------------------------------------
 
-    def f_none(self, x, row):
-        return self.fwd_out(x)
+    def forward_branch(self, kind):
+        """(x, g_shared, row) -> (activation to send, the slot's new content, loss, output gradient of the
+        last chunk, residuals, g_shared)."""
+        def run(x, g_shared, row):
+            zeros = jnp.zeros(self.act_shape, self.act_dtype)
+            loss, g_self, res = jnp.zeros((), jnp.float32), zeros, self.zero_res()
+            if kind == NONE:
+                return vary((zeros, x, loss, g_self, res, g_shared))
+            (w, first), (mb, keys) = self.chunk(row, "f_"), self.micro(row, "f_")
+            if kind == FIRST:
+                x = model.embed_apply(self.mcfg, self.shared, mb["tokens"], keys).astype(x.dtype)
+            if kind != LAST:
+                return vary((self._layers(w, x, keys, first).astype(x.dtype), x, loss, g_self, res, g_shared))
+            y, res = self.forward_keeping(row, "f_", x)
+            loss, pullback = jax.vjp(lambda sh, y: model.head_apply(self.mcfg, sh, y, mb["targets"],
+                                                                    mb["loss_mask"]), self.shared, y)
+            dsh, g_y = pullback(self.seed_scale)
+            g_shared = jax.tree.map(lambda a, d: a + d.astype(jnp.float32), g_shared, dsh)
+            return vary((zeros, x, loss, g_y.astype(x.dtype), res, g_shared))
 
-    def f_first(self, x, row):
-        (w, first), (mb, keys) = self.chunk(row, "f_"), self.micro(row, "f_")
-        x0 = model.embed_apply(self.mcfg, self.shared, mb["tokens"], keys).astype(x.dtype)
-        y, stash = self.forward(w, x0, keys, first)
-        return self.fwd_out(x, y, stash)
+        return run
 
-    def f_mid(self, x, row):
-        (w, first), (_, keys) = self.chunk(row, "f_"), self.micro(row, "f_")
-        y, stash = self.forward(w, x, keys, first)
-        return self.fwd_out(x, y, stash)
+    def recompute_branch(self, kind):
+        """(stash, row) -> the residuals of the chunk's forward from its stashed input."""
+        def run(x, row):
+            if kind == NONE:
+                return vary(self.zero_res())
+            return vary(self.forward_keeping(row, "r_", x)[1])
 
-    def f_last(self, x, row):
-        (w, first), (mb, keys) = self.chunk(row, "f_"), self.micro(row, "f_")
-        y, stash = self.forward(w, x, keys, first)
-        loss = model.head_apply(self.mcfg, self.shared, y, mb["targets"], mb["loss_mask"])
-        return self.fwd_out(x, stash=stash, loss=loss)
+        return run
 
-    def b_none(self, stash, g, row):
-        return self.bwd_out(g)
+    def backward_branch(self, kind):
+        """(residuals, g, g_layers, g_shared, row) -> (gradient to send, g_layers, g_shared)."""
+        def run(res, g, g_layers, g_shared, row):
+            if kind == NONE:
+                return vary((jnp.zeros_like(g), g_layers, g_shared))
+            pullback = jax.tree.unflatten(self._res_tree, res)
+            dw, dx = pullback(g)
+            c = row["b_chunk"]
+            g_layers = jax.tree.map(lambda acc, d: acc.at[c].add(d.astype(jnp.float32)), g_layers, dw)
+            if kind == FIRST:  # the embedding's backward ends the pipeline: nothing to send
+                mb, keys = self.micro(row, "b_")
+                _, vjp = jax.vjp(lambda sh: model.embed_apply(self.mcfg, sh, mb["tokens"], keys), self.shared)
+                (dsh,) = vjp(dx.astype(g.dtype))
+                g_shared = jax.tree.map(lambda a, d: a + d.astype(jnp.float32), g_shared, dsh)
+                return vary((jnp.zeros_like(g), g_layers, g_shared))
+            return vary((dx.astype(g.dtype), g_layers, g_shared))
 
-    def b_first(self, stash, g, row):
-        (w, first), (mb, keys) = self.chunk(row, "b_"), self.micro(row, "b_")
-        g_in, dw = self.backward(w, stash, g, keys, first)
-        _, vjp = jax.vjp(lambda sh: model.embed_apply(self.mcfg, sh, mb["tokens"], keys), self.shared)
-        (dsh,) = vjp(g_in.astype(stash.dtype))
-        return self.bwd_out(g, dw=dw, dsh=dsh)
-
-    def b_mid(self, stash, g, row):
-        (w, first), (_, keys) = self.chunk(row, "b_"), self.micro(row, "b_")
-        g_in, dw = self.backward(w, stash, g, keys, first)
-        return self.bwd_out(g, g_in, dw)
-
-    def b_last(self, stash, g, row):
-        (w, first), (mb, keys) = self.chunk(row, "b_"), self.micro(row, "b_")
-        _, vjp = jax.vjp(lambda sh, y: model.head_apply(self.mcfg, sh, y, mb["targets"], mb["loss_mask"]),
-                         self.shared, stash[self.lc])
-        dsh, g_out = vjp(self.seed_scale)
-        g_in, dw = self.backward(w, stash, g_out, keys, first)
-        return self.bwd_out(g, g_in, dw, dsh)
+        return run
 
 
 def _shared(params: dict) -> dict:

@@ -1,26 +1,27 @@
 """Pipeline schedules as data: GPipe, 1F1B and interleaved 1F1B (Narayanan et al., SC21).
 
 A schedule is built in plain NumPy, without JAX. Each pipeline rank gets Megatron's order of actions:
-  1F1B         2 (p - r - 1) warm-up forwards, then one forward one backward, then the remaining backwards
-  interleaved  v model chunks per rank; forward k runs micro batch (k // (p v)) p + k % p on local chunk
-               (k // p) % v (backwards the same with the chunk reversed); (p - r - 1) 2 + (v - 1) p
-               warm-up forwards (capped at m v); needs m % p == 0
+  1F1B         p - r - 1 warm-up forwards, then one forward one backward, then the remaining backwards
+  interleaved  v model chunks per rank, micro batches in groups of p (the last group takes the rest, so
+               any m >= p works): forwards run group by group, each chunk in turn over the group's micro
+               batches (backwards the same with the chunk order reversed); (p - r - 1) 2 + (v - 1) p
+               warm-up forwards (capped at m v)
   GPipe        every forward, then every backward
 Global chunk c = local chunk * p + rank holds layers [c L / (p v), (c + 1) L / (p v)).
 
-The executor runs in lock step: every tick ends with one send of activations to rank r + 1 and one of
-gradients to rank r - 1, so a tick lasts as long as its slowest rank. A tick therefore holds up to one
-forward AND one backward per rank, taken in the rank's order (1F1B's steady state is exactly one of each),
-and every rank's tick costs about the same: with a backward twice a forward, that gives the paper's bubble
-(p - 1) / (v m), which ticks of one action each (costing a forward on some ranks, a backward on others)
-would not. One consequence: an activation needs a tick per hop, so the gradient of a micro batch comes
-back to rank r 2 (p - r - 1) ticks after its forward, and 1F1B warms up with 2 (p - r - 1) forwards (as
-Megatron's interleaved schedule does) instead of p - r - 1, or its steady state would idle every other
-tick. In-flight micro batches stay bounded by the pipeline depth (2 p - 1 at most), never by m.
-A lock-step simulation turns the orders into the table: an action runs when its inputs arrived
-in an earlier tick (the last chunk's backward may follow its own forward in the same tick). It also gives
-every message a buffer slot on its receiver (a spare "trash" slot takes ticks with nothing to keep), so the
-executor's writes are unconditional and its buffers have a fixed size.
+The executor runs in lock step, with roles staggered by rank: on ticks where t + r is even rank r may run a
+forward (F) and the recompute (R) of the backward it runs next, on odd ticks that backward (B, input and
+weight gradients from R's residuals). F + R and B each cost about two forwards, so every tick costs the
+same on every rank, and a message needs one tick per hop in either direction: the forward's activation goes
+to rank r + 1 while rank r + 1, in its backward tick, sends a gradient to rank r. So a micro batch's
+gradient is back at rank r 2 (p - r - 1) + 1 ticks after its forward, during which the rank ran p - r - 1
+more forwards: Megatron's p - r in flight, and Megatron's bubble (p - 1) / (v m) (F 1, R 1, B 2 units). The
+last chunk's forward keeps its own residuals (no separate recompute) and runs the head's forward and
+backward once; a chunk's stash is its input alone, freed by its recompute.
+A lock-step simulation turns the orders into the table: an action runs in a tick of its role when its
+inputs arrived in an earlier tick; R runs in the F tick right before its B, once the gradient B needs is
+there or on its way. It also gives every message a buffer slot on its receiver (a spare "trash" slot takes
+ticks with nothing to keep), so the executor's writes are unconditional and its buffers have a fixed size.
 
     python -m megajax.pipeline.schedule --schedule interleaved -p 4 -v 2 -m 8 [--png out.png]
 """
@@ -35,7 +36,9 @@ import sys
 import numpy as np
 
 FWD, BWD = 1, 2
-BWD_COST = 2.0  # a backward costs twice a forward (the paper's assumption, for bubble accounting)
+# Costs in units of one chunk forward (for bubble accounting): the recompute is a forward, the backward
+# (input and weight gradients) twice a forward, the paper's assumption.
+F_COST, R_COST, B_COST = 1.0, 1.0, 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,11 +46,15 @@ class Schedule:
     """Tables are [ticks, p] int32 arrays, -1 where nothing runs (or no slot applies).
 
     f_chunk, f_micro   the forward of the tick: local chunk and micro batch
-    f_slot             activation slot of the forward: its input arrived there (chunk > 0), and the forward
-                       stashes there what its backward needs (the first chunk takes a fresh slot)
-    b_chunk, b_micro   the backward of the tick (after the forward in the same tick)
-    b_act_slot         activation slot of the backward's stash; freed by it
-    b_grad_slot        gradient slot the backward reads (not the last chunk); freed by it
+    f_slot             activation slot of the forward's input (the first chunk writes its embedding into a
+                       free slot); the input stays there as the stash until the recompute reads it
+    f_keep             1: the forward keeps its residuals for the backward of the next tick (the last chunk,
+                       when its backward comes next), instead of a separate recompute
+    f_grad_slot        last chunk: the gradient slot the head's backward writes the output gradient to
+    r_chunk, r_micro   the recompute of the tick: the backward of the next tick, recomputed from its stash
+    r_slot             activation slot of that stash; freed by the recompute
+    b_chunk, b_micro   the backward of the tick (its residuals come from the previous tick)
+    b_grad_slot        gradient slot the backward reads; freed by it
     recv_act           slot the activation arriving at the end of the tick is written to
     recv_grad          slot for the arriving gradient
     Slot fields with nothing to read or keep point at the trash slot (the last one).
@@ -60,14 +67,19 @@ class Schedule:
     f_chunk: np.ndarray
     f_micro: np.ndarray
     f_slot: np.ndarray
+    f_keep: np.ndarray
+    f_grad_slot: np.ndarray
+    r_chunk: np.ndarray
+    r_micro: np.ndarray
+    r_slot: np.ndarray
     b_chunk: np.ndarray
     b_micro: np.ndarray
-    b_act_slot: np.ndarray
     b_grad_slot: np.ndarray
     recv_act: np.ndarray
     recv_grad: np.ndarray
     act_slots: int  # buffer sizes, including the trash slot
     grad_slots: int
+    free_ticks: int = 0  # the first ticks, before any backward: roles not yet kept, only activations move
 
     @property
     def ticks(self) -> int:
@@ -81,22 +93,21 @@ class Schedule:
         """Global chunk index of a [ticks, p] table of local chunks (-1 stays -1)."""
         return np.where(local < 0, -1, local * self.p + np.arange(self.p)[None, :])
 
-    def tick_costs(self, bwd_cost: float = BWD_COST) -> np.ndarray:
-        """[ticks] duration of each tick in forward-chunk units: its slowest rank's work."""
-        work = (self.f_chunk >= 0) * 1.0 + (self.b_chunk >= 0) * bwd_cost
+    def tick_costs(self, b_cost: float = B_COST, r_cost: float = R_COST) -> np.ndarray:
+        """[ticks] duration of each tick in units of one forward of a whole stage: its slowest rank's work."""
+        work = (self.f_chunk >= 0) * F_COST + (self.r_chunk >= 0) * r_cost + (self.b_chunk >= 0) * b_cost
         return work.max(axis=1) / self.v
 
-    def bubble_fraction(self, bwd_cost: float = BWD_COST) -> float:
+    def bubble_fraction(self, b_cost: float = B_COST, r_cost: float = R_COST) -> float:
         """Step time over the ideal (every rank busy), minus one: the paper's bubble time / ideal time,
-        (p - 1) / m for 1F1B and (p - 1) / (v m) interleaved."""
-        ideal = self.m * (1.0 + bwd_cost)
-        return float(self.tick_costs(bwd_cost).sum() / ideal - 1.0)
+        (p - 1) / m for 1F1B and (p - 1) / (v m) interleaved. The ideal counts a recompute for every
+        micro batch (full recomputation, as the executor runs)."""
+        ideal = self.m * (F_COST + r_cost + b_cost)
+        return float(self.tick_costs(b_cost, r_cost).sum() / ideal - 1.0)
 
     def in_flight(self) -> np.ndarray:
         """Peak number of (chunk, micro batch) pairs whose forward ran and backward has not, per rank."""
-        before = np.cumsum((self.f_chunk >= 0).astype(int) - (self.b_chunk >= 0).astype(int), axis=0)
-        after_forward = before + (self.b_chunk >= 0)  # a tick's forward runs before its backward
-        return after_forward.max(axis=0)
+        return np.cumsum((self.f_chunk >= 0).astype(int) - (self.b_chunk >= 0).astype(int), axis=0).max(axis=0)
 
     def sends(self) -> dict[str, int]:
         """Messages the schedule needs (activations forward, gradients backward) over all ranks."""
@@ -113,28 +124,46 @@ class Schedule:
         }
 
 
-def rank_order(name: str, p: int, v: int, m: int, r: int) -> list[tuple[int, int, int]]:
-    """Megatron's action order for rank r: [(FWD|BWD, local chunk, micro batch), ...]."""
+def interleaved_table(p: int, v: int, m: int) -> list[tuple[int, int]]:
+    """Megatron's interleaved order of (micro batch, local chunk) for the forwards: micro batches in groups
+    of p (the last one takes what is left), within a group every chunk in turn over its micro batches."""
+    return [(mb, c) for lo in range(0, m, p) for c in range(v) for mb in range(lo, min(lo + p, m))]
+
+
+def rank_queues(name: str, p: int, v: int, m: int, r: int) -> tuple[list, list, int]:
+    """Megatron's orders for rank r: (forwards [(local chunk, micro batch)], backwards [...], the most
+    micro batches the rank may hold in flight). GPipe holds all m and starts no backward before its last
+    forward."""
     if name == "gpipe":
-        return [(FWD, 0, i) for i in range(m)] + [(BWD, 0, i) for i in range(m)]
+        return [(0, i) for i in range(m)], [(0, i) for i in range(m)], m
     if name == "1f1b":
-        warm = min(2 * (p - r - 1), m)  # lock-step ticks: see the module docstring
-        fwd = [(FWD, 0, i) for i in range(m)]
-        bwd = [(BWD, 0, i) for i in range(m)]
-        steady = [a for i in range(m - warm) for a in (fwd[warm + i], bwd[i])]
-        return fwd[:warm] + steady + bwd[m - warm:]
+        return [(0, i) for i in range(m)], [(0, i) for i in range(m)], min(p - r, m)
     if name == "interleaved":
-        total = m * v
-
-        def micro(k):
-            return (k // (p * v)) * p + k % p
-
-        fwd = [(FWD, (k // p) % v, micro(k)) for k in range(total)]
-        bwd = [(BWD, v - 1 - (k // p) % v, micro(k)) for k in range(total)]
-        warm = min((p - r - 1) * 2 + (v - 1) * p, total)
-        steady = [a for i in range(total - warm) for a in (fwd[warm + i], bwd[i])]
-        return fwd[:warm] + steady + bwd[total - warm:]
+        table = interleaved_table(p, v, m)
+        return [(c, mb) for mb, c in table], [(v - 1 - c, mb) for mb, c in table], interleaved_depth(p, v, m, r)
     raise ValueError(f"unknown schedule {name!r}: use gpipe, 1f1b or interleaved")
+
+
+def interleaved_depth(p: int, v: int, m: int, r: int) -> int:
+    """In-flight bound of the interleaved schedule on rank r: its first backward is chunk v - 1's of micro
+    batch 0, which runs (v - 1) p forwards into the rank's order; the gradient is back 2 (p - r - 1) + 1
+    ticks after it, while the rank runs a forward every other tick: v p - r in all (with odd p a wrap-around
+    hop can wait a tick for its role: one more per extra chunk), capped at Megatron's
+    (p - r - 1) 2 + (v - 1) p + 1."""
+    depth = (v - 1) * min(p, m) + p - r + (v - 1) * (p % 2)
+    return max(1, min(depth, (p - r - 1) * 2 + (v - 1) * p + 1, m * v))
+
+
+def rank_order(name: str, p: int, v: int, m: int, r: int) -> list[tuple[int, int, int]]:
+    """Rank r's actions [(FWD|BWD, local chunk, micro batch), ...] in the order the lock step runs them."""
+    s = build(name, p, v, m)
+    out = []
+    for t in range(s.ticks):
+        if s.f_chunk[t, r] >= 0:
+            out.append((FWD, int(s.f_chunk[t, r]), int(s.f_micro[t, r])))
+        if s.b_chunk[t, r] >= 0:
+            out.append((BWD, int(s.b_chunk[t, r]), int(s.b_micro[t, r])))
+    return out
 
 
 def _check_layout(name: str, p: int, v: int, m: int) -> None:
@@ -142,8 +171,8 @@ def _check_layout(name: str, p: int, v: int, m: int) -> None:
         raise ValueError(f"pipeline sizes must be positive, got p={p} v={v} m={m}")
     if name != "interleaved" and v != 1:
         raise ValueError(f"v={v} virtual stages need the interleaved schedule, not {name}")
-    if name == "interleaved" and m % p:
-        raise ValueError(f"the interleaved schedule needs micro batches m={m} to be a multiple of p={p}")
+    if name == "interleaved" and p > 1 and m < p:
+        raise ValueError(f"the interleaved schedule needs at least p={p} micro batches, got m={m}")
 
 
 class _Slots:
@@ -164,70 +193,95 @@ class _Slots:
 
 
 class _Simulator:
-    """Lock-step execution of the rank orders: which actions run in which tick, and buffer slots."""
+    """Staggered lock-step execution of the rank orders: which actions run in which tick, and buffer slots."""
 
-    FIELDS = ("f_chunk", "f_micro", "f_slot", "b_chunk", "b_micro", "b_act_slot", "b_grad_slot",
-              "recv_act", "recv_grad")
+    FIELDS = ("f_chunk", "f_micro", "f_slot", "f_keep", "f_grad_slot", "r_chunk", "r_micro", "r_slot",
+              "b_chunk", "b_micro", "b_grad_slot", "recv_act", "recv_grad")
 
     def __init__(self, name: str, p: int, v: int, m: int):
-        self.p, self.chunks = p, p * v
-        self.orders = [rank_order(name, p, v, m, r) for r in range(p)]
-        self.ptr = [0] * p
+        self.p, self.chunks, self.gpipe = p, p * v, name == "gpipe"
+        queues = [rank_queues(name, p, v, m, r) for r in range(p)]
+        self.fwd = [q[0] for q in queues]
+        self.bwd = [q[1] for q in queues]
+        self.depth = [q[2] for q in queues]
+        self.fptr, self.bptr = [0] * p, [0] * p
         self.done: dict[tuple[int, int, int], int] = {}  # (kind, global chunk, micro) -> tick
+        self.prepared = [None] * p  # per rank: the (global chunk, micro) whose residuals the last tick made
+        self.roles = False  # whether ranks keep to their tick roles yet (see tick)
+        self.free_ticks = 0
         self.act_at: dict[tuple[int, int], int] = {}  # (global chunk, micro) -> slot on its rank
         self.grad_at: dict[tuple[int, int], int] = {}
         self.act_alloc = [_Slots() for _ in range(p)]
         self.grad_alloc = [_Slots() for _ in range(p)]
 
-    def ready(self, kind: int, g: int, mb: int, t: int) -> bool:
-        if kind == FWD:
-            return g == 0 or self.done.get((FWD, g - 1, mb), t) < t
-        own_forward = (FWD, g, mb) in self.done  # may be this very tick, on this rank
-        return own_forward and (g == self.chunks - 1 or self.done.get((BWD, g + 1, mb), t) < t)
+    def _head(self, queue, ptr, r):
+        if ptr[r] >= len(queue[r]):
+            return None
+        c, mb = queue[r][ptr[r]]
+        return c, c * self.p + r, mb
 
     def tick(self, t: int) -> dict[str, list[int]]:
         row = {f: [-1] * self.p for f in self.FIELDS}
-        finished = []
-        for r in range(self.p):
-            actions = []
-            while self.ptr[r] < len(self.orders[r]):
-                kind, c, mb = self.orders[r][self.ptr[r]]
-                g = c * self.p + r
-                if kind in {a[0] for a in actions} or not self.ready(kind, g, mb, t):
-                    break
-                self.ptr[r] += 1
-                self.done[(kind, g, mb)] = t
-                actions.append((kind, c, g, mb))
-            # The executor runs a tick's forward before its backward, whatever their order in the rank's
-            # list (no dependency is broken by that): slots are taken and freed in that order too.
-            for kind, c, g, mb in sorted(actions):
-                finished.append((kind, g, mb))
-                self._record(row, r, kind, c, g, mb)
-        for kind, g, mb in finished:  # sends at the end of the tick
-            if kind == FWD and g < self.chunks - 1:
-                dst = (g + 1) % self.p
-                self.act_at[(g + 1, mb)] = row["recv_act"][dst] = self.act_alloc[dst].take()
-            if kind == BWD and g > 0:
-                dst = (g - 1) % self.p
-                self.grad_at[(g - 1, mb)] = row["recv_grad"][dst] = self.grad_alloc[dst].take()
+        sends = []
+        prepared = [None] * self.p
+        # backward ticks first: their gradient sends decide which recomputes the forward ticks may run
+        for r in (r for r in range(self.p) if (t + r) % 2 == 1):
+            nxt = self._head(self.bwd, self.bptr, r)
+            if nxt and self.prepared[r] == nxt[1:]:
+                c, g, mb = nxt
+                self.bptr[r] += 1
+                self.done[(BWD, g, mb)] = t
+                row["b_chunk"][r], row["b_micro"][r] = c, mb
+                row["b_grad_slot"][r] = self.grad_at.pop((g, mb))
+                self.grad_alloc[r].give(row["b_grad_slot"][r])
+                if g > 0:
+                    sends.append((BWD, g - 1, mb))
+        # Until the first recompute, nothing goes backwards: every rank may run a forward in every tick
+        # (the pipeline fills at one hop per tick); from then on only in ticks of its forward role.
+        for r in (r for r in range(self.p) if (t + r) % 2 == 0 or not self.roles):
+            nxt = self._head(self.fwd, self.fptr, r)
+            in_flight = self.fptr[r] - self.bptr[r]
+            if nxt and in_flight < self.depth[r] and (nxt[1] == 0 or self.done.get((FWD, nxt[1] - 1, nxt[2]), t) < t):
+                c, g, mb = nxt
+                self.fptr[r] += 1
+                self.done[(FWD, g, mb)] = t
+                row["f_chunk"][r], row["f_micro"][r] = c, mb
+                if g == 0:  # the first chunk's input is computed here (the embedding): a fresh slot
+                    self.act_at[(0, mb)] = self.act_alloc[r].take()
+                row["f_slot"][r] = self.act_at[(g, mb)]
+                if g < self.chunks - 1:
+                    sends.append((FWD, g + 1, mb))
+                else:  # the head's backward starts the gradient here
+                    self.grad_at[(g, mb)] = row["f_grad_slot"][r] = self.grad_alloc[r].take()
+            nxt = self._head(self.bwd, self.bptr, r)
+            if (self.gpipe and self.fptr[r] < len(self.fwd[r])) or (t + r) % 2:
+                nxt = None
+            if nxt and (FWD, nxt[1], nxt[2]) in self.done and self._gradient_ready(nxt[1], nxt[2], sends):
+                c, g, mb = nxt
+                prepared[r] = (g, mb)
+                slot = self.act_at.pop((g, mb))
+                if row["f_chunk"][r] == c and row["f_micro"][r] == mb:  # its own forward keeps the residuals
+                    row["f_keep"][r] = 1
+                else:
+                    row["r_chunk"][r], row["r_micro"][r], row["r_slot"][r] = c, mb, slot
+                self.act_alloc[r].give(slot)
+        self.free_ticks += not self.roles
+        self.roles = self.roles or any(x is not None for x in prepared)
+        for kind, g, mb in sends:  # at the end of the tick
+            dst = g % self.p
+            if kind == FWD:
+                self.act_at[(g, mb)] = row["recv_act"][dst] = self.act_alloc[dst].take()
+            else:
+                self.grad_at[(g, mb)] = row["recv_grad"][dst] = self.grad_alloc[dst].take()
+        self.prepared = prepared
         return row
 
-    def _record(self, row, r, kind, c, g, mb) -> None:
-        if kind == FWD:
-            row["f_chunk"][r], row["f_micro"][r] = c, mb
-            if g == 0:  # the first chunk's input is computed here (the embedding): stash it in a fresh slot
-                self.act_at[(0, mb)] = self.act_alloc[r].take()
-            row["f_slot"][r] = self.act_at[(g, mb)]
-            return
-        row["b_chunk"][r], row["b_micro"][r] = c, mb
-        row["b_act_slot"][r] = self.act_at.pop((g, mb))
-        self.act_alloc[r].give(row["b_act_slot"][r])
-        if g < self.chunks - 1:
-            row["b_grad_slot"][r] = self.grad_at.pop((g, mb))
-            self.grad_alloc[r].give(row["b_grad_slot"][r])
+    def _gradient_ready(self, g: int, mb: int, sends) -> bool:
+        """The gradient a backward of (g, mb) needs is in a buffer or arrives at the end of this tick."""
+        return (g, mb) in self.grad_at or (BWD, g, mb) in sends
 
     def finished(self) -> bool:
-        return all(self.ptr[r] >= len(self.orders[r]) for r in range(self.p))
+        return all(self.bptr[r] >= len(self.bwd[r]) for r in range(self.p))
 
 
 def build(name: str, p: int, v: int = 1, m: int = 1) -> Schedule:
@@ -236,33 +290,36 @@ def build(name: str, p: int, v: int = 1, m: int = 1) -> Schedule:
     sim = _Simulator(name, p, v, m)
     rows = []
     while not sim.finished():
-        if len(rows) > 4 * (m * v + p) + 16:
+        if len(rows) > 8 * (m * v + p) + 16:
             raise RuntimeError(f"schedule {name} p={p} v={v} m={m} deadlocked")  # never for Megatron's orders
         rows.append(sim.tick(len(rows)))
     act_slots = max(a.size for a in sim.act_alloc) + 1  # + the trash slot
     grad_slots = max(a.size for a in sim.grad_alloc) + 1
     table = {f: np.array([row[f] for row in rows], np.int32) for f in _Simulator.FIELDS}
-    for field in ("recv_act", "f_slot", "b_act_slot"):  # nothing to read or keep: the trash slot
+    for field in ("recv_act", "f_slot", "r_slot"):  # nothing to read or keep: the trash slot
         table[field] = np.where(table[field] < 0, act_slots - 1, table[field])
-    table["recv_grad"] = np.where(table["recv_grad"] < 0, grad_slots - 1, table["recv_grad"])
-    return Schedule(name, p, v, m, act_slots=act_slots, grad_slots=grad_slots, **table)
+    for field in ("recv_grad", "f_grad_slot", "b_grad_slot"):
+        table[field] = np.where(table[field] < 0, grad_slots - 1, table[field])
+    table["f_keep"] = np.maximum(table["f_keep"], 0)
+    return Schedule(name, p, v, m, act_slots=act_slots, grad_slots=grad_slots, free_ticks=sim.free_ticks, **table)
 
 
 def timeline(s: Schedule) -> str:
-    """One line per rank, one cell per tick: 'F3' forward of micro batch 3, 'B1' backward, 'F3B1' both;
-    with v > 1 a chunk letter follows each micro batch (a, b, ...); '.' is idle."""
+    """One line per rank, one cell per tick: 'F3' forward of micro batch 3, 'R1' recompute for the backward
+    of micro batch 1, 'B1' that backward, 'F3R1' a forward and a recompute; with v > 1 a chunk letter
+    follows each micro batch (a, b, ...); '.' is idle."""
     def part(kind, chunk, micro):
         return "" if chunk < 0 else f"{kind}{micro}" + (chr(ord("a") + chunk) if s.v > 1 else "")
 
-    cells = [[part("F", s.f_chunk[t, r], s.f_micro[t, r]) + part("B", s.b_chunk[t, r], s.b_micro[t, r]) or "."
-              for t in range(s.ticks)] for r in range(s.p)]
+    cells = [[part("F", s.f_chunk[t, r], s.f_micro[t, r]) + part("R", s.r_chunk[t, r], s.r_micro[t, r])
+              + part("B", s.b_chunk[t, r], s.b_micro[t, r]) or "." for t in range(s.ticks)] for r in range(s.p)]
     width = max(len(c) for row in cells for c in row)
     return "\n".join(f"rank {r}: " + " ".join(c.rjust(width) for c in cells[r]) for r in range(s.p))
 
 
 def save_png(s: Schedule, path: str) -> None:
-    """A Figure-4-like picture in time units (a forward 1 / v, a backward 2 / v): forwards light,
-    backwards dark, one hue per chunk; gaps are the bubble."""
+    """A Figure-4-like picture in time units (a forward or recompute 1 / v, a backward 2 / v): forwards
+    light, recomputes hatched, backwards dark, one hue per chunk; gaps are the bubble."""
     try:
         import matplotlib
     except ImportError:
@@ -278,20 +335,22 @@ def save_png(s: Schedule, path: str) -> None:
     for t in range(s.ticks):
         for r in range(s.p):
             x, y = starts[t], s.p - 1 - r
-            for kind, chunk, micro, width in ((FWD, s.f_chunk[t, r], s.f_micro[t, r], 1 / s.v),
-                                              (BWD, s.b_chunk[t, r], s.b_micro[t, r], BWD_COST / s.v)):
+            for label, chunk, micro, width, alpha, hatch in (
+                    ("F", s.f_chunk[t, r], s.f_micro[t, r], F_COST / s.v, 0.45, None),
+                    ("R", s.r_chunk[t, r], s.r_micro[t, r], R_COST / s.v, 0.25, "//"),
+                    ("B", s.b_chunk[t, r], s.b_micro[t, r], B_COST / s.v, 0.95, None)):
                 if chunk < 0:
                     continue
                 ax.add_patch(plt.Rectangle((x, y), width, 1, facecolor=hues(int(chunk) % 10), edgecolor="white",
-                                           alpha=0.45 if kind == FWD else 0.95))
-                ax.text(x + width / 2, y + 0.5, str(micro), ha="center", va="center", fontsize=7)
+                                           alpha=alpha, hatch=hatch))
+                ax.text(x + width / 2, y + 0.5, f"{label}{micro}", ha="center", va="center", fontsize=6)
                 x += width
     ax.set_xlim(0, starts[-1])
     ax.set_ylim(0, s.p)
     ax.set_yticks([s.p - 0.5 - r for r in range(s.p)], [f"rank {r}" for r in range(s.p)])
     ax.set_xlabel("time (one forward of a whole stage = 1)")
     ax.set_title(f"{s.name} p={s.p} v={s.v} m={s.m}: bubble {s.bubble_fraction():.3f} "
-                 f"(formula {(s.p - 1) / (s.v * s.m):.3f}); light = forward, dark = backward")
+                 f"(formula {(s.p - 1) / (s.v * s.m):.3f}); F forward, R recompute, B backward")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
