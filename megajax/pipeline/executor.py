@@ -42,8 +42,9 @@ from megajax.pipeline import schedule as schedule_lib
 from megajax.pipeline.layout import local_chunks
 from megajax.sharding import vary
 
-# what an action does depends on where its chunk sits in the model: 0 none, 1 first, 2 middle, 3 last chunk
-NONE, FIRST, MID, LAST = range(4)
+# what an action does depends on where its chunk sits in the model: 0 none, 1 first, 2 middle, 3 last chunk;
+# 4: a forward of the last chunk that keeps its residuals for the backward of the next tick
+NONE, FIRST, MID, LAST, LAST_KEEP = range(5)
 FIELDS = ("f_chunk", "f_micro", "f_slot", "f_keep", "f_grad_slot", "r_chunk", "r_micro", "r_slot", "b_chunk",
           "b_micro", "b_grad_slot", "recv_act", "recv_grad")
 
@@ -96,7 +97,9 @@ def plan(name: str, p: int, v: int, m: int):
     free = s.free_ticks
     fsend_any = np.any((fg >= 0) & (fg < chunks - 1), axis=1)
     last_fwd = int(s.ticks - np.argmax(fsend_any[::-1])) if fsend_any.any() else free
-    bounds = sorted({0, free, max(free, last_fwd), s.ticks})
+    steady_end = max(free, last_fwd)
+    steady_end += (steady_end - free) % 2  # whole tick pairs, so that no idle tick splits an R from its B
+    bounds = sorted({0, free, min(steady_end, s.ticks), s.ticks})
     idle = {k: (np.full(p, s.act_slots - 1 if k in ("f_slot", "r_slot", "recv_act") else
                         s.grad_slots - 1 if k in ("f_grad_slot", "b_grad_slot", "recv_grad") else
                         0 if k == "f_keep" else -1, np.int32)) for k in FIELDS}
@@ -114,6 +117,8 @@ def plan(name: str, p: int, v: int, m: int):
             kind = _position(g[start:stop], chunks)
             if key == "r":  # a recompute is the same for every chunk position
                 kind = np.where(kind == NONE, NONE, MID)
+            if key == "f":
+                kind = np.where((kind == LAST) & (tables["f_keep"][start:stop] > 0), LAST_KEEP, kind)
             kinds[key] += list(kind) + [np.zeros(p, np.int32)] * pad
         present = {key: tuple(sorted(set(np.ravel(kinds[key][seg_start:]).tolist()) | {NONE})) for key in kinds}
         segments.append(Segment(seg_start, seg_start + n + pad, roles, start % 2, present["f"], present["r"],
@@ -142,7 +147,7 @@ def permute_bytes_per_step(cfg: Config) -> dict:
 
 def _local_kinds(present: tuple[int, ...], kinds: np.ndarray) -> jax.Array:
     """Kind codes -> indices into the segment's list of branches."""
-    index = np.zeros(4, np.int32)
+    index = np.zeros(LAST_KEEP + 1, np.int32)
     index[list(present)] = np.arange(len(present))
     return jnp.asarray(index[kinds])
 
@@ -201,15 +206,16 @@ def _tick(acts: _ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, 
     send_grad, carry["g_layers"], carry["g_shared"] = jax.lax.switch(
         row["b_kind"], [acts.backward_branch(k) for k in seg.b], carry["res"], carry["grad"][row["b_grad_slot"]],
         carry["g_layers"], carry["g_shared"], row)
-    send_act, stash, loss, g_self, res_f, carry["g_shared"] = jax.lax.switch(
-        row["f_kind"], [acts.forward_branch(k) for k in seg.f], carry["act"][row["f_slot"]], carry["g_shared"], row)
+    # The recompute reads its stash before the forward may reuse the slot; the residuals go through both
+    # switches (replaced by the one that makes them, untouched otherwise).
+    carry["res"] = jax.lax.switch(row["r_kind"], [acts.recompute_branch(k) for k in seg.r],
+                                  carry["act"][row["r_slot"]], carry["res"], row)
+    send_act, stash, loss, g_self, carry["res"], carry["g_shared"] = jax.lax.switch(
+        row["f_kind"], [acts.forward_branch(k) for k in seg.f], carry["act"][row["f_slot"]], carry["res"],
+        carry["g_shared"], row)
     carry["act"] = carry["act"].at[row["f_slot"]].set(stash)  # (the trash slot when no forward)
     carry["grad"] = carry["grad"].at[row["f_grad_slot"]].set(g_self)
     carry["loss"] = carry["loss"] + loss
-    res_r = jax.lax.switch(row["r_kind"], [acts.recompute_branch(k) for k in seg.r], carry["act"][row["r_slot"]],
-                           row)
-    keep = row["f_keep"] > 0
-    carry["res"] = jax.tree.map(lambda a, b: jnp.where(keep, a, b), res_f, res_r)
     perms = perm_pairs(p, v, parity is not None, parity or 0)
     if parity is None:
         carry["act"] = carry["act"].at[row["recv_act"]].set(jax.lax.ppermute(send_act, "pipeline", perms[0]))
@@ -287,19 +293,22 @@ class _ChunkActions:
     # -- the branches --------------------------------------------------------------------------------------
 
     def forward_branch(self, kind):
-        """(x, g_shared, row) -> (activation to send, the slot's new content, loss, output gradient of the
-        last chunk, residuals, g_shared)."""
-        def run(x, g_shared, row):
+        """(x, res, g_shared, row) -> (activation to send, the slot's new content, loss, output gradient of
+        the last chunk, residuals (the last chunk's own, else res unchanged), g_shared)."""
+        def run(x, res, g_shared, row):
             zeros = jnp.zeros(self.act_shape, self.act_dtype)
-            loss, g_self, res = jnp.zeros((), jnp.float32), zeros, self.zero_res()
+            loss, g_self = jnp.zeros((), jnp.float32), zeros
             if kind == NONE:
                 return vary((zeros, x, loss, g_self, res, g_shared))
             (w, first), (mb, keys) = self.chunk(row, "f_"), self.micro(row, "f_")
             if kind == FIRST:
                 x = model.embed_apply(self.mcfg, self.shared, mb["tokens"], keys).astype(x.dtype)
-            if kind != LAST:
+            if kind in (FIRST, MID):
                 return vary((self._layers(w, x, keys, first).astype(x.dtype), x, loss, g_self, res, g_shared))
-            y, res = self.forward_keeping(row, "f_", x)
+            if kind == LAST_KEEP:
+                y, res = self.forward_keeping(row, "f_", x)
+            else:  # its backward comes later, after a recompute
+                y = self._layers(w, x, keys, first).astype(x.dtype)
             loss, pullback = jax.vjp(lambda sh, y: model.head_apply(self.mcfg, sh, y, mb["targets"],
                                                                     mb["loss_mask"]), self.shared, y)
             dsh, g_y = pullback(self.seed_scale)
@@ -309,10 +318,11 @@ class _ChunkActions:
         return run
 
     def recompute_branch(self, kind):
-        """(stash, row) -> the residuals of the chunk's forward from its stashed input."""
-        def run(x, row):
+        """(stash, res, row) -> the residuals of the chunk's forward from its stashed input (res unchanged
+        when there is no recompute)."""
+        def run(x, res, row):
             if kind == NONE:
-                return vary(self.zero_res())
+                return vary(res)
             return vary(self.forward_keeping(row, "r_", x)[1])
 
         return run
