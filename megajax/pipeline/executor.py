@@ -82,7 +82,7 @@ def perm_pairs(p: int, v: int, roles: bool, parity: int) -> list[list[tuple[int,
     fwd = [(r, (r + 1) % p) for r in range(p) if (parity + r) % 2 == 0 and (ring or r + 1 < p)]
     bwd = [(r, (r - 1) % p) for r in range(p) if (parity + r) % 2 == 1 and (ring or r > 0)]
     if len({d for _, d in fwd + bwd}) == len(fwd + bwd):
-        return [fwd + bwd]
+        return [fwd + bwd] if fwd + bwd else []
     return [fwd, bwd]
 
 
@@ -217,7 +217,9 @@ def _tick(acts: _ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, 
     carry["grad"] = carry["grad"].at[row["f_grad_slot"]].set(g_self)
     carry["loss"] = carry["loss"] + loss
     perms = perm_pairs(p, v, parity is not None, parity or 0)
-    if parity is None:
+    if not perms:  # (p = 2 without a ring: nothing moves in the tick after a swap)
+        pass
+    elif parity is None:
         carry["act"] = carry["act"].at[row["recv_act"]].set(jax.lax.ppermute(send_act, "pipeline", perms[0]))
     elif len(perms) == 1:
         forward_role = (rank + parity) % 2 == 0
@@ -412,7 +414,7 @@ def _forward_rounds(cfg: Config, layers, shared, mbs, train: bool) -> jax.Array:
                                            lambda: vary(model.head_apply(mcfg, shared, y, mb["targets"],
                                                                          mb["loss_mask"])),
                                            lambda: vary(jnp.zeros((), jnp.float32)))
-            recv = jax.lax.ppermute(y, "pipeline", _perm(p, v, 1))
+            recv = jax.lax.ppermute(y, "pipeline", perm_pairs(p, v, roles=False, parity=0)[0])
             if returned is not None:  # the micro batch rank p - 1 just finished reaches rank 0 around the ring
                 back = t - (p - 1)
                 keep = (rank == 0) & (back >= 0) & (back < m)
