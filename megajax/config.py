@@ -292,10 +292,10 @@ class Config:
         m = t.global_batch_size // (data * mb)
         if p.schedule == "interleaved" and p.pipeline > 1:
             _check(
-                m % p.pipeline == 0,
-                f"the interleaved schedule needs the number of micro batches ({m} = global batch "
-                f"{t.global_batch_size} / (data {data} x micro batch {mb})) to be a multiple of "
-                f"parallel.pipeline={p.pipeline}: change train.global_batch_size or train.micro_batch_size",
+                m >= p.pipeline,
+                f"the interleaved schedule needs at least parallel.pipeline={p.pipeline} micro batches, got {m} "
+                f"(= global batch {t.global_batch_size} / (data {data} x micro batch {mb})): raise "
+                f"train.global_batch_size or lower train.micro_batch_size",
             )
 
     def _micro_batch_size(self, data: int) -> int:

@@ -57,11 +57,12 @@ def test_device_count_mismatch():
         load("parallel.tensor=4", "model.num_heads=4").for_devices(6)
 
 
-def test_interleaved_needs_microbatches_multiple_of_p():
-    cfg = load("model.num_layers=4", "parallel.pipeline=2", "parallel.virtual_stages=2",
-               "parallel.schedule=interleaved", "train.global_batch_size=6", "train.micro_batch_size=2")
-    with pytest.raises(ConfigError, match="multiple of parallel.pipeline=2"):
-        cfg.for_devices(2)
+def test_interleaved_needs_at_least_p_micro_batches():
+    """As Megatron: p <= micro batch group <= m, so any m >= p works (3 over p = 2 here), fewer does not."""
+    sets = ("model.num_layers=4", "parallel.pipeline=2", "parallel.virtual_stages=2", "parallel.schedule=interleaved")
+    assert load(*sets, "train.global_batch_size=6", "train.micro_batch_size=2").for_devices(2).num_micro_batches == 3
+    with pytest.raises(ConfigError, match="at least parallel.pipeline=2 micro batches, got 1"):
+        load(*sets, "train.global_batch_size=2", "train.micro_batch_size=2").for_devices(2)
 
 
 def test_missing_file_and_bad_override_syntax():
