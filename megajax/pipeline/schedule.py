@@ -15,9 +15,12 @@ weight gradients from R's residuals). F + R and B each cost about two forwards, 
 same on every rank, and a message needs one tick per hop in either direction: the forward's activation goes
 to rank r + 1 while rank r + 1, in its backward tick, sends a gradient to rank r. So a micro batch's
 gradient is back at rank r 2 (p - r - 1) + 1 ticks after its forward, during which the rank ran p - r - 1
-more forwards: Megatron's p - r in flight, and Megatron's bubble (p - 1) / (v m) (F 1, R 1, B 2 units). The
-last chunk's forward keeps its own residuals (no separate recompute) and runs the head's forward and
-backward once; a chunk's stash is its input alone, freed by its recompute.
+more forwards: Megatron's p - r in flight. The last chunk's forward keeps its own residuals (no separate
+recompute) and runs the head's forward and backward once; a chunk's stash is its input alone, freed by its
+recompute. Bubble (F 1, R 1, B 2 units): 1F1B below (p - 1) / m (the last stage skips the recompute);
+interleaved (p - 1) / (v m) with v = 2, an even p and m a multiple of p, more with an odd p (a wrap-around
+message waits a tick for its receiver's role) or v >= 3 (warm-up forwards beyond the fill ticks run in
+forward-role ticks only), never more than 1F1B's.
 A lock-step simulation turns the orders into the table: an action runs in a tick of its role when its
 inputs arrived in an earlier tick; R runs in the F tick right before its B, once the gradient B needs is
 there or on its way. It also gives every message a buffer slot on its receiver (a spare "trash" slot takes
