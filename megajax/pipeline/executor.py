@@ -161,8 +161,7 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
     if par.schedule == "gpipe":
         return _gpipe_grads(cfg, params, batch, seed_scale)
     p, v = par.pipeline, par.virtual_stages
-    _, table, kinds, segments = plan(par.schedule, p, v, m)
-    sched = schedule_lib.build(par.schedule, p, v, m)
+    sched, table, kinds, segments = plan(par.schedule, p, v, m)
     layers = vary(local_chunks(params["layers"]))  # [v, Lc, ...]
     shared = _shared(params)
     mbs = vary(micro_batches(batch, m))
