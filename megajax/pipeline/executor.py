@@ -10,8 +10,10 @@ nothing):
      the branch, so ticks without a backward add nothing
   F  forward of chunk c on micro batch i from its input slot (the first chunk embeds tokens into a fresh
      slot); the input stays as the stash. The last chunk runs the head's forward and backward right away
-     (loss, head gradients, and the output gradient for its own backward) and keeps its residuals
-  R  recompute of the next backward's chunk from its stash, keeping the residuals for the next tick
+     (loss, head gradients, and the output gradient for its own backward) and, when its backward comes
+     next, keeps its residuals
+  R  recompute of the next backward's chunk from its stash, keeping the residuals for the next tick; it
+     runs before F in the tick (F may reuse the freed slot)
 Sends are at the end of the tick: in the staggered lock step (schedule.py) a rank in its forward role
 sends an activation to rank r + 1 while rank r + 1, in its backward role, sends a gradient to rank r, so
 one ppermute of static swap pairs per tick carries both (two, one per direction, for an odd ring with
@@ -45,8 +47,9 @@ from megajax.sharding import vary
 # what an action does depends on where its chunk sits in the model: 0 none, 1 first, 2 middle, 3 last chunk;
 # 4: a forward of the last chunk that keeps its residuals for the backward of the next tick
 NONE, FIRST, MID, LAST, LAST_KEEP = range(5)
-FIELDS = ("f_chunk", "f_micro", "f_slot", "f_keep", "f_grad_slot", "r_chunk", "r_micro", "r_slot", "b_chunk",
-          "b_micro", "b_grad_slot", "recv_act", "recv_grad")
+# the table columns a tick reads (the schedule's f_keep becomes the LAST_KEEP kind)
+FIELDS = ("f_chunk", "f_micro", "f_slot", "f_grad_slot", "r_chunk", "r_micro", "r_slot", "b_chunk", "b_micro",
+          "b_grad_slot", "recv_act", "recv_grad")
 
 
 def _position(global_chunk: np.ndarray, chunks: int) -> np.ndarray:
@@ -88,8 +91,8 @@ def perm_pairs(p: int, v: int, roles: bool, parity: int) -> list[list[tuple[int,
 
 @functools.lru_cache(maxsize=64)
 def plan(name: str, p: int, v: int, m: int):
-    """(the schedule padded to whole tick pairs per segment, its forward / backward kinds per (tick, rank),
-    the segments)."""
+    """(the schedule, its table padded to whole tick pairs per segment, its forward / recompute / backward
+    kinds per (tick, rank), the segments)."""
     s = schedule_lib.build(name, p, v, m)
     chunks = p * v
     tables = {k: getattr(s, k) for k in FIELDS}
@@ -102,7 +105,7 @@ def plan(name: str, p: int, v: int, m: int):
     bounds = sorted({0, free, min(steady_end, s.ticks), s.ticks})
     idle = {k: (np.full(p, s.act_slots - 1 if k in ("f_slot", "r_slot", "recv_act") else
                         s.grad_slots - 1 if k in ("f_grad_slot", "b_grad_slot", "recv_grad") else
-                        0 if k == "f_keep" else -1, np.int32)) for k in FIELDS}
+                        -1, np.int32)) for k in FIELDS}
     rows = {k: [] for k in FIELDS}
     kinds = {"f": [], "r": [], "b": []}
     segments = []
@@ -118,7 +121,7 @@ def plan(name: str, p: int, v: int, m: int):
             if key == "r":  # a recompute is the same for every chunk position
                 kind = np.where(kind == NONE, NONE, MID)
             if key == "f":
-                kind = np.where((kind == LAST) & (tables["f_keep"][start:stop] > 0), LAST_KEEP, kind)
+                kind = np.where((kind == LAST) & (s.f_keep[start:stop] > 0), LAST_KEEP, kind)
             kinds[key] += list(kind) + [np.zeros(p, np.int32)] * pad
         present = {key: tuple(sorted(set(np.ravel(kinds[key][seg_start:]).tolist()) | {NONE})) for key in kinds}
         segments.append(Segment(seg_start, seg_start + n + pad, roles, start % 2, present["f"], present["r"],
@@ -198,7 +201,8 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
 
 
 def _tick(acts: _ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, row: dict, parity):
-    """One tick of one rank: B, then F, then R, then the sends (see the module docstring)."""
+    """One tick of one rank: B, then R (it reads its stash before a forward may reuse the slot), then F,
+    then the sends (see the module docstring)."""
     row = {k: jnp.clip(val[rank], 0, None) for k, val in row.items()}
     # Only the slices an action reads go into a switch; the accumulators go through the backward's and the
     # forward's switches so that only the branches with something to add touch them.
