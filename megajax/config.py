@@ -113,7 +113,7 @@ class ParallelConfig:
     tensor: int = 1
     sequence_parallel: bool = False
     virtual_stages: int = 1
-    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zero_bubble"] = "1f1b"
     distributed_optimizer: bool = False
 
     def __post_init__(self):

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from megajax.config import ModelConfig
-from megajax.model.layers import (MLP, RESIDUAL, Attention, Embed, KVCache, Norm, dropout, dtype_of,
-                                  gather_sequence)
+from megajax.model.layers import (MLP, RESIDUAL, TAP_GRADS, TAP_INPUTS, Attention, Embed, KVCache, Norm, dropout,
+                                  dtype_of, gather_sequence)
 from megajax.sharding import constrain
 
 
@@ -130,7 +130,7 @@ class GPT(nn.Module):
 def init_params(cfg: ModelConfig, rng: jax.Array) -> dict:
     """Boxed (nn.LogicallyPartitioned) parameters; use nn.unbox for arrays and `logical_axes` for names."""
     tokens = jnp.zeros((1, cfg.seq_length), jnp.int32)
-    return GPT(cfg).init(rng, tokens)["params"]
+    return GPT(cfg).init(rng, tokens, mutable=["params"])["params"]
 
 
 def abstract_params(cfg: ModelConfig) -> dict:
@@ -162,6 +162,24 @@ def block_apply(cfg: ModelConfig, layer_params: dict, x_bsd: jax.Array, layer: j
     The pipeline runs layers one at a time with it, to stash each layer's input and recompute layer by
     layer in the backward."""
     return Block(cfg).apply({"params": layer_params}, x_bsd, layer, keys)[0]
+
+
+def block_apply_split(cfg: ModelConfig, layer_params: dict, taps: dict, x_bsd: jax.Array, layer: jax.Array | int,
+                      keys: jax.Array | None) -> tuple[jax.Array, dict]:
+    """`block_apply` with the zero-bubble hooks (layers.TAP_GRADS): taps are zeros shaped like each weight
+    matmul's output (`block_tap_shapes`), whose gradients are those outputs' gradients. Returns (y, each
+    weight matmul's input, a tree shaped like taps)."""
+    (y, _), state = Block(cfg).apply({"params": layer_params, TAP_GRADS: taps}, x_bsd, layer, keys,
+                                     mutable=[TAP_INPUTS])
+    return y, state[TAP_INPUTS]
+
+
+def block_tap_shapes(cfg: ModelConfig, layer_params: dict, x_bsd: jax.Array, keys: jax.Array | None) -> dict:
+    """The taps of one block as jax.ShapeDtypeStructs (nothing is computed)."""
+    def taps(params, x, keys):
+        return Block(cfg).apply({"params": params}, x, 0, keys, mutable=[TAP_GRADS])[1][TAP_GRADS]
+
+    return jax.eval_shape(taps, layer_params, x_bsd, keys)
 
 
 def head_apply(cfg: ModelConfig, params: dict, x_bsd: jax.Array, targets_bs: jax.Array,

@@ -56,6 +56,28 @@ def _gather_sequence_bwd(_, ct_bsd):
 gather_sequence.defvjp(_gather_sequence_fwd, _gather_sequence_bwd)
 
 
+# The zero-bubble pipeline splits a layer's backward into the input gradient and the weight gradients (Qi
+# et al., ICLR 2024). Every weight matmul records its input (collection TAP_INPUTS) and adds a zero "tap"
+# (collection TAP_GRADS) whose gradient is the matmul's output gradient; the input gradient is then the
+# derivative with respect to the layer input and the taps, and each weight's gradient one matmul of the two
+# (`weight_grad`). Both hooks do nothing unless a caller passes those collections.
+TAP_INPUTS, TAP_GRADS = "tap_inputs", "tap_grads"
+WEIGHT_EINSUMS = {"wqkv": "bsd,dgjk->bsgjk", "wo": "bshk,hkd->bsd", "w_gate_up": "bsd,dtf->bstf",
+                  "w_in": "bsd,df->bsf", "w_out": "bsf,fd->bsd"}
+
+
+def weight_einsum(module: nn.Module, name: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """einsum(WEIGHT_EINSUMS[name], x, w) for the parameter `name` of `module`, with the zero-bubble hooks."""
+    module.sow(TAP_INPUTS, name, x, init_fn=lambda: None, reduce_fn=lambda _, new: new)
+    return module.perturb(name, jnp.einsum(WEIGHT_EINSUMS[name], x, w), collection=TAP_GRADS)
+
+
+def weight_grad(name: str, x: jax.Array, dy: jax.Array, w: jax.Array) -> jax.Array:
+    """The gradient of parameter `name` (w's shape and dtype) from its matmul's input x and output gradient dy,
+    computed in x's dtype as the fused backward does."""
+    return jax.vjp(lambda w: jnp.einsum(WEIGHT_EINSUMS[name], x, w.astype(x.dtype)), w)[1](dy)[0]
+
+
 def dtype_of(name: str):
     return jnp.dtype(name)
 
@@ -201,7 +223,7 @@ class Attention(nn.Module):
         # q/k/v matmuls would all-reduce three).
         r = h // g
         wqkv = _param(self, "wqkv", (d, g, r + 2, k), ("embed", "kv_heads", None, "head_dim"), cfg.init_std, pdt)
-        qkv = jnp.einsum("bsd,dgjk->bsgjk", x, wqkv.astype(cdt))
+        qkv = weight_einsum(self, "wqkv", x, wqkv.astype(cdt))
         if bias:
             qkv = qkv + _param(self, "bqkv", (g, r + 2, k), ("kv_heads", None, "head_dim"), 0, pdt).astype(cdt)
         b, s = qkv.shape[:2]
@@ -230,7 +252,7 @@ class Attention(nn.Module):
         o = constrain(o, ("batch", None, "heads", "head_dim"))
 
         wo = _param(self, "wo", (h, k, d), ("heads", "head_dim", "embed"), out_std, pdt)
-        y = jnp.einsum("bshk,hkd->bsd", o, wo.astype(cdt))
+        y = weight_einsum(self, "wo", o, wo.astype(cdt))
         y = constrain(y, RESIDUAL)  # the all-reduce (or reduce-scatter with sequence parallelism)
         if bias:
             y = y + _param(self, "bo", (d,), ("embed",), 0, pdt).astype(cdt)
@@ -252,15 +274,15 @@ class MLP(nn.Module):
         if cfg.arch == "llama":
             # gate and up fused as [d, 2, f] (one partial dX to all-reduce in the backward, as for QKV)
             w_gate_up = _param(self, "w_gate_up", (d, 2, f), ("embed", None, "mlp"), cfg.init_std, pdt)
-            gate_up = jnp.einsum("bsd,dtf->bstf", x, w_gate_up.astype(cdt))
+            gate_up = weight_einsum(self, "w_gate_up", x, w_gate_up.astype(cdt))
             hidden = nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
         else:
             w_in = _param(self, "w_in", (d, f), ("embed", "mlp"), cfg.init_std, pdt)
             b_in = _param(self, "b_in", (f,), ("mlp",), 0, pdt)
-            hidden = nn.gelu(jnp.einsum("bsd,df->bsf", x, w_in.astype(cdt)) + b_in.astype(cdt), approximate=True)
+            hidden = nn.gelu(weight_einsum(self, "w_in", x, w_in.astype(cdt)) + b_in.astype(cdt), approximate=True)
         hidden = constrain(hidden, ("batch", None, "mlp"))
         w_out = _param(self, "w_out", (f, d), ("mlp", "embed"), out_std, pdt)
-        y = constrain(jnp.einsum("bsf,fd->bsd", hidden, w_out.astype(cdt)), RESIDUAL)
+        y = constrain(weight_einsum(self, "w_out", hidden, w_out.astype(cdt)), RESIDUAL)
         if cfg.arch == "gpt2":
             y = y + _param(self, "b_out", (d,), ("embed",), 0, pdt).astype(cdt)
         return y

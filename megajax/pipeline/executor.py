@@ -33,11 +33,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import flax.traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from megajax import model
+from megajax.model import layers as layers_lib
 from megajax.config import Config
 from megajax.data.loader import micro_batches
 from megajax.pipeline import schedule as schedule_lib
@@ -49,7 +51,8 @@ from megajax.sharding import vary
 NONE, FIRST, MID, LAST, LAST_KEEP = range(5)
 # the table columns a tick reads (the schedule's f_keep becomes the LAST_KEEP kind)
 FIELDS = ("f_chunk", "f_micro", "f_slot", "f_grad_slot", "r_chunk", "r_micro", "r_slot", "b_chunk", "b_micro",
-          "b_grad_slot", "recv_act", "recv_grad")
+          "b_grad_slot", "w_chunk", "w_micro", "recv_act", "recv_grad")
+ACTIONS = ("f", "r", "b", "w")
 
 
 def _position(global_chunk: np.ndarray, chunks: int) -> np.ndarray:
@@ -63,8 +66,9 @@ def _position(global_chunk: np.ndarray, chunks: int) -> np.ndarray:
 @dataclasses.dataclass(frozen=True)
 class Segment:
     """Ticks [start, stop) run by one scan. roles: the staggered lock step (ticks go in pairs, even then odd
-    from `start`'s parity); else every rank may run a forward and only activations move. f, r, b: the
-    action kinds present (NONE always)."""
+    from `start`'s parity); else every rank may run a forward and only activations move, or (zero_bubble)
+    activations move when send_act and gradients when send_grad. f, r, b, w: the action kinds present (NONE
+    always)."""
 
     start: int
     stop: int
@@ -73,6 +77,9 @@ class Segment:
     f: tuple[int, ...]
     r: tuple[int, ...]
     b: tuple[int, ...]
+    w: tuple[int, ...]
+    send_act: bool = True
+    send_grad: bool = False
 
 
 def perm_pairs(p: int, v: int, roles: bool, parity: int) -> list[list[tuple[int, int]]]:
@@ -97,35 +104,43 @@ def plan(name: str, p: int, v: int, m: int):
     chunks = p * v
     tables = {k: getattr(s, k) for k in FIELDS}
     fg, rg, bg = s.global_chunk(s.f_chunk), s.global_chunk(s.r_chunk), s.global_chunk(s.b_chunk)
+    wg = s.global_chunk(s.w_chunk)
     free = s.free_ticks
     fsend_any = np.any((fg >= 0) & (fg < chunks - 1), axis=1)
+    bsend_any = np.any(bg > 0, axis=1)
     last_fwd = int(s.ticks - np.argmax(fsend_any[::-1])) if fsend_any.any() else free
-    steady_end = max(free, last_fwd)
-    steady_end += (steady_end - free) % 2  # whole tick pairs, so that no idle tick splits an R from its B
-    bounds = sorted({0, free, min(steady_end, s.ticks), s.ticks})
+    if s.split_backward:  # unit ticks: segments by the directions messages move in
+        first_bwd = int(np.argmax(bsend_any)) if bsend_any.any() else s.ticks
+        bounds = sorted({0, min(first_bwd, s.ticks), min(last_fwd, s.ticks), s.ticks})
+    else:
+        steady_end = max(free, last_fwd)
+        steady_end += (steady_end - free) % 2  # whole tick pairs, so that no idle tick splits an R from its B
+        bounds = sorted({0, free, min(steady_end, s.ticks), s.ticks})
     idle = {k: (np.full(p, s.act_slots - 1 if k in ("f_slot", "r_slot", "recv_act") else
                         s.grad_slots - 1 if k in ("f_grad_slot", "b_grad_slot", "recv_grad") else
                         -1, np.int32)) for k in FIELDS}
     rows = {k: [] for k in FIELDS}
-    kinds = {"f": [], "r": [], "b": []}
+    kinds = {key: [] for key in ACTIONS}
     segments = []
     for start, stop in zip(bounds[:-1], bounds[1:]):
-        roles = start >= free
+        roles = start >= free and not s.split_backward
         n = stop - start
         pad = n % 2 if roles else 0  # tick pairs: an idle tick completes an odd segment
         seg_start = len(rows["f_chunk"])
         for k in FIELDS:
             rows[k] += list(tables[k][start:stop]) + [idle[k]] * pad
-        for key, g in (("f", fg), ("r", rg), ("b", bg)):
+        for key, g in (("f", fg), ("r", rg), ("b", bg), ("w", wg)):
             kind = _position(g[start:stop], chunks)
-            if key == "r":  # a recompute is the same for every chunk position
+            if key in ("r", "w"):  # a recompute or a weight gradient is the same for every chunk position
                 kind = np.where(kind == NONE, NONE, MID)
             if key == "f":
                 kind = np.where((kind == LAST) & (s.f_keep[start:stop] > 0), LAST_KEEP, kind)
             kinds[key] += list(kind) + [np.zeros(p, np.int32)] * pad
         present = {key: tuple(sorted(set(np.ravel(kinds[key][seg_start:]).tolist()) | {NONE})) for key in kinds}
+        sends = (bool(fsend_any[start:stop].any()), bool(bsend_any[start:stop].any())) if s.split_backward else \
+            (True, False)
         segments.append(Segment(seg_start, seg_start + n + pad, roles, start % 2, present["f"], present["r"],
-                                present["b"]))
+                                present["b"], present["w"], *sends))
     table = {k: np.array(rows[k], np.int32) for k in FIELDS}
     return s, table, {k: np.array(val, np.int32) for k, val in kinds.items()}, tuple(segments)
 
@@ -144,7 +159,8 @@ def permute_bytes_per_step(cfg: Config) -> dict:
     n = 0
     for seg in plan(par.schedule, p, v, m)[3]:
         for j in range(seg.stop - seg.start):
-            n += len(perm_pairs(p, v, seg.roles, (seg.parity + j) % 2))
+            n += len(_unit_perms(p, seg) if par.schedule == "zero_bubble" else
+                     perm_pairs(p, v, seg.roles, (seg.parity + j) % 2))
     return {"ppermutes": n, "bytes": n * act}
 
 
@@ -170,7 +186,8 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
     mbs = vary(micro_batches(batch, m))
     act_shape = (batch["tokens"].shape[0] // m, cfg.model.seq_length, cfg.model.hidden_size)
     act_dtype = jnp.dtype(cfg.model.compute_dtype)
-    acts = _ChunkActions(cfg, layers, shared, mbs, vary(seed_scale), act_shape, act_dtype)
+    actions = _SplitChunkActions if sched.split_backward else _ChunkActions
+    acts = actions(cfg, layers, shared, mbs, vary(seed_scale), act_shape, act_dtype)
     carry = vary({
         "act": jnp.zeros((sched.act_slots, *act_shape), act_dtype),  # chunk inputs: stashes and arrivals
         "grad": jnp.zeros((sched.grad_slots, *act_shape), act_dtype),
@@ -179,13 +196,18 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
         "g_shared": jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), shared),
         "loss": jnp.zeros((), jnp.float32),
     })
+    if sched.split_backward:
+        carry["dys"] = vary(acts.zero_dys())
     rank = jax.lax.axis_index("pipeline")
     for seg in segments:
         xs = {k: jnp.asarray(table[k][seg.start:seg.stop]) for k in FIELDS}
-        for key, present in (("f", seg.f), ("r", seg.r), ("b", seg.b)):
-            xs[key + "_kind"] = _local_kinds(present, kinds[key][seg.start:seg.stop])
+        for key in ACTIONS:
+            xs[key + "_kind"] = _local_kinds(getattr(seg, key), kinds[key][seg.start:seg.stop])
         tick = functools.partial(_tick, acts, seg, p, v, rank)
-        if seg.roles:  # pairs of ticks, so that each one's ppermute pairs are static
+        if sched.split_backward:
+            tick = functools.partial(_unit_tick, acts, seg, p, rank)
+            carry, _ = jax.lax.scan(lambda carry, row, tick=tick: (tick(carry, row), None), carry, xs)
+        elif seg.roles:  # pairs of ticks, so that each one's ppermute pairs are static
             xs = jax.tree.map(lambda x: x.reshape(-1, 2, *x.shape[1:]), xs)
 
             def pair(carry, row2, tick=tick, parity=seg.parity):
@@ -235,6 +257,42 @@ def _tick(acts: _ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, 
     return carry
 
 
+def _unit_perms(p: int, seg: Segment) -> list[list[tuple[int, int]]]:
+    """zero_bubble's ppermutes of a tick: activations to r + 1 and gradients to r - 1, each only in segments
+    where some rank sends one (any rank may do either in the same tick)."""
+    perms = []
+    if seg.send_act:
+        perms.append([(r, r + 1) for r in range(p - 1)])
+    if seg.send_grad:
+        perms.append([(r + 1, r) for r in range(p - 1)])
+    return perms
+
+
+def _unit_tick(acts: _SplitChunkActions, seg: Segment, p: int, rank, carry: dict, row: dict):
+    """One unit tick of zero_bubble: at most one of B (input gradient), W (weight gradient), R and F runs on
+    a rank; then activations move forward and gradients back (see schedule._ZeroBubbleSimulator)."""
+    row = {k: jnp.clip(val[rank], 0, None) for k, val in row.items()}
+    send_grad, carry["g_layers"], carry["g_shared"], carry["dys"] = jax.lax.switch(
+        row["b_kind"], [acts.backward_branch(k) for k in seg.b], carry["res"], carry["grad"][row["b_grad_slot"]],
+        carry["g_layers"], carry["g_shared"], carry["dys"], row)
+    carry["g_layers"] = jax.lax.switch(row["w_kind"], [acts.weight_branch(k) for k in seg.w], carry["res"],
+                                       carry["dys"], carry["g_layers"], row)
+    carry["res"] = jax.lax.switch(row["r_kind"], [acts.recompute_branch(k) for k in seg.r],
+                                  carry["act"][row["r_slot"]], carry["res"], row)
+    send_act, stash, loss, g_self, carry["res"], carry["g_shared"] = jax.lax.switch(
+        row["f_kind"], [acts.forward_branch(k) for k in seg.f], carry["act"][row["f_slot"]], carry["res"],
+        carry["g_shared"], row)
+    carry["act"] = carry["act"].at[row["f_slot"]].set(stash)
+    carry["grad"] = carry["grad"].at[row["f_grad_slot"]].set(g_self)
+    carry["loss"] = carry["loss"] + loss
+    perms = _unit_perms(p, seg)
+    if seg.send_act:
+        carry["act"] = carry["act"].at[row["recv_act"]].set(jax.lax.ppermute(send_act, "pipeline", perms[0]))
+    if seg.send_grad:
+        carry["grad"] = carry["grad"].at[row["recv_grad"]].set(jax.lax.ppermute(send_grad, "pipeline", perms[-1]))
+    return carry
+
+
 class _ChunkActions:
     """What one rank can do with one (local chunk, micro batch) in a tick: the branches of the forward,
     recompute and backward switches, by where the chunk sits in the model (NONE / FIRST / MID / LAST)."""
@@ -273,12 +331,16 @@ class _ChunkActions:
 
         return jax.lax.scan(body, x, (w["block"], first_layer + jnp.arange(self.lc)))[0]
 
+    def linearize(self, w, x, keys, first):
+        """(chunk output, what its backward needs: jax.vjp's pullback)."""
+        return jax.vjp(lambda w, x: self._layers(w, x, keys, first), w, x)
+
     def forward_keeping(self, row, prefix, x):
-        """(chunk output, its residuals as a list of arrays): jax.vjp's pullback, flattened so that the scan
-        can carry it to the backward's tick."""
+        """(chunk output, its residuals as a list of arrays): `linearize`'s, flattened so that the scan can
+        carry them to the backward's tick."""
         (w, first), (_, keys) = self.chunk(row, prefix), self.micro(row, prefix)
-        y, pullback = jax.vjp(lambda w, x: self._layers(w, x, keys, first), w, x)
-        leaves, tree = jax.tree.flatten(pullback)
+        y, residuals = self.linearize(w, x, keys, first)
+        leaves, tree = jax.tree.flatten(residuals)
         avals = [(leaf.shape, leaf.dtype) for leaf in leaves]
         if self._res_avals is None:
             self._res_avals = avals
@@ -350,6 +412,91 @@ class _ChunkActions:
             return vary((dx.astype(g.dtype), g_layers, g_shared))
 
         return run
+
+
+class _SplitChunkActions(_ChunkActions):
+    """zero_bubble's chunk actions: the backward is split at every weight matmul (model.layers.weight_einsum).
+    The recompute linearizes the chunk in its input, the matmuls' output taps and the small parameters (norms,
+    biases) and keeps each weight matmul's input; B computes the input gradient, the small parameters'
+    gradients and the taps' gradients (each weight matmul's output gradient, kept in `dys`); W turns those and
+    the kept matmul inputs into the weight gradients, one matmul per weight."""
+
+    def _split(self, w):
+        """The chunk's parameters as (weights of a tapped matmul, the rest), flat {path: [Lc, ...]}."""
+        flat = flax.traverse_util.flatten_dict(w["block"])
+        big = {k: val for k, val in flat.items() if k[-1] in layers_lib.WEIGHT_EINSUMS}
+        return big, {k: val for k, val in flat.items() if k not in big}
+
+    @staticmethod
+    def _merge(big, small):
+        return {"block": flax.traverse_util.unflatten_dict({**big, **small})}
+
+    def _tap_shapes(self, w, keys):
+        w_l = jax.tree.map(lambda a: a[0], w["block"])
+        return model.block_tap_shapes(self.mcfg, w_l, jnp.zeros(self.act_shape, self.act_dtype), keys)
+
+    def zero_dys(self):
+        """Zeros shaped like the chunk's taps [Lc, ...] (their gradients, kept between B and W)."""
+        row = {"f_chunk": jnp.zeros((), jnp.int32), "f_micro": jnp.zeros((), jnp.int32)}
+        (w, _), (_, keys) = self.chunk(row, "f_"), self.micro(row, "f_")
+        return jax.tree.map(lambda t: jnp.zeros((self.lc, *t.shape), t.dtype), self._tap_shapes(w, keys))
+
+    def linearize(self, w, x, keys, first):
+        """(chunk output, (the pullback in (x, taps, small parameters), each weight matmul's input))."""
+        big, small = self._split(w)
+        # varying over the manual axes like everything else, or their gradients would be summed over them
+        taps = vary(jax.tree.map(lambda t: jnp.zeros((self.lc, *t.shape), t.dtype), self._tap_shapes(w, keys)))
+
+        def run(x, taps, small):
+            def body(x, layer):
+                w_l, l, taps_l = layer
+                y, inputs = model.block_apply_split(self.mcfg, w_l, taps_l, x, l, keys)
+                return y.astype(x.dtype), inputs
+
+            return jax.lax.scan(body, x, (self._merge(big, small)["block"], first + jnp.arange(self.lc), taps))
+
+        y, pullback, inputs = jax.vjp(run, x, taps, small, has_aux=True)
+        return y, (pullback, inputs)
+
+    def backward_branch(self, kind):
+        """(residuals, g, g_layers, g_shared, dys, row) -> (gradient to send, g_layers, g_shared, dys): the
+        input gradient, the small parameters' gradients and the taps' gradients (the new dys)."""
+        def run(res, g, g_layers, g_shared, dys, row):
+            if kind == NONE:
+                return vary((jnp.zeros_like(g), g_layers, g_shared, dys))
+            pullback, _ = jax.tree.unflatten(self._res_tree, res)
+            dx, dys, dsmall = pullback(g)
+            g_layers = self._accumulate(g_layers, dsmall, row["b_chunk"])
+            if kind == FIRST:  # the embedding's backward ends the pipeline: nothing to send
+                mb, keys = self.micro(row, "b_")
+                _, vjp = jax.vjp(lambda sh: model.embed_apply(self.mcfg, sh, mb["tokens"], keys), self.shared)
+                (dsh,) = vjp(dx.astype(g.dtype))
+                g_shared = jax.tree.map(lambda a, d: a + d.astype(jnp.float32), g_shared, dsh)
+                return vary((jnp.zeros_like(g), g_layers, g_shared, dys))
+            return vary((dx.astype(g.dtype), g_layers, g_shared, dys))
+
+        return run
+
+    def weight_branch(self, kind):
+        """(residuals, dys, g_layers, row) -> g_layers plus the weight gradients of the last backward."""
+        def run(res, dys, g_layers, row):
+            if kind == NONE:
+                return vary(g_layers)
+            _, inputs = jax.tree.unflatten(self._res_tree, res)
+            big, _ = self._split(self.chunk(row, "w_")[0])
+            x, dy = flax.traverse_util.flatten_dict(inputs), flax.traverse_util.flatten_dict(dys)
+            dw = {k: jax.vmap(functools.partial(layers_lib.weight_grad, k[-1]))(x[k], dy[k], w) for k, w in big.items()}
+            return vary(self._accumulate(g_layers, dw, row["w_chunk"]))
+
+        return run
+
+    @staticmethod
+    def _accumulate(g_layers, flat_grads, c):
+        """g_layers (fp32 [v, Lc, ...]) with the flat {path: [Lc, ...]} gradients added at local chunk c."""
+        flat = flax.traverse_util.flatten_dict(g_layers["block"])
+        for k, d in flat_grads.items():
+            flat[k] = flat[k].at[c].add(d.astype(jnp.float32))
+        return {"block": flax.traverse_util.unflatten_dict(flat)}
 
 
 def _shared(params: dict) -> dict:

@@ -40,8 +40,10 @@ import numpy as np
 
 FWD, BWD = 1, 2
 # Costs in units of one chunk forward (for bubble accounting): the recompute is a forward, the backward
-# (input and weight gradients) twice a forward, the paper's assumption.
-F_COST, R_COST, B_COST = 1.0, 1.0, 2.0
+# (input and weight gradients) twice a forward, the paper's assumption; zero_bubble splits it into the input
+# gradient (B) and the weight gradient (W), a forward each.
+F_COST, R_COST, B_COST, W_COST = 1.0, 1.0, 2.0, 1.0
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +58,10 @@ class Schedule:
     f_grad_slot        last chunk: the gradient slot the head's backward writes the output gradient to
     r_chunk, r_micro   the recompute of the tick: the backward of the next tick, recomputed from its stash
     r_slot             activation slot of that stash; freed by the recompute
-    b_chunk, b_micro   the backward of the tick (its residuals come from the previous tick)
+    b_chunk, b_micro   the backward of the tick (its residuals come from the previous tick; zero_bubble: from
+                       the last recompute, and only the input gradient)
     b_grad_slot        gradient slot the backward reads; freed by it
+    w_chunk, w_micro   zero_bubble: the weight gradient of the last backward (-1 everywhere for the others)
     recv_act           slot the activation arriving at the end of the tick is written to
     recv_grad          slot for the arriving gradient
     Slot fields with nothing to read or keep point at the trash slot (the last one).
@@ -78,6 +82,8 @@ class Schedule:
     b_chunk: np.ndarray
     b_micro: np.ndarray
     b_grad_slot: np.ndarray
+    w_chunk: np.ndarray
+    w_micro: np.ndarray
     recv_act: np.ndarray
     recv_grad: np.ndarray
     act_slots: int  # buffer sizes, including the trash slot
@@ -96,14 +102,22 @@ class Schedule:
         """Global chunk index of a [ticks, p] table of local chunks (-1 stays -1)."""
         return np.where(local < 0, -1, local * self.p + np.arange(self.p)[None, :])
 
+    @property
+    def split_backward(self) -> bool:
+        """Whether the backward is split into the input gradient (B) and the weight gradient (W)."""
+        return self.name == "zero_bubble"
+
     def tick_costs(self, b_cost: float = B_COST, r_cost: float = R_COST) -> np.ndarray:
-        """[ticks] duration of each tick in units of one forward of a whole stage: its slowest rank's work."""
-        work = (self.f_chunk >= 0) * F_COST + (self.r_chunk >= 0) * r_cost + (self.b_chunk >= 0) * b_cost
+        """[ticks] duration of each tick in units of one forward of a whole stage: its slowest rank's work.
+        b_cost is the whole backward's; a split backward gives W_COST of it to the weight gradient."""
+        b_input = b_cost - W_COST if self.split_backward else b_cost
+        work = ((self.f_chunk >= 0) * F_COST + (self.r_chunk >= 0) * r_cost + (self.b_chunk >= 0) * b_input
+                + (self.w_chunk >= 0) * W_COST)
         return work.max(axis=1) / self.v
 
     def bubble_fraction(self, b_cost: float = B_COST, r_cost: float = R_COST) -> float:
         """Step time over the ideal (every rank busy), minus one: the paper's bubble time / ideal time,
-        (p - 1) / m for 1F1B and (p - 1) / (v m) interleaved. The ideal counts a recompute for every
+        (p - 1) / m for 1F1B, (p - 1) / (v m) interleaved, (p - 1) / (2 m) zero_bubble. The ideal counts a recompute for every
         micro batch (full recomputation, as the executor runs)."""
         ideal = self.m * (F_COST + r_cost + b_cost)
         return float(self.tick_costs(b_cost, r_cost).sum() / ideal - 1.0)
@@ -121,10 +135,16 @@ class Schedule:
     def summary(self) -> dict:
         return {
             "schedule": self.name, "p": self.p, "v": self.v, "m": self.m, "ticks": self.ticks,
-            "bubble_fraction": self.bubble_fraction(), "formula": (self.p - 1) / (self.v * self.m),
+            "bubble_fraction": self.bubble_fraction(), "formula": formula(self.name, self.p, self.v, self.m),
             "peak_in_flight_per_rank": self.in_flight().tolist(), "sends": self.sends(),
             "act_slots": self.act_slots, "grad_slots": self.grad_slots,
         }
+
+
+def formula(name: str, p: int, v: int, m: int) -> float:
+    """The bubble fraction the papers give: (p - 1) / (v m) (Narayanan et al.; GPipe and 1F1B with v = 1),
+    (p - 1) / (2 m) for the zero-bubble schedule with unit ticks (Qi et al., ZB-H1 without W reordering)."""
+    return (p - 1) / (2 * m) if name == "zero_bubble" else (p - 1) / (v * m)
 
 
 def interleaved_table(p: int, v: int, m: int) -> list[tuple[int, int]]:
@@ -144,7 +164,7 @@ def rank_queues(name: str, p: int, v: int, m: int, r: int) -> tuple[list, list, 
     if name == "interleaved":
         table = interleaved_table(p, v, m)
         return [(c, mb) for mb, c in table], [(v - 1 - c, mb) for mb, c in table], interleaved_depth(p, v, m, r)
-    raise ValueError(f"unknown schedule {name!r}: use gpipe, 1f1b or interleaved")
+    raise ValueError(f"unknown schedule {name!r}: use {', '.join(SCHEDULES)}")
 
 
 def interleaved_depth(p: int, v: int, m: int, r: int) -> int:
@@ -172,6 +192,8 @@ def rank_order(name: str, p: int, v: int, m: int, r: int) -> list[tuple[int, int
 def _check_layout(name: str, p: int, v: int, m: int) -> None:
     if p < 1 or v < 1 or m < 1:
         raise ValueError(f"pipeline sizes must be positive, got p={p} v={v} m={m}")
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}: use {', '.join(SCHEDULES)}")
     if name != "interleaved" and v != 1:
         raise ValueError(f"v={v} virtual stages need the interleaved schedule, not {name}")
     if name == "interleaved" and p > 1 and m < p:
@@ -199,7 +221,7 @@ class _Simulator:
     """Staggered lock-step execution of the rank orders: which actions run in which tick, and buffer slots."""
 
     FIELDS = ("f_chunk", "f_micro", "f_slot", "f_keep", "f_grad_slot", "r_chunk", "r_micro", "r_slot",
-              "b_chunk", "b_micro", "b_grad_slot", "recv_act", "recv_grad")
+              "b_chunk", "b_micro", "b_grad_slot", "w_chunk", "w_micro", "recv_act", "recv_grad")
 
     def __init__(self, name: str, p: int, v: int, m: int):
         self.p, self.chunks, self.gpipe = p, p * v, name == "gpipe"
@@ -287,10 +309,92 @@ class _Simulator:
         return all(self.bptr[r] >= len(self.bwd[r]) for r in range(self.p))
 
 
+class _ZeroBubbleSimulator:
+    """Unit ticks (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): a rank runs one action a tick,
+    F (forward), R (recompute, keeping the residuals), B (input gradient only, sent at once) or W (weight
+    gradient, off the critical path), in the order p - r - 1 warm-up forwards, then F R B W per micro batch,
+    then R B W. The last stage's forward keeps its own residuals (F B W). An action runs as soon as what it
+    reads arrived in an earlier tick; each tick may move activations forward and gradients back at once."""
+
+    def __init__(self, p: int, m: int):
+        self.p, self.free_ticks = p, 0
+        self.order = []
+        for r in range(p):
+            last, warm = r == p - 1, min(p - r - 1, m)
+            actions = [("F", i) for i in range(warm)]
+            for i in range(m):
+                actions += [("F", warm + i)] if warm + i < m else []
+                actions += ([] if last else [("R", i)]) + [("B", i), ("W", i)]
+            self.order.append(actions)
+        self.ptr = [0] * p
+        self.done: dict[tuple[str, int, int], int] = {}  # (action, rank, micro) -> tick
+        self.act_at: list[dict[int, int]] = [{} for _ in range(p)]  # per rank: micro -> slot (one chunk a rank)
+        self.grad_at: list[dict[int, int]] = [{} for _ in range(p)]
+        self.act_alloc = [_Slots() for _ in range(p)]
+        self.grad_alloc = [_Slots() for _ in range(p)]
+
+    def _ready(self, kind: str, r: int, mb: int, t: int) -> bool:
+        def before(action, rank):
+            return self.done.get((action, rank, mb), t) < t
+
+        last = r == self.p - 1
+        if kind == "F":
+            return r == 0 or before("F", r - 1)
+        if kind == "R":
+            return before("F", r)
+        if kind == "B":
+            return before("F", r) if last else before("R", r) and before("B", r + 1)
+        return before("B", r)
+
+    def tick(self, t: int) -> dict[str, list[int]]:
+        row = {f: [-1] * self.p for f in _Simulator.FIELDS}
+        sends = []
+        for r in range(self.p):
+            if self.ptr[r] >= len(self.order[r]):
+                continue
+            kind, mb = self.order[r][self.ptr[r]]
+            if not self._ready(kind, r, mb, t):
+                continue
+            self.ptr[r] += 1
+            self.done[(kind, r, mb)] = t
+            if kind == "F":
+                row["f_chunk"][r], row["f_micro"][r] = 0, mb
+                if r == 0:
+                    self.act_at[r][mb] = self.act_alloc[r].take()
+                row["f_slot"][r] = self.act_at[r][mb]
+                if r < self.p - 1:
+                    sends.append((FWD, r + 1, mb))
+                else:  # keeps its residuals: the stash is not needed
+                    self.act_alloc[r].give(self.act_at[r].pop(mb))
+                    row["f_keep"][r] = 1
+                    self.grad_at[r][mb] = row["f_grad_slot"][r] = self.grad_alloc[r].take()
+            elif kind == "R":
+                row["r_chunk"][r], row["r_micro"][r] = 0, mb
+                row["r_slot"][r] = self.act_at[r].pop(mb)
+                self.act_alloc[r].give(row["r_slot"][r])
+            elif kind == "B":
+                row["b_chunk"][r], row["b_micro"][r] = 0, mb
+                row["b_grad_slot"][r] = self.grad_at[r].pop(mb)
+                self.grad_alloc[r].give(row["b_grad_slot"][r])
+                if r > 0:
+                    sends.append((BWD, r - 1, mb))
+            else:
+                row["w_chunk"][r], row["w_micro"][r] = 0, mb
+        for kind, dst, mb in sends:
+            if kind == FWD:
+                self.act_at[dst][mb] = row["recv_act"][dst] = self.act_alloc[dst].take()
+            else:
+                self.grad_at[dst][mb] = row["recv_grad"][dst] = self.grad_alloc[dst].take()
+        return row
+
+    def finished(self) -> bool:
+        return all(self.ptr[r] >= len(self.order[r]) for r in range(self.p))
+
+
 def build(name: str, p: int, v: int = 1, m: int = 1) -> Schedule:
     """Simulates the rank orders in lock step and assigns buffer slots."""
     _check_layout(name, p, v, m)
-    sim = _Simulator(name, p, v, m)
+    sim = _ZeroBubbleSimulator(p, m) if name == "zero_bubble" else _Simulator(name, p, v, m)
     rows = []
     while not sim.finished():
         if len(rows) > 8 * (m * v + p) + 16:
@@ -309,20 +413,23 @@ def build(name: str, p: int, v: int = 1, m: int = 1) -> Schedule:
 
 def timeline(s: Schedule) -> str:
     """One line per rank, one cell per tick: 'F3' forward of micro batch 3, 'R1' recompute for the backward
-    of micro batch 1, 'B1' that backward, 'F3R1' a forward and a recompute; with v > 1 a chunk letter
+    of micro batch 1, 'B1' that backward (zero_bubble: its input gradient), 'W1' its weight gradient, 'F3R1'
+    a forward and a recompute; with v > 1 a chunk letter
     follows each micro batch (a, b, ...); '.' is idle."""
     def part(kind, chunk, micro):
         return "" if chunk < 0 else f"{kind}{micro}" + (chr(ord("a") + chunk) if s.v > 1 else "")
 
     cells = [[part("F", s.f_chunk[t, r], s.f_micro[t, r]) + part("R", s.r_chunk[t, r], s.r_micro[t, r])
-              + part("B", s.b_chunk[t, r], s.b_micro[t, r]) or "." for t in range(s.ticks)] for r in range(s.p)]
+              + part("B", s.b_chunk[t, r], s.b_micro[t, r]) + part("W", s.w_chunk[t, r], s.w_micro[t, r]) or "."
+              for t in range(s.ticks)] for r in range(s.p)]
     width = max(len(c) for row in cells for c in row)
     return "\n".join(f"rank {r}: " + " ".join(c.rjust(width) for c in cells[r]) for r in range(s.p))
 
 
 def save_png(s: Schedule, path: str) -> None:
-    """A Figure-4-like picture in time units (a forward or recompute 1 / v, a backward 2 / v): forwards
-    light, recomputes hatched, backwards dark, one hue per chunk; gaps are the bubble."""
+    """A Figure-4-like picture in time units (a forward or recompute 1 / v, a backward 2 / v; zero_bubble's
+    input and weight gradients 1 each): forwards light, recomputes hatched, backwards dark, weight gradients
+    cross-hatched, one hue per chunk; gaps are the bubble."""
     try:
         import matplotlib
     except ImportError:
@@ -332,6 +439,7 @@ def save_png(s: Schedule, path: str) -> None:
     import matplotlib.pyplot as plt
 
     costs = s.tick_costs()
+    b_cost = B_COST - W_COST if s.split_backward else B_COST
     starts = np.concatenate([[0.0], np.cumsum(costs)])
     fig, ax = plt.subplots(figsize=(max(6, starts[-1] * 0.35), 0.5 * s.p + 1.2))
     hues = plt.get_cmap("tab10")
@@ -341,7 +449,8 @@ def save_png(s: Schedule, path: str) -> None:
             for label, chunk, micro, width, alpha, hatch in (
                     ("F", s.f_chunk[t, r], s.f_micro[t, r], F_COST / s.v, 0.45, None),
                     ("R", s.r_chunk[t, r], s.r_micro[t, r], R_COST / s.v, 0.25, "//"),
-                    ("B", s.b_chunk[t, r], s.b_micro[t, r], B_COST / s.v, 0.95, None)):
+                    ("B", s.b_chunk[t, r], s.b_micro[t, r], b_cost / s.v, 0.95, None),
+                    ("W", s.w_chunk[t, r], s.w_micro[t, r], W_COST / s.v, 0.7, "xx")):
                 if chunk < 0:
                     continue
                 ax.add_patch(plt.Rectangle((x, y), width, 1, facecolor=hues(int(chunk) % 10), edgecolor="white",
@@ -353,7 +462,8 @@ def save_png(s: Schedule, path: str) -> None:
     ax.set_yticks([s.p - 0.5 - r for r in range(s.p)], [f"rank {r}" for r in range(s.p)])
     ax.set_xlabel("time (one forward of a whole stage = 1)")
     ax.set_title(f"{s.name} p={s.p} v={s.v} m={s.m}: bubble {s.bubble_fraction():.3f} "
-                 f"(formula {(s.p - 1) / (s.v * s.m):.3f}); F forward, R recompute, B backward")
+                 f"(formula {formula(s.name, s.p, s.v, s.m):.3f}); F forward, R recompute, B backward"
+                 + (" (input), W weight gradient" if s.split_backward else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -361,7 +471,7 @@ def save_png(s: Schedule, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megajax.pipeline.schedule", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), default="1f1b")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     parser.add_argument("-p", type=int, required=True, help="pipeline ranks")
     parser.add_argument("-v", type=int, default=1, help="virtual stages (model chunks) per rank")
     parser.add_argument("-m", type=int, required=True, help="micro batches")
