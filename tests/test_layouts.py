@@ -42,7 +42,7 @@ def triples() -> list[tuple[int, int, int]]:
 def schedules(p: int) -> list[tuple[str, int]]:
     if p == 1:
         return [("1f1b", 1)]
-    out = [("gpipe", 1), ("1f1b", 1)]
+    out = [("gpipe", 1), ("1f1b", 1), ("zero_bubble", 1)]
     if 24 % (2 * p) == 0:
         out.append(("interleaved", 2))
     return out
@@ -104,7 +104,7 @@ def test_the_space_is_accepted():
     assert any(s["parallel.pipeline"] > 1 for s in data1)
     for key in ("parallel.sequence_parallel", "parallel.distributed_optimizer"):
         assert {c["sets"][key] for c in DEFAULT} == {False, True}
-    assert {c["sets"]["parallel.schedule"] for c in DEFAULT} == {"gpipe", "1f1b", "interleaved"}
+    assert {c["sets"]["parallel.schedule"] for c in DEFAULT} == {"gpipe", "1f1b", "interleaved", "zero_bubble"}
     assert {c["arch"] for c in DEFAULT} == set(ARCHS)
 
 

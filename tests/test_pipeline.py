@@ -42,7 +42,7 @@ def _compile(schedule, v, gbs):
     return cfg, mesh, compiled
 
 
-@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved", 2), ("gpipe", 1)])
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1), ("gpipe", 1)])
 def test_memory_flat_in_micro_batches_and_collectives_as_planned(schedule, v, repo_root, monkeypatch):
     monkeypatch.chdir(repo_root)
     temps = {}
@@ -111,7 +111,7 @@ def _grads(cfg, n):
     return from_stages(g) if cfg.parallel.pipeline > 1 else g
 
 
-@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved", 2)])
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1)])
 def test_pipeline_gradients_equal_plain_gradients(schedule, v):
     import jax
 

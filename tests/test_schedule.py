@@ -10,6 +10,7 @@ from megajax.pipeline.schedule import BWD, FWD
 CASES = [("gpipe", p, 1, m) for p in (1, 2, 4) for m in (1, 3, 8)]
 CASES += [("1f1b", p, 1, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 5, 8, 16)]
 CASES += [("interleaved", p, v, m) for p in (2, 3, 4) for v in (2, 3, 4) for m in (p, p + 1, 2 * p, 4 * p)]
+CASES += [("zero_bubble", p, 1, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 5, 8, 16)]
 
 
 def events(s):
@@ -33,6 +34,15 @@ def test_each_forward_and_backward_once_in_dependency_order(name, p, v, m):
         when[(kind, g, mb)] = (t, k)
     chunks = p * v
     assert set(when) == {(k, g, i) for k in (FWD, BWD) for g in range(chunks) for i in range(m)}
+    wg = s.global_chunk(s.w_chunk)
+    weights = [(int(wg[t, r]), int(s.w_micro[t, r]), t) for t, r in zip(*np.nonzero(wg >= 0))]
+    if name == "zero_bubble":  # each weight gradient once, after its input gradient
+        assert sorted((g, mb) for g, mb, _ in weights) == sorted((g, i) for g in range(chunks) for i in range(m))
+        assert all(when[(BWD, g, mb)][0] < t for g, mb, t in weights)
+        assert np.all((s.f_chunk >= 0).astype(int) + (s.r_chunk >= 0) + (s.b_chunk >= 0) + (wg >= 0) <= 1), \
+            "one action per rank and tick"
+    else:
+        assert not weights
     for (kind, g, mb), (t, k) in when.items():
         if kind == FWD and g > 0:
             assert when[(FWD, g - 1, mb)][0] < t, "an activation arrives one tick after it is sent"
@@ -46,7 +56,7 @@ def megatron_in_flight(name, p, v, m, r):
     """Megatron's peak in-flight micro batches on rank r: warm-up forwards + 1 (schedules.py)."""
     if name == "gpipe":
         return m
-    if name == "1f1b":
+    if name in ("1f1b", "zero_bubble"):
         return min(p - r, m)
     return min((p - r - 1) * 2 + (v - 1) * p + 1, m * v)
 
@@ -60,10 +70,12 @@ def test_memory_and_bubble_against_megatron(name, p, v, m):
     s = sl.build(name, p, v, m)
     in_flight = s.in_flight().tolist()
     assert all(got <= megatron_in_flight(name, p, v, m, r) for r, got in enumerate(in_flight)), in_flight
-    if name == "1f1b":
+    if name in ("1f1b", "zero_bubble"):
         assert in_flight == [min(p - r, m) for r in range(p)]
     bubble = s.bubble_fraction()
     assert bubble <= (p - 1) / m + 1e-9
+    if name == "zero_bubble":  # Qi et al.'s (p - 1) / (2 m) with unit ticks, or better
+        assert bubble <= (p - 1) / (2 * m) + 1e-9 and sl.formula(name, p, v, m) == (p - 1) / (2 * m)
     if name == "interleaved" and v == 2 and p % 2 == 0 and m % p == 0:
         assert bubble == pytest.approx((p - 1) / (v * m))
 
@@ -71,13 +83,17 @@ def test_memory_and_bubble_against_megatron(name, p, v, m):
 @pytest.mark.parametrize("name,p,v,m", CASES)
 def test_buffers_hold_the_right_message(name, p, v, m):
     """Replays the table with real buffers: every read finds the message it needs, live slots are never
-    overwritten, messages never go to the trash slot, a backward finds the residuals of the tick before."""
+    overwritten, messages never go to the trash slot, a backward finds the residuals of the tick before
+    (zero_bubble: of the last recompute, and its weight gradient those and the backward's output)."""
     s = sl.build(name, p, v, m)
     last = p * v - 1
     fg, rg, bg = s.global_chunk(s.f_chunk), s.global_chunk(s.r_chunk), s.global_chunk(s.b_chunk)
     act = [[None] * s.act_slots for _ in range(p)]
     grad = [[None] * s.grad_slots for _ in range(p)]
     residuals = [None] * p
+    split = name == "zero_bubble"
+    output_grads = [None] * p  # zero_bubble: what the last backward hands its weight gradient
+    wg = s.global_chunk(s.w_chunk)
     for t in range(s.ticks):
         sends_f, sends_b = {}, {}
         made = [None] * p
@@ -87,8 +103,12 @@ def test_buffers_hold_the_right_message(name, p, v, m):
                 assert residuals[r] == (c, mb), "the backward finds its residuals"
                 assert grad[r][s.b_grad_slot[t, r]] == ("grad", c, mb)
                 grad[r][s.b_grad_slot[t, r]] = None
+                output_grads[r] = (c, mb)
                 if c > 0:
                     sends_b[(r - 1) % p] = ("grad", c - 1, mb)
+            if wg[t, r] >= 0:
+                c, mb = wg[t, r], s.w_micro[t, r]
+                assert residuals[r] == (c, mb) and output_grads[r] == (c, mb), "W finds its matmul inputs and grads"
             if rg[t, r] >= 0:  # R reads its stash (before a forward may reuse the slot) and frees it
                 c, mb, slot = rg[t, r], s.r_micro[t, r], s.r_slot[t, r]
                 assert act[r][slot] == ("act", c, mb), "the recompute finds its stash"
@@ -113,7 +133,7 @@ def test_buffers_hold_the_right_message(name, p, v, m):
                     made[r] = (c, mb)
             else:
                 assert s.f_slot[t, r] == s.act_slots - 1
-        residuals = made
+        residuals = [mine or kept for mine, kept in zip(made, residuals)] if split else made
         for r in range(p):
             for buf, sends, slot, trash in ((act, sends_f, s.recv_act[t, r], s.act_slots - 1),
                                             (grad, sends_b, s.recv_grad[t, r], s.grad_slots - 1)):
@@ -126,7 +146,7 @@ def test_buffers_hold_the_right_message(name, p, v, m):
 
 def test_buffers_do_not_grow_with_micro_batches():
     for m in (8, 16, 64):
-        for name, v in (("1f1b", 1), ("interleaved", 2)):
+        for name, v in (("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1)):
             assert sl.build(name, 4, v, m).act_slots == sl.build(name, 4, v, 8).act_slots
         assert sl.build("gpipe", 4, 1, m).in_flight().tolist() == [m] * 4
 
