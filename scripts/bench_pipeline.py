@@ -10,9 +10,10 @@ one forward, one recomputed forward and one backward per micro batch.
 
     python scripts/bench_pipeline.py [--steps 6] [--out bench_pipeline.json]
 
-Measured bubble = T_pipeline / (T_single / p) - 1, against the paper's (p - 1) / (v m). What the formula
-does not explain is divided by the schedule's ticks: the executor's fixed cost per tick (the two sends,
-the buffer writes, the conditionals), which interleaving pays twice as often.
+Measured bubble = T_pipeline / (T_single / p) - 1, against the paper's (p - 1) / (v m) ((p - 1) / (2 m) for
+zero_bubble). What the formula does not explain is divided by the schedule's ticks: the executor's fixed cost
+per tick (the sends, the buffer writes, the conditionals), which interleaving and zero_bubble (unit ticks)
+pay more often.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--micro-batches", type=int, nargs="*", default=[2, 4, 8])
+    parser.add_argument("--schedules", nargs="*", default=["1f1b", "interleaved", "zero_bubble"],
+                        choices=[name for name in schedule_lib.SCHEDULES if name != "gpipe"])
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     p = 2
@@ -58,7 +61,8 @@ def main() -> int:
             single = run(["taskset", "-c", "0", sys.executable, "-m", "megajax.train", "--config",
                           "configs/tiny.yaml", "--set", *common, f"train.output_dir={tmp}/single",
                           "parallel.data=1", "model.recompute=full"], f"{tmp}/single", args.steps)
-            for schedule, v in (("1f1b", 1), ("interleaved", 2)):
+            for schedule in args.schedules:
+                v = 2 if schedule == "interleaved" else 1
                 out = f"{tmp}/{schedule}"
                 t = run(["bash", "scripts/launch_local.sh", "-n", str(p), "-d", "1", "--pin", "--",
                          sys.executable, "-m", "megajax.train", "--config", "configs/tiny.yaml", "--set", *common,
@@ -66,14 +70,14 @@ def main() -> int:
                          "model.recompute=none",
                          f"parallel.schedule={schedule}", f"parallel.virtual_stages={v}"], out, args.steps)
                 ideal = single / p
-                formula = (p - 1) / (v * m)
+                formula = schedule_lib.formula(schedule, p, v, m)
                 ticks = schedule_lib.build(schedule, p, v, m).ticks
                 rows.append({"schedule": schedule, "v": v, "m": m, "step_s": t, "ideal_s": ideal,
                              "single_process_s": single, "measured_bubble": t / ideal - 1,
                              "formula_bubble": formula, "ticks": ticks,
                              "overhead_per_tick_ms": 1e3 * (t - ideal * (1 + formula)) / ticks})
                 r = rows[-1]
-                print(f"{schedule:11s} v={v} m={m}: step {t:.3f} s, ideal {ideal:.3f} s, bubble measured "
+                print(f"{schedule:12s} v={v} m={m}: step {t:.3f} s, ideal {ideal:.3f} s, bubble measured "
                       f"{r['measured_bubble']:.3f} vs formula {formula:.3f}; {ticks} ticks, "
                       f"{r['overhead_per_tick_ms']:.1f} ms per tick beyond the formula", flush=True)
     if args.out:

@@ -23,6 +23,10 @@ Memory: the stash is one activation per in-flight micro batch (Megatron's full r
 plus one chunk's residuals. The embedding and head gradients and the loss are summed over 'pipeline' once
 after the scan, and the caller reduces everything over 'data' once per step.
 
+zero_bubble (`_unit_tick`, `_SplitChunkActions`) runs unit ticks, one action per rank: F and R as above, B
+the input gradient only (and the norms' and biases' gradients), W the weight gradients from each weight
+matmul's kept input and the output gradient B found for it (model.layers.weight_einsum's taps); activations
+move forward and gradients back in the same tick, one ppermute each.
 Ticks are grouped into segments (filling, steady, cool-down) by what they run and send; a segment's switches
 hold only the actions it runs. GPipe is the simple baseline: autodiff of a forward-only pipeline scan
 (memory grows with m).

@@ -1,4 +1,5 @@
-"""Pipeline schedules as data: GPipe, 1F1B and interleaved 1F1B (Narayanan et al., SC21).
+"""Pipeline schedules as data: GPipe, 1F1B and interleaved 1F1B (Narayanan et al., SC21), zero bubble (Qi et
+al., ICLR 2024).
 
 A schedule is built in plain NumPy, without JAX. Each pipeline rank gets Megatron's order of actions:
   1F1B         p - r - 1 warm-up forwards, then one forward one backward, then the remaining backwards
@@ -7,6 +8,8 @@ A schedule is built in plain NumPy, without JAX. Each pipeline rank gets Megatro
                batches (backwards the same with the chunk order reversed); (p - r - 1) 2 + (v - 1) p
                warm-up forwards (capped at m v)
   GPipe        every forward, then every backward
+  zero_bubble  unit ticks, the backward split into B (input gradient) and W (weight gradients):
+               p - r - 1 warm-up forwards, then F R B W per micro batch, then R B W (_ZeroBubbleSimulator)
 Global chunk c = local chunk * p + rank holds layers [c L / (p v), (c + 1) L / (p v)).
 
 The executor runs in lock step, with roles staggered by rank: on ticks where t + r is even rank r may run a
