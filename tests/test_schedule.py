@@ -39,10 +39,12 @@ def test_each_forward_and_backward_once_in_dependency_order(name, p, v, m):
     if name == "zero_bubble":  # each weight gradient once, after its input gradient
         assert sorted((g, mb) for g, mb, _ in weights) == sorted((g, i) for g in range(chunks) for i in range(m))
         assert all(when[(BWD, g, mb)][0] < t for g, mb, t in weights)
-        assert np.all((s.f_chunk >= 0).astype(int) + (s.r_chunk >= 0) + (s.b_chunk >= 0) + (wg >= 0) <= 1), \
-            "one action per rank and tick"
+        assert np.all((s.f_chunk >= 0).astype(int) + (s.r_chunk >= 0) + (s.b_chunk >= 0) + (wg >= 0)
+                      + (s.h_chunk >= 0) <= 1), "one action per rank and tick"
+        heads = s.global_chunk(s.h_chunk)
+        assert sorted(s.h_micro[heads >= 0].tolist()) == list(range(m)) and np.all(heads[heads >= 0] == chunks - 1)
     else:
-        assert not weights
+        assert not weights and (s.h_chunk < 0).all()
     for (kind, g, mb), (t, k) in when.items():
         if kind == FWD and g > 0:
             assert when[(FWD, g - 1, mb)][0] < t, "an activation arrives one tick after it is sent"
@@ -93,7 +95,7 @@ def test_buffers_hold_the_right_message(name, p, v, m):
     residuals = [None] * p
     split = name == "zero_bubble"
     output_grads = [None] * p  # zero_bubble: what the last backward hands its weight gradient
-    wg = s.global_chunk(s.w_chunk)
+    wg, hg = s.global_chunk(s.w_chunk), s.global_chunk(s.h_chunk)
     for t in range(s.ticks):
         sends_f, sends_b = {}, {}
         made = [None] * p
@@ -124,15 +126,22 @@ def test_buffers_hold_the_right_message(name, p, v, m):
                 act[r][slot] = ("act", c, mb)
                 if c < last:
                     sends_f[(r + 1) % p] = ("act", c + 1, mb)
-                else:  # the head's backward writes the output gradient
+                elif not split:  # the head's backward writes the output gradient
                     assert grad[r][s.f_grad_slot[t, r]] is None
                     grad[r][s.f_grad_slot[t, r]] = ("grad", c, mb)
                 if s.f_keep[t, r]:
                     assert rg[t, r] < 0 and c == last, "only the last chunk keeps its own residuals"
-                    act[r][slot] = None
+                    act[r][slot] = ("out", c, mb) if split else None  # zero_bubble: the output, for H
                     made[r] = (c, mb)
             else:
                 assert s.f_slot[t, r] == s.act_slots - 1
+            if s.h_chunk[t, r] >= 0:  # zero_bubble's head: reads the last chunk's output, writes its gradient
+                c, mb, slot = hg[t, r], s.h_micro[t, r], s.h_slot[t, r]
+                assert c == last and act[r][slot] == ("out", c, mb) and grad[r][s.h_grad_slot[t, r]] is None
+                act[r][slot] = None
+                grad[r][s.h_grad_slot[t, r]] = ("grad", c, mb)
+            else:
+                assert s.h_slot[t, r] == s.act_slots - 1 and s.h_grad_slot[t, r] == s.grad_slots - 1
         residuals = [mine or kept for mine, kept in zip(made, residuals)] if split else made
         for r in range(p):
             for buf, sends, slot, trash in ((act, sends_f, s.recv_act[t, r], s.act_slots - 1),

@@ -25,8 +25,9 @@ after the scan, and the caller reduces everything over 'data' once per step.
 
 zero_bubble (`_unit_tick`, `_SplitChunkActions`) runs unit ticks, one action per rank: F and R as above, B
 the input gradient only (and the norms' and biases' gradients), W the weight gradients from each weight
-matmul's kept input and the output gradient B found for it (model.layers.weight_einsum's taps); activations
-move forward and gradients back in the same tick, one ppermute each.
+matmul's kept input and the output gradient B found for it (model.layers.weight_einsum's taps), and on the
+last stage H, the head's forward and backward on the output its forward left in the slot (so the head
+stretches no tick); activations move forward and gradients back in the same tick, one ppermute each.
 Ticks are grouped into segments (filling, steady, cool-down) by what they run and send; a segment's switches
 hold only the actions it runs. GPipe is the simple baseline: autodiff of a forward-only pipeline scan
 (memory grows with m).
@@ -51,12 +52,13 @@ from megajax.pipeline.layout import local_chunks
 from megajax.sharding import vary
 
 # what an action does depends on where its chunk sits in the model: 0 none, 1 first, 2 middle, 3 last chunk;
-# 4: a forward of the last chunk that keeps its residuals for the backward of the next tick
-NONE, FIRST, MID, LAST, LAST_KEEP = range(5)
+# 4: a forward of the last chunk that keeps its residuals for the backward of the next tick; 5 (zero_bubble):
+# one that keeps its residuals and leaves its output in its slot for the head's own action (H)
+NONE, FIRST, MID, LAST, LAST_KEEP, LAST_STASH = range(6)
 # the table columns a tick reads (the schedule's f_keep becomes the LAST_KEEP kind)
 FIELDS = ("f_chunk", "f_micro", "f_slot", "f_grad_slot", "r_chunk", "r_micro", "r_slot", "b_chunk", "b_micro",
-          "b_grad_slot", "w_chunk", "w_micro", "recv_act", "recv_grad")
-ACTIONS = ("f", "r", "b", "w")
+          "b_grad_slot", "w_chunk", "w_micro", "h_chunk", "h_micro", "h_slot", "h_grad_slot", "recv_act", "recv_grad")
+ACTIONS = ("f", "r", "b", "w", "h")
 
 
 def _position(global_chunk: np.ndarray, chunks: int) -> np.ndarray:
@@ -82,6 +84,7 @@ class Segment:
     r: tuple[int, ...]
     b: tuple[int, ...]
     w: tuple[int, ...]
+    h: tuple[int, ...]
     send_act: bool = True
     send_grad: bool = False
 
@@ -108,7 +111,7 @@ def plan(name: str, p: int, v: int, m: int):
     chunks = p * v
     tables = {k: getattr(s, k) for k in FIELDS}
     fg, rg, bg = s.global_chunk(s.f_chunk), s.global_chunk(s.r_chunk), s.global_chunk(s.b_chunk)
-    wg = s.global_chunk(s.w_chunk)
+    wg, hg = s.global_chunk(s.w_chunk), s.global_chunk(s.h_chunk)
     free = s.free_ticks
     fsend_any = np.any((fg >= 0) & (fg < chunks - 1), axis=1)
     bsend_any = np.any(bg > 0, axis=1)
@@ -120,8 +123,8 @@ def plan(name: str, p: int, v: int, m: int):
         steady_end = max(free, last_fwd)
         steady_end += (steady_end - free) % 2  # whole tick pairs, so that no idle tick splits an R from its B
         bounds = sorted({0, free, min(steady_end, s.ticks), s.ticks})
-    idle = {k: (np.full(p, s.act_slots - 1 if k in ("f_slot", "r_slot", "recv_act") else
-                        s.grad_slots - 1 if k in ("f_grad_slot", "b_grad_slot", "recv_grad") else
+    idle = {k: (np.full(p, s.act_slots - 1 if k in ("f_slot", "r_slot", "h_slot", "recv_act") else
+                        s.grad_slots - 1 if k in ("f_grad_slot", "b_grad_slot", "h_grad_slot", "recv_grad") else
                         -1, np.int32)) for k in FIELDS}
     rows = {k: [] for k in FIELDS}
     kinds = {key: [] for key in ACTIONS}
@@ -133,18 +136,19 @@ def plan(name: str, p: int, v: int, m: int):
         seg_start = len(rows["f_chunk"])
         for k in FIELDS:
             rows[k] += list(tables[k][start:stop]) + [idle[k]] * pad
-        for key, g in (("f", fg), ("r", rg), ("b", bg), ("w", wg)):
+        for key, g in (("f", fg), ("r", rg), ("b", bg), ("w", wg), ("h", hg)):
             kind = _position(g[start:stop], chunks)
             if key in ("r", "w"):  # a recompute or a weight gradient is the same for every chunk position
                 kind = np.where(kind == NONE, NONE, MID)
             if key == "f":
-                kind = np.where((kind == LAST) & (s.f_keep[start:stop] > 0), LAST_KEEP, kind)
+                keep = LAST_STASH if s.split_backward else LAST_KEEP
+                kind = np.where((kind == LAST) & (s.f_keep[start:stop] > 0), keep, kind)
             kinds[key] += list(kind) + [np.zeros(p, np.int32)] * pad
         present = {key: tuple(sorted(set(np.ravel(kinds[key][seg_start:]).tolist()) | {NONE})) for key in kinds}
         sends = (bool(fsend_any[start:stop].any()), bool(bsend_any[start:stop].any())) if s.split_backward else \
             (True, False)
         segments.append(Segment(seg_start, seg_start + n + pad, roles, start % 2, present["f"], present["r"],
-                                present["b"], present["w"], *sends))
+                                present["b"], present["w"], present["h"], *sends))
     table = {k: np.array(rows[k], np.int32) for k in FIELDS}
     return s, table, {k: np.array(val, np.int32) for k, val in kinds.items()}, tuple(segments)
 
@@ -170,7 +174,7 @@ def permute_bytes_per_step(cfg: Config) -> dict:
 
 def _local_kinds(present: tuple[int, ...], kinds: np.ndarray) -> jax.Array:
     """Kind codes -> indices into the segment's list of branches."""
-    index = np.zeros(LAST_KEEP + 1, np.int32)
+    index = np.zeros(LAST_STASH + 1, np.int32)
     index[list(present)] = np.arange(len(present))
     return jnp.asarray(index[kinds])
 
@@ -273,8 +277,8 @@ def _unit_perms(p: int, seg: Segment) -> list[list[tuple[int, int]]]:
 
 
 def _unit_tick(acts: _SplitChunkActions, seg: Segment, p: int, rank, carry: dict, row: dict):
-    """One unit tick of zero_bubble: at most one of B (input gradient), W (weight gradient), R and F runs on
-    a rank; then activations move forward and gradients back (see schedule._ZeroBubbleSimulator)."""
+    """One unit tick of zero_bubble: at most one of B (input gradient), W (weight gradient), R, F and H (the
+    head) runs on a rank; then activations move forward and gradients back (see schedule._ZeroBubbleSimulator)."""
     row = {k: jnp.clip(val[rank], 0, None) for k, val in row.items()}
     send_grad, carry["g_layers"], carry["g_shared"], carry["dys"] = jax.lax.switch(
         row["b_kind"], [acts.backward_branch(k) for k in seg.b], carry["res"], carry["grad"][row["b_grad_slot"]],
@@ -288,7 +292,10 @@ def _unit_tick(acts: _SplitChunkActions, seg: Segment, p: int, rank, carry: dict
         carry["g_shared"], row)
     carry["act"] = carry["act"].at[row["f_slot"]].set(stash)
     carry["grad"] = carry["grad"].at[row["f_grad_slot"]].set(g_self)
-    carry["loss"] = carry["loss"] + loss
+    h_loss, g_out, carry["g_shared"] = jax.lax.switch(row["h_kind"], [acts.head_branch(k) for k in seg.h],
+                                                      carry["act"][row["h_slot"]], carry["g_shared"], row)
+    carry["grad"] = carry["grad"].at[row["h_grad_slot"]].set(g_out)
+    carry["loss"] = carry["loss"] + loss + h_loss
     perms = _unit_perms(p, seg)
     if seg.send_act:
         carry["act"] = carry["act"].at[row["recv_act"]].set(jax.lax.ppermute(send_act, "pipeline", perms[0]))
@@ -376,15 +383,31 @@ class _ChunkActions:
                 x = model.embed_apply(self.mcfg, self.shared, mb["tokens"], keys).astype(x.dtype)
             if kind in (FIRST, MID):
                 return vary((self._layers(w, x, keys, first).astype(x.dtype), x, loss, g_self, res, g_shared))
-            if kind == LAST_KEEP:
+            if kind in (LAST_KEEP, LAST_STASH):
                 y, res = self.forward_keeping(row, "f_", x)
             else:  # its backward comes later, after a recompute
                 y = self._layers(w, x, keys, first).astype(x.dtype)
-            loss, pullback = jax.vjp(lambda sh, y: model.head_apply(self.mcfg, sh, y, mb["targets"],
-                                                                    mb["loss_mask"]), self.shared, y)
-            dsh, g_y = pullback(self.seed_scale)
-            g_shared = jax.tree.map(lambda a, d: a + d.astype(jnp.float32), g_shared, dsh)
+            if kind == LAST_STASH:  # the head runs in its own action (H)
+                return vary((zeros, y.astype(x.dtype), loss, g_self, res, g_shared))
+            loss, g_y, g_shared = self.head(y, mb, g_shared)
             return vary((zeros, x, loss, g_y.astype(x.dtype), res, g_shared))
+
+        return run
+
+    def head(self, y, mb, g_shared):
+        """(loss, its gradient in y, g_shared plus the head's gradients) of the micro batch's last chunk output."""
+        loss, pullback = jax.vjp(lambda sh, y: model.head_apply(self.mcfg, sh, y, mb["targets"], mb["loss_mask"]),
+                                 self.shared, y)
+        dsh, g_y = pullback(self.seed_scale)
+        return loss, g_y, jax.tree.map(lambda a, d: a + d.astype(jnp.float32), g_shared, dsh)
+
+    def head_branch(self, kind):
+        """(chunk output, g_shared, row) -> (loss, output gradient, g_shared): zero_bubble's H."""
+        def run(y, g_shared, row):
+            if kind == NONE:
+                return vary((jnp.zeros((), jnp.float32), jnp.zeros_like(y), g_shared))
+            loss, g_y, g_shared = self.head(y, self.micro(row, "h_")[0], g_shared)
+            return vary((loss, g_y.astype(y.dtype), g_shared))
 
         return run
 

@@ -9,7 +9,8 @@ A schedule is built in plain NumPy, without JAX. Each pipeline rank gets Megatro
                warm-up forwards (capped at m v)
   GPipe        every forward, then every backward
   zero_bubble  unit ticks, the backward split into B (input gradient) and W (weight gradients):
-               p - r - 1 warm-up forwards, then F R B W per micro batch, then R B W (_ZeroBubbleSimulator)
+               p - r - 1 warm-up forwards, then F R B W per micro batch, then R B W; the last stage
+               F H B W, H the head's forward and backward (_ZeroBubbleSimulator)
 Global chunk c = local chunk * p + rank holds layers [c L / (p v), (c + 1) L / (p v)).
 
 The executor runs in lock step, with roles staggered by rank: on ticks where t + r is even rank r may run a
@@ -46,6 +47,7 @@ FWD, BWD = 1, 2
 # (input and weight gradients) twice a forward, the paper's assumption; zero_bubble splits it into the input
 # gradient (B) and the weight gradient (W), a forward each.
 F_COST, R_COST, B_COST, W_COST = 1.0, 1.0, 2.0, 1.0
+H_COST = 1.0  # zero_bubble's last stage runs the head's forward and backward as its own action, in R's place
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 
 
@@ -65,6 +67,8 @@ class Schedule:
                        the last recompute, and only the input gradient)
     b_grad_slot        gradient slot the backward reads; freed by it
     w_chunk, w_micro   zero_bubble: the weight gradient of the last backward (-1 everywhere for the others)
+    h_chunk, h_micro   zero_bubble, last stage: the head's forward and backward on the chunk output its forward
+                       left in h_slot (freed), writing the output gradient to h_grad_slot
     recv_act           slot the activation arriving at the end of the tick is written to
     recv_grad          slot for the arriving gradient
     Slot fields with nothing to read or keep point at the trash slot (the last one).
@@ -87,6 +91,10 @@ class Schedule:
     b_grad_slot: np.ndarray
     w_chunk: np.ndarray
     w_micro: np.ndarray
+    h_chunk: np.ndarray
+    h_micro: np.ndarray
+    h_slot: np.ndarray
+    h_grad_slot: np.ndarray
     recv_act: np.ndarray
     recv_grad: np.ndarray
     act_slots: int  # buffer sizes, including the trash slot
@@ -115,7 +123,7 @@ class Schedule:
         b_cost is the whole backward's; a split backward gives W_COST of it to the weight gradient."""
         b_input = b_cost - W_COST if self.split_backward else b_cost
         work = ((self.f_chunk >= 0) * F_COST + (self.r_chunk >= 0) * r_cost + (self.b_chunk >= 0) * b_input
-                + (self.w_chunk >= 0) * W_COST)
+                + (self.w_chunk >= 0) * W_COST + (self.h_chunk >= 0) * H_COST)
         return work.max(axis=1) / self.v
 
     def bubble_fraction(self, b_cost: float = B_COST, r_cost: float = R_COST) -> float:
@@ -224,7 +232,8 @@ class _Simulator:
     """Staggered lock-step execution of the rank orders: which actions run in which tick, and buffer slots."""
 
     FIELDS = ("f_chunk", "f_micro", "f_slot", "f_keep", "f_grad_slot", "r_chunk", "r_micro", "r_slot",
-              "b_chunk", "b_micro", "b_grad_slot", "w_chunk", "w_micro", "recv_act", "recv_grad")
+              "b_chunk", "b_micro", "b_grad_slot", "w_chunk", "w_micro", "h_chunk", "h_micro", "h_slot", "h_grad_slot",
+              "recv_act", "recv_grad")
 
     def __init__(self, name: str, p: int, v: int, m: int):
         self.p, self.chunks, self.gpipe = p, p * v, name == "gpipe"
@@ -316,8 +325,10 @@ class _ZeroBubbleSimulator:
     """Unit ticks (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): a rank runs one action a tick,
     F (forward), R (recompute, keeping the residuals), B (input gradient only, sent at once) or W (weight
     gradient, off the critical path), in the order p - r - 1 warm-up forwards, then F R B W per micro batch,
-    then R B W. The last stage's forward keeps its own residuals (F B W). An action runs as soon as what it
-    reads arrived in an earlier tick; each tick may move activations forward and gradients back at once."""
+    then R B W. The last stage's forward keeps its own residuals and leaves its output in its slot, and H (the
+    head's forward and backward) runs in R's place: F H B W, so the head stretches no tick. An action runs as
+    soon as what it reads arrived in an earlier tick; each tick may move activations forward and gradients
+    back at once."""
 
     def __init__(self, p: int, m: int):
         self.p, self.free_ticks = p, 0
@@ -327,7 +338,7 @@ class _ZeroBubbleSimulator:
             actions = [("F", i) for i in range(warm)]
             for i in range(m):
                 actions += [("F", warm + i)] if warm + i < m else []
-                actions += ([] if last else [("R", i)]) + [("B", i), ("W", i)]
+                actions += [("H" if last else "R", i), ("B", i), ("W", i)]
             self.order.append(actions)
         self.ptr = [0] * p
         self.done: dict[tuple[str, int, int], int] = {}  # (action, rank, micro) -> tick
@@ -343,10 +354,10 @@ class _ZeroBubbleSimulator:
         last = r == self.p - 1
         if kind == "F":
             return r == 0 or before("F", r - 1)
-        if kind == "R":
+        if kind in ("R", "H"):
             return before("F", r)
         if kind == "B":
-            return before("F", r) if last else before("R", r) and before("B", r + 1)
+            return before("H", r) if last else before("R", r) and before("B", r + 1)
         return before("B", r)
 
     def tick(self, t: int) -> dict[str, list[int]]:
@@ -367,10 +378,13 @@ class _ZeroBubbleSimulator:
                 row["f_slot"][r] = self.act_at[r][mb]
                 if r < self.p - 1:
                     sends.append((FWD, r + 1, mb))
-                else:  # keeps its residuals: the stash is not needed
-                    self.act_alloc[r].give(self.act_at[r].pop(mb))
+                else:  # keeps its residuals; its output replaces its input in the slot, for H
                     row["f_keep"][r] = 1
-                    self.grad_at[r][mb] = row["f_grad_slot"][r] = self.grad_alloc[r].take()
+            elif kind == "H":
+                row["h_chunk"][r], row["h_micro"][r] = 0, mb
+                row["h_slot"][r] = self.act_at[r].pop(mb)
+                self.act_alloc[r].give(row["h_slot"][r])
+                self.grad_at[r][mb] = row["h_grad_slot"][r] = self.grad_alloc[r].take()
             elif kind == "R":
                 row["r_chunk"][r], row["r_micro"][r] = 0, mb
                 row["r_slot"][r] = self.act_at[r].pop(mb)
@@ -406,9 +420,9 @@ def build(name: str, p: int, v: int = 1, m: int = 1) -> Schedule:
     act_slots = max(a.size for a in sim.act_alloc) + 1  # + the trash slot
     grad_slots = max(a.size for a in sim.grad_alloc) + 1
     table = {f: np.array([row[f] for row in rows], np.int32) for f in _Simulator.FIELDS}
-    for field in ("recv_act", "f_slot", "r_slot"):  # nothing to read or keep: the trash slot
+    for field in ("recv_act", "f_slot", "r_slot", "h_slot"):  # nothing to read or keep: the trash slot
         table[field] = np.where(table[field] < 0, act_slots - 1, table[field])
-    for field in ("recv_grad", "f_grad_slot", "b_grad_slot"):
+    for field in ("recv_grad", "f_grad_slot", "b_grad_slot", "h_grad_slot"):
         table[field] = np.where(table[field] < 0, grad_slots - 1, table[field])
     table["f_keep"] = np.maximum(table["f_keep"], 0)
     return Schedule(name, p, v, m, act_slots=act_slots, grad_slots=grad_slots, free_ticks=sim.free_ticks, **table)
@@ -416,14 +430,15 @@ def build(name: str, p: int, v: int = 1, m: int = 1) -> Schedule:
 
 def timeline(s: Schedule) -> str:
     """One line per rank, one cell per tick: 'F3' forward of micro batch 3, 'R1' recompute for the backward
-    of micro batch 1, 'B1' that backward (zero_bubble: its input gradient), 'W1' its weight gradient, 'F3R1'
-    a forward and a recompute; with v > 1 a chunk letter
+    of micro batch 1, 'B1' that backward (zero_bubble: its input gradient), 'W1' its weight gradient, 'H1'
+    the head's forward and backward (zero_bubble's last stage), 'F3R1' a forward and a recompute; with v > 1 a chunk letter
     follows each micro batch (a, b, ...); '.' is idle."""
     def part(kind, chunk, micro):
         return "" if chunk < 0 else f"{kind}{micro}" + (chr(ord("a") + chunk) if s.v > 1 else "")
 
     cells = [[part("F", s.f_chunk[t, r], s.f_micro[t, r]) + part("R", s.r_chunk[t, r], s.r_micro[t, r])
-              + part("B", s.b_chunk[t, r], s.b_micro[t, r]) + part("W", s.w_chunk[t, r], s.w_micro[t, r]) or "."
+              + part("B", s.b_chunk[t, r], s.b_micro[t, r]) + part("W", s.w_chunk[t, r], s.w_micro[t, r])
+              + part("H", s.h_chunk[t, r], s.h_micro[t, r]) or "."
               for t in range(s.ticks)] for r in range(s.p)]
     width = max(len(c) for row in cells for c in row)
     return "\n".join(f"rank {r}: " + " ".join(c.rjust(width) for c in cells[r]) for r in range(s.p))
@@ -453,7 +468,8 @@ def save_png(s: Schedule, path: str) -> None:
                     ("F", s.f_chunk[t, r], s.f_micro[t, r], F_COST / s.v, 0.45, None),
                     ("R", s.r_chunk[t, r], s.r_micro[t, r], R_COST / s.v, 0.25, "//"),
                     ("B", s.b_chunk[t, r], s.b_micro[t, r], b_cost / s.v, 0.95, None),
-                    ("W", s.w_chunk[t, r], s.w_micro[t, r], W_COST / s.v, 0.7, "xx")):
+                    ("W", s.w_chunk[t, r], s.w_micro[t, r], W_COST / s.v, 0.7, "xx"),
+                    ("H", s.h_chunk[t, r], s.h_micro[t, r], H_COST / s.v, 0.25, "..")):
                 if chunk < 0:
                     continue
                 ax.add_patch(plt.Rectangle((x, y), width, 1, facecolor=hues(int(chunk) % 10), edgecolor="white",
@@ -466,7 +482,7 @@ def save_png(s: Schedule, path: str) -> None:
     ax.set_xlabel("time (one forward of a whole stage = 1)")
     ax.set_title(f"{s.name} p={s.p} v={s.v} m={s.m}: bubble {s.bubble_fraction():.3f} "
                  f"(formula {formula(s.name, s.p, s.v, s.m):.3f}); F forward, R recompute, B backward"
-                 + (" (input), W weight gradient" if s.split_backward else ""))
+                 + (" (input), W weight gradient, H head" if s.split_backward else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
