@@ -73,8 +73,8 @@ def _position(global_chunk: np.ndarray, chunks: int) -> np.ndarray:
 class Segment:
     """Ticks [start, stop) run by one scan. roles: the staggered lock step (ticks go in pairs, even then odd
     from `start`'s parity); else every rank may run a forward and only activations move, or (zero_bubble)
-    activations move when send_act and gradients when send_grad. f, r, b, w: the action kinds present (NONE
-    always)."""
+    activations move when send_act and gradients when send_grad. f, r, b, w, h: the action kinds present
+    (NONE always)."""
 
     start: int
     stop: int
@@ -211,7 +211,6 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
         xs = {k: jnp.asarray(table[k][seg.start:seg.stop]) for k in FIELDS}
         for key in ACTIONS:
             xs[key + "_kind"] = _local_kinds(getattr(seg, key), kinds[key][seg.start:seg.stop])
-        tick = functools.partial(_tick, acts, seg, p, v, rank)
         if sched.split_backward:
             xs["unit"] = jnp.asarray(_unit_index(seg, kinds, seg.start, seg.stop))
             rows = {k: table[k][seg.start:seg.stop] for k in ("f_chunk", "r_chunk", "f_slot", "r_slot", "h_slot")}
@@ -219,7 +218,9 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
                                                 np.where(rows["r_chunk"] >= 0, rows["r_slot"], rows["h_slot"])))
             tick = functools.partial(_unit_tick, acts, seg, p, rank)
             carry, _ = jax.lax.scan(lambda carry, row, tick=tick: (tick(carry, row), None), carry, xs)
-        elif seg.roles:  # pairs of ticks, so that each one's ppermute pairs are static
+            continue
+        tick = functools.partial(_tick, acts, seg, p, v, rank)
+        if seg.roles:  # pairs of ticks, so that each one's ppermute pairs are static
             xs = jax.tree.map(lambda x: x.reshape(-1, 2, *x.shape[1:]), xs)
 
             def pair(carry, row2, tick=tick, parity=seg.parity):
@@ -466,14 +467,18 @@ class _ChunkActions:
             c = row["b_chunk"]
             g_layers = jax.tree.map(lambda acc, d: acc.at[c].add(d.astype(jnp.float32)), g_layers, dw)
             if kind == FIRST:  # the embedding's backward ends the pipeline: nothing to send
-                mb, keys = self.micro(row, "b_")
-                _, vjp = jax.vjp(lambda sh: model.embed_apply(self.mcfg, sh, mb["tokens"], keys), self.shared)
-                (dsh,) = vjp(dx.astype(g.dtype))
-                g_shared = jax.tree.map(lambda a, d: a + d.astype(jnp.float32), g_shared, dsh)
+                g_shared = self.embedding_backward(dx.astype(g.dtype), row, g_shared)
                 return vary((jnp.zeros_like(g), g_layers, g_shared))
             return vary((dx.astype(g.dtype), g_layers, g_shared))
 
         return run
+
+    def embedding_backward(self, dx, row, g_shared):
+        """g_shared plus the embedding's gradients from the first chunk's input gradient dx."""
+        mb, keys = self.micro(row, "b_")
+        _, vjp = jax.vjp(lambda sh: model.embed_apply(self.mcfg, sh, mb["tokens"], keys), self.shared)
+        (dsh,) = vjp(dx)
+        return jax.tree.map(lambda a, d: a + d.astype(jnp.float32), g_shared, dsh)
 
 
 class _SplitChunkActions(_ChunkActions):
@@ -530,10 +535,7 @@ class _SplitChunkActions(_ChunkActions):
             dx, dys, dsmall = pullback(g)
             g_layers = self._accumulate(g_layers, dsmall, row["b_chunk"])
             if kind == FIRST:  # the embedding's backward ends the pipeline: nothing to send
-                mb, keys = self.micro(row, "b_")
-                _, vjp = jax.vjp(lambda sh: model.embed_apply(self.mcfg, sh, mb["tokens"], keys), self.shared)
-                (dsh,) = vjp(dx.astype(g.dtype))
-                g_shared = jax.tree.map(lambda a, d: a + d.astype(jnp.float32), g_shared, dsh)
+                g_shared = self.embedding_backward(dx.astype(g.dtype), row, g_shared)
                 return vary((jnp.zeros_like(g), g_layers, g_shared, dys))
             return vary((dx.astype(g.dtype), g_layers, g_shared, dys))
 
