@@ -196,3 +196,15 @@ def test_cli_prints_timeline_and_summary(capsys, tmp_path):
     assert png.stat().st_size > 1000
     assert sl.timeline(sl.build("1f1b", 2, 1, 2)).splitlines() == ["rank 0: F0 F1 R0 B0 R1 B1",
                                                                    "rank 1:  . F0 B0 F1 B1  ."]
+
+
+def test_costs_change_the_verdict():
+    """With the papers' unit costs zero_bubble has the smaller bubble; with the costs measured on an H100
+    (scripts/bench_split_backward.py: the input gradient 1.86 forwards, the weight gradient 0.94, the fused
+    backward 2.61) every lock-step unit tick with a B stretches and 1F1B wins."""
+    zb, one = sl.build("zero_bubble", 4, 1, 8), sl.build("1f1b", 4, 1, 8)
+    assert zb.bubble_fraction() < one.bubble_fraction()
+    h100 = sl.Costs(1, 1, 2.61, 0.94, 1.86)
+    assert zb.bubble_fraction(h100) > one.bubble_fraction(h100)
+    assert sl.Costs(b=3, w=1).b_input == 2
+    assert sl.main(["--schedule", "1f1b", "-p", "2", "-m", "2", "--costs", "1,2"]) == 2

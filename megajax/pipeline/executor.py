@@ -481,22 +481,45 @@ class _ChunkActions:
         return jax.tree.map(lambda a, d: a + d.astype(jnp.float32), g_shared, dsh)
 
 
+def split_weights(w: dict) -> tuple[dict, dict]:
+    """A chunk's parameters {"block": ...} as (weights of a tapped matmul, the rest), flat {path: [Lc, ...]}."""
+    flat = flax.traverse_util.flatten_dict(w["block"])
+    big = {k: val for k, val in flat.items() if k[-1] in layers_lib.WEIGHT_EINSUMS}
+    return big, {k: val for k, val in flat.items() if k not in big}
+
+
+def split_linearize(mcfg, w: dict, x: jax.Array, taps: dict, keys, first):
+    """The chunk's layers linearized for the split backward: (output, the pullback in (x, taps, the small
+    parameters), each weight matmul's input). taps: zeros [Lc, ...] shaped as model.block_tap_shapes."""
+    big, small = split_weights(w)
+    lc = jax.tree.leaves(w)[0].shape[0]
+
+    def run(x, taps, small):
+        def body(x, layer):
+            w_l, l, taps_l = layer
+            y, inputs = model.block_apply_split(mcfg, w_l, taps_l, x, l, keys)
+            return y.astype(x.dtype), inputs
+
+        stacked = flax.traverse_util.unflatten_dict({**big, **small})
+        return jax.lax.scan(body, x, (stacked, first + jnp.arange(lc), taps))
+
+    return jax.vjp(run, x, taps, small, has_aux=True)
+
+
+def split_weight_grads(w: dict, inputs: dict, dys: dict) -> dict:
+    """W: the gradients of the chunk's tapped weights, flat {path: [Lc, ...]}, from each matmul's input and
+    output gradient (one matmul per weight and layer)."""
+    big, _ = split_weights(w)
+    x, dy = flax.traverse_util.flatten_dict(inputs), flax.traverse_util.flatten_dict(dys)
+    return {k: jax.vmap(functools.partial(layers_lib.weight_grad, k[-1]))(x[k], dy[k], val) for k, val in big.items()}
+
+
 class _SplitChunkActions(_ChunkActions):
     """zero_bubble's chunk actions: the backward is split at every weight matmul (model.layers.weight_einsum).
     The recompute linearizes the chunk in its input, the matmuls' output taps and the small parameters (norms,
     biases) and keeps each weight matmul's input; B computes the input gradient, the small parameters'
     gradients and the taps' gradients (each weight matmul's output gradient, kept in `dys`); W turns those and
     the kept matmul inputs into the weight gradients, one matmul per weight."""
-
-    def _split(self, w):
-        """The chunk's parameters as (weights of a tapped matmul, the rest), flat {path: [Lc, ...]}."""
-        flat = flax.traverse_util.flatten_dict(w["block"])
-        big = {k: val for k, val in flat.items() if k[-1] in layers_lib.WEIGHT_EINSUMS}
-        return big, {k: val for k, val in flat.items() if k not in big}
-
-    @staticmethod
-    def _merge(big, small):
-        return {"block": flax.traverse_util.unflatten_dict({**big, **small})}
 
     def _tap_shapes(self, w, keys):
         w_l = jax.tree.map(lambda a: a[0], w["block"])
@@ -510,19 +533,9 @@ class _SplitChunkActions(_ChunkActions):
 
     def linearize(self, w, x, keys, first):
         """(chunk output, (the pullback in (x, taps, small parameters), each weight matmul's input))."""
-        big, small = self._split(w)
         # varying over the manual axes like everything else, or their gradients would be summed over them
         taps = vary(jax.tree.map(lambda t: jnp.zeros((self.lc, *t.shape), t.dtype), self._tap_shapes(w, keys)))
-
-        def run(x, taps, small):
-            def body(x, layer):
-                w_l, l, taps_l = layer
-                y, inputs = model.block_apply_split(self.mcfg, w_l, taps_l, x, l, keys)
-                return y.astype(x.dtype), inputs
-
-            return jax.lax.scan(body, x, (self._merge(big, small)["block"], first + jnp.arange(self.lc), taps))
-
-        y, pullback, inputs = jax.vjp(run, x, taps, small, has_aux=True)
+        y, pullback, inputs = split_linearize(self.mcfg, w, x, taps, keys, first)
         return y, (pullback, inputs)
 
     def backward_branch(self, kind):
@@ -547,9 +560,7 @@ class _SplitChunkActions(_ChunkActions):
             if kind == NONE:
                 return vary(g_layers)
             _, inputs = jax.tree.unflatten(self._res_tree, res)
-            big, _ = self._split(self.chunk(row, "w_")[0])
-            x, dy = flax.traverse_util.flatten_dict(inputs), flax.traverse_util.flatten_dict(dys)
-            dw = {k: jax.vmap(functools.partial(layers_lib.weight_grad, k[-1]))(x[k], dy[k], w) for k, w in big.items()}
+            dw = split_weight_grads(self.chunk(row, "w_")[0], inputs, dys)
             return vary(self._accumulate(g_layers, dw, row["w_chunk"]))
 
         return run

@@ -46,9 +46,26 @@ FWD, BWD = 1, 2
 # Costs in units of one chunk forward (for bubble accounting): the recompute is a forward, the backward
 # (input and weight gradients) twice a forward, the paper's assumption; zero_bubble splits it into the input
 # gradient (B) and the weight gradient (W), a forward each.
-F_COST, R_COST, B_COST, W_COST = 1.0, 1.0, 2.0, 1.0
-H_COST = 1.0  # zero_bubble's last stage runs the head's forward and backward as its own action, in R's place
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """Action costs in units of one chunk forward, for the bubble accounting. The defaults are the papers':
+    a recompute is a forward, the whole backward two, split into an input and a weight gradient of one each;
+    zero_bubble's head action (the last stage's, in R's place) one. `scripts/bench_split_backward.py`
+    measures them (H100, Llama 4096 wide, cuDNN attention: b 2.6, b_input 1.86, w 0.94)."""
+
+    f: float = 1.0
+    r: float = 1.0
+    b: float = 2.0  # the fused backward (input and weight gradients)
+    w: float = 1.0
+    h: float = 1.0
+    b_input: float | None = None  # the split backward's input gradient: b - w unless given
+
+    def __post_init__(self):
+        if self.b_input is None:
+            object.__setattr__(self, "b_input", self.b - self.w)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,20 +135,21 @@ class Schedule:
         """Whether the backward is split into the input gradient (B) and the weight gradient (W)."""
         return self.name == "zero_bubble"
 
-    def tick_costs(self, b_cost: float = B_COST, r_cost: float = R_COST) -> np.ndarray:
-        """[ticks] duration of each tick in units of one forward of a whole stage: its slowest rank's work.
-        b_cost is the whole backward's; a split backward gives W_COST of it to the weight gradient."""
-        b_input = b_cost - W_COST if self.split_backward else b_cost
-        work = ((self.f_chunk >= 0) * F_COST + (self.r_chunk >= 0) * r_cost + (self.b_chunk >= 0) * b_input
-                + (self.w_chunk >= 0) * W_COST + (self.h_chunk >= 0) * H_COST)
+    def tick_costs(self, costs: Costs | None = None) -> np.ndarray:
+        """[ticks] duration of each tick in units of one forward of a whole stage: its slowest rank's work."""
+        c = costs or Costs()
+        b = c.b_input if self.split_backward else c.b
+        work = ((self.f_chunk >= 0) * c.f + (self.r_chunk >= 0) * c.r + (self.b_chunk >= 0) * b
+                + (self.w_chunk >= 0) * c.w + (self.h_chunk >= 0) * c.h)
         return work.max(axis=1) / self.v
 
-    def bubble_fraction(self, b_cost: float = B_COST, r_cost: float = R_COST) -> float:
+    def bubble_fraction(self, costs: Costs | None = None) -> float:
         """Step time over the ideal (every rank busy), minus one: the paper's bubble time / ideal time,
-        (p - 1) / m for 1F1B, (p - 1) / (v m) interleaved, (p - 1) / (2 m) zero_bubble. The ideal counts a recompute for every
-        micro batch (full recomputation, as the executor runs)."""
-        ideal = self.m * (F_COST + r_cost + b_cost)
-        return float(self.tick_costs(b_cost, r_cost).sum() / ideal - 1.0)
+        (p - 1) / m for 1F1B, (p - 1) / (v m) interleaved, (p - 1) / (2 m) zero_bubble with the default
+        costs. The ideal counts a recompute and a whole backward for every micro batch (full recomputation,
+        as the executor runs)."""
+        c = costs or Costs()
+        return float(self.tick_costs(c).sum() / (self.m * (c.f + c.r + c.b)) - 1.0)
 
     def in_flight(self) -> np.ndarray:
         """Peak number of (chunk, micro batch) pairs whose forward ran and backward has not, per rank."""
@@ -456,8 +474,8 @@ def save_png(s: Schedule, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    costs = s.tick_costs()
-    b_cost = B_COST - W_COST if s.split_backward else B_COST
+    c = Costs()
+    costs = s.tick_costs(c)
     starts = np.concatenate([[0.0], np.cumsum(costs)])
     fig, ax = plt.subplots(figsize=(max(6, starts[-1] * 0.35), 0.5 * s.p + 1.2))
     hues = plt.get_cmap("tab10")
@@ -465,11 +483,12 @@ def save_png(s: Schedule, path: str) -> None:
         for r in range(s.p):
             x, y = starts[t], s.p - 1 - r
             for label, chunk, micro, width, alpha, hatch in (
-                    ("F", s.f_chunk[t, r], s.f_micro[t, r], F_COST / s.v, 0.45, None),
-                    ("R", s.r_chunk[t, r], s.r_micro[t, r], R_COST / s.v, 0.25, "//"),
-                    ("B", s.b_chunk[t, r], s.b_micro[t, r], b_cost / s.v, 0.95, None),
-                    ("W", s.w_chunk[t, r], s.w_micro[t, r], W_COST / s.v, 0.7, "xx"),
-                    ("H", s.h_chunk[t, r], s.h_micro[t, r], H_COST / s.v, 0.25, "..")):
+                    ("F", s.f_chunk[t, r], s.f_micro[t, r], c.f / s.v, 0.45, None),
+                    ("R", s.r_chunk[t, r], s.r_micro[t, r], c.r / s.v, 0.25, "//"),
+                    ("B", s.b_chunk[t, r], s.b_micro[t, r], (c.b_input if s.split_backward else c.b) / s.v, 0.95,
+                     None),
+                    ("W", s.w_chunk[t, r], s.w_micro[t, r], c.w / s.v, 0.7, "xx"),
+                    ("H", s.h_chunk[t, r], s.h_micro[t, r], c.h / s.v, 0.25, "..")):
                 if chunk < 0:
                     continue
                 ax.add_patch(plt.Rectangle((x, y), width, 1, facecolor=hues(int(chunk) % 10), edgecolor="white",
@@ -494,15 +513,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-p", type=int, required=True, help="pipeline ranks")
     parser.add_argument("-v", type=int, default=1, help="virtual stages (model chunks) per rank")
     parser.add_argument("-m", type=int, required=True, help="micro batches")
+    parser.add_argument("--costs", metavar="F,R,B,W,BI",
+                        help="action costs for the bubble: forward, recompute, fused backward, weight gradient, "
+                             "and (optional) the split backward's input gradient, e.g. 1,1,2.6,0.94,1.86 "
+                             "(scripts/bench_split_backward.py measures them); the summary adds bubble_at_costs")
     parser.add_argument("--png", help="also draw the timeline into this PNG file")
     args = parser.parse_args(argv)
     try:
         s = build(args.schedule, args.p, args.v, args.m)
+        costs = None
+        if args.costs:
+            values = [float(x) for x in args.costs.split(",")]
+            if len(values) not in (4, 5):
+                raise ValueError(f"--costs takes 4 or 5 numbers F,R,B,W[,BI], got {args.costs!r}")
+            costs = Costs(*values[:4], b_input=values[4] if len(values) == 5 else None)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(timeline(s))
-    print(json.dumps(s.summary(), indent=2))
+    summary = s.summary()
+    if costs:
+        summary["bubble_at_costs"] = s.bubble_fraction(costs)
+    print(json.dumps(summary, indent=2))
     if args.png:
         save_png(s, args.png)
     return 0
