@@ -59,6 +59,15 @@ class ModelConfig:
     rope_theta: float = 10000.0
     tie_embeddings: bool | None = None  # None: tied for gpt2, untied for llama
     init_std: float = 0.02
+    # Mixture of experts (Mixtral / DeepSeek style): 0 experts = the dense MLP
+    num_experts: int = 0
+    experts_per_token: int = 2  # top-k
+    moe_ffn_hidden_size: int | None = None  # None: ffn_hidden_size
+    moe_capacity_factor: float | None = None  # None: dropless
+    moe_aux_loss_coef: float = 0.01  # Switch / GShard load balancing
+    moe_z_loss_coef: float = 0.0  # router z-loss
+    moe_shared_experts: int = 0  # DeepSeek's always-on shared experts
+    moe_layer_freq: int = 1  # every n-th layer is MoE
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_length"):
@@ -75,6 +84,20 @@ class ModelConfig:
         for name in ("dropout", "attention_dropout"):
             _check(0.0 <= getattr(self, name) < 1.0, f"model.{name} must be in [0, 1), got {getattr(self, name)}")
         _check(self.make_vocab_size_divisible_by > 0, "model.make_vocab_size_divisible_by must be positive")
+        if self.num_experts:
+            _check(self.num_experts > 0, f"model.num_experts must be >= 0 (0: dense), got {self.num_experts}")
+            _check(
+                1 <= self.experts_per_token <= self.num_experts,
+                f"model.experts_per_token={self.experts_per_token} must be between 1 and model.num_experts="
+                f"{self.num_experts}: lower model.experts_per_token or add experts",
+            )
+            _check(self.moe_capacity_factor is None or self.moe_capacity_factor > 0,
+                   f"model.moe_capacity_factor must be positive or null (dropless), got {self.moe_capacity_factor}")
+            _check(self.moe_capacity_factor is None, "model.moe_capacity_factor (token dropping) is not built yet: "
+                   "leave it null for dropless routing")
+            _check(self.moe_layer_freq == 1, "model.moe_layer_freq other than 1 is not built yet: every layer is MoE")
+            _check(self.moe_shared_experts >= 0, "model.moe_shared_experts must be >= 0")
+            _check(self.moe_aux_loss_coef >= 0 and self.moe_z_loss_coef >= 0, "MoE loss coefficients must be >= 0")
         _check(self.param_dtype != "float16", "model.param_dtype=float16 is not supported: keep float32 master "
                "weights and set model.compute_dtype=float16")
 
@@ -93,6 +116,10 @@ class ModelConfig:
         if self.arch == "llama":
             return 256 * math.ceil(int(2 * 4 * self.hidden_size / 3) / 256)
         return 4 * self.hidden_size
+
+    @property
+    def moe_ffn_size(self) -> int:
+        return self.ffn_size if self.moe_ffn_hidden_size is None else self.moe_ffn_hidden_size
 
     @property
     def tied(self) -> bool:

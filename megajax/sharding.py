@@ -31,6 +31,7 @@ PARAM_RULES: dict[str, str | None] = {
     "kv_heads": "tensor",
     "head_dim": None,
     "mlp": "tensor",
+    "expert": None,  # experts replicated (expert parallelism is not built yet)
     "layers": None,
     "chunk": None,  # the staged pipeline layout [chunk, stage, layers, ...] (megajax.pipeline.layout)
     "stage": "pipeline",

@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from megajax import config as config_lib
 from megajax import metrics as metrics_lib
 from megajax import model, optim, pipeline, sharding
+from megajax.model import moe
 from megajax.pipeline import layout
 from megajax.config import Config, InputError
 from megajax import distributed
@@ -233,10 +234,11 @@ def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
     is_none = lambda x: x is None  # noqa: E731
 
     def local(params, batch, seed_scale):
-        if cfg.parallel.pipeline > 1:
-            loss, grads = pipeline.pipeline_grads(cfg, params, batch, seed_scale)
-        else:
-            loss, grads = accumulate_grads(cfg, params, batch, seed_scale)
+        with moe.objective_scale(seed_scale):  # MoE layers' auxiliary losses join the gradient at this scale
+            if cfg.parallel.pipeline > 1:
+                loss, grads = pipeline.pipeline_grads(cfg, params, batch, seed_scale)
+            else:
+                loss, grads = accumulate_grads(cfg, params, batch, seed_scale)
         # Distributed optimizer: the partial sums, padded to the optimizer's layout, on a leading 'data' axis.
         grads = jax.tree.map(lambda g, z: sharding.psum(g, "data") if z is None else optim.zero_pad(g, z)[None],
                              grads, zero, is_leaf=is_none)

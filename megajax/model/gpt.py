@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from megajax.config import ModelConfig
 from megajax.model.layers import (MLP, RESIDUAL, TAP_GRADS, TAP_INPUTS, Attention, Embed, KVCache, Norm, dropout,
                                   dtype_of, gather_sequence)
+from megajax.model.moe import MoE
 from megajax.sharding import constrain
 
 
@@ -36,7 +37,7 @@ class Block(nn.Module):
         if cache is not None:
             a, cache = a
         x = constrain(x_bsd + dropout(a, cfg.dropout, keys, salt=2 + 4 * layer), RESIDUAL)
-        m = MLP(cfg, name="mlp")(Norm(cfg, name="mlp_norm")(x))
+        m = (MoE if cfg.num_experts else MLP)(cfg, name="mlp")(Norm(cfg, name="mlp_norm")(x))
         x = constrain(x + dropout(m, cfg.dropout, keys, salt=3 + 4 * layer), RESIDUAL)
         return x, cache
 

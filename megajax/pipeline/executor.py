@@ -481,17 +481,19 @@ class _ChunkActions:
         return jax.tree.map(lambda a, d: a + d.astype(jnp.float32), g_shared, dsh)
 
 
-def split_weights(w: dict) -> tuple[dict, dict]:
-    """A chunk's parameters {"block": ...} as (weights of a tapped matmul, the rest), flat {path: [Lc, ...]}."""
+def split_weights(w: dict, taps: dict) -> tuple[dict, dict]:
+    """A chunk's parameters {"block": ...} as (the weights of a tapped matmul, at the taps' paths; the rest),
+    flat {path: [Lc, ...]}. (An MoE layer's expert weights are not tapped: their gradients come with B.)"""
     flat = flax.traverse_util.flatten_dict(w["block"])
-    big = {k: val for k, val in flat.items() if k[-1] in layers_lib.WEIGHT_EINSUMS}
+    tapped = set(flax.traverse_util.flatten_dict(taps))
+    big = {k: val for k, val in flat.items() if k in tapped}
     return big, {k: val for k, val in flat.items() if k not in big}
 
 
 def split_linearize(mcfg, w: dict, x: jax.Array, taps: dict, keys, first):
     """The chunk's layers linearized for the split backward: (output, the pullback in (x, taps, the small
     parameters), each weight matmul's input). taps: zeros [Lc, ...] shaped as model.block_tap_shapes."""
-    big, small = split_weights(w)
+    big, small = split_weights(w, taps)
     lc = jax.tree.leaves(w)[0].shape[0]
 
     def run(x, taps, small):
@@ -509,7 +511,7 @@ def split_linearize(mcfg, w: dict, x: jax.Array, taps: dict, keys, first):
 def split_weight_grads(w: dict, inputs: dict, dys: dict) -> dict:
     """W: the gradients of the chunk's tapped weights, flat {path: [Lc, ...]}, from each matmul's input and
     output gradient (one matmul per weight and layer)."""
-    big, _ = split_weights(w)
+    big, _ = split_weights(w, dys)
     x, dy = flax.traverse_util.flatten_dict(inputs), flax.traverse_util.flatten_dict(dys)
     return {k: jax.vmap(functools.partial(layers_lib.weight_grad, k[-1]))(x[k], dy[k], val) for k, val in big.items()}
 

@@ -1,0 +1,150 @@
+"""Mixture of experts: a router sends each token to k of E expert MLPs (Mixtral / DeepSeek style).
+
+Dimension letters as in layers.py, plus t tokens (b x s flattened), e experts, a routed assignments (t k).
+
+Routing runs in fp32: softmax over the experts, then the top k, renormalised (Mixtral). Dispatch is
+dropless: the t k assignments are sorted by expert and each expert's matmuls run on its rows only
+(`jax.lax.ragged_dot` over the groups), then the outputs are unsorted and combined with the routing weights.
+
+The load-balancing loss (Switch / GShard: E sum_e f_e P_e, f_e the fraction of assignments to expert e, P_e
+its mean routing probability) and the router z-loss enter the gradient where they are computed, without
+threading a second loss through the layer scan and the pipeline (Megatron's MoEAuxLossAutoScaler):
+`attach_loss` is the identity on the layer output whose backward gives the loss the gradient it would get as a
+term of the training objective. The objective is seed x (summed token losses), so a micro batch of T tokens
+adds coef x T x loss: the token-weighted mean over micro batches, times coef, on top of the mean token loss.
+The seed is set around the loss function by `objective_scale` (trace-time context).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from megajax.config import ModelConfig
+from megajax.model.layers import MLP, RESIDUAL, _param, dtype_of, gather_sequence
+from megajax.sharding import constrain
+
+_SEED: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("megajax_moe_seed", default=None)
+
+
+@contextlib.contextmanager
+def objective_scale(seed: jax.Array):
+    """While tracing a loss function whose gradient is taken with cotangent seed (the train step's
+    seed_scale), MoE layers add their auxiliary losses' gradients at that scale."""
+    token = _SEED.set(seed)
+    try:
+        yield
+    finally:
+        _SEED.reset(token)
+
+
+@jax.custom_vjp
+def attach_loss(y: jax.Array, loss: jax.Array, scale: jax.Array) -> jax.Array:
+    """y, unchanged; in the backward, `loss` gets the gradient `scale` (as if scale x loss were added to the
+    objective) and y's cotangent passes through."""
+    return y
+
+
+def _attach_fwd(y, loss, scale):
+    # the loss's cotangent, typed like the loss (varying over the manual axes it varies over)
+    return y, scale.astype(loss.dtype) * jnp.ones_like(loss)
+
+
+def _attach_bwd(loss_cotangent, dy):
+    return dy, loss_cotangent, None
+
+
+attach_loss.defvjp(_attach_fwd, _attach_bwd)
+
+
+def route(logits_te: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """fp32 logits [t, e] -> (weights [t, k] summing to 1, expert ids [t, k], probabilities [t, e])."""
+    probs = jax.nn.softmax(logits_te, axis=-1)
+    top, ids = jax.lax.top_k(probs, k)
+    return top / jnp.sum(top, axis=-1, keepdims=True), ids, probs
+
+
+def load_balancing_loss(probs_te: jax.Array, ids_tk: jax.Array) -> jax.Array:
+    """Switch / GShard: E sum_e f_e P_e (1 when perfectly balanced)."""
+    e = probs_te.shape[-1]
+    counts = jnp.sum(jax.nn.one_hot(ids_tk, e, dtype=jnp.float32), axis=(0, 1))
+    return e * jnp.sum(counts / ids_tk.size * jnp.mean(probs_te, axis=0))
+
+
+def z_loss(logits_te: jax.Array) -> jax.Array:
+    """Router z-loss (ST-MoE): mean of logsumexp(logits)^2."""
+    return jnp.mean(jax.nn.logsumexp(logits_te, axis=-1) ** 2)
+
+
+def dispatch(x_td: jax.Array, ids_tk: jax.Array, e: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Sorts the t k assignments by expert: (rows [a, d] grouped by expert, group sizes [e], the order a
+    sorted position came from, to unsort)."""
+    flat = ids_tk.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    return x_td[order // ids_tk.shape[1]], sizes, order
+
+
+def combine(y_ad: jax.Array, order: jax.Array, weights_tk: jax.Array) -> jax.Array:
+    """Unsorts the experts' outputs and sums each token's k of them with its routing weights: [t, d]."""
+    t, k = weights_tk.shape
+    unsorted = jnp.zeros_like(y_ad).at[order].set(y_ad)
+    return jnp.einsum("tkd,tk->td", unsorted.reshape(t, k, -1), weights_tk.astype(y_ad.dtype))
+
+
+class MoE(nn.Module):
+    """The MLP of an MoE layer: router, dropless expert MLPs (GeLU for gpt2, SwiGLU for llama), and
+    `moe_shared_experts` always-on experts as one dense MLP of that many times the expert width."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_bsd: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        d, f, e, k = cfg.hidden_size, cfg.moe_ffn_size, cfg.num_experts, cfg.experts_per_token
+        pdt, cdt = dtype_of(cfg.param_dtype), dtype_of(cfg.compute_dtype)
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        x = gather_sequence(x_bsd)
+        b, s, _ = x.shape
+        x_td = x.reshape(b * s, d)
+        w_router = _param(self, "router", (d, e), ("embed", None), cfg.init_std, pdt)
+        logits = jnp.einsum("td,de->te", x_td.astype(jnp.float32), w_router.astype(jnp.float32))
+        weights, ids, probs = route(logits, k)
+
+        rows, sizes, order = dispatch(x_td, ids, e)
+        # The routed rows stay whole on every tensor rank and the expert width is split over 'tensor', as in
+        # the dense MLP: the second matmul's partial sums are its one all-reduce (no permutes of rows).
+        rows = constrain(rows, (None, "embed"))
+        if cfg.arch == "llama":
+            # gate and up interleaved as [..., f, 2]: with f split over 'tensor' each rank holds its own gate and
+            # up columns, so the fused matmul's output splits into the two locally
+            w_gate_up = _param(self, "w_gate_up", (e, d, f, 2), ("expert", "embed", "mlp", None), cfg.init_std, pdt)
+            gate_up = jax.lax.ragged_dot(rows, w_gate_up.reshape(e, d, 2 * f).astype(cdt), sizes).reshape(-1, f, 2)
+            hidden = nn.silu(gate_up[..., 0]) * gate_up[..., 1]
+        else:
+            w_in = _param(self, "w_in", (e, d, f), ("expert", "embed", "mlp"), cfg.init_std, pdt)
+            b_in = _param(self, "b_in", (e, f), ("expert", "mlp"), 0, pdt)
+            expert_of = jnp.repeat(jnp.arange(e), sizes, total_repeat_length=rows.shape[0])
+            hidden = nn.gelu(jax.lax.ragged_dot(rows, w_in.astype(cdt), sizes) + b_in.astype(cdt)[expert_of],
+                             approximate=True)
+        hidden = constrain(hidden, (None, "mlp"))
+        w_out = _param(self, "w_out", (e, f, d), ("expert", "mlp", "embed"), out_std, pdt)
+        y = combine(jax.lax.ragged_dot(hidden, w_out.astype(cdt), sizes), order, weights)
+        if cfg.arch == "gpt2":
+            y = y + _param(self, "b_out", (d,), ("embed",), 0, pdt).astype(cdt)
+        y = constrain(y.reshape(b, s, d), RESIDUAL)
+        if cfg.moe_shared_experts:
+            shared_cfg = dataclasses.replace(cfg, ffn_hidden_size=cfg.moe_shared_experts * f, num_experts=0)
+            y = y + MLP(shared_cfg, name="shared")(x_bsd)
+        seed = _SEED.get()
+        if seed is not None:
+            aux = (cfg.moe_aux_loss_coef * load_balancing_loss(probs, ids)
+                   + cfg.moe_z_loss_coef * z_loss(logits))
+            y = attach_loss(y, aux, seed * (b * s))
+        return y
