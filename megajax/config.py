@@ -93,8 +93,6 @@ class ModelConfig:
             )
             _check(self.moe_capacity_factor is None or self.moe_capacity_factor > 0,
                    f"model.moe_capacity_factor must be positive or null (dropless), got {self.moe_capacity_factor}")
-            _check(self.moe_capacity_factor is None, "model.moe_capacity_factor (token dropping) is not built yet: "
-                   "leave it null for dropless routing")
             _check(self.moe_layer_freq == 1, "model.moe_layer_freq other than 1 is not built yet: every layer is MoE")
             _check(self.moe_shared_experts >= 0, "model.moe_shared_experts must be >= 0")
             _check(self.moe_aux_loss_coef >= 0 and self.moe_z_loss_coef >= 0, "MoE loss coefficients must be >= 0")

@@ -16,7 +16,7 @@ MOE = {"model.num_experts": 4, "model.experts_per_token": 2, "model.moe_ffn_hidd
        "model.moe_aux_loss_coef": 0.01, "model.moe_z_loss_coef": 0.001, "train.micro_batch_size": 2}
 
 
-def _layer(arch, shared):
+def _layer(arch, shared, capacity_factor=None):
     import flax.linen as nn
     import jax
 
@@ -24,27 +24,36 @@ def _layer(arch, shared):
     from megajax.model import moe
 
     cfg = ModelConfig(arch=arch, hidden_size=32, num_heads=4, seq_length=8, num_experts=4, experts_per_token=2,
-                      moe_ffn_hidden_size=48, moe_shared_experts=shared, moe_z_loss_coef=0.1)
+                      moe_ffn_hidden_size=48, moe_shared_experts=shared, moe_z_loss_coef=0.1,
+                      moe_capacity_factor=capacity_factor)
     x = jax.random.normal(jax.random.key(0), (2, 8, 32))
     layer = moe.MoE(cfg)
     return cfg, layer, nn.unbox(layer.init(jax.random.key(1), x)["params"]), x
 
 
-@pytest.mark.parametrize("arch,shared", [("gpt2", 0), ("llama", 0), ("llama", 1)])
-def test_layer_equals_every_token_through_its_experts(arch, shared):
+@pytest.mark.parametrize("arch,shared,factor", [("gpt2", 0, None), ("llama", 0, None), ("llama", 1, None),
+                                                ("gpt2", 0, 0.5), ("llama", 0, 1.0), ("gpt2", 0, 4.0)])
+def test_layer_equals_every_token_through_its_experts(arch, shared, factor):
+    """Dropless, and with a capacity: each expert takes its first c assignments in token order, the rest of
+    its assignments contribute nothing (c = factor x 16 tokens x 2 / 4 experts; 4.0 drops none)."""
     import jax
 
     from megajax.model import moe
     from megajax.model.layers import MLP
 
-    cfg, layer, p, x = _layer(arch, shared)
+    cfg, layer, p, x = _layer(arch, shared, factor)
     got = np.asarray(layer.apply({"params": p}, x)).reshape(16, 32)
     xt = np.asarray(x).reshape(16, 32)
     weights, ids, _ = moe.route(xt @ p["router"], 2)
+    c = moe.capacity(16, 2, 4, factor) if factor else 16 * 2
+    taken = [0] * 4
     ref = np.zeros((16, 32))
     for t in range(16):
         for j in range(2):
             e = int(ids[t, j])
+            taken[e] += 1
+            if taken[e] > c:
+                continue
             if arch == "llama":
                 gate_up = np.einsum("d,dfj->fj", xt[t], p["w_gate_up"][e])
                 hidden = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
@@ -90,7 +99,7 @@ def test_auxiliary_losses_join_the_gradient_at_the_objective_scale():
 
 @pytest.mark.parametrize("sets,fix", [
     ({"model.num_experts": 4, "model.experts_per_token": 5}, "experts_per_token"),
-    ({"model.num_experts": 4, "model.moe_capacity_factor": 1.25}, "dropless"),
+    ({"model.num_experts": 4, "model.moe_capacity_factor": -1.0}, "moe_capacity_factor"),
     ({"model.num_experts": 4, "model.moe_layer_freq": 2}, "moe_layer_freq"),
 ])
 def test_bad_moe_configs_name_the_fix(sets, fix):
@@ -99,8 +108,9 @@ def test_bad_moe_configs_name_the_fix(sets, fix):
 
 
 @functools.lru_cache(maxsize=None)
-def reference(arch, shared=0):
-    return tuple(run_steps(small_config(**MOE, **{"model.arch": arch, "model.moe_shared_experts": shared}), 1, 2))
+def reference(arch, shared=0, factor=None):
+    return tuple(run_steps(small_config(**MOE, **{"model.arch": arch, "model.moe_shared_experts": shared,
+                                                  "model.moe_capacity_factor": factor}), 1, 2))
 
 
 @pytest.mark.parametrize("arch,layout", [
@@ -109,10 +119,11 @@ def reference(arch, shared=0):
     ("gpt2", {"parallel.data": 2, "parallel.pipeline": 2, "parallel.schedule": "1f1b"}),
     ("llama", {"parallel.pipeline": 2, "parallel.tensor": 2, "parallel.schedule": "zero_bubble",
                "model.moe_shared_experts": 1}),
+    ("gpt2", {"parallel.data": 2, "parallel.tensor": 2, "model.moe_capacity_factor": 1.0}),
 ])
 def test_moe_training_equals_one_device(arch, layout):
     n = layout.get("parallel.data", 1) * layout.get("parallel.pipeline", 1) * layout.get("parallel.tensor", 1)
     got = run_steps(small_config(**MOE, **{"model.arch": arch}, **layout), n, 2)
-    ref = reference(arch, layout.get("model.moe_shared_experts", 0))
+    ref = reference(arch, layout.get("model.moe_shared_experts", 0), layout.get("model.moe_capacity_factor"))
     assert ref[1] < ref[0] + 0.5
     np.testing.assert_allclose(got, ref, rtol=1e-4)

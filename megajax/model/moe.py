@@ -2,9 +2,13 @@
 
 Dimension letters as in layers.py, plus t tokens (b x s flattened), e experts, a routed assignments (t k).
 
-Routing runs in fp32: softmax over the experts, then the top k, renormalised (Mixtral). Dispatch is
-dropless: the t k assignments are sorted by expert and each expert's matmuls run on its rows only
-(`jax.lax.ragged_dot` over the groups), then the outputs are unsorted and combined with the routing weights.
+Routing runs in fp32: softmax over the experts, then the top k, renormalised (Mixtral). The t k assignments
+are sorted by expert (stable: within an expert, in token order). Dropless (no capacity factor), each expert's
+matmuls run on its rows only (`jax.lax.ragged_dot` over the groups). With `moe_capacity_factor`, each expert
+takes at most `capacity` rows into an [e, c, d] buffer for batched matmuls, the first ones in token order
+(Megatron's `--moe-token-drop-policy position`, per rank and micro batch); a dropped assignment contributes
+nothing (the token keeps its other experts' outputs, weights not renormalised). Then the outputs are unsorted
+and combined with the routing weights.
 
 The load-balancing loss (Switch / GShard: E sum_e f_e P_e, f_e the fraction of assignments to expert e, P_e
 its mean routing probability) and the router z-loss enter the gradient where they are computed, without
@@ -82,6 +86,12 @@ def z_loss(logits_te: jax.Array) -> jax.Array:
     return jnp.mean(jax.nn.logsumexp(logits_te, axis=-1) ** 2)
 
 
+def capacity(tokens: int, k: int, e: int, factor: float) -> int:
+    """Rows an expert takes with a capacity factor: factor x its even share of the t k assignments (at least 1).
+    Per rank and micro batch (Megatron's per-rank dropping): t is the tokens this rank routes."""
+    return max(1, math.ceil(tokens * k / e * factor))
+
+
 def dispatch(x_td: jax.Array, ids_tk: jax.Array, e: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Sorts the t k assignments by expert: (rows [a, d] grouped by expert, group sizes [e], the order a
     sorted position came from, to unsort)."""
@@ -99,8 +109,8 @@ def combine(y_ad: jax.Array, order: jax.Array, weights_tk: jax.Array) -> jax.Arr
 
 
 class MoE(nn.Module):
-    """The MLP of an MoE layer: router, dropless expert MLPs (GeLU for gpt2, SwiGLU for llama), and
-    `moe_shared_experts` always-on experts as one dense MLP of that many times the expert width."""
+    """The MLP of an MoE layer: router, expert MLPs (GeLU for gpt2, SwiGLU for llama; dropless, or with a
+    capacity), and `moe_shared_experts` always-on experts as one dense MLP of that many times the expert width."""
 
     cfg: ModelConfig
 
@@ -118,24 +128,43 @@ class MoE(nn.Module):
         weights, ids, probs = route(logits, k)
 
         rows, sizes, order = dispatch(x_td, ids, e)
+        if cfg.moe_capacity_factor is None:  # dropless: each expert's rows, as many as were routed to it
+            expert_of = jnp.repeat(jnp.arange(e), sizes, total_repeat_length=rows.shape[0])
+            to_experts, from_experts = (lambda r: r), (lambda r: r)
+            matmul = lambda x, w: jax.lax.ragged_dot(x, w, sizes)  # noqa: E731
+            bias = lambda b_ef: b_ef[expert_of]  # noqa: E731
+        else:  # a capacity: [e, c, ...] buffers, the rows past c of an expert dropped (their output is 0)
+            c = capacity(b * s, k, e, cfg.moe_capacity_factor)
+            expert = jnp.sort(ids.reshape(-1))
+            pos = jnp.arange(rows.shape[0]) - (jnp.cumsum(sizes) - sizes)[expert]
+            keep = pos < c
+            slot = jnp.where(keep, pos, c)  # out of range: dropped by the scatter
+
+            def to_experts(r):
+                return jnp.zeros((e, c, *r.shape[1:]), r.dtype).at[expert, slot].set(r, mode="drop")
+
+            def from_experts(buf):
+                return buf[expert, jnp.minimum(slot, c - 1)] * keep[:, None].astype(buf.dtype)
+
+            matmul = lambda x, w: jnp.einsum("ecd,edf->ecf", x, w)  # noqa: E731
+            bias = lambda b_ef: b_ef[:, None]  # noqa: E731
         # The routed rows stay whole on every tensor rank and the expert width is split over 'tensor', as in
         # the dense MLP: the second matmul's partial sums are its one all-reduce (no permutes of rows).
-        rows = constrain(rows, (None, "embed"))
+        xs = to_experts(rows)
+        xs = constrain(xs, (None,) * (xs.ndim - 1) + ("embed",))
         if cfg.arch == "llama":
             # gate and up interleaved as [..., f, 2]: with f split over 'tensor' each rank holds its own gate and
             # up columns, so the fused matmul's output splits into the two locally
             w_gate_up = _param(self, "w_gate_up", (e, d, f, 2), ("expert", "embed", "mlp", None), cfg.init_std, pdt)
-            gate_up = jax.lax.ragged_dot(rows, w_gate_up.reshape(e, d, 2 * f).astype(cdt), sizes).reshape(-1, f, 2)
+            gate_up = matmul(xs, w_gate_up.reshape(e, d, 2 * f).astype(cdt)).reshape(*xs.shape[:-1], f, 2)
             hidden = nn.silu(gate_up[..., 0]) * gate_up[..., 1]
         else:
             w_in = _param(self, "w_in", (e, d, f), ("expert", "embed", "mlp"), cfg.init_std, pdt)
             b_in = _param(self, "b_in", (e, f), ("expert", "mlp"), 0, pdt)
-            expert_of = jnp.repeat(jnp.arange(e), sizes, total_repeat_length=rows.shape[0])
-            hidden = nn.gelu(jax.lax.ragged_dot(rows, w_in.astype(cdt), sizes) + b_in.astype(cdt)[expert_of],
-                             approximate=True)
-        hidden = constrain(hidden, (None, "mlp"))
+            hidden = nn.gelu(matmul(xs, w_in.astype(cdt)) + bias(b_in.astype(cdt)), approximate=True)
+        hidden = constrain(hidden, (None,) * (hidden.ndim - 1) + ("mlp",))
         w_out = _param(self, "w_out", (e, f, d), ("expert", "mlp", "embed"), out_std, pdt)
-        y = combine(jax.lax.ragged_dot(hidden, w_out.astype(cdt), sizes), order, weights)
+        y = combine(from_experts(matmul(hidden, w_out.astype(cdt))), order, weights)
         if cfg.arch == "gpt2":
             y = y + _param(self, "b_out", (d,), ("embed",), 0, pdt).astype(cdt)
         y = constrain(y.reshape(b, s, d), RESIDUAL)
