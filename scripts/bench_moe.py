@@ -1,0 +1,65 @@
+"""One MoE layer's forward and backward on the device at hand, dropless (`jax.lax.ragged_dot`) against a
+capacity factor ([E, c, d] buffers and batched matmuls), with the FLOPs counted on the routed tokens only.
+
+    python scripts/bench_moe.py [--tokens 4096 --hidden 4096 --ffn 14336 --experts 8 --k 2] [--json out]
+
+The layer is megajax.model.moe.MoE (router, dispatch, expert MLPs, combine) in bf16 with fp32 parameters;
+TFLOP/s = 3 x 2 x tokens x k x (3 matmuls of d x f for SwiGLU) / time (forward + backward). On CPU cut the
+sizes down; the numbers then say nothing about a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from bench_kernels import print_rows, time_fn  # noqa: E402 - the timing and printing of the kernel benchmark
+
+from megajax.config import ModelConfig  # noqa: E402
+from megajax.model import moe  # noqa: E402
+
+
+def measure(tokens: int, hidden: int, ffn: int, experts: int, k: int, factor: float | None) -> dict:
+    seq = min(tokens, 2048)
+    cfg = ModelConfig(arch="llama", hidden_size=hidden, num_heads=hidden // 128, seq_length=seq, num_experts=experts,
+                      experts_per_token=k, moe_ffn_hidden_size=ffn, moe_capacity_factor=factor,
+                      compute_dtype="bfloat16", param_dtype="float32")
+    layer = moe.MoE(cfg)
+    x = jax.random.normal(jax.random.key(0), (tokens // seq, seq, hidden), jnp.bfloat16)
+    params = nn.unbox(jax.jit(layer.init)(jax.random.key(1), x)["params"])
+    g = jax.random.normal(jax.random.key(2), x.shape, jnp.bfloat16)
+
+    def fwd_bwd(params, x, g):
+        y, vjp = jax.vjp(lambda p, x: layer.apply({"params": p}, x), params, x)
+        return vjp(g)
+
+    seconds = time_fn(jax.jit(fwd_bwd), params, x, g)
+    flops = 3 * 2 * tokens * k * 3 * hidden * ffn
+    return {"mode": "dropless (ragged_dot)" if factor is None else f"capacity {factor} (batched)", "tokens": tokens,
+            "hidden": hidden, "ffn": ffn, "experts": experts, "k": k, "device": jax.devices()[0].device_kind,
+            "fwd_bwd_ms": 1e3 * seconds, "routed_tflops": flops / seconds / 1e12}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--ffn", type=int, default=14336)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--k", type=int, default=2)
+    parser.add_argument("--factors", type=float, nargs="*", default=[1.0, 1.25])
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    rows = [measure(args.tokens, args.hidden, args.ffn, args.experts, args.k, f) for f in [None, *args.factors]]
+    print_rows(rows, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
