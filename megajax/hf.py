@@ -123,7 +123,7 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", base: dict | 
                          eos_token_id: int | None = None) -> dict:
     """config.json for `cfg`. `base` (the config.json a model was imported from) keeps its other fields,
     such as token ids; without it, bos and eos are `eos_token_id`."""
-    rules(cfg)  # (refuses what cannot be exported)
+    _require_dense(cfg)
     out = {k: v for k, v in (base or {}).items() if k != "transformers_version"}
     if base is None:
         out.update(bos_token_id=eos_token_id, eos_token_id=eos_token_id)
@@ -254,9 +254,13 @@ def _llama_rules(cfg: ModelConfig) -> list[Rule]:
     ]
 
 
-def rules(cfg: ModelConfig) -> list[Rule]:
+def _require_dense(cfg: ModelConfig) -> None:
     _require(not cfg.num_experts, f"model.num_experts={cfg.num_experts}: Hugging Face conversion of mixture-of-experts "
              "models (Mixtral) is not built yet; only dense GPT-2 and Llama models convert")
+
+
+def rules(cfg: ModelConfig) -> list[Rule]:
+    _require_dense(cfg)
     return _gpt2_rules(cfg) if cfg.arch == "gpt2" else _llama_rules(cfg)
 
 
