@@ -26,7 +26,7 @@ from bench_kernels import print_rows, time_fn  # noqa: E402 - the timing and pri
 
 from megajax import model  # noqa: E402
 from megajax.config import ModelConfig  # noqa: E402
-from megajax.pipeline.executor import split_linearize, split_weight_grads  # noqa: E402
+from megajax.pipeline.executor import split_linearize, split_weight_grads, zero_taps  # noqa: E402
 
 
 def measure(arch: str, hidden: int, heads: int, layers: int, seq: int, mb: int, attention: str) -> dict:
@@ -35,8 +35,7 @@ def measure(arch: str, hidden: int, heads: int, layers: int, seq: int, mb: int, 
     w = nn.unbox(model.init_params(cfg, jax.random.key(0)))["layers"]
     x = jax.random.normal(jax.random.key(1), (mb, seq, hidden), jnp.bfloat16)
     g = jax.random.normal(jax.random.key(2), (mb, seq, hidden), jnp.bfloat16)
-    w_l = jax.tree.map(lambda a: a[0], w["block"])
-    taps = jax.tree.map(lambda t: jnp.zeros((layers, *t.shape), t.dtype), model.block_tap_shapes(cfg, w_l, x, None))
+    taps = zero_taps(cfg, w, x, None)
 
     def forward(w, x):
         return model.layers_apply(cfg, w, x, None)

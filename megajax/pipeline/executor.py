@@ -123,8 +123,8 @@ def plan(name: str, p: int, v: int, m: int):
         steady_end = max(free, last_fwd)
         steady_end += (steady_end - free) % 2  # whole tick pairs, so that no idle tick splits an R from its B
         bounds = sorted({0, free, min(steady_end, s.ticks), s.ticks})
-    idle = {k: (np.full(p, s.act_slots - 1 if k in ("f_slot", "r_slot", "h_slot", "recv_act") else
-                        s.grad_slots - 1 if k in ("f_grad_slot", "b_grad_slot", "h_grad_slot", "recv_grad") else
+    idle = {k: (np.full(p, s.act_slots - 1 if k in schedule_lib.ACT_SLOT_FIELDS else
+                        s.grad_slots - 1 if k in schedule_lib.GRAD_SLOT_FIELDS else
                         -1, np.int32)) for k in FIELDS}
     rows = {k: [] for k in FIELDS}
     kinds = {key: [] for key in ACTIONS}
@@ -164,10 +164,11 @@ def permute_bytes_per_step(cfg: Config) -> dict:
         ticks = m + par.pipeline - 1
         return {"ppermutes": 2 * ticks, "bytes": 2 * ticks * act}  # forward scan and its transpose
     p, v = par.pipeline, par.virtual_stages
+    sched, _, _, segments = plan(par.schedule, p, v, m)
     n = 0
-    for seg in plan(par.schedule, p, v, m)[3]:
+    for seg in segments:
         for j in range(seg.stop - seg.start):
-            n += len(_unit_perms(p, seg) if par.schedule == "zero_bubble" else
+            n += len(_unit_perms(p, seg) if sched.split_backward else
                      perm_pairs(p, v, seg.roles, (seg.parity + j) % 2))
     return {"ppermutes": n, "bytes": n * act}
 
@@ -490,9 +491,16 @@ def split_weights(w: dict, taps: dict) -> tuple[dict, dict]:
     return big, {k: val for k, val in flat.items() if k not in big}
 
 
+def zero_taps(mcfg, w: dict, x: jax.Array, keys) -> dict:
+    """Zeros [Lc, ...] shaped like the taps of the chunk's layers (`split_linearize`'s, and their gradients)."""
+    lc = jax.tree.leaves(w)[0].shape[0]
+    shapes = model.block_tap_shapes(mcfg, jax.tree.map(lambda a: a[0], w["block"]), x, keys)
+    return jax.tree.map(lambda t: jnp.zeros((lc, *t.shape), t.dtype), shapes)
+
+
 def split_linearize(mcfg, w: dict, x: jax.Array, taps: dict, keys, first):
     """The chunk's layers linearized for the split backward: (output, the pullback in (x, taps, the small
-    parameters), each weight matmul's input). taps: zeros [Lc, ...] shaped as model.block_tap_shapes."""
+    parameters), each weight matmul's input). taps: `zero_taps`."""
     big, small = split_weights(w, taps)
     lc = jax.tree.leaves(w)[0].shape[0]
 
@@ -523,20 +531,16 @@ class _SplitChunkActions(_ChunkActions):
     gradients and the taps' gradients (each weight matmul's output gradient, kept in `dys`); W turns those and
     the kept matmul inputs into the weight gradients, one matmul per weight."""
 
-    def _tap_shapes(self, w, keys):
-        w_l = jax.tree.map(lambda a: a[0], w["block"])
-        return model.block_tap_shapes(self.mcfg, w_l, jnp.zeros(self.act_shape, self.act_dtype), keys)
-
     def zero_dys(self):
         """Zeros shaped like the chunk's taps [Lc, ...] (their gradients, kept between B and W)."""
         row = {"f_chunk": jnp.zeros((), jnp.int32), "f_micro": jnp.zeros((), jnp.int32)}
         (w, _), (_, keys) = self.chunk(row, "f_"), self.micro(row, "f_")
-        return jax.tree.map(lambda t: jnp.zeros((self.lc, *t.shape), t.dtype), self._tap_shapes(w, keys))
+        return zero_taps(self.mcfg, w, jnp.zeros(self.act_shape, self.act_dtype), keys)
 
     def linearize(self, w, x, keys, first):
         """(chunk output, (the pullback in (x, taps, small parameters), each weight matmul's input))."""
         # varying over the manual axes like everything else, or their gradients would be summed over them
-        taps = vary(jax.tree.map(lambda t: jnp.zeros((self.lc, *t.shape), t.dtype), self._tap_shapes(w, keys)))
+        taps = vary(zero_taps(self.mcfg, w, x, keys))
         y, pullback, inputs = split_linearize(self.mcfg, w, x, taps, keys, first)
         return y, (pullback, inputs)
 

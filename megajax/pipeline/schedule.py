@@ -47,6 +47,9 @@ FWD, BWD = 1, 2
 # (input and weight gradients) twice a forward, the paper's assumption; zero_bubble splits it into the input
 # gradient (B) and the weight gradient (W), a forward each.
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+# the table columns that name a slot of the activation or the gradient buffer (the trash slot when idle)
+ACT_SLOT_FIELDS = ("recv_act", "f_slot", "r_slot", "h_slot")
+GRAD_SLOT_FIELDS = ("recv_grad", "f_grad_slot", "b_grad_slot", "h_grad_slot")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -438,9 +441,9 @@ def build(name: str, p: int, v: int = 1, m: int = 1) -> Schedule:
     act_slots = max(a.size for a in sim.act_alloc) + 1  # + the trash slot
     grad_slots = max(a.size for a in sim.grad_alloc) + 1
     table = {f: np.array([row[f] for row in rows], np.int32) for f in _Simulator.FIELDS}
-    for field in ("recv_act", "f_slot", "r_slot", "h_slot"):  # nothing to read or keep: the trash slot
+    for field in ACT_SLOT_FIELDS:  # nothing to read or keep: the trash slot
         table[field] = np.where(table[field] < 0, act_slots - 1, table[field])
-    for field in ("recv_grad", "f_grad_slot", "b_grad_slot", "h_grad_slot"):
+    for field in GRAD_SLOT_FIELDS:
         table[field] = np.where(table[field] < 0, grad_slots - 1, table[field])
     table["f_keep"] = np.maximum(table["f_keep"], 0)
     return Schedule(name, p, v, m, act_slots=act_slots, grad_slots=grad_slots, free_ticks=sim.free_ticks, **table)
