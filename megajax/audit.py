@@ -71,6 +71,29 @@ def megatron_expected(cfg) -> dict:
     return {"all-reduce": {"count": n, "bytes_each": act_bytes}}
 
 
+def expected_all_to_all(cfg) -> dict:
+    """What expert parallelism moves over 'expert' in one step, per MoE layer and micro batch: a dispatch and
+    a combine all-to-all forward, the same two backward (+2 forward again with full recomputation).
+    `routed_bytes_each`: the analytic volume, tokens x k x hidden in the compute dtype (Megatron's dropless
+    all-to-all sends exactly that); `buffer_bytes_each`: megajax's fixed-size buffer, capacity_factor times that
+    with a capacity, or ep x min(k, experts / ep) / k times that dropless (moe.exchange_dropless)."""
+    from megajax.model import moe
+
+    m, p = cfg.model, cfg.parallel
+    if not m.num_experts or p.expert == 1:
+        return {}
+    tokens = cfg.train.micro_batch_size * m.seq_length
+    row = m.hidden_size * (2 if m.compute_dtype != "float32" else 4)
+    k, e = m.experts_per_token, m.num_experts
+    if m.moe_capacity_factor is None:
+        buffer = p.expert * tokens * min(k, e // p.expert) * row
+    else:
+        buffer = e * moe.capacity(tokens, k, e, m.moe_capacity_factor) * row
+    per_layer = 4 + (2 if m.recompute == "full" else 0)
+    return {"count": per_layer * (m.num_layers // p.pipeline) * cfg.num_micro_batches,
+            "routed_bytes_each": tokens * k * row, "buffer_bytes_each": buffer}
+
+
 def abstract_step(cfg, devices):
     """The train step's setup and abstract arguments (ShapeDtypeStructs with shardings) on `devices`:
     (config with the layout resolved, mesh, StepSetup, state, batch). Nothing is allocated."""
@@ -139,7 +162,7 @@ def audit(cfg, target: str = "cpu", devices: int | None = None, dump_hlo: str | 
     return {
         "target": target,
         "devices": len(devs),
-        "layout": {"data": p.data, "pipeline": p.pipeline, "tensor": p.tensor,
+        "layout": {"data": p.data, "pipeline": p.pipeline, "tensor": p.tensor, "expert": p.expert,
                    "sequence_parallel": p.sequence_parallel, "virtual_stages": p.virtual_stages,
                    "schedule": p.schedule, "distributed_optimizer": p.distributed_optimizer,
                    "micro_batches": cfg.num_micro_batches, "micro_batch_size": cfg.train.micro_batch_size},
@@ -150,6 +173,7 @@ def audit(cfg, target: str = "cpu", devices: int | None = None, dump_hlo: str | 
         "xla_flops_per_device": (cost or {}).get("flops"),
         "megatron_flops_per_step": flops,
         "megatron_expected_tensor_collectives": megatron_expected(cfg),
+        "expected_expert_all_to_all": expected_all_to_all(cfg),
     }
 
 

@@ -131,24 +131,33 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    """The mesh (data, pipeline, tensor) and how it is used. data=None takes every device left over."""
+    """The mesh (data, pipeline, tensor) and how it is used. data=None takes every device left over.
+
+    expert: the expert-parallel size (Megatron's --expert-model-parallel-size). It divides the data ranks:
+    the mesh's data axis is split into 'data' (outer, data / expert) x 'expert' (inner); the dense weights
+    stay data-parallel over both, the experts are sharded over 'expert' and data-parallel over 'data'."""
 
     data: int | None = None
     pipeline: int = 1
     tensor: int = 1
+    expert: int = 1
     sequence_parallel: bool = False
     virtual_stages: int = 1
     schedule: Literal["gpipe", "1f1b", "interleaved", "zero_bubble"] = "1f1b"
     distributed_optimizer: bool = False
 
     def __post_init__(self):
-        for name in ("pipeline", "tensor", "virtual_stages"):
+        for name in ("pipeline", "tensor", "virtual_stages", "expert"):
             _check(getattr(self, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(self, name)}")
         _check(self.data is None or self.data >= 1, f"parallel.data must be >= 1 (or null), got {self.data}")
         _check(
             not self.sequence_parallel or self.tensor > 1,
             "parallel.sequence_parallel=true needs parallel.tensor > 1 (it shards over the tensor axis)",
         )
+        if self.data is not None and self.data % self.expert:
+            raise ConfigError(
+                f"parallel.expert={self.expert} must divide parallel.data={self.data} (expert parallelism splits "
+                f"the data-parallel ranks): choose parallel.expert from {_divisors(self.data)}")
         _check(
             self.virtual_stages == 1 or self.schedule == "interleaved",
             f"parallel.virtual_stages={self.virtual_stages} needs parallel.schedule=interleaved",
@@ -303,6 +312,14 @@ class Config:
             f"model.num_layers={m.num_layers} is not divisible by parallel.pipeline * parallel.virtual_stages = "
             f"{chunks}: choose layers that split evenly into {chunks} chunks",
         )
+        if p.expert > 1:
+            _check(m.num_experts > 0, f"parallel.expert={p.expert} needs an MoE model: set model.num_experts "
+                   "(a multiple of parallel.expert) or parallel.expert=1")
+            _check(
+                m.num_experts % p.expert == 0,
+                f"model.num_experts={m.num_experts} is not divisible by parallel.expert={p.expert}: choose "
+                f"parallel.expert from {_divisors(m.num_experts)}",
+            )
         if p.data is not None:
             self._check_batch(p.data)
 

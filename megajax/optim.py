@@ -2,9 +2,9 @@
 norms and biases, fp16 dynamic loss scaling, and the distributed optimizer's layout.
 
 The distributed optimizer (ZeRO-1, Megatron's --use-distributed-optimizer) keeps each parameter's
-optimizer state sharded over 'data', at any data size: the state of a parameter is stored with one dim
-zero-padded to a multiple of the data size (of tensor x data where that dim is also tensor-sharded) and
-split over 'data'. Gradients are padded the same way and reduce-scattered onto that layout, AdamW runs on
+optimizer state sharded over the data-parallel ranks that replicate it (all of them; an expert weight's
+'data' ranks only), at any data size: the state of a parameter is stored with one dim zero-padded to a
+multiple of that many ranks (of tensor x those where that dim is also tensor-sharded) and split over them. Gradients are padded the same way and reduce-scattered onto that layout, AdamW runs on
 each rank's shard (the padding holds zero gradients, zero moments and zero updates), and the updates are
 sliced back and all-gathered. As Megatron's padded flat buffer, this shards 100% of the state.
 """
@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from megajax import sharding
 from megajax.config import OptimConfig
 
 
@@ -87,7 +88,8 @@ def update_loss_scale(scale: jax.Array, good_steps: jax.Array, finite: jax.Array
 @dataclasses.dataclass(frozen=True)
 class ZeroDim:
     """Where the distributed optimizer shards one parameter's state: dim `dim`, padded to `size`,
-    split over the mesh axes `axes` (('data',), or ('tensor', 'data') for a dim already tensor-sharded)."""
+    split over the mesh axes `axes`: the data-parallel axes that replicate the parameter (('data', 'expert'),
+    or ('data',) for an expert weight), after 'tensor' for a dim already tensor-sharded."""
 
     dim: int
     size: int
@@ -95,7 +97,7 @@ class ZeroDim:
 
 
 def zero_dim(shape: tuple[int, ...], spec: P, lead: int, mesh_shape: dict) -> ZeroDim | None:
-    """The dim that shards a parameter's optimizer state over 'data'.
+    """The dim that shards a parameter's optimizer state over its data-parallel ranks.
 
     The largest dim that is not tensor-sharded, else the largest tensor-sharded one, never one of the
     `lead` stacked-layer dims: the choice depends only on the model, so a checkpoint moves between data
@@ -107,7 +109,8 @@ def zero_dim(shape: tuple[int, ...], spec: P, lead: int, mesh_shape: dict) -> Ze
     if not candidates:
         return None
     dim = max(candidates, key=lambda i: (shape[i], -i))
-    axes = ("data",) if spec[dim] is None else ("tensor", "data")
+    data = sharding.unsplit_data_axes(P(*spec))
+    axes = data if spec[dim] is None else ("tensor", *data)
     ways = math.prod(mesh_shape[a] for a in axes)
     return ZeroDim(dim, ways * math.ceil(shape[dim] / ways), axes)
 

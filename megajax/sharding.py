@@ -1,7 +1,10 @@
 """The device mesh and the one table that maps logical axis names to mesh axes.
 
-Mesh axes, outermost first: data, pipeline, tensor. Tensor is innermost so that its all-reduces stay
-inside a node (NVLink); data is outermost so that its once-per-step gradient reduction crosses nodes.
+Mesh axes, outermost first: data, expert, pipeline, tensor. Tensor is innermost so that its all-reduces stay
+inside a node (NVLink); data is outermost so that its once-per-step gradient reduction crosses nodes. The
+data-parallel ranks are 'data' x 'expert' (DATA): 'expert' has parallel.expert devices (1 without expert
+parallelism), 'data' the rest. The experts are sharded over 'expert' and exchange tokens over it (all-to-all);
+every other weight is data-parallel over both.
 
 Logical names (one vocabulary for parameters and activations):
   batch, seq, embed, heads, kv_heads, head_dim, mlp, vocab, layers (and chunk, stage under a pipeline)
@@ -21,26 +24,29 @@ from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 from megajax.config import ConfigError, ParallelConfig
 
-AXES = ("data", "pipeline", "tensor")
+AXES = ("data", "expert", "pipeline", "tensor")
+DATA = ("data", "expert")  # the data-parallel ranks: the batch is split over both
+
+Axis = str | tuple[str, ...] | None
 
 # logical name -> mesh axis (None: replicated)
-PARAM_RULES: dict[str, str | None] = {
+PARAM_RULES: dict[str, Axis] = {
     "vocab": "tensor",
     "embed": None,
     "heads": "tensor",
     "kv_heads": "tensor",
     "head_dim": None,
     "mlp": "tensor",
-    "expert": None,  # experts replicated (expert parallelism is not built yet)
+    "expert": "expert",
     "layers": None,
     "chunk": None,  # the staged pipeline layout [chunk, stage, layers, ...] (megajax.pipeline.layout)
     "stage": "pipeline",
 }
 
 
-def activation_rules(sequence_parallel: bool) -> dict[str, str | None]:
+def activation_rules(sequence_parallel: bool) -> dict[str, Axis]:
     return {
-        "batch": "data",
+        "batch": DATA,
         "seq": "tensor" if sequence_parallel else None,
         "embed": None,
         "heads": "tensor",
@@ -64,37 +70,53 @@ def activation_sharding(sequence_parallel: bool):
         _ACTIVATION_RULES.reset(token)
 
 
-def current_activation_rules() -> dict[str, str | None]:
+def current_activation_rules() -> dict[str, Axis]:
     """The activation rules in force (inside `activation_sharding`), else those without sequence parallelism."""
     return _ACTIVATION_RULES.get() or activation_rules(False)
 
 
 def make_mesh(parallel: ParallelConfig, devices: Sequence | None = None) -> Mesh:
-    """A (data, pipeline, tensor) mesh over `devices` (default: every device of every process).
+    """A (data, expert, pipeline, tensor) mesh over `devices` (default: every device of every process).
 
     Devices are ordered process by process, so tensor (innermost) stays inside a host and data goes across.
+    The data-parallel rank of a device is its data x expert index (data major), whatever parallel.expert is.
     """
     devices = list(jax.devices() if devices is None else devices)
-    d, p, t = parallel.data, parallel.pipeline, parallel.tensor
+    d, p, t, e = parallel.data, parallel.pipeline, parallel.tensor, parallel.expert
     if d is None or d * p * t != len(devices):
         raise ConfigError(
             f"mesh data x pipeline x tensor = {d} x {p} x {t} does not match {len(devices)} devices: "
             "resolve the layout with Config.for_devices first"
         )
     devices.sort(key=lambda dev: (dev.process_index, dev.id))
-    grid = np.array(devices, dtype=object).reshape(d, p, t)
-    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * 3)
+    if d % e:
+        raise ConfigError(f"parallel.expert={e} must divide parallel.data={d}")
+    grid = np.array(devices, dtype=object).reshape(d // e, e, p, t)
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
-def spec_for(names: Sequence[str | None], rules: dict[str, str | None]) -> P:
+def axes_of(axis: Axis) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, a name or a tuple of names)."""
+    return () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
+
+
+def spec_axes(spec: P) -> set[str]:
+    """Every mesh axis a PartitionSpec splits over."""
+    return {a for entry in spec for a in axes_of(entry)}
+
+
+def keep_axes(axis: Axis, keep) -> Axis:
+    """One PartitionSpec entry with only the mesh axes for which keep(axis) holds (None when none does)."""
+    kept = tuple(a for a in axes_of(axis) if keep(a))
+    return None if not kept else kept[0] if len(kept) == 1 else kept
+
+
+def spec_for(names: Sequence[str | None], rules: dict[str, Axis]) -> P:
     """Logical names -> PartitionSpec. A mesh axis is used at most once (later dims fall back to None)."""
     used, out = set(), []
     for name in names:
-        axis = rules.get(name) if name is not None else None
-        if axis in used:
-            axis = None
-        if axis is not None:
-            used.add(axis)
+        axis = keep_axes(rules.get(name) if name is not None else None, lambda a: a not in used)
+        used.update(axes_of(axis))
         out.append(axis)
     return P(*out)
 
@@ -116,19 +138,19 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     if mesh.empty:
         return x
     manual = set(getattr(mesh, "manual_axes", ()))
-    live = {k: (v if v in mesh.axis_names and v not in manual and mesh.shape[v] > 1 else None)
+    live = {k: keep_axes(v, lambda a: a in mesh.axis_names and a not in manual and mesh.shape[a] > 1)
             for k, v in rules.items()}
     return jax.lax.with_sharding_constraint(x, spec_for(names, live))
 
 
 # ----------------------------------------------------------------------------------------------------
-# The train step's manual region (shard_map over 'data' and 'pipeline', 'tensor' left to GSPMD)
+# The train step's manual region (shard_map over 'data', 'expert' and 'pipeline', 'tensor' left to GSPMD)
 
-MANUAL = ("data", "pipeline")
+MANUAL = ("data", "expert", "pipeline")
 
 
 def manual_axes_of(mesh: Mesh) -> tuple[str, ...]:
-    """The axes the train step makes manual: 'data' and 'pipeline', each only if it has more than one
+    """The axes the train step makes manual: 'data', 'expert' and 'pipeline', each only if it has more than one
     device. XLA rejects a reduction over a manual axis of size 1 when every manual axis has size 1
     (jax 0.10.2: "Cross-partition allreduce must be in (partial) manual partitioning mode"), and a size-1
     axis has nothing to reduce: such an axis stays automatic, and `psum` skips it."""
@@ -137,7 +159,7 @@ def manual_axes_of(mesh: Mesh) -> tuple[str, ...]:
 
 def manual_spec(spec: P, manual: Sequence[str]) -> P:
     """`spec` with only the manual axes kept (shard_map's specs may name nothing else)."""
-    return P(*[a if a in manual else None for a in spec])
+    return P(*[keep_axes(a, lambda x: x in manual) for a in spec])
 
 
 def current_manual_axes() -> tuple[str, ...]:
@@ -162,9 +184,15 @@ def vary(tree, axes: Sequence[str] | None = None):
     return jax.tree.map(one, tree)
 
 
-def psum(x, axis: str):
-    """psum over `axis` inside the train step's region; the identity where `axis` is not manual (it
-    then has one device, see manual_axes_of)."""
-    if axis not in current_manual_axes():
-        return x
-    return jax.lax.psum(x, axis)
+def psum(x, axis: Axis):
+    """psum over the mesh axes `axis` inside the train step's region, skipping those that are not manual
+    (they have one device, see manual_axes_of); the identity when none is."""
+    axes = tuple(a for a in axes_of(axis) if a in current_manual_axes())
+    return jax.lax.psum(x, axes) if axes else x
+
+
+def unsplit_data_axes(spec: P) -> tuple[str, ...]:
+    """The data-parallel axes a parameter with `spec` is replicated over: those its gradient is summed over
+    (every one for a dense weight; 'data' only for an expert weight, sharded over 'expert')."""
+    used = spec_axes(spec)
+    return tuple(a for a in DATA if a not in used)

@@ -113,7 +113,7 @@ def build(cfg: Config, mesh: jax.sharding.Mesh) -> StepSetup:
     state_shardings = TrainState(
         step=named(P()), params=jax.tree.map(named, param_specs, is_leaf=lambda x: isinstance(x, P)),
         opt_state=opt_shardings, loss_scale=named(P()), good_steps=named(P()), bad_steps=named(P()))
-    batch_shardings = {k: named(P("data")) for k in ("tokens", "targets", "loss_mask", "sample_ids")}
+    batch_shardings = {k: named(P(sharding.DATA)) for k in ("tokens", "targets", "loss_mask", "sample_ids")}
     return StepSetup(cfg, mesh, logical, tx, abstract_state, state_shardings, batch_shardings, zero_dims)
 
 
@@ -188,8 +188,9 @@ def accumulate_grads(cfg: Config, params, batch: dict, seed_scale: jax.Array):
     """Per data rank (inside shard_map): summed loss and gradients of `seed_scale * loss` over the
     micro batches, with no cross-rank communication."""
     m = cfg.num_micro_batches
-    # Marking the weights as varying over 'data' keeps the transpose from reducing gradients per micro batch.
-    params = sharding.vary(params, ("data",))
+    # Marking the weights as varying over the data axes keeps the transpose from reducing gradients per
+    # micro batch.
+    params = sharding.vary(params, sharding.DATA)
 
     def micro_loss(p, mb):
         raw = model.loss_sum(cfg.model, p, mb, model.dropout_keys(cfg.model, cfg.train.seed, mb["sample_ids"]))
@@ -203,7 +204,7 @@ def accumulate_grads(cfg: Config, params, batch: dict, seed_scale: jax.Array):
         return (loss + raw, jax.tree.map(jnp.add, grads, g)), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    init = (sharding.vary(jnp.zeros((), jnp.float32), ("data",)), zeros)
+    init = (sharding.vary(jnp.zeros((), jnp.float32), sharding.DATA), zeros)
     (loss, grads), _ = jax.lax.scan(body, init, micro_batches(batch, m))
     return loss, grads
 
@@ -239,14 +240,17 @@ def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
                 loss, grads = pipeline.pipeline_grads(cfg, params, batch, seed_scale)
             else:
                 loss, grads = accumulate_grads(cfg, params, batch, seed_scale)
-        # Distributed optimizer: the partial sums, padded to the optimizer's layout, on a leading 'data' axis.
-        grads = jax.tree.map(lambda g, z: sharding.psum(g, "data") if z is None else optim.zero_pad(g, z)[None],
-                             grads, zero, is_leaf=is_none)
-        return sharding.psum(loss, "data"), grads
+        # Each gradient is summed over the data ranks that replicate its weight (an expert's: 'data' only).
+        # Distributed optimizer: the partial sums, padded to the optimizer's layout, on a leading axis over
+        # those ranks.
+        grads = jax.tree.map(lambda g, z, s: sharding.psum(g, sharding.unsplit_data_axes(s)) if z is None
+                             else optim.zero_pad(g, z)[None], grads, zero, p_specs, is_leaf=is_none)
+        return sharding.psum(loss, sharding.DATA), grads
 
     p_specs = setup.param_specs()
-    g_specs = jax.tree.map(lambda s, z: s if z is None else P("data", *s), p_specs, zero, is_leaf=is_none)
-    loss, grads = _in_manual_region(setup.mesh, local, (p_specs, {k: P("data") for k in batch}, P()),
+    g_specs = jax.tree.map(lambda s, z: s if z is None else P(sharding.unsplit_data_axes(s), *s), p_specs, zero,
+                           is_leaf=is_none)
+    loss, grads = _in_manual_region(setup.mesh, local, (p_specs, {k: P(sharding.DATA) for k in batch}, P()),
                                     (P(), g_specs))(params, batch, seed_scale)
 
     def scatter(g, z, param_sharding):
@@ -302,9 +306,9 @@ def eval_loss(setup: StepSetup, params, batch: dict) -> tuple[jax.Array, jax.Arr
     with sharding.activation_sharding(cfg.parallel.sequence_parallel):
         if cfg.parallel.pipeline > 1:
             def local(params, batch):
-                return sharding.psum(pipeline.pipeline_loss(cfg, params, batch), "data")
+                return sharding.psum(pipeline.pipeline_loss(cfg, params, batch), sharding.DATA)
 
-            specs = (setup.param_specs(), {k: P("data") for k in batch})
+            specs = (setup.param_specs(), {k: P(sharding.DATA) for k in batch})
             loss = _in_manual_region(setup.mesh, local, specs, P())(params, batch)
         else:
             def body(total, mb):

@@ -164,3 +164,26 @@ def test_replica_group_formats():
                               "device_ids=([2,4]T(1,0)) {'axis_0'}, use", 8)
     assert sorted(map(sorted, groups)) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert mesh  # groups above are the 'tensor' groups of a (2, 1, 4) mesh
+
+
+@gpu
+@pytest.mark.parametrize("factor", [1.0, None])
+def test_expert_parallel_all_to_alls_on_h100_target(factor):
+    """Per MoE layer and micro batch: dispatch + combine all-to-all over 'expert', forward and backward, each of
+    audit.expected_all_to_all's buffer; with a capacity factor of 1 that is the analytic tokens x k x hidden."""
+    sets = ["parallel.data=4", "parallel.expert=4", "parallel.tensor=2", "model.compute_dtype=bfloat16",
+            "train.micro_batch_size=2", f"model.moe_capacity_factor={'null' if factor is None else factor}"]
+    cfg = config_lib.load(f"{REPO}/configs/tiny-moe.yaml", sets)
+    cfg, mesh, compiled, _ = audit.compile_step(cfg, audit._gpu_devices("h100", 8))
+    colls = hlo.parse(compiled.as_text(), dict(mesh.shape))
+    want = audit.expected_all_to_all(cfg)
+    a2a = [c for c in colls if c.kind == "all-to-all"]
+    assert {c.axes for c in a2a} == {("expert",)}
+    rows = [c for c in a2a if c.bytes == want["buffer_bytes_each"]]
+    assert sum(c.count for c in rows) == want["count"] == 4 * 4 * 2  # 4 per layer, 4 layers, 2 micro batches
+    if factor == 1.0:
+        assert want["buffer_bytes_each"] == want["routed_bytes_each"] and len(rows) == len(a2a)
+    else:  # dropless: the rows' buffers are ep x min(k, e / ep) / k = 4 x 2 / 2 = 4 times the routed rows, and
+        # the group sizes go along once per layer forward (4 ranks x 2 experts x 4 bytes)
+        assert want["buffer_bytes_each"] == 4 * want["routed_bytes_each"]
+        assert [c.bytes for c in a2a if c not in rows] == [4 * 4 * 2]

@@ -2,7 +2,8 @@
 
 The space: every (data, pipeline, tensor) with data x pipeline x tensor in {1, 2, 4, 6, 8} devices (data = 1
 included), sequence parallelism on and off (t > 1), the distributed optimizer on and off (d > 1), GPT-2 and
-Llama with grouped-query attention, and every schedule (p > 1). `test_the_space_is_accepted` checks the
+Llama with grouped-query attention, every schedule (p > 1), and the model dense or mixture-of-experts (8
+dropless experts, top 2) with every expert-parallel size dividing data. `test_the_space_is_accepted` checks the
 whole space against the config (cheap); `test_layout_matches_one_device` trains each layout for two steps
 and compares the losses and gradient norms with one device (fp32, relative 1e-4). The default run covers
 every (d, p, t) triple once, with the features rotated so that each appears on and off (data = 1 with
@@ -31,6 +32,7 @@ ARCHS = {
     "llama": {**SIZE, "model.num_heads": 48, "model.num_kv_heads": 24, "model.arch": "llama"},
 }
 BATCH = 24
+MOE = {"model.num_experts": 8, "model.experts_per_token": 2, "model.moe_ffn_hidden_size": 48}
 
 
 def triples() -> list[tuple[int, int, int]]:
@@ -48,12 +50,18 @@ def schedules(p: int) -> list[tuple[str, int]]:
     return out
 
 
-def case(arch, d, p, t, sp, zero, schedule, v) -> dict:
+def experts(d: int) -> list[int]:
+    """The model kinds at data size d: 0 (dense), else the expert-parallel size of an MoE model."""
+    return [0] + [e for e in range(1, d + 1) if d % e == 0 and MOE["model.num_experts"] % e == 0]
+
+
+def case(arch, d, p, t, sp, zero, schedule, v, ep=0) -> dict:
     # p micro batches through a pipeline (the fewest every schedule takes); without one, 2 or 3 per data
     # rank, so gradient accumulation runs on every layout too
     mb = BATCH // (d * p) if p > 1 else max(1, BATCH // (2 * d))
-    return {"arch": arch, "n": d * p * t, "sets": {
-        **ARCHS[arch], "train.global_batch_size": BATCH, "train.micro_batch_size": mb, "parallel.data": d, "parallel.pipeline": p, "parallel.tensor": t,
+    return {"arch": arch, "moe": ep > 0, "n": d * p * t, "sets": {
+        **ARCHS[arch], **(MOE if ep else {}), "train.global_batch_size": BATCH, "train.micro_batch_size": mb,
+        "parallel.data": d, "parallel.pipeline": p, "parallel.tensor": t, "parallel.expert": max(ep, 1),
         "parallel.sequence_parallel": sp, "parallel.distributed_optimizer": zero,
         "parallel.schedule": schedule, "parallel.virtual_stages": v}}
 
@@ -62,27 +70,36 @@ def space() -> list[dict]:
     """The whole configuration space."""
     out = []
     for d, p, t in triples():
-        for arch, sp, zero, (schedule, v) in itertools.product(
-                ARCHS, (False, True) if t > 1 else (False,), (False, True) if d > 1 else (False,), schedules(p)):
-            out.append(case(arch, d, p, t, sp, zero, schedule, v))
+        for arch, sp, zero, (schedule, v), ep in itertools.product(
+                ARCHS, (False, True) if t > 1 else (False,), (False, True) if d > 1 else (False,), schedules(p),
+                experts(d)):
+            out.append(case(arch, d, p, t, sp, zero, schedule, v, ep))
     return out
 
 
+# The default run's MoE layouts, (d, p, t) -> expert-parallel size: without expert parallelism on a pipeline;
+# experts over all data ranks (alone, with tensor, with each kind of pipeline, sequence parallelism and the
+# distributed optimizer) and over some of them (d 6, e 2).
+DEFAULT_MOE = {(1, 2, 1): 1, (2, 1, 2): 2, (2, 2, 2): 2, (2, 4, 1): 2, (6, 1, 1): 2, (4, 2, 1): 4, (8, 1, 1): 8}
+
+
 def default_cases() -> list[dict]:
-    """One case per (d, p, t), features rotated so that each value appears in the default run."""
+    """One case per (d, p, t), features rotated so that each value appears in the default run (MoE: DEFAULT_MOE)."""
     out = []
     for i, (d, p, t) in enumerate(triples()):
         options = schedules(p)
         schedule, v = options[i % len(options)]
+        ep = DEFAULT_MOE.get((d, p, t), 0)
         out.append(case(("gpt2", "llama")[i % 2], d, p, t, t > 1 and (i // 2) % 2 == 0, d > 1 and i % 3 != 1,
-                        schedule, v))
+                        schedule, v, ep))
     return out
 
 
 def name(c: dict) -> str:
     s = c["sets"]
     d, p, t = s["parallel.data"], s["parallel.pipeline"], s["parallel.tensor"]
-    return (f"{c['arch']}-d{d}p{p}t{t}{'-sp' if s['parallel.sequence_parallel'] else ''}"
+    return (f"{c['arch']}{'-moe' if c['moe'] else ''}-d{d}"
+            f"{'e' + str(s['parallel.expert']) if c['moe'] else ''}p{p}t{t}{'-sp' if s['parallel.sequence_parallel'] else ''}"
             f"{'-zero1' if s['parallel.distributed_optimizer'] else ''}"
             + (f"-{s['parallel.schedule']}v{s['parallel.virtual_stages']}" if p > 1 else ""))
 
@@ -106,12 +123,25 @@ def test_the_space_is_accepted():
         assert {c["sets"][key] for c in DEFAULT} == {False, True}
     assert {c["sets"]["parallel.schedule"] for c in DEFAULT} == {"gpipe", "1f1b", "interleaved", "zero_bubble"}
     assert {c["arch"] for c in DEFAULT} == set(ARCHS)
+    moe = [c["sets"] for c in DEFAULT if c["moe"]]
+    ep = lambda s: s["parallel.expert"]  # noqa: E731
+    assert {ep(s) == 1 for s in moe} == {True, False}, "MoE with and without expert parallelism"
+    assert any(1 < ep(s) == s["parallel.data"] for s in moe) and any(1 < ep(s) < s["parallel.data"] for s in moe)
+    for key in ("parallel.sequence_parallel", "parallel.distributed_optimizer"):
+        assert {s[key] for s in moe if ep(s) > 1} == {False, True}, f"expert parallelism with {key} on and off"
+    assert {s["parallel.pipeline"] > 1 for s in moe if ep(s) > 1} == {False, True}
+    assert {s["parallel.data"] == ep(s) for s in moe} >= {True}
 
 
 @functools.lru_cache(maxsize=None)
-def reference(arch: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
+def reference(arch: str, moe_micro_batch: int | None) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """One device's losses and gradient norms: dense, or MoE with the layout's micro batch size (the balancing
+    loss is a function of each micro batch, so one device splits the batch as the layout does)."""
+    sets = {**ARCHS[arch], "train.global_batch_size": BATCH}
+    if moe_micro_batch:
+        sets.update(MOE, **{"train.micro_batch_size": moe_micro_batch})
     norms = []
-    losses = run_steps(small_config(**ARCHS[arch], **{"train.global_batch_size": BATCH}), 1, STEPS, grad_norms=norms)
+    losses = run_steps(small_config(**sets), 1, STEPS, grad_norms=norms)
     return tuple(losses), tuple(norms)
 
 
@@ -120,6 +150,6 @@ def reference(arch: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
 def test_layout_matches_one_device(c):
     norms = []
     got = run_steps(small_config(**c["sets"]), c["n"], STEPS, grad_norms=norms)
-    ref_losses, ref_norms = reference(c["arch"])
+    ref_losses, ref_norms = reference(c["arch"], c["sets"]["train.micro_batch_size"] if c["moe"] else None)
     np.testing.assert_allclose(got, ref_losses, rtol=1e-4)
     np.testing.assert_allclose(norms, ref_norms, rtol=1e-4)

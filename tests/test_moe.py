@@ -1,6 +1,7 @@
 """Mixture of experts: the layer against a naive per-token reference, the auxiliary losses' gradient, the
 config's checks, and training that equals one device on data, tensor (with sequence parallelism) and
-pipeline layouts (fp32, 1e-4). Expert parallelism is not built yet."""
+pipeline layouts (fp32, 1e-4), with and without expert parallelism (tests/test_layouts.py enumerates the
+expert-parallel layouts with every other parallelism)."""
 
 import dataclasses
 import functools
@@ -101,6 +102,9 @@ def test_auxiliary_losses_join_the_gradient_at_the_objective_scale():
     ({"model.num_experts": 4, "model.experts_per_token": 5}, "experts_per_token"),
     ({"model.num_experts": 4, "model.moe_capacity_factor": -1.0}, "moe_capacity_factor"),
     ({"model.num_experts": 4, "model.moe_layer_freq": 2}, "moe_layer_freq"),
+    ({"model.num_experts": 4, "parallel.data": 2, "parallel.expert": 4}, "choose parallel.expert from"),
+    ({"model.num_experts": 6, "parallel.data": 4, "parallel.expert": 4}, "not divisible by parallel.expert"),
+    ({"parallel.data": 2, "parallel.expert": 2}, "needs an MoE model"),
 ])
 def test_bad_moe_configs_name_the_fix(sets, fix):
     with pytest.raises(config_lib.ConfigError, match=fix):
@@ -109,8 +113,10 @@ def test_bad_moe_configs_name_the_fix(sets, fix):
 
 @functools.lru_cache(maxsize=None)
 def reference(arch, shared=0, factor=None):
-    return tuple(run_steps(small_config(**MOE, **{"model.arch": arch, "model.moe_shared_experts": shared,
-                                                  "model.moe_capacity_factor": factor}), 1, 2))
+    norms = []
+    losses = run_steps(small_config(**MOE, **{"model.arch": arch, "model.moe_shared_experts": shared,
+                                              "model.moe_capacity_factor": factor}), 1, 2, grad_norms=norms)
+    return tuple(losses), tuple(norms)
 
 
 @pytest.mark.parametrize("arch,layout", [
@@ -120,10 +126,46 @@ def reference(arch, shared=0, factor=None):
     ("llama", {"parallel.pipeline": 2, "parallel.tensor": 2, "parallel.schedule": "zero_bubble",
                "model.moe_shared_experts": 1}),
     ("gpt2", {"parallel.data": 2, "parallel.tensor": 2, "model.moe_capacity_factor": 1.0}),
+    # expert parallelism with a capacity: each rank drops on its own micro batch (as without it), then the
+    # capacity buffers go through the all-to-all
+    ("gpt2", {"parallel.data": 2, "parallel.expert": 2, "model.moe_capacity_factor": 1.0}),
+    ("llama", {"parallel.data": 4, "parallel.expert": 2, "parallel.tensor": 2, "model.moe_capacity_factor": 0.5,
+               "parallel.distributed_optimizer": True}),
 ])
 def test_moe_training_equals_one_device(arch, layout):
     n = layout.get("parallel.data", 1) * layout.get("parallel.pipeline", 1) * layout.get("parallel.tensor", 1)
-    got = run_steps(small_config(**MOE, **{"model.arch": arch}, **layout), n, 2)
-    ref = reference(arch, layout.get("model.moe_shared_experts", 0), layout.get("model.moe_capacity_factor"))
+    norms = []
+    got = run_steps(small_config(**MOE, **{"model.arch": arch}, **layout), n, 2, grad_norms=norms)
+    ref, ref_norms = reference(arch, layout.get("model.moe_shared_experts", 0), layout.get("model.moe_capacity_factor"))
     assert ref[1] < ref[0] + 0.5
     np.testing.assert_allclose(got, ref, rtol=1e-4)
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-4)
+
+
+def test_checkpoint_moves_between_expert_parallel_sizes(tmp_path):
+    """A checkpoint written with the experts over 2 of 4 data ranks (distributed optimizer: an expert's state
+    sharded over its 2 'data' ranks, a dense weight's over all 4) restores exactly with the experts over all 4,
+    and onto one device without expert parallelism or the distributed optimizer."""
+    import jax
+
+    from megajax import checkpoint, optim, train
+
+    sets = {**MOE, "model.arch": "llama", "train.global_batch_size": 8}
+    cfg = small_config(**sets, **{"parallel.data": 4, "parallel.expert": 2, "parallel.distributed_optimizer": True})
+    _, state, setup = run_steps(cfg, 4, 2, return_state=True)
+    mgr = checkpoint.manager(str(tmp_path), use_async=False)
+    checkpoint.save(mgr, 2, state, train._meta(setup.cfg, 2, 16))
+    mgr.wait_until_finished()
+
+    def unpadded(st):
+        mu = st.opt_state[1].mu
+        return jax.device_get((st.params, jax.tree.map(lambda m, p: optim.zero_unpad(m, p.shape), mu, st.params)))
+
+    want = unpadded(state)
+    for n, layout in ((4, {"parallel.data": 4, "parallel.expert": 4, "parallel.distributed_optimizer": True}),
+                      (1, {"parallel.data": 1})):
+        target = train.setup_for(small_config(**sets, **layout), jax.devices()[:n])
+        fields, _ = checkpoint.restore(mgr, 2, target.abstract_state, target.state_shardings, target.cfg)
+        got = train.TrainState(**fields)
+        jax.tree.map(np.testing.assert_array_equal, unpadded(got), want)
+    mgr.close()

@@ -22,6 +22,7 @@ over manual axes). Outputs get back the varying axes of the inputs, so the custo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -73,22 +74,22 @@ def shard_kernel(fn: Callable, args: Sequence[jax.Array | None], in_names: Seque
         return tuple(fn(*args))
     # The model's rules inside sharding.activation_sharding, else the defaults (no sequence parallelism).
     rules = sharding.current_activation_rules()
-    live = {k: (v if v in auto and mesh.shape[v] > 1 else None) for k, v in rules.items()}
+    live = {k: sharding.keep_axes(v, lambda a: a in auto and mesh.shape[a] > 1) for k, v in rules.items()}
     # An axis that does not divide every dim it would split (flax's init traces the model on a batch of
     # one) is dropped from all specs, so that, e.g., query and kv heads are always split together.
     for arg, names in zip(args, in_names):
         for size, name in zip([] if arg is None else arg.shape, names or ()):
-            axis = live.get(name) if name is not None else None
-            if axis is not None and size % mesh.shape[axis]:
-                live = {k: (None if v == axis else v) for k, v in live.items()}
+            axes = sharding.axes_of(live.get(name) if name is not None else None)
+            if axes and size % math.prod(mesh.shape[a] for a in axes):
+                live = {k: sharding.keep_axes(v, lambda a: a not in axes) for k, v in live.items()}
     in_specs = tuple(None if n is None else sharding.spec_for(n, live) for n in in_names)
     out_specs = tuple(sharding.spec_for(n, live) for n in out_names)
-    split = sorted({a for spec in in_specs if spec is not None for a in spec if a is not None})
+    split = sorted(set().union(*(sharding.spec_axes(spec) for spec in in_specs if spec is not None)))
 
     def local(*a):
         out = list(fn(*a))
         for j in summed:
-            axes = tuple(ax for ax in split if ax not in out_specs[j])
+            axes = tuple(ax for ax in split if ax not in sharding.spec_axes(out_specs[j]))
             out[j] = jax.lax.psum(out[j], axes) if axes else out[j]
         return tuple(out)
 

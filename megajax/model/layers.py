@@ -82,7 +82,7 @@ def dtype_of(name: str):
     return jnp.dtype(name)
 
 
-def _param(module: nn.Module, name: str, shape, names, std: float | None, dtype):
+def param(module: nn.Module, name: str, shape, names, std: float | None, dtype):
     """A parameter with logical axis names; std=None means ones (norm scales), 0 means zeros (biases)."""
     if std is None:
         init = nn.initializers.ones
@@ -119,12 +119,12 @@ class Norm(nn.Module):
         cfg = self.cfg
         d = x_bsd.shape[-1]
         pdt, cdt = dtype_of(cfg.param_dtype), dtype_of(cfg.compute_dtype)
-        scale = _param(self, "scale", (d,), ("embed",), None, pdt)
+        scale = param(self, "scale", (d,), ("embed",), None, pdt)
         # out_dtype: the fused kernel writes the compute dtype directly instead of an fp32 copy to cast.
         if cfg.arch == "llama":
             y = kernels.rms_norm(x_bsd, scale, cfg.norm_eps, impl=cfg.norm_impl, out_dtype=cdt)
         else:
-            bias = _param(self, "bias", (d,), ("embed",), 0, pdt)
+            bias = param(self, "bias", (d,), ("embed",), 0, pdt)
             y = kernels.layer_norm(x_bsd, scale, bias, cfg.norm_eps, impl=cfg.norm_impl, out_dtype=cdt)
         return y
 
@@ -138,10 +138,10 @@ class Embed(nn.Module):
     def setup(self):
         cfg = self.cfg
         pdt = dtype_of(cfg.param_dtype)
-        self.embedding = _param(self, "embedding", (cfg.padded_vocab_size, cfg.hidden_size), ("vocab", "embed"),
+        self.embedding = param(self, "embedding", (cfg.padded_vocab_size, cfg.hidden_size), ("vocab", "embed"),
                                 cfg.init_std, pdt)
         if cfg.arch == "gpt2":
-            self.position_embedding = _param(self, "position_embedding", (cfg.seq_length, cfg.hidden_size),
+            self.position_embedding = param(self, "position_embedding", (cfg.seq_length, cfg.hidden_size),
                                              (None, "embed"), cfg.init_std, pdt)
 
     def __call__(self, tokens_bs: jax.Array, keys: jax.Array | None, offset: jax.Array | int = 0) -> jax.Array:
@@ -222,10 +222,10 @@ class Attention(nn.Module):
         # every group on one rank, and the backward has a single partial dX to all-reduce (three separate
         # q/k/v matmuls would all-reduce three).
         r = h // g
-        wqkv = _param(self, "wqkv", (d, g, r + 2, k), ("embed", "kv_heads", None, "head_dim"), cfg.init_std, pdt)
+        wqkv = param(self, "wqkv", (d, g, r + 2, k), ("embed", "kv_heads", None, "head_dim"), cfg.init_std, pdt)
         qkv = weight_einsum(self, "wqkv", x, wqkv.astype(cdt))
         if bias:
-            qkv = qkv + _param(self, "bqkv", (g, r + 2, k), ("kv_heads", None, "head_dim"), 0, pdt).astype(cdt)
+            qkv = qkv + param(self, "bqkv", (g, r + 2, k), ("kv_heads", None, "head_dim"), 0, pdt).astype(cdt)
         b, s = qkv.shape[:2]
         q = qkv[:, :, :, :r].reshape(b, s, h, k)  # query head i uses kv head i // r
         kk, v = qkv[:, :, :, r], qkv[:, :, :, r + 1]
@@ -251,11 +251,11 @@ class Attention(nn.Module):
             o, cache = cached_attention(q, kk, v, cache, offset)
         o = constrain(o, ("batch", None, "heads", "head_dim"))
 
-        wo = _param(self, "wo", (h, k, d), ("heads", "head_dim", "embed"), out_std, pdt)
+        wo = param(self, "wo", (h, k, d), ("heads", "head_dim", "embed"), out_std, pdt)
         y = weight_einsum(self, "wo", o, wo.astype(cdt))
         y = constrain(y, RESIDUAL)  # the all-reduce (or reduce-scatter with sequence parallelism)
         if bias:
-            y = y + _param(self, "bo", (d,), ("embed",), 0, pdt).astype(cdt)
+            y = y + param(self, "bo", (d,), ("embed",), 0, pdt).astype(cdt)
         return y if cache is None else (y, cache)
 
 
@@ -273,16 +273,16 @@ class MLP(nn.Module):
         x = gather_sequence(x_bsd)
         if cfg.arch == "llama":
             # gate and up fused as [d, 2, f] (one partial dX to all-reduce in the backward, as for QKV)
-            w_gate_up = _param(self, "w_gate_up", (d, 2, f), ("embed", None, "mlp"), cfg.init_std, pdt)
+            w_gate_up = param(self, "w_gate_up", (d, 2, f), ("embed", None, "mlp"), cfg.init_std, pdt)
             gate_up = weight_einsum(self, "w_gate_up", x, w_gate_up.astype(cdt))
             hidden = nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
         else:
-            w_in = _param(self, "w_in", (d, f), ("embed", "mlp"), cfg.init_std, pdt)
-            b_in = _param(self, "b_in", (f,), ("mlp",), 0, pdt)
+            w_in = param(self, "w_in", (d, f), ("embed", "mlp"), cfg.init_std, pdt)
+            b_in = param(self, "b_in", (f,), ("mlp",), 0, pdt)
             hidden = nn.gelu(weight_einsum(self, "w_in", x, w_in.astype(cdt)) + b_in.astype(cdt), approximate=True)
         hidden = constrain(hidden, ("batch", None, "mlp"))
-        w_out = _param(self, "w_out", (f, d), ("mlp", "embed"), out_std, pdt)
+        w_out = param(self, "w_out", (f, d), ("mlp", "embed"), out_std, pdt)
         y = constrain(weight_einsum(self, "w_out", hidden, w_out.astype(cdt)), RESIDUAL)
         if cfg.arch == "gpt2":
-            y = y + _param(self, "b_out", (d,), ("embed",), 0, pdt).astype(cdt)
+            y = y + param(self, "b_out", (d,), ("embed",), 0, pdt).astype(cdt)
         return y

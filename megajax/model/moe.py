@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 
 from megajax.config import ModelConfig
-from megajax.model.layers import MLP, RESIDUAL, _param, dtype_of, gather_sequence
-from megajax.sharding import constrain
+from megajax.model.layers import MLP, RESIDUAL, param, dtype_of, gather_sequence
+from megajax.sharding import constrain, current_manual_axes
 
 _SEED: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("megajax_moe_seed", default=None)
 
@@ -108,6 +108,55 @@ def combine(y_ad: jax.Array, order: jax.Array, weights_tk: jax.Array) -> jax.Arr
     return jnp.einsum("tkd,tk->td", unsorted.reshape(t, k, -1), weights_tk.astype(y_ad.dtype))
 
 
+def expert_parallel_size() -> int:
+    """The expert-parallel ranks this layer exchanges tokens with: the size of 'expert' where it is manual (the
+    train step's region), else 1 (under GSPMD the expert-sharded weights are used as global arrays)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.shape["expert"] if "expert" in current_manual_axes() else 1
+
+
+def _all_to_all(x: jax.Array) -> jax.Array:
+    """Block i of x's leading dim (one per expert rank) to expert rank i; block j of the result came from j."""
+    return jax.lax.all_to_all(x, "expert", 0, 0, tiled=True)
+
+
+def exchange_capacity(buf_ecd: jax.Array, ep: int, experts) -> jax.Array:
+    """Capacity buffers [e, c, d] of this rank's routed rows -> the experts' outputs [e, c, d'], with the experts
+    on `ep` ranks: each rank sends every rank the buffers of that rank's e / ep experts (all-to-all), runs its
+    experts on [e / ep, ep c, d] with `experts`, and sends the outputs back (all-to-all)."""
+    e, c, d = buf_ecd.shape
+    el = e // ep
+    recv = _all_to_all(buf_ecd.reshape(ep, el, c, d))  # [source rank, local expert, c, d]
+    out = experts(recv.transpose(1, 0, 2, 3).reshape(el, ep * c, d))
+    out = out.reshape(el, ep, c, -1).transpose(1, 0, 2, 3)
+    return _all_to_all(out).reshape(e, c, -1)
+
+
+def exchange_dropless(rows_ad: jax.Array, sizes_e: jax.Array, k: int, ep: int, experts) -> jax.Array:
+    """Dropless rows [a, d] sorted by expert (group sizes [e]) -> the experts' outputs [a, d'], with the experts on
+    `ep` ranks. Each expert rank gets the rows of its e / ep experts in a buffer of the most it can get (a token
+    picks k distinct experts, so min(k, e / ep) rows a token); the all-to-all is fixed-size, so it moves
+    ep x min(k, e / ep) / k times the routed rows (the capacity path moves capacity_factor times). The received
+    rows are regrouped by local expert for `experts(rows, group sizes [e / ep])` (padding rows last, in no group,
+    their outputs unused), and the outputs go back the same way."""
+    a, d = rows_ad.shape
+    el = sizes_e.shape[0] // ep
+    bound = a // k * min(k, el)
+    per_rank = jnp.sum(sizes_e.reshape(ep, el), axis=1)
+    j = jnp.arange(bound)
+    src = (jnp.cumsum(per_rank) - per_rank)[:, None] + j  # [ep, bound]: where each sent row sits in rows_ad
+    valid = j < per_rank[:, None]
+    send = jnp.where(valid[..., None], rows_ad[jnp.minimum(src, a - 1)], 0)
+    recv = _all_to_all(send).reshape(ep * bound, d)
+    counts = _all_to_all(sizes_e.reshape(ep, el))  # [source rank, local expert]
+    local = jnp.sum(j[None, :, None] >= jnp.cumsum(counts, axis=1)[:, None, :], axis=-1)  # el: padding
+    order = jnp.argsort(local.reshape(-1), stable=True)
+    out = experts(recv[order], jnp.sum(counts, axis=0))
+    out = jnp.zeros_like(out).at[order].set(out).reshape(ep, bound, -1)
+    back = _all_to_all(out)  # [destination rank, bound, d'], in the order the rows were sent
+    return jnp.zeros((a, back.shape[-1]), back.dtype).at[jnp.where(valid, src, a)].set(back, mode="drop")
+
+
 class MoE(nn.Module):
     """The MLP of an MoE layer: router, expert MLPs (GeLU for gpt2, SwiGLU for llama; dropless, or with a
     capacity), and `moe_shared_experts` always-on experts as one dense MLP of that many times the expert width."""
@@ -123,50 +172,58 @@ class MoE(nn.Module):
         x = gather_sequence(x_bsd)
         b, s, _ = x.shape
         x_td = x.reshape(b * s, d)
-        w_router = _param(self, "router", (d, e), ("embed", None), cfg.init_std, pdt)
+        w_router = param(self, "router", (d, e), ("embed", None), cfg.init_std, pdt)
         logits = jnp.einsum("td,de->te", x_td.astype(jnp.float32), w_router.astype(jnp.float32))
         weights, ids, probs = route(logits, k)
 
+        # The expert weights: [e, ...], or inside the train step with expert parallelism this rank's e / ep.
+        ep = expert_parallel_size()
+        el = e // ep
+        if cfg.arch == "llama":
+            # gate and up interleaved as [..., f, 2]: with f split over 'tensor' each rank holds its own gate and
+            # up columns, so the fused matmul's output splits into the two locally
+            w_gate_up = param(self, "w_gate_up", (el, d, f, 2), ("expert", "embed", "mlp", None), cfg.init_std, pdt)
+        else:
+            w_in = param(self, "w_in", (el, d, f), ("expert", "embed", "mlp"), cfg.init_std, pdt)
+            b_in = param(self, "b_in", (el, f), ("expert", "mlp"), 0, pdt)
+        w_out = param(self, "w_out", (el, f, d), ("expert", "mlp", "embed"), out_std, pdt)
+
+        def experts(xs, sizes=None):
+            """The el experts' MLPs on their rows: [el, rows, d] buffers (batched matmuls), or with `sizes` [el]
+            rows [n, d] grouped by expert (ragged matmuls; rows past the groups are padding)."""
+            if sizes is None:
+                matmul = lambda x, w: jnp.einsum("ecd,edf->ecf", x, w)  # noqa: E731
+                bias = lambda b_ef: b_ef[:, None]  # noqa: E731
+            else:
+                expert_of = jnp.repeat(jnp.arange(el), sizes, total_repeat_length=xs.shape[0])
+                matmul = lambda x, w: jax.lax.ragged_dot(x, w, sizes)  # noqa: E731
+                bias = lambda b_ef: b_ef[expert_of]  # noqa: E731
+            # The routed rows stay whole on every tensor rank and the expert width is split over 'tensor', as in
+            # the dense MLP: the second matmul's partial sums are its one all-reduce (no permutes of rows).
+            xs = constrain(xs, (None,) * (xs.ndim - 1) + ("embed",))
+            if cfg.arch == "llama":
+                gate_up = matmul(xs, w_gate_up.reshape(el, d, 2 * f).astype(cdt)).reshape(*xs.shape[:-1], f, 2)
+                hidden = nn.silu(gate_up[..., 0]) * gate_up[..., 1]
+            else:
+                hidden = nn.gelu(matmul(xs, w_in.astype(cdt)) + bias(b_in.astype(cdt)), approximate=True)
+            hidden = constrain(hidden, (None,) * (hidden.ndim - 1) + ("mlp",))
+            return matmul(hidden, w_out.astype(cdt))
+
         rows, sizes, order = dispatch(x_td, ids, e)
         if cfg.moe_capacity_factor is None:  # dropless: each expert's rows, as many as were routed to it
-            expert_of = jnp.repeat(jnp.arange(e), sizes, total_repeat_length=rows.shape[0])
-            to_experts, from_experts = (lambda r: r), (lambda r: r)
-            matmul = lambda x, w: jax.lax.ragged_dot(x, w, sizes)  # noqa: E731
-            bias = lambda b_ef: b_ef[expert_of]  # noqa: E731
+            out = experts(rows, sizes) if ep == 1 else exchange_dropless(rows, sizes, k, ep, experts)
         else:  # a capacity: [e, c, ...] buffers, the rows past c of an expert dropped (their output is 0)
             c = capacity(b * s, k, e, cfg.moe_capacity_factor)
             expert = jnp.sort(ids.reshape(-1))
             pos = jnp.arange(rows.shape[0]) - (jnp.cumsum(sizes) - sizes)[expert]
             keep = pos < c
             slot = jnp.where(keep, pos, c)  # out of range: dropped by the scatter
-
-            def to_experts(r):
-                return jnp.zeros((e, c, *r.shape[1:]), r.dtype).at[expert, slot].set(r, mode="drop")
-
-            def from_experts(buf):
-                return buf[expert, jnp.minimum(slot, c - 1)] * keep[:, None].astype(buf.dtype)
-
-            matmul = lambda x, w: jnp.einsum("ecd,edf->ecf", x, w)  # noqa: E731
-            bias = lambda b_ef: b_ef[:, None]  # noqa: E731
-        # The routed rows stay whole on every tensor rank and the expert width is split over 'tensor', as in
-        # the dense MLP: the second matmul's partial sums are its one all-reduce (no permutes of rows).
-        xs = to_experts(rows)
-        xs = constrain(xs, (None,) * (xs.ndim - 1) + ("embed",))
-        if cfg.arch == "llama":
-            # gate and up interleaved as [..., f, 2]: with f split over 'tensor' each rank holds its own gate and
-            # up columns, so the fused matmul's output splits into the two locally
-            w_gate_up = _param(self, "w_gate_up", (e, d, f, 2), ("expert", "embed", "mlp", None), cfg.init_std, pdt)
-            gate_up = matmul(xs, w_gate_up.reshape(e, d, 2 * f).astype(cdt)).reshape(*xs.shape[:-1], f, 2)
-            hidden = nn.silu(gate_up[..., 0]) * gate_up[..., 1]
-        else:
-            w_in = _param(self, "w_in", (e, d, f), ("expert", "embed", "mlp"), cfg.init_std, pdt)
-            b_in = _param(self, "b_in", (e, f), ("expert", "mlp"), 0, pdt)
-            hidden = nn.gelu(matmul(xs, w_in.astype(cdt)) + bias(b_in.astype(cdt)), approximate=True)
-        hidden = constrain(hidden, (None,) * (hidden.ndim - 1) + ("mlp",))
-        w_out = _param(self, "w_out", (e, f, d), ("expert", "mlp", "embed"), out_std, pdt)
-        y = combine(from_experts(matmul(hidden, w_out.astype(cdt))), order, weights)
+            buf = jnp.zeros((e, c, d), rows.dtype).at[expert, slot].set(rows, mode="drop")
+            buf = experts(buf) if ep == 1 else exchange_capacity(buf, ep, experts)
+            out = buf[expert, jnp.minimum(slot, c - 1)] * keep[:, None].astype(buf.dtype)
+        y = combine(out, order, weights)
         if cfg.arch == "gpt2":
-            y = y + _param(self, "b_out", (d,), ("embed",), 0, pdt).astype(cdt)
+            y = y + param(self, "b_out", (d,), ("embed",), 0, pdt).astype(cdt)
         y = constrain(y.reshape(b, s, d), RESIDUAL)
         if cfg.moe_shared_experts:
             shared_cfg = dataclasses.replace(cfg, ffn_hidden_size=cfg.moe_shared_experts * f, num_experts=0)
