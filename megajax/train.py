@@ -269,6 +269,7 @@ def train_step(setup: StepSetup, state: TrainState, batch: dict) -> tuple[TrainS
     total = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
     with sharding.activation_sharding(cfg.parallel.sequence_parallel):
         loss_sum, grads = compute_grads(setup, state.params, batch, state.loss_scale / total)
+    grads, moe_stats = moe.step_stats(grads, cfg.model.num_experts, cfg.model.moe_capacity_factor)
     grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
     loss = loss_sum / total
     grad_norm = optax.tree.norm(grads)
@@ -293,7 +294,7 @@ def train_step(setup: StepSetup, state: TrainState, batch: dict) -> tuple[TrainS
         "loss": loss, "lr": optim.applied_lr(cfg.optim, cfg.train.steps, state.opt_state),
         "grad_norm": grad_norm, "update_norm": optax.tree.norm(updates),
         "param_norm": optax.tree.norm(new_state.params), "finite": finite, "loss_scale": state.loss_scale,
-        "bad_steps": new_state.bad_steps,
+        "bad_steps": new_state.bad_steps, **moe_stats,
     }
     return new_state, stats
 
@@ -471,10 +472,12 @@ def _loop(cfg, setup, step_fn, eval_fn, state, datasets, start, consumed, loader
                 "step_time_s": dt, **metrics_lib.step_rates(flops, gbs * seq, dt, n_dev, peak),
                 "consumed_samples": consumed,
                 "data_wait_s": data_wait,
+                **{k: float(v) for k, v in host.items() if k.startswith("moe_")},
             }
             eta = metrics_lib.format_eta((steps - done) * dt)
+            moe_line = "".join(f" | {k[4:].replace('_', ' ')} {record[k]:.4f}" for k in record if k.startswith("moe_"))
             log.log(record, f"step {done}/{steps} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
-                            f"grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:.0f} tok/s | "
+                            f"grad norm {record['grad_norm']:.3f}{moe_line} | {record['tokens_per_s']:.0f} tok/s | "
                             f"{record['tflops_per_device']:.4f} TFLOP/s/dev | MFU {record['mfu']:.1%} | "
                             f"eta {eta}")
         if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == steps) and "valid" in datasets:

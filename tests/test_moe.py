@@ -169,3 +169,73 @@ def test_checkpoint_moves_between_expert_parallel_sizes(tmp_path):
         got = train.TrainState(**fields)
         jax.tree.map(np.testing.assert_array_equal, unpadded(got), want)
     mgr.close()
+
+
+@pytest.mark.parametrize("factor", [None, 0.5])
+def test_layer_reports_its_routing_statistics_through_the_stats_gradient(factor):
+    """The gradient of the layer's zero `moe_stats` parameter is [assignments per expert, balancing loss x
+    tokens, tokens, dropped assignments], whatever the output's cotangent; the forward never reads it."""
+    import jax
+    import jax.numpy as jnp
+
+    from megajax.model import moe
+
+    cfg, layer, p, x = _layer("gpt2", 0, factor)
+    assert not np.any(p[moe.STATS])
+    grads = jax.grad(lambda q: jnp.sum(layer.apply({"params": q}, x) ** 2))(p)
+    xt = np.asarray(x).reshape(16, 32)
+    _, ids, probs = moe.route(xt @ p["router"], 2)
+    counts = np.bincount(np.asarray(ids).reshape(-1), minlength=4)
+    c = moe.capacity(16, 2, 4, factor) if factor else 32
+    want = [*counts, 16 * float(moe.load_balancing_loss(probs, ids)), 16, np.maximum(counts - c, 0).sum()]
+    np.testing.assert_allclose(grads[moe.STATS], want, rtol=1e-5)
+    if factor:
+        assert want[-1] > 0
+
+
+def test_routing_metrics_are_the_same_on_every_layout():
+    """moe_aux_loss, moe_load_imbalance and moe_dropped_fraction sum over layers, micro batches and ranks as
+    gradients do: one device and d 4 e 2 x p 2 (distributed optimizer) report the same; the stats parameter
+    stays zero and takes no part in the gradient norm."""
+    import jax
+
+    from megajax.model import moe
+
+    sets = {**MOE, "model.moe_capacity_factor": 1.0}
+    runs = []
+    for n, layout in ((1, {}), (8, {"parallel.data": 4, "parallel.expert": 2, "parallel.pipeline": 2,
+                                     "parallel.distributed_optimizer": True})):
+        _, state, setup = run_steps(small_config(**sets, **layout), n, 1, return_state=True)
+        metrics, state = _one_step_stats(setup, state)
+        runs.append(metrics)
+        flat = jax.tree_util.tree_flatten_with_path(jax.device_get(state.params))[0]
+        stats = [v for path, v in flat if getattr(path[-1], "key", None) == moe.STATS]
+        assert stats and not any(np.any(np.asarray(v)) for v in stats)
+    assert runs[0].keys() == {"moe_aux_loss", "moe_load_imbalance", "moe_dropped_fraction"}
+    for key in runs[0]:
+        np.testing.assert_allclose(runs[1][key], runs[0][key], rtol=1e-5)
+    assert runs[0]["moe_load_imbalance"] >= 1 and 0 < runs[0]["moe_dropped_fraction"] < 1
+    assert runs[0]["moe_aux_loss"] == pytest.approx(1.0, abs=0.1)  # near-uniform routing at initialisation
+
+
+def _one_step_stats(setup, state):
+    import jax
+
+    from megajax import train
+    from megajax.data.loader import build_datasets, global_batch
+
+    data = build_datasets(setup.cfg, {"train": 16})["train"]
+    with jax.set_mesh(setup.mesh):
+        batch = global_batch(data, 8, 8, setup.batch_shardings)
+        state, stats = train.jit_train_step(setup)(state, batch)
+    return {k: float(v) for k, v in stats.items() if k.startswith("moe_")}, state
+
+
+def test_cli_logs_routing_metrics(tmp_path):
+    from conftest import read_metrics, train_cli
+
+    proc = train_cli(tmp_path, "train.steps=2", "model.num_experts=4", "model.moe_capacity_factor=1.0",
+                     "parallel.data=4", "parallel.expert=2", devices=4)
+    assert "aux loss" in proc.stdout and "load imbalance" in proc.stdout and "dropped fraction" in proc.stdout
+    last = read_metrics(tmp_path)[2]
+    assert {"moe_aux_loss", "moe_load_imbalance", "moe_dropped_fraction"} <= last.keys()

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from megajax.config import ModelConfig
 from megajax.model.layers import MLP, RESIDUAL, param, dtype_of, gather_sequence
-from megajax.sharding import constrain, current_manual_axes
+from megajax.sharding import constrain, current_manual_axes, vary, varying_axes
 
 _SEED: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("megajax_moe_seed", default=None)
 
@@ -65,6 +65,56 @@ def _attach_bwd(loss_cotangent, dy):
 
 
 attach_loss.defvjp(_attach_fwd, _attach_bwd)
+
+# The step's routing statistics leave the layer the same way, through the backward: each MoE layer has a zero
+# parameter STATS that its forward never reads, and `report` gives it the gradient `stats` (not scaled by the
+# seed). The layer scan, the pipeline and the data reduction sum these over layers' micro batches and ranks
+# as they sum every gradient; the train step takes them out (`step_stats`) before the optimizer, so the
+# parameter stays zero. Per layer: routed assignments per expert [e], then balancing loss x tokens, tokens,
+# dropped assignments.
+STATS = "moe_stats"
+
+
+@jax.custom_vjp
+def report(y: jax.Array, probe: jax.Array, stats: jax.Array) -> jax.Array:
+    """y, unchanged; in the backward, `probe` gets the gradient `stats`."""
+    return y
+
+
+def _report_fwd(y, probe, stats):
+    return y, vary(stats.astype(probe.dtype), tuple(varying_axes(probe)))
+
+
+def _report_bwd(stats, dy):
+    return dy, stats, None
+
+
+report.defvjp(_report_fwd, _report_bwd)
+
+
+def step_stats(grads, num_experts: int, capacity_factor: float | None) -> tuple[object, dict]:
+    """(grads with every STATS gradient zeroed, the step's metrics): `moe_aux_loss` (the balancing loss, token
+    mean, unscaled), `moe_load_imbalance` (per layer, max over mean assignments per expert over the whole step,
+    averaged over layers) and with a capacity `moe_dropped_fraction` (of all assignments)."""
+    found = []
+
+    def take(path, g):
+        if getattr(path[-1], "key", None) != STATS:
+            return g
+        found.append(g.reshape(-1, g.shape[-1])[:, :num_experts + 3])  # the distributed optimizer pads the dim
+        return jnp.zeros_like(g)
+
+    grads = jax.tree_util.tree_map_with_path(take, grads)
+    if not found:
+        return grads, {}
+    rows = jnp.concatenate(found)
+    counts = rows[:, :num_experts]
+    total = jnp.maximum(jnp.sum(counts), 1.0)
+    out = {"moe_aux_loss": jnp.sum(rows[:, num_experts]) / jnp.maximum(jnp.sum(rows[:, num_experts + 1]), 1.0),
+           "moe_load_imbalance": jnp.mean(jnp.max(counts, axis=1) / jnp.maximum(jnp.mean(counts, axis=1), 1e-9))}
+    if capacity_factor is not None:
+        out["moe_dropped_fraction"] = jnp.sum(rows[:, num_experts + 2]) / total
+    return grads, out
 
 
 def route(logits_te: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -212,6 +262,7 @@ class MoE(nn.Module):
         rows, sizes, order = dispatch(x_td, ids, e)
         if cfg.moe_capacity_factor is None:  # dropless: each expert's rows, as many as were routed to it
             out = experts(rows, sizes) if ep == 1 else exchange_dropless(rows, sizes, k, ep, experts)
+            dropped = jnp.float32(0)
         else:  # a capacity: [e, c, ...] buffers, the rows past c of an expert dropped (their output is 0)
             c = capacity(b * s, k, e, cfg.moe_capacity_factor)
             expert = jnp.sort(ids.reshape(-1))
@@ -221,6 +272,7 @@ class MoE(nn.Module):
             buf = jnp.zeros((e, c, d), rows.dtype).at[expert, slot].set(rows, mode="drop")
             buf = experts(buf) if ep == 1 else exchange_capacity(buf, ep, experts)
             out = buf[expert, jnp.minimum(slot, c - 1)] * keep[:, None].astype(buf.dtype)
+            dropped = jnp.sum(~keep).astype(jnp.float32)
         y = combine(out, order, weights)
         if cfg.arch == "gpt2":
             y = y + param(self, "b_out", (d,), ("embed",), 0, pdt).astype(cdt)
@@ -228,9 +280,10 @@ class MoE(nn.Module):
         if cfg.moe_shared_experts:
             shared_cfg = dataclasses.replace(cfg, ffn_hidden_size=cfg.moe_shared_experts * f, num_experts=0)
             y = y + MLP(shared_cfg, name="shared")(x_bsd)
+        balance = load_balancing_loss(probs, ids)
         seed = _SEED.get()
         if seed is not None:
-            aux = (cfg.moe_aux_loss_coef * load_balancing_loss(probs, ids)
-                   + cfg.moe_z_loss_coef * z_loss(logits))
-            y = attach_loss(y, aux, seed * (b * s))
-        return y
+            y = attach_loss(y, cfg.moe_aux_loss_coef * balance + cfg.moe_z_loss_coef * z_loss(logits), seed * (b * s))
+        probe = param(self, STATS, (e + 3,), (None,), 0, jnp.float32)
+        stats = jnp.concatenate([sizes.astype(jnp.float32), jnp.stack([balance * (b * s), jnp.float32(b * s), dropped])])
+        return report(y, probe, stats)
