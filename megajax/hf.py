@@ -1,6 +1,7 @@
 """Hugging Face <-> megajax: configs, tensor names and layouts, and safetensors files.
 
-Supported: GPT2LMHeadModel and LlamaForCausalLM (grouped-query attention, tied or untied embeddings).
+Supported: GPT2LMHeadModel, LlamaForCausalLM (grouped-query attention, tied or untied embeddings) and
+MixtralForCausalLM (a Llama with a mixture-of-experts MLP: megajax's llama arch with model.num_experts).
 Everything here is NumPy (safetensors' NumPy API, ml_dtypes for bfloat16); torch is never imported.
 
 One table per architecture (`rules`) says, for every megajax parameter, which HF tensors it is made of
@@ -8,7 +9,8 @@ and how to go each way. The layouts differ in four places:
   - QKV: megajax fuses it grouped by kv head, [d, g, r + 2, k] (each kv head's r query heads, then its
     key, then its value: Megatron's layout); GPT-2 fuses it as [d, q | k | v] (Conv1D, in x out), Llama
     keeps q_proj [h k, d], k_proj and v_proj [g k, d] apart (nn.Linear, out x in).
-  - Llama's gate and up projections are fused as [d, 2, f].
+  - Llama's gate and up projections are fused as [d, 2, f]; Mixtral's experts (w1 gate, w3 up, w2 down, one
+    tensor per expert) are stacked as [e, d, f, 2] and [e, f, d], its router (gate) is [d, e].
   - Layers are stacked on a leading axis ('layers') instead of one tensor per layer.
   - The vocabulary is padded to model.padded_vocab_size: zero rows on import, dropped on export.
 """
@@ -27,7 +29,8 @@ import numpy as np
 
 from megajax.config import ConfigError, InputError, ModelConfig
 
-ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+# HF model_type -> architecture (megajax arch: gpt2, or llama for llama and mixtral)
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
 # Buffers some checkpoints carry that are not weights (GPT-2's causal mask, old Llama's RoPE frequencies).
 _BUFFERS = {"gpt2": re.compile(r"(^|\.)attn\.(bias|masked_bias)$"), "llama": re.compile(r"rotary_emb\.inv_freq$")}
 # Tokenizer and generation files copied along with the weights in both directions.
@@ -51,7 +54,7 @@ def read_hf_config(model_dir: str | Path) -> dict:
 
 
 def hf_arch(hf: dict) -> str:
-    """'gpt2' or 'llama' from config.json's model_type and architectures; anything else is an error."""
+    """'gpt2', 'llama' or 'mixtral' from config.json's model_type and architectures; anything else is an error."""
     model_type = hf.get("model_type")
     archs = hf.get("architectures") or []
     if model_type not in ARCHITECTURES:
@@ -73,7 +76,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     """The megajax model config equivalent to an HF config.json (fp32 parameters, Megatron vocab padding)."""
     arch = hf_arch(hf)
     try:
-        return _gpt2_config(hf) if arch == "gpt2" else _llama_config(hf)
+        return {"gpt2": _gpt2_config, "llama": _llama_config, "mixtral": _mixtral_config}[arch](hf)
     except KeyError as e:
         raise ConversionError(f"config.json of a {arch} model has no {e.args[0]!r}") from None
     except ConfigError as e:
@@ -119,15 +122,42 @@ def _llama_config(hf: dict) -> ModelConfig:
         tie_embeddings=hf.get("tie_word_embeddings", False), init_std=hf.get("initializer_range", 0.02))
 
 
+def _mixtral_config(hf: dict) -> ModelConfig:
+    window = hf.get("sliding_window")
+    seq = hf.get("max_position_embeddings", 2048)
+    _require(window is None or window >= seq, f"Mixtral sliding_window={window} is shorter than "
+             f"max_position_embeddings={seq}: megajax has no sliding-window attention (set it to null)")
+    _require(not hf.get("router_jitter_noise", 0.0), "Mixtral router_jitter_noise is not supported: set it to 0")
+    f = hf["intermediate_size"]
+    return dataclasses.replace(
+        _llama_config(hf), num_experts=hf["num_local_experts"], experts_per_token=hf["num_experts_per_tok"],
+        moe_ffn_hidden_size=f, moe_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.01)))
+
+
+def _require_convertible(cfg: ModelConfig) -> None:
+    """An MoE model converts only as Mixtral: llama, without shared experts."""
+    if not cfg.num_experts:
+        return
+    _require(cfg.arch == "llama", f"model.num_experts={cfg.num_experts} with model.arch=gpt2 has no Hugging Face "
+             "counterpart: MoE models convert as Mixtral (model.arch=llama)")
+    _require(not cfg.moe_shared_experts, f"model.moe_shared_experts={cfg.moe_shared_experts}: Mixtral has no shared "
+             "experts, so this model does not convert")
+
+
+def _hf_model_type(cfg: ModelConfig) -> str:
+    _require_convertible(cfg)
+    return "mixtral" if cfg.num_experts else cfg.arch
+
+
 def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", base: dict | None = None,
                          eos_token_id: int | None = None) -> dict:
     """config.json for `cfg`. `base` (the config.json a model was imported from) keeps its other fields,
     such as token ids; without it, bos and eos are `eos_token_id`."""
-    _require_dense(cfg)
+    model_type = _hf_model_type(cfg)
     out = {k: v for k, v in (base or {}).items() if k != "transformers_version"}
     if base is None:
         out.update(bos_token_id=eos_token_id, eos_token_id=eos_token_id)
-    out.update(architectures=[ARCHITECTURES[cfg.arch]], model_type=cfg.arch, vocab_size=cfg.vocab_size,
+    out.update(architectures=[ARCHITECTURES[model_type]], model_type=model_type, vocab_size=cfg.vocab_size,
                tie_word_embeddings=cfg.tied, initializer_range=cfg.init_std, use_cache=True,
                torch_dtype=dtype, dtype=dtype)  # transformers 4 reads torch_dtype, 5 prefers dtype
     if cfg.arch == "gpt2":
@@ -146,6 +176,10 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", base: dict | 
                    rms_norm_eps=cfg.norm_eps, hidden_act="silu", attention_bias=False, mlp_bias=False,
                    attention_dropout=cfg.attention_dropout, rope_theta=cfg.rope_theta, rope_parameters=rope)
         out.pop("rope_scaling", None)
+        if cfg.num_experts:
+            out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+                       intermediate_size=cfg.moe_ffn_size, router_aux_loss_coef=cfg.moe_aux_loss_coef,
+                       output_router_logits=False, router_jitter_noise=0.0, sliding_window=None)
     return out
 
 
@@ -240,27 +274,40 @@ def _llama_rules(cfg: ModelConfig) -> list[Rule]:
                 ((h * k, d), (g * k, d), (g * k, d)), fuse_qkv, split_qkv)
     wo = Rule(blk + ("attn", "wo"), (attn + "o_proj.weight",), ((d, h * k),),
               lambda w: w.T.reshape(h, k, d), lambda x: (x.reshape(h * k, d).T,))
-    gate_up = Rule(blk + ("mlp", "w_gate_up"), (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                   ((f, d), (f, d)), lambda gate, up: np.stack([gate.T, up.T], axis=1),
-                   lambda x: (x[:, 0].T, x[:, 1].T))
+    if cfg.num_experts:
+        mlp = _mixtral_rules(cfg)
+    else:
+        mlp = [Rule(blk + ("mlp", "w_gate_up"), (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                    ((f, d), (f, d)), lambda gate, up: np.stack([gate.T, up.T], axis=1),
+                    lambda x: (x[:, 0].T, x[:, 1].T)),
+               _transposed(blk + ("mlp", "w_out"), p + "mlp.down_proj.weight", (d, f))]
     return [
         *_vocab_rules(cfg, "model.embed_tokens.weight"),
         _same(blk + ("attn_norm", "scale"), p + "input_layernorm.weight", (d,)),
         wqkv, wo,
         _same(blk + ("mlp_norm", "scale"), p + "post_attention_layernorm.weight", (d,)),
-        gate_up,
-        _transposed(blk + ("mlp", "w_out"), p + "mlp.down_proj.weight", (d, f)),
+        *mlp,
         _same(("head", "final_norm", "scale"), "model.norm.weight", (d,)),
     ]
 
 
-def _require_dense(cfg: ModelConfig) -> None:
-    _require(not cfg.num_experts, f"model.num_experts={cfg.num_experts}: Hugging Face conversion of mixture-of-experts "
-             "models (Mixtral) is not built yet; only dense GPT-2 and Llama models convert")
+def _mixtral_rules(cfg: ModelConfig) -> list[Rule]:
+    """Mixtral's block_sparse_moe: the router (gate, [e, d]) and per expert w1 (gate) and w3 (up) [f, d] and
+    w2 (down) [d, f], the way save_pretrained writes them."""
+    d, f, e = cfg.hidden_size, cfg.moe_ffn_size, cfg.num_experts
+    moe = "model.layers.{i}.block_sparse_moe."
+    mlp = ("layers", "block", "mlp")
+    w1, w3, w2 = ([moe + f"experts.{j}.{w}.weight" for j in range(e)] for w in ("w1", "w3", "w2"))
+    gate_up = Rule(mlp + ("w_gate_up",), (*w1, *w3), ((f, d),) * (2 * e),
+                   lambda *ws: np.stack([np.stack([g.T, u.T], axis=-1) for g, u in zip(ws[:e], ws[e:])]),
+                   lambda x: (*(x[j, ..., 0].T for j in range(e)), *(x[j, ..., 1].T for j in range(e))))
+    down = Rule(mlp + ("w_out",), tuple(w2), ((d, f),) * e, lambda *ws: np.stack([w.T for w in ws]),
+                lambda x: tuple(x[j].T for j in range(e)))
+    return [_transposed(mlp + ("router",), moe + "gate.weight", (e, d)), gate_up, down]
 
 
 def rules(cfg: ModelConfig) -> list[Rule]:
-    _require_dense(cfg)
+    _require_convertible(cfg)
     return _gpt2_rules(cfg) if cfg.arch == "gpt2" else _llama_rules(cfg)
 
 
@@ -302,6 +349,10 @@ def params_from_hf(cfg: ModelConfig, get: Callable[[str], np.ndarray | None], na
         for key in rule.path[:-1]:
             node = node.setdefault(key, {})
         node[rule.path[-1]] = value
+    if cfg.num_experts:  # the routing statistics' zero parameter (megajax.model.moe.STATS) has no HF tensor
+        from megajax.model.moe import STATS
+
+        params["layers"]["block"]["mlp"][STATS] = np.zeros((cfg.num_layers, cfg.num_experts + 3), dtype)
     ignorable = _BUFFERS[cfg.arch]
     for name in sorted(set(names) - used):
         if ignorable.search(name) or (cfg.tied and name == "lm_head.weight"):

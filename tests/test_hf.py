@@ -1,4 +1,4 @@
-"""Hugging Face interop: import/export of GPT-2 and Llama, logits parity with transformers, KV-cache
+"""Hugging Face interop: import/export of GPT-2, Llama and Mixtral, logits parity with transformers, KV-cache
 generation equal to transformers' greedy generate, params-only checkpoints and checkpoint.load_from.
 
 The HF models are random-weight models built here from a config (no download). Their weights are
@@ -30,18 +30,22 @@ CASES = {
     "llama-gqa-untied": dict(arch="llama", num_key_value_heads=2),
     "llama-gqa-tied": dict(arch="llama", num_key_value_heads=2, tie_word_embeddings=True),
     "llama-mha": dict(arch="llama", num_key_value_heads=8),
+    "mixtral": dict(arch="mixtral", num_key_value_heads=2),
 }
 SHARDED_SOURCE = {"gpt2-untied", "llama-gqa-untied"}  # saved as model-0000i-of-0000n + index json
 
 
 def hf_config(arch: str, **kw):
-    """A small GPT-2 or Llama config; keywords override the defaults."""
+    """A small GPT-2, Llama or Mixtral (4 experts, top 2) config; keywords override the defaults."""
     if arch == "gpt2":
         base = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=40)
         return transformers.GPT2Config(**{**base, **kw, "bos_token_id": None, "eos_token_id": None})
     base = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=8, intermediate_size=96, vocab_size=VOCAB,
                 max_position_embeddings=64, rope_theta=500.0, rms_norm_eps=1e-5)
-    return transformers.LlamaConfig(**{**base, **kw, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None})
+    if arch == "mixtral":
+        base.update(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
+    cls = transformers.MixtralConfig if arch == "mixtral" else transformers.LlamaConfig
+    return cls(**{**base, **kw, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None})
 
 
 def build_hf_model(arch: str, seed: int = 0, **kw):
@@ -92,7 +96,7 @@ def test_logits_match_transformers(models, case):
     assert diff < 1e-4
 
 
-@pytest.mark.parametrize("case", ["gpt2-tied", "gpt2-untied", "llama-gqa-untied", "llama-gqa-tied"])
+@pytest.mark.parametrize("case", ["gpt2-tied", "gpt2-untied", "llama-gqa-untied", "llama-gqa-tied", "mixtral"])
 def test_export_then_reload_reproduces_the_weights(models, case, tmp_path):
     hf_model, src, ckpt = models[case]
     files = convert.to_hf(ckpt, tmp_path / "out", max_shard_size="30KB" if "tied" in case else "5GB")
@@ -183,7 +187,7 @@ def test_conversion_errors_name_the_problem(models, tmp_path, capsys):
     assert "is not a megajax checkpoint" in err
 
 
-@pytest.mark.parametrize("case", ["gpt2-untied", "llama-gqa-untied"])
+@pytest.mark.parametrize("case", ["gpt2-untied", "llama-gqa-untied", "mixtral"])
 def test_kv_cache_decoding_matches_the_full_forward(models, case):
     """Prefill (in two chunks) + one-token steps through the cache give the full forward's logits."""
     source = checkpoint.find_params(models[case][2])
@@ -199,7 +203,7 @@ def test_kv_cache_decoding_matches_the_full_forward(models, case):
     assert step._cache_size() == 3  # one program per input length (5, 4, 1), none per position
 
 
-@pytest.mark.parametrize("case", ["gpt2-untied", "llama-gqa-untied"])
+@pytest.mark.parametrize("case", ["gpt2-untied", "llama-gqa-untied", "mixtral"])
 def test_greedy_generation_matches_transformers(models, case, capsys):
     hf_model, _, ckpt = models[case]
     prompt = [5, 17, 250, 3, 99]
@@ -362,3 +366,22 @@ def test_tiny_model_generates_corpus_text(tmp_path):
     with torch.no_grad():
         ref = hfm.generate(torch.tensor([ids]), max_new_tokens=90, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert greedy["ids"] == ref[0, len(ids):len(ids) + len(greedy["ids"])].tolist()
+
+
+def test_mixture_of_experts_conversion_errors():
+    """Only Mixtral's shape of MoE converts: a GPT-2 MoE, shared experts and a sliding window are refused
+    with the field to change."""
+    from megajax import hf
+    from megajax.config import ModelConfig
+
+    for cfg, want in ((ModelConfig(arch="gpt2", num_experts=4), "model.arch=llama"),
+                      (ModelConfig(arch="llama", num_experts=4, moe_shared_experts=1), "moe_shared_experts")):
+        with pytest.raises(hf.ConversionError, match=want):
+            hf.hf_config_from_model(cfg)
+        with pytest.raises(hf.ConversionError, match=want):
+            hf.rules(cfg)
+    mixtral = hf_config("mixtral").to_dict()
+    with pytest.raises(hf.ConversionError, match="sliding_window"):
+        hf.model_config_from_hf({**mixtral, "sliding_window": 16})
+    cfg = hf.model_config_from_hf(mixtral)
+    assert (cfg.arch, cfg.num_experts, cfg.experts_per_token, cfg.moe_ffn_size) == ("llama", 4, 2, 96)
