@@ -68,6 +68,7 @@ class ModelConfig:
     moe_z_loss_coef: float = 0.0  # router z-loss
     moe_shared_experts: int = 0  # DeepSeek's always-on shared experts
     moe_layer_freq: int = 1  # every n-th layer is MoE
+    moe_router_bias_update_rate: float = 0.0  # DeepSeek-V3's auxiliary-loss-free balancing (0: off)
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_length"):
@@ -96,6 +97,7 @@ class ModelConfig:
             _check(self.moe_layer_freq == 1, "model.moe_layer_freq other than 1 is not built yet: every layer is MoE")
             _check(self.moe_shared_experts >= 0, "model.moe_shared_experts must be >= 0")
             _check(self.moe_aux_loss_coef >= 0 and self.moe_z_loss_coef >= 0, "MoE loss coefficients must be >= 0")
+            _check(self.moe_router_bias_update_rate >= 0, "model.moe_router_bias_update_rate must be >= 0 (0: off)")
         _check(self.param_dtype != "float16", "model.param_dtype=float16 is not supported: keep float32 master "
                "weights and set model.compute_dtype=float16")
 

@@ -142,6 +142,8 @@ def _require_convertible(cfg: ModelConfig) -> None:
              "counterpart: MoE models convert as Mixtral (model.arch=llama)")
     _require(not cfg.moe_shared_experts, f"model.moe_shared_experts={cfg.moe_shared_experts}: Mixtral has no shared "
              "experts, so this model does not convert")
+    _require(not cfg.moe_router_bias_update_rate, "model.moe_router_bias_update_rate: Mixtral routes without a "
+             "bias, so a model trained with one does not convert")
 
 
 def _hf_model_type(cfg: ModelConfig) -> str:

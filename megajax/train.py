@@ -269,7 +269,7 @@ def train_step(setup: StepSetup, state: TrainState, batch: dict) -> tuple[TrainS
     total = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
     with sharding.activation_sharding(cfg.parallel.sequence_parallel):
         loss_sum, grads = compute_grads(setup, state.params, batch, state.loss_scale / total)
-    grads, moe_stats = moe.step_stats(grads, cfg.model.num_experts, cfg.model.moe_capacity_factor)
+    grads, moe_stats, moe_loads = moe.step_stats(grads, cfg.model.num_experts, cfg.model.moe_capacity_factor)
     grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
     loss = loss_sum / total
     grad_norm = optax.tree.norm(grads)
@@ -279,6 +279,8 @@ def train_step(setup: StepSetup, state: TrainState, batch: dict) -> tuple[TrainS
     updates, opt_state = setup.tx.update(grads, state.opt_state, _zero_layout(state.params, setup.zero_dims))
     updates = jax.tree.map(lambda u, p: optim.zero_unpad(u, p.shape), updates, state.params)
     params = optax.apply_updates(state.params, updates)
+    if cfg.model.moe_router_bias_update_rate:
+        params = moe.update_router_bias(params, moe_loads, cfg.model.moe_router_bias_update_rate)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
     if cfg.model.compute_dtype == "float16":
         # An overflowing gradient is routine with fp16: skip the step and back off the loss scale. Only a

@@ -239,3 +239,61 @@ def test_cli_logs_routing_metrics(tmp_path):
     assert "aux loss" in proc.stdout and "load imbalance" in proc.stdout and "dropped fraction" in proc.stdout
     last = read_metrics(tmp_path)[2]
     assert {"moe_aux_loss", "moe_load_imbalance", "moe_dropped_fraction"} <= last.keys()
+
+
+def test_router_bias_steers_the_choice_and_follows_the_load():
+    """DeepSeek-V3's auxiliary-loss-free balancing: the bias picks the experts (probability + bias), the
+    weights stay the probabilities renormalised, and after a step each layer's bias moves by the rate towards
+    the experts with fewer assignments than the mean."""
+    import jax.numpy as jnp
+
+    from megajax.model import moe
+
+    logits = jnp.log(jnp.array([[0.4, 0.3, 0.2, 0.1]]))
+    weights, ids, _ = moe.route(logits, 2, jnp.array([0.0, 0.0, 0.0, 0.25]))
+    assert ids.tolist() == [[0, 3]]  # 0.4 and 0.1 + 0.25 beat 0.3
+    np.testing.assert_allclose(weights, [[0.8, 0.2]], rtol=1e-6)
+    params = {"layers": {"mlp": {moe.ROUTER_BIAS: jnp.zeros((2, 4)), "w": jnp.ones(3)}}}
+    loads = {(jax_key("layers"), jax_key("mlp")): jnp.array([[5.0, 3.0, 4.0, 4.0], [4.0, 4.0, 4.0, 4.0]])}
+    got = moe.update_router_bias(params, loads, 0.1)
+    np.testing.assert_allclose(got["layers"]["mlp"][moe.ROUTER_BIAS], [[-0.1, 0.1, 0, 0], [0, 0, 0, 0]])
+    np.testing.assert_array_equal(got["layers"]["mlp"]["w"], 1.0)
+
+
+def jax_key(name):
+    import jax
+
+    return jax.tree_util.DictKey(name)
+
+
+def test_router_bias_training_is_the_same_on_every_layout():
+    """The bias moves on the step's load summed over micro batches and ranks: one device and d 4 e 2 x p 2 with
+    the distributed optimizer (the bias sharded by it, with zero gradients) end with the same losses, gradient
+    norms and biases; the optimizer leaves the bias alone (it moves by exactly the rate each step)."""
+    import jax
+
+    from megajax.model import moe
+
+    sets = {**MOE, "model.moe_router_bias_update_rate": 0.01}
+    runs = []
+    for n, layout in ((1, {}), (8, {"parallel.data": 4, "parallel.expert": 2, "parallel.pipeline": 2,
+                                     "parallel.distributed_optimizer": True})):
+        norms = []
+        losses, state, setup = run_steps(small_config(**sets, **layout), n, 3, return_state=True, grad_norms=norms)
+        params = jax.device_get(setup_canonical(setup, state.params))
+        flat = jax.tree_util.tree_flatten_with_path(params)[0]
+        bias = np.concatenate([v.reshape(-1, 4) for p, v in flat if getattr(p[-1], "key", None) == moe.ROUTER_BIAS])
+        runs.append((losses, norms, bias))
+    np.testing.assert_allclose(runs[1][0], runs[0][0], rtol=1e-5)
+    np.testing.assert_allclose(runs[1][1], runs[0][1], rtol=1e-5)
+    np.testing.assert_allclose(runs[1][2], runs[0][2], atol=1e-7)
+    steps = np.round(runs[0][2] / 0.01)
+    np.testing.assert_allclose(runs[0][2], steps * 0.01, atol=1e-6)
+    assert np.all(np.abs(steps) <= 3) and np.any(steps != 0)
+
+
+def setup_canonical(setup, params):
+    """Params in the canonical (unstaged) layout: the pipeline stacks layers as [chunk, stage, layers]."""
+    from megajax.pipeline import layout
+
+    return layout.from_stages(params) if setup.cfg.parallel.pipeline > 1 else params

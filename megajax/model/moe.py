@@ -73,6 +73,7 @@ attach_loss.defvjp(_attach_fwd, _attach_bwd)
 # parameter stays zero. Per layer: routed assignments per expert [e], then balancing loss x tokens, tokens,
 # dropped assignments.
 STATS = "moe_stats"
+ROUTER_BIAS = "router_bias"  # with model.moe_router_bias_update_rate: moved by the load, not by the optimizer
 
 
 @jax.custom_vjp
@@ -92,21 +93,24 @@ def _report_bwd(stats, dy):
 report.defvjp(_report_fwd, _report_bwd)
 
 
-def step_stats(grads, num_experts: int, capacity_factor: float | None) -> tuple[object, dict]:
-    """(grads with every STATS gradient zeroed, the step's metrics): `moe_aux_loss` (the balancing loss, token
-    mean, unscaled), `moe_load_imbalance` (per layer, max over mean assignments per expert over the whole step,
-    averaged over layers) and with a capacity `moe_dropped_fraction` (of all assignments)."""
-    found = []
+def step_stats(grads, num_experts: int, capacity_factor: float | None) -> tuple[object, dict, dict]:
+    """(grads with every STATS gradient zeroed, the step's metrics, each MoE module's assignments per expert
+    [..., e] by its path): `moe_aux_loss` (the balancing loss, token mean, unscaled), `moe_load_imbalance` (per
+    layer, max over mean assignments per expert over the whole step, averaged over layers) and with a capacity
+    `moe_dropped_fraction` (of all assignments)."""
+    found, loads = [], {}
 
     def take(path, g):
         if getattr(path[-1], "key", None) != STATS:
             return g
-        found.append(g.reshape(-1, g.shape[-1])[:, :num_experts + 3])  # the distributed optimizer pads the dim
+        g_stats = g[..., :num_experts + 3]  # the distributed optimizer pads this dim
+        loads[path[:-1]] = g_stats[..., :num_experts]
+        found.append(g_stats.reshape(-1, num_experts + 3))
         return jnp.zeros_like(g)
 
     grads = jax.tree_util.tree_map_with_path(take, grads)
     if not found:
-        return grads, {}
+        return grads, {}, loads
     rows = jnp.concatenate(found)
     counts = rows[:, :num_experts]
     total = jnp.maximum(jnp.sum(counts), 1.0)
@@ -114,13 +118,33 @@ def step_stats(grads, num_experts: int, capacity_factor: float | None) -> tuple[
            "moe_load_imbalance": jnp.mean(jnp.max(counts, axis=1) / jnp.maximum(jnp.mean(counts, axis=1), 1e-9))}
     if capacity_factor is not None:
         out["moe_dropped_fraction"] = jnp.sum(rows[:, num_experts + 2]) / total
-    return grads, out
+    return grads, out, loads
 
 
-def route(logits_te: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """fp32 logits [t, e] -> (weights [t, k] summing to 1, expert ids [t, k], probabilities [t, e])."""
+def update_router_bias(params, loads: dict, rate: float):
+    """DeepSeek-V3's auxiliary-loss-free balancing: after each step every layer's routing bias moves by `rate`
+    towards the experts that got fewer assignments than the mean in that step, away from those that got more."""
+
+    def move(path, p):
+        if getattr(path[-1], "key", None) != ROUTER_BIAS:
+            return p
+        load = loads[path[:-1]]
+        return p + rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+
+    return jax.tree_util.tree_map_with_path(move, params)
+
+
+def route(logits_te: jax.Array, k: int, bias_e: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """fp32 logits [t, e] -> (weights [t, k] summing to 1, expert ids [t, k], probabilities [t, e]).
+
+    With `bias_e` (DeepSeek-V3's auxiliary-loss-free balancing) the k experts are chosen by probability + bias,
+    and weighted by their probabilities alone: the bias steers the choice and gets no gradient."""
     probs = jax.nn.softmax(logits_te, axis=-1)
-    top, ids = jax.lax.top_k(probs, k)
+    if bias_e is None:
+        top, ids = jax.lax.top_k(probs, k)
+    else:
+        _, ids = jax.lax.top_k(probs + jax.lax.stop_gradient(bias_e), k)
+        top = jnp.take_along_axis(probs, ids, axis=-1)
     return top / jnp.sum(top, axis=-1, keepdims=True), ids, probs
 
 
@@ -224,7 +248,9 @@ class MoE(nn.Module):
         x_td = x.reshape(b * s, d)
         w_router = param(self, "router", (d, e), ("embed", None), cfg.init_std, pdt)
         logits = jnp.einsum("td,de->te", x_td.astype(jnp.float32), w_router.astype(jnp.float32))
-        weights, ids, probs = route(logits, k)
+        bias = (param(self, ROUTER_BIAS, (e,), (None,), 0, jnp.float32)
+                if cfg.moe_router_bias_update_rate else None)
+        weights, ids, probs = route(logits, k, bias)
 
         # The expert weights: [e, ...], or inside the train step with expert parallelism this rank's e / ep.
         ep = expert_parallel_size()
