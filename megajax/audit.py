@@ -73,7 +73,9 @@ def megatron_expected(cfg) -> dict:
 
 def expected_all_to_all(cfg) -> dict:
     """What expert parallelism moves over 'expert' in one step, per MoE layer and micro batch: a dispatch and
-    a combine all-to-all forward, the same two backward (+2 forward again with full recomputation).
+    a combine all-to-all forward, the same two backward, and two more where the forward runs again (full
+    recomputation, or a 1F1B / interleaved / zero_bubble pipeline, which recomputes each chunk before its
+    backward).
     `routed_bytes_each`: the analytic volume, tokens x k x hidden in the compute dtype (Megatron's dropless
     all-to-all sends exactly that); `buffer_bytes_each`: megajax's fixed-size buffer, capacity_factor times that
     with a capacity, or ep x min(k, experts / ep) / k times that dropless (moe.exchange_dropless)."""
@@ -89,8 +91,8 @@ def expected_all_to_all(cfg) -> dict:
         buffer = p.expert * tokens * min(k, e // p.expert) * row
     else:
         buffer = e * moe.capacity(tokens, k, e, m.moe_capacity_factor) * row
-    per_layer = 4 + (2 if m.recompute == "full" else 0)
-    return {"count": per_layer * (m.num_layers // p.pipeline) * cfg.num_micro_batches,
+    recomputed = m.recompute == "full" or (p.pipeline > 1 and p.schedule != "gpipe")
+    return {"count": (6 if recomputed else 4) * (m.num_layers // p.pipeline) * cfg.num_micro_batches,
             "routed_bytes_each": tokens * k * row, "buffer_bytes_each": buffer}
 
 
