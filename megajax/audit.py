@@ -1,8 +1,10 @@
 """`python -m megajax.audit --config ... [--set ...] [--target cpu|a100|h100|h200] [--devices N]`
 
 Compiles (does not run) the train step for a layout and prints JSON: per-device memory from XLA's memory
-analysis, every collective by kind and mesh axes (executions and bytes per step), XLA's FLOP count and
-Megatron's analytic FLOPs, and what Megatron's tensor/sequence parallelism should move, for comparison.
+analysis, every collective by kind and mesh axes (executions and bytes per step), XLA's FLOP count, the
+program's own GEMM FLOPs (`hlo.gemm_flops`: XLA's GPU compile-only cost analysis is empty) and Megatron's
+analytic FLOPs (an MoE counts its active experts), and what Megatron's tensor/sequence parallelism and
+expert parallelism should move, for comparison.
 
 `--target h100` (a100, h200) compiles with XLA's real GPU compiler against compile-only GPUs (needs the
 `gpu-audit` extra: jax-cuda12-plugin), on a machine without a GPU: the CPU compiler never forms
@@ -174,6 +176,8 @@ def audit(cfg, target: str = "cpu", devices: int | None = None, dump_hlo: str | 
         "collectives": hlo.summarize(colls),
         "xla_flops_per_device": (cost or {}).get("flops"),
         "megatron_flops_per_step": flops,
+        "program_gemm_flops_per_device": hlo.gemm_flops(text),
+        "megatron_hardware_flops_per_device": flops["hardware_flops"] / len(devs),
         "megatron_expected_tensor_collectives": megatron_expected(cfg),
         "expected_expert_all_to_all": expected_all_to_all(cfg),
     }

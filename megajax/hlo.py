@@ -142,13 +142,10 @@ def _bytes(kind: str, opcode: str, shape_text: str, group_size: int) -> int:
     return _total(tree)
 
 
-def parse(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
-    """Every collective of a compiled module, with executions per step."""
-    axis_names = list(mesh_shape)
-    sizes = [mesh_shape[a] for a in axis_names]
-    n = math.prod(sizes)
-    coords = np.stack(np.unravel_index(np.arange(n), sizes), axis=1)
-
+def _walk(hlo_text: str):
+    """(computation -> its ops (name, shape, opcode, rest of line), executions of each computation per step,
+    whether each runs inside a conditional branch), from the entry through while bodies (times their known
+    trip counts), conditional branches (each counted as if taken), calls and fusions."""
     comps: dict[str, list[tuple[str, str, str, str]]] = {}
     entry, current = None, None
     for line in hlo_text.splitlines():
@@ -189,13 +186,22 @@ def parse(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
                                                     re.search(r"(true_computation=.*)", rest)).group(1))
                 for b in names:
                     visit(b, mult, True, depth + 1)
-            elif opcode in ("call", "async-start"):
+            elif opcode in ("call", "async-start", "fusion"):
                 for callee in re.findall(r"(?:to_apply|calls)=%?([\w.\-]+)", rest):
                     visit(callee, mult, in_cond, depth + 1)
 
     if entry:
         visit(entry, 1, False)
+    return comps, multiplicity, conditional
 
+
+def parse(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
+    """Every collective of a compiled module, with executions per step."""
+    axis_names = list(mesh_shape)
+    sizes = [mesh_shape[a] for a in axis_names]
+    n = math.prod(sizes)
+    coords = np.stack(np.unravel_index(np.arange(n), sizes), axis=1)
+    comps, multiplicity, conditional = _walk(hlo_text)
     out = []
     for comp, ops in comps.items():
         if multiplicity.get(comp, 0) == 0:
@@ -214,6 +220,43 @@ def parse(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
             out.append(Collective(kind, name, _bytes(kind, opcode, shape_text, group), group, axes,
                                   multiplicity[comp], conditional[comp], comp))
     return out
+
+
+_GEMM_CALLS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
+
+
+def _dims(shape_text: str) -> list[int]:
+    m = _SHAPE.search(shape_text)
+    return [int(x) for x in m.group(2).split(",") if x] if m else []
+
+
+def gemm_flops(hlo_text: str) -> dict[str, float]:
+    """The matmul FLOPs of one step of a compiled module: 2 x output elements x contracted size over every
+    dot (also inside fusions: XLA:GPU's Triton GEMMs) and cuBLAS GEMM custom call, times the executions of
+    its computation. `in_conditional`: the part inside conditional branches, counted as if every branch ran
+    (an upper bound: the pipeline's ticks run one branch each)."""
+    comps, multiplicity, conditional = _walk(hlo_text)
+    total = in_cond = 0.0
+    for comp, ops in comps.items():
+        mult = multiplicity.get(comp, 0)
+        if not mult:
+            continue
+        shapes = {name: shape_text for name, shape_text, _, _ in ops}
+        for _, shape_text, opcode, rest in ops:
+            first = re.match(r"\s*(?:([a-z][a-z0-9]*\[[0-9,]*\])\S*\s+)?%?([\w.\-]+)", rest)
+            lhs = _dims(first.group(1) or shapes.get(first.group(2), "")) if first else []
+            if opcode == "dot":
+                contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", rest)
+            elif opcode == "custom-call" and any(f'custom_call_target="{t}"' in rest for t in _GEMM_CALLS):
+                contracting = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', rest)
+                shape_text = _SHAPE.search(shape_text).group(0)  # (result, workspace): the result
+            else:
+                continue
+            ks = [int(x.strip('" ')) for x in contracting.group(1).split(",") if x.strip('" ')] if contracting else []
+            flops = 2.0 * math.prod(_dims(shape_text)) * math.prod(lhs[i] for i in ks) * mult
+            total += flops
+            in_cond += flops if conditional[comp] else 0.0
+    return {"total": total, "in_conditional": in_cond}
 
 
 def wire_bytes(c: Collective) -> float:

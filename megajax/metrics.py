@@ -29,11 +29,15 @@ PEAK_FLOPS = {
 
 
 def layer_forward_flops_per_token(cfg: ModelConfig) -> tuple[float, float]:
-    """(matmul FLOPs of one layer's forward per token without the attention core, the core's FLOPs)."""
+    """(matmul FLOPs of one layer's forward per token without the attention core, the core's FLOPs).
+
+    An MoE layer counts its active MLP: the k routed experts and the shared ones, plus the router."""
     d, h, g, k, f, s = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.ffn_size, cfg.seq_length
     qkv = 2 * d * (h * k + 2 * g * k)
     out = 2 * h * k * d
-    mlp = 2 * d * f * (3 if cfg.arch == "llama" else 2)
+    if cfg.num_experts:
+        f = (cfg.experts_per_token + cfg.moe_shared_experts) * cfg.moe_ffn_size
+    mlp = 2 * d * f * (3 if cfg.arch == "llama" else 2) + 2 * d * cfg.num_experts
     core = 2 * 2 * s * h * k  # q k^T and probs v over the full (uncausal) square, as Megatron counts
     return qkv + out + mlp, core
 

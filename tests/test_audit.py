@@ -9,7 +9,7 @@ import sys
 import jax
 import pytest
 
-from megajax import audit, config as config_lib, hlo
+from megajax import audit, config as config_lib, hlo, metrics
 
 from conftest import REPO, cli_env
 
@@ -47,6 +47,19 @@ def test_tensor_parallel_all_reduces_on_cpu():
     assert expect["count"] == 4 * cfg.model.num_layers
     assert _in_layer_loop(colls, "all-reduce", _act_bytes(cfg)) == expect["count"]
     _check_data_reduction(colls)
+
+
+def test_program_gemm_flops_equal_megatrons_formula_on_cpu():
+    """The GEMM FLOPs read from the compiled program (2 x output x contracted size over every dot, times loop
+    trip counts) equal Megatron's analytic hardware FLOPs per device for a dense step."""
+    from megajax import metrics
+
+    cfg = config_lib.load(f"{REPO}/configs/tiny.yaml", LAYOUT)
+    cfg, _, compiled, _ = audit.compile_step(cfg, jax.devices()[:8])
+    got = hlo.gemm_flops(compiled.as_text())
+    want = metrics.step_flops(cfg.model, cfg.train.global_batch_size * cfg.model.seq_length)["hardware_flops"] / 8
+    assert got["in_conditional"] == 0
+    assert got["total"] == pytest.approx(want, rel=1e-3)
 
 
 def test_full_recompute_all_reduces_one_less_than_megatron():
@@ -177,6 +190,11 @@ def test_expert_parallel_all_to_alls_on_h100_target(factor):
     cfg, mesh, compiled, _ = audit.compile_step(cfg, audit._gpu_devices("h100", 8))
     colls = hlo.parse(compiled.as_text(), dict(mesh.shape))
     want = audit.expected_all_to_all(cfg)
+    # the program's GEMM FLOPs against the active-parameter formula: the capacity buffers' rounding only;
+    # dropless, XLA expands ragged_dot into dense matmuls over every local expert (and the exchange pads)
+    gemm = hlo.gemm_flops(compiled.as_text())["total"]
+    active = metrics.step_flops(cfg.model, cfg.train.global_batch_size * cfg.model.seq_length)["hardware_flops"] / 8
+    assert (gemm / active == pytest.approx(1.0, abs=0.01)) if factor else (gemm / active > 2)
     a2a = [c for c in colls if c.kind == "all-to-all"]
     assert {c.axes for c in a2a} == {("expert",)}
     rows = [c for c in a2a if c.bytes == want["buffer_bytes_each"]]

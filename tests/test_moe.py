@@ -297,3 +297,16 @@ def setup_canonical(setup, params):
     from megajax.pipeline import layout
 
     return layout.from_stages(params) if setup.cfg.parallel.pipeline > 1 else params
+
+
+def test_flops_count_the_active_experts():
+    """MFU and TFLOP/s count an MoE layer's k routed and shared experts and its router, not every expert."""
+    from megajax import metrics
+    from megajax.config import ModelConfig
+
+    moe_cfg = ModelConfig(arch="llama", hidden_size=64, num_heads=4, num_experts=8, experts_per_token=2,
+                          moe_ffn_hidden_size=96, moe_shared_experts=1)
+    dense = ModelConfig(arch="llama", hidden_size=64, num_heads=4, ffn_hidden_size=3 * 96)
+    got, core = metrics.layer_forward_flops_per_token(moe_cfg)
+    want, core_dense = metrics.layer_forward_flops_per_token(dense)
+    assert core == core_dense and got == want + 2 * 64 * 8
