@@ -90,7 +90,7 @@ def expected_all_to_all(cfg) -> dict:
     row = m.hidden_size * (2 if m.compute_dtype != "float32" else 4)
     k, e = m.experts_per_token, m.num_experts
     if m.moe_capacity_factor is None:
-        buffer = p.expert * tokens * min(k, e // p.expert) * row
+        buffer = p.expert * moe.dropless_bound(tokens, k, e, p.expert) * row
     else:
         buffer = e * moe.capacity(tokens, k, e, m.moe_capacity_factor) * row
     recomputed = m.recompute == "full" or (p.pipeline > 1 and p.schedule != "gpipe")

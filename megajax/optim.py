@@ -4,9 +4,10 @@ norms and biases, fp16 dynamic loss scaling, and the distributed optimizer's lay
 The distributed optimizer (ZeRO-1, Megatron's --use-distributed-optimizer) keeps each parameter's
 optimizer state sharded over the data-parallel ranks that replicate it (all of them; an expert weight's
 'data' ranks only), at any data size: the state of a parameter is stored with one dim zero-padded to a
-multiple of that many ranks (of tensor x those where that dim is also tensor-sharded) and split over them. Gradients are padded the same way and reduce-scattered onto that layout, AdamW runs on
-each rank's shard (the padding holds zero gradients, zero moments and zero updates), and the updates are
-sliced back and all-gathered. As Megatron's padded flat buffer, this shards 100% of the state.
+multiple of that many ranks (of tensor x those where that dim is also tensor-sharded) and split over them.
+Gradients are padded the same way and reduce-scattered onto that layout, AdamW runs on each rank's shard
+(the padding holds zero gradients, zero moments and zero updates), and the updates are sliced back and
+all-gathered. As Megatron's padded flat buffer, this shards 100% of the state.
 """
 
 from __future__ import annotations

@@ -76,7 +76,8 @@ def current_activation_rules() -> dict[str, Axis]:
 
 
 def make_mesh(parallel: ParallelConfig, devices: Sequence | None = None) -> Mesh:
-    """A (data, expert, pipeline, tensor) mesh over `devices` (default: every device of every process).
+    """A (data, expert, pipeline, tensor) mesh over `devices` (default: every device of every process);
+    ParallelConfig has checked that parallel.expert divides parallel.data.
 
     Devices are ordered process by process, so tensor (innermost) stays inside a host and data goes across.
     The data-parallel rank of a device is its data x expert index (data major), whatever parallel.expert is.
@@ -89,8 +90,6 @@ def make_mesh(parallel: ParallelConfig, devices: Sequence | None = None) -> Mesh
             "resolve the layout with Config.for_devices first"
         )
     devices.sort(key=lambda dev: (dev.process_index, dev.id))
-    if d % e:
-        raise ConfigError(f"parallel.expert={e} must divide parallel.data={d}")
     grid = np.array(devices, dtype=object).reshape(d // e, e, p, t)
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 

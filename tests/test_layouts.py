@@ -98,8 +98,9 @@ def default_cases() -> list[dict]:
 def name(c: dict) -> str:
     s = c["sets"]
     d, p, t = s["parallel.data"], s["parallel.pipeline"], s["parallel.tensor"]
-    return (f"{c['arch']}{'-moe' if c['moe'] else ''}-d{d}"
-            f"{'e' + str(s['parallel.expert']) if c['moe'] else ''}p{p}t{t}{'-sp' if s['parallel.sequence_parallel'] else ''}"
+    experts = f"e{s['parallel.expert']}" if c["moe"] else ""
+    return (f"{c['arch']}{'-moe' if c['moe'] else ''}-d{d}{experts}p{p}t{t}"
+            f"{'-sp' if s['parallel.sequence_parallel'] else ''}"
             f"{'-zero1' if s['parallel.distributed_optimizer'] else ''}"
             + (f"-{s['parallel.schedule']}v{s['parallel.virtual_stages']}" if p > 1 else ""))
 

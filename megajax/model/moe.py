@@ -93,6 +93,11 @@ def _report_bwd(stats, dy):
 report.defvjp(_report_fwd, _report_bwd)
 
 
+def _named(path, name: str) -> bool:
+    """Whether a pytree path (jax.tree_util) ends at the key `name`."""
+    return getattr(path[-1], "key", None) == name
+
+
 def step_stats(grads, num_experts: int, capacity_factor: float | None) -> tuple[object, dict, dict]:
     """(grads with every STATS gradient zeroed, the step's metrics, each MoE module's assignments per expert
     [..., e] by its path): `moe_aux_loss` (the balancing loss, token mean, unscaled), `moe_load_imbalance` (per
@@ -101,7 +106,7 @@ def step_stats(grads, num_experts: int, capacity_factor: float | None) -> tuple[
     found, loads = [], {}
 
     def take(path, g):
-        if getattr(path[-1], "key", None) != STATS:
+        if not _named(path, STATS):
             return g
         g_stats = g[..., :num_experts + 3]  # the distributed optimizer pads this dim
         loads[path[:-1]] = g_stats[..., :num_experts]
@@ -113,11 +118,10 @@ def step_stats(grads, num_experts: int, capacity_factor: float | None) -> tuple[
         return grads, {}, loads
     rows = jnp.concatenate(found)
     counts = rows[:, :num_experts]
-    total = jnp.maximum(jnp.sum(counts), 1.0)
     out = {"moe_aux_loss": jnp.sum(rows[:, num_experts]) / jnp.maximum(jnp.sum(rows[:, num_experts + 1]), 1.0),
            "moe_load_imbalance": jnp.mean(jnp.max(counts, axis=1) / jnp.maximum(jnp.mean(counts, axis=1), 1e-9))}
     if capacity_factor is not None:
-        out["moe_dropped_fraction"] = jnp.sum(rows[:, num_experts + 2]) / total
+        out["moe_dropped_fraction"] = jnp.sum(rows[:, num_experts + 2]) / jnp.maximum(jnp.sum(counts), 1.0)
     return grads, out, loads
 
 
@@ -126,7 +130,7 @@ def update_router_bias(params, loads: dict, rate: float):
     towards the experts that got fewer assignments than the mean in that step, away from those that got more."""
 
     def move(path, p):
-        if getattr(path[-1], "key", None) != ROUTER_BIAS:
+        if not _named(path, ROUTER_BIAS):
             return p
         load = loads[path[:-1]]
         return p + rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
@@ -206,6 +210,12 @@ def exchange_capacity(buf_ecd: jax.Array, ep: int, experts) -> jax.Array:
     return _all_to_all(out).reshape(e, c, -1)
 
 
+def dropless_bound(tokens: int, k: int, e: int, ep: int) -> int:
+    """Rows one rank sends each expert rank dropless: the most it can get, a token picking k distinct experts
+    of which e / ep live there (min(k, e / ep) rows a token)."""
+    return tokens * min(k, e // ep)
+
+
 def exchange_dropless(rows_ad: jax.Array, sizes_e: jax.Array, k: int, ep: int, experts) -> jax.Array:
     """Dropless rows [a, d] sorted by expert (group sizes [e]) -> the experts' outputs [a, d'], with the experts on
     `ep` ranks. Each expert rank gets the rows of its e / ep experts in a buffer of the most it can get (a token
@@ -215,7 +225,7 @@ def exchange_dropless(rows_ad: jax.Array, sizes_e: jax.Array, k: int, ep: int, e
     their outputs unused), and the outputs go back the same way."""
     a, d = rows_ad.shape
     el = sizes_e.shape[0] // ep
-    bound = a // k * min(k, el)
+    bound = dropless_bound(a // k, k, sizes_e.shape[0], ep)
     per_rank = jnp.sum(sizes_e.reshape(ep, el), axis=1)
     j = jnp.arange(bound)
     src = (jnp.cumsum(per_rank) - per_rank)[:, None] + j  # [ep, bound]: where each sent row sits in rows_ad
@@ -311,5 +321,6 @@ class MoE(nn.Module):
         if seed is not None:
             y = attach_loss(y, cfg.moe_aux_loss_coef * balance + cfg.moe_z_loss_coef * z_loss(logits), seed * (b * s))
         probe = param(self, STATS, (e + 3,), (None,), 0, jnp.float32)
-        stats = jnp.concatenate([sizes.astype(jnp.float32), jnp.stack([balance * (b * s), jnp.float32(b * s), dropped])])
+        tokens = jnp.float32(b * s)
+        stats = jnp.concatenate([sizes.astype(jnp.float32), jnp.stack([balance * tokens, tokens, dropped])])
         return report(y, probe, stats)
