@@ -78,9 +78,9 @@ def space() -> list[dict]:
 
 
 # The default run's MoE layouts, (d, p, t) -> expert-parallel size: without expert parallelism on a pipeline;
-# experts over all data ranks (alone, with tensor, with each kind of pipeline, sequence parallelism and the
+# experts over all data ranks (alone, with tensor, with GPipe and interleaved pipelines, sequence parallelism and the
 # distributed optimizer) and over some of them (d 6, e 2).
-DEFAULT_MOE = {(1, 2, 1): 1, (2, 1, 2): 2, (2, 2, 2): 2, (2, 4, 1): 2, (6, 1, 1): 2, (4, 2, 1): 4, (8, 1, 1): 8}
+DEFAULT_MOE = {(1, 2, 1): 1, (2, 1, 2): 2, (2, 2, 2): 2, (6, 1, 1): 2, (4, 2, 1): 4, (8, 1, 1): 8}
 
 
 def default_cases() -> list[dict]:
