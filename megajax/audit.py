@@ -51,9 +51,23 @@ def _gpu_devices(target: str, n: int):
     return list(topo.devices)
 
 
-def _device_memory_bytes(target: str) -> int:
+def _target_value(target: str, key: str) -> float:
+    """A number from a target file: XLA's fields, or megajax's link bandwidths in its header comments."""
     desc = (Path(__file__).parent / "targets" / f"{target}.txtpb").read_text()
-    return int(re.search(r"device_memory_size:\s*(\d+)", desc).group(1))
+    return float(re.search(rf"{key}:\s*([0-9.e+]+)", desc).group(1))
+
+
+def communication(colls, target: str, compute_dtype: str, gemm_flops: float) -> dict:
+    """The overlap report of a GPU program: per collective group (kind x mesh axes) bytes per step, the fraction
+    with GEMMs scheduled under them and the estimated exposed time; the totals next to the GEMM time at peak."""
+    from megajax import hlo, metrics
+
+    peak = metrics.PEAK_FLOPS[target.upper()][compute_dtype]
+    nvlink, network = _target_value(target, "nvlink_bytes_per_s"), _target_value(target, "network_bytes_per_s")
+    groups = hlo.overlap(colls, peak, nvlink, network)
+    return {"groups": groups, "nvlink_bytes_per_s": nvlink, "network_bytes_per_s": network, "peak_flops": peak,
+            "gemm_s_at_peak": gemm_flops / peak, "comm_s": sum(g["comm_s"] for g in groups.values()),
+            "exposed_comm_s": sum(g["exposed_s"] for g in groups.values())}
 
 
 def megatron_expected(cfg) -> dict:
@@ -148,7 +162,8 @@ def audit(cfg, target: str = "cpu", devices: int | None = None, dump_hlo: str | 
     cost = compiled.cost_analysis()
     if isinstance(cost, list):
         cost = cost[0] if cost else None
-    colls = hlo.parse(text, dict(mesh.shape))
+    colls = hlo.parse(text, dict(mesh.shape), None if target == "cpu" else GPUS_PER_HOST)
+    gemm = hlo.gemm_flops(text)
     flops = metrics.step_flops(cfg.model, cfg.train.global_batch_size * cfg.model.seq_length,
                                pipelined=cfg.parallel.pipeline > 1)
     gib = 2**30
@@ -159,7 +174,7 @@ def audit(cfg, target: str = "cpu", devices: int | None = None, dump_hlo: str | 
                               + mem.temp_size_in_bytes) / gib,
     }
     if target != "cpu":
-        capacity = _device_memory_bytes(target)
+        capacity = _target_value(target, "device_memory_size")
         memory["device_memory_gib"] = capacity / gib
         memory["fits"] = memory["peak_estimate_gib"] * gib <= capacity
     p = cfg.parallel
@@ -176,10 +191,12 @@ def audit(cfg, target: str = "cpu", devices: int | None = None, dump_hlo: str | 
         "collectives": hlo.summarize(colls),
         "xla_flops_per_device": (cost or {}).get("flops"),
         "megatron_flops_per_step": flops,
-        "program_gemm_flops_per_device": hlo.gemm_flops(text),
+        "program_gemm_flops_per_device": gemm,
         "megatron_hardware_flops_per_device": flops["hardware_flops"] / len(devs),
         "megatron_expected_tensor_collectives": megatron_expected(cfg),
         "expected_expert_all_to_all": expected_all_to_all(cfg),
+        "communication": (None if target == "cpu" else
+                          communication(colls, target, cfg.model.compute_dtype, gemm["total"])),
     }
 
 

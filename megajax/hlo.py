@@ -37,6 +37,10 @@ class Collective:
     count: int  # executions per step (while trip counts multiplied in)
     in_conditional: bool  # inside a conditional branch: runs only when that branch is taken
     computation: str
+    is_async: bool = False  # a start/done pair the scheduler may place work between
+    flops_under: float = 0.0  # GEMM FLOPs scheduled between its start and its done (one execution)
+    loop_under: bool = False  # a while loop (a layer loop) scheduled between its start and its done
+    crosses_nodes: bool = False  # a group spans GPUs of more than one node (the inter-node network)
 
 
 def _parse_shape_tree(text: str):
@@ -195,13 +199,18 @@ def _walk(hlo_text: str):
     return comps, multiplicity, conditional
 
 
-def parse(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
-    """Every collective of a compiled module, with executions per step."""
+def parse(hlo_text: str, mesh_shape: dict[str, int], devices_per_node: int | None = None) -> list[Collective]:
+    """Every collective of a compiled module, with executions per step and what the schedule places under it
+    (the module's instruction order is its schedule once XLA has scheduled it: `is_scheduled=true`).
+    `devices_per_node`: logical device i sits on node i // devices_per_node (megajax's meshes order devices
+    host by host), to mark the collectives whose groups cross nodes."""
     axis_names = list(mesh_shape)
     sizes = [mesh_shape[a] for a in axis_names]
     n = math.prod(sizes)
     coords = np.stack(np.unravel_index(np.arange(n), sizes), axis=1)
     comps, multiplicity, conditional = _walk(hlo_text)
+    under = _scheduled_under(comps)
+    per_node = devices_per_node or n
     out = []
     for comp, ops in comps.items():
         if multiplicity.get(comp, 0) == 0:
@@ -212,13 +221,43 @@ def parse(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
                 continue
             if kind == "collective-permute":
                 axes, _ = _permute_axes(rest, coords, axis_names)
+                pairs = re.findall(r"\{(\d+),(\d+)\}", rest.split("source_target_pairs=")[1])
+                crosses = any(int(a) // per_node != int(b) // per_node for a, b in pairs)
                 group = 2
             else:
                 groups = parse_groups(rest, n)
                 group = len(groups[0]) if groups else n
                 axes = _axes_of_groups(groups, coords, axis_names)
+                crosses = any(len({i // per_node for i in g}) > 1 for g in (groups or [range(n)]))
+            is_async, flops, loop = under.get((comp, name), (opcode.endswith("-start"), 0.0, False))
             out.append(Collective(kind, name, _bytes(kind, opcode, shape_text, group), group, axes,
-                                  multiplicity[comp], conditional[comp], comp))
+                                  multiplicity[comp], conditional[comp], comp, is_async, flops, loop, crosses))
+    return out
+
+
+def _scheduled_under(comps) -> dict[tuple[str, str], tuple[bool, float, bool]]:
+    """(computation, collective op) -> (asynchronous, GEMM FLOPs and whether a while loop lies between its
+    start and its done). `X-start`/`X-done` pairs, and `async-start`/`async-done` wrapping a computation with
+    the collective (reported under that collective's name)."""
+    flops_of = _inclusive_flops(comps)
+    out = {}
+    for comp, ops in comps.items():
+        for i, (name, _, opcode, rest) in enumerate(ops):
+            if opcode.endswith("-start") and _kind(opcode):
+                targets = [(comp, name)]
+            elif opcode == "async-start":
+                callee = re.search(r"calls=%?([\w.\-]+)", rest)
+                targets = [(callee.group(1), n) for n, _, op, _ in comps.get(callee.group(1) if callee else "", [])
+                           if _kind(op)] if callee else []
+            else:
+                continue
+            done = next((j for j in range(i + 1, len(ops)) if ops[j][2].endswith("-done")
+                         and re.match(rf"\s*(?:\S+\s+)?%{re.escape(name)}[,)]", ops[j][3])), None)
+            between = ops[i + 1:done] if done is not None else []
+            flops = sum(flops_of(comp, op) for op in between)
+            loop = any(op[2] == "while" for op in between)
+            for t in targets:
+                out[t] = (True, flops, loop)
     return out
 
 
@@ -228,6 +267,22 @@ _GEMM_CALLS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
 def _dims(shape_text: str) -> list[int]:
     m = _SHAPE.search(shape_text)
     return [int(x) for x in m.group(2).split(",") if x] if m else []
+
+
+def _own_gemm_flops(op, shapes: dict[str, str]) -> float:
+    """2 x output elements x contracted size of one dot or cuBLAS GEMM custom call (0 for anything else)."""
+    _, shape_text, opcode, rest = op
+    first = re.match(r"\s*(?:([a-z][a-z0-9]*\[[0-9,]*\])\S*\s+)?%?([\w.\-]+)", rest)
+    lhs = _dims(first.group(1) or shapes.get(first.group(2), "")) if first else []
+    if opcode == "dot":
+        contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", rest)
+    elif opcode == "custom-call" and any(f'custom_call_target="{t}"' in rest for t in _GEMM_CALLS):
+        contracting = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', rest)
+        shape_text = _SHAPE.search(shape_text).group(0)  # (result, workspace): the result
+    else:
+        return 0.0
+    ks = [int(x.strip('" ')) for x in contracting.group(1).split(",") if x.strip('" ')] if contracting else []
+    return 2.0 * math.prod(_dims(shape_text)) * math.prod(lhs[i] for i in ks)
 
 
 def gemm_flops(hlo_text: str) -> dict[str, float]:
@@ -242,21 +297,40 @@ def gemm_flops(hlo_text: str) -> dict[str, float]:
         if not mult:
             continue
         shapes = {name: shape_text for name, shape_text, _, _ in ops}
-        for _, shape_text, opcode, rest in ops:
-            first = re.match(r"\s*(?:([a-z][a-z0-9]*\[[0-9,]*\])\S*\s+)?%?([\w.\-]+)", rest)
-            lhs = _dims(first.group(1) or shapes.get(first.group(2), "")) if first else []
-            if opcode == "dot":
-                contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", rest)
-            elif opcode == "custom-call" and any(f'custom_call_target="{t}"' in rest for t in _GEMM_CALLS):
-                contracting = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', rest)
-                shape_text = _SHAPE.search(shape_text).group(0)  # (result, workspace): the result
-            else:
-                continue
-            ks = [int(x.strip('" ')) for x in contracting.group(1).split(",") if x.strip('" ')] if contracting else []
-            flops = 2.0 * math.prod(_dims(shape_text)) * math.prod(lhs[i] for i in ks) * mult
+        for op in ops:
+            flops = _own_gemm_flops(op, shapes) * mult
             total += flops
             in_cond += flops if conditional[comp] else 0.0
     return {"total": total, "in_conditional": in_cond}
+
+
+def _inclusive_flops(comps):
+    """flops(computation, op): the GEMM FLOPs one execution of `op` runs, with what it calls (fusions, calls,
+    while bodies times their trip counts; a conditional: its largest branch)."""
+    shapes = {c: {name: shape_text for name, shape_text, _, _ in ops} for c, ops in comps.items()}
+    memo: dict[str, float] = {}
+
+    def of_comp(c: str) -> float:
+        if c not in memo:
+            memo[c] = 0.0  # guards a cycle
+            memo[c] = sum(of_op(c, op) for op in comps.get(c, []))
+        return memo[c]
+
+    def of_op(c: str, op) -> float:
+        _, _, opcode, rest = op
+        own = _own_gemm_flops(op, shapes[c])
+        if opcode == "while":
+            body = re.search(r"body=%?([\w.\-]+)", rest)
+            trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
+            return own + (of_comp(body.group(1)) * (int(trip.group(1)) if trip else 1) if body else 0.0)
+        if opcode == "conditional":
+            found = (re.search(r"branch_computations=\{([^}]*)\}", rest) or re.search(r"(true_computation=.*)", rest))
+            return own + max((of_comp(b) for b in re.findall(r"%([\w.\-]+)", found.group(1))), default=0.0)
+        if opcode in ("call", "fusion", "async-start"):
+            return own + sum(of_comp(callee) for callee in re.findall(r"(?:to_apply|calls)=%?([\w.\-]+)", rest))
+        return own
+
+    return of_op
 
 
 def wire_bytes(c: Collective) -> float:
@@ -281,4 +355,32 @@ def summarize(collectives: list[Collective]) -> dict:
         row["bytes"] += c.bytes * c.count
         row["wire_bytes"] += wire_bytes(c) * c.count
         row["in_conditional"] += c.count if c.in_conditional else 0
+    return dict(sorted(table.items()))
+
+
+def link_seconds(c: Collective, nvlink_bytes_s: float, network_bytes_s: float) -> float:
+    """One execution's time on the wire: ring wire bytes over the link its groups use (the inter-node network
+    once a group crosses nodes)."""
+    return wire_bytes(c) / (network_bytes_s if c.crosses_nodes else nvlink_bytes_s)
+
+
+def overlap(collectives: list[Collective], peak_flops: float, nvlink_bytes_s: float,
+            network_bytes_s: float) -> dict:
+    """By kind and mesh axes: bytes per step, the fraction of them with GEMMs scheduled between start and done
+    (`overlapped_fraction`), and an estimate of the time per step on the wire and of the part of it left
+    exposed: each execution hides at most the GEMM time under it (its FLOPs at peak). An estimate, optimistic
+    where two collectives share the GEMMs under them, pessimistic where non-GEMM work hides some."""
+    table: dict[str, dict] = {}
+    for c in collectives:
+        key = f"{c.kind} over {'+'.join(c.axes) or 'none'}"
+        row = table.setdefault(key, {"bytes": 0, "overlapped_bytes": 0, "crosses_nodes": False,
+                                     "comm_s": 0.0, "exposed_s": 0.0})
+        wire = link_seconds(c, nvlink_bytes_s, network_bytes_s)
+        row["bytes"] += c.bytes * c.count
+        row["overlapped_bytes"] += c.bytes * c.count if c.is_async and c.flops_under > 0 else 0
+        row["crosses_nodes"] |= c.crosses_nodes
+        row["comm_s"] += wire * c.count
+        row["exposed_s"] += max(0.0, wire - (c.flops_under / peak_flops if c.is_async else 0.0)) * c.count
+    for row in table.values():
+        row["overlapped_fraction"] = row["overlapped_bytes"] / row["bytes"] if row["bytes"] else 1.0
     return dict(sorted(table.items()))
