@@ -129,16 +129,17 @@ def abstract_step(cfg, devices):
     return cfg, mesh, setup, state, batch
 
 
-def compile_step(cfg, devices):
-    """Lowers and compiles the train step for `cfg` on `devices` (real or compile-only).
-    Returns (the config with the layout resolved, the mesh, the compiled step, its StepSetup)."""
+def compile_step(cfg, devices, compiler_options: dict | None = None):
+    """Lowers and compiles the train step for `cfg` on `devices` (real or compile-only), with XLA_FLAGS and
+    `compiler_options` (XLA debug options by name, over XLA_FLAGS). Returns (the config with the layout
+    resolved, the mesh, the compiled step, its StepSetup)."""
     import jax
 
     from megajax import train
 
     cfg, mesh, setup, state, batch = abstract_step(cfg, devices)
     with jax.set_mesh(mesh):
-        compiled = train.jit_train_step(setup).lower(state, batch).compile()
+        compiled = train.jit_train_step(setup).lower(state, batch).compile(compiler_options)
     return cfg, mesh, compiled, setup
 
 
@@ -248,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import os
 
+    from megajax import xla_flags
+
+    xla_flags.install()  # the flags train runs with, before the first backend starts
     import jax
 
     if not os.environ.get("JAX_PLATFORMS"):

@@ -147,6 +147,9 @@ class ParallelConfig:
     virtual_stages: int = 1
     schedule: Literal["gpipe", "1f1b", "interleaved", "zero_bubble"] = "1f1b"
     distributed_optimizer: bool = False
+    # Reduce the data-parallel gradients layer by layer inside the last micro batch's backward, under its
+    # compute (Megatron's --overlap-grad-reduce; megajax/overlap.py), instead of once after the backward.
+    overlap_grad_reduce: bool = True
 
     def __post_init__(self):
         for name in ("pipeline", "tensor", "virtual_stages", "expert"):

@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from megajax import config as config_lib
 from megajax import metrics as metrics_lib
-from megajax import model, optim, pipeline, sharding
+from megajax import model, optim, overlap, pipeline, sharding, xla_flags
 from megajax.model import moe
 from megajax.pipeline import layout
 from megajax.config import Config, InputError
@@ -184,10 +184,13 @@ def load_initial_params(setup: StepSetup, directory: str):
     return params
 
 
-def accumulate_grads(cfg: Config, params, batch: dict, seed_scale: jax.Array):
+def accumulate_grads(cfg: Config, params, batch: dict, seed_scale: jax.Array, reduce_axes=None):
     """Per data rank (inside shard_map): summed loss and gradients of `seed_scale * loss` over the
-    micro batches, with no cross-rank communication."""
+    micro batches, with no cross-rank communication; or with `reduce_axes` (per weight, the data-parallel
+    axes to sum its gradient over) the gradients already summed over them, reduced layer by layer in the
+    last micro batch's backward (`overlap.reducing_loss`)."""
     m = cfg.num_micro_batches
+    weights = params
     # Marking the weights as varying over the data axes keeps the transpose from reducing gradients per
     # micro batch.
     params = sharding.vary(params, sharding.DATA)
@@ -205,8 +208,18 @@ def accumulate_grads(cfg: Config, params, batch: dict, seed_scale: jax.Array):
 
     zeros = jax.tree.map(jnp.zeros_like, params)
     init = (sharding.vary(jnp.zeros((), jnp.float32), sharding.DATA), zeros)
-    (loss, grads), _ = jax.lax.scan(body, init, micro_batches(batch, m))
-    return loss, grads
+    mbs = micro_batches(batch, m)
+    if reduce_axes is None:
+        (loss, grads), _ = jax.lax.scan(body, init, mbs)
+        return loss, grads
+    acc = None
+    loss = init[0]
+    if m > 1:
+        (loss, acc), _ = jax.lax.scan(body, init, jax.tree.map(lambda x: x[:-1], mbs))
+    last = jax.tree.map(lambda x: x[-1], mbs)
+    grads, raw = jax.grad(overlap.reducing_loss, argnums=1, has_aux=True)(cfg, weights, acc, reduce_axes, last,
+                                                                          seed_scale)
+    return loss + raw, grads
 
 
 def _in_manual_region(mesh, fn, in_specs, out_specs):
@@ -238,6 +251,9 @@ def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
         with moe.objective_scale(seed_scale):  # MoE layers' auxiliary losses join the gradient at this scale
             if cfg.parallel.pipeline > 1:
                 loss, grads = pipeline.pipeline_grads(cfg, params, batch, seed_scale)
+            elif overlapped:
+                loss, grads = accumulate_grads(cfg, params, batch, seed_scale, reduce_axes)
+                return sharding.psum(loss, sharding.DATA), grads
             else:
                 loss, grads = accumulate_grads(cfg, params, batch, seed_scale)
         # Each gradient is summed over the data ranks that replicate its weight (an expert's: 'data' only).
@@ -248,6 +264,10 @@ def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
         return sharding.psum(loss, sharding.DATA), grads
 
     p_specs = setup.param_specs()
+    reduce_axes = jax.tree.map(sharding.unsplit_data_axes, p_specs, is_leaf=lambda x: isinstance(x, P))
+    overlapped = (cfg.parallel.overlap_grad_reduce and cfg.parallel.pipeline == 1
+                  and not cfg.parallel.distributed_optimizer
+                  and any(a in sharding.manual_axes_of(setup.mesh) for a in sharding.DATA))
     g_specs = jax.tree.map(lambda s, z: s if z is None else P(sharding.unsplit_data_axes(s), *s), p_specs, zero,
                            is_leaf=is_none)
     loss, grads = _in_manual_region(setup.mesh, local, (p_specs, {k: P(sharding.DATA) for k in batch}, P()),
@@ -540,6 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="override config fields, e.g. --set model.num_layers=4 parallel.tensor=2")
     args = parser.parse_args(argv)
+    xla_flags.install()  # before the first backend starts
     distributed.prefer_cpu_without_gpu()
     try:
         cfg = config_lib.load(args.config, args.set)

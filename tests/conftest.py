@@ -1,4 +1,4 @@
-"""8 fake CPU devices (a 2x2x2 mesh) for every test; set before JAX starts.
+"""8 fake CPU devices (a 2x2x2 mesh) and megajax's XLA flags for every test; set before JAX starts.
 
 Tests compile the same programs many times (the one-device references, the init of a model, every CLI run
 of the small preset), so the session shares JAX's persistent compilation cache, in a fresh directory per
@@ -9,7 +9,10 @@ import functools
 import os
 import tempfile
 
+from megajax import xla_flags  # noqa: E402  (imports no jax)
+
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+xla_flags.install()  # the GPU flags train and audit run with: the compile-only GPU tests see them too
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="megajax-test-jit-cache-"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
