@@ -49,7 +49,7 @@ def _free_port() -> int:
     return port
 
 
-@pytest.mark.parametrize("victim", [1, 0])
+@pytest.mark.parametrize("victim", [pytest.param(1, marks=pytest.mark.slow), 0])  # the coordinator by default
 def test_a_dead_process_stops_the_others(tmp_path, victim):
     """Without a launcher: kill -9 one process; the other exits with an error within the heartbeat timeout."""
     port = _free_port()
