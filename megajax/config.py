@@ -148,8 +148,10 @@ class ParallelConfig:
     schedule: Literal["gpipe", "1f1b", "interleaved", "zero_bubble"] = "1f1b"
     distributed_optimizer: bool = False
     # Reduce the data-parallel gradients layer by layer inside the last micro batch's backward, under its
-    # compute (Megatron's --overlap-grad-reduce; megajax/overlap.py), instead of once after the backward.
-    overlap_grad_reduce: bool = True
+    # compute (Megatron's --overlap-grad-reduce; megajax/overlap.py), instead of once after the backward. Off by
+    # default: with several micro batches it holds about 3x the gradients' bytes more (README, "Communication
+    # overlap"); not yet with the distributed optimizer or a pipeline (they reduce once after the backward).
+    overlap_grad_reduce: bool = False
 
     def __post_init__(self):
         for name in ("pipeline", "tensor", "virtual_stages", "expert"):

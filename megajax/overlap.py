@@ -33,7 +33,7 @@ def reducing_identity(axes: tuple[str, ...], with_acc: bool):
             return sharding.vary(w, axes)
 
         hook.defvjp(lambda w, acc: (sharding.vary(w, axes), acc),
-                    lambda acc, ct: (sharding.psum(ct + acc, axes), jnp.zeros_like(acc)))
+                    lambda acc, ct: (sharding.psum(ct + acc, axes), None))
     else:
         @jax.custom_vjp
         def hook(w):

@@ -3,6 +3,7 @@
 import functools
 
 import numpy as np
+import pytest
 
 from conftest import run_steps, small_config
 
@@ -30,3 +31,33 @@ def test_dropout_is_layout_independent():
                                             "parallel.sequence_parallel": True}), 8, 2)
     np.testing.assert_allclose(got, ref, rtol=1e-4)
     assert abs(ref[0] - reference("gpt2")[0]) > 1e-4, "dropout should change the loss"
+
+
+# The overlapped gradient reduction (parallel.overlap_grad_reduce, megajax/overlap.py) over its space: one micro
+# batch (nothing summed before the last) and several, each recompute mode, both architectures (tied and untied
+# embeddings), dropout, tensor and sequence parallelism, MoE with the experts over 'expert'.
+OVERLAP_CASES = {
+    "gpt2-d2-m1": {"parallel.data": 2},
+    "llama-d2t2sp-m2-full": {"model.arch": "llama", "parallel.data": 2, "parallel.tensor": 2,
+                             "parallel.sequence_parallel": True, "train.micro_batch_size": 2,
+                             "model.recompute": "full"},
+    "gpt2-d4-m2-selective-dropout": {"parallel.data": 4, "train.micro_batch_size": 1, "model.recompute": "selective",
+                                     "model.dropout": 0.1},
+    "llama-moe-d4e2-m2": {"model.arch": "llama", "model.num_experts": 4, "model.experts_per_token": 2,
+                          "model.moe_ffn_hidden_size": 32, "parallel.data": 4, "parallel.expert": 2,
+                          "train.micro_batch_size": 1},
+}
+
+
+@pytest.mark.parametrize("case", list(OVERLAP_CASES))
+def test_overlapped_gradient_reduction_matches_one_device(case):
+    sets = OVERLAP_CASES[case]
+    n = sets.get("parallel.data", 1) * sets.get("parallel.tensor", 1)
+    single = {k: v for k, v in sets.items() if not k.startswith("parallel.")}
+    if "train.micro_batch_size" in single:  # one device splits the batch as the layout's ranks do
+        single["train.micro_batch_size"] = sets["train.micro_batch_size"]
+    ref_norms, norms = [], []
+    ref = run_steps(small_config(**single), 1, 2, grad_norms=ref_norms)
+    got = run_steps(small_config(**sets, **{"parallel.overlap_grad_reduce": True}), n, 2, grad_norms=norms)
+    np.testing.assert_allclose(got, ref, rtol=1e-4)
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-4)
