@@ -166,6 +166,11 @@ class ParallelConfig:
                 f"parallel.expert={self.expert} must divide parallel.data={self.data} (expert parallelism splits "
                 f"the data-parallel ranks): choose parallel.expert from {_divisors(self.data)}")
         _check(
+            not self.overlap_grad_reduce or (self.pipeline == 1 and not self.distributed_optimizer),
+            "parallel.overlap_grad_reduce=true is not supported yet with a pipeline or the distributed optimizer "
+            "(their gradients are reduced once after the backward): set parallel.overlap_grad_reduce=false",
+        )
+        _check(
             self.virtual_stages == 1 or self.schedule == "interleaved",
             f"parallel.virtual_stages={self.virtual_stages} needs parallel.schedule=interleaved",
         )

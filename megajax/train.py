@@ -265,9 +265,9 @@ def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
 
     p_specs = setup.param_specs()
     reduce_axes = jax.tree.map(sharding.unsplit_data_axes, p_specs, is_leaf=lambda x: isinstance(x, P))
-    overlapped = (cfg.parallel.overlap_grad_reduce and cfg.parallel.pipeline == 1
-                  and not cfg.parallel.distributed_optimizer
-                  and any(a in sharding.manual_axes_of(setup.mesh) for a in sharding.DATA))
+    # (ParallelConfig allows the overlap only without a pipeline or the distributed optimizer)
+    manual = sharding.manual_axes_of(setup.mesh)
+    overlapped = cfg.parallel.overlap_grad_reduce and any(a in manual for a in sharding.DATA)
     g_specs = jax.tree.map(lambda s, z: s if z is None else P(sharding.unsplit_data_axes(s), *s), p_specs, zero,
                            is_leaf=is_none)
     loss, grads = _in_manual_region(setup.mesh, local, (p_specs, {k: P(sharding.DATA) for k in batch}, P()),
