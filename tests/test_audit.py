@@ -190,7 +190,7 @@ def test_replica_group_formats():
 
 
 @gpu
-@pytest.mark.parametrize("factor", [1.0, None])
+@pytest.mark.parametrize("factor", [pytest.param(1.0, marks=pytest.mark.slow), None])  # dropless by default
 def test_expert_parallel_all_to_alls_on_h100_target(factor):
     """Per MoE layer and micro batch: dispatch + combine all-to-all over 'expert', forward and backward, each of
     audit.expected_all_to_all's buffer; with a capacity factor of 1 that is the analytic tokens x k x hidden."""
@@ -219,7 +219,7 @@ def test_expert_parallel_all_to_alls_on_h100_target(factor):
 
 
 @gpu
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("overlap", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_data_parallel_reduction_runs_under_the_backward_on_h100(overlap):
     """gpt2-1.3b (24 layers), data 4 x tensor 2 with sequence parallelism, 4 micro batches of 1: with the
     reduction issued layer by layer in the last micro batch's backward (megajax/overlap.py, XLA's pipelined

@@ -125,8 +125,8 @@ def reference(arch, shared=0, factor=None):
     pytest.param("llama", {"parallel.data": 2, "parallel.tensor": 2, "parallel.sequence_parallel": True},
                  marks=pytest.mark.slow),
     ("gpt2", {"parallel.data": 2, "parallel.pipeline": 2, "parallel.schedule": "1f1b"}),
-    ("llama", {"parallel.pipeline": 2, "parallel.tensor": 2, "parallel.schedule": "zero_bubble",
-               "model.moe_shared_experts": 1}),
+    pytest.param("llama", {"parallel.pipeline": 2, "parallel.tensor": 2, "parallel.schedule": "zero_bubble",
+                           "model.moe_shared_experts": 1}, marks=pytest.mark.slow),
     ("gpt2", {"parallel.data": 2, "parallel.tensor": 2, "model.moe_capacity_factor": 1.0}),
     # expert parallelism with a capacity: each rank drops on its own micro batch (as without it), then the
     # capacity buffers go through the all-to-all

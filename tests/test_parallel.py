@@ -49,7 +49,8 @@ OVERLAP_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(OVERLAP_CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if "dropout" in c else c
+                                  for c in OVERLAP_CASES])  # the dropout case with -m slow (suite time)
 def test_overlapped_gradient_reduction_matches_one_device(case):
     sets = OVERLAP_CASES[case]
     n = sets.get("parallel.data", 1) * sets.get("parallel.tensor", 1)
