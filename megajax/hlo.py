@@ -39,7 +39,6 @@ class Collective:
     computation: str
     is_async: bool = False  # a start/done pair the scheduler may place work between
     flops_under: float = 0.0  # GEMM FLOPs scheduled between its start and its done (one execution)
-    loop_under: bool = False  # a while loop (a layer loop) scheduled between its start and its done
     crosses_nodes: bool = False  # a group spans GPUs of more than one node (the inter-node network)
 
 
@@ -123,10 +122,10 @@ def _axes_of_groups(groups, coords: np.ndarray, axis_names) -> tuple[str, ...]:
     return tuple(n for n in axis_names if n in varying)
 
 
-def _permute_axes(attrs: str, coords: np.ndarray, axis_names) -> tuple[tuple[str, ...], int]:
+def _permute_axes(attrs: str, coords: np.ndarray, axis_names) -> tuple[tuple[str, ...], list[tuple[int, int]]]:
     pairs = [(int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", attrs.split("source_target_pairs=")[1])]
     varying = {n for s, t in pairs for i, n in enumerate(axis_names) if coords[s, i] != coords[t, i]}
-    return tuple(n for n in axis_names if n in varying), len(pairs)
+    return tuple(n for n in axis_names if n in varying), pairs
 
 
 def _kind(opcode: str) -> str | None:
@@ -144,6 +143,22 @@ def _bytes(kind: str, opcode: str, shape_text: str, group_size: int) -> int:
     if kind == "reduce-scatter":
         return _total(tree) * group_size
     return _total(tree)
+
+
+def _callees(opcode: str, rest: str) -> list[tuple[str, int, bool]]:
+    """The computations one op runs: (name, executions per execution of the op, whether it is a conditional
+    branch): a while body times its known trip count, every branch of a conditional, what calls, fusions and
+    async starts call."""
+    if opcode == "while":
+        body = re.search(r"body=%?([\w.\-]+)", rest)
+        trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
+        return [(body.group(1), int(trip.group(1)) if trip else 1, False)] if body else []
+    if opcode == "conditional":
+        found = re.search(r"branch_computations=\{([^}]*)\}", rest) or re.search(r"(true_computation=.*)", rest)
+        return [(b, 1, True) for b in re.findall(r"%([\w.\-]+)", found.group(1))]
+    if opcode in ("call", "async-start", "fusion"):
+        return [(c, 1, False) for c in re.findall(r"(?:to_apply|calls)=%?([\w.\-]+)", rest)]
+    return []
 
 
 def _walk(hlo_text: str):
@@ -180,19 +195,8 @@ def _walk(hlo_text: str):
         multiplicity[comp] += mult
         conditional[comp] |= in_cond
         for _, _, opcode, rest in comps[comp]:
-            if opcode == "while":
-                body = re.search(r"body=%?([\w.\-]+)", rest)
-                trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
-                if body:
-                    visit(body.group(1), mult * (int(trip.group(1)) if trip else 1), in_cond, depth + 1)
-            elif opcode == "conditional":
-                names = re.findall(r"%([\w.\-]+)", (re.search(r"branch_computations=\{([^}]*)\}", rest) or
-                                                    re.search(r"(true_computation=.*)", rest)).group(1))
-                for b in names:
-                    visit(b, mult, True, depth + 1)
-            elif opcode in ("call", "async-start", "fusion"):
-                for callee in re.findall(r"(?:to_apply|calls)=%?([\w.\-]+)", rest):
-                    visit(callee, mult, in_cond, depth + 1)
+            for callee, times, branch in _callees(opcode, rest):
+                visit(callee, mult * times, in_cond or branch, depth + 1)
 
     if entry:
         visit(entry, 1, False)
@@ -220,24 +224,23 @@ def parse(hlo_text: str, mesh_shape: dict[str, int], devices_per_node: int | Non
             if kind is None:
                 continue
             if kind == "collective-permute":
-                axes, _ = _permute_axes(rest, coords, axis_names)
-                pairs = re.findall(r"\{(\d+),(\d+)\}", rest.split("source_target_pairs=")[1])
-                crosses = any(int(a) // per_node != int(b) // per_node for a, b in pairs)
+                axes, pairs = _permute_axes(rest, coords, axis_names)
+                crosses = any(a // per_node != b // per_node for a, b in pairs)
                 group = 2
             else:
                 groups = parse_groups(rest, n)
                 group = len(groups[0]) if groups else n
                 axes = _axes_of_groups(groups, coords, axis_names)
                 crosses = any(len({i // per_node for i in g}) > 1 for g in (groups or [range(n)]))
-            is_async, flops, loop = under.get((comp, name), (opcode.endswith("-start"), 0.0, False))
+            is_async, flops = under.get((comp, name), (opcode.endswith("-start"), 0.0))
             out.append(Collective(kind, name, _bytes(kind, opcode, shape_text, group), group, axes,
-                                  multiplicity[comp], conditional[comp], comp, is_async, flops, loop, crosses))
+                                  multiplicity[comp], conditional[comp], comp, is_async, flops, crosses))
     return out
 
 
-def _scheduled_under(comps) -> dict[tuple[str, str], tuple[bool, float, bool]]:
-    """(computation, collective op) -> (asynchronous, GEMM FLOPs and whether a while loop lies between its
-    start and its done). `X-start`/`X-done` pairs, and `async-start`/`async-done` wrapping a computation with
+def _scheduled_under(comps) -> dict[tuple[str, str], tuple[bool, float]]:
+    """(computation, collective op) -> (asynchronous, the GEMM FLOPs between its start and its done, loops
+    included). `X-start`/`X-done` pairs, and `async-start`/`async-done` wrapping a computation with
     the collective (reported under that collective's name)."""
     flops_of = _inclusive_flops(comps)
     out = {}
@@ -255,9 +258,8 @@ def _scheduled_under(comps) -> dict[tuple[str, str], tuple[bool, float, bool]]:
                          and re.match(rf"\s*(?:\S+\s+)?%{re.escape(name)}[,)]", ops[j][3])), None)
             between = ops[i + 1:done] if done is not None else []
             flops = sum(flops_of(comp, op) for op in between)
-            loop = any(op[2] == "while" for op in between)
             for t in targets:
-                out[t] = (True, flops, loop)
+                out[t] = (True, flops)
     return out
 
 
@@ -317,18 +319,11 @@ def _inclusive_flops(comps):
         return memo[c]
 
     def of_op(c: str, op) -> float:
-        _, _, opcode, rest = op
-        own = _own_gemm_flops(op, shapes[c])
-        if opcode == "while":
-            body = re.search(r"body=%?([\w.\-]+)", rest)
-            trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
-            return own + (of_comp(body.group(1)) * (int(trip.group(1)) if trip else 1) if body else 0.0)
-        if opcode == "conditional":
-            found = (re.search(r"branch_computations=\{([^}]*)\}", rest) or re.search(r"(true_computation=.*)", rest))
-            return own + max((of_comp(b) for b in re.findall(r"%([\w.\-]+)", found.group(1))), default=0.0)
-        if opcode in ("call", "fusion", "async-start"):
-            return own + sum(of_comp(callee) for callee in re.findall(r"(?:to_apply|calls)=%?([\w.\-]+)", rest))
-        return own
+        callees = _callees(op[2], op[3])
+        inner = [of_comp(callee) * times for callee, times, _ in callees]
+        if any(branch for _, _, branch in callees):  # one branch runs: the largest
+            return _own_gemm_flops(op, shapes[c]) + max(inner, default=0.0)
+        return _own_gemm_flops(op, shapes[c]) + sum(inner)
 
     return of_op
 
@@ -343,11 +338,16 @@ def wire_bytes(c: Collective) -> float:
     return float(c.bytes)
 
 
+def group_key(c: Collective) -> str:
+    """The report's row of a collective: its kind and the mesh axes it spans."""
+    return f"{c.kind} over {'+'.join(c.axes) or 'none'}"
+
+
 def summarize(collectives: list[Collective]) -> dict:
     """By kind and mesh axes: executions per step, bytes per step, ring wire bytes per step."""
     table: dict[str, dict] = {}
     for c in collectives:
-        key = f"{c.kind} over {'+'.join(c.axes) or 'none'}"
+        key = group_key(c)
         row = table.setdefault(key, {"kind": c.kind, "axes": list(c.axes), "ops": 0, "count": 0, "bytes": 0,
                                      "wire_bytes": 0.0, "in_conditional": 0})
         row["ops"] += 1
@@ -372,7 +372,7 @@ def overlap(collectives: list[Collective], peak_flops: float, nvlink_bytes_s: fl
     where two collectives share the GEMMs under them, pessimistic where non-GEMM work hides some."""
     table: dict[str, dict] = {}
     for c in collectives:
-        key = f"{c.kind} over {'+'.join(c.axes) or 'none'}"
+        key = group_key(c)
         row = table.setdefault(key, {"bytes": 0, "overlapped_bytes": 0, "crosses_nodes": False,
                                      "comm_s": 0.0, "exposed_s": 0.0})
         wire = link_seconds(c, nvlink_bytes_s, network_bytes_s)
