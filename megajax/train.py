@@ -259,11 +259,12 @@ def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
         # Each gradient is summed over the data ranks that replicate its weight (an expert's: 'data' only).
         # Distributed optimizer: the partial sums, padded to the optimizer's layout, on a leading axis over
         # those ranks.
-        grads = jax.tree.map(lambda g, z, s: sharding.psum(g, sharding.unsplit_data_axes(s)) if z is None
-                             else optim.zero_pad(g, z)[None], grads, zero, p_specs, is_leaf=is_none)
+        grads = jax.tree.map(lambda g, z, a: sharding.psum(g, a) if z is None else optim.zero_pad(g, z)[None],
+                             grads, zero, reduce_axes, is_leaf=is_none)
         return sharding.psum(loss, sharding.DATA), grads
 
     p_specs = setup.param_specs()
+    # per weight, the data-parallel axes its gradient is summed over
     reduce_axes = jax.tree.map(sharding.unsplit_data_axes, p_specs, is_leaf=lambda x: isinstance(x, P))
     # (ParallelConfig allows the overlap only without a pipeline or the distributed optimizer)
     manual = sharding.manual_axes_of(setup.mesh)
