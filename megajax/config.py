@@ -150,7 +150,7 @@ class ParallelConfig:
     # Reduce the data-parallel gradients layer by layer inside the last micro batch's backward, under its
     # compute (Megatron's --overlap-grad-reduce; megajax/overlap.py), instead of once after the backward. Off by
     # default: with several micro batches it holds about 3x the gradients' bytes more (README, "Communication
-    # overlap"); not yet with the distributed optimizer or a pipeline (they reduce once after the backward).
+    # overlap"); with the distributed optimizer a reduce-scatter per layer; not yet with a pipeline.
     overlap_grad_reduce: bool = False
 
     def __post_init__(self):
@@ -166,9 +166,9 @@ class ParallelConfig:
                 f"parallel.expert={self.expert} must divide parallel.data={self.data} (expert parallelism splits "
                 f"the data-parallel ranks): choose parallel.expert from {_divisors(self.data)}")
         _check(
-            not self.overlap_grad_reduce or (self.pipeline == 1 and not self.distributed_optimizer),
-            "parallel.overlap_grad_reduce=true is not supported yet with a pipeline or the distributed optimizer "
-            "(their gradients are reduced once after the backward): set parallel.overlap_grad_reduce=false",
+            not self.overlap_grad_reduce or self.pipeline == 1,
+            "parallel.overlap_grad_reduce=true is not supported yet with a pipeline (its gradients are reduced once "
+            "after the schedule): set parallel.overlap_grad_reduce=false",
         )
         _check(
             self.virtual_stages == 1 or self.schedule == "interleaved",

@@ -1,75 +1,141 @@
 """The data-parallel gradient reduction issued inside the backward, layer by layer (Megatron's
---overlap-grad-reduce), so that XLA's GPU scheduler runs each layer's all-reduce under the backward GEMMs of
+--overlap-grad-reduce), so that XLA's GPU scheduler runs each layer's reduction under the backward GEMMs of
 the layers before it.
 
 Without it the step sums its micro batches' gradients locally and reduces them once after the whole backward:
-one all-reduce that nothing can overlap. Here the micro batches before the last are summed locally as before;
-the last one runs with each weight behind `reducing_identity`: an identity whose backward adds the earlier micro
-batches' sum and reduces over the weight's data-parallel axes. The layers run as a scan of single blocks, so the
+one all-reduce (or reduce-scatter with the distributed optimizer) that nothing can overlap. Here the micro
+batches before the last are summed locally as before; the last one runs with each weight behind
+`reducing_identity`: an identity whose backward adds the earlier micro batches' sum and reduces over the
+weight's data-parallel axes: an all-reduce, or with the distributed optimizer a reduce-scatter onto the
+weight's optimizer shard. The reduced gradient is handed to a `sink` (zeros shaped like the reduced gradient)
+as its cotangent, so the step differentiates the sinks and gets each gradient in the shape its reduction leaves
+(a reduce-scatter's shard is not shaped like the weight). The layers run as a scan of single blocks, so the
 hook sits inside the loop and its backward (one reduction per layer) inside the backward loop. The bytes and
-the order of the sums are today's: (earlier micro batches + last) summed locally, then over the data ranks.
+the order of the sums are the plain path's: (earlier micro batches + last) summed locally, then over the data
+ranks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-from megajax import model, sharding
+from megajax import model, optim, sharding
 from megajax.config import Config
 
 
+@dataclasses.dataclass(frozen=True)
+class Reduction:
+    """How one weight's gradient is reduced in the backward: summed over the data-parallel `axes`; with `zero`
+    (the distributed optimizer's optim.ZeroDim) zero-padded as the optimizer pads it and scattered over `axes`
+    along zero.dim, which leaves each data rank its optimizer shard."""
+
+    axes: tuple[str, ...]
+    zero: optim.ZeroDim | None = None
+    spec: P = P()  # the weight's PartitionSpec ('tensor' is all the scatter reads of it)
+
+    def per_layer(self) -> "Reduction":
+        """The reduction of one layer's slice of a stacked [layers, ...] weight."""
+        if self.zero is None:
+            return self
+        return dataclasses.replace(self, zero=dataclasses.replace(self.zero, dim=self.zero.dim - 1),
+                                   spec=P(*self.spec[1:]))
+
+    def _manual(self) -> tuple[str, ...]:
+        return tuple(a for a in self.axes if a in sharding.current_manual_axes())
+
+    def __call__(self, g: jax.Array) -> jax.Array:
+        if self.zero is None:
+            return sharding.psum(g, self.axes)
+        g = optim.zero_pad(g, self.zero)
+        axes = self._manual()
+        if not axes:
+            return g
+        scatter = functools.partial(jax.lax.psum_scatter, axis_name=axes, scatter_dimension=self.zero.dim,
+                                    tiled=True)
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.shape.get("tensor", 1) == 1:
+            return scatter(g)
+        # With 'tensor' left to GSPMD, XLA gathers a tensor-sharded gradient over 'tensor' before scattering it
+        # over the data ranks (t times the bytes): scatter each tensor shard with 'tensor' manual too.
+        spec = P(*[sharding.keep_axes(a, lambda x: x == "tensor") for a in self.spec])
+        return jax.shard_map(scatter, mesh=mesh, in_specs=spec, out_specs=spec, axis_names={"tensor"})(g)
+
+    def sink(self, w: jax.Array) -> jax.Array:
+        """Zeros shaped (and varying) as this reduction leaves w's gradient inside the step's shard_map."""
+        shape, axes = list(w.shape), tuple(sharding.varying_axes(w))
+        if self.zero is not None:
+            mesh = jax.sharding.get_abstract_mesh()
+            shape[self.zero.dim] = self.zero.size // math.prod(mesh.shape[a] for a in self._manual())
+            axes += self.axes
+        return sharding.vary(jnp.zeros(shape, w.dtype), axes)
+
+
 @functools.lru_cache(maxsize=None)
-def reducing_identity(axes: tuple[str, ...], with_acc: bool):
-    """identity(w[, acc]) -> w marked varying over `axes`; backward: psum(cotangent [+ acc], axes) for w.
+def reducing_identity(r: Reduction):
+    """identity(w, acc, sink) -> w marked varying over r.axes; backward: r(cotangent [+ acc]) as the cotangent
+    of `sink` (none for w, whose gradient the caller does not take, nor for acc, the earlier micro batches'
+    local gradient, None when there are none)."""
+    @jax.custom_vjp
+    def hook(w, acc, sink):
+        return sharding.vary(w, r.axes)
 
-    `w` is the weight as the step receives it (invariant over its data-parallel axes), so the sum's invariant
-    result is a valid cotangent for it; `acc` (the earlier micro batches' local gradient) gets none."""
-    if with_acc:
-        @jax.custom_vjp
-        def hook(w, acc):
-            return sharding.vary(w, axes)
+    def bwd(acc, ct):
+        return None, None, r(ct if acc is None else ct + acc)
 
-        hook.defvjp(lambda w, acc: (sharding.vary(w, axes), acc),
-                    lambda acc, ct: (sharding.psum(ct + acc, axes), None))
-    else:
-        @jax.custom_vjp
-        def hook(w):
-            return sharding.vary(w, axes)
-
-        hook.defvjp(lambda w: (sharding.vary(w, axes), None), lambda _, ct: (sharding.psum(ct, axes),))
+    hook.defvjp(lambda w, acc, sink: (sharding.vary(w, r.axes), acc), bwd)
     return hook
 
 
-def _hooked(params, acc, axes):
+def _hooked(params, acc, sinks, reductions):
     if acc is None:
-        return jax.tree.map(lambda w, a: reducing_identity(a, False)(w), params, axes)
-    return jax.tree.map(lambda w, g, a: reducing_identity(a, True)(w, g), params, acc, axes)
+        acc = jax.tree.map(lambda _: None, params)
+    return jax.tree.map(lambda w, g, s, r: reducing_identity(r)(w, g, s), params, acc, sinks, reductions,
+                        is_leaf=lambda x: x is None)
 
 
-def reducing_loss(cfg: Config, params, acc, axes, mb: dict, seed_scale: jax.Array):
-    """(seed_scale * summed token loss, summed token loss) of one micro batch, whose gradient w.r.t. `params`
-    is (that micro batch's + `acc`) reduced over each weight's data-parallel `axes` (a tree of axis tuples
-    shaped like params; `acc` None: nothing to add), issued per layer in the backward."""
+def sinks(params, reductions):
+    """The sinks of `reducing_loss`: per weight, zeros shaped as its reduced gradient (stacked layers: each
+    layer's, stacked)."""
+    top = {k: v for k, v in params.items() if k != "layers"}
+    out = jax.tree.map(lambda w, r: r.sink(w), top, {k: reductions[k] for k in top})
+    stack, stack_r = params["layers"]["block"], reductions["layers"]["block"]
+
+    def stacked(w, r):
+        one = r.per_layer().sink(w[0])
+        return jnp.broadcast_to(one, (w.shape[0], *one.shape))
+
+    out["layers"] = {"block": jax.tree.map(stacked, stack, stack_r)}
+    return out
+
+
+def reducing_loss(sink, cfg: Config, params, acc, reductions, mb: dict, seed_scale: jax.Array):
+    """(seed_scale * summed token loss, summed token loss) of one micro batch, whose gradient w.r.t. `sink`
+    (`sinks(params, reductions)`) is, per weight, (that micro batch's gradient + `acc`) reduced as its
+    `Reduction` says, issued per layer in the backward (`acc` None: nothing to add)."""
     mcfg = cfg.model
     keys = model.dropout_keys(mcfg, cfg.train.seed, mb["sample_ids"])
     top = {k: v for k, v in params.items() if k != "layers"}
-    top = _hooked(top, None if acc is None else {k: acc[k] for k in top}, {k: axes[k] for k in top})
+    pick = lambda tree: None if tree is None else {k: tree[k] for k in top}  # noqa: E731
+    top = _hooked(top, pick(acc), pick(sink), pick(reductions))
     x = model.embed_apply(mcfg, top, mb["tokens"], keys)
     stack = params["layers"]["block"]
     stack_acc = None if acc is None else acc["layers"]["block"]
-    stack_axes = axes["layers"]["block"]
+    stack_r = jax.tree.map(Reduction.per_layer, reductions["layers"]["block"])
 
     def body(x, inputs):
-        w, g, layer = inputs
-        w = _hooked(w, g, stack_axes)
+        w, g, s, layer = inputs
+        w = _hooked(w, g, s, stack_r)
         return model.block_apply(mcfg, w, x, layer, keys).astype(x.dtype), None
 
     if mcfg.recompute == "full":  # keep only each block's input, as the model's LayerStack does
         body = jax.checkpoint(body, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
     n = jax.tree.leaves(stack)[0].shape[0]
-    x, _ = jax.lax.scan(body, x, (stack, stack_acc, jnp.arange(n)))
+    x, _ = jax.lax.scan(body, x, (stack, stack_acc, sink["layers"]["block"], jnp.arange(n)))
     raw = model.head_apply(mcfg, top, x, mb["targets"], mb["loss_mask"])
     return raw * seed_scale, raw

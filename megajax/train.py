@@ -184,11 +184,11 @@ def load_initial_params(setup: StepSetup, directory: str):
     return params
 
 
-def accumulate_grads(cfg: Config, params, batch: dict, seed_scale: jax.Array, reduce_axes=None):
+def accumulate_grads(cfg: Config, params, batch: dict, seed_scale: jax.Array, reductions=None):
     """Per data rank (inside shard_map): summed loss and gradients of `seed_scale * loss` over the
-    micro batches, with no cross-rank communication; or with `reduce_axes` (per weight, the data-parallel
-    axes to sum its gradient over) the gradients already summed over them, reduced layer by layer in the
-    last micro batch's backward (`overlap.reducing_loss`)."""
+    micro batches, with no cross-rank communication; or with `reductions` (per weight, an
+    `overlap.Reduction`) the gradients already reduced as they say, layer by layer in the last micro batch's
+    backward (`overlap.reducing_loss`)."""
     m = cfg.num_micro_batches
     weights = params
     # Marking the weights as varying over the data axes keeps the transpose from reducing gradients per
@@ -209,7 +209,7 @@ def accumulate_grads(cfg: Config, params, batch: dict, seed_scale: jax.Array, re
     zeros = jax.tree.map(jnp.zeros_like, params)
     init = (sharding.vary(jnp.zeros((), jnp.float32), sharding.DATA), zeros)
     mbs = micro_batches(batch, m)
-    if reduce_axes is None:
+    if reductions is None:
         (loss, grads), _ = jax.lax.scan(body, init, mbs)
         return loss, grads
     acc = None
@@ -217,8 +217,8 @@ def accumulate_grads(cfg: Config, params, batch: dict, seed_scale: jax.Array, re
     if m > 1:
         (loss, acc), _ = jax.lax.scan(body, init, jax.tree.map(lambda x: x[:-1], mbs))
     last = jax.tree.map(lambda x: x[-1], mbs)
-    grads, raw = jax.grad(overlap.reducing_loss, argnums=1, has_aux=True)(cfg, weights, acc, reduce_axes, last,
-                                                                          seed_scale)
+    grads, raw = jax.grad(overlap.reducing_loss, has_aux=True)(overlap.sinks(weights, reductions), cfg, weights,
+                                                               acc, reductions, last, seed_scale)
     return loss + raw, grads
 
 
@@ -240,19 +240,20 @@ def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
     The step's one gradient reduction over 'data' is an all-reduce (psum inside the shard_map), or with
     the distributed optimizer a reduce-scatter onto each parameter's optimizer shard. The latter is left
     to GSPMD: each data rank returns its partial sum on a leading 'data' axis, and summing that axis into
-    the optimizer's sharding keeps the 'tensor' sharding of the gradients (a psum_scatter inside the
-    shard_map makes XLA gather them over 'tensor' first, moving t times the bytes).
+    the optimizer's sharding keeps the 'tensor' sharding of the gradients. With parallel.overlap_grad_reduce
+    both are issued layer by layer in the last micro batch's backward instead (`overlap`).
     """
     cfg = setup.cfg
     zero = setup.zero_dims
     is_none = lambda x: x is None  # noqa: E731
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
 
     def local(params, batch, seed_scale):
         with moe.objective_scale(seed_scale):  # MoE layers' auxiliary losses join the gradient at this scale
             if cfg.parallel.pipeline > 1:
                 loss, grads = pipeline.pipeline_grads(cfg, params, batch, seed_scale)
             elif overlapped:
-                loss, grads = accumulate_grads(cfg, params, batch, seed_scale, reduce_axes)
+                loss, grads = accumulate_grads(cfg, params, batch, seed_scale, reductions)
                 return sharding.psum(loss, sharding.DATA), grads
             else:
                 loss, grads = accumulate_grads(cfg, params, batch, seed_scale)
@@ -265,20 +266,33 @@ def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
 
     p_specs = setup.param_specs()
     # per weight, the data-parallel axes its gradient is summed over
-    reduce_axes = jax.tree.map(sharding.unsplit_data_axes, p_specs, is_leaf=lambda x: isinstance(x, P))
-    # (ParallelConfig allows the overlap only without a pipeline or the distributed optimizer)
+    reduce_axes = jax.tree.map(sharding.unsplit_data_axes, p_specs, is_leaf=is_spec)
+    # (ParallelConfig allows the overlap only without a pipeline)
     manual = sharding.manual_axes_of(setup.mesh)
     overlapped = cfg.parallel.overlap_grad_reduce and any(a in manual for a in sharding.DATA)
-    g_specs = jax.tree.map(lambda s, z: s if z is None else P(sharding.unsplit_data_axes(s), *s), p_specs, zero,
-                           is_leaf=is_none)
+    if overlapped:
+        # In the backward, the distributed optimizer's gradients are scattered onto their optimizer shards,
+        # except where the sharded dim is also tensor-sharded (a column-parallel bias): those few bytes are
+        # all-reduced there and sliced after.
+        scattered = jax.tree.map(lambda z: z is not None and "tensor" not in z.axes, zero, is_leaf=is_none)
+        reductions = jax.tree.map(lambda z, sc, a, s: overlap.Reduction(a, z, s) if sc
+                                  else overlap.Reduction(a), zero, scattered, reduce_axes, p_specs, is_leaf=is_none)
+        g_specs = jax.tree.map(lambda s, z, sc: optim.zero_spec(s, z, z.dim + 1) if sc else s, p_specs, zero,
+                               scattered, is_leaf=is_none)
+    else:
+        g_specs = jax.tree.map(lambda s, z: s if z is None else P(sharding.unsplit_data_axes(s), *s), p_specs, zero,
+                               is_leaf=is_none)
     loss, grads = _in_manual_region(setup.mesh, local, (p_specs, {k: P(sharding.DATA) for k in batch}, P()),
                                     (P(), g_specs))(params, batch, seed_scale)
 
     def scatter(g, z, param_sharding):
         if z is None:
             return g
-        target = NamedSharding(setup.mesh, optim.zero_spec(param_sharding.spec, z, g.ndim - 1))
-        return jax.lax.with_sharding_constraint(jnp.sum(g, axis=0), target)
+        if not overlapped:
+            g = jnp.sum(g, axis=0)
+        target = NamedSharding(setup.mesh, optim.zero_spec(param_sharding.spec, z, g.ndim))
+        # overlapped: reduced already, scattered (a no-op here) or whole (a local slice)
+        return jax.lax.with_sharding_constraint(optim.zero_pad(g, z), target)
 
     return loss, jax.tree.map(scatter, grads, zero, setup.state_shardings.params, is_leaf=is_none)
 

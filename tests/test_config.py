@@ -37,8 +37,6 @@ def test_defaults_and_overrides_are_typed():
      "not divisible by data parallel size 2 x train.micro_batch_size=2"),
     (["parallel.virtual_stages=2"], "needs parallel.schedule=interleaved"),
     (["parallel.sequence_parallel=true"], "needs parallel.tensor > 1"),
-    (["parallel.overlap_grad_reduce=true", "parallel.distributed_optimizer=true"],
-     "set parallel.overlap_grad_reduce=false"),
     (["parallel.overlap_grad_reduce=true", "parallel.pipeline=2"], "set parallel.overlap_grad_reduce=false"),
     (["model.make_vocab_size_divisible_by=2", "model.vocab_size=257", "parallel.tensor=4"],
      "padded vocabulary 258 is not divisible by parallel.tensor=4"),
