@@ -152,6 +152,11 @@ class ParallelConfig:
     # default: with several micro batches it holds about 3x the gradients' bytes more (README, "Communication
     # overlap"); with the distributed optimizer a reduce-scatter per layer; not yet with a pipeline.
     overlap_grad_reduce: bool = False
+    # With the distributed optimizer and overlap_grad_reduce: keep each weight between steps as its optimizer
+    # shard and all-gather it layer by layer in the next step's first forward, one layer ahead, under the compute
+    # of the layer before (Megatron's --overlap-param-gather), instead of all-gathering every weight after the
+    # update, where nothing overlaps it.
+    overlap_param_gather: bool = False
 
     def __post_init__(self):
         for name in ("pipeline", "tensor", "virtual_stages", "expert"):
@@ -169,6 +174,12 @@ class ParallelConfig:
             not self.overlap_grad_reduce or self.pipeline == 1,
             "parallel.overlap_grad_reduce=true is not supported yet with a pipeline (its gradients are reduced once "
             "after the schedule): set parallel.overlap_grad_reduce=false",
+        )
+        _check(
+            not self.overlap_param_gather or (self.distributed_optimizer and self.overlap_grad_reduce),
+            "parallel.overlap_param_gather=true gathers the distributed optimizer's shards in the step that reduces "
+            "the gradients under the backward: set parallel.distributed_optimizer=true and "
+            "parallel.overlap_grad_reduce=true (or parallel.overlap_param_gather=false)",
         )
         _check(
             self.virtual_stages == 1 or self.schedule == "interleaved",

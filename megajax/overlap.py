@@ -29,15 +29,30 @@ from megajax import model, optim, sharding
 from megajax.config import Config
 
 
+def _tensor_manual(fn, x: jax.Array, spec: P) -> jax.Array:
+    """fn(x) for a data-parallel collective on x (a weight or its gradient with PartitionSpec `spec`), with
+    'tensor' made manual around it: left to GSPMD, XLA gathers a tensor-sharded operand over 'tensor' before a
+    scatter or gather over the data ranks (t times the bytes)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.shape.get("tensor", 1) == 1:
+        return fn(x)
+    spec = P(*[sharding.keep_axes(a, lambda x: x == "tensor") for a in spec])
+    return jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, axis_names={"tensor"})(x)
+
+
 @dataclasses.dataclass(frozen=True)
 class Reduction:
     """How one weight's gradient is reduced in the backward: summed over the data-parallel `axes`; with `zero`
     (the distributed optimizer's optim.ZeroDim) zero-padded as the optimizer pads it and scattered over `axes`
-    along zero.dim, which leaves each data rank its optimizer shard."""
+    along zero.dim, which leaves each data rank its optimizer shard. `gather`: the weight arrives as that shard
+    (parallel.overlap_param_gather) and is all-gathered where it is first used. `local`: a micro batch before the
+    last, whose gradient stays on its rank (not reduced)."""
 
     axes: tuple[str, ...]
     zero: optim.ZeroDim | None = None
-    spec: P = P()  # the weight's PartitionSpec ('tensor' is all the scatter reads of it)
+    spec: P = P()  # the weight's PartitionSpec ('tensor' is all the collectives read of it)
+    gather: bool = False
+    local: bool = False
 
     def per_layer(self) -> "Reduction":
         """The reduction of one layer's slice of a stacked [layers, ...] weight."""
@@ -50,28 +65,36 @@ class Reduction:
         return tuple(a for a in self.axes if a in sharding.current_manual_axes())
 
     def __call__(self, g: jax.Array) -> jax.Array:
+        if self.local:
+            return g
         if self.zero is None:
             return sharding.psum(g, self.axes)
         g = optim.zero_pad(g, self.zero)
         axes = self._manual()
         if not axes:
             return g
-        scatter = functools.partial(jax.lax.psum_scatter, axis_name=axes, scatter_dimension=self.zero.dim,
-                                    tiled=True)
-        mesh = jax.sharding.get_abstract_mesh()
-        if mesh.shape.get("tensor", 1) == 1:
-            return scatter(g)
-        # With 'tensor' left to GSPMD, XLA gathers a tensor-sharded gradient over 'tensor' before scattering it
-        # over the data ranks (t times the bytes): scatter each tensor shard with 'tensor' manual too.
-        spec = P(*[sharding.keep_axes(a, lambda x: x == "tensor") for a in self.spec])
-        return jax.shard_map(scatter, mesh=mesh, in_specs=spec, out_specs=spec, axis_names={"tensor"})(g)
+        return _tensor_manual(functools.partial(jax.lax.psum_scatter, axis_name=axes,
+                                                scatter_dimension=self.zero.dim, tiled=True), g, self.spec)
+
+    def gathered(self, w: jax.Array) -> jax.Array:
+        """The whole weight from its optimizer shard (`gather`), or w as it is."""
+        axes = self._manual()
+        if not self.gather or not axes:
+            return w
+        return _tensor_manual(functools.partial(jax.lax.all_gather, axis_name=axes, axis=self.zero.dim, tiled=True),
+                              w, self.spec)
 
     def sink(self, w: jax.Array) -> jax.Array:
-        """Zeros shaped (and varying) as this reduction leaves w's gradient inside the step's shard_map."""
+        """Zeros shaped (and varying) as this reduction leaves the gradient of w (the weight as it arrives)
+        inside the step's shard_map."""
         shape, axes = list(w.shape), tuple(sharding.varying_axes(w))
         if self.zero is not None:
-            mesh = jax.sharding.get_abstract_mesh()
-            shape[self.zero.dim] = self.zero.size // math.prod(mesh.shape[a] for a in self._manual())
+            if self.local:
+                shape[self.zero.dim] = self.zero.size if self.gather else shape[self.zero.dim]
+            else:
+                mesh = jax.sharding.get_abstract_mesh()
+                shape[self.zero.dim] = self.zero.size // math.prod(mesh.shape[a] for a in self._manual())
+        if self.local or self.zero is not None:
             axes += self.axes
         return sharding.vary(jnp.zeros(shape, w.dtype), axes)
 
@@ -115,27 +138,47 @@ def sinks(params, reductions):
 
 
 def reducing_loss(sink, cfg: Config, params, acc, reductions, mb: dict, seed_scale: jax.Array):
-    """(seed_scale * summed token loss, summed token loss) of one micro batch, whose gradient w.r.t. `sink`
-    (`sinks(params, reductions)`) is, per weight, (that micro batch's gradient + `acc`) reduced as its
-    `Reduction` says, issued per layer in the backward (`acc` None: nothing to add)."""
+    """(seed_scale * summed token loss, (summed token loss, the whole weights)) of one micro batch, whose
+    gradient w.r.t. `sink` (`sinks(params, reductions)`) is, per weight, (that micro batch's gradient + `acc`)
+    reduced as its `Reduction` says, issued per layer in the backward (`acc` None: nothing to add). Weights that
+    arrive as their optimizer shard (Reduction.gather) are all-gathered layer by layer, each layer's gather
+    issued one layer ahead, under the forward of the layer before it."""
     mcfg = cfg.model
     keys = model.dropout_keys(mcfg, cfg.train.seed, mb["sample_ids"])
     top = {k: v for k, v in params.items() if k != "layers"}
     pick = lambda tree: None if tree is None else {k: tree[k] for k in top}  # noqa: E731
+    top = jax.tree.map(lambda r, w: r.gathered(w), pick(reductions), top)
+    whole = dict(top)
     top = _hooked(top, pick(acc), pick(sink), pick(reductions))
     x = model.embed_apply(mcfg, top, mb["tokens"], keys)
     stack = params["layers"]["block"]
     stack_acc = None if acc is None else acc["layers"]["block"]
+    stack_sink = sink["layers"]["block"]
     stack_r = jax.tree.map(Reduction.per_layer, reductions["layers"]["block"])
 
-    def body(x, inputs):
-        w, g, s, layer = inputs
-        w = _hooked(w, g, s, stack_r)
-        return model.block_apply(mcfg, w, x, layer, keys).astype(x.dtype), None
+    def layer(x, w, g, s, i):
+        return model.block_apply(mcfg, _hooked(w, g, s, stack_r), x, i, keys).astype(x.dtype)
 
     if mcfg.recompute == "full":  # keep only each block's input, as the model's LayerStack does
-        body = jax.checkpoint(body, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
+        layer = jax.checkpoint(layer, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
     n = jax.tree.leaves(stack)[0].shape[0]
-    x, _ = jax.lax.scan(body, x, (stack, stack_acc, sink["layers"]["block"], jnp.arange(n)))
+    if not any(r.gather for r in jax.tree.leaves(stack_r)):
+        x, _ = jax.lax.scan(lambda x, inputs: (layer(x, *inputs), None), x,
+                            (stack, stack_acc, stack_sink, jnp.arange(n)))
+        whole["layers"] = params["layers"]
+    else:
+        fetch = lambda w: jax.tree.map(lambda r, v: r.gathered(v), stack_r, w)  # noqa: E731
+        at = lambda tree, idx: None if tree is None else jax.tree.map(lambda v: v[idx], tree)  # noqa: E731
+
+        def body(carry, inputs):
+            x, w = carry
+            ahead, g, s, i = inputs
+            return (layer(x, w, g, s, i), fetch(ahead)), w
+
+        (x, w_last), ws = jax.lax.scan(body, (x, fetch(at(stack, 0))), (
+            at(stack, slice(1, None)), at(stack_acc, slice(None, -1)), at(stack_sink, slice(None, -1)),
+            jnp.arange(n - 1)))
+        x = layer(x, w_last, at(stack_acc, -1), at(stack_sink, -1), n - 1)
+        whole["layers"] = {"block": jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), ws, w_last)}
     raw = model.head_apply(mcfg, top, x, mb["targets"], mb["loss_mask"])
-    return raw * seed_scale, raw
+    return raw * seed_scale, (raw, whole)

@@ -73,6 +73,16 @@ class StepSetup:
         """The PartitionSpec of every parameter in the train state."""
         return jax.tree.map(lambda s: s.spec, self.state_shardings.params)
 
+    def compute_param_specs(self):
+        """The PartitionSpec of every parameter as the model computes with it: the train state's, except for the
+        weights the state keeps as their optimizer shard (`gathered_params`)."""
+        return jax.tree.map(lambda n: _layout_spec(self.cfg, n), self.logical, is_leaf=lambda x: isinstance(x, tuple))
+
+    def gathered_params(self):
+        """Per parameter: True where the train state keeps only its distributed-optimizer shard and the step
+        all-gathers it in its first forward (parallel.overlap_param_gather)."""
+        return _gathered(self.cfg, self.abstract_state.params, self.zero_dims)
+
     def optimizer_bytes_per_device(self) -> int:
         """Bytes of optimizer state one device holds (the distributed optimizer divides it by data)."""
         return sum(math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize for a, s in zip(
@@ -80,8 +90,16 @@ class StepSetup:
 
 
 def _layout_spec(cfg: Config, names: tuple) -> P:
-    """The parameter's PartitionSpec in the train state (staged layer layout under a pipeline)."""
+    """The parameter's PartitionSpec as the model computes with it (staged layer layout under a pipeline)."""
     return sharding.param_spec(layout.layout_names(names, cfg.parallel.pipeline > 1))
+
+
+def _gathered(cfg: Config, params, zero_dims):
+    """StepSetup.gathered_params: with parallel.overlap_param_gather, every weight whose optimizer shard is an
+    unpadded slice over the data ranks alone (not a tensor-sharded dim split further)."""
+    return jax.tree.map(lambda a, z: bool(cfg.parallel.overlap_param_gather and z is not None
+                                          and "tensor" not in z.axes and z.size == a.shape[z.dim]),
+                        params, zero_dims, is_leaf=lambda x: x is None)
 
 
 def build(cfg: Config, mesh: jax.sharding.Mesh) -> StepSetup:
@@ -110,8 +128,11 @@ def build(cfg: Config, mesh: jax.sharding.Mesh) -> StepSetup:
     opt_shardings = optax.tree_map_params(
         tx, lambda _, s: named(s), abstract_state.opt_state, opt_specs,
         transform_non_params=lambda _: named(P()), is_leaf=lambda x: isinstance(x, P))
+    # parallel.overlap_param_gather: those weights live in the state as their optimizer shard
+    state_param_specs = jax.tree.map(lambda z, s, g: optim.zero_spec(s, z, z.dim + 1) if g else s, zero_dims,
+                                     param_specs, _gathered(cfg, params, zero_dims), is_leaf=is_none)
     state_shardings = TrainState(
-        step=named(P()), params=jax.tree.map(named, param_specs, is_leaf=lambda x: isinstance(x, P)),
+        step=named(P()), params=jax.tree.map(named, state_param_specs, is_leaf=lambda x: isinstance(x, P)),
         opt_state=opt_shardings, loss_scale=named(P()), good_steps=named(P()), bad_steps=named(P()))
     batch_shardings = {k: named(P(sharding.DATA)) for k in ("tokens", "targets", "loss_mask", "sample_ids")}
     return StepSetup(cfg, mesh, logical, tx, abstract_state, state_shardings, batch_shardings, zero_dims)
@@ -188,12 +209,9 @@ def accumulate_grads(cfg: Config, params, batch: dict, seed_scale: jax.Array, re
     """Per data rank (inside shard_map): summed loss and gradients of `seed_scale * loss` over the
     micro batches, with no cross-rank communication; or with `reductions` (per weight, an
     `overlap.Reduction`) the gradients already reduced as they say, layer by layer in the last micro batch's
-    backward (`overlap.reducing_loss`)."""
+    backward (`overlap.reducing_loss`), and the weights that arrive as their optimizer shard all-gathered layer
+    by layer in the first micro batch's forward."""
     m = cfg.num_micro_batches
-    weights = params
-    # Marking the weights as varying over the data axes keeps the transpose from reducing gradients per
-    # micro batch.
-    params = sharding.vary(params, sharding.DATA)
 
     def micro_loss(p, mb):
         raw = model.loss_sum(cfg.model, p, mb, model.dropout_keys(cfg.model, cfg.train.seed, mb["sample_ids"]))
@@ -203,22 +221,30 @@ def accumulate_grads(cfg: Config, params, batch: dict, seed_scale: jax.Array, re
 
     def body(carry, mb):
         loss, grads = carry
-        g, raw = grad_fn(params, mb)
+        # The weights marked varying over the data axes keep the transpose from reducing per micro batch.
+        g, raw = grad_fn(sharding.vary(weights, sharding.DATA), mb)
         return (loss + raw, jax.tree.map(jnp.add, grads, g)), None
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    init = (sharding.vary(jnp.zeros((), jnp.float32), sharding.DATA), zeros)
     mbs = micro_batches(batch, m)
+    loss = sharding.vary(jnp.zeros((), jnp.float32), sharding.DATA)
+    weights, acc = params, None
     if reductions is None:
-        (loss, grads), _ = jax.lax.scan(body, init, mbs)
+        (loss, grads), _ = jax.lax.scan(body, (loss, jax.tree.map(jnp.zeros_like, sharding.vary(params))), mbs)
         return loss, grads
-    acc = None
-    loss = init[0]
-    if m > 1:
-        (loss, acc), _ = jax.lax.scan(body, init, jax.tree.map(lambda x: x[:-1], mbs))
-    last = jax.tree.map(lambda x: x[-1], mbs)
-    grads, raw = jax.grad(overlap.reducing_loss, has_aux=True)(overlap.sinks(weights, reductions), cfg, weights,
-                                                               acc, reductions, last, seed_scale)
+    differentiate = jax.grad(overlap.reducing_loss, has_aux=True)
+    at = lambda idx: jax.tree.map(lambda x: x[idx], mbs)  # noqa: E731
+    if m > 1 and any(r.gather for r in jax.tree.leaves(reductions)):
+        # the first micro batch gathers the weights (and keeps them whole for the rest); its gradient stays local
+        local = jax.tree.map(lambda r: dataclasses.replace(r, local=True), reductions)
+        acc, (raw, weights) = differentiate(overlap.sinks(params, local), cfg, params, None, local, at(0), seed_scale)
+        loss, mbs = loss + raw, jax.tree.map(lambda x: x[1:], mbs)
+        reductions = jax.tree.map(lambda r: dataclasses.replace(r, gather=False), reductions)
+    if jax.tree.leaves(mbs)[0].shape[0] > 1:
+        if acc is None:
+            acc = jax.tree.map(jnp.zeros_like, sharding.vary(weights))
+        (loss, acc), _ = jax.lax.scan(body, (loss, sharding.vary(acc)), jax.tree.map(lambda x: x[:-1], mbs))
+    grads, (raw, _) = differentiate(overlap.sinks(weights, reductions), cfg, weights, acc, reductions, at(-1),
+                                    seed_scale)
     return loss + raw, grads
 
 
@@ -264,7 +290,7 @@ def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
                              grads, zero, reduce_axes, is_leaf=is_none)
         return sharding.psum(loss, sharding.DATA), grads
 
-    p_specs = setup.param_specs()
+    p_specs = setup.compute_param_specs()
     # per weight, the data-parallel axes its gradient is summed over
     reduce_axes = jax.tree.map(sharding.unsplit_data_axes, p_specs, is_leaf=is_spec)
     # (ParallelConfig allows the overlap only without a pipeline)
@@ -275,26 +301,27 @@ def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
         # except where the sharded dim is also tensor-sharded (a column-parallel bias): those few bytes are
         # all-reduced there and sliced after.
         scattered = jax.tree.map(lambda z: z is not None and "tensor" not in z.axes, zero, is_leaf=is_none)
-        reductions = jax.tree.map(lambda z, sc, a, s: overlap.Reduction(a, z, s) if sc
-                                  else overlap.Reduction(a), zero, scattered, reduce_axes, p_specs, is_leaf=is_none)
+        reductions = jax.tree.map(lambda z, sc, a, s, g: overlap.Reduction(a, z, s, gather=g) if sc
+                                  else overlap.Reduction(a), zero, scattered, reduce_axes, p_specs,
+                                  setup.gathered_params(), is_leaf=is_none)
         g_specs = jax.tree.map(lambda s, z, sc: optim.zero_spec(s, z, z.dim + 1) if sc else s, p_specs, zero,
                                scattered, is_leaf=is_none)
     else:
         g_specs = jax.tree.map(lambda s, z: s if z is None else P(sharding.unsplit_data_axes(s), *s), p_specs, zero,
                                is_leaf=is_none)
-    loss, grads = _in_manual_region(setup.mesh, local, (p_specs, {k: P(sharding.DATA) for k in batch}, P()),
-                                    (P(), g_specs))(params, batch, seed_scale)
+    loss, grads = _in_manual_region(setup.mesh, local, (setup.param_specs(), {k: P(sharding.DATA) for k in batch},
+                                                        P()), (P(), g_specs))(params, batch, seed_scale)
 
-    def scatter(g, z, param_sharding):
+    def scatter(g, z, spec):
         if z is None:
             return g
         if not overlapped:
             g = jnp.sum(g, axis=0)
-        target = NamedSharding(setup.mesh, optim.zero_spec(param_sharding.spec, z, g.ndim))
+        target = NamedSharding(setup.mesh, optim.zero_spec(spec, z, g.ndim))
         # overlapped: reduced already, scattered (a no-op here) or whole (a local slice)
         return jax.lax.with_sharding_constraint(optim.zero_pad(g, z), target)
 
-    return loss, jax.tree.map(scatter, grads, zero, setup.state_shardings.params, is_leaf=is_none)
+    return loss, jax.tree.map(scatter, grads, zero, p_specs, is_leaf=is_none)
 
 
 def train_step(setup: StepSetup, state: TrainState, batch: dict) -> tuple[TrainState, dict]:

@@ -12,6 +12,16 @@ Each flag, and what the compiled GPU program shows for it (`python -m megajax.au
                                            its own loop iteration into the next one, under the backward of
                                            the layer before it: 53% -> 72% of the data-parallel bytes under
                                            GEMMs (91% of the layers' bytes; the rest is the embedding's)
+  xla_gpu_experimental_parallel_collective_overlap_limit=2
+                                           let a data-parallel collective stay in flight while a layer's
+                                           tensor-parallel ones run (the default, 1, allows one at a time)
+  xla_gpu_all_gather_combine_threshold_bytes=256 MiB
+                                           one all-gather per layer for the weights gathered one layer ahead
+                                           (parallel.overlap_param_gather) instead of one per weight
+  Measured together on gpt2-1.3b (24 layers, as above, distributed optimizer, overlap_grad_reduce and
+  overlap_param_gather): data-parallel all-gather bytes under GEMMs 37% -> 88%, estimated exposed
+  communication 10.7 -> 7.0 ms a step; without the distributed optimizer (overlap_grad_reduce) 10.4 -> 8.2 ms;
+  reduced once after the backward, no change.
 The flags are GPU compiler options: the CPU backend ignores them.
 """
 
@@ -22,6 +32,8 @@ import os
 GPU_FLAGS = {
     "xla_gpu_enable_latency_hiding_scheduler": "true",
     "xla_gpu_enable_pipelined_all_reduce": "true",
+    "xla_gpu_experimental_parallel_collective_overlap_limit": "2",
+    "xla_gpu_all_gather_combine_threshold_bytes": str(256 * 2**20),
 }
 
 

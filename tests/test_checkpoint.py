@@ -55,8 +55,10 @@ PAIRS = {
                                      "parallel.schedule=interleaved", "parallel.virtual_stages=2",
                                      "parallel.sequence_parallel=true"],
                                     ["parallel.data=1", "parallel.pipeline=4", "parallel.tensor=2"]),
-    "tensor4-sp-to-data8-zero1": (["parallel.data=2", "parallel.tensor=4", "parallel.sequence_parallel=true"],
-                                  ["parallel.data=8", "parallel.distributed_optimizer=true"]),
+    # onto the distributed optimizer with each weight kept as its shard between steps (overlap_param_gather)
+    "tensor4-sp-to-data8-zero1-gather": (["parallel.data=2", "parallel.tensor=4", "parallel.sequence_parallel=true"],
+                                         ["parallel.data=8", "parallel.distributed_optimizer=true",
+                                          "parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true"]),
 }
 
 

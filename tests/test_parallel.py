@@ -37,19 +37,21 @@ def test_dropout_is_layout_independent():
 # batch (nothing summed before the last) and several, each recompute mode, both architectures (tied and untied
 # embeddings), dropout, tensor and sequence parallelism, MoE with the experts over 'expert'; all-reduced, or
 # scattered onto the distributed optimizer's shards (over 'data' alone, over 'data' x 'expert', with 'tensor'
-# manual too, and a tensor-sharded bias all-reduced and sliced).
+# manual too, and a tensor-sharded bias all-reduced and sliced); the weights kept as their shards between steps
+# and gathered in the first forward (overlap_param_gather; first micro batch = last, or not).
+ZERO = {"parallel.distributed_optimizer": True}
+GATHER = {**ZERO, "parallel.overlap_param_gather": True}
 OVERLAP_CASES = {
     "gpt2-d2-m1": {"parallel.data": 2},
-    "gpt2-d2t2-m2-zero": {"parallel.data": 2, "parallel.tensor": 2, "train.micro_batch_size": 2,
-                          "parallel.distributed_optimizer": True},
-    "llama-d2t2sp-m2-full-zero": {"model.arch": "llama", "parallel.data": 2, "parallel.tensor": 2,
-                                  "parallel.sequence_parallel": True, "train.micro_batch_size": 2,
-                                  "model.recompute": "full", "parallel.distributed_optimizer": True},
+    "gpt2-d2t2-m2-zero": {"parallel.data": 2, "parallel.tensor": 2, "train.micro_batch_size": 2, **ZERO},
+    "llama-d2t2sp-m2-full-zero-gather": {"model.arch": "llama", "parallel.data": 2, "parallel.tensor": 2,
+                                         "parallel.sequence_parallel": True, "train.micro_batch_size": 2,
+                                         "model.recompute": "full", **GATHER},
     "gpt2-d4-m2-selective-dropout": {"parallel.data": 4, "train.micro_batch_size": 1, "model.recompute": "selective",
                                      "model.dropout": 0.1},
-    "llama-moe-d4e2-m2-zero": {"model.arch": "llama", "model.num_experts": 4, "model.experts_per_token": 2,
-                               "model.moe_ffn_hidden_size": 32, "parallel.data": 4, "parallel.expert": 2,
-                               "train.micro_batch_size": 1, "parallel.distributed_optimizer": True},
+    "llama-moe-d4e2-m1-zero-gather": {"model.arch": "llama", "model.num_experts": 4, "model.experts_per_token": 2,
+                                      "model.moe_ffn_hidden_size": 32, "parallel.data": 4, "parallel.expert": 2,
+                                      "train.micro_batch_size": 2, **GATHER},
 }
 
 
