@@ -238,9 +238,12 @@ def lower_for(cfg, platform: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megajax.audit", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config")
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--target", choices=TARGETS, default="cpu")
+    from megajax import config as config_lib
+
+    config_lib.add_cli_arguments(parser)
+    parser.add_argument("--target", choices=TARGETS, default="cpu",
+                        help="cpu: this host's devices; a100/h100/h200: compile for those GPUs without one "
+                             "(XLA's GPU compiler from the gpu-audit extra), memory and collectives as they would run")
     parser.add_argument("--devices", type=int, help="device count (default: the host's devices; 8 for GPUs)")
     parser.add_argument("--dump-hlo", metavar="FILE", help="also write the compiled HLO text here")
     parser.add_argument("--lower-for", choices=("cuda", "rocm"),

@@ -39,33 +39,33 @@ DTYPES = ("float32", "bfloat16", "float16")
 class ModelConfig:
     """Architecture. `arch` picks the family defaults; every field can still be set by hand."""
 
-    arch: Literal["gpt2", "llama"] = "gpt2"
-    num_layers: int = 2
-    hidden_size: int = 128
-    num_heads: int = 4
-    num_kv_heads: int | None = None  # None: as many as num_heads (no grouped-query attention)
-    ffn_hidden_size: int | None = None  # None: 4h (gpt2) or Llama's 2/3 * 4h rounded up to 256
-    vocab_size: int = 256
+    arch: Literal["gpt2", "llama"] = "gpt2"  # gpt2: LayerNorm, GELU, learned positions; llama: RMSNorm, SwiGLU, RoPE
+    num_layers: int = 2  # transformer blocks
+    hidden_size: int = 128  # model width
+    num_heads: int = 4  # attention heads
+    num_kv_heads: int | None = None  # key/value heads (grouped-query attention); null: num_heads
+    ffn_hidden_size: int | None = None  # MLP width; null: 4h (gpt2) or 2/3 * 4h rounded up to 256 (llama)
+    vocab_size: int = 257  # tokens the model embeds; the byte tokenizer (data.tokenizer=byte) needs 257
     make_vocab_size_divisible_by: int = 128  # Megatron pads the vocabulary to a multiple of this
-    seq_length: int = 128
-    dropout: float = 0.0
-    attention_dropout: float = 0.0
-    compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    recompute: Literal["none", "selective", "full"] = "none"
-    attention_impl: Literal["xla", "pallas", "cudnn"] = "xla"
-    norm_impl: Literal["xla", "pallas"] = "xla"
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    tie_embeddings: bool | None = None  # None: tied for gpt2, untied for llama
-    init_std: float = 0.02
+    seq_length: int = 128  # tokens per training sample
+    dropout: float = 0.0  # on the embeddings and each block's residual branches
+    attention_dropout: float = 0.0  # on the attention probabilities
+    compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # matmuls and activations
+    param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # the stored (master) weights
+    recompute: Literal["none", "selective", "full"] = "none"  # activation recomputation in the backward
+    attention_impl: Literal["xla", "pallas", "cudnn"] = "xla"  # pallas: the fused flash-attention kernel
+    norm_impl: Literal["xla", "pallas"] = "xla"  # pallas: the fused normalization kernel
+    norm_eps: float = 1e-5  # LayerNorm / RMSNorm epsilon
+    rope_theta: float = 10000.0  # RoPE base (llama)
+    tie_embeddings: bool | None = None  # output layer = embedding table; null: tied for gpt2, not for llama
+    init_std: float = 0.02  # standard deviation of the weights' normal init
     # Mixture of experts (Mixtral / DeepSeek style): 0 experts = the dense MLP
-    num_experts: int = 0
-    experts_per_token: int = 2  # top-k
-    moe_ffn_hidden_size: int | None = None  # None: ffn_hidden_size
-    moe_capacity_factor: float | None = None  # None: dropless
-    moe_aux_loss_coef: float = 0.01  # Switch / GShard load balancing
-    moe_z_loss_coef: float = 0.0  # router z-loss
+    num_experts: int = 0  # experts per MoE layer (0: the dense MLP)
+    experts_per_token: int = 2  # experts each token is routed to (top-k)
+    moe_ffn_hidden_size: int | None = None  # each expert's MLP width; null: ffn_hidden_size
+    moe_capacity_factor: float | None = None  # tokens over factor x fair share are dropped; null: dropless
+    moe_aux_loss_coef: float = 0.01  # weight of the Switch / GShard load-balancing loss
+    moe_z_loss_coef: float = 0.0  # weight of the router z-loss
     moe_shared_experts: int = 0  # DeepSeek's always-on shared experts
     moe_layer_freq: int = 1  # every n-th layer is MoE
     moe_router_bias_update_rate: float = 0.0  # DeepSeek-V3's auxiliary-loss-free balancing (0: off)
@@ -139,23 +139,23 @@ class ParallelConfig:
     the mesh's data axis is split into 'data' (outer, data / expert) x 'expert' (inner); the dense weights
     stay data-parallel over both, the experts are sharded over 'expert' and data-parallel over 'data'."""
 
-    data: int | None = None
-    pipeline: int = 1
-    tensor: int = 1
-    expert: int = 1
-    sequence_parallel: bool = False
-    virtual_stages: int = 1
-    schedule: Literal["gpipe", "1f1b", "interleaved", "zero_bubble"] = "1f1b"
-    distributed_optimizer: bool = False
-    # Reduce the data-parallel gradients layer by layer inside the last micro batch's backward, under its
-    # compute (Megatron's --overlap-grad-reduce; megajax/overlap.py), instead of once after the backward. Off by
-    # default: with several micro batches it holds about 3x the gradients' bytes more (README, "Communication
-    # overlap"); with the distributed optimizer a reduce-scatter per layer; not yet with a pipeline.
+    data: int | None = None  # data-parallel size (null: every device left over)
+    pipeline: int = 1  # pipeline stages
+    tensor: int = 1  # tensor-parallel size (Megatron's column/row-parallel layers)
+    expert: int = 1  # expert-parallel size; divides data
+    sequence_parallel: bool = False  # shard the activations outside attention and the MLP over tensor
+    virtual_stages: int = 1  # model chunks per pipeline stage (the interleaved schedule)
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zero_bubble"] = "1f1b"  # the pipeline schedule
+    distributed_optimizer: bool = False  # shard the optimizer state over the data ranks (ZeRO-1)
+    # Reduce the data-parallel gradients layer by layer under the last micro batch's backward (Megatron's
+    # --overlap-grad-reduce). megajax/overlap.py: an all-reduce per layer, or with the distributed optimizer a
+    # reduce-scatter. Off by default: with several micro batches it holds one to three times the gradients' bytes
+    # more (README, "Communication overlap"); not yet with a pipeline.
     overlap_grad_reduce: bool = False
-    # With the distributed optimizer and overlap_grad_reduce: keep each weight between steps as its optimizer
-    # shard and all-gather it layer by layer in the next step's first forward, one layer ahead, under the compute
-    # of the layer before (Megatron's --overlap-param-gather), instead of all-gathering every weight after the
-    # update, where nothing overlaps it.
+    # Keep the weights as their optimizer shards between steps and all-gather them under the next forward
+    # (Megatron's --overlap-param-gather). Needs distributed_optimizer and overlap_grad_reduce: the next step's
+    # first forward gathers each layer one layer ahead, under the compute of the layer before, instead of the
+    # update gathering every weight where nothing overlaps it.
     overlap_param_gather: bool = False
 
     def __post_init__(self):
@@ -189,16 +189,18 @@ class ParallelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 100
-    global_batch_size: int = 8
-    micro_batch_size: int | None = None  # None: the whole per-data-rank batch in one micro batch
-    seed: int = 0
-    log_every: int = 10
-    eval_every: int = 0  # 0: no evaluation
-    eval_batches: int = 4
-    output_dir: str = "runs/default"
+    steps: int = 100  # optimizer steps to train
+    global_batch_size: int = 8  # samples per optimizer step, over all data ranks
+    micro_batch_size: int | None = None  # samples per micro batch; null: the whole per-data-rank batch
+    seed: int = 0  # weights, data order and dropout
+    log_every: int = 10  # steps between log lines and metrics.jsonl rows
+    eval_every: int = 0  # steps between evaluations on the validation split (0: none)
+    eval_batches: int = 4  # global batches of the validation split per evaluation
+    output_dir: str = "runs/default"  # metrics.jsonl, TensorBoard events, checkpoints
     max_bad_steps: int = 5  # stop after this many non-finite steps in a row
     exit_after_minutes: float | None = None  # save and exit cleanly after this much wall time
+    profile_start: int = 0  # the first step (0-based) traced with jax.profiler when profile_steps > 0
+    profile_steps: int = 0  # steps traced into <train.output_dir>/profile (TensorBoard / Perfetto; 0: none)
 
     def __post_init__(self):
         _check(self.steps >= 1, f"train.steps must be >= 1, got {self.steps}")
@@ -210,24 +212,26 @@ class TrainConfig:
         _check(self.log_every >= 1, f"train.log_every must be >= 1, got {self.log_every}")
         _check(self.eval_every >= 0, f"train.eval_every must be >= 0, got {self.eval_every}")
         _check(self.max_bad_steps >= 1, f"train.max_bad_steps must be >= 1, got {self.max_bad_steps}")
+        _check(self.profile_start >= 0 and self.profile_steps >= 0,
+               "train.profile_start and train.profile_steps must be >= 0 (profile_steps 0: no trace)")
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 3e-4
-    min_lr: float = 3e-5
-    warmup_steps: int = 10
-    decay: Literal["cosine", "linear", "constant"] = "cosine"
-    decay_steps: int | None = None  # None: train.steps
-    weight_decay: float = 0.1
-    clip_grad: float = 1.0  # 0: no clipping
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    lr: float = 3e-4  # peak learning rate (AdamW)
+    min_lr: float = 3e-5  # learning rate at the end of the decay
+    warmup_steps: int = 10  # linear warm-up from 0
+    decay: Literal["cosine", "linear", "constant"] = "cosine"  # schedule after warm-up (Megatron's --lr-decay-style)
+    decay_steps: int | None = None  # steps from the start to the end of the decay; null: train.steps
+    weight_decay: float = 0.1  # AdamW decoupled weight decay (not on norms and biases)
+    clip_grad: float = 1.0  # clip the global gradient norm to this (0: no clipping)
+    beta1: float = 0.9  # Adam's first-moment decay
+    beta2: float = 0.95  # Adam's second-moment decay
+    eps: float = 1e-8  # Adam's epsilon
     # fp16 dynamic loss scaling (used only with model.compute_dtype=float16)
     initial_loss_scale: float = 2.0**16
-    loss_scale_growth_interval: int = 1000
-    min_loss_scale: float = 1.0
+    loss_scale_growth_interval: int = 1000  # finite steps before the loss scale doubles
+    min_loss_scale: float = 1.0  # the loss scale never backs off below this
 
     def __post_init__(self):
         _check(self.lr > 0, f"optim.lr must be positive, got {self.lr}")
@@ -246,8 +250,8 @@ class DataConfig:
     paths: list[Any] = dataclasses.field(default_factory=list)
     split: str = "949,50,1"  # train, valid, test weights over each dataset's sequences
     tokenizer: str = "byte"  # byte, gpt2, or a path (tokenizer.json, SentencePiece .model, or their directory)
-    cache_dir: str | None = None  # None: $XDG_CACHE_HOME/megajax (or ~/.cache/megajax)
-    index_cache_dir: str | None = None  # None: <data dir>/cache/megajax_indices, else cache_dir/indices
+    cache_dir: str | None = None  # the tokenized bundled corpus; null: $XDG_CACHE_HOME/megajax or ~/.cache/megajax
+    index_cache_dir: str | None = None  # sample indices; null: <data dir>/cache/megajax_indices or cache_dir/indices
     prefetch: int = 2  # batches read ahead by a background thread (0: read in the step loop)
     eod_mask_loss: bool = False  # no loss on targets that follow an end-of-document token (Megatron's flag)
 
@@ -274,10 +278,10 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    dir: str | None = None  # None: <train.output_dir>/checkpoints
-    every: int = 0  # 0: only at the end (and on a signal)
-    keep: int = 3
-    async_: bool = True  # spelled `checkpoint.async` in YAML and --set
+    dir: str | None = None  # where checkpoints go; null: <train.output_dir>/checkpoints
+    every: int = 0  # steps between checkpoints (0: only at the end and on a signal)
+    keep: int = 3  # checkpoints kept (older ones are deleted)
+    async_: bool = True  # write in the background while training goes on (YAML and --set: checkpoint.async)
     load_from: str | None = None  # params-only start (a converted or exported checkpoint)
 
     def __post_init__(self):
@@ -527,3 +531,61 @@ def load(path: str | Path | None = None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
     cfg = from_dict(data)
     return override(cfg, parse_overrides(overrides or []))
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+
+
+def _field_comments(cls) -> dict[str, str]:
+    """Field name -> its one line of meaning: the comment on the field's line, else the comment lines just above
+    it (this file is where a key is described)."""
+    import inspect
+    import re
+
+    out, above = {}, []
+    for line in inspect.getsourcelines(cls)[0]:
+        text = line.strip()
+        if text.startswith("#"):
+            above.append(text.lstrip("# ").strip())
+            continue
+        m = re.match(r"(\w+): [^#]+?(?:#\s*(.*))?$", text) if line.startswith("    ") and not line.startswith(" " * 5) \
+            else None
+        if m and m.group(1) in {f.name for f in dataclasses.fields(cls)}:
+            out[m.group(1)] = m.group(2) or " ".join(above)
+        above = []
+    return out
+
+
+def keys_help() -> list[tuple[str, str, str, str]]:
+    """(key, type, default, meaning) of every config key, as `--set` spells it."""
+    aliases = {v: k for k, v in _KEY_ALIASES.items()}
+    rows = []
+    for section in dataclasses.fields(Config):
+        cls = type(section.default)
+        comments = _field_comments(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+            if kind.startswith("Literal["):
+                kind = "|".join(typing.get_args(typing.get_type_hints(cls)[f.name]))
+            meaning = comments.get(f.name, "")
+            rows.append((f"{section.name}.{aliases.get(f.name, f.name)}", kind.replace("typing.", ""),
+                         yaml.safe_dump(default, default_flow_style=True).removesuffix("\n...\n").strip(),
+                         meaning.split(". ")[0].rstrip(".")))
+    return rows
+
+
+def add_cli_arguments(parser) -> None:
+    """--config and --set (repeatable, each taking one or more KEY=VALUE), and every config key listed in the
+    parser's --help (type, default, meaning), for the entry points that take a config."""
+    import argparse
+
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--config", help="YAML preset (configs/*.yaml); without it, the defaults below")
+    parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                        help="override config keys, e.g. --set model.num_layers=4 parallel.tensor=2 (repeatable)")
+    rows = keys_help()
+    width = max(len(k) for k, *_ in rows)
+    lines = [f"  {k:<{width}}  {kind} = {default}" + (f"\n  {'':<{width}}    {meaning}" if meaning else "")
+             for k, kind, default, meaning in rows]
+    parser.epilog = "config keys (--set KEY=VALUE, or in the YAML preset):\n" + "\n".join(lines)

@@ -104,6 +104,21 @@ def device_peak(compute_dtype: str) -> tuple[float, str]:
     return math.nan, f"unknown device {kind!r}"
 
 
+def setup_logging(process_index: int) -> None:
+    """Python logging for the `megajax` loggers (megajax.data's index building, cache warnings), set once per
+    process: process 0 at INFO, the others at WARNING, one line per record on stderr. A handler the user has
+    put on the `megajax` logger already is left alone."""
+    import logging
+
+    root = logging.getLogger("megajax")
+    root.setLevel(logging.INFO if process_index == 0 else logging.WARNING)
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        root.addHandler(handler)
+        root.propagate = False
+
+
 class MetricsLogger:
     """One line per log step on stdout, one JSON object per line in metrics.jsonl, TensorBoard scalars.
 

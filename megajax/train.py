@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import signal
 import sys
 import time
@@ -441,6 +442,7 @@ def run(cfg: Config) -> dict:
     cfg, mesh = setup.cfg, setup.mesh
     gbs, steps = cfg.train.global_batch_size, cfg.train.steps
     is_main = jax.process_index() == 0
+    metrics_lib.setup_logging(jax.process_index())
     log = metrics_lib.MetricsLogger(cfg.train.output_dir, enabled=is_main)
     num_eval = cfg.train.eval_batches * gbs if cfg.train.eval_every else 0
     datasets = build_datasets(cfg, {"train": steps * gbs, **({"valid": num_eval} if num_eval else {})})
@@ -515,7 +517,12 @@ def _loop(cfg, setup, step_fn, eval_fn, state, datasets, start, consumed, loader
     wait_last = loader.wait_s  # seconds spent waiting for input, at the last log
     t_last, step_last, t_start = time.perf_counter(), start, time.perf_counter()
     step = start
+    first, last = cfg.train.profile_start, cfg.train.profile_start + cfg.train.profile_steps  # traced: [first, last)
+    tracing = False
     for step in range(start, steps):
+        if first <= step < last and not tracing:
+            jax.profiler.start_trace(os.path.join(cfg.train.output_dir, "profile"))
+            tracing = True
         batch = next(loader)
         state, stats = step_fn(state, batch)
         consumed += gbs
@@ -523,6 +530,12 @@ def _loop(cfg, setup, step_fn, eval_fn, state, datasets, start, consumed, loader
             _check_health(cfg, *pending, log, on_fatal=lambda: _save(mgr, step + 1, state, cfg, consumed, log))
         pending = (step, stats)
         done = step + 1
+        if tracing and (done == last or done == steps):
+            jax.block_until_ready(state)
+            jax.profiler.stop_trace()
+            tracing = False
+            log.info(f"profiled steps {max(first, start) + 1}-{done}: {cfg.train.output_dir}/profile (TensorBoard's "
+                     "profile tab, or Perfetto)")
         if done % cfg.train.log_every == 0 or done == steps:
             host = jax.device_get(stats)
             now = time.perf_counter()
@@ -598,12 +611,13 @@ def _check_health(cfg: Config, step: int, stats: dict, log, on_fatal=None) -> No
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megajax.train", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", help="YAML preset (configs/*.yaml)")
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="override config fields, e.g. --set model.num_layers=4 parallel.tensor=2")
+    config_lib.add_cli_arguments(parser)
     args = parser.parse_args(argv)
     xla_flags.install()  # before the first backend starts
     distributed.prefer_cpu_without_gpu()
+    if args.config is None:
+        print("no --config: the built-in defaults (a 2-layer GPT-2 on the bundled corpus; --help lists every key, "
+              "configs/tiny.yaml is the tiny preset)", file=sys.stderr)
     try:
         cfg = config_lib.load(args.config, args.set)
         distributed.initialize()

@@ -1,5 +1,6 @@
 """Checkpoints: resume is bitwise, restore reshards onto other layouts, crashes never damage old steps."""
 
+import glob
 import json
 import os
 import signal
@@ -86,7 +87,11 @@ def test_shape_mismatch_names_the_parameters(tmp_path):
 
 
 def test_inspect_lists_steps_and_arrays(tmp_path):
-    train_cli(tmp_path, "train.steps=4", "checkpoint.every=2")
+    # the same run checks the profiler hook and that megajax's Python logging reaches stderr on process 0
+    proc = train_cli(tmp_path, "train.steps=4", "checkpoint.every=2", "train.profile_start=1", "train.profile_steps=2",
+                     f"data.index_cache_dir={tmp_path / 'indices'}")
+    assert glob.glob(str(tmp_path / "profile/plugins/profile/*/*.xplane.pb")) and "profiled steps 2-3" in proc.stdout
+    assert "built the train indices of" in proc.stderr  # megajax.data's log.info
     report = checkpoint.inspect(str(tmp_path / "checkpoints"))
     assert report["steps"] == [2, 4] and report["consumed_samples"] == 32
     names = {a["name"] for a in report["arrays"]}

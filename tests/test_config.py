@@ -86,3 +86,32 @@ def test_derived_sizes():
     assert llama.model.ffn_size == 11008 and not llama.model.tied
     gpt = load("model.vocab_size=50257")
     assert gpt.model.padded_vocab_size == 50304 and gpt.model.tied and gpt.model.ffn_size == 4 * 128
+
+
+def test_the_cli_lists_every_key_and_applies_every_set(capsys):
+    """`--help` lists every config key with its type, default and one line of meaning (from config.py, so a
+    new key without a description fails here), and repeated --set flags all apply."""
+    import argparse
+    import dataclasses
+
+    rows = config_lib.keys_help()
+    sections = [type(f.default) for f in dataclasses.fields(config_lib.Config)]
+    assert len(rows) == sum(len(dataclasses.fields(s)) for s in sections)
+    assert all(meaning for *_, meaning in rows), [k for k, *_, meaning in rows if not meaning]
+    parser = argparse.ArgumentParser()
+    config_lib.add_cli_arguments(parser)
+    helptext = parser.format_help()
+    assert all(key in helptext for key, *_ in rows) and "gpipe|1f1b|interleaved|zero_bubble = 1f1b" in helptext
+    args = parser.parse_args(["--set", "model.num_layers=3", "--set", "optim.lr=1e-3", "train.steps=7"])
+    cfg = config_lib.load(args.config, args.set)
+    assert (cfg.model.num_layers, cfg.optim.lr, cfg.train.steps) == (3, 1e-3, 7)
+
+
+def test_the_defaults_fit_the_default_data():
+    """`python -m megajax.train` with no config trains on the bundled corpus with the byte tokenizer: the
+    default vocabulary holds its end-of-document id."""
+    from megajax.data import tokenizers
+
+    cfg = config_lib.Config()
+    tok = tokenizers.resolve(cfg.data.tokenizer).build()
+    assert not cfg.data.paths and cfg.model.vocab_size == tok.vocab_size == 257

@@ -11,6 +11,7 @@ The model is three stages that the trainer (and the pipeline) calls separately:
 
 from __future__ import annotations
 
+import chex
 import flax.linen as nn
 import flax.struct
 import jax
@@ -203,6 +204,8 @@ def dropout_keys(cfg: ModelConfig, seed: int, sample_ids: jax.Array) -> jax.Arra
 
 def loss_sum(cfg: ModelConfig, params: dict, batch: dict, keys: jax.Array | None) -> jax.Array:
     """The summed token loss of one micro batch: embed -> layers -> head."""
+    chex.assert_rank(batch["tokens"], 2)  # [b, s]: checked once, when the step is traced
+    chex.assert_equal_shape([batch["tokens"], batch["targets"], batch["loss_mask"]])
     x = embed_apply(cfg, params, batch["tokens"], keys)
     x = layers_apply(cfg, params["layers"], x, keys)
     return head_apply(cfg, params, x, batch["targets"], batch["loss_mask"])
