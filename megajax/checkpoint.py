@@ -68,10 +68,40 @@ def state_dict(state) -> dict:
     return {f: getattr(state, f) for f in STATE_FIELDS}
 
 
+class UnreadableCheckpoint(Exception):
+    """A saved array whose bytes read back differently from what was written (its checksum differs)."""
+
+
+@jax.jit
+def _checksum_arrays(tree):
+    def one(x):
+        if x.dtype == jnp.bool_:
+            bits = x.astype(jnp.uint32)
+        else:
+            bits = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[
+                x.dtype.itemsize]).astype(jnp.uint32)
+        mixed = (bits * jnp.uint32(0x9E3779B1)) ^ (bits >> 15)
+        return jnp.stack([jnp.sum(bits, dtype=jnp.uint32), jnp.sum(mixed, dtype=jnp.uint32)])
+
+    return jax.tree.map(one, tree)
+
+
+def checksums(tree) -> dict[str, list[int]]:
+    """Per array (named as Orbax names it), two wrapping uint32 sums of its bit patterns, plain and mixed. Zero
+    padding adds nothing and the order of a sum does not matter, so they do not depend on the layout (sharding,
+    the pipeline's staging, the distributed optimizer's padding): a restore onto any layout can check them."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    sums = jax.device_get(_checksum_arrays([x for _, x in flat]))
+    return {path_name(path): [int(v) for v in s] for (path, _), s in zip(flat, sums)}
+
+
 def save(mgr: ocp.CheckpointManager, step: int, state, meta: dict) -> None:
-    """Starts a save; with async checkpointing it returns once the arrays are copied off the devices."""
-    mgr.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state_dict(state)), meta=ocp.args.JsonSave(meta)), force=True)
+    """Starts a save; with async checkpointing it returns once the arrays are copied off the devices. The meta
+    item records each array's checksums, which restore verifies."""
+    state = state_dict(state)
+    meta = {**meta, "checksums": checksums(state)}
+    mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+             force=True)
 
 
 def read_meta(mgr: ocp.CheckpointManager, step: int) -> dict:
@@ -177,7 +207,54 @@ def restore(mgr: ocp.CheckpointManager, step: int, abstract_state, shardings, cf
                                       for x, w, plan in zip(xs, wants, plans)],
                           out_shardings=[w.sharding for w in wants])
         out = jax.tree_util.tree_unflatten(treedef, convert(jax.tree.leaves(out)))
+    if "checksums" in meta:
+        bad = [name for name, sums in checksums(out).items() if meta["checksums"].get(name, sums) != sums]
+        if bad:
+            raise UnreadableCheckpoint(f'Error reading "{bad[0]}": it does not match the checksum saved with it'
+                                       + (f" ({len(bad) - 1} more arrays do not either)" if len(bad) > 1 else ""))
     return out, meta
+
+
+def unreadable_reason(error: Exception) -> str:
+    """One line for a checkpoint read that failed inside Orbax / TensorStore: the array it names, if any."""
+    import re
+
+    text = str(error)
+    array = re.search(r'Error reading "([^"/]+)', text) or re.search(r"'path': '([^'/]+)", text)
+    first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    return f"array {array.group(1)} cannot be read" if array else first[:200]
+
+
+def restore_newest_readable(mgr: ocp.CheckpointManager, abstract_state, shardings, cfg: Config, log
+                            ) -> tuple[dict, dict] | None:
+    """Restores checkpoint.resume_step, else the newest step that reads completely (None: there is none yet).
+
+    A step that cannot be read (a truncated or damaged array file) is reported in one line and moved aside
+    to `<step>.unreadable` (process 0 renames it: kept for inspection, never deleted or overwritten), and the
+    next older step is tried. A checkpoint of another model is a CheckpointError at once, as is an unreadable
+    checkpoint.resume_step."""
+    steps = sorted(mgr.all_steps(), reverse=True)
+    wanted = cfg.checkpoint.resume_step
+    if wanted is not None and wanted not in steps:
+        raise CheckpointError(f"checkpoint.resume_step={wanted} is not in {mgr.directory} (steps: {steps}): "
+                              "pick one of those, or null for the newest")
+    for i, step in enumerate([wanted] if wanted is not None else steps):
+        try:
+            return restore(mgr, step, abstract_state, shardings, cfg)
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001  (TensorStore's and Orbax's read errors have no common type)
+            reason = unreadable_reason(e)
+            if wanted is not None:
+                raise CheckpointError(f"checkpoint step {step} in {mgr.directory} cannot be read: {reason}") from e
+            aside = os.path.join(str(mgr.directory), f"{step}.unreadable")
+            rest = steps[i + 1:]
+            log.info(f"warning: checkpoint step {step} cannot be read ({reason}); moved aside to {aside}, "
+                     + (f"resuming from step {rest[0]}" if rest else "no older step: starting from scratch"))
+            if jax.process_index() == 0:
+                os.replace(os.path.join(str(mgr.directory), str(step)), aside)
+            mgr.reload()
+    return None
 
 
 def _fits(saved: tuple, want: tuple, lead_saved: int, lead_want: int, padded: bool) -> bool:

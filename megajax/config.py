@@ -283,6 +283,7 @@ class CheckpointConfig:
     keep: int = 3  # checkpoints kept (older ones are deleted)
     async_: bool = True  # write in the background while training goes on (YAML and --set: checkpoint.async)
     load_from: str | None = None  # params-only start (a converted or exported checkpoint)
+    resume_step: int | None = None  # resume from this step; null: the newest one that reads completely
 
     def __post_init__(self):
         _check(self.every >= 0, f"checkpoint.every must be >= 0 (0: only at the end), got {self.every}")

@@ -413,15 +413,41 @@ class _StopRequest:
         self.signal = signal.Signals(signum).name
 
 
-def _warn_if_data_changed(cfg: Config, meta: dict, log) -> None:
-    """The batches after a resume depend on the seed and the data: say so if they changed."""
-    old = meta.get("config", {})
-    for section, key in (("train", "seed"), ("train", "global_batch_size"), ("data", "paths"),
-                         ("data", "split"), ("data", "tokenizer"), ("model", "seq_length")):
-        before, now = old.get(section, {}).get(key), getattr(getattr(cfg, section), key)
-        if before is not None and before != now:
-            log.info(f"warning: {section}.{key} was {before!r} in the checkpoint and is {now!r} now: the run "
-                     "will not see the batches an uninterrupted run would have")
+# Keys that change how a step runs, what is logged or where things go, but not the numbers of the run: a run
+# resumed with them changed continues as an uninterrupted one would (layouts agree to float tolerance).
+_SAME_RUN_KEYS = ("parallel.", "model.attention_impl", "model.norm_impl", "model.recompute", "train.log_every",
+                  "train.eval_every", "train.eval_batches", "train.output_dir", "train.max_bad_steps",
+                  "train.exit_after_minutes", "train.profile_", "data.prefetch", "data.cache_dir",
+                  "data.index_cache_dir", "checkpoint.")
+
+
+def config_changes(cfg: Config, meta: dict) -> list[tuple[str, Any, Any, bool]]:
+    """(key, in the checkpoint, now, changes the run) for every config key that differs from the checkpoint's
+    config; `changes the run`: the resumed run differs from an uninterrupted one (other hyperparameters, other
+    batches, a schedule over other steps)."""
+    def flat(tree, prefix=""):
+        return {k: v for key, value in tree.items()
+                for k, v in (flat(value, f"{prefix}{key}.").items() if isinstance(value, dict)
+                             else [(f"{prefix}{key}", value)])}
+
+    old, new = flat(meta.get("config", {})), flat(cfg.to_dict())
+    out = []
+    for key in sorted(old.keys() & new.keys()):
+        if old[key] != new[key]:
+            same = key.startswith(_SAME_RUN_KEYS) or (key == "train.steps" and cfg.optim.decay_steps is not None)
+            out.append((key, old[key], new[key], not same))
+    return out
+
+
+def _report_config_changes(cfg: Config, meta: dict, log) -> None:
+    """Says which config keys differ from the checkpoint's, flagging those that make the run differ."""
+    changes = config_changes(cfg, meta)
+    if not changes:
+        return
+    log.info(f"resuming with {len(changes)} config key(s) changed since the checkpoint:")
+    for key, before, now, changes_run in changes:
+        note = "  <- the run differs from an uninterrupted one" if changes_run else ""
+        log.info(f"  {key}: {before!r} -> {now!r}{note}")
 
 
 def _meta(cfg: Config, step: int, consumed: int) -> dict:
@@ -449,14 +475,14 @@ def run(cfg: Config) -> dict:
 
     mgr = checkpoint.manager_for(cfg)
     start, consumed = 0, 0
-    latest = mgr.latest_step()
-    if latest is not None:
-        fields, meta = checkpoint.restore(mgr, latest, setup.abstract_state, setup.state_shardings, cfg)
+    restored = checkpoint.restore_newest_readable(mgr, setup.abstract_state, setup.state_shardings, cfg, log)
+    if restored is not None:
+        fields, meta = restored
         state = TrainState(**fields)
         start, consumed = int(meta["step"]), int(meta["consumed_samples"])
         log.info(f"resumed from {checkpoint.checkpoint_dir(cfg)} step {start} ({consumed} samples consumed, "
                  f"written with layout {meta.get('layout')})")
-        _warn_if_data_changed(cfg, meta, log)
+        _report_config_changes(cfg, meta, log)
     else:
         state = init_state(setup)
         if cfg.checkpoint.load_from:  # a converted or exported model: its params, a fresh optimizer

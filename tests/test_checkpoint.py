@@ -101,6 +101,41 @@ def test_inspect_lists_steps_and_arrays(tmp_path):
     assert out.returncode == 0 and json.loads(out.stdout)["latest"] == 4
 
 
+def test_a_damaged_checkpoint_is_set_aside_and_the_run_resumes_from_the_newest_readable_one(tmp_path):
+    """Step 6 with an array file cut in half (TensorStore cannot read it) and step 4 with bytes flipped inside
+    one (it reads, but not as written: the checksum saved with it differs): the rerun names each in one line,
+    moves it aside untouched and resumes from step 2; naming an unreadable step with checkpoint.resume_step is
+    an error that says so."""
+    train_cli(tmp_path, "train.steps=6", "checkpoint.every=2", "checkpoint.async=false")
+    ckpt = tmp_path / "checkpoints"
+
+    def largest(step):
+        return max(glob.glob(str(ckpt / str(step) / "state" / "ocdbt.process_0" / "d" / "*")), key=os.path.getsize)
+
+    cut = largest(6)
+    os.truncate(cut, os.path.getsize(cut) // 2)
+    flipped, middle = largest(4), os.path.getsize(largest(4)) // 2
+    with open(flipped, "r+b") as f:
+        f.seek(middle)
+        data = f.read(64)
+        f.seek(middle)
+        f.write(bytes(b ^ 0xFF for b in data))
+    damaged = {p: open(p, "rb").read() for p in (cut, flipped)}
+    proc = train_cli(tmp_path, "train.steps=8", "checkpoint.every=2", "checkpoint.async=false",
+                     "checkpoint.resume_step=6", check=False)
+    assert proc.returncode == 2 and "checkpoint step 6" in proc.stderr and "cannot be read" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()[-1]) < 400  # one line, no TensorStore traceback
+    proc = train_cli(tmp_path, "train.steps=8", "checkpoint.every=2", "checkpoint.async=false")
+    out = proc.stdout
+    assert "checkpoint step 6 cannot be read (array " in out and "checkpoint step 4 cannot be read (array " in out
+    assert "resumed from" in out and "step 2 (16 samples consumed" in out
+    for path, data in damaged.items():  # set aside as they were
+        moved = path.replace(f"{os.sep}6{os.sep}", f"{os.sep}6.unreadable{os.sep}").replace(
+            f"{os.sep}4{os.sep}", f"{os.sep}4.unreadable{os.sep}")
+        assert open(moved, "rb").read() == data
+    assert read_metrics(tmp_path)[8]["loss"] < 10  # trained on from step 2: finite, sane
+
+
 def test_a_crash_mid_save_never_damages_earlier_steps(tmp_path):
     """An unfinished save (what kill -9 leaves behind) is ignored; the newest complete step is used."""
     train_cli(tmp_path, "train.steps=4", "checkpoint.every=2")

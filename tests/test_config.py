@@ -115,3 +115,20 @@ def test_the_defaults_fit_the_default_data():
     cfg = config_lib.Config()
     tok = tokenizers.resolve(cfg.data.tokenizer).build()
     assert not cfg.data.paths and cfg.model.vocab_size == tok.vocab_size == 257
+
+
+def test_resume_reports_every_changed_key_and_flags_those_that_change_the_run():
+    from megajax import train
+
+    saved = load("optim.lr=1e-3", "parallel.data=2", "train.steps=10")
+    meta = train._meta(saved, 5, 40)
+    now = load("optim.lr=2e-3", "parallel.data=4", "train.steps=20", "train.log_every=1")
+    changes = {key: (before, after, flagged) for key, before, after, flagged in train.config_changes(now, meta)}
+    assert changes == {"optim.lr": (1e-3, 2e-3, True), "parallel.data": (2, 4, False),
+                       "train.steps": (10, 20, True),  # the decay runs over train.steps (optim.decay_steps null)
+                       "train.log_every": (10, 1, False)}
+    lines = []
+    train._report_config_changes(now, meta, type("Log", (), {"info": lambda self, m: lines.append(m)})())
+    assert lines[0].startswith("resuming with 4 config key(s) changed") and any(
+        "optim.lr: 0.001 -> 0.002  <- the run differs" in line for line in lines)
+    assert train.config_changes(saved, meta) == []
