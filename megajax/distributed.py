@@ -32,6 +32,19 @@ def prefer_cpu_without_gpu() -> None:
         jax.config.update("jax_platforms", "cpu")
 
 
+def check_backend() -> None:
+    """Stops a run that would train on the CPU by accident: an NVIDIA GPU is visible but JAX's backend is the
+    CPU (a CPU-only jaxlib: `pip install -e .` without the gpu extra). JAX_PLATFORMS=cpu, or MEGAJAX_ALLOW_CPU=1,
+    trains on the CPU on purpose."""
+    import jax
+
+    if (os.path.exists("/dev/nvidiactl") and jax.default_backend() == "cpu"
+            and os.environ.get("JAX_PLATFORMS", "") != "cpu" and os.environ.get("MEGAJAX_ALLOW_CPU") != "1"):
+        raise ConfigError("an NVIDIA GPU is present but JAX runs on the CPU (no CUDA jaxlib): install the GPU build "
+                          "with pip install -e '.[gpu]', or set MEGAJAX_ALLOW_CPU=1 (or JAX_PLATFORMS=cpu) to train "
+                          "on the CPU on purpose")
+
+
 def initialize() -> None:
     """Joins the other processes of the job, if there are any (a no-op for a single process)."""
     import jax

@@ -647,6 +647,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_lib.load(args.config, args.set)
         distributed.initialize()
+        distributed.check_backend()
         run(cfg)
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -132,3 +132,18 @@ def test_resume_reports_every_changed_key_and_flags_those_that_change_the_run():
     assert lines[0].startswith("resuming with 4 config key(s) changed") and any(
         "optim.lr: 0.001 -> 0.002  <- the run differs" in line for line in lines)
     assert train.config_changes(saved, meta) == []
+
+
+def test_a_visible_gpu_with_a_cpu_backend_stops_training_unless_asked(monkeypatch):
+    """With an NVIDIA driver present and JAX on the CPU (a CPU-only jaxlib), training stops with the fix;
+    JAX_PLATFORMS=cpu or MEGAJAX_ALLOW_CPU=1 trains on the CPU on purpose."""
+    from megajax import distributed
+
+    real = os.path.exists
+    monkeypatch.setattr(os.path, "exists", lambda p: p == "/dev/nvidiactl" or real(p))
+    monkeypatch.setenv("JAX_PLATFORMS", "")
+    monkeypatch.delenv("MEGAJAX_ALLOW_CPU", raising=False)
+    with pytest.raises(ConfigError, match=r"pip install -e '\.\[gpu\]'"):
+        distributed.check_backend()
+    monkeypatch.setenv("MEGAJAX_ALLOW_CPU", "1")
+    distributed.check_backend()
