@@ -106,17 +106,16 @@ def device_peak(compute_dtype: str) -> tuple[float, str]:
 
 def setup_logging(process_index: int) -> None:
     """Python logging for the `megajax` loggers (megajax.data's index building, cache warnings), set once per
-    process: process 0 at INFO, the others at WARNING, one line per record on stderr. A handler the user has
-    put on the `megajax` logger already is left alone."""
+    process: process 0 at INFO, the others at WARNING, one line per record on stderr. Where the user (or a test
+    harness) has put handlers on the root or `megajax` logger, the records go there instead."""
     import logging
 
-    root = logging.getLogger("megajax")
-    root.setLevel(logging.INFO if process_index == 0 else logging.WARNING)
-    if not root.handlers:
+    logger = logging.getLogger("megajax")
+    logger.setLevel(logging.INFO if process_index == 0 else logging.WARNING)
+    if not logger.hasHandlers():
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
-        root.addHandler(handler)
-        root.propagate = False
+        logger.addHandler(handler)
 
 
 class MetricsLogger:

@@ -643,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
     distributed.prefer_cpu_without_gpu()
     if args.config is None:
         print("no --config: the built-in defaults (a 2-layer GPT-2 on the bundled corpus; --help lists every key, "
-              "configs/tiny.yaml is the tiny preset)", file=sys.stderr)
+              "configs/tiny.yaml is the tiny preset)")
     try:
         cfg = config_lib.load(args.config, args.set)
         distributed.initialize()

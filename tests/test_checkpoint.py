@@ -148,6 +148,7 @@ def test_a_crash_mid_save_never_damages_earlier_steps(tmp_path):
     assert checkpoint.inspect(str(ckpt))["latest"] == 6
 
 
+@pytest.mark.slow  # suite time (the default run stays under 15 minutes)
 def test_kill_during_async_saves_then_resume(tmp_path):
     """kill -9 while checkpoints are written every step: the restart finds a complete step and finishes."""
     sets = ["train.steps=40", "checkpoint.every=1", "checkpoint.keep=2"]

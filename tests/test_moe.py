@@ -195,6 +195,7 @@ def test_layer_reports_its_routing_statistics_through_the_stats_gradient(factor)
         assert want[-1] > 0
 
 
+@pytest.mark.slow  # suite time (the default run stays under 15 minutes)
 def test_routing_metrics_are_the_same_on_every_layout():
     """moe_aux_loss, moe_load_imbalance and moe_dropped_fraction sum over layers, micro batches and ranks as
     gradients do: one device and d 4 e 2 x p 2 (distributed optimizer) report the same; the stats parameter
@@ -268,6 +269,7 @@ def jax_key(name):
     return jax.tree_util.DictKey(name)
 
 
+@pytest.mark.slow  # suite time (the default run stays under 15 minutes)
 def test_router_bias_training_is_the_same_on_every_layout():
     """The bias moves on the step's load summed over micro batches and ranks: one device and d 4 e 2 x p 2 with
     the distributed optimizer (the bias sharded by it, with zero gradients) end with the same losses, gradient
