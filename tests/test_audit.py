@@ -219,7 +219,8 @@ def test_expert_parallel_all_to_alls_on_h100_target(factor):
 
 
 @gpu
-@pytest.mark.parametrize("mode", ["overlap", "zero-overlap", pytest.param("plain", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mode", ["overlap", pytest.param("zero-overlap", marks=pytest.mark.slow),
+                                  pytest.param("plain", marks=pytest.mark.slow)])  # suite time: two with -m slow
 def test_data_parallel_reduction_runs_under_the_backward_on_h100(mode):
     """gpt2-1.3b (24 layers), data 4 x tensor 2 with sequence parallelism, 4 micro batches of 1: with the
     reduction issued layer by layer in the last micro batch's backward (megajax/overlap.py, XLA's pipelined

@@ -234,6 +234,7 @@ def _one_step_stats(setup, state):
     return {k: float(v) for k, v in stats.items() if k.startswith("moe_")}, state
 
 
+@pytest.mark.slow  # suite time (the default run stays under 15 minutes)
 def test_cli_logs_routing_metrics(tmp_path):
     from conftest import read_metrics, train_cli
 
