@@ -518,6 +518,14 @@ def run(cfg: Config) -> dict:
             log.close()
 
 
+def _any_process(flag: bool) -> bool:
+    """Whether `flag` holds on any process (a one-element allgather over the job's processes)."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.asarray([flag], np.int32))))
+
+
 def _evaluate(cfg, setup, eval_fn, params, dataset) -> float:
     from megajax.data.loader import global_batch
 
@@ -588,10 +596,14 @@ def _loop(cfg, setup, step_fn, eval_fn, state, datasets, start, consumed, loader
             log.log({"step": done, "eval_loss": eval_loss_value, "eval_ppl": math.exp(min(eval_loss_value, 50))},
                     f"eval at step {done}: loss {eval_loss_value:.4f} | ppl {math.exp(min(eval_loss_value, 50)):.2f}")
         timed_out = deadline is not None and time.time() > deadline
-        if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == steps or stop.signal or timed_out:
+        stopping = bool(stop.signal) or timed_out
+        if jax.process_count() > 1:  # every process stops at the same step: agreed at each log step
+            stopping = done % cfg.train.log_every == 0 and _any_process(stopping)
+        if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == steps or stopping:
             log.log({"step": done, "checkpoint_blocking_s": _save(mgr, done, state, cfg, consumed, log)})
-        if stop.signal or timed_out:
-            log.info(f"stopping after step {done} ({stop.signal or 'train.exit_after_minutes'}): checkpoint saved")
+        if stopping:
+            why = stop.signal or ("train.exit_after_minutes" if timed_out else "a stop request on another process")
+            log.info(f"stopping after step {done} ({why}): checkpoint saved")
             break
     if pending is not None:
         _check_health(cfg, *pending, log, on_fatal=lambda: _save(mgr, step + 1, state, cfg, consumed, log))

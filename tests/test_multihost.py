@@ -95,3 +95,36 @@ def test_launcher_kills_the_rest_when_one_fails(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
     assert code != 0 and time.time() - start < 60
+
+
+@pytest.mark.slow  # two processes until a signal (about 30 s)
+def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path):
+    """SIGTERM to process 1 alone: the processes agree at the next log step, save one checkpoint together and
+    both exit 0 (decided per process, process 0 would train on while 1 waits in the save)."""
+    port = _free_port()
+    procs = []
+    for i in range(2):
+        env = cli_env(MEGAJAX_COORDINATOR=f"127.0.0.1:{port}", MEGAJAX_NUM_PROCESSES="2",
+                      MEGAJAX_PROCESS_ID=str(i), MEGAJAX_CPU_DEVICES="2")
+        cmd = [sys.executable, "-m", "megajax.train", "--config", "configs/tiny.yaml", "--set", *CLI_SMALL,
+               f"train.output_dir={tmp_path}", "train.steps=100000", "parallel.data=4", "train.log_every=2"]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE if i == 0 else subprocess.DEVNULL,
+                                      stderr=subprocess.STDOUT, text=True))
+    out = []
+    try:
+        for line in procs[0].stdout:
+            out.append(line)
+            if line.startswith("step 4/"):
+                procs[1].send_signal(signal.SIGTERM)
+                break
+        out += procs[0].stdout.readlines()
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    text = "".join(out)
+    assert codes == [0, 0], text[-3000:]
+    stopped = [line for line in out if line.startswith("stopping after step")]
+    assert len(stopped) == 1 and "a stop request on another process" in stopped[0], text[-3000:]
+    step = int(stopped[0].split()[3])
+    assert step % 2 == 0 and sorted(os.listdir(tmp_path / "checkpoints")) == [str(step)]
