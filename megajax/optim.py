@@ -96,6 +96,12 @@ class ZeroDim:
     size: int
     axes: tuple[str, ...]
 
+    @property
+    def data_only(self) -> bool:
+        """The shard is a slice over the data ranks alone (not of a tensor-sharded dim split further): the
+        gradient can be reduce-scattered onto it, and the weight all-gathered from it, over the data ranks."""
+        return "tensor" not in self.axes
+
 
 def zero_dim(shape: tuple[int, ...], spec: P, lead: int, mesh_shape: dict) -> ZeroDim | None:
     """The dim that shards a parameter's optimizer state over its data-parallel ranks.

@@ -88,12 +88,11 @@ class Reduction:
         """Zeros shaped (and varying) as this reduction leaves the gradient of w (the weight as it arrives)
         inside the step's shard_map."""
         shape, axes = list(w.shape), tuple(sharding.varying_axes(w))
-        if self.zero is not None:
-            if self.local:
-                shape[self.zero.dim] = self.zero.size if self.gather else shape[self.zero.dim]
-            else:
-                mesh = jax.sharding.get_abstract_mesh()
-                shape[self.zero.dim] = self.zero.size // math.prod(mesh.shape[a] for a in self._manual())
+        if self.zero is not None and self.local and self.gather:  # the whole weight, gathered from its shard
+            shape[self.zero.dim] = self.zero.size
+        elif self.zero is not None and not self.local:  # the optimizer shard
+            mesh = jax.sharding.get_abstract_mesh()
+            shape[self.zero.dim] = self.zero.size // math.prod(mesh.shape[a] for a in self._manual())
         if self.local or self.zero is not None:
             axes += self.axes
         return sharding.vary(jnp.zeros(shape, w.dtype), axes)

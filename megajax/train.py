@@ -98,8 +98,8 @@ def _layout_spec(cfg: Config, names: tuple) -> P:
 def _gathered(cfg: Config, params, zero_dims):
     """StepSetup.gathered_params: with parallel.overlap_param_gather, every weight whose optimizer shard is an
     unpadded slice over the data ranks alone (not a tensor-sharded dim split further)."""
-    return jax.tree.map(lambda a, z: bool(cfg.parallel.overlap_param_gather and z is not None
-                                          and "tensor" not in z.axes and z.size == a.shape[z.dim]),
+    return jax.tree.map(lambda a, z: bool(cfg.parallel.overlap_param_gather and z is not None and z.data_only
+                                          and z.size == a.shape[z.dim]),
                         params, zero_dims, is_leaf=lambda x: x is None)
 
 
@@ -301,7 +301,7 @@ def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
         # In the backward, the distributed optimizer's gradients are scattered onto their optimizer shards,
         # except where the sharded dim is also tensor-sharded (a column-parallel bias): those few bytes are
         # all-reduced there and sliced after.
-        scattered = jax.tree.map(lambda z: z is not None and "tensor" not in z.axes, zero, is_leaf=is_none)
+        scattered = jax.tree.map(lambda z: z is not None and z.data_only, zero, is_leaf=is_none)
         reductions = jax.tree.map(lambda z, sc, a, s, g: overlap.Reduction(a, z, s, gather=g) if sc
                                   else overlap.Reduction(a), zero, scattered, reduce_axes, p_specs,
                                   setup.gathered_params(), is_leaf=is_none)
@@ -425,10 +425,8 @@ def config_changes(cfg: Config, meta: dict) -> list[tuple[str, Any, Any, bool]]:
     """(key, in the checkpoint, now, changes the run) for every config key that differs from the checkpoint's
     config; `changes the run`: the resumed run differs from an uninterrupted one (other hyperparameters, other
     batches, a schedule over other steps)."""
-    def flat(tree, prefix=""):
-        return {k: v for key, value in tree.items()
-                for k, v in (flat(value, f"{prefix}{key}.").items() if isinstance(value, dict)
-                             else [(f"{prefix}{key}", value)])}
+    def flat(tree):  # {section: {key: value}} -> {"section.key": value}
+        return {f"{section}.{key}": value for section, keys in tree.items() for key, value in keys.items()}
 
     old, new = flat(meta.get("config", {})), flat(cfg.to_dict())
     out = []
