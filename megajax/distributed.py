@@ -10,7 +10,9 @@ environment) or explicitly, as scripts/launch_local.sh does, with
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 
 from megajax.config import ConfigError
 
@@ -61,4 +63,34 @@ def initialize() -> None:
                                    int(env["MEGAJAX_PROCESS_ID"]), heartbeat_timeout_seconds=_heartbeat_timeout(),
                                    initialization_timeout=120)
     elif int(env.get("SLURM_NTASKS", "1")) > 1:
-        jax.distributed.initialize(heartbeat_timeout_seconds=_heartbeat_timeout())
+        jax.distributed.initialize(local_device_ids=slurm_local_device_ids(env),
+                                   heartbeat_timeout_seconds=_heartbeat_timeout())
+
+
+def _tasks_on_this_node(env) -> int | None:
+    """This node's task count from SLURM's compressed list ("2(x3),1": 2 tasks on each of 3 nodes, then 1)."""
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if not spec or "SLURM_NODEID" not in env:
+        return None
+    counts = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            return None
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    node = int(env["SLURM_NODEID"])
+    return counts[node] if node < len(counts) else None
+
+
+def slurm_local_device_ids(env) -> list[int] | None:
+    """The GPUs a SLURM task uses. One task per GPU: None, JAX's own choice (the GPU of SLURM_LOCALID). One task per
+    node: every GPU the node gives the task, which JAX would otherwise also reduce to the GPU of SLURM_LOCALID (0)."""
+    if _tasks_on_this_node(env) != 1:
+        return None
+    visible = env.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if visible:
+        return list(range(len(visible.split(","))))
+    if env.get("SLURM_GPUS_ON_NODE", "").isdigit():
+        return list(range(int(env["SLURM_GPUS_ON_NODE"])))
+    gpus = glob.glob("/dev/nvidia[0-9]*")
+    return list(range(len(gpus))) if gpus else None

@@ -128,3 +128,16 @@ def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path):
     assert len(stopped) == 1 and "a stop request on another process" in stopped[0], text[-3000:]
     step = int(stopped[0].split()[3])
     assert step % 2 == 0 and sorted(os.listdir(tmp_path / "checkpoints")) == [str(step)]
+
+
+@pytest.mark.parametrize("env, want", [
+    ({"SLURM_STEP_TASKS_PER_NODE": "8(x2)", "SLURM_NODEID": "1", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}, None),
+    ({"SLURM_STEP_TASKS_PER_NODE": "1(x4)", "SLURM_NODEID": "3", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}, [0, 1, 2, 3]),
+    ({"SLURM_TASKS_PER_NODE": "2,1", "SLURM_NODEID": "1", "SLURM_GPUS_ON_NODE": "8"}, list(range(8))),
+    ({"SLURM_TASKS_PER_NODE": "2,1", "SLURM_NODEID": "0", "SLURM_GPUS_ON_NODE": "8"}, None),
+])
+def test_slurm_one_task_per_node_uses_every_gpu_of_the_node(env, want):
+    """JAX binds a SLURM task to the GPU of SLURM_LOCALID; with one task per node that would be GPU 0 alone."""
+    from megajax.distributed import slurm_local_device_ids
+
+    assert slurm_local_device_ids(env) == want
