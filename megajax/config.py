@@ -57,6 +57,11 @@ class ModelConfig:
     norm_impl: Literal["xla", "pallas"] = "xla"  # pallas: the fused normalization kernel
     norm_eps: float = 1e-5  # LayerNorm / RMSNorm epsilon
     rope_theta: float = 10000.0  # RoPE base (llama)
+    rope_scaling: Literal["none", "llama3"] = "none"  # llama3: Llama 3.1's frequency scaling for long context
+    rope_scaling_factor: float = 8.0  # llama3 scaling: low frequencies are divided by this
+    rope_low_freq_factor: float = 1.0  # llama3 scaling: wavelengths above original / this are scaled fully
+    rope_high_freq_factor: float = 4.0  # llama3 scaling: wavelengths below original / this are kept
+    rope_original_max_positions: int = 8192  # llama3 scaling: the context length the model was trained at
     tie_embeddings: bool | None = None  # output layer = embedding table; null: tied for gpt2, not for llama
     init_std: float = 0.02  # standard deviation of the weights' normal init
     # Mixture of experts (Mixtral / DeepSeek style): 0 experts = the dense MLP
@@ -100,6 +105,12 @@ class ModelConfig:
             _check(self.moe_router_bias_update_rate >= 0, "model.moe_router_bias_update_rate must be >= 0 (0: off)")
         _check(self.param_dtype != "float16", "model.param_dtype=float16 is not supported: keep float32 master "
                "weights and set model.compute_dtype=float16")
+        if self.rope_scaling != "none":
+            _check(self.arch == "llama", f"model.rope_scaling={self.rope_scaling} needs RoPE: set model.arch=llama")
+            _check(self.rope_scaling_factor >= 1 and self.rope_original_max_positions > 0
+                   and self.rope_high_freq_factor > self.rope_low_freq_factor > 0,
+                   "model.rope_scaling=llama3 needs rope_scaling_factor >= 1, rope_original_max_positions > 0 and "
+                   "rope_high_freq_factor > rope_low_freq_factor > 0 (Llama 3.1: 8, 8192, 4 and 1)")
 
     @property
     def kv_heads(self) -> int:
@@ -201,6 +212,8 @@ class TrainConfig:
     exit_after_minutes: float | None = None  # save and exit cleanly after this much wall time
     profile_start: int = 0  # the first step (0-based) traced with jax.profiler when profile_steps > 0
     profile_steps: int = 0  # steps traced into <train.output_dir>/profile (TensorBoard / Perfetto; 0: none)
+    wandb_project: str | None = None  # also log to this Weights & Biases project (pip install -e '.[wandb]')
+    wandb_exp_name: str | None = None  # the W&B run's name; null: the last part of train.output_dir
 
     def __post_init__(self):
         _check(self.steps >= 1, f"train.steps must be >= 1, got {self.steps}")

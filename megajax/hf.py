@@ -107,8 +107,14 @@ def _llama_config(hf: dict) -> ModelConfig:
     _require(not hf.get("mlp_bias", False), "Llama mlp_bias=true is not supported")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    _require(rope_type == "default", f"Llama rope type {rope_type!r} is not supported: only plain RoPE "
-                                     "(rope_type 'default', no scaling)")
+    _require(rope_type in ("default", "llama3"), f"Llama rope type {rope_type!r} is not supported: only plain "
+                                                 "RoPE (rope_type 'default') and Llama 3.1's 'llama3' scaling")
+    scaling = {}
+    if rope_type == "llama3":
+        scaling = dict(rope_scaling="llama3", rope_scaling_factor=float(rope["factor"]),
+                       rope_low_freq_factor=float(rope["low_freq_factor"]),
+                       rope_high_freq_factor=float(rope["high_freq_factor"]),
+                       rope_original_max_positions=int(rope["original_max_position_embeddings"]))
     d, h = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or d // h
     _require(head_dim * h == d, f"Llama head_dim={head_dim} with num_attention_heads={h} does not give "
@@ -119,7 +125,7 @@ def _llama_config(hf: dict) -> ModelConfig:
         vocab_size=hf["vocab_size"], seq_length=hf.get("max_position_embeddings", 2048),
         norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 1e4))),
         attention_dropout=hf.get("attention_dropout", 0.0),
-        tie_embeddings=hf.get("tie_word_embeddings", False), init_std=hf.get("initializer_range", 0.02))
+        tie_embeddings=hf.get("tie_word_embeddings", False), init_std=hf.get("initializer_range", 0.02), **scaling)
 
 
 def _mixtral_config(hf: dict) -> ModelConfig:
@@ -172,6 +178,10 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", base: dict | 
                    attn_pdrop=cfg.attention_dropout, scale_attn_weights=True)
     else:
         rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+        if cfg.rope_scaling == "llama3":
+            rope.update(rope_type="llama3", factor=cfg.rope_scaling_factor, low_freq_factor=cfg.rope_low_freq_factor,
+                        high_freq_factor=cfg.rope_high_freq_factor,
+                        original_max_position_embeddings=cfg.rope_original_max_positions)
         out.update(num_hidden_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
                    num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim,
                    intermediate_size=cfg.ffn_size, max_position_embeddings=cfg.seq_length,

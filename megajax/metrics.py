@@ -12,13 +12,14 @@ import json
 import math
 import os
 import time
+import uuid
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from megajax.config import ModelConfig
+from megajax.config import ConfigError, ModelConfig
 
 # dense peak FLOP/s per GPU by compute dtype (float32 matmuls run as TF32 on these GPUs)
 PEAK_FLOPS = {
@@ -119,15 +120,18 @@ def setup_logging(process_index: int) -> None:
 
 
 class MetricsLogger:
-    """One line per log step on stdout, one JSON object per line in metrics.jsonl, TensorBoard scalars.
+    """One line per log step on stdout, one JSON object per line in metrics.jsonl, TensorBoard scalars, and
+    Weights & Biases when `wandb` (project, name, config) is given.
 
-    Only process 0 writes; the others are silent.
+    Only process 0 writes; the others are silent. A resumed run logs to the same W&B run (its id is kept in
+    <output_dir>/wandb_run_id).
     """
 
-    def __init__(self, output_dir: str | os.PathLike, enabled: bool = True):
+    def __init__(self, output_dir: str | os.PathLike, enabled: bool = True, wandb: dict | None = None):
         self.enabled = enabled
         self._jsonl = None
         self._tb = None
+        self._wandb = None
         if enabled:
             out = Path(output_dir)
             out.mkdir(parents=True, exist_ok=True)
@@ -138,6 +142,8 @@ class MetricsLogger:
                 self._tb = SummaryWriter(str(out / "tensorboard"))
             except ImportError:  # TensorBoard is optional: the JSONL log is the record
                 self._tb = None
+            if wandb is not None:
+                self._wandb = _wandb_run(out, **wandb)
 
     def log(self, record: dict, line: str | None = None) -> None:
         if not self.enabled:
@@ -145,11 +151,14 @@ class MetricsLogger:
         if line:
             print(line, flush=True)
         self._jsonl.write(json.dumps(record) + "\n")
+        step = record.get("step", 0)
+        scalars = {k: v for k, v in record.items()
+                   if k != "step" and isinstance(v, (int, float)) and math.isfinite(v)}
         if self._tb is not None:
-            step = record.get("step", 0)
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    self._tb.add_scalar(key, value, step)
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
 
     def info(self, message: str) -> None:
         if self.enabled:
@@ -160,6 +169,28 @@ class MetricsLogger:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def require_wandb() -> None:
+    """Every process checks before training that the W&B client is there (process 0 alone would fail later)."""
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise ConfigError("train.wandb_project is set but wandb is not installed: pip install -e '.[wandb]' "
+                          "(or unset train.wandb_project)") from None
+
+
+def _wandb_run(out: Path, project: str, name: str | None, config: dict):
+    require_wandb()
+    import wandb
+
+    id_file = out / "wandb_run_id"
+    run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
+    id_file.write_text(run_id + "\n")
+    return wandb.init(project=project, name=name or out.resolve().name, id=run_id, resume="allow", dir=str(out),
+                      config=config)
 
 
 def format_eta(seconds: float) -> str:

@@ -417,7 +417,7 @@ class _StopRequest:
 # resumed with them changed continues as an uninterrupted one would (layouts agree to float tolerance).
 _SAME_RUN_KEYS = ("parallel.", "model.attention_impl", "model.norm_impl", "model.recompute", "train.log_every",
                   "train.eval_every", "train.eval_batches", "train.output_dir", "train.max_bad_steps",
-                  "train.exit_after_minutes", "train.profile_", "data.prefetch", "data.cache_dir",
+                  "train.exit_after_minutes", "train.profile_", "train.wandb_", "data.prefetch", "data.cache_dir",
                   "data.index_cache_dir", "checkpoint.")
 
 
@@ -467,7 +467,11 @@ def run(cfg: Config) -> dict:
     gbs, steps = cfg.train.global_batch_size, cfg.train.steps
     is_main = jax.process_index() == 0
     metrics_lib.setup_logging(jax.process_index())
-    log = metrics_lib.MetricsLogger(cfg.train.output_dir, enabled=is_main)
+    wandb = None
+    if cfg.train.wandb_project:
+        metrics_lib.require_wandb()
+        wandb = dict(project=cfg.train.wandb_project, name=cfg.train.wandb_exp_name, config=cfg.to_dict())
+    log = metrics_lib.MetricsLogger(cfg.train.output_dir, enabled=is_main, wandb=wandb)
     num_eval = cfg.train.eval_batches * gbs if cfg.train.eval_every else 0
     datasets = build_datasets(cfg, {"train": steps * gbs, **({"valid": num_eval} if num_eval else {})})
 

@@ -6,6 +6,7 @@ redrawn with a large spread (norm scales around 1, everything else N(0, 0.2)) so
 of order 1-10 and every tensor, biases and norms included, moves them.
 """
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -28,7 +29,11 @@ CASES = {
     "gpt2-tied": dict(arch="gpt2"),
     "gpt2-untied": dict(arch="gpt2", tie_word_embeddings=False),
     "llama-gqa-untied": dict(arch="llama", num_key_value_heads=2),
-    "llama-gqa-tied": dict(arch="llama", num_key_value_heads=2, tie_word_embeddings=True),
+    # Llama 3.2's kind: GQA, tied output, Llama 3.1's RoPE scaling (original 64 positions: at head dim 8 and theta
+    # 500 the wavelengths 6, 30, 140 and 660 fall under the kept, interpolated and scaled bands)
+    "llama3-gqa-tied": dict(arch="llama", num_key_value_heads=2, tie_word_embeddings=True, rope_parameters=dict(
+        rope_type="llama3", rope_theta=500.0, factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64)),
     "llama-mha": dict(arch="llama", num_key_value_heads=8),
     "mixtral": dict(arch="mixtral", num_key_value_heads=2),
 }
@@ -96,7 +101,7 @@ def test_logits_match_transformers(models, case):
     assert diff < 1e-4
 
 
-@pytest.mark.parametrize("case", ["gpt2-tied", "gpt2-untied", "llama-gqa-untied", "llama-gqa-tied", "mixtral"])
+@pytest.mark.parametrize("case", ["gpt2-tied", "gpt2-untied", "llama-gqa-untied", "llama3-gqa-tied", "mixtral"])
 def test_export_then_reload_reproduces_the_weights(models, case, tmp_path):
     hf_model, src, ckpt = models[case]
     files = convert.to_hf(ckpt, tmp_path / "out", max_shard_size="30KB" if "tied" in case else "5GB")
@@ -131,7 +136,7 @@ def test_bfloat16_weights(models, tmp_path):
     import ml_dtypes
     from safetensors.numpy import load_file, save_file
 
-    hf_model, src, _ = models["llama-gqa-tied"]
+    hf_model, src, _ = models["llama3-gqa-tied"]
     bf16 = {k: v.astype(ml_dtypes.bfloat16) for k, v in load_file(src / "model.safetensors").items()}
     (tmp_path / "src").mkdir()
     save_file(bf16, tmp_path / "src" / "model.safetensors", metadata={"format": "pt"})
@@ -158,7 +163,7 @@ def _convert_error(capsys, args) -> str:
 def test_conversion_errors_name_the_problem(models, tmp_path, capsys):
     from safetensors.numpy import load_file, save_file
 
-    _, src, _ = models["llama-gqa-tied"]
+    _, src, _ = models["llama3-gqa-tied"]
     tensors = load_file(src / "model.safetensors")
     config = json.loads((src / "config.json").read_text())
 
@@ -180,9 +185,9 @@ def test_conversion_errors_name_the_problem(models, tmp_path, capsys):
     extra = {"model.layers.2.input_layernorm.weight": np.ones(64, np.float32)}
     err = _convert_error(capsys, folder("extra", add=extra))
     assert "unexpected tensor 'model.layers.2.input_layernorm.weight'" in err
-    rope = {"rope_type": "llama3", "rope_theta": 1e4}
+    rope = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}
     err = _convert_error(capsys, folder("rope", {**config, "rope_parameters": rope}))
-    assert "llama3" in err
+    assert "'yarn' is not supported" in err
     err = _convert_error(capsys, ["to-hf", "--checkpoint", str(tmp_path), "--output", str(tmp_path / "x")])
     assert "is not a megajax checkpoint" in err
 
@@ -385,3 +390,26 @@ def test_mixture_of_experts_conversion_errors():
         hf.model_config_from_hf({**mixtral, "sliding_window": 16})
     cfg = hf.model_config_from_hf(mixtral)
     assert (cfg.arch, cfg.num_experts, cfg.experts_per_token, cfg.moe_ffn_size) == ("llama", 4, 2, 96)
+
+
+def test_llama_3_2_1b_config_json_gives_the_preset():
+    """The released config.json of meta-llama/Llama-3.2-1B (its fields as published) imports as
+    configs/llama3.2-1b.yaml's model, apart from the training choices (sequence length, dtype, recompute)."""
+    from megajax import config as config_lib, hf
+
+    released = {"architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+                "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu",
+                "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 8192,
+                "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32,
+                "num_hidden_layers": 16, "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+                "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                 "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+                "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_cache": True,
+                "vocab_size": 128256}
+    got = hf.model_config_from_hf(released)
+    preset = config_lib.load(f"{REPO}/configs/llama3.2-1b.yaml").model
+    training = ("seq_length", "compute_dtype", "recompute")
+    differ = {f.name for f in dataclasses.fields(got) if getattr(got, f.name) != getattr(preset, f.name)}
+    assert differ <= set(training), differ
+    assert got.tied and got.rope_scaling == "llama3" and got.head_dim == 64
+    assert hf.hf_config_from_model(got)["rope_parameters"] == {**released["rope_scaling"], "rope_theta": 500000.0}

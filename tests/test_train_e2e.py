@@ -58,3 +58,66 @@ def test_bad_input_fails_before_compiling_with_the_fix(tmp_path, sets, needle):
     assert proc.returncode == 2
     assert needle in proc.stderr and "Traceback" not in proc.stderr
     assert "compiled" not in proc.stdout
+
+
+def _wandb_records(run_file) -> list:
+    """The records of a W&B run file (what `wandb sync` uploads): a 7-byte header, then LevelDB log blocks of
+    32 KiB whose chunks are crc (4), length (2), type (1: whole, 2: first, 3: middle, 4: last) and data."""
+    from wandb.proto import wandb_internal_pb2
+
+    raw = open(run_file, "rb").read()
+    assert raw[:4] == b":W&B"
+    pos, block, records, parts = 7, 32768, [], b""
+    while pos + 7 <= len(raw):
+        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(raw[pos + 4:pos + 6], "little"), raw[pos + 6]
+        if kind == 0:
+            break
+        parts += raw[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            rec = wandb_internal_pb2.Record()
+            rec.ParseFromString(parts)
+            records.append(rec)
+            parts = b""
+    return records
+
+
+def test_weights_and_biases_gets_the_metrics_and_a_resume_continues_its_run(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="the wandb extra (also in the test extra)")
+    from megajax.metrics import MetricsLogger
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = tmp_path / "run"
+    train_cli(run, "train.steps=2", "train.wandb_project=megajax-test", "train.wandb_exp_name=tiny-wandb")
+    (run_file,) = run.glob("wandb/offline-run-*/run-*.wandb")
+    records = _wandb_records(run_file)
+    (info,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert info.project == "megajax-test" and info.display_name == "tiny-wandb"
+    assert info.run_id == (run / "wandb_run_id").read_text().strip()
+    config = {item.key: json.loads(item.value_json) for item in info.config.update}
+    assert config["model"]["hidden_size"] == 64
+    history = [{"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in r.history.item} | {
+        "step": r.history.step.num} for r in records if r.WhichOneof("record_type") == "history"]
+    logged = read_metrics(run)
+    assert [h["step"] for h in history] == [1, 2]
+    assert [h["loss"] for h in history] == pytest.approx([logged[s]["loss"] for s in (1, 2)])
+
+    # the resumed run (a new process, here a new logger on the same output_dir) logs to the same W&B run
+    log = MetricsLogger(run, wandb=dict(project="megajax-test", name=None, config={}))
+    log.log({"step": 3, "loss": 1.5})
+    log.close()
+    runs = sorted(run.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(runs) == 2 and runs[0].name == runs[1].name
+
+
+def test_wandb_missing_is_an_error_that_names_the_extra(monkeypatch, tmp_path):
+    from megajax import metrics
+    from megajax.config import ConfigError
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    with pytest.raises(ConfigError, match=r"pip install -e '\.\[wandb\]'"):
+        metrics.MetricsLogger(tmp_path, wandb=dict(project="p", name=None, config={}))

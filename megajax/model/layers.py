@@ -158,11 +158,27 @@ class Embed(nn.Module):
         return constrain(x, RESIDUAL)
 
 
-def rope(x_bshk: jax.Array, theta: float, offset: jax.Array | int = 0) -> jax.Array:
+def rope_inv_freq(cfg: ModelConfig, head_dim: int) -> jax.Array:
+    """RoPE's inverse frequencies [head_dim / 2], with Llama 3.1's scaling when model.rope_scaling=llama3: the
+    low frequencies (wavelengths above original / low_freq_factor) are divided by the factor, the high ones
+    (below original / high_freq_factor) are kept, and those between are interpolated (as Hugging Face's
+    rope_type 'llama3')."""
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if cfg.rope_scaling == "none":
+        return inv_freq
+    factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    original = cfg.rope_original_max_positions
+    wavelen = 2 * jnp.pi / inv_freq
+    scaled = jnp.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    between = (wavelen >= original / high) & (wavelen <= original / low)
+    return jnp.where(between, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+
+
+def rope(x_bshk: jax.Array, inv_freq: jax.Array, offset: jax.Array | int = 0) -> jax.Array:
     """Rotary position embedding, "rotate half" convention (as Hugging Face's Llama); the s positions
     start at `offset` (nonzero when decoding with a KV cache)."""
-    s, k = x_bshk.shape[1], x_bshk.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, k, 2, dtype=jnp.float32) / k))
+    s = x_bshk.shape[1]
     positions = jnp.arange(s, dtype=jnp.float32) + jnp.asarray(offset, jnp.float32)
     angles = positions[:, None] * inv_freq[None, :]  # [s, k/2]
     cos = jnp.concatenate([jnp.cos(angles)] * 2, -1)[None, :, None, :]
@@ -230,7 +246,8 @@ class Attention(nn.Module):
         q = qkv[:, :, :, :r].reshape(b, s, h, k)  # query head i uses kv head i // r
         kk, v = qkv[:, :, :, r], qkv[:, :, :, r + 1]
         if cfg.arch == "llama":
-            q, kk = rope(q, cfg.rope_theta, offset), rope(kk, cfg.rope_theta, offset)
+            inv_freq = rope_inv_freq(cfg, q.shape[-1])
+            q, kk = rope(q, inv_freq, offset), rope(kk, inv_freq, offset)
         q = constrain(q, ("batch", None, "heads", "head_dim"))
         kk = constrain(kk, ("batch", None, "kv_heads", "head_dim"))
         v = constrain(v, ("batch", None, "kv_heads", "head_dim"))
