@@ -28,6 +28,7 @@ from pathlib import Path
 from megajax.config import ConfigError
 
 TARGETS = ("cpu", "a100", "h100", "h200")
+FP8_TARGETS = ("h100", "h200")  # FP8 tensor cores (sm_90); the A100 (sm_80) has none
 # Custom-call targets of Pallas GPU kernels: Triton (XLA's own, and the FFI path used for ROCm), Mosaic GPU.
 KERNEL_CALL_TARGETS = ("__gpu$xla.gpu.triton", "triton_kernel_call_ffi", "mosaic_gpu", "mosaic_gpu_v2")
 GPUS_PER_HOST = 8
@@ -154,6 +155,10 @@ def audit(cfg, target: str = "cpu", devices: int | None = None, dump_hlo: str | 
             raise ConfigError(f"--devices {devices} but JAX has {len(devs)} CPU devices: run through "
                              "`python -m megajax.audit` (it sets the count) or set jax_num_cpu_devices")
     else:
+        if cfg.model.fp8 != "none" and target not in FP8_TARGETS:
+            raise ConfigError(f"model.fp8={cfg.model.fp8}: the {target} target has no FP8 tensor cores (FP8 GEMMs need "
+                              f"compute capability 8.9 or newer: {', '.join(sorted(FP8_TARGETS))}); set "
+                              "model.fp8=none or use --target h100")
         devs = _gpu_devices(target, devices or 8)
     cfg, mesh, compiled, setup = compile_step(cfg, devs)
     text = compiled.as_text()
@@ -193,6 +198,8 @@ def audit(cfg, target: str = "cpu", devices: int | None = None, dump_hlo: str | 
         "xla_flops_per_device": (cost or {}).get("flops"),
         "megatron_flops_per_step": flops,
         "program_gemm_flops_per_device": gemm,
+        "fp8": {"format": cfg.model.fp8, "gemms": gemm["gemms"], "fp8_gemms": gemm["fp8_gemms"],
+                "fp8_flop_share": gemm["fp8"] / gemm["total"] if gemm["total"] else 0.0},
         "megatron_hardware_flops_per_device": flops["hardware_flops"] / len(devs),
         "megatron_expected_tensor_collectives": megatron_expected(cfg),
         "expected_expert_all_to_all": expected_all_to_all(cfg),

@@ -55,6 +55,7 @@ class ModelConfig:
     recompute: Literal["none", "selective", "full"] = "none"  # activation recomputation in the backward
     attention_impl: Literal["xla", "pallas", "cudnn"] = "xla"  # pallas: the fused flash-attention kernel
     norm_impl: Literal["xla", "pallas"] = "xla"  # pallas: the fused normalization kernel
+    fp8: Literal["none", "hybrid", "e4m3"] = "none"  # FP8 linear layers: hybrid = e4m3 forward, e5m2 gradients
     norm_eps: float = 1e-5  # LayerNorm / RMSNorm epsilon
     rope_theta: float = 10000.0  # RoPE base (llama)
     rope_scaling: Literal["none", "llama3"] = "none"  # llama3: Llama 3.1's frequency scaling for long context

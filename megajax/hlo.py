@@ -287,23 +287,42 @@ def _own_gemm_flops(op, shapes: dict[str, str]) -> float:
     return 2.0 * math.prod(_dims(shape_text)) * math.prod(lhs[i] for i in ks)
 
 
+def _is_fp8(op, shapes: dict[str, str]) -> bool:
+    """A GEMM with FP8 operands: cuBLASLt's FP8 call, or a dot (a Triton GEMM's) whose left operand is FP8."""
+    _, _, opcode, rest = op
+    if opcode == "custom-call":
+        return 'custom_call_target="__cublas$lt$matmul$f8"' in rest
+    first = re.match(r"\s*(?:([a-z][a-z0-9]*\[[0-9,]*\])\S*\s+)?%?([\w.\-]+)", rest)
+    lhs = (first.group(1) or shapes.get(first.group(2), "")) if first else ""
+    return lhs.startswith("f8")
+
+
 def gemm_flops(hlo_text: str) -> dict[str, float]:
     """The matmul FLOPs of one step of a compiled module: 2 x output elements x contracted size over every
     dot (also inside fusions: XLA:GPU's Triton GEMMs) and cuBLAS GEMM custom call, times the executions of
     its computation. `in_conditional`: the part inside conditional branches, counted as if every branch ran
-    (an upper bound: the pipeline's ticks run one branch each)."""
+    (an upper bound: the pipeline's ticks run one branch each). `fp8`: the FLOPs of GEMMs with FP8 operands;
+    `gemms` and `fp8_gemms`: the GEMM sites in the program (a GEMM inside a loop body counts once)."""
     comps, multiplicity, conditional = _walk(hlo_text)
-    total = in_cond = 0.0
+    total = in_cond = fp8 = 0.0
+    sites = fp8_sites = 0
     for comp, ops in comps.items():
         mult = multiplicity.get(comp, 0)
         if not mult:
             continue
         shapes = {name: shape_text for name, shape_text, _, _ in ops}
         for op in ops:
-            flops = _own_gemm_flops(op, shapes) * mult
+            own = _own_gemm_flops(op, shapes)
+            if not own:
+                continue
+            flops = own * mult
             total += flops
             in_cond += flops if conditional[comp] else 0.0
-    return {"total": total, "in_conditional": in_cond}
+            sites += 1
+            if _is_fp8(op, shapes):
+                fp8 += flops
+                fp8_sites += 1
+    return {"total": total, "in_conditional": in_cond, "fp8": fp8, "gemms": sites, "fp8_gemms": fp8_sites}
 
 
 def _inclusive_flops(comps):

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from megajax import kernels
 from megajax.config import ModelConfig
+from megajax.model import fp8
 from megajax.sharding import constrain
 
 RESIDUAL = ("batch", "seq", "embed")  # the residual stream: sequence-sharded with sequence parallelism
@@ -67,14 +68,19 @@ WEIGHT_EINSUMS = {"wqkv": "bsd,dgjk->bsgjk", "wo": "bshk,hkd->bsd", "w_gate_up":
 
 
 def weight_einsum(module: nn.Module, name: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """einsum(WEIGHT_EINSUMS[name], x, w) for the parameter `name` of `module`, with the zero-bubble hooks."""
+    """einsum(WEIGHT_EINSUMS[name], x, w) for the parameter `name` of `module`, with the zero-bubble hooks; in
+    FP8 with model.fp8 (megajax/model/fp8.py)."""
     module.sow(TAP_INPUTS, name, x, init_fn=lambda: None, reduce_fn=lambda _, new: new)
-    return module.perturb(name, jnp.einsum(WEIGHT_EINSUMS[name], x, w), collection=TAP_GRADS)
+    spec, fmt = WEIGHT_EINSUMS[name], module.cfg.fp8
+    y = jnp.einsum(spec, x, w) if fmt == "none" else fp8.einsum(spec, fmt, x, w)
+    return module.perturb(name, y, collection=TAP_GRADS)
 
 
-def weight_grad(name: str, x: jax.Array, dy: jax.Array, w: jax.Array) -> jax.Array:
+def weight_grad(name: str, fmt: str, x: jax.Array, dy: jax.Array, w: jax.Array) -> jax.Array:
     """The gradient of parameter `name` (w's shape and dtype) from its matmul's input x and output gradient dy,
-    computed in x's dtype as the fused backward does."""
+    computed in x's dtype (or FP8, `fmt` = model.fp8) as the fused backward does."""
+    if fmt != "none":
+        return fp8.weight_grad(WEIGHT_EINSUMS[name], fmt, x, dy).astype(w.dtype)
     return jax.vjp(lambda w: jnp.einsum(WEIGHT_EINSUMS[name], x, w.astype(x.dtype)), w)[1](dy)[0]
 
 

@@ -516,12 +516,12 @@ def split_linearize(mcfg, w: dict, x: jax.Array, taps: dict, keys, first):
     return jax.vjp(run, x, taps, small, has_aux=True)
 
 
-def split_weight_grads(w: dict, inputs: dict, dys: dict) -> dict:
+def split_weight_grads(w: dict, inputs: dict, dys: dict, fmt: str) -> dict:
     """W: the gradients of the chunk's tapped weights, flat {path: [Lc, ...]}, from each matmul's input and
-    output gradient (one matmul per weight and layer)."""
+    output gradient (one matmul per weight and layer; FP8 with `fmt` = model.fp8)."""
     big, _ = split_weights(w, dys)
     x, dy = flax.traverse_util.flatten_dict(inputs), flax.traverse_util.flatten_dict(dys)
-    return {k: jax.vmap(functools.partial(layers_lib.weight_grad, k[-1]))(x[k], dy[k], val) for k, val in big.items()}
+    return {k: jax.vmap(functools.partial(layers_lib.weight_grad, k[-1], fmt))(x[k], dy[k], val) for k, val in big.items()}
 
 
 class _SplitChunkActions(_ChunkActions):
@@ -566,7 +566,7 @@ class _SplitChunkActions(_ChunkActions):
             if kind == NONE:
                 return vary(g_layers)
             _, inputs = jax.tree.unflatten(self._res_tree, res)
-            dw = split_weight_grads(self.chunk(row, "w_")[0], inputs, dys)
+            dw = split_weight_grads(self.chunk(row, "w_")[0], inputs, dys, self.mcfg.fp8)
             return vary(self._accumulate(g_layers, dw, row["w_chunk"]))
 
         return run
