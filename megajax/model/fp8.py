@@ -87,3 +87,34 @@ def weight_grad(spec: str, fmt: str, x: jax.Array, dy: jax.Array) -> jax.Array:
     dyq, sdy = quantize(dy, gradient)
     x_sub, w_sub, y_sub = _operands(spec)
     return _dot(f"{x_sub},{y_sub}->{w_sub}", xq, dyq, 1.0 / (sx * sdy), dy.dtype)
+
+
+_RAGGED_WEIGHT_GRAD = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def ragged_dot(fmt: str, x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+    """jax.lax.ragged_dot(x [n, d], w [g, d, f], sizes [g]) with FP8 operands (a mixture of experts' grouped
+    matmul: rows grouped by expert). One scale per operand over all groups."""
+    return _ragged_forward(fmt, x, w, sizes)[0]
+
+
+def _ragged_forward(fmt, x, w, sizes):
+    forward, _ = FORMATS[fmt]
+    xq, sx = quantize(x, forward)
+    wq, sw = quantize(w, forward)
+    y = jax.lax.ragged_dot(xq, wq, sizes, preferred_element_type=jnp.float32) * (1.0 / (sx * sw))
+    return y.astype(x.dtype), (xq, sx, wq, sw, sizes)
+
+
+def _ragged_backward(fmt, residuals, dy):
+    xq, sx, wq, sw, sizes = residuals
+    _, gradient = FORMATS[fmt]
+    dyq, sdy = quantize(dy, gradient)
+    dx = jax.lax.ragged_dot(dyq, jnp.swapaxes(wq, 1, 2), sizes, preferred_element_type=jnp.float32)
+    dw = jax.lax.ragged_dot_general(xq, dyq, sizes, _RAGGED_WEIGHT_GRAD, preferred_element_type=jnp.float32)
+    return ((dx * (1.0 / (sdy * sw))).astype(dy.dtype), (dw * (1.0 / (sx * sdy))).astype(dy.dtype), None)
+
+
+ragged_dot.defvjp(_ragged_forward, _ragged_backward)

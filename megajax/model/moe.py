@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
 
 import flax.linen as nn
@@ -31,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from megajax.config import ModelConfig
+from megajax.model import fp8
 from megajax.model.layers import MLP, RESIDUAL, param, dtype_of, gather_sequence
 from megajax.sharding import constrain, current_manual_axes, vary, varying_axes
 
@@ -277,12 +279,16 @@ class MoE(nn.Module):
         def experts(xs, sizes=None):
             """The el experts' MLPs on their rows: [el, rows, d] buffers (batched matmuls), or with `sizes` [el]
             rows [n, d] grouped by expert (ragged matmuls; rows past the groups are padding)."""
+            fmt = cfg.fp8
             if sizes is None:
-                matmul = lambda x, w: jnp.einsum("ecd,edf->ecf", x, w)  # noqa: E731
+                spec = "ecd,edf->ecf"
+                matmul = (lambda x, w: jnp.einsum(spec, x, w)) if fmt == "none" else functools.partial(  # noqa: E731
+                    fp8.einsum, spec, fmt)
                 bias = lambda b_ef: b_ef[:, None]  # noqa: E731
             else:
                 expert_of = jnp.repeat(jnp.arange(el), sizes, total_repeat_length=xs.shape[0])
-                matmul = lambda x, w: jax.lax.ragged_dot(x, w, sizes)  # noqa: E731
+                matmul = ((lambda x, w: jax.lax.ragged_dot(x, w, sizes)) if fmt == "none"  # noqa: E731
+                          else (lambda x, w: fp8.ragged_dot(fmt, x, w, sizes)))
                 bias = lambda b_ef: b_ef[expert_of]  # noqa: E731
             # The routed rows stay whole on every tensor rank and the expert width is split over 'tensor', as in
             # the dense MLP: the second matmul's partial sums are its one all-reduce (no permutes of rows).
