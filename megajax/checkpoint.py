@@ -396,6 +396,9 @@ def load_params(source: ParamsSource | str | os.PathLike, target=None):
     """
     source = source if isinstance(source, ParamsSource) else find_params(source)
     if target is not None:
+        target, fresh = _without_fresh_fp8_state(source, target)
+        if fresh:
+            return _with_fresh_fp8_state(load_params(source, target), fresh)
         check_params_fit(stored_shapes(source), target, str(source.root))
     if target is not None and not source.staged:
         args = jax.tree.map(lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding, dtype=t.dtype), target)
@@ -411,6 +414,31 @@ def load_params(source: ParamsSource | str | os.PathLike, target=None):
     # Staged on disk: reassemble on the host, then place each canonical shard where the target wants it.
     return jax.tree.map(lambda a, t: jax.make_array_from_callback(
         t.shape, t.sharding, lambda idx: np.asarray(a[idx], dtype=t.dtype)), host, target)
+
+
+def _without_fresh_fp8_state(source: ParamsSource, target: dict) -> tuple[dict, dict]:
+    """(target without the FP8 delayed-scaling state leaves the checkpoint lacks, those leaves by path): weights
+    trained or imported without model.fp8_recipe=delayed start its amax history empty (megajax.model.fp8)."""
+    from flax import traverse_util
+
+    from megajax.model.fp8 import META_PREFIX
+
+    stored = set(traverse_util.flatten_dict(stored_shapes(source)))
+    flat = traverse_util.flatten_dict(target)
+    fresh = {k: v for k, v in flat.items() if k[-1].startswith(META_PREFIX) and k not in stored}
+    if not fresh:
+        return target, {}
+    return traverse_util.unflatten_dict({k: v for k, v in flat.items() if k not in fresh}), fresh
+
+
+def _with_fresh_fp8_state(params: dict, fresh: dict) -> dict:
+    from flax import traverse_util
+
+    flat = traverse_util.flatten_dict(params)
+    for path, t in fresh.items():
+        flat[path] = jnp.zeros(t.shape, t.dtype, device=t.sharding) if hasattr(t, "sharding") else np.zeros(
+            t.shape, t.dtype)
+    return traverse_util.unflatten_dict(flat)
 
 
 # Model fields that change what the parameters compute without changing their shapes.

@@ -56,6 +56,9 @@ class ModelConfig:
     attention_impl: Literal["xla", "pallas", "cudnn"] = "xla"  # pallas: the fused flash-attention kernel
     norm_impl: Literal["xla", "pallas"] = "xla"  # pallas: the fused normalization kernel
     fp8: Literal["none", "hybrid", "e4m3"] = "none"  # FP8 linear layers: hybrid = e4m3 forward, e5m2 gradients
+    fp8_recipe: Literal["current", "delayed"] = "current"  # FP8 scales: each tensor's own, or from an amax history
+    fp8_amax_history: int = 16  # delayed scaling: steps of amax history (the scale uses their max)
+    fp8_margin: int = 0  # FP8 scales are divided by 2^margin (headroom against growing values)
     norm_eps: float = 1e-5  # LayerNorm / RMSNorm epsilon
     rope_theta: float = 10000.0  # RoPE base (llama)
     rope_scaling: Literal["none", "llama3"] = "none"  # llama3: Llama 3.1's frequency scaling for long context
@@ -106,6 +109,8 @@ class ModelConfig:
             _check(self.moe_router_bias_update_rate >= 0, "model.moe_router_bias_update_rate must be >= 0 (0: off)")
         _check(self.param_dtype != "float16", "model.param_dtype=float16 is not supported: keep float32 master "
                "weights and set model.compute_dtype=float16")
+        _check(self.fp8_amax_history >= 1 and self.fp8_margin >= 0,
+               "model.fp8_amax_history must be >= 1 and model.fp8_margin >= 0")
         if self.rope_scaling != "none":
             _check(self.arch == "llama", f"model.rope_scaling={self.rope_scaling} needs RoPE: set model.arch=llama")
             _check(self.rope_scaling_factor >= 1 and self.rope_original_max_positions > 0

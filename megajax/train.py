@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from megajax import config as config_lib
 from megajax import metrics as metrics_lib
 from megajax import model, optim, overlap, pipeline, sharding, xla_flags
-from megajax.model import moe
+from megajax.model import fp8, moe
 from megajax.pipeline import layout
 from megajax.config import Config, InputError
 from megajax import distributed
@@ -333,6 +333,7 @@ def train_step(setup: StepSetup, state: TrainState, batch: dict) -> tuple[TrainS
     with sharding.activation_sharding(cfg.parallel.sequence_parallel):
         loss_sum, grads = compute_grads(setup, state.params, batch, state.loss_scale / total)
     grads, moe_stats, moe_loads = moe.step_stats(grads, cfg.model.num_experts, cfg.model.moe_capacity_factor)
+    grads, fp8_seen = fp8.take_meta_grads(grads)
     grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
     loss = loss_sum / total
     grad_norm = optax.tree.norm(grads)
@@ -344,6 +345,8 @@ def train_step(setup: StepSetup, state: TrainState, batch: dict) -> tuple[TrainS
     params = optax.apply_updates(state.params, updates)
     if cfg.model.moe_router_bias_update_rate:
         params = moe.update_router_bias(params, moe_loads, cfg.model.moe_router_bias_update_rate)
+    if fp8_seen:
+        params = fp8.update_meta(params, fp8_seen, cfg.model.fp8_amax_history)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
     if cfg.model.compute_dtype == "float16":
         # An overflowing gradient is routine with fp16: skip the step and back off the loss scale. Only a
@@ -358,7 +361,7 @@ def train_step(setup: StepSetup, state: TrainState, batch: dict) -> tuple[TrainS
     stats = {
         "loss": loss, "lr": optim.applied_lr(cfg.optim, cfg.train.steps, state.opt_state),
         "grad_norm": grad_norm, "update_norm": optax.tree.norm(updates),
-        "param_norm": optax.tree.norm(new_state.params), "finite": finite, "loss_scale": state.loss_scale,
+        "param_norm": optax.tree.norm(fp8.without_meta(new_state.params)), "finite": finite, "loss_scale": state.loss_scale,
         "bad_steps": new_state.bad_steps, **moe_stats,
     }
     return new_state, stats

@@ -99,14 +99,60 @@ def test_fp8_layout_matches_one_device(name):
     np.testing.assert_allclose(norms, ref_norms, rtol=2e-3)
 
 
+DELAYED = {"model.fp8_recipe": "delayed"}
+
+
+@pytest.mark.parametrize("name", ["d2-p2-t2-zero_bubble-zero", pytest.param("d2-t2-sp", marks=pytest.mark.slow),
+                                  pytest.param("t4-sp-llama-e4m3", marks=pytest.mark.slow)])
+def test_fp8_delayed_scaling_layout_matches_one_device(name):
+    """Delayed scaling: the amax histories are reduced over micro batches, data ranks and pipeline ticks as
+    the gradients are, so a layout equals one device as with current scaling. The first step (no history
+    yet) scales as current scaling does; the weights' init is the same with and without the state."""
+    sets, n = LAYOUTS[name]
+    cfg_sets = {**BASE, **DELAYED, **sets}
+    one = {k: v for k, v in cfg_sets.items() if not k.startswith("parallel.")}
+    ref_norms, norms = [], []
+    ref, state, _ = run_steps(small_config(**one), 1, 3, grad_norms=ref_norms, return_state=True)
+    got = run_steps(small_config(**cfg_sets), n, 3, grad_norms=norms)
+    np.testing.assert_allclose(got, ref, rtol=2e-4)
+    np.testing.assert_allclose(norms, ref_norms, rtol=2e-3)
+    current = run_steps(small_config(**{**one, "model.fp8_recipe": "current"}), 1, 1)
+    assert ref[0] == current[0]
+    # after 3 steps each operand's counters hold the history left for the exponents it had (16, 15, 14)
+    import flax
+
+    metas = {k: np.asarray(v) for k, v in flax.traverse_util.flatten_dict(jax.device_get(state.params)).items()
+             if k[-1].startswith(fp8.META_PREFIX)}
+    assert {k[-1] for k in metas} >= {"fp8_wqkv", "fp8_wo"}
+    for counters in metas.values():
+        rows = counters.reshape(counters.shape[0], 3, fp8.BINS)
+        assert set(np.unique(rows)) <= {0.0, 14.0, 15.0, 16.0}
+        assert ((rows == 16).sum(axis=-1) == 1).all()  # one amax per operand and step: the last step's
+        assert ((rows > 0).sum(axis=-1) <= 3).all()
+
+
+def test_delayed_einsum_scales_from_the_history_and_reports_exponents():
+    x = jnp.full((4, 8), 3.0, jnp.float32)  # amax 3 < 2^2
+    w = jnp.full((8, 5), 0.1, jnp.float32)  # amax 0.1 < 2^-3
+    dy = jnp.full((4, 5), 1e-3, jnp.float32)  # amax 1e-3 < 2^-9
+    counters = np.zeros((3, fp8.BINS), np.float32)
+    counters[0, fp8.BINS // 2 + 5] = 7  # x: an amax below 2^5 still in the history -> scale 2^(8 - 5)
+    meta = jnp.asarray(counters.reshape(-1))
+    xq, _ = fp8.quantize(x, fp8.E4M3, fp8.delayed_scale(meta.reshape(3, -1)[0], x, fp8.E4M3, 0))
+    assert float(xq.astype(jnp.float32).max()) == 3.0 * 2 ** 3
+    _, vjp = jax.vjp(lambda a, b, m: fp8.einsum_delayed("ab,bc->ac", "hybrid", 0, a, b, m), x, w, meta)
+    seen = np.asarray(vjp(dy)[2]).reshape(3, fp8.BINS)
+    assert [int(np.argmax(r)) - fp8.BINS // 2 for r in seen] == [2, -3, -9] and seen.sum() == 3
+
+
 def test_fp8_space_is_accepted():
     """Every FP8 format with every schedule, recompute mode, dtype and model kind passes the config checks."""
-    for fmt in ("hybrid", "e4m3"):
+    for fmt, recipe in (("hybrid", "current"), ("e4m3", "current"), ("hybrid", "delayed"), ("e4m3", "delayed")):
         for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1)):
             for recompute in ("none", "selective", "full"):
                 for dtype in ("float32", "bfloat16", "float16"):
                     for arch in ("gpt2", "llama"):
-                        small_config(**{"model.fp8": fmt, "model.num_layers": 4, "parallel.pipeline": 2, "parallel.schedule": schedule,
+                        small_config(**{"model.fp8": fmt, "model.fp8_recipe": recipe, "model.num_layers": 4, "parallel.pipeline": 2, "parallel.schedule": schedule,
                                         "parallel.virtual_stages": v, "model.recompute": recompute,
                                         "model.compute_dtype": dtype, "model.arch": arch})
 
@@ -149,3 +195,37 @@ def test_tiny_preset_trains_in_fp8_within_3_percent_of_bf16(tmp_path):
         train_cli(tmp_path / fmt, *sets, f"model.fp8={fmt}", timeout=900)
         losses[fmt] = read_metrics(tmp_path / fmt)[200]["loss"]
     assert abs(losses["hybrid"] - losses["none"]) / losses["none"] < 0.03, losses
+
+
+def test_delayed_state_is_checkpointed_restores_onto_another_layout_and_starts_empty_from_plain_weights(tmp_path):
+    """Three steps on d 2 x p 2 x t 2 with the distributed optimizer, resumed on d 4 x t 2: the losses and the
+    amax histories equal an uninterrupted run on d 8. Weights from a run without the state (checkpoint.load_from)
+    start with an empty history."""
+    from conftest import read_metrics, train_cli
+    from flax import traverse_util
+
+    from megajax import checkpoint
+
+    sets = ["model.fp8=hybrid", "model.fp8_recipe=delayed", "optim.decay_steps=6", "checkpoint.every=3"]
+    train_cli(tmp_path / "ref", "train.steps=6", "parallel.data=8", *sets, devices=8)
+    run = tmp_path / "run"
+    train_cli(run, "train.steps=3", "parallel.data=2", "parallel.pipeline=2", "parallel.tensor=2",
+              "parallel.distributed_optimizer=true", *sets, devices=8)
+    resumed = train_cli(run, "train.steps=6", "parallel.data=4", "parallel.tensor=2", *sets, devices=8)
+    assert "resumed from" in resumed.stdout
+    ref, got = read_metrics(tmp_path / "ref"), read_metrics(run)
+    np.testing.assert_allclose([got[s]["loss"] for s in range(1, 7)], [ref[s]["loss"] for s in range(1, 7)],
+                               rtol=2e-4)
+
+    def histories(out_dir):
+        params = traverse_util.flatten_dict(checkpoint.load_params(out_dir))
+        return {k: v for k, v in params.items() if k[-1].startswith(fp8.META_PREFIX)}
+
+    want, have = histories(tmp_path / "ref"), histories(run)
+    assert want and want.keys() == have.keys()
+    for k in want:  # bins seen 4-6 steps ago only survive a resume that restored the state
+        np.testing.assert_array_equal(have[k], want[k])
+
+    train_cli(tmp_path / "plain", "train.steps=1")
+    tuned = train_cli(tmp_path / "tuned", "train.steps=1", *sets, f"checkpoint.load_from={tmp_path / 'plain'}")
+    assert "loaded params" in tuned.stdout

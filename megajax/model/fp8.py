@@ -18,6 +18,7 @@ runs emulated (the FP8 values are exact, the products are taken in fp32).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -36,9 +37,10 @@ def scale_for(x: jax.Array, dtype) -> jax.Array:
     return jnp.where((amax > 0) & jnp.isfinite(amax), scale, jnp.float32(1))
 
 
-def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-    """(x x scale as FP8, scale)."""
-    scale = scale_for(x, dtype)
+def quantize(x: jax.Array, dtype, scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """(x x scale as FP8, scale); the scale is x's own (current scaling) unless given. Values past the format's
+    maximum (possible with a delayed scale) saturate."""
+    scale = scale_for(x, dtype) if scale is None else scale
     top = float(jnp.finfo(dtype).max)
     return jnp.clip(x.astype(jnp.float32) * scale, -top, top).astype(dtype), scale
 
@@ -118,3 +120,122 @@ def _ragged_backward(fmt, residuals, dy):
 
 
 ragged_dot.defvjp(_ragged_forward, _ragged_backward)
+
+
+# Delayed scaling (model.fp8_recipe=delayed, Transformer Engine's default recipe): each matmul's scales come from
+# the largest absolute maxima of its operands over the last model.fp8_amax_history steps, recorded as they are
+# used. As the scales are powers of two, an amax matters only by its binary exponent: each linear layer has a
+# state parameter `fp8_<weight>` of 3 x BINS counters (x, w, dy by amax exponent bin: the steps for which a
+# step whose amax had that exponent stays in the history). The backward hands the parameter, as its gradient, a one-hot
+# of each operand's exponent: summed over micro batches, data ranks and pipeline ticks by the ordinary gradient
+# reduction, the nonzero bins are exactly the exponents seen in the step, whose max is the step's amax. The
+# train step takes these gradients out before the optimizer (`take_meta_grads`) and sets the counters
+# (`update_meta`); the state is checkpointed and restored onto any layout as the parameters are. Until an
+# operand has a history (the first step), its scale is its own (current scaling).
+BINS = 256
+META_PREFIX = "fp8_"
+
+
+def _max_exponent(dtype) -> int:
+    return math.frexp(float(jnp.finfo(dtype).max))[1] - 1  # floor(log2(max)): 8 for e4m3, 15 for e5m2
+
+
+def amax_bin(x: jax.Array) -> jax.Array:
+    """One-hot [BINS] of the exponent e of x's absolute maximum (amax < 2^e); zeros for an all-zero or
+    non-finite x."""
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    _, e = jnp.frexp(amax)
+    ok = (amax > 0) & jnp.isfinite(amax)
+    return jnp.where(ok, jax.nn.one_hot(jnp.clip(e + BINS // 2, 0, BINS - 1), BINS, dtype=jnp.float32), 0.0)
+
+
+def delayed_scale(counters: jax.Array, x: jax.Array, dtype, margin: int) -> jax.Array:
+    """The power of two for the largest exponent still in the history ([BINS] counters; x's own scale if none),
+    divided by 2^margin."""
+    top = jnp.max(jnp.where(counters > 0, jnp.arange(BINS), -1))
+    k = jnp.clip(_max_exponent(dtype) - (top - BINS // 2) - margin, -126, 126)
+    return jnp.where(top >= 0, jnp.ldexp(jnp.float32(1), k), scale_for(x, dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def einsum_delayed(spec: str, fmt: str, margin: int, x: jax.Array, w: jax.Array, meta: jax.Array) -> jax.Array:
+    """`einsum` with delayed scales from `meta` ([3 x BINS] counters of x, w and dy), which gets the step's
+    amax exponents as its gradient."""
+    return _delayed_forward(spec, fmt, margin, x, w, meta)[0]
+
+
+def _delayed_forward(spec, fmt, margin, x, w, meta):
+    from megajax.sharding import vary, varying_axes
+
+    forward, _ = FORMATS[fmt]
+    counters = meta.reshape(3, BINS)
+    xq, sx = quantize(x, forward, delayed_scale(counters[0], x, forward, margin))
+    wq, sw = quantize(w, forward, delayed_scale(counters[1], w, forward, margin))
+    seen = vary(jnp.concatenate([amax_bin(x), amax_bin(w)]), tuple(varying_axes(meta)))
+    return _dot(spec, xq, wq, 1.0 / (sx * sw), x.dtype), (xq, sx, wq, sw, counters[2], seen)
+
+
+def _delayed_backward(spec, fmt, margin, residuals, dy):
+    from megajax.sharding import vary
+
+    xq, sx, wq, sw, dy_counters, seen = residuals
+    _, gradient = FORMATS[fmt]
+    dyq, sdy = quantize(dy, gradient, delayed_scale(dy_counters, dy, gradient, margin))
+    x_sub, w_sub, y_sub = _operands(spec)
+    dx = _dot(f"{y_sub},{w_sub}->{x_sub}", dyq, wq, 1.0 / (sdy * sw), dy.dtype)
+    dw = _dot(f"{x_sub},{y_sub}->{w_sub}", xq, dyq, 1.0 / (sx * sdy), dy.dtype)
+    g_meta = jnp.concatenate([seen, vary(amax_bin(dy), tuple(jax.typeof(seen).manual_axis_type.varying))])
+    return dx, dw, g_meta
+
+
+einsum_delayed.defvjp(_delayed_forward, _delayed_backward)
+
+
+def weight_grad_delayed(spec: str, fmt: str, margin: int, x: jax.Array, dy: jax.Array, meta: jax.Array) -> jax.Array:
+    """`weight_grad` with the delayed scales of `einsum_delayed` (the same bits as its backward's dw)."""
+    forward, gradient = FORMATS[fmt]
+    counters = meta.reshape(3, BINS)
+    xq, sx = quantize(x, forward, delayed_scale(counters[0], x, forward, margin))
+    dyq, sdy = quantize(dy, gradient, delayed_scale(counters[2], dy, gradient, margin))
+    x_sub, w_sub, y_sub = _operands(spec)
+    return _dot(f"{x_sub},{y_sub}->{w_sub}", xq, dyq, 1.0 / (sx * sdy), dy.dtype)
+
+
+def is_meta(path) -> bool:
+    key = path[-1]
+    return str(getattr(key, "key", key)).startswith(META_PREFIX)
+
+
+def take_meta_grads(grads) -> tuple[object, dict]:
+    """(grads with every FP8 state gradient zeroed, those gradients by path): the optimizer leaves the state
+    parameters alone (zero gradient, no weight decay on vectors); `update_meta` sets them."""
+    seen = {}
+
+    def take(path, g):
+        if not is_meta(path):
+            return g
+        seen[path] = g
+        return jnp.zeros_like(g)
+
+    return jax.tree_util.tree_map_with_path(take, grads), seen
+
+
+def update_meta(params, seen: dict, history: int):
+    """Each operand's counters: `history` at the step's amax exponent (the largest one seen: the max over
+    every micro batch and rank, so the same on every layout), the others one less (down to 0)."""
+
+    def one(path, p):
+        if path not in seen:
+            return p
+        g = seen[path][tuple(slice(0, n) for n in p.shape)]  # the distributed optimizer pads the last dim
+        rows = g.reshape(*g.shape[:-1], 3, BINS)
+        top = jnp.max(jnp.where(rows > 0, jnp.arange(BINS), -1), axis=-1, keepdims=True)
+        hit = (jnp.arange(BINS) == top).reshape(g.shape)
+        return jnp.where(hit, jnp.float32(history), jnp.maximum(p - 1, 0)).astype(p.dtype)
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def without_meta(tree):
+    """The tree with every FP8 state leaf zeroed (for norms of the weights)."""
+    return jax.tree_util.tree_map_with_path(lambda path, x: jnp.zeros_like(x) if is_meta(path) else x, tree)

@@ -71,16 +71,29 @@ def weight_einsum(module: nn.Module, name: str, x: jax.Array, w: jax.Array) -> j
     """einsum(WEIGHT_EINSUMS[name], x, w) for the parameter `name` of `module`, with the zero-bubble hooks; in
     FP8 with model.fp8 (megajax/model/fp8.py)."""
     module.sow(TAP_INPUTS, name, x, init_fn=lambda: None, reduce_fn=lambda _, new: new)
-    spec, fmt = WEIGHT_EINSUMS[name], module.cfg.fp8
-    y = jnp.einsum(spec, x, w) if fmt == "none" else fp8.einsum(spec, fmt, x, w)
+    cfg = module.cfg
+    spec, fmt = WEIGHT_EINSUMS[name], cfg.fp8
+    if fmt == "none":
+        y = jnp.einsum(spec, x, w)
+    elif cfg.fp8_recipe == "current":
+        y = fp8.einsum(spec, fmt, x, w)
+    else:
+        # a variable, not module.param: no draw from the init RNG, so the weights' init is the same as without
+        meta = nn.unbox(module.variable("params", fp8.META_PREFIX + name, lambda: nn.LogicallyPartitioned(
+            jnp.zeros((3 * fp8.BINS,), jnp.float32), (None,))).value)
+        y = fp8.einsum_delayed(spec, fmt, cfg.fp8_margin, x, w, meta)
     return module.perturb(name, y, collection=TAP_GRADS)
 
 
-def weight_grad(name: str, fmt: str, x: jax.Array, dy: jax.Array, w: jax.Array) -> jax.Array:
+def weight_grad(name: str, cfg: ModelConfig, x: jax.Array, dy: jax.Array, w: jax.Array,
+                meta: jax.Array | None = None) -> jax.Array:
     """The gradient of parameter `name` (w's shape and dtype) from its matmul's input x and output gradient dy,
-    computed in x's dtype (or FP8, `fmt` = model.fp8) as the fused backward does."""
-    if fmt != "none":
-        return fp8.weight_grad(WEIGHT_EINSUMS[name], fmt, x, dy).astype(w.dtype)
+    computed in x's dtype (or in FP8 with model.fp8; `meta`: its delayed-scaling state) as the fused backward
+    does."""
+    if cfg.fp8 != "none" and meta is not None:
+        return fp8.weight_grad_delayed(WEIGHT_EINSUMS[name], cfg.fp8, cfg.fp8_margin, x, dy, meta).astype(w.dtype)
+    if cfg.fp8 != "none":
+        return fp8.weight_grad(WEIGHT_EINSUMS[name], cfg.fp8, x, dy).astype(w.dtype)
     return jax.vjp(lambda w: jnp.einsum(WEIGHT_EINSUMS[name], x, w.astype(x.dtype)), w)[1](dy)[0]
 
 

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from megajax import model
+from megajax.model import fp8
 from megajax.model import layers as layers_lib
 from megajax.config import Config
 from megajax.data.loader import micro_batches
@@ -516,12 +517,21 @@ def split_linearize(mcfg, w: dict, x: jax.Array, taps: dict, keys, first):
     return jax.vjp(run, x, taps, small, has_aux=True)
 
 
-def split_weight_grads(w: dict, inputs: dict, dys: dict, fmt: str) -> dict:
+def split_weight_grads(w: dict, inputs: dict, dys: dict, mcfg) -> dict:
     """W: the gradients of the chunk's tapped weights, flat {path: [Lc, ...]}, from each matmul's input and
-    output gradient (one matmul per weight and layer; FP8 with `fmt` = model.fp8)."""
-    big, _ = split_weights(w, dys)
+    output gradient (one matmul per weight and layer; in FP8 with model.fp8, with the weight's delayed-scaling
+    state where it has one)."""
+    big, rest = split_weights(w, dys)
     x, dy = flax.traverse_util.flatten_dict(inputs), flax.traverse_util.flatten_dict(dys)
-    return {k: jax.vmap(functools.partial(layers_lib.weight_grad, k[-1], fmt))(x[k], dy[k], val) for k, val in big.items()}
+
+    def one(k, val):
+        meta = rest.get(k[:-1] + (fp8.META_PREFIX + k[-1],))
+        grad = functools.partial(layers_lib.weight_grad, k[-1], mcfg)
+        if meta is None:
+            return jax.vmap(grad)(x[k], dy[k], val)
+        return jax.vmap(lambda a, b, c, m: grad(a, b, c, m))(x[k], dy[k], val, meta)
+
+    return {k: one(k, val) for k, val in big.items()}
 
 
 class _SplitChunkActions(_ChunkActions):
@@ -566,7 +576,7 @@ class _SplitChunkActions(_ChunkActions):
             if kind == NONE:
                 return vary(g_layers)
             _, inputs = jax.tree.unflatten(self._res_tree, res)
-            dw = split_weight_grads(self.chunk(row, "w_")[0], inputs, dys, self.mcfg.fp8)
+            dw = split_weight_grads(self.chunk(row, "w_")[0], inputs, dys, self.mcfg)
             return vary(self._accumulate(g_layers, dw, row["w_chunk"]))
 
         return run
