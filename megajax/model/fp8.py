@@ -191,6 +191,40 @@ def _delayed_backward(spec, fmt, margin, residuals, dy):
 einsum_delayed.defvjp(_delayed_forward, _delayed_backward)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def ragged_dot_delayed(fmt: str, margin: int, x: jax.Array, w: jax.Array, sizes: jax.Array,
+                       meta: jax.Array) -> jax.Array:
+    """`ragged_dot` with delayed scales from `meta`, as `einsum_delayed`."""
+    return _ragged_delayed_forward(fmt, margin, x, w, sizes, meta)[0]
+
+
+def _ragged_delayed_forward(fmt, margin, x, w, sizes, meta):
+    from megajax.sharding import vary, varying_axes
+
+    forward, _ = FORMATS[fmt]
+    counters = meta.reshape(3, BINS)
+    xq, sx = quantize(x, forward, delayed_scale(counters[0], x, forward, margin))
+    wq, sw = quantize(w, forward, delayed_scale(counters[1], w, forward, margin))
+    seen = vary(jnp.concatenate([amax_bin(x), amax_bin(w)]), tuple(varying_axes(meta)))
+    y = jax.lax.ragged_dot(xq, wq, sizes, preferred_element_type=jnp.float32) * (1.0 / (sx * sw))
+    return y.astype(x.dtype), (xq, sx, wq, sw, sizes, counters[2], seen)
+
+
+def _ragged_delayed_backward(fmt, margin, residuals, dy):
+    from megajax.sharding import vary
+
+    xq, sx, wq, sw, sizes, dy_counters, seen = residuals
+    _, gradient = FORMATS[fmt]
+    dyq, sdy = quantize(dy, gradient, delayed_scale(dy_counters, dy, gradient, margin))
+    dx = jax.lax.ragged_dot(dyq, jnp.swapaxes(wq, 1, 2), sizes, preferred_element_type=jnp.float32)
+    dw = jax.lax.ragged_dot_general(xq, dyq, sizes, _RAGGED_WEIGHT_GRAD, preferred_element_type=jnp.float32)
+    g_meta = jnp.concatenate([seen, vary(amax_bin(dy), tuple(jax.typeof(seen).manual_axis_type.varying))])
+    return ((dx * (1.0 / (sdy * sw))).astype(dy.dtype), (dw * (1.0 / (sx * sdy))).astype(dy.dtype), None, g_meta)
+
+
+ragged_dot_delayed.defvjp(_ragged_delayed_forward, _ragged_delayed_backward)
+
+
 def weight_grad_delayed(spec: str, fmt: str, margin: int, x: jax.Array, dy: jax.Array, meta: jax.Array) -> jax.Array:
     """`weight_grad` with the delayed scales of `einsum_delayed` (the same bits as its backward's dw)."""
     forward, gradient = FORMATS[fmt]

@@ -78,11 +78,15 @@ def weight_einsum(module: nn.Module, name: str, x: jax.Array, w: jax.Array) -> j
     elif cfg.fp8_recipe == "current":
         y = fp8.einsum(spec, fmt, x, w)
     else:
-        # a variable, not module.param: no draw from the init RNG, so the weights' init is the same as without
-        meta = nn.unbox(module.variable("params", fp8.META_PREFIX + name, lambda: nn.LogicallyPartitioned(
-            jnp.zeros((3 * fp8.BINS,), jnp.float32), (None,))).value)
-        y = fp8.einsum_delayed(spec, fmt, cfg.fp8_margin, x, w, meta)
+        y = fp8.einsum_delayed(spec, fmt, cfg.fp8_margin, x, w, fp8_state(module, name))
     return module.perturb(name, y, collection=TAP_GRADS)
+
+
+def fp8_state(module: nn.Module, name: str) -> jax.Array:
+    """The delayed-scaling state of weight `name` (megajax/model/fp8.py): a variable of the params collection
+    rather than module.param, so it draws nothing from the init RNG (the weights' init is the same without)."""
+    return nn.unbox(module.variable("params", fp8.META_PREFIX + name, lambda: nn.LogicallyPartitioned(
+        jnp.zeros((3 * fp8.BINS,), jnp.float32), (None,))).value)
 
 
 def weight_grad(name: str, cfg: ModelConfig, x: jax.Array, dy: jax.Array, w: jax.Array,

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import functools
 import math
 
 import flax.linen as nn
@@ -33,7 +32,7 @@ import jax.numpy as jnp
 
 from megajax.config import ModelConfig
 from megajax.model import fp8
-from megajax.model.layers import MLP, RESIDUAL, param, dtype_of, gather_sequence
+from megajax.model.layers import MLP, RESIDUAL, dtype_of, fp8_state, gather_sequence, param
 from megajax.sharding import constrain, current_manual_axes, vary, varying_axes
 
 _SEED: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("megajax_moe_seed", default=None)
@@ -279,27 +278,40 @@ class MoE(nn.Module):
         def experts(xs, sizes=None):
             """The el experts' MLPs on their rows: [el, rows, d] buffers (batched matmuls), or with `sizes` [el]
             rows [n, d] grouped by expert (ragged matmuls; rows past the groups are padding)."""
-            fmt = cfg.fp8
+            fmt, delayed = cfg.fp8, cfg.fp8 != "none" and cfg.fp8_recipe == "delayed"
             if sizes is None:
                 spec = "ecd,edf->ecf"
-                matmul = (lambda x, w: jnp.einsum(spec, x, w)) if fmt == "none" else functools.partial(  # noqa: E731
-                    fp8.einsum, spec, fmt)
+
+                def matmul(x, w, name):
+                    if fmt == "none":
+                        return jnp.einsum(spec, x, w)
+                    if delayed:
+                        return fp8.einsum_delayed(spec, fmt, cfg.fp8_margin, x, w, fp8_state(self, name))
+                    return fp8.einsum(spec, fmt, x, w)
+
                 bias = lambda b_ef: b_ef[:, None]  # noqa: E731
             else:
                 expert_of = jnp.repeat(jnp.arange(el), sizes, total_repeat_length=xs.shape[0])
-                matmul = ((lambda x, w: jax.lax.ragged_dot(x, w, sizes)) if fmt == "none"  # noqa: E731
-                          else (lambda x, w: fp8.ragged_dot(fmt, x, w, sizes)))
+
+                def matmul(x, w, name):
+                    if fmt == "none":
+                        return jax.lax.ragged_dot(x, w, sizes)
+                    if delayed:
+                        return fp8.ragged_dot_delayed(fmt, cfg.fp8_margin, x, w, sizes, fp8_state(self, name))
+                    return fp8.ragged_dot(fmt, x, w, sizes)
+
                 bias = lambda b_ef: b_ef[expert_of]  # noqa: E731
             # The routed rows stay whole on every tensor rank and the expert width is split over 'tensor', as in
             # the dense MLP: the second matmul's partial sums are its one all-reduce (no permutes of rows).
             xs = constrain(xs, (None,) * (xs.ndim - 1) + ("embed",))
             if cfg.arch == "llama":
-                gate_up = matmul(xs, w_gate_up.reshape(el, d, 2 * f).astype(cdt)).reshape(*xs.shape[:-1], f, 2)
+                gate_up = matmul(xs, w_gate_up.reshape(el, d, 2 * f).astype(cdt), "w_gate_up").reshape(
+                    *xs.shape[:-1], f, 2)
                 hidden = nn.silu(gate_up[..., 0]) * gate_up[..., 1]
             else:
-                hidden = nn.gelu(matmul(xs, w_in.astype(cdt)) + bias(b_in.astype(cdt)), approximate=True)
+                hidden = nn.gelu(matmul(xs, w_in.astype(cdt), "w_in") + bias(b_in.astype(cdt)), approximate=True)
             hidden = constrain(hidden, (None,) * (hidden.ndim - 1) + ("mlp",))
-            return matmul(hidden, w_out.astype(cdt))
+            return matmul(hidden, w_out.astype(cdt), "w_out")
 
         rows, sizes, order = dispatch(x_td, ids, e)
         if cfg.moe_capacity_factor is None:  # dropless: each expert's rows, as many as were routed to it
