@@ -361,7 +361,8 @@ def train_step(setup: StepSetup, state: TrainState, batch: dict) -> tuple[TrainS
     stats = {
         "loss": loss, "lr": optim.applied_lr(cfg.optim, cfg.train.steps, state.opt_state),
         "grad_norm": grad_norm, "update_norm": optax.tree.norm(updates),
-        "param_norm": optax.tree.norm(fp8.without_meta(new_state.params)), "finite": finite, "loss_scale": state.loss_scale,
+        "param_norm": optax.tree.norm(fp8.without_meta(new_state.params)), "finite": finite,
+        "loss_scale": state.loss_scale,
         "bad_steps": new_state.bad_steps, **moe_stats,
     }
     return new_state, stats

@@ -40,14 +40,14 @@ def test_fp8_einsum_and_its_gradients_are_fp8_accurate(fmt, bound):
     w = (0.02 * jax.random.normal(k[1], (64, 96))).astype(jnp.bfloat16)
     dy = jax.random.normal(k[2], (2, 16, 96), jnp.bfloat16)
     spec = "bsd,df->bsf"
-    y, vjp = jax.vjp(lambda a, b: fp8.einsum(spec, fmt, a, b), x, w)
+    y, vjp = jax.vjp(lambda a, b: fp8.einsum(spec, fmt, 0, a, b), x, w)
     dx, dw = vjp(dy)
     ref, ref_vjp = jax.vjp(lambda a, b: jnp.einsum(spec, a, b), x.astype(jnp.float32), w.astype(jnp.float32))
     dx_ref, dw_ref = ref_vjp(dy.astype(jnp.float32))
     assert y.dtype == dx.dtype == dw.dtype == jnp.bfloat16
     assert 0.01 < _rel(y, ref) < bound[0]  # quantized (not the bf16 matmul), and no worse than FP8 should be
     assert 0.01 < _rel(dx, dx_ref) < bound[1] and 0.01 < _rel(dw, dw_ref) < bound[1]
-    assert jnp.array_equal(fp8.weight_grad(spec, fmt, x, dy), dw)
+    assert jnp.array_equal(fp8.weight_grad(spec, fmt, 0, x, dy), dw)
 
 
 def test_fp8_ragged_dot_and_its_gradients_are_fp8_accurate():
@@ -57,7 +57,7 @@ def test_fp8_ragged_dot_and_its_gradients_are_fp8_accurate():
     w = (0.05 * jax.random.normal(k[1], (3, 32, 24))).astype(jnp.bfloat16)
     dy = jax.random.normal(k[2], (40, 24), jnp.bfloat16)
     sizes = jnp.array([17, 9, 11], jnp.int32)  # 37 rows grouped, 3 of padding
-    y, vjp = jax.vjp(lambda a, b: fp8.ragged_dot("hybrid", a, b, sizes), x, w)
+    y, vjp = jax.vjp(lambda a, b: fp8.ragged_dot("hybrid", 0, a, b, sizes), x, w)
     dx, dw = vjp(dy)
     ref, ref_vjp = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, sizes), x.astype(jnp.float32), w.astype(jnp.float32))
     dx_ref, dw_ref = ref_vjp(dy.astype(jnp.float32))
@@ -76,7 +76,8 @@ LAYOUTS = {
                                           "interleaved", "parallel.virtual_stages": 2, "model.recompute": "full"}, 4),
     "moe-dropless-d2-e2-t2": ({"parallel.data": 2, "parallel.expert": 2, "parallel.tensor": 2, "model.num_experts": 4,
                                "model.experts_per_token": 2, "model.moe_ffn_hidden_size": 64}, 4),
-    "moe-capacity-d4-e2": ({"parallel.data": 4, "parallel.expert": 2, "model.num_experts": 4, "model.experts_per_token": 2,
+    "moe-capacity-d4-e2": ({"parallel.data": 4, "parallel.expert": 2, "model.num_experts": 4,
+                            "model.experts_per_token": 2,
                             "model.moe_ffn_hidden_size": 64, "model.moe_capacity_factor": 2.0}, 4),
     "d4-zero-overlap-gather": ({"parallel.data": 4, "parallel.distributed_optimizer": True,
                                 "parallel.overlap_grad_reduce": True, "parallel.overlap_param_gather": True}, 4),
@@ -142,7 +143,7 @@ def test_delayed_einsum_scales_from_the_history_and_reports_exponents():
     meta = jnp.asarray(counters.reshape(-1))
     xq, _ = fp8.quantize(x, fp8.E4M3, fp8.delayed_scale(meta.reshape(3, -1)[0], x, fp8.E4M3, 0))
     assert float(xq.astype(jnp.float32).max()) == 3.0 * 2 ** 3
-    _, vjp = jax.vjp(lambda a, b, m: fp8.einsum_delayed("ab,bc->ac", "hybrid", 0, a, b, m), x, w, meta)
+    _, vjp = jax.vjp(lambda a, b, m: fp8.einsum("ab,bc->ac", "hybrid", 0, a, b, m), x, w, meta)
     seen = np.asarray(vjp(dy)[2]).reshape(3, fp8.BINS)
     assert [int(np.argmax(r)) - fp8.BINS // 2 for r in seen] == [2, -3, -9] and seen.sum() == 3
 
@@ -154,7 +155,8 @@ def test_fp8_space_is_accepted():
             for recompute in ("none", "selective", "full"):
                 for dtype in ("float32", "bfloat16", "float16"):
                     for arch in ("gpt2", "llama"):
-                        small_config(**{"model.fp8": fmt, "model.fp8_recipe": recipe, "model.num_layers": 4, "parallel.pipeline": 2, "parallel.schedule": schedule,
+                        small_config(**{"model.fp8": fmt, "model.fp8_recipe": recipe, "model.num_layers": 4,
+                                        "parallel.pipeline": 2, "parallel.schedule": schedule,
                                         "parallel.virtual_stages": v, "model.recompute": recompute,
                                         "model.compute_dtype": dtype, "model.arch": arch})
 

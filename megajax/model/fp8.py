@@ -1,7 +1,8 @@
-"""FP8 matmuls for the linear layers (model.fp8): Transformer Engine's formats with current per-tensor scaling.
+"""FP8 matmuls for the linear layers (model.fp8): Transformer Engine's formats, current or delayed scaling.
 
-Each operand is scaled by a power of two chosen from its own absolute maximum (the largest 2^e with amax x 2^e <=
-the format's maximum), cast to FP8, multiplied with fp32 accumulation, and the product unscaled:
+Each operand is scaled by a power of two (current scaling: the largest 2^e with amax x 2^e <= the format's
+maximum, from the operand itself; delayed scaling: from the amax history, below), cast to FP8, multiplied with
+fp32 accumulation, and the product unscaled:
   forward          y  = (x_q . w_q) / (s_x s_w)          x, w in e4m3
   input gradient   dx = (dy_q . w_q^T) / (s_dy s_w)      dy in e5m2 (hybrid) or e4m3
   weight gradient  dw = (x_q^T . dy_q) / (s_x s_dy)
@@ -11,8 +12,9 @@ values near the bottom of the format's range. An amax over a tensor sharded by G
 every shard; inside the step's manual data axis each data rank scales its own micro batch (current scaling
 needs no state and no cross-rank reduction; Transformer Engine's current scaling reduces over the tensor group).
 
-XLA's GPU compiler turns each of these dots into a cuBLASLt FP8 GEMM on H100 (sm_90); on CPU the same program
-runs emulated (the FP8 values are exact, the products are taken in fp32).
+XLA's GPU compiler turns each of these dots into an FP8 GEMM on H100 (sm_90; in the compile-only program a Triton
+GEMM fusion with FP8 operands and the unscaling in its epilogue); on CPU the same program runs emulated (the FP8
+values are exact, the products are taken in fp32).
 """
 
 from __future__ import annotations
@@ -55,73 +57,6 @@ def _dot(spec: str, a: jax.Array, b: jax.Array, inv_scale: jax.Array, dtype) -> 
     return (jnp.einsum(spec, a, b, preferred_element_type=jnp.float32) * inv_scale).astype(dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def einsum(spec: str, fmt: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """jnp.einsum(spec, x, w) with FP8 operands (x and w of the same dtype; the result has it too)."""
-    return _forward(spec, fmt, x, w)[0]
-
-
-def _forward(spec, fmt, x, w):
-    forward, _ = FORMATS[fmt]
-    xq, sx = quantize(x, forward)
-    wq, sw = quantize(w, forward)
-    return _dot(spec, xq, wq, 1.0 / (sx * sw), x.dtype), (xq, sx, wq, sw)
-
-
-def _backward(spec, fmt, residuals, dy):
-    xq, sx, wq, sw = residuals
-    _, gradient = FORMATS[fmt]
-    dyq, sdy = quantize(dy, gradient)
-    x_sub, w_sub, y_sub = _operands(spec)
-    dx = _dot(f"{y_sub},{w_sub}->{x_sub}", dyq, wq, 1.0 / (sdy * sw), dy.dtype)
-    dw = _dot(f"{x_sub},{y_sub}->{w_sub}", xq, dyq, 1.0 / (sx * sdy), dy.dtype)
-    return dx, dw
-
-
-einsum.defvjp(_forward, _backward)
-
-
-def weight_grad(spec: str, fmt: str, x: jax.Array, dy: jax.Array) -> jax.Array:
-    """The weight gradient of `einsum(spec, fmt, x, w)` from x and the output gradient, as its backward computes
-    it (for the zero-bubble schedule's deferred W pass)."""
-    forward, gradient = FORMATS[fmt]
-    xq, sx = quantize(x, forward)
-    dyq, sdy = quantize(dy, gradient)
-    x_sub, w_sub, y_sub = _operands(spec)
-    return _dot(f"{x_sub},{y_sub}->{w_sub}", xq, dyq, 1.0 / (sx * sdy), dy.dtype)
-
-
-_RAGGED_WEIGHT_GRAD = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def ragged_dot(fmt: str, x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
-    """jax.lax.ragged_dot(x [n, d], w [g, d, f], sizes [g]) with FP8 operands (a mixture of experts' grouped
-    matmul: rows grouped by expert). One scale per operand over all groups."""
-    return _ragged_forward(fmt, x, w, sizes)[0]
-
-
-def _ragged_forward(fmt, x, w, sizes):
-    forward, _ = FORMATS[fmt]
-    xq, sx = quantize(x, forward)
-    wq, sw = quantize(w, forward)
-    y = jax.lax.ragged_dot(xq, wq, sizes, preferred_element_type=jnp.float32) * (1.0 / (sx * sw))
-    return y.astype(x.dtype), (xq, sx, wq, sw, sizes)
-
-
-def _ragged_backward(fmt, residuals, dy):
-    xq, sx, wq, sw, sizes = residuals
-    _, gradient = FORMATS[fmt]
-    dyq, sdy = quantize(dy, gradient)
-    dx = jax.lax.ragged_dot(dyq, jnp.swapaxes(wq, 1, 2), sizes, preferred_element_type=jnp.float32)
-    dw = jax.lax.ragged_dot_general(xq, dyq, sizes, _RAGGED_WEIGHT_GRAD, preferred_element_type=jnp.float32)
-    return ((dx * (1.0 / (sdy * sw))).astype(dy.dtype), (dw * (1.0 / (sx * sdy))).astype(dy.dtype), None)
-
-
-ragged_dot.defvjp(_ragged_forward, _ragged_backward)
-
-
 # Delayed scaling (model.fp8_recipe=delayed, Transformer Engine's default recipe): each matmul's scales come from
 # the largest absolute maxima of its operands over the last model.fp8_amax_history steps, recorded as they are
 # used. As the scales are powers of two, an amax matters only by its binary exponent: each linear layer has a
@@ -157,82 +92,100 @@ def delayed_scale(counters: jax.Array, x: jax.Array, dtype, margin: int) -> jax.
     return jnp.where(top >= 0, jnp.ldexp(jnp.float32(1), k), scale_for(x, dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def einsum_delayed(spec: str, fmt: str, margin: int, x: jax.Array, w: jax.Array, meta: jax.Array) -> jax.Array:
-    """`einsum` with delayed scales from `meta` ([3 x BINS] counters of x, w and dy), which gets the step's
-    amax exponents as its gradient."""
-    return _delayed_forward(spec, fmt, margin, x, w, meta)[0]
+def _quantize(x, dtype, counters, margin):
+    """`quantize` with current scaling (counters None) or delayed scaling."""
+    return quantize(x, dtype, None if counters is None else delayed_scale(counters, x, dtype, margin))
 
 
-def _delayed_forward(spec, fmt, margin, x, w, meta):
+def _quantize_operands(fmt, margin, x, w, meta):
+    """(x_q, s_x, w_q, s_w, dy's counters, the forward's exponents as meta's gradient part) for one matmul."""
     from megajax.sharding import vary, varying_axes
 
     forward, _ = FORMATS[fmt]
-    counters = meta.reshape(3, BINS)
-    xq, sx = quantize(x, forward, delayed_scale(counters[0], x, forward, margin))
-    wq, sw = quantize(w, forward, delayed_scale(counters[1], w, forward, margin))
+    counters = None if meta is None else meta.reshape(3, BINS)
+    xq, sx = _quantize(x, forward, None if meta is None else counters[0], margin)
+    wq, sw = _quantize(w, forward, None if meta is None else counters[1], margin)
+    if meta is None:
+        return xq, sx, wq, sw, None, None
     seen = vary(jnp.concatenate([amax_bin(x), amax_bin(w)]), tuple(varying_axes(meta)))
-    return _dot(spec, xq, wq, 1.0 / (sx * sw), x.dtype), (xq, sx, wq, sw, counters[2], seen)
+    return xq, sx, wq, sw, counters[2], seen
 
 
-def _delayed_backward(spec, fmt, margin, residuals, dy):
+def _quantize_gradient(fmt, margin, dy, dy_counters, seen):
+    """(dy_q, s_dy, meta's gradient: the operands' exponents, or None with current scaling)."""
     from megajax.sharding import vary
 
+    dyq, sdy = _quantize(dy, FORMATS[fmt][1], dy_counters, margin)
+    if seen is None:
+        return dyq, sdy, None
+    return dyq, sdy, jnp.concatenate([seen, vary(amax_bin(dy), tuple(jax.typeof(seen).manual_axis_type.varying))])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def einsum(spec: str, fmt: str, margin: int, x: jax.Array, w: jax.Array,
+           meta: jax.Array | None = None) -> jax.Array:
+    """jnp.einsum(spec, x, w) with FP8 operands (x and w of the same dtype; the result has it too): current
+    scaling, or with `meta` ([3 x BINS] counters of x, w and dy) delayed scaling, `meta` getting the step's amax
+    exponents as its gradient."""
+    return _forward(spec, fmt, margin, x, w, meta)[0]
+
+
+def _forward(spec, fmt, margin, x, w, meta):
+    xq, sx, wq, sw, dy_counters, seen = _quantize_operands(fmt, margin, x, w, meta)
+    return _dot(spec, xq, wq, 1.0 / (sx * sw), x.dtype), (xq, sx, wq, sw, dy_counters, seen)
+
+
+def _backward(spec, fmt, margin, residuals, dy):
     xq, sx, wq, sw, dy_counters, seen = residuals
-    _, gradient = FORMATS[fmt]
-    dyq, sdy = quantize(dy, gradient, delayed_scale(dy_counters, dy, gradient, margin))
+    dyq, sdy, g_meta = _quantize_gradient(fmt, margin, dy, dy_counters, seen)
     x_sub, w_sub, y_sub = _operands(spec)
     dx = _dot(f"{y_sub},{w_sub}->{x_sub}", dyq, wq, 1.0 / (sdy * sw), dy.dtype)
     dw = _dot(f"{x_sub},{y_sub}->{w_sub}", xq, dyq, 1.0 / (sx * sdy), dy.dtype)
-    g_meta = jnp.concatenate([seen, vary(amax_bin(dy), tuple(jax.typeof(seen).manual_axis_type.varying))])
     return dx, dw, g_meta
 
 
-einsum_delayed.defvjp(_delayed_forward, _delayed_backward)
+einsum.defvjp(_forward, _backward)
+
+
+def weight_grad(spec: str, fmt: str, margin: int, x: jax.Array, dy: jax.Array,
+                meta: jax.Array | None = None) -> jax.Array:
+    """The weight gradient of `einsum(spec, fmt, margin, x, w, meta)` from x and the output gradient, as its
+    backward computes it (for the zero-bubble schedule's deferred W pass)."""
+    forward, gradient = FORMATS[fmt]
+    counters = None if meta is None else meta.reshape(3, BINS)
+    xq, sx = _quantize(x, forward, None if meta is None else counters[0], margin)
+    dyq, sdy = _quantize(dy, gradient, None if meta is None else counters[2], margin)
+    x_sub, w_sub, y_sub = _operands(spec)
+    return _dot(f"{x_sub},{y_sub}->{w_sub}", xq, dyq, 1.0 / (sx * sdy), dy.dtype)
+
+
+_RAGGED_WEIGHT_GRAD = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def ragged_dot_delayed(fmt: str, margin: int, x: jax.Array, w: jax.Array, sizes: jax.Array,
-                       meta: jax.Array) -> jax.Array:
-    """`ragged_dot` with delayed scales from `meta`, as `einsum_delayed`."""
-    return _ragged_delayed_forward(fmt, margin, x, w, sizes, meta)[0]
+def ragged_dot(fmt: str, margin: int, x: jax.Array, w: jax.Array, sizes: jax.Array,
+               meta: jax.Array | None = None) -> jax.Array:
+    """jax.lax.ragged_dot(x [n, d], w [g, d, f], sizes [g]) with FP8 operands (a mixture of experts' grouped
+    matmul: rows grouped by expert), scaled as `einsum`: one scale per operand over all groups."""
+    return _ragged_forward(fmt, margin, x, w, sizes, meta)[0]
 
 
-def _ragged_delayed_forward(fmt, margin, x, w, sizes, meta):
-    from megajax.sharding import vary, varying_axes
-
-    forward, _ = FORMATS[fmt]
-    counters = meta.reshape(3, BINS)
-    xq, sx = quantize(x, forward, delayed_scale(counters[0], x, forward, margin))
-    wq, sw = quantize(w, forward, delayed_scale(counters[1], w, forward, margin))
-    seen = vary(jnp.concatenate([amax_bin(x), amax_bin(w)]), tuple(varying_axes(meta)))
+def _ragged_forward(fmt, margin, x, w, sizes, meta):
+    xq, sx, wq, sw, dy_counters, seen = _quantize_operands(fmt, margin, x, w, meta)
     y = jax.lax.ragged_dot(xq, wq, sizes, preferred_element_type=jnp.float32) * (1.0 / (sx * sw))
-    return y.astype(x.dtype), (xq, sx, wq, sw, sizes, counters[2], seen)
+    return y.astype(x.dtype), (xq, sx, wq, sw, sizes, dy_counters, seen)
 
 
-def _ragged_delayed_backward(fmt, margin, residuals, dy):
-    from megajax.sharding import vary
-
+def _ragged_backward(fmt, margin, residuals, dy):
     xq, sx, wq, sw, sizes, dy_counters, seen = residuals
-    _, gradient = FORMATS[fmt]
-    dyq, sdy = quantize(dy, gradient, delayed_scale(dy_counters, dy, gradient, margin))
+    dyq, sdy, g_meta = _quantize_gradient(fmt, margin, dy, dy_counters, seen)
     dx = jax.lax.ragged_dot(dyq, jnp.swapaxes(wq, 1, 2), sizes, preferred_element_type=jnp.float32)
     dw = jax.lax.ragged_dot_general(xq, dyq, sizes, _RAGGED_WEIGHT_GRAD, preferred_element_type=jnp.float32)
-    g_meta = jnp.concatenate([seen, vary(amax_bin(dy), tuple(jax.typeof(seen).manual_axis_type.varying))])
     return ((dx * (1.0 / (sdy * sw))).astype(dy.dtype), (dw * (1.0 / (sx * sdy))).astype(dy.dtype), None, g_meta)
 
 
-ragged_dot_delayed.defvjp(_ragged_delayed_forward, _ragged_delayed_backward)
-
-
-def weight_grad_delayed(spec: str, fmt: str, margin: int, x: jax.Array, dy: jax.Array, meta: jax.Array) -> jax.Array:
-    """`weight_grad` with the delayed scales of `einsum_delayed` (the same bits as its backward's dw)."""
-    forward, gradient = FORMATS[fmt]
-    counters = meta.reshape(3, BINS)
-    xq, sx = quantize(x, forward, delayed_scale(counters[0], x, forward, margin))
-    dyq, sdy = quantize(dy, gradient, delayed_scale(counters[2], dy, gradient, margin))
-    x_sub, w_sub, y_sub = _operands(spec)
-    return _dot(f"{x_sub},{y_sub}->{w_sub}", xq, dyq, 1.0 / (sx * sdy), dy.dtype)
+ragged_dot.defvjp(_ragged_forward, _ragged_backward)
 
 
 def is_meta(path) -> bool:

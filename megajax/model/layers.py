@@ -75,10 +75,9 @@ def weight_einsum(module: nn.Module, name: str, x: jax.Array, w: jax.Array) -> j
     spec, fmt = WEIGHT_EINSUMS[name], cfg.fp8
     if fmt == "none":
         y = jnp.einsum(spec, x, w)
-    elif cfg.fp8_recipe == "current":
-        y = fp8.einsum(spec, fmt, x, w)
     else:
-        y = fp8.einsum_delayed(spec, fmt, cfg.fp8_margin, x, w, fp8_state(module, name))
+        meta = fp8_state(module, name) if cfg.fp8_recipe == "delayed" else None
+        y = fp8.einsum(spec, fmt, cfg.fp8_margin, x, w, meta)
     return module.perturb(name, y, collection=TAP_GRADS)
 
 
@@ -94,10 +93,8 @@ def weight_grad(name: str, cfg: ModelConfig, x: jax.Array, dy: jax.Array, w: jax
     """The gradient of parameter `name` (w's shape and dtype) from its matmul's input x and output gradient dy,
     computed in x's dtype (or in FP8 with model.fp8; `meta`: its delayed-scaling state) as the fused backward
     does."""
-    if cfg.fp8 != "none" and meta is not None:
-        return fp8.weight_grad_delayed(WEIGHT_EINSUMS[name], cfg.fp8, cfg.fp8_margin, x, dy, meta).astype(w.dtype)
     if cfg.fp8 != "none":
-        return fp8.weight_grad(WEIGHT_EINSUMS[name], cfg.fp8, x, dy).astype(w.dtype)
+        return fp8.weight_grad(WEIGHT_EINSUMS[name], cfg.fp8, cfg.fp8_margin, x, dy, meta).astype(w.dtype)
     return jax.vjp(lambda w: jnp.einsum(WEIGHT_EINSUMS[name], x, w.astype(x.dtype)), w)[1](dy)[0]
 
 

@@ -278,16 +278,16 @@ class MoE(nn.Module):
         def experts(xs, sizes=None):
             """The el experts' MLPs on their rows: [el, rows, d] buffers (batched matmuls), or with `sizes` [el]
             rows [n, d] grouped by expert (ragged matmuls; rows past the groups are padding)."""
-            fmt, delayed = cfg.fp8, cfg.fp8 != "none" and cfg.fp8_recipe == "delayed"
+            fmt = cfg.fp8
+            delayed = cfg.fp8_recipe == "delayed"
+            meta = lambda name: fp8_state(self, name) if delayed else None  # noqa: E731
             if sizes is None:
                 spec = "ecd,edf->ecf"
 
                 def matmul(x, w, name):
                     if fmt == "none":
                         return jnp.einsum(spec, x, w)
-                    if delayed:
-                        return fp8.einsum_delayed(spec, fmt, cfg.fp8_margin, x, w, fp8_state(self, name))
-                    return fp8.einsum(spec, fmt, x, w)
+                    return fp8.einsum(spec, fmt, cfg.fp8_margin, x, w, meta(name))
 
                 bias = lambda b_ef: b_ef[:, None]  # noqa: E731
             else:
@@ -296,9 +296,7 @@ class MoE(nn.Module):
                 def matmul(x, w, name):
                     if fmt == "none":
                         return jax.lax.ragged_dot(x, w, sizes)
-                    if delayed:
-                        return fp8.ragged_dot_delayed(fmt, cfg.fp8_margin, x, w, sizes, fp8_state(self, name))
-                    return fp8.ragged_dot(fmt, x, w, sizes)
+                    return fp8.ragged_dot(fmt, cfg.fp8_margin, x, w, sizes, meta(name))
 
                 bias = lambda b_ef: b_ef[expert_of]  # noqa: E731
             # The routed rows stay whole on every tensor rank and the expert width is split over 'tensor', as in
