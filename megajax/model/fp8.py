@@ -25,6 +25,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from megajax.sharding import vary, varying_axes
+
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 # (forward operands, output gradient) per model.fp8
 FORMATS = {"hybrid": (E4M3, E5M2), "e4m3": (E4M3, E4M3)}
@@ -99,8 +101,6 @@ def _quantize(x, dtype, counters, margin):
 
 def _quantize_operands(fmt, margin, x, w, meta):
     """(x_q, s_x, w_q, s_w, dy's counters, the forward's exponents as meta's gradient part) for one matmul."""
-    from megajax.sharding import vary, varying_axes
-
     forward, _ = FORMATS[fmt]
     counters = None if meta is None else meta.reshape(3, BINS)
     xq, sx = _quantize(x, forward, None if meta is None else counters[0], margin)
@@ -113,8 +113,6 @@ def _quantize_operands(fmt, margin, x, w, meta):
 
 def _quantize_gradient(fmt, margin, dy, dy_counters, seen):
     """(dy_q, s_dy, meta's gradient: the operands' exponents, or None with current scaling)."""
-    from megajax.sharding import vary
-
     dyq, sdy = _quantize(dy, FORMATS[fmt][1], dy_counters, margin)
     if seen is None:
         return dyq, sdy, None
