@@ -82,7 +82,7 @@ LAYOUTS = {
     "d4-zero-overlap-gather": ({"parallel.data": 4, "parallel.distributed_optimizer": True,
                                 "parallel.overlap_grad_reduce": True, "parallel.overlap_param_gather": True}, 4),
 }
-# the default run: pure tensor parallelism here; the pipeline with zero bubble and the MoE with delayed scaling below
+# the default run: pure tensor parallelism here; the pipeline with zero bubble with delayed scaling below
 DEFAULT = {"t4-sp-llama-e4m3"}
 
 
@@ -104,9 +104,9 @@ def test_fp8_layout_matches_one_device(name):
 DELAYED = {"model.fp8_recipe": "delayed"}
 
 
-@pytest.mark.parametrize("name", ["d2-p2-t2-zero_bubble-zero", "moe-dropless-d2-e2-t2",
-                                  *(pytest.param(n, marks=pytest.mark.slow)
-                                    for n in ("d2-t2-sp", "t4-sp-llama-e4m3", "moe-capacity-d4-e2"))])
+@pytest.mark.parametrize("name", ["d2-p2-t2-zero_bubble-zero",  # the rest with -m slow (suite time)
+                                  *(pytest.param(n, marks=pytest.mark.slow) for n in (
+                                      "moe-dropless-d2-e2-t2", "d2-t2-sp", "t4-sp-llama-e4m3", "moe-capacity-d4-e2"))])
 def test_fp8_delayed_scaling_layout_matches_one_device(name):
     """Delayed scaling: the amax histories are reduced over micro batches, data ranks and pipeline ticks as
     the gradients are, so a layout equals one device as with current scaling. The first step (no history
