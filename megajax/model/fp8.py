@@ -63,8 +63,8 @@ def _dot(spec: str, a: jax.Array, b: jax.Array, inv_scale: jax.Array, dtype) -> 
 # the largest absolute maxima of its operands over the last model.fp8_amax_history steps, recorded as they are
 # used. As the scales are powers of two, an amax matters only by its binary exponent: each linear layer has a
 # state parameter `fp8_<weight>` of 3 x BINS counters (x, w, dy by amax exponent bin: the steps for which a
-# step whose amax had that exponent stays in the history). The backward hands the parameter, as its gradient, a one-hot
-# of each operand's exponent: summed over micro batches, data ranks and pipeline ticks by the ordinary gradient
+# step whose amax had that exponent stays in the history). The backward hands the parameter, as its gradient, a
+# one-hot of each operand's exponent: summed over micro batches, data ranks and pipeline ticks by the ordinary gradient
 # reduction, the nonzero bins are exactly the exponents seen in the step, whose max is the step's amax. The
 # train step takes these gradients out before the optimizer (`take_meta_grads`) and sets the counters
 # (`update_meta`); the state is checkpointed and restored onto any layout as the parameters are. Until an
@@ -99,16 +99,19 @@ def _quantize(x, dtype, counters, margin):
     return quantize(x, dtype, None if counters is None else delayed_scale(counters, x, dtype, margin))
 
 
+def _counters(meta):
+    """The x, w and dy rows of the delayed-scaling state (None each with current scaling)."""
+    return (None, None, None) if meta is None else tuple(meta.reshape(3, BINS))
+
+
 def _quantize_operands(fmt, margin, x, w, meta):
     """(x_q, s_x, w_q, s_w, dy's counters, the forward's exponents as meta's gradient part) for one matmul."""
     forward, _ = FORMATS[fmt]
-    counters = None if meta is None else meta.reshape(3, BINS)
-    xq, sx = _quantize(x, forward, None if meta is None else counters[0], margin)
-    wq, sw = _quantize(w, forward, None if meta is None else counters[1], margin)
-    if meta is None:
-        return xq, sx, wq, sw, None, None
-    seen = vary(jnp.concatenate([amax_bin(x), amax_bin(w)]), tuple(varying_axes(meta)))
-    return xq, sx, wq, sw, counters[2], seen
+    x_counters, w_counters, dy_counters = _counters(meta)
+    xq, sx = _quantize(x, forward, x_counters, margin)
+    wq, sw = _quantize(w, forward, w_counters, margin)
+    seen = None if meta is None else vary(jnp.concatenate([amax_bin(x), amax_bin(w)]), tuple(varying_axes(meta)))
+    return xq, sx, wq, sw, dy_counters, seen
 
 
 def _quantize_gradient(fmt, margin, dy, dy_counters, seen):
@@ -116,7 +119,7 @@ def _quantize_gradient(fmt, margin, dy, dy_counters, seen):
     dyq, sdy = _quantize(dy, FORMATS[fmt][1], dy_counters, margin)
     if seen is None:
         return dyq, sdy, None
-    return dyq, sdy, jnp.concatenate([seen, vary(amax_bin(dy), tuple(jax.typeof(seen).manual_axis_type.varying))])
+    return dyq, sdy, jnp.concatenate([seen, vary(amax_bin(dy), tuple(varying_axes(seen)))])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -150,9 +153,9 @@ def weight_grad(spec: str, fmt: str, margin: int, x: jax.Array, dy: jax.Array,
     """The weight gradient of `einsum(spec, fmt, margin, x, w, meta)` from x and the output gradient, as its
     backward computes it (for the zero-bubble schedule's deferred W pass)."""
     forward, gradient = FORMATS[fmt]
-    counters = None if meta is None else meta.reshape(3, BINS)
-    xq, sx = _quantize(x, forward, None if meta is None else counters[0], margin)
-    dyq, sdy = _quantize(dy, gradient, None if meta is None else counters[2], margin)
+    x_counters, _, dy_counters = _counters(meta)
+    xq, sx = _quantize(x, forward, x_counters, margin)
+    dyq, sdy = _quantize(dy, gradient, dy_counters, margin)
     x_sub, w_sub, y_sub = _operands(spec)
     return _dot(f"{x_sub},{y_sub}->{w_sub}", xq, dyq, 1.0 / (sx * sdy), dy.dtype)
 

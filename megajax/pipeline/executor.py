@@ -526,10 +526,8 @@ def split_weight_grads(w: dict, inputs: dict, dys: dict, mcfg) -> dict:
 
     def one(k, val):
         meta = rest.get(k[:-1] + (fp8.META_PREFIX + k[-1],))
-        grad = functools.partial(layers_lib.weight_grad, k[-1], mcfg)
-        if meta is None:
-            return jax.vmap(grad)(x[k], dy[k], val)
-        return jax.vmap(lambda a, b, c, m: grad(a, b, c, m))(x[k], dy[k], val, meta)
+        args = (x[k], dy[k], val) + (() if meta is None else (meta,))
+        return jax.vmap(functools.partial(layers_lib.weight_grad, k[-1], mcfg))(*args)
 
     return {k: one(k, val) for k, val in big.items()}
 
