@@ -150,16 +150,26 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    """The mesh (data, pipeline, tensor) and how it is used. data=None takes every device left over.
+    """The mesh (data, pipeline, context, tensor) and how it is used. data=None takes every device left over.
 
     expert: the expert-parallel size (Megatron's --expert-model-parallel-size). It divides the data ranks:
     the mesh's data axis is split into 'data' (outer, data / expert) x 'expert' (inner); the dense weights
-    stay data-parallel over both, the experts are sharded over 'expert' and data-parallel over 'data'."""
+    stay data-parallel over both, the experts are sharded over 'expert' and data-parallel over 'data'.
+
+    context: the context-parallel size (Megatron's --context-parallel-size). Every sequence is split over the
+    'context' ranks for every layer (rank i holds chunks i and 2c - 1 - i of 2c) and attention passes keys and
+    values around them in a ring (megajax/model/context.py)."""
 
     data: int | None = None  # data-parallel size (null: every device left over)
     pipeline: int = 1  # pipeline stages
     tensor: int = 1  # tensor-parallel size (Megatron's column/row-parallel layers)
     expert: int = 1  # expert-parallel size; divides data
+    context: int = 1  # context-parallel size: every sequence split over this many ranks, attention by a ring
+    # How attention's keys and values cross the context ranks (Megatron's --cp-comm-type): ring = ppermute one hop
+    # per step under the previous block's compute (p2p); all_gather = every rank's at once, the gradients
+    # reduce-scattered. auto: ring without a pipeline, all_gather with one (a collective-permute inside the
+    # pipeline's per-rank branches waits for every device of the mesh and deadlocks).
+    context_comm: Literal["auto", "ring", "all_gather"] = "auto"
     sequence_parallel: bool = False  # shard the activations outside attention and the MLP over tensor
     virtual_stages: int = 1  # model chunks per pipeline stage (the interleaved schedule)
     schedule: Literal["gpipe", "1f1b", "interleaved", "zero_bubble"] = "1f1b"  # the pipeline schedule
@@ -176,7 +186,7 @@ class ParallelConfig:
     overlap_param_gather: bool = False
 
     def __post_init__(self):
-        for name in ("pipeline", "tensor", "virtual_stages", "expert"):
+        for name in ("pipeline", "tensor", "virtual_stages", "expert", "context"):
             _check(getattr(self, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(self, name)}")
         _check(self.data is None or self.data >= 1, f"parallel.data must be >= 1 (or null), got {self.data}")
         _check(
@@ -367,8 +377,34 @@ class Config:
                 f"model.num_experts={m.num_experts} is not divisible by parallel.expert={p.expert}: choose "
                 f"parallel.expert from {_divisors(m.num_experts)}",
             )
+        if p.context > 1:
+            self._check_context()
         if p.data is not None:
             self._check_batch(p.data)
+
+    def _check_context(self) -> None:
+        m, p = self.model, self.parallel
+        c = p.context
+        _check(
+            m.seq_length % (2 * c) == 0,
+            f"parallel.context={c} splits each sequence into 2 x {c} chunks (rank i holds chunks i and {2 * c - 1} - i, "
+            f"which balances the causal attention work): model.seq_length={m.seq_length} must be a multiple of {2 * c}",
+        )
+        _check(
+            not p.sequence_parallel or m.seq_length % (c * p.tensor) == 0,
+            f"sequence parallelism shards each context rank's {m.seq_length} / {c} tokens over parallel.tensor="
+            f"{p.tensor}: make model.seq_length a multiple of {c * p.tensor}",
+        )
+        _check(m.attention_dropout == 0, "model.attention_dropout is not supported with parallel.context > 1 (the "
+               "ring attention has no dropout): set model.attention_dropout=0 or parallel.context=1")
+        _check(m.num_experts == 0, "mixture of experts is not supported with parallel.context > 1 yet: set "
+               "parallel.context=1 or model.num_experts=0")
+        _check(p.context_comm != "ring" or p.pipeline == 1,
+               "parallel.context_comm=ring is not supported with a pipeline (the ring's collective-permutes would run "
+               "inside the schedule's per-rank branches, where XLA's permute waits for every device): set "
+               "parallel.context_comm=all_gather or auto")
+        _check(m.attention_impl != "cudnn", "model.attention_impl=cudnn is not supported with parallel.context > 1 "
+               "(the ring needs each block's log-sum-exp): use model.attention_impl=pallas or xla")
 
     def _check_batch(self, data: int) -> None:
         t, p = self.train, self.parallel
@@ -402,21 +438,22 @@ class Config:
         """Fills parallel.data from the device count (and train.micro_batch_size from the data size) and
         checks that the layout fits the devices."""
         p = self.parallel
-        mp = p.pipeline * p.tensor
+        mp = p.pipeline * p.context * p.tensor
         if p.data is None:
             _check(
                 num_devices % mp == 0,
-                f"{num_devices} devices cannot be split into pipeline={p.pipeline} x tensor={p.tensor} "
-                f"groups: choose parallel.pipeline * parallel.tensor dividing {num_devices}",
+                f"{num_devices} devices cannot be split into pipeline={p.pipeline} x context={p.context} x "
+                f"tensor={p.tensor} groups: choose parallel.pipeline * parallel.context * parallel.tensor dividing "
+                f"{num_devices}",
             )
             return override(self, {"parallel.data": num_devices // mp}).for_devices(num_devices)
         _check(
             p.data * mp == num_devices,
-            f"parallel.data * parallel.pipeline * parallel.tensor = {p.data} x {p.pipeline} x {p.tensor} = "
-            f"{p.data * mp}, but there are {num_devices} devices: set parallel.data={num_devices // mp} "
-            "or parallel.data=null (use every device)" if num_devices % mp == 0 else
-            f"parallel.data * parallel.pipeline * parallel.tensor = {p.data * mp} does not match the "
-            f"{num_devices} devices: choose sizes whose product is {num_devices}",
+            f"parallel.data * parallel.pipeline * parallel.context * parallel.tensor = {p.data} x {p.pipeline} x "
+            f"{p.context} x {p.tensor} = {p.data * mp}, but there are {num_devices} devices: set "
+            f"parallel.data={num_devices // mp} or parallel.data=null (use every device)" if num_devices % mp == 0 else
+            f"parallel.data * parallel.pipeline * parallel.context * parallel.tensor = {p.data * mp} does not match "
+            f"the {num_devices} devices: choose sizes whose product is {num_devices}",
         )
         if self.train.micro_batch_size is None:  # one micro batch per data rank
             return override(self, {"train.micro_batch_size": self._micro_batch_size(p.data)})

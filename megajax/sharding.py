@@ -1,10 +1,11 @@
 """The device mesh and the one table that maps logical axis names to mesh axes.
 
-Mesh axes, outermost first: data, expert, pipeline, tensor. Tensor is innermost so that its all-reduces stay
-inside a node (NVLink); data is outermost so that its once-per-step gradient reduction crosses nodes. The
+Mesh axes, outermost first: data, expert, pipeline, context, tensor. Tensor is innermost so that its all-reduces
+stay inside a node (NVLink); data is outermost so that its once-per-step gradient reduction crosses nodes. The
 data-parallel ranks are 'data' x 'expert' (DATA): 'expert' has parallel.expert devices (1 without expert
 parallelism), 'data' the rest. The experts are sharded over 'expert' and exchange tokens over it (all-to-all);
-every other weight is data-parallel over both.
+every other weight is data-parallel over both. 'context' splits every sequence (megajax/model/context.py): its
+ranks hold other tokens of the same samples, so their gradients are summed like the data ranks' (GRAD).
 
 Logical names (one vocabulary for parameters and activations):
   batch, seq, embed, heads, kv_heads, head_dim, mlp, vocab, layers (and chunk, stage under a pipeline)
@@ -24,8 +25,9 @@ from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 from megajax.config import ConfigError, ParallelConfig
 
-AXES = ("data", "expert", "pipeline", "tensor")
+AXES = ("data", "expert", "pipeline", "context", "tensor")
 DATA = ("data", "expert")  # the data-parallel ranks: the batch is split over both
+GRAD = (*DATA, "context")  # the ranks that see other tokens of the batch: gradients and losses are summed over them
 
 Axis = str | tuple[str, ...] | None
 
@@ -76,21 +78,21 @@ def current_activation_rules() -> dict[str, Axis]:
 
 
 def make_mesh(parallel: ParallelConfig, devices: Sequence | None = None) -> Mesh:
-    """A (data, expert, pipeline, tensor) mesh over `devices` (default: every device of every process);
+    """A (data, expert, pipeline, context, tensor) mesh over `devices` (default: every device of every process);
     ParallelConfig has checked that parallel.expert divides parallel.data.
 
     Devices are ordered process by process, so tensor (innermost) stays inside a host and data goes across.
     The data-parallel rank of a device is its data x expert index (data major), whatever parallel.expert is.
     """
     devices = list(jax.devices() if devices is None else devices)
-    d, p, t, e = parallel.data, parallel.pipeline, parallel.tensor, parallel.expert
-    if d is None or d * p * t != len(devices):
+    d, p, c, t, e = parallel.data, parallel.pipeline, parallel.context, parallel.tensor, parallel.expert
+    if d is None or d * p * c * t != len(devices):
         raise ConfigError(
-            f"mesh data x pipeline x tensor = {d} x {p} x {t} does not match {len(devices)} devices: "
-            "resolve the layout with Config.for_devices first"
+            f"mesh data x pipeline x context x tensor = {d} x {p} x {c} x {t} does not match {len(devices)} "
+            "devices: resolve the layout with Config.for_devices first"
         )
     devices.sort(key=lambda dev: (dev.process_index, dev.id))
-    grid = np.array(devices, dtype=object).reshape(d // e, e, p, t)
+    grid = np.array(devices, dtype=object).reshape(d // e, e, p, c, t)
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
@@ -143,14 +145,15 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------------------------------
-# The train step's manual region (shard_map over 'data', 'expert' and 'pipeline', 'tensor' left to GSPMD)
+# The train step's manual region (shard_map over 'data', 'expert', 'pipeline' and 'context', 'tensor' left to
+# GSPMD)
 
-MANUAL = ("data", "expert", "pipeline")
+MANUAL = ("data", "expert", "pipeline", "context")
 
 
 def manual_axes_of(mesh: Mesh) -> tuple[str, ...]:
-    """The axes the train step makes manual: 'data', 'expert' and 'pipeline', each only if it has more than one
-    device. XLA rejects a reduction over a manual axis of size 1 when every manual axis has size 1
+    """The axes the train step makes manual: 'data', 'expert', 'pipeline' and 'context', each only if it has more
+    than one device. XLA rejects a reduction over a manual axis of size 1 when every manual axis has size 1
     (jax 0.10.2: "Cross-partition allreduce must be in (partial) manual partitioning mode"), and a size-1
     axis has nothing to reduce: such an axis stays automatic, and `psum` skips it."""
     return tuple(a for a in MANUAL if mesh.shape[a] > 1)
@@ -191,7 +194,8 @@ def psum(x, axis: Axis):
 
 
 def unsplit_data_axes(spec: P) -> tuple[str, ...]:
-    """The data-parallel axes a parameter with `spec` is replicated over: those its gradient is summed over
-    (every one for a dense weight; 'data' only for an expert weight, sharded over 'expert')."""
+    """The axes of GRAD a parameter with `spec` is replicated over: those its gradient is summed over and its
+    distributed-optimizer state is sharded over (every one for a dense weight; 'data' and 'context' for an
+    expert weight, sharded over 'expert'). Megatron's data-parallel group with context parallelism."""
     used = spec_axes(spec)
-    return tuple(a for a in DATA if a not in used)
+    return tuple(a for a in GRAD if a not in used)

@@ -2,7 +2,7 @@
 
 The train state, the jitted train and eval steps, and the loop. The step is
 
-    shard_map(data and pipeline manual, tensor left to GSPMD):
+    shard_map(data, pipeline and context manual, tensor left to GSPMD):
         micro-batch loop (or a pipeline schedule) -> summed gradients on each data rank
         one reduction over 'data' (all-reduce, or reduce-scatter with the distributed optimizer)
     GSPMD: unscale, global norm, AdamW update, non-finite steps skipped
@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from megajax import config as config_lib
 from megajax import metrics as metrics_lib
 from megajax import model, optim, overlap, pipeline, sharding, xla_flags
-from megajax.model import fp8, moe
+from megajax.model import context, fp8, moe
 from megajax.pipeline import layout
 from megajax.config import Config, InputError
 from megajax import distributed
@@ -223,11 +223,11 @@ def accumulate_grads(cfg: Config, params, batch: dict, seed_scale: jax.Array, re
     def body(carry, mb):
         loss, grads = carry
         # The weights marked varying over the data axes keep the transpose from reducing per micro batch.
-        g, raw = grad_fn(sharding.vary(weights, sharding.DATA), mb)
+        g, raw = grad_fn(sharding.vary(weights, sharding.GRAD), mb)
         return (loss + raw, jax.tree.map(jnp.add, grads, g)), None
 
     mbs = micro_batches(batch, m)
-    loss = sharding.vary(jnp.zeros((), jnp.float32), sharding.DATA)
+    loss = sharding.vary(jnp.zeros((), jnp.float32), sharding.GRAD)
     weights, acc = params, None
     if reductions is None:
         (loss, grads), _ = jax.lax.scan(body, (loss, jax.tree.map(jnp.zeros_like, sharding.vary(params))), mbs)
@@ -276,12 +276,13 @@ def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
 
     def local(params, batch, seed_scale):
+        batch = context.split_batch(batch)  # context parallelism: this rank's tokens of every sequence
         with moe.objective_scale(seed_scale):  # MoE layers' auxiliary losses join the gradient at this scale
             if cfg.parallel.pipeline > 1:
                 loss, grads = pipeline.pipeline_grads(cfg, params, batch, seed_scale)
             elif overlapped:
                 loss, grads = accumulate_grads(cfg, params, batch, seed_scale, reductions)
-                return sharding.psum(loss, sharding.DATA), grads
+                return sharding.psum(loss, sharding.GRAD), grads
             else:
                 loss, grads = accumulate_grads(cfg, params, batch, seed_scale)
         # Each gradient is summed over the data ranks that replicate its weight (an expert's: 'data' only).
@@ -289,7 +290,7 @@ def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
         # those ranks.
         grads = jax.tree.map(lambda g, z, a: sharding.psum(g, a) if z is None else optim.zero_pad(g, z)[None],
                              grads, zero, reduce_axes, is_leaf=is_none)
-        return sharding.psum(loss, sharding.DATA), grads
+        return sharding.psum(loss, sharding.GRAD), grads
 
     p_specs = setup.compute_param_specs()
     # per weight, the data-parallel axes its gradient is summed over
@@ -330,7 +331,7 @@ def train_step(setup: StepSetup, state: TrainState, batch: dict) -> tuple[TrainS
     optimizer state untouched (the step is counted as skipped)."""
     cfg = setup.cfg
     total = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
-    with sharding.activation_sharding(cfg.parallel.sequence_parallel):
+    with sharding.activation_sharding(cfg.parallel.sequence_parallel), context.exchange(cfg.parallel.context_comm):
         loss_sum, grads = compute_grads(setup, state.params, batch, state.loss_scale / total)
     grads, moe_stats, moe_loads = moe.step_stats(grads, cfg.model.num_experts, cfg.model.moe_capacity_factor)
     grads, fp8_seen = fp8.take_meta_grads(grads)
@@ -373,10 +374,15 @@ def eval_loss(setup: StepSetup, params, batch: dict) -> tuple[jax.Array, jax.Arr
     or through the pipeline (never gathering the layers) when there is one."""
     cfg = setup.cfg
     m = cfg.num_micro_batches
-    with sharding.activation_sharding(cfg.parallel.sequence_parallel):
-        if cfg.parallel.pipeline > 1:
+    with sharding.activation_sharding(cfg.parallel.sequence_parallel), context.exchange(cfg.parallel.context_comm):
+        if cfg.parallel.pipeline > 1 or cfg.parallel.context > 1:
             def local(params, batch):
-                return sharding.psum(pipeline.pipeline_loss(cfg, params, batch), sharding.DATA)
+                batch = context.split_batch(batch)
+                if cfg.parallel.pipeline > 1:
+                    return sharding.psum(pipeline.pipeline_loss(cfg, params, batch), sharding.GRAD)
+                loss, _ = jax.lax.scan(lambda total, mb: (total + model.loss_sum(cfg.model, params, mb, None), None),
+                                       sharding.vary(jnp.zeros((), jnp.float32), sharding.GRAD), micro_batches(batch, m))
+                return sharding.psum(loss, sharding.GRAD)
 
             specs = (setup.param_specs(), {k: P(sharding.DATA) for k in batch})
             loss = _in_manual_region(setup.mesh, local, specs, P())(params, batch)
@@ -455,7 +461,8 @@ def _report_config_changes(cfg: Config, meta: dict, log) -> None:
 def _meta(cfg: Config, step: int, consumed: int) -> dict:
     return {"step": step, "consumed_samples": consumed, "seed": cfg.train.seed, "config": cfg.to_dict(),
             "layout": {"data": cfg.parallel.data, "pipeline": cfg.parallel.pipeline,
-                       "tensor": cfg.parallel.tensor, "virtual_stages": cfg.parallel.virtual_stages}}
+                       "context": cfg.parallel.context, "tensor": cfg.parallel.tensor,
+                       "virtual_stages": cfg.parallel.virtual_stages}}
 
 
 def run(cfg: Config) -> dict:
@@ -498,7 +505,8 @@ def run(cfg: Config) -> dict:
     n_params = sum(math.prod(a.shape) for a in jax.tree.leaves(setup.abstract_state.params))
     p = cfg.parallel
     log.info(f"megajax: {n_params / 1e6:.2f}M parameters, {jax.device_count()} devices "
-             f"(data={p.data} pipeline={p.pipeline} tensor={p.tensor}"
+             f"(data={p.data} pipeline={p.pipeline}{f' context={p.context}' if p.context > 1 else ''} "
+             f"tensor={p.tensor}"
              f"{' sp' if p.sequence_parallel else ''}), {cfg.num_micro_batches} micro batches of "
              f"{cfg.train.micro_batch_size}, global batch {gbs} x {cfg.model.seq_length} tokens")
 

@@ -1,7 +1,10 @@
 """Fused kernels with one dispatch point: impl = "xla" (jnp reference), "pallas", or "cudnn"."""
 
-from megajax.kernels.attention import attention, attention_reference
+from megajax.kernels.attention import (attention, attention_block_backward, attention_block_forward,
+                                      attention_reference)
+from megajax.kernels.flash_attention import flash_block_backward, flash_block_forward
 from megajax.kernels.norms import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 
-__all__ = ["attention", "attention_reference", "layer_norm", "layer_norm_reference", "rms_norm",
+__all__ = ["attention", "attention_block_backward", "attention_block_forward", "attention_reference",
+           "flash_block_backward", "flash_block_forward", "layer_norm", "layer_norm_reference", "rms_norm",
            "rms_norm_reference"]

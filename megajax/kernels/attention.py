@@ -77,3 +77,51 @@ def attention(
         # Under a mesh the kernels run per shard: heads over 'tensor', batch over 'data' (launch.py).
         return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale)
     raise ValueError(f"unknown attention impl {impl!r}: use xla, pallas or cudnn")
+
+
+# ----------------------------------------------------------------------------------------------------
+# One block of a blockwise attention (the context-parallel ring, megajax/model/context.py): the output with its
+# log-sum-exp, and the backward from the whole attention's log-sum-exp and delta. The Pallas equivalents are
+# flash_block_forward / flash_block_backward.
+
+
+def _block_probs_logits(q, k, q_seg, k_seg, causal: bool, scale: float):
+    """fp32 logits [b, g, r, s, t] with the causal (s == t, the diagonal block) and segment masks."""
+    b, s, h, d = q.shape
+    t, g = k.shape[1], k.shape[2]
+    qg = q.reshape(b, s, g, h // g, d)
+    logits = jnp.einsum("bsgrk,btgk->bgrst", qg, k, preferred_element_type=jnp.float32) * scale
+    mask = None
+    if causal:
+        mask = (jnp.arange(s)[:, None] >= jnp.arange(t)[None, :])[None, None, None]
+    if q_seg is not None:
+        same = (q_seg[:, :, None] == k_seg[:, None, :])[:, None, None]
+        mask = same if mask is None else mask & same
+    return logits if mask is None else jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+
+
+def attention_block_forward(q, k, v, q_seg=None, k_seg=None, *, causal: bool, scale: float):
+    """(o [b, s, h, k] fp32, lse [b, h, s] fp32, natural log) of q over this block of keys alone."""
+    b, s, h, d = q.shape
+    logits = _block_probs_logits(q, k, q_seg, k_seg, causal, scale)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    probs = jnp.exp(logits - lse[..., None])
+    o = jnp.einsum("bgrst,btgk->bsgrk", probs, v.astype(jnp.float32))
+    return o.reshape(b, s, h, d), lse.reshape(b, h, s)
+
+
+def attention_block_backward(q, k, v, do, lse, delta, q_seg=None, k_seg=None, *, causal: bool, scale: float):
+    """(dq, dk, dv) in fp32 of this block's share of an attention whose log-sum-exp per query is lse [b, h, s]
+    and delta = rowsum(o * do) [b, h, s] (both of the whole attention, not of this block)."""
+    b, s, h, d = q.shape
+    g = k.shape[2]
+    logits = _block_probs_logits(q, k, q_seg, k_seg, causal, scale)
+    rows = lambda x: x.reshape(b, g, h // g, s)[..., None]  # noqa: E731
+    probs = jnp.exp(logits - rows(lse))
+    qg = q.reshape(b, s, g, h // g, d).astype(jnp.float32)
+    dog = do.reshape(b, s, g, h // g, d).astype(jnp.float32)
+    dv = jnp.einsum("bgrst,bsgrk->btgk", probs, dog)
+    ds = probs * (jnp.einsum("bsgrk,btgk->bgrst", dog, v.astype(jnp.float32)) - rows(delta))
+    dq = jnp.einsum("bgrst,btgk->bsgrk", ds, k.astype(jnp.float32)) * scale
+    dk = jnp.einsum("bgrst,bsgrk->btgk", ds, qg) * scale
+    return dq.reshape(b, s, h, d), dk, dv

@@ -200,7 +200,7 @@ def _dq_kernel(*refs, scale: float, causal: bool, kv_len: int, length_mask: bool
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(*refs, scale: float, causal: bool, kv_len: int, length_mask: bool, block_q: int,
+def _dkv_kernel(*refs, scale: float, causal: bool, kv_len: int, q_len: int, length_mask: bool, block_q: int,
                 group: int, has_segments: bool):
     """q, do: [s, group, k] (the query heads of this kv head); lse, delta: [group, s]; k, v: [block_k, k]."""
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), sq_ref, sk_ref, (dk_ref, dv_ref) = _split_refs(
@@ -226,7 +226,7 @@ def _dkv_kernel(*refs, scale: float, causal: bool, kv_len: int, length_mask: boo
 
     # Query blocks after the last real query only hold padding, whose do is zero: skip them.
     lower = lax.div(ki * block_k, block_q) if causal else 0
-    n_q = pl.cdiv(kv_len, block_q)
+    n_q = pl.cdiv(q_len, block_q)
 
     def one_head(head, carry):
         return lax.fori_loop(lower, n_q, functools.partial(q_block, head=head), carry)
@@ -248,9 +248,11 @@ class _Static:
 
     causal: bool
     scale: float
-    kv_len: int  # real (unpadded) sequence length
+    kv_len: int  # real (unpadded) key length
     blocks: BlockSizes
     interpret: bool | None
+    q_len: int | None = None  # real (unpadded) query length; None: kv_len (self-attention)
+    out_dtype: str | None = None  # of the output (forward) and the gradients (backward); None: the inputs'
 
     def params(self, name: str, backward: bool = False) -> dict:
         b = self.blocks
@@ -266,68 +268,76 @@ class _Static:
         return dict(scale=self.scale, causal=self.causal, kv_len=self.kv_len, has_segments=has_segments,
                     length_mask=not self.causal and self.kv_len % key_block != 0)
 
+    def dkv_args(self, key_block: int, has_segments: bool) -> dict:
+        return dict(self.kernel_args(key_block, has_segments), q_len=self.kv_len if self.q_len is None else self.q_len)
 
-def _segment_specs(segment_ids, row_block: int, row_index, full_index) -> tuple[list, list]:
-    """(specs, arrays) passing the segment ids twice: this program's rows, and the whole sequence."""
-    if segment_ids is None:
+
+def _segment_specs(row_seg, full_seg, row_block: int, row_index, full_index) -> tuple[list, list]:
+    """(specs, arrays) passing segment ids twice: this program's rows (of row_seg), and the whole other sequence
+    (full_seg); the same array for self-attention."""
+    if row_seg is None:
         return [], []
-    s_pad = segment_ids.shape[1]
-    return ([pl.BlockSpec((None, row_block), row_index), pl.BlockSpec((None, s_pad), full_index)],
-            [segment_ids, segment_ids])
+    return ([pl.BlockSpec((None, row_block), row_index), pl.BlockSpec((None, full_seg.shape[1]), full_index)],
+            [row_seg, full_seg])
 
 
-def _forward(q, k, v, segment_ids, st: _Static):
+def _dtype(st: _Static, like):
+    return jnp.dtype(st.out_dtype) if st.out_dtype else like.dtype
+
+
+def _forward(q, k, v, q_seg, k_seg, st: _Static):
     b, s_pad, h, d = q.shape
     group = h // k.shape[2]
     bq, bk = st.blocks.block_q, st.blocks.block_k
-    seg_specs, seg_args = _segment_specs(segment_ids, bq, lambda bi, hi, qi: (bi, qi),
+    seg_specs, seg_args = _segment_specs(q_seg, k_seg, bq, lambda bi, hi, qi: (bi, qi),
                                          lambda bi, hi, qi: (bi, 0))
     kernel = functools.partial(_forward_kernel, block_k=bk, **st.kernel_args(bk, bool(seg_args)))
     q_spec = pl.BlockSpec((None, bq, None, d), lambda bi, hi, qi: (bi, qi, hi, 0))
-    kv_spec = pl.BlockSpec((None, s_pad, None, d), lambda bi, hi, qi: (bi, 0, hi // group, 0))
+    kv_spec = pl.BlockSpec((None, k.shape[1], None, d), lambda bi, hi, qi: (bi, 0, hi // group, 0))
     return pallas_call(
         kernel, grid=(b, h, s_pad // bq),
         in_specs=[q_spec, kv_spec, kv_spec, *seg_specs],
         out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda bi, hi, qi: (bi, hi, qi))],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, s_pad), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, _dtype(st, q)), jax.ShapeDtypeStruct((b, h, s_pad), jnp.float32)],
         **st.params("flash_attention_fwd"))(q, k, v, *seg_args)
 
 
-def _backward_dq(q, k, v, do, lse, delta, segment_ids, st: _Static):
+def _backward_dq(q, k, v, do, lse, delta, q_seg, k_seg, st: _Static):
     b, s_pad, h, d = q.shape
     group = h // k.shape[2]
     bq, bk = st.blocks.block_q_dq, st.blocks.block_k_dq
-    seg_specs, seg_args = _segment_specs(segment_ids, bq, lambda bi, hi, qi: (bi, qi),
+    seg_specs, seg_args = _segment_specs(q_seg, k_seg, bq, lambda bi, hi, qi: (bi, qi),
                                          lambda bi, hi, qi: (bi, 0))
     kernel = functools.partial(_dq_kernel, block_k=bk, **st.kernel_args(bk, bool(seg_args)))
     q_spec = pl.BlockSpec((None, bq, None, d), lambda bi, hi, qi: (bi, qi, hi, 0))
-    kv_spec = pl.BlockSpec((None, s_pad, None, d), lambda bi, hi, qi: (bi, 0, hi // group, 0))
+    kv_spec = pl.BlockSpec((None, k.shape[1], None, d), lambda bi, hi, qi: (bi, 0, hi // group, 0))
     row_spec = pl.BlockSpec((None, None, bq), lambda bi, hi, qi: (bi, hi, qi))
     return pallas_call(
         kernel, grid=(b, h, s_pad // bq),
         in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *seg_specs],
-        out_specs=q_spec, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_specs=q_spec, out_shape=jax.ShapeDtypeStruct(q.shape, _dtype(st, q)),
         **st.params("flash_attention_dq", backward=True))(q, k, v, do, lse, delta, *seg_args)
 
 
-def _backward_dkv(q, k, v, do, lse, delta, segment_ids, st: _Static):
+def _backward_dkv(q, k, v, do, lse, delta, q_seg, k_seg, st: _Static):
     b, s_pad, g, d = k.shape
     group = q.shape[2] // g
+    q_pad = q.shape[1]
     bq, bk = st.blocks.block_q_dkv, st.blocks.block_k_dkv
-    seg_specs, seg_args = _segment_specs(segment_ids, bk, lambda bi, gi, ki: (bi, ki),
+    # the kernel reads the whole query sequence, and this program's key rows
+    seg_specs, seg_args = _segment_specs(k_seg, q_seg, bk, lambda bi, gi, ki: (bi, ki),
                                          lambda bi, gi, ki: (bi, 0))
-    seg_specs = seg_specs[::-1]  # the kernel reads the whole query sequence, and this program's key rows
-    kernel = functools.partial(_dkv_kernel, block_q=bq, group=group,
-                               **st.kernel_args(bk, bool(seg_args)))
+    seg_specs, seg_args = seg_specs[::-1], seg_args[::-1]
+    kernel = functools.partial(_dkv_kernel, block_q=bq, group=group, **st.dkv_args(bk, bool(seg_args)))
     # Query head j of kv head gi is gi * group + j: a block of `group` heads at block index gi.
-    q_spec = pl.BlockSpec((None, s_pad, group, d), lambda bi, gi, ki: (bi, 0, gi, 0))
+    q_spec = pl.BlockSpec((None, q_pad, group, d), lambda bi, gi, ki: (bi, 0, gi, 0))
     kv_spec = pl.BlockSpec((None, bk, None, d), lambda bi, gi, ki: (bi, ki, gi, 0))
-    row_spec = pl.BlockSpec((None, group, s_pad), lambda bi, gi, ki: (bi, gi, 0))
+    row_spec = pl.BlockSpec((None, group, q_pad), lambda bi, gi, ki: (bi, gi, 0))
     return pallas_call(
         kernel, grid=(b, g, s_pad // bk),
         in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *seg_specs],
         out_specs=[kv_spec, kv_spec],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, _dtype(st, k)), jax.ShapeDtypeStruct(v.shape, _dtype(st, v))],
         **st.params("flash_attention_dkv", backward=True))(q, k, v, do, lse, delta, *seg_args)
 
 
@@ -340,7 +350,7 @@ SEGMENT_NAMES = ("batch", None)
 
 def _sharded_forward(q, k, v, segment_ids, st: _Static):
     seg_names = None if segment_ids is None else SEGMENT_NAMES
-    return shard_kernel(lambda q, k, v, seg: _forward(q, k, v, seg, st), (q, k, v, segment_ids),
+    return shard_kernel(lambda q, k, v, seg: _forward(q, k, v, seg, seg, st), (q, k, v, segment_ids),
                         (Q_NAMES, KV_NAMES, KV_NAMES, seg_names), (Q_NAMES, ROW_NAMES))
 
 
@@ -361,8 +371,8 @@ def _flash_bwd(st: _Static, res, do):
     delta = jnp.einsum("bshk,bshk->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
 
     def grads(q, k, v, do, lse, delta, seg):
-        dq = _backward_dq(q, k, v, do, lse, delta, seg, st)
-        return (dq, *_backward_dkv(q, k, v, do, lse, delta, seg, st))
+        dq = _backward_dq(q, k, v, do, lse, delta, seg, seg, st)
+        return (dq, *_backward_dkv(q, k, v, do, lse, delta, seg, seg, st))
 
     seg_names = None if segment_ids is None else SEGMENT_NAMES
     dq, dk, dv = shard_kernel(grads, (q, k, v, do, lse, delta, segment_ids),
@@ -425,3 +435,68 @@ def flash_attention(
         segment_ids = segment_ids.astype(jnp.int32)
     out = _flash(q, k, v, segment_ids, _Static(bool(causal), scale, s, blocks, interpret))
     return out[:, :s, :, :d]
+
+
+# ----------------------------------------------------------------------------------------------------
+# One block of a blockwise attention (the context-parallel ring, megajax/model/context.py): not differentiable
+# themselves; the ring's custom_vjp calls the backward. Queries and keys may differ in length when not causal.
+
+
+def _block_static(q, k, causal: bool, scale: float, block_sizes: BlockSizes | None, interpret: bool | None):
+    s, t, d = q.shape[1], k.shape[1], q.shape[3]
+    if causal and s != t:
+        raise ValueError(f"a causal block is a diagonal one: queries and keys of one length, got {s} and {t}")
+    blocks = (block_sizes or default_block_sizes(d, q.dtype)).fit(max(s, t))
+    return _Static(bool(causal), float(scale), t, blocks, interpret, q_len=s, out_dtype="float32")
+
+
+def _pad_block(x, length: int, d_pad: int):
+    if x is None:
+        return None
+    widths = [(0, 0), (0, length - x.shape[1])] + [(0, 0)] * (x.ndim - 2)
+    if x.ndim == 4:
+        widths[3] = (0, d_pad - x.shape[3])
+    return jnp.pad(x, widths) if any(w != (0, 0) for w in widths) else x
+
+
+def _block_pads(st: _Static, q, k):
+    unit = st.blocks.largest
+    return (-(-q.shape[1] // unit) * unit, -(-k.shape[1] // unit) * unit,
+            max(MIN_BLOCK, next_power_of_2(q.shape[3])))
+
+
+def flash_block_forward(q, k, v, q_seg=None, k_seg=None, *, causal: bool, scale: float,
+                        block_sizes: BlockSizes | None = None, interpret: bool | None = None):
+    """(o [b, s, h, k] fp32, lse [b, h, s] fp32, natural log) of q [b, s, h, k] over the keys k, v [b, t, g, k]
+    alone, with the flash-attention forward kernel; causal only for a diagonal block (s == t)."""
+    st = _block_static(q, k, causal, scale, block_sizes, interpret)
+    s, d = q.shape[1], q.shape[3]
+    s_pad, t_pad, d_pad = _block_pads(st, q, k)
+    args = (_pad_block(q, s_pad, d_pad), _pad_block(k, t_pad, d_pad), _pad_block(v, t_pad, d_pad),
+            _pad_block(q_seg, s_pad, d_pad), _pad_block(k_seg, t_pad, d_pad))
+    seg_names = None if q_seg is None else SEGMENT_NAMES
+    o, lse2 = shard_kernel(lambda q, k, v, qs, ks: _forward(q, k, v, qs, ks, st), args,
+                           (Q_NAMES, KV_NAMES, KV_NAMES, seg_names, seg_names), (Q_NAMES, ROW_NAMES))
+    return o[:, :s, :, :d], lse2[:, :, :s] / LOG2E
+
+
+def flash_block_backward(q, k, v, do, lse, delta, q_seg=None, k_seg=None, *, causal: bool, scale: float,
+                         block_sizes: BlockSizes | None = None, interpret: bool | None = None):
+    """(dq, dk, dv) in fp32 of this block's share of an attention whose log-sum-exp per query (natural log) is
+    lse [b, h, s] and whose rowsum(o * do) is delta [b, h, s], both of the whole attention: the flash-attention
+    dq and dk/dv kernels."""
+    st = _block_static(q, k, causal, scale, block_sizes, interpret)
+    s, t, d = q.shape[1], k.shape[1], q.shape[3]
+    s_pad, t_pad, d_pad = _block_pads(st, q, k)
+    rows = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, s_pad - s)))  # noqa: E731  padded queries: do = 0, no share
+    args = (_pad_block(q, s_pad, d_pad), _pad_block(k, t_pad, d_pad), _pad_block(v, t_pad, d_pad),
+            _pad_block(do.astype(q.dtype), s_pad, d_pad), rows(lse * LOG2E), rows(delta),
+            _pad_block(q_seg, s_pad, d_pad), _pad_block(k_seg, t_pad, d_pad))
+
+    def grads(q, k, v, do, lse, delta, qs, ks):
+        return (_backward_dq(q, k, v, do, lse, delta, qs, ks, st), *_backward_dkv(q, k, v, do, lse, delta, qs, ks, st))
+
+    seg_names = None if q_seg is None else SEGMENT_NAMES
+    dq, dk, dv = shard_kernel(grads, args, (Q_NAMES, KV_NAMES, KV_NAMES, Q_NAMES, ROW_NAMES, ROW_NAMES, seg_names,
+                                            seg_names), (Q_NAMES, KV_NAMES, KV_NAMES))
+    return dq[:, :s, :, :d], dk[:, :t, :, :d], dv[:, :t, :, :d]

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from megajax import kernels
 from megajax.config import ModelConfig
-from megajax.model import fp8
+from megajax.model import context, fp8
 from megajax.sharding import constrain
 
 RESIDUAL = ("batch", "seq", "embed")  # the residual stream: sequence-sharded with sequence parallelism
@@ -121,9 +121,11 @@ def dropout(x: jax.Array, rate: float, keys: jax.Array | None, salt: int | jax.A
     """
     if rate == 0.0 or keys is None:
         return x
+    c = context.size()  # context parallelism: the whole sequence's mask, and this rank's rows of it
 
     def mask(key):
-        return jax.random.bernoulli(jax.random.fold_in(key, salt), 1.0 - rate, x.shape[1:])
+        shape = (x.shape[1] * c, *x.shape[2:])
+        return context.split(jax.random.bernoulli(jax.random.fold_in(key, salt), 1.0 - rate, shape), axis=0)
 
     keep = jax.vmap(mask)(keys)
     return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
@@ -172,7 +174,7 @@ class Embed(nn.Module):
         # all-reduces over 'tensor': Megatron's VocabParallelEmbedding.
         x = jnp.take(self.embedding.astype(cdt), tokens_bs, axis=0)
         if cfg.arch == "gpt2":
-            positions = jax.lax.dynamic_slice_in_dim(self.position_embedding, offset, tokens_bs.shape[1])
+            positions = jnp.take(self.position_embedding, context.positions(tokens_bs.shape[1]) + offset, axis=0)
             x = x + positions.astype(cdt)[None]
         x = dropout(x, cfg.dropout, keys, salt=0)
         return constrain(x, RESIDUAL)
@@ -197,9 +199,9 @@ def rope_inv_freq(cfg: ModelConfig, head_dim: int) -> jax.Array:
 
 def rope(x_bshk: jax.Array, inv_freq: jax.Array, offset: jax.Array | int = 0) -> jax.Array:
     """Rotary position embedding, "rotate half" convention (as Hugging Face's Llama); the s positions
-    start at `offset` (nonzero when decoding with a KV cache)."""
+    start at `offset` (nonzero when decoding with a KV cache), or are this context rank's (context.positions)."""
     s = x_bshk.shape[1]
-    positions = jnp.arange(s, dtype=jnp.float32) + jnp.asarray(offset, jnp.float32)
+    positions = context.positions(s).astype(jnp.float32) + jnp.asarray(offset, jnp.float32)
     angles = positions[:, None] * inv_freq[None, :]  # [s, k/2]
     cos = jnp.concatenate([jnp.cos(angles)] * 2, -1)[None, :, None, :]
     sin = jnp.concatenate([jnp.sin(angles)] * 2, -1)[None, :, None, :]
@@ -277,6 +279,8 @@ class Attention(nn.Module):
             probs_dropout = functools.partial(dropout, rate=cfg.attention_dropout, keys=keys, salt=1 + 4 * layer)
 
         def core(q, kk, v):
+            if context.size() > 1:  # the keys and values of the whole sequence come around the context ring
+                return context.ring_attention(q, kk, v, impl=cfg.attention_impl)
             return kernels.attention(q, kk, v, causal=True, impl=cfg.attention_impl, probs_dropout=probs_dropout)
 
         if cfg.recompute == "selective":

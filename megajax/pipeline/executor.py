@@ -156,11 +156,11 @@ def plan(name: str, p: int, v: int, m: int):
 
 def permute_bytes_per_step(cfg: Config) -> dict:
     """What the executor sends per step over 'pipeline', per device: each tick's ppermutes of one
-    [micro batch, seq, hidden] activation (for the audit to check against the compiled program)."""
+    [micro batch, seq / context, hidden] activation (for the audit to check against the compiled program)."""
     par = cfg.parallel
     m = cfg.num_micro_batches
     mb = cfg.train.micro_batch_size
-    act = mb * cfg.model.seq_length * cfg.model.hidden_size * jnp.dtype(cfg.model.compute_dtype).itemsize
+    act = mb * (cfg.model.seq_length // par.context) * cfg.model.hidden_size * jnp.dtype(cfg.model.compute_dtype).itemsize
     if par.schedule == "gpipe":
         ticks = m + par.pipeline - 1
         return {"ppermutes": 2 * ticks, "bytes": 2 * ticks * act}  # forward scan and its transpose
@@ -194,7 +194,7 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
     layers = vary(local_chunks(params["layers"]))  # [v, Lc, ...]
     shared = _shared(params)
     mbs = vary(micro_batches(batch, m))
-    act_shape = (batch["tokens"].shape[0] // m, cfg.model.seq_length, cfg.model.hidden_size)
+    act_shape = (batch["tokens"].shape[0] // m, batch["tokens"].shape[1], cfg.model.hidden_size)
     act_dtype = jnp.dtype(cfg.model.compute_dtype)
     actions = _SplitChunkActions if sched.split_backward else _ChunkActions
     acts = actions(cfg, layers, shared, mbs, vary(seed_scale), act_shape, act_dtype)
@@ -628,7 +628,7 @@ def _forward_rounds(cfg: Config, layers, shared, mbs, train: bool) -> jax.Array:
     p, v, m = par.pipeline, par.virtual_stages, cfg.num_micro_batches
     rank = jax.lax.axis_index("pipeline")
     lc = jax.tree.leaves(layers)[0].shape[1]
-    shape = (mbs["tokens"].shape[1], mcfg.seq_length, mcfg.hidden_size)
+    shape = (*mbs["tokens"].shape[1:], mcfg.hidden_size)
     dtype = jnp.dtype(mcfg.compute_dtype)
     returned = vary(jnp.zeros((m, *shape), dtype)) if v > 1 else None  # rank 0: the last round's outputs
     loss = vary(jnp.zeros((), jnp.float32))

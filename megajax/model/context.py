@@ -1,0 +1,293 @@
+"""Context parallelism: every sequence split over the 'context' ranks for every layer, attention by a ring.
+
+Layout (Megatron-Core's, for causal balance). A sequence of s tokens is cut into 2c chunks of h = s / 2c tokens;
+context rank i holds chunks i and 2c - 1 - i, one after the other (2h local tokens). With a causal mask a plain
+split would give the last rank c times the attention work of the first; with this one every rank does the same
+work: chunk i's queries see i + 1 key chunks, chunk 2c - 1 - i's see 2c - i, 2c + 1 in all on every rank.
+
+Everything outside attention is per token and runs on the local tokens as it is: embeddings (at the tokens'
+global `positions`), norms, the MLP, the loss (summed over 'context' like over 'data'). Dropout masks are drawn
+for the whole sequence and the local rows taken (`split`), so they follow the original token order.
+
+Ring attention (`ring_attention`). The keys and values (and their segment ids) go around the ring with ppermute,
+c - 1 hops; at step n rank i holds those of rank j = i - n (mod c) and attends to them block by block, merging
+the partial outputs with their log-sum-exp. With the layout above only three kinds of block occur:
+  - n = 0 (j = i): the local causal attention over the local 2h tokens (chunk i before chunk 2c - 1 - i);
+  - j < i: j's first chunk (chunk j) lies before both query chunks and every local query sees all of it; its
+    second (chunk 2c - 1 - j) lies after both and no query sees it;
+  - j > i: only the second query chunk (2c - 1 - i) sees j's two chunks, wholly.
+So each step after the first is one unmasked block of h x 2h or 2h x h: half the work of a full block, and the
+blocks above the diagonal are never computed. The backward passes the same ring again: each step adds the block's
+dq locally and its dk, dv to a buffer that travels with the keys and values and reaches their owner after c hops.
+Blocks run with the Pallas flash-attention kernels (model.attention_impl=pallas, megajax/kernels/flash_attention.py)
+or the XLA reference (megajax/kernels/attention.py); neither materialises more than one [2h, h] block of logits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from megajax import kernels
+from megajax.kernels.launch import match_varying
+from megajax.sharding import current_manual_axes, varying_axes, vary
+
+AXIS = "context"
+
+
+def size() -> int:
+    """The context-parallel size in force: parallel.context inside the train step's manual region, else 1."""
+    if AXIS not in current_manual_axes():
+        return 1
+    return jax.sharding.get_abstract_mesh().shape[AXIS]
+
+
+_COMM: contextvars.ContextVar[str] = contextvars.ContextVar("megajax_context_comm", default="auto")
+
+
+@contextlib.contextmanager
+def exchange(comm: str):
+    """Within this context ring attention exchanges keys and values as parallel.context_comm says."""
+    token = _COMM.set(comm)
+    try:
+        yield
+    finally:
+        _COMM.reset(token)
+
+
+def comm() -> str:
+    """The exchange in force: 'ring' or 'all_gather' ('auto': all_gather inside a pipeline, else ring)."""
+    chosen = _COMM.get()
+    if chosen == "auto":
+        return "all_gather" if "pipeline" in current_manual_axes() else "ring"
+    return chosen
+
+
+def chunk_ids(rank: int, c: int) -> tuple[int, int]:
+    """The two sequence chunks (of 2c) context rank `rank` holds."""
+    return rank, 2 * c - 1 - rank
+
+
+def positions(s_local: int) -> jax.Array:
+    """The global positions [s_local] of this rank's tokens (0 .. s_local - 1 without context parallelism)."""
+    c = size()
+    if c == 1:
+        return jnp.arange(s_local)
+    h, i = s_local // 2, jax.lax.axis_index(AXIS)
+    return jnp.concatenate([i * h + jnp.arange(h), (2 * c - 1 - i) * h + jnp.arange(h)])
+
+
+def split(x: jax.Array, axis: int = 1) -> jax.Array:
+    """This rank's two chunks of an array holding whole sequences on `axis` (x itself without context
+    parallelism)."""
+    c = size()
+    if c == 1:
+        return x
+    h, i = x.shape[axis] // (2 * c), jax.lax.axis_index(AXIS)
+    first = jax.lax.dynamic_slice_in_dim(x, i * h, h, axis)
+    second = jax.lax.dynamic_slice_in_dim(x, (2 * c - 1 - i) * h, h, axis)
+    return jnp.concatenate([first, second], axis)
+
+
+def split_batch(batch: dict) -> dict:
+    """A batch of whole sequences ([b, s] fields; sample_ids [b] stays) cut to this rank's tokens."""
+    return {k: split(v) if v.ndim >= 2 else v for k, v in batch.items()}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Ring attention
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    impl: str
+    scale: float
+    c: int
+    comm: str  # "ring" (ppermute, one hop per step) or "all_gather" (every rank's keys at once)
+
+
+def _block_forward(st: _Static, q, k, v, q_seg, k_seg, causal: bool):
+    if st.impl == "pallas":
+        return kernels.flash_block_forward(q, k, v, q_seg, k_seg, causal=causal, scale=st.scale)
+    return kernels.attention_block_forward(q, k, v, q_seg, k_seg, causal=causal, scale=st.scale)
+
+
+def _block_backward(st: _Static, q, k, v, do, lse, delta, q_seg, k_seg, causal: bool):
+    if st.impl == "pallas":
+        return kernels.flash_block_backward(q, k, v, do, lse, delta, q_seg, k_seg, causal=causal, scale=st.scale)
+    return kernels.attention_block_backward(q, k, v, do, lse, delta, q_seg, k_seg, causal=causal, scale=st.scale)
+
+
+def _halves(x, axis: int):
+    h = x.shape[axis] // 2
+    return jax.lax.slice_in_dim(x, 0, h, axis=axis), jax.lax.slice_in_dim(x, h, 2 * h, axis=axis)
+
+
+def _second(x, axis: int = 1):
+    return None if x is None else _halves(x, axis)[1]
+
+
+def _first(x, axis: int = 1):
+    return None if x is None else _halves(x, axis)[0]
+
+
+def _below(x, axis: int):
+    """x with zeros before it on `axis` (a second-half result in whole-length form)."""
+    return jnp.concatenate([jnp.zeros_like(x), x], axis)
+
+
+def _above(x, axis: int):
+    """x with zeros after it on `axis` (a first-half result in whole-length form)."""
+    return jnp.concatenate([x, jnp.zeros_like(x)], axis)
+
+
+def _source(step: int, c: int):
+    """The rank whose keys and values this rank holds at ring step `step`."""
+    return (jax.lax.axis_index(AXIS) - step) % c
+
+
+def _pass(tree, c: int):
+    """Everything in `tree` one hop along the ring (rank j sends to j + 1)."""
+    perm = [(j, (j + 1) % c) for j in range(c)]
+    return jax.tree.map(lambda x: None if x is None else jax.lax.ppermute(x, AXIS, perm), tree,
+                        is_leaf=lambda x: x is None)
+
+
+def _merge(o, lse, o_b, lse_b):
+    """Two partial attention results over disjoint keys -> the result over both (o [b, s, h, k] fp32, lse
+    [b, h, s] natural log)."""
+    new = jnp.logaddexp(lse, lse_b)
+    weight = lambda l: jnp.exp(l - new).transpose(0, 2, 1)[..., None]  # noqa: E731
+    return o * weight(lse) + o_b * weight(lse_b), new
+
+
+def _gather(tree):
+    """Every context rank's leaves, stacked on a new leading axis [c, ...] (the all_gather exchange)."""
+    return jax.tree.map(lambda x: None if x is None else jax.lax.all_gather(x, AXIS), tree,
+                        is_leaf=lambda x: x is None)
+
+
+def _take(tree, j):
+    return jax.tree.map(lambda x: None if x is None else jax.lax.dynamic_index_in_dim(x, j, 0, keepdims=False),
+                        tree, is_leaf=lambda x: x is None)
+
+
+def _forward(st: _Static, q, k, v, seg):
+    c = st.c
+    o, lse = _block_forward(st, q, k, v, seg, seg, causal=True)
+    here = (k, v, seg)
+    everyone = _gather(here) if st.comm == "all_gather" else None
+    for step in range(1, c):
+        # ring: issued before the block that does not need it, so it can run under compute
+        here = _pass(here, c) if everyone is None else _take(everyone, _source(step, c))
+        o, lse = _merge(o, lse, *_step_forward(st, step, q, seg, *here))
+    return o.astype(q.dtype), lse
+
+
+def _step_forward(st: _Static, step: int, q, seg, k_j, v_j, seg_j):
+    """(o, lse) of ring step `step` > 0 (rows no key reaches: o 0, lse -inf): this rank's queries against the keys
+    of rank j = i - step."""
+    def early():  # j < i: every query, the first of j's chunks
+        return vary(_block_forward(st, q, _first(k_j), _first(v_j), seg, _first(seg_j), causal=False))
+
+    def late():  # j > i: the second query chunk, both of j's chunks
+        o_b, lse_b = _block_forward(st, _second(q), k_j, v_j, _second(seg), seg_j, causal=False)
+        return vary((_below(o_b, 1), jnp.concatenate([jnp.full_like(lse_b, -jnp.inf), lse_b], 2)))
+
+    return jax.lax.cond(_source(step, st.c) < jax.lax.axis_index(AXIS), early, late)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(st: _Static, q, k, v, seg):
+    return _forward(st, q, k, v, seg)[0]
+
+
+def _ring_fwd(st: _Static, q, k, v, seg):
+    o, lse = _forward(st, q, k, v, seg)
+    return o, (q, k, v, seg, o, lse)
+
+
+def _ring_bwd(st: _Static, res, do):
+    q, k, v, seg, o, lse = res
+    c = st.c
+    delta = jnp.einsum("bshk,bshk->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
+    dq, dk, dv = _block_backward(st, q, k, v, do, lse, delta, seg, seg, causal=True)
+    if st.comm == "all_gather":
+        return _gathered_backward(st, q, k, v, seg, do, lse, delta, dq, dk, dv)
+    here, dkv = (k, v, seg), (dk.astype(k.dtype), dv.astype(v.dtype))
+    for step in range(1, c):
+        # the keys and values of rank i - step, and the gradient buffer that travels with them
+        here, dkv = _pass((here, dkv), c)
+        dq_b, dk_b, dv_b = _step_backward(st, step, q, do, lse, delta, seg, *here)
+        dq = dq + dq_b
+        dkv = ((dkv[0].astype(jnp.float32) + dk_b).astype(k.dtype), (dkv[1].astype(jnp.float32) + dv_b).astype(v.dtype))
+    dk, dv = _pass(dkv, c)  # the last hop takes each buffer home
+    return _cotangents(q, k, v, dq, dk, dv)
+
+
+def _step_backward(st: _Static, step: int, q, do, lse, delta, seg, k_j, v_j, seg_j):
+    """(dq, dk, dv) in fp32 of ring step `step` > 0: this rank's queries against the keys of rank i - step."""
+    def early():  # j < i: every query, the first of j's chunks
+        dq_b, dk_b, dv_b = _block_backward(st, q, _first(k_j), _first(v_j), do, lse, delta, seg, _first(seg_j),
+                                           causal=False)
+        return vary((dq_b, _above(dk_b, 1), _above(dv_b, 1)))
+
+    def late():  # j > i: the second query chunk, both of j's chunks
+        dq_b, dk_b, dv_b = _block_backward(st, _second(q), k_j, v_j, _second(do), _second(lse, 2), _second(delta, 2),
+                                           _second(seg), seg_j, causal=False)
+        return vary((_below(dq_b, 1), dk_b, dv_b))
+
+    return jax.lax.cond(_source(step, st.c) < jax.lax.axis_index(AXIS), early, late)
+
+
+def _gathered_backward(st: _Static, q, k, v, seg, do, lse, delta, dq, dk, dv):
+    """The all_gather exchange's backward: every rank's keys gathered again, each block's dk, dv added at its
+    owner's index of a [c, ...] buffer, and one reduce-scatter over 'context' hands each owner the sum."""
+    c, i = st.c, jax.lax.axis_index(AXIS)
+    everyone = _gather((k, v, seg))
+    put = lambda buf, j, x: jax.lax.dynamic_update_index_in_dim(  # noqa: E731
+        buf, jax.lax.dynamic_index_in_dim(buf, j, 0, keepdims=False) + x, j, 0)
+    dks = put(jnp.zeros((c, *k.shape), jnp.float32), i, dk)
+    dvs = put(jnp.zeros((c, *v.shape), jnp.float32), i, dv)
+    for step in range(1, c):
+        j = _source(step, c)
+        dq_b, dk_b, dv_b = _step_backward(st, step, q, do, lse, delta, seg, *_take(everyone, j))
+        dq, dks, dvs = dq + dq_b, put(dks, j, dk_b), put(dvs, j, dv_b)
+    scatter = lambda x, like: jax.lax.psum_scatter(x.astype(like.dtype), AXIS, scatter_dimension=0,  # noqa: E731
+                                                   tiled=True)[0]
+    return _cotangents(q, k, v, dq, scatter(dks, k), scatter(dvs, v))
+
+
+def _cotangents(q, k, v, dq, dk, dv):
+    """Each cotangent typed as its primal (varying over the same manual axes)."""
+    return (match_varying(dq.astype(q.dtype), varying_axes(q)), match_varying(dk.astype(k.dtype), varying_axes(k)),
+            match_varying(dv.astype(v.dtype), varying_axes(v)), None)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Array | None = None,
+                   impl: str = "xla", scale: float | None = None, exchange: str | None = None) -> jax.Array:
+    """Causal attention of this rank's queries over the keys of the whole sequence, the keys and values passed
+    around the 'context' ring (see the module docstring). q [b, 2h, h_q, k], k and v [b, 2h, g, k] and
+    segment_ids [b, 2h] in the layout of `split`; returns [b, 2h, h_q, k]. exchange: 'ring' or 'all_gather'
+    (None: `comm()`). Inside the train step's manual region only (size() > 1)."""
+    c = size()
+    if c == 1:
+        raise ValueError("ring_attention runs inside the train step's region with parallel.context > 1")
+    if impl not in ("xla", "pallas"):
+        raise ValueError(f"ring attention runs impl 'xla' or 'pallas', got {impl!r}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if segment_ids is not None:
+        segment_ids = segment_ids.astype(jnp.int32)
+    exchange = comm() if exchange is None else exchange
+    if exchange not in ("ring", "all_gather"):
+        raise ValueError(f"the context exchange is 'ring' or 'all_gather', got {exchange!r}")
+    return _ring(_Static(impl, scale, c, exchange), q, k, v, segment_ids)
