@@ -1,0 +1,181 @@
+"""Context parallelism: the layout of the chunks, ring attention against the whole-sequence reference, every
+context layout against one device, and the errors of bad layouts.
+
+The space: context 2, 4 and 8 with every (data, pipeline, tensor) that fills 8 devices or fewer, sequence
+parallelism on and off, each schedule under a pipeline, both exchanges (ring, all_gather) and both attention
+implementations. `test_the_context_space_is_accepted` checks all of it against the config (cheap); the ring
+attention is checked as a function for c 2 and 4, both exchanges, both implementations, with grouped-query
+attention and packed-document segment ids; the default run trains a handful of layouts against one device
+(fp32, relative 1e-4) and -m slow the rest.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, PartitionSpec as P
+
+from conftest import run_steps, small_config
+from megajax import config as config_lib
+from megajax import kernels
+from megajax.model import context
+
+STEPS = 2
+SIZE = {"model.num_layers": 4, "model.hidden_size": 64, "model.seq_length": 32, "train.global_batch_size": 8}
+ARCHS = {"gpt2": {"model.num_heads": 4}, "llama": {"model.arch": "llama", "model.num_heads": 4, "model.num_kv_heads": 2}}
+
+
+def test_chunks_balance_the_causal_work():
+    """Rank i holds chunks i and 2c - 1 - i; every rank's queries see the same number of (query, key) pairs."""
+    for c in (2, 4, 8):
+        s = 2 * c * 3
+        h = s // (2 * c)
+        held = sorted(ch for i in range(c) for ch in context.chunk_ids(i, c))
+        assert held == list(range(2 * c))
+        work = [sum(sum(q + 1 for q in range(ch * h, (ch + 1) * h)) for ch in context.chunk_ids(i, c))
+                for i in range(c)]
+        assert len(set(work)) == 1, work
+
+
+def _mesh(c: int):
+    """'context' and a 1-device 'tensor' left automatic, as in the train step (the kernels open their own
+    region over the automatic axes)."""
+    return jax.make_mesh((c, 1), ("context", "tensor"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:c])
+
+
+def _ring(c: int, impl: str, exchange: str):
+    """ring_attention over a 'context' mesh of c devices, taking and returning whole sequences in token order."""
+    def local(q, k, v, seg):
+        q, k, v, seg = (context.split(x) for x in (q, k, v, seg))
+        o = context.ring_attention(q, k, v, segment_ids=seg, impl=impl, exchange=exchange)
+        # back to token order: every rank's rows scattered into a whole sequence, summed over the ranks
+        full = jnp.zeros((o.shape[0], o.shape[1] * c, *o.shape[2:]), o.dtype)
+        h = o.shape[1] // 2
+        i = jax.lax.axis_index("context")
+        full = jax.lax.dynamic_update_slice_in_dim(full, o[:, :h], i * h, 1)
+        full = jax.lax.dynamic_update_slice_in_dim(full, o[:, h:], (2 * c - 1 - i) * h, 1)
+        return jax.lax.psum(full, "context")
+
+    return jax.shard_map(local, mesh=_mesh(c), in_specs=P(), out_specs=P(), axis_names={"context"})
+
+
+@pytest.mark.parametrize("c,impl,exchange", [(2, "xla", "ring"), (4, "xla", "ring"), (4, "xla", "all_gather"),
+                                             (2, "pallas", "ring"), (4, "pallas", "all_gather")])
+def test_ring_attention_equals_whole_sequence_attention(c, impl, exchange):
+    b, s, h, g, d = 2, 8 * c, 4, 2, 8
+    keys = jax.random.split(jax.random.key(c), 5)
+    q = jax.random.normal(keys[0], (b, s, h, d))
+    k, v = (jax.random.normal(key, (b, s, g, d)) for key in keys[1:3])
+    do = jax.random.normal(keys[3], (b, s, h, d))
+    seg = jnp.sort(jax.random.randint(keys[4], (b, s), 0, 3), axis=1)  # packed documents
+    ring = _ring(c, impl, exchange)
+
+    def reference(q, k, v, seg):
+        return kernels.attention_reference(q, k, v, causal=True, segment_ids=seg)
+
+    def value_and_grads(fn, q, k, v, do):
+        out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, seg), q, k, v)
+        return (out, *vjp(do))
+
+    with jax.set_mesh(_mesh(c)):  # as in the train step: jitted, under the mesh the kernels' region reads
+        got = jax.jit(lambda *a: value_and_grads(ring, *a))(q, k, v, do)
+    want = value_and_grads(reference, q, k, v, do)
+    for name, a, w in zip(("o", "dq", "dk", "dv"), got, want):
+        np.testing.assert_allclose(a, w, rtol=0, atol=2e-5 * float(jnp.max(jnp.abs(w))), err_msg=name)
+
+
+def context_space() -> list[dict]:
+    out = []
+    for c, d, p, t in itertools.product((2, 4, 8), (1, 2, 4), (1, 2), (1, 2)):
+        if c * d * p * t > 8:
+            continue
+        for arch, sp, comm, schedule in itertools.product(
+                ARCHS, (False, True) if t > 1 else (False,), ("auto", "ring", "all_gather") if p == 1 else
+                ("auto", "all_gather"), ("1f1b", "interleaved", "zero_bubble", "gpipe") if p > 1 else ("1f1b",)):
+            out.append({"arch": arch, "n": c * d * p * t, "sets": {
+                **SIZE, **ARCHS[arch], "model.seq_length": 64, "parallel.context": c, "parallel.data": d,
+                "parallel.pipeline": p, "parallel.tensor": t, "parallel.sequence_parallel": sp,
+                "parallel.context_comm": comm, "parallel.schedule": schedule,
+                "parallel.virtual_stages": 2 if schedule == "interleaved" else 1,
+                "train.micro_batch_size": 8 // (d * p) if p > 1 else 8 // d}})
+    return out
+
+
+def test_the_context_space_is_accepted():
+    space = context_space()
+    assert len(space) > 100
+    for case in space:
+        cfg = small_config(**case["sets"]).for_devices(case["n"])
+        assert cfg.parallel.context * cfg.parallel.data * cfg.parallel.pipeline * cfg.parallel.tensor == case["n"]
+
+
+@pytest.mark.parametrize("sets,fix", [
+    ({"parallel.context": 3, "model.seq_length": 32}, "multiple of 6"),
+    ({"parallel.context": 2, "model.seq_length": 30}, "multiple of 4"),
+    ({"parallel.context": 2, "parallel.tensor": 4, "parallel.sequence_parallel": True, "model.seq_length": 12},
+     "multiple of 8"),
+    ({"parallel.context": 2, "parallel.pipeline": 2, "parallel.context_comm": "ring"}, "context_comm=all_gather"),
+    ({"parallel.context": 2, "model.attention_dropout": 0.1}, "attention_dropout=0"),
+    ({"parallel.context": 2, "model.num_experts": 4}, "parallel.context=1"),
+    ({"parallel.context": 2, "model.attention_impl": "cudnn"}, "pallas or xla"),
+])
+def test_bad_context_layouts_name_the_fix(sets, fix):
+    with pytest.raises(config_lib.ConfigError, match=fix.replace(".", r"\.")):
+        small_config(**sets)
+
+
+def test_context_times_the_other_axes_must_fill_the_devices():
+    cfg = small_config(**{"parallel.context": 2, "parallel.data": 2, "parallel.tensor": 1})
+    with pytest.raises(config_lib.ConfigError, match=r"2 x 1 x 2 x 1 = 4, but there are 8 devices"):
+        cfg.for_devices(8)
+    assert small_config(**{"parallel.context": 2, "parallel.tensor": 2}).for_devices(8).parallel.data == 2
+
+
+LAYOUTS = {
+    # name: (arch, devices, sets); the default run, then -m slow
+    "gpt2-c2": ("gpt2", 2, {"parallel.context": 2}),
+    "llama-c4-dropout": ("llama", 4, {"parallel.context": 4, "model.dropout": 0.1}),
+    "llama-d2c2t2-sp-selective": ("llama", 8, {"parallel.data": 2, "parallel.context": 2, "parallel.tensor": 2,
+                                               "parallel.sequence_parallel": True, "model.recompute": "selective"}),
+    "gpt2-p2c2t2-1f1b": ("gpt2", 8, {"parallel.pipeline": 2, "parallel.context": 2, "parallel.tensor": 2,
+                                     "train.micro_batch_size": 2}),
+    "llama-d2p2c2-interleaved-zero1": ("llama", 8, {"parallel.data": 2, "parallel.pipeline": 2, "parallel.context": 2,
+                                                    "parallel.schedule": "interleaved", "parallel.virtual_stages": 2,
+                                                    "parallel.distributed_optimizer": True,
+                                                    "train.micro_batch_size": 1}),
+}
+SLOW_LAYOUTS = {
+    "gpt2-c8": ("gpt2", 8, {"parallel.context": 8, "model.seq_length": 64}),
+    "llama-c4-all_gather": ("llama", 4, {"parallel.context": 4, "parallel.context_comm": "all_gather"}),
+    "llama-c2-pallas": ("llama", 2, {"parallel.context": 2, "model.attention_impl": "pallas"}),
+    "gpt2-c4-pallas-sp": ("gpt2", 8, {"parallel.context": 4, "parallel.tensor": 2, "parallel.sequence_parallel": True,
+                                      "model.attention_impl": "pallas"}),
+    "gpt2-d4c2-zero1": ("gpt2", 8, {"parallel.data": 4, "parallel.context": 2, "parallel.distributed_optimizer": True}),
+    "llama-p2c4-zero_bubble": ("llama", 8, {"parallel.pipeline": 2, "parallel.context": 4,
+                                            "parallel.schedule": "zero_bubble", "train.micro_batch_size": 2}),
+    "gpt2-p2c2t2-gpipe-sp": ("gpt2", 8, {"parallel.pipeline": 2, "parallel.context": 2, "parallel.tensor": 2,
+                                         "parallel.sequence_parallel": True, "parallel.schedule": "gpipe",
+                                         "train.micro_batch_size": 2}),
+    "llama-c2-full-recompute": ("llama", 2, {"parallel.context": 2, "model.recompute": "full"}),
+    "gpt2-c2-overlap-zero1": ("gpt2", 8, {"parallel.data": 4, "parallel.context": 2,
+                                          "parallel.distributed_optimizer": True, "parallel.overlap_grad_reduce": True,
+                                          "parallel.overlap_param_gather": True}),
+}
+
+
+def _model_sets(arch: str, sets: dict) -> dict:
+    return {**SIZE, **ARCHS[arch], **{k: v for k, v in sets.items() if k.startswith("model.")}}
+
+
+@pytest.mark.parametrize("name", [*LAYOUTS, *(pytest.param(n, marks=pytest.mark.slow) for n in SLOW_LAYOUTS)])
+def test_context_layout_matches_one_device(name):
+    arch, n, sets = {**LAYOUTS, **SLOW_LAYOUTS}[name]
+    ref_norms, norms = [], []
+    want = run_steps(small_config(**_model_sets(arch, sets)), 1, STEPS, grad_norms=ref_norms)
+    got = run_steps(small_config(**{**SIZE, **ARCHS[arch], **sets}), n, STEPS, grad_norms=norms)
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-4)
