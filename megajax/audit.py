@@ -113,6 +113,30 @@ def expected_all_to_all(cfg) -> dict:
             "routed_bytes_each": tokens * k * row, "buffer_bytes_each": buffer}
 
 
+def expected_context_exchange(cfg) -> dict:
+    """What context parallelism's attention exchange moves over 'context' in one step, per device (analytic,
+    compare with the program's collectives over 'context'). Per layer and micro batch, with KV = this device's
+    keys and values (2 x micro batch x seq / context x kv heads / tensor x head dim in the compute dtype): the
+    ring sends KV c - 1 times in the forward, c - 1 times in the backward, and the gradient buffer dK, dV (KV's
+    size) c times; the all_gather exchange gathers c x KV in the forward and again in the backward and
+    reduce-scatters c x KV of gradients. A forward run again in the backward (full or selective recomputation, a
+    1F1B / interleaved / zero_bubble pipeline) adds nothing: its exchange is the backward's own (the same
+    collectives on the same keys, which XLA merges; checked on the H100 program)."""
+    m, p = cfg.model, cfg.parallel
+    c = p.context
+    if c == 1:
+        return {}
+    kv = (2 * cfg.train.micro_batch_size * (m.seq_length // c) * (m.kv_heads // p.tensor) * m.head_dim
+          * (2 if m.compute_dtype != "float32" else 4))
+    layers = m.num_layers // p.pipeline * cfg.num_micro_batches
+    comm = p.context_comm if p.context_comm != "auto" else "all_gather" if p.pipeline > 1 else "ring"
+    if comm == "ring":
+        per_layer = {"collective-permute": kv * (2 * (c - 1) + c)}
+    else:
+        per_layer = {"all-gather": 2 * c * kv, "reduce-scatter": c * kv}
+    return {"exchange": comm, "kv_bytes_per_layer": kv, "bytes_per_step": {k: v * layers for k, v in per_layer.items()}}
+
+
 def abstract_step(cfg, devices):
     """The train step's setup and abstract arguments (ShapeDtypeStructs with shardings) on `devices`:
     (config with the layout resolved, mesh, StepSetup, state, batch). Nothing is allocated."""
@@ -187,7 +211,8 @@ def audit(cfg, target: str = "cpu", devices: int | None = None, dump_hlo: str | 
     return {
         "target": target,
         "devices": len(devs),
-        "layout": {"data": p.data, "pipeline": p.pipeline, "tensor": p.tensor, "expert": p.expert,
+        "layout": {"data": p.data, "pipeline": p.pipeline, "context": p.context, "tensor": p.tensor,
+                   "expert": p.expert, "context_comm": p.context_comm,
                    "sequence_parallel": p.sequence_parallel, "virtual_stages": p.virtual_stages,
                    "schedule": p.schedule, "distributed_optimizer": p.distributed_optimizer,
                    "micro_batches": cfg.num_micro_batches, "micro_batch_size": cfg.train.micro_batch_size},
@@ -203,6 +228,7 @@ def audit(cfg, target: str = "cpu", devices: int | None = None, dump_hlo: str | 
         "megatron_hardware_flops_per_device": flops["hardware_flops"] / len(devs),
         "megatron_expected_tensor_collectives": megatron_expected(cfg),
         "expected_expert_all_to_all": expected_all_to_all(cfg),
+        "expected_context_exchange": expected_context_exchange(cfg),
         "communication": (None if target == "cpu" else
                           communication(colls, target, cfg.model.compute_dtype, gemm["total"])),
     }

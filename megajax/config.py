@@ -283,6 +283,8 @@ class DataConfig:
     index_cache_dir: str | None = None  # sample indices; null: <data dir>/cache/megajax_indices or cache_dir/indices
     prefetch: int = 2  # batches read ahead by a background thread (0: read in the step loop)
     eod_mask_loss: bool = False  # no loss on targets that follow an end-of-document token (Megatron's flag)
+    reset_attention_mask: bool = False  # packed documents: tokens attend only within their document (Megatron's flag)
+    reset_position_ids: bool = False  # packed documents: positions restart at 0 in each document (Megatron's flag)
 
     def __post_init__(self):
         parts = self.split.split(",")
@@ -377,6 +379,9 @@ class Config:
                 f"model.num_experts={m.num_experts} is not divisible by parallel.expert={p.expert}: choose "
                 f"parallel.expert from {_divisors(m.num_experts)}",
             )
+        _check(not self.data.reset_attention_mask or m.attention_impl != "cudnn",
+               "data.reset_attention_mask needs segment masks, which model.attention_impl=cudnn does not take here: "
+               "use model.attention_impl=pallas or xla")
         if p.context > 1:
             self._check_context()
         if p.data is not None:

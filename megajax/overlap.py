@@ -143,20 +143,20 @@ def reducing_loss(sink, cfg: Config, params, acc, reductions, mb: dict, seed_sca
     arrive as their optimizer shard (Reduction.gather) are all-gathered layer by layer, each layer's gather
     issued one layer ahead, under the forward of the layer before it."""
     mcfg = cfg.model
-    keys = model.dropout_keys(mcfg, cfg.train.seed, mb["sample_ids"])
+    side = model.side_inputs(mcfg, cfg.train.seed, mb)
     top = {k: v for k, v in params.items() if k != "layers"}
     pick = lambda tree: None if tree is None else {k: tree[k] for k in top}  # noqa: E731
     top = jax.tree.map(lambda r, w: r.gathered(w), pick(reductions), top)
     whole = dict(top)
     top = _hooked(top, pick(acc), pick(sink), pick(reductions))
-    x = model.embed_apply(mcfg, top, mb["tokens"], keys)
+    x = model.embed_apply(mcfg, top, mb["tokens"], side)
     stack = params["layers"]["block"]
     stack_acc = None if acc is None else acc["layers"]["block"]
     stack_sink = sink["layers"]["block"]
     stack_r = jax.tree.map(Reduction.per_layer, reductions["layers"]["block"])
 
     def layer(x, w, g, s, i):
-        return model.block_apply(mcfg, _hooked(w, g, s, stack_r), x, i, keys).astype(x.dtype)
+        return model.block_apply(mcfg, _hooked(w, g, s, stack_r), x, i, side).astype(x.dtype)
 
     if mcfg.recompute == "full":  # keep only each block's input, as the model's LayerStack does
         layer = jax.checkpoint(layer, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)

@@ -61,6 +61,20 @@ class StepSetup:
     state_shardings: TrainState
     batch_shardings: dict[str, NamedSharding]
     zero_dims: Any  # per parameter: where the distributed optimizer shards its state (optim.ZeroDim or None)
+    eod: int | None = None  # the end-of-document token, where packed documents are separated (data.reset_*)
+
+    def whole_batch(self, batch: dict) -> dict:
+        """A batch of whole sequences with what the model reads besides tokens: the packed documents' segment ids
+        and positions (data.reset_attention_mask, data.reset_position_ids)."""
+        d = self.cfg.data
+        if not (d.reset_attention_mask or d.reset_position_ids):
+            return batch
+        out = model.documents(batch, self.eod, d.reset_position_ids)
+        return out if d.reset_attention_mask else {k: v for k, v in out.items() if k != "segment_ids"}
+
+    def local_batch(self, batch: dict) -> dict:
+        """Inside the step's manual region: `whole_batch`, cut to this context rank's tokens of every sequence."""
+        return context.split_batch(self.whole_batch(batch))
 
     def zero_sharded_fraction(self) -> float:
         """Fraction of the parameters whose optimizer state the distributed optimizer shards over 'data'."""
@@ -136,7 +150,12 @@ def build(cfg: Config, mesh: jax.sharding.Mesh) -> StepSetup:
         step=named(P()), params=jax.tree.map(named, state_param_specs, is_leaf=lambda x: isinstance(x, P)),
         opt_state=opt_shardings, loss_scale=named(P()), good_steps=named(P()), bad_steps=named(P()))
     batch_shardings = {k: named(P(sharding.DATA)) for k in ("tokens", "targets", "loss_mask", "sample_ids")}
-    return StepSetup(cfg, mesh, logical, tx, abstract_state, state_shardings, batch_shardings, zero_dims)
+    eod = None
+    if cfg.data.reset_attention_mask or cfg.data.reset_position_ids:
+        from megajax.data.tokenizers import resolve
+
+        eod = resolve(cfg.data.tokenizer).build().eod
+    return StepSetup(cfg, mesh, logical, tx, abstract_state, state_shardings, batch_shardings, zero_dims, eod)
 
 
 def setup_for(cfg: Config, devices=None) -> StepSetup:
@@ -215,7 +234,7 @@ def accumulate_grads(cfg: Config, params, batch: dict, seed_scale: jax.Array, re
     m = cfg.num_micro_batches
 
     def micro_loss(p, mb):
-        raw = model.loss_sum(cfg.model, p, mb, model.dropout_keys(cfg.model, cfg.train.seed, mb["sample_ids"]))
+        raw = model.loss_sum(cfg.model, p, mb, model.side_inputs(cfg.model, cfg.train.seed, mb))
         return raw * seed_scale, raw
 
     grad_fn = jax.grad(micro_loss, has_aux=True)
@@ -276,7 +295,7 @@ def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
 
     def local(params, batch, seed_scale):
-        batch = context.split_batch(batch)  # context parallelism: this rank's tokens of every sequence
+        batch = setup.local_batch(batch)  # packed documents; context parallelism: this rank's tokens
         with moe.objective_scale(seed_scale):  # MoE layers' auxiliary losses join the gradient at this scale
             if cfg.parallel.pipeline > 1:
                 loss, grads = pipeline.pipeline_grads(cfg, params, batch, seed_scale)
@@ -377,20 +396,22 @@ def eval_loss(setup: StepSetup, params, batch: dict) -> tuple[jax.Array, jax.Arr
     with sharding.activation_sharding(cfg.parallel.sequence_parallel), context.exchange(cfg.parallel.context_comm):
         if cfg.parallel.pipeline > 1 or cfg.parallel.context > 1:
             def local(params, batch):
-                batch = context.split_batch(batch)
+                batch = setup.local_batch(batch)
                 if cfg.parallel.pipeline > 1:
                     return sharding.psum(pipeline.pipeline_loss(cfg, params, batch), sharding.GRAD)
-                loss, _ = jax.lax.scan(lambda total, mb: (total + model.loss_sum(cfg.model, params, mb, None), None),
-                                       sharding.vary(jnp.zeros((), jnp.float32), sharding.GRAD), micro_batches(batch, m))
+                loss, _ = jax.lax.scan(lambda total, mb: (total + model.loss_sum(
+                    cfg.model, params, mb, model.side_inputs(cfg.model, 0, mb, False)), None),
+                    sharding.vary(jnp.zeros((), jnp.float32), sharding.GRAD), micro_batches(batch, m))
                 return sharding.psum(loss, sharding.GRAD)
 
             specs = (setup.param_specs(), {k: P(sharding.DATA) for k in batch})
             loss = _in_manual_region(setup.mesh, local, specs, P())(params, batch)
         else:
             def body(total, mb):
-                return total + model.loss_sum(cfg.model, params, mb, None), None
+                return total + model.loss_sum(cfg.model, params, mb, model.side_inputs(cfg.model, 0, mb, False)), None
 
-            loss, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), micro_batches(batch, m, cfg.parallel.data))
+            loss, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
+                                   micro_batches(setup.whole_batch(batch), m, cfg.parallel.data))
     return loss, jnp.sum(batch["loss_mask"])
 
 

@@ -21,7 +21,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 from conftest import run_steps, small_config
 from megajax import config as config_lib
-from megajax import kernels
+from megajax import kernels, model
 from megajax.model import context
 
 STEPS = 2
@@ -88,6 +88,36 @@ def test_ring_attention_equals_whole_sequence_attention(c, impl, exchange):
         np.testing.assert_allclose(a, w, rtol=0, atol=2e-5 * float(jnp.max(jnp.abs(w))), err_msg=name)
 
 
+def test_documents_give_segments_and_positions():
+    """Megatron's reset_attention_mask / reset_position_ids: the end-of-document token belongs to the document
+    it ends; the next token starts a new one at position 0."""
+    eod = 9
+    batch = {"tokens": jnp.array([[5, eod, 7, 8, eod, 3, eod, eod]])}
+    out = model.documents(batch, eod, reset_positions=True)
+    np.testing.assert_array_equal(out["segment_ids"], [[0, 0, 1, 1, 1, 2, 2, 3]])
+    np.testing.assert_array_equal(out["positions"], [[0, 1, 0, 1, 2, 0, 1, 0]])
+    assert "positions" not in model.documents(batch, eod, reset_positions=False)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_packed_document_does_not_see_the_one_before(arch):
+    """With segment ids and reset positions, the logits of the second document do not change when the first one
+    does (and they do without the segments)."""
+    cfg = small_config(**{**SIZE, **ARCHS[arch], "model.seq_length": 16}).model
+    params = model.init_params(cfg, jax.random.key(0))
+    eod = 256
+    tokens = jnp.array([[1, 2, 3, 4, 5, eod, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]])
+    other = tokens.at[:, :5].set(jnp.array([40, 41, 42, 43, 44]))
+
+    def logits(tokens, packed):
+        fields = model.documents({"tokens": tokens}, eod, reset_positions=True) if packed else {}
+        side = model.Side(segment_ids=fields.get("segment_ids"), positions=fields.get("positions"))
+        return model.GPT(cfg).apply({"params": params}, tokens, side)[:, 6:]
+
+    np.testing.assert_allclose(logits(tokens, True), logits(other, True), rtol=0, atol=1e-5)
+    assert float(jnp.max(jnp.abs(logits(tokens, False) - logits(other, False)))) > 1e-3
+
+
 def context_space() -> list[dict]:
     out = []
     for c, d, p, t in itertools.product((2, 4, 8), (1, 2, 4), (1, 2), (1, 2)):
@@ -122,6 +152,7 @@ def test_the_context_space_is_accepted():
     ({"parallel.context": 2, "model.attention_dropout": 0.1}, "attention_dropout=0"),
     ({"parallel.context": 2, "model.num_experts": 4}, "parallel.context=1"),
     ({"parallel.context": 2, "model.attention_impl": "cudnn"}, "pallas or xla"),
+    ({"data.reset_attention_mask": True, "model.attention_impl": "cudnn"}, "pallas or xla"),
 ])
 def test_bad_context_layouts_name_the_fix(sets, fix):
     with pytest.raises(config_lib.ConfigError, match=fix.replace(".", r"\.")):
@@ -139,6 +170,8 @@ LAYOUTS = {
     # name: (arch, devices, sets); the default run, then -m slow
     "gpt2-c2": ("gpt2", 2, {"parallel.context": 2}),
     "llama-c4-dropout": ("llama", 4, {"parallel.context": 4, "model.dropout": 0.1}),
+    "llama-c4-packed-documents": ("llama", 4, {"parallel.context": 4, "model.seq_length": 128,
+                                               "data.reset_attention_mask": True, "data.reset_position_ids": True}),
     "llama-d2c2t2-sp-selective": ("llama", 8, {"parallel.data": 2, "parallel.context": 2, "parallel.tensor": 2,
                                                "parallel.sequence_parallel": True, "model.recompute": "selective"}),
     "gpt2-p2c2t2-1f1b": ("gpt2", 8, {"parallel.pipeline": 2, "parallel.context": 2, "parallel.tensor": 2,
@@ -161,6 +194,11 @@ SLOW_LAYOUTS = {
                                          "parallel.sequence_parallel": True, "parallel.schedule": "gpipe",
                                          "train.micro_batch_size": 2}),
     "llama-c2-full-recompute": ("llama", 2, {"parallel.context": 2, "model.recompute": "full"}),
+    "gpt2-d2c2-packed-documents-pallas": ("gpt2", 4, {"parallel.data": 2, "parallel.context": 2, "model.seq_length": 64,
+                                                      "model.attention_impl": "pallas", "data.reset_attention_mask": True,
+                                                      "data.reset_position_ids": True}),
+    "llama-p2c2-packed-documents": ("llama", 4, {"parallel.pipeline": 2, "parallel.context": 2, "model.seq_length": 128,
+                                                 "train.micro_batch_size": 2, "data.reset_attention_mask": True}),
     "gpt2-c2-overlap-zero1": ("gpt2", 8, {"parallel.data": 4, "parallel.context": 2,
                                           "parallel.distributed_optimizer": True, "parallel.overlap_grad_reduce": True,
                                           "parallel.overlap_param_gather": True}),
@@ -168,7 +206,8 @@ SLOW_LAYOUTS = {
 
 
 def _model_sets(arch: str, sets: dict) -> dict:
-    return {**SIZE, **ARCHS[arch], **{k: v for k, v in sets.items() if k.startswith("model.")}}
+    """The same model and data on one device."""
+    return {**SIZE, **ARCHS[arch], **{k: v for k, v in sets.items() if not k.startswith(("parallel.", "train.micro"))}}
 
 
 @pytest.mark.parametrize("name", [*LAYOUTS, *(pytest.param(n, marks=pytest.mark.slow) for n in SLOW_LAYOUTS)])

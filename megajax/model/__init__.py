@@ -1,9 +1,10 @@
 """GPT-2 and Llama style transformers with logical axis names on every parameter."""
 
-from megajax.model.gpt import (GPT, DecodeState, abstract_params, block_apply, block_apply_split, block_tap_shapes,
-                               cross_entropy, decode_apply, dropout_keys, embed_apply, head_apply, init_decode_state,
-                               init_params, layers_apply, logical_axes, loss_sum)
+from megajax.model.gpt import (GPT, DecodeState, Side, abstract_params, block_apply, block_apply_split,
+                               block_tap_shapes, cross_entropy, decode_apply, documents, dropout_keys, embed_apply,
+                               head_apply, init_decode_state, init_params, layers_apply, logical_axes, loss_sum,
+                               side_inputs)
 
-__all__ = ["GPT", "DecodeState", "abstract_params", "block_apply", "block_apply_split", "block_tap_shapes",
-           "cross_entropy", "decode_apply", "dropout_keys", "embed_apply", "head_apply", "init_decode_state",
-           "init_params", "layers_apply", "logical_axes", "loss_sum"]
+__all__ = ["GPT", "DecodeState", "Side", "abstract_params", "block_apply", "block_apply_split", "block_tap_shapes",
+           "cross_entropy", "decode_apply", "documents", "dropout_keys", "embed_apply", "head_apply",
+           "init_decode_state", "init_params", "layers_apply", "logical_axes", "loss_sum", "side_inputs"]

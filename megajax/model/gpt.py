@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from megajax.config import ModelConfig
-from megajax.model.layers import (MLP, RESIDUAL, TAP_GRADS, TAP_INPUTS, Attention, Embed, KVCache, Norm, dropout,
-                                  dtype_of, gather_sequence)
+from megajax.model.layers import (MLP, NO_SIDE, RESIDUAL, TAP_GRADS, TAP_INPUTS, Attention, Embed, KVCache, Norm,
+                                  Side, dropout, dtype_of, gather_sequence)
 from megajax.model.moe import MoE
 from megajax.sharding import constrain
 
@@ -30,16 +30,17 @@ class Block(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x_bsd: jax.Array, layer: jax.Array, keys: jax.Array | None,
+    def __call__(self, x_bsd: jax.Array, layer: jax.Array, side: Side | None,
                  cache: KVCache | None = None, offset: jax.Array | int = 0):
         """(x [b, s, d], None), or (x, this layer's updated KV cache) when decoding with `cache`."""
         cfg = self.cfg
-        a = Attention(cfg, name="attn")(Norm(cfg, name="attn_norm")(x_bsd), layer, keys, cache, offset)
+        side = NO_SIDE if side is None else side
+        a = Attention(cfg, name="attn")(Norm(cfg, name="attn_norm")(x_bsd), layer, side, cache, offset)
         if cache is not None:
             a, cache = a
-        x = constrain(x_bsd + dropout(a, cfg.dropout, keys, salt=2 + 4 * layer), RESIDUAL)
+        x = constrain(x_bsd + dropout(a, cfg.dropout, side.keys, salt=2 + 4 * layer), RESIDUAL)
         m = (MoE if cfg.num_experts else MLP)(cfg, name="mlp")(Norm(cfg, name="mlp_norm")(x))
-        x = constrain(x + dropout(m, cfg.dropout, keys, salt=3 + 4 * layer), RESIDUAL)
+        x = constrain(x + dropout(m, cfg.dropout, side.keys, salt=3 + 4 * layer), RESIDUAL)
         return x, cache
 
 
@@ -54,7 +55,7 @@ class LayerStack(nn.Module):
     num_layers: int
 
     @nn.compact
-    def __call__(self, x_bsd: jax.Array, keys: jax.Array | None, first_layer: jax.Array | int = 0,
+    def __call__(self, x_bsd: jax.Array, side: Side | None, first_layer: jax.Array | int = 0,
                  cache: KVCache | None = None, offset: jax.Array | int = 0):
         """[b, s, d] -> [b, s, d]. Decoding passes `cache` (keys and values [layers, b, t, g, k]) and the
         position `offset` of the first of the s tokens, and gets (x, updated cache) back."""
@@ -64,7 +65,7 @@ class LayerStack(nn.Module):
                            in_axes=(0, nn.broadcast, 0, nn.broadcast), length=self.num_layers,
                            metadata_params={nn.PARTITION_NAME: "layers"})
             layers = jnp.arange(self.num_layers) + first_layer
-            return scan(self.cfg, name="block")(x_bsd, layers, keys, cache, offset)
+            return scan(self.cfg, name="block")(x_bsd, layers, side, cache, offset)
         block = Block
         if self.cfg.recompute == "full":
             block = nn.remat(Block, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
@@ -77,7 +78,7 @@ class LayerStack(nn.Module):
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
         layers = jnp.arange(self.num_layers) + first_layer  # global layer index: salts the dropout masks
-        x, _ = scan(self.cfg, name="block")(x_bsd, layers, keys)
+        x, _ = scan(self.cfg, name="block")(x_bsd, layers, side)
         return x
 
 
@@ -123,9 +124,9 @@ class GPT(nn.Module):
         self.layers = LayerStack(self.cfg, self.cfg.num_layers)
         self.head = Head(self.cfg)
 
-    def __call__(self, tokens_bs: jax.Array, keys: jax.Array | None = None) -> jax.Array:
+    def __call__(self, tokens_bs: jax.Array, side: Side | None = None) -> jax.Array:
         """tokens [b, s] -> fp32 logits [b, s, v_padded]."""
-        x = self.layers(self.embed(tokens_bs, keys), keys)
+        x = self.layers(self.embed(tokens_bs, side), side)
         return self.head(x, self.embed.embedding if self.cfg.tied else None)
 
 
@@ -147,41 +148,41 @@ def logical_axes(boxed_params) -> dict:
                         is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
 
 
-def embed_apply(cfg: ModelConfig, params: dict, tokens_bs: jax.Array, keys: jax.Array | None) -> jax.Array:
-    return Embed(cfg).apply({"params": params["embed"]}, tokens_bs, keys)
+def embed_apply(cfg: ModelConfig, params: dict, tokens_bs: jax.Array, side: Side | None) -> jax.Array:
+    return Embed(cfg).apply({"params": params["embed"]}, tokens_bs, side)
 
 
-def layers_apply(cfg: ModelConfig, stack_params: dict, x_bsd: jax.Array, keys: jax.Array | None,
+def layers_apply(cfg: ModelConfig, stack_params: dict, x_bsd: jax.Array, side: Side | None,
                  first_layer: jax.Array | int = 0) -> jax.Array:
     """Runs the blocks stacked in `stack_params` ({"block": leaves with a leading layer axis})."""
     n = jax.tree.leaves(stack_params)[0].shape[0]
-    return LayerStack(cfg, n).apply({"params": stack_params}, x_bsd, keys, first_layer)
+    return LayerStack(cfg, n).apply({"params": stack_params}, x_bsd, side, first_layer)
 
 
 def block_apply(cfg: ModelConfig, layer_params: dict, x_bsd: jax.Array, layer: jax.Array | int,
-                keys: jax.Array | None) -> jax.Array:
+                side: Side | None) -> jax.Array:
     """One block (its parameters sliced from the stack) at global index `layer`: [b, s, d] -> [b, s, d].
     The pipeline runs layers one at a time with it, to stash each layer's input and recompute layer by
     layer in the backward."""
-    return Block(cfg).apply({"params": layer_params}, x_bsd, layer, keys)[0]
+    return Block(cfg).apply({"params": layer_params}, x_bsd, layer, side)[0]
 
 
 def block_apply_split(cfg: ModelConfig, layer_params: dict, taps: dict, x_bsd: jax.Array, layer: jax.Array | int,
-                      keys: jax.Array | None) -> tuple[jax.Array, dict]:
+                      side: Side | None) -> tuple[jax.Array, dict]:
     """`block_apply` with the zero-bubble hooks (layers.TAP_GRADS): taps are zeros shaped like each weight
     matmul's output (`block_tap_shapes`), whose gradients are those outputs' gradients. Returns (y, each
     weight matmul's input, a tree shaped like taps)."""
-    (y, _), state = Block(cfg).apply({"params": layer_params, TAP_GRADS: taps}, x_bsd, layer, keys,
+    (y, _), state = Block(cfg).apply({"params": layer_params, TAP_GRADS: taps}, x_bsd, layer, side,
                                      mutable=[TAP_INPUTS])
     return y, state[TAP_INPUTS]
 
 
-def block_tap_shapes(cfg: ModelConfig, layer_params: dict, x_bsd: jax.Array, keys: jax.Array | None) -> dict:
+def block_tap_shapes(cfg: ModelConfig, layer_params: dict, x_bsd: jax.Array, side: Side | None) -> dict:
     """The taps of one block as jax.ShapeDtypeStructs (nothing is computed)."""
-    def taps(params, x, keys):
-        return Block(cfg).apply({"params": params}, x, 0, keys, mutable=[TAP_GRADS])[1][TAP_GRADS]
+    def taps(params, x, side):
+        return Block(cfg).apply({"params": params}, x, 0, side, mutable=[TAP_GRADS])[1][TAP_GRADS]
 
-    return jax.eval_shape(taps, layer_params, x_bsd, keys)
+    return jax.eval_shape(taps, layer_params, x_bsd, side)
 
 
 def head_apply(cfg: ModelConfig, params: dict, x_bsd: jax.Array, targets_bs: jax.Array,
@@ -202,12 +203,35 @@ def dropout_keys(cfg: ModelConfig, seed: int, sample_ids: jax.Array) -> jax.Arra
     return jax.vmap(lambda i: jax.random.fold_in(root, i))(sample_ids)
 
 
-def loss_sum(cfg: ModelConfig, params: dict, batch: dict, keys: jax.Array | None) -> jax.Array:
+def side_inputs(cfg: ModelConfig, seed: int, mb: dict, dropout: bool = True) -> Side:
+    """A micro batch's `Side`: dropout keys (with `dropout` and a model that has dropout), and the segment ids and
+    positions of packed documents where the batch carries them (`documents`)."""
+    return Side(keys=dropout_keys(cfg, seed, mb["sample_ids"]) if dropout else None,
+                segment_ids=mb.get("segment_ids"), positions=mb.get("positions"))
+
+
+def documents(batch: dict, eod: int, reset_positions: bool) -> dict:
+    """The batch with the packed documents' segment ids [b, s] (Megatron's --reset-attention-mask: a token after an
+    end-of-document token starts a new document; the end token belongs to the one it ends) and, with
+    `reset_positions` (--reset-position-ids), positions that restart at 0 in each document. Computed on whole
+    sequences, before context parallelism splits them."""
+    ends = (batch["tokens"] == eod).astype(jnp.int32)
+    segments = jnp.cumsum(ends, axis=1) - ends
+    out = dict(batch, segment_ids=segments)
+    if reset_positions:
+        s = batch["tokens"].shape[1]
+        index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), segments.shape)
+        starts = jnp.where(jnp.diff(segments, axis=1, prepend=-1) != 0, index, 0)
+        out["positions"] = index - jax.lax.cummax(starts, axis=1)
+    return out
+
+
+def loss_sum(cfg: ModelConfig, params: dict, batch: dict, side: Side | None) -> jax.Array:
     """The summed token loss of one micro batch: embed -> layers -> head."""
     chex.assert_rank(batch["tokens"], 2)  # [b, s]: checked once, when the step is traced
     chex.assert_equal_shape([batch["tokens"], batch["targets"], batch["loss_mask"]])
-    x = embed_apply(cfg, params, batch["tokens"], keys)
-    x = layers_apply(cfg, params["layers"], x, keys)
+    x = embed_apply(cfg, params, batch["tokens"], side)
+    x = layers_apply(cfg, params["layers"], x, side)
     return head_apply(cfg, params, x, batch["targets"], batch["loss_mask"])
 
 

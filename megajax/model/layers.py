@@ -16,6 +16,7 @@ import functools
 import math
 
 import flax.linen as nn
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -23,6 +24,19 @@ from megajax import kernels
 from megajax.config import ModelConfig
 from megajax.model import context, fp8
 from megajax.sharding import constrain
+
+@flax.struct.dataclass
+class Side:
+    """What a micro batch brings besides its tokens (`gpt.side_inputs`): one dropout key per sample [b] (None
+    without dropout), the packed documents' segment ids [b, s] (None: every sample is one document) and the
+    tokens' positions [b, s] (None: 0 .. s - 1, or this context rank's `context.positions`)."""
+
+    keys: jax.Array | None = None
+    segment_ids: jax.Array | None = None
+    positions: jax.Array | None = None
+
+
+NO_SIDE = Side()
 
 RESIDUAL = ("batch", "seq", "embed")  # the residual stream: sequence-sharded with sequence parallelism
 GATHERED = ("batch", None, "embed")  # input of a column-parallel matmul: the whole sequence
@@ -166,17 +180,18 @@ class Embed(nn.Module):
             self.position_embedding = param(self, "position_embedding", (cfg.seq_length, cfg.hidden_size),
                                              (None, "embed"), cfg.init_std, pdt)
 
-    def __call__(self, tokens_bs: jax.Array, keys: jax.Array | None, offset: jax.Array | int = 0) -> jax.Array:
-        """tokens [b, s] at positions offset .. offset + s - 1 -> [b, s, d]."""
+    def __call__(self, tokens_bs: jax.Array, side: Side | None, offset: jax.Array | int = 0) -> jax.Array:
+        """tokens [b, s] at positions offset .. offset + s - 1 (or side.positions) -> [b, s, d]."""
+        side = NO_SIDE if side is None else side
         cfg = self.cfg
         cdt = dtype_of(cfg.compute_dtype)
         # With the table sharded over 'vocab', XLA looks up locally with out-of-range ids masked and
         # all-reduces over 'tensor': Megatron's VocabParallelEmbedding.
         x = jnp.take(self.embedding.astype(cdt), tokens_bs, axis=0)
         if cfg.arch == "gpt2":
-            positions = jnp.take(self.position_embedding, context.positions(tokens_bs.shape[1]) + offset, axis=0)
-            x = x + positions.astype(cdt)[None]
-        x = dropout(x, cfg.dropout, keys, salt=0)
+            at = token_positions(side, tokens_bs.shape[1], offset)
+            x = x + jnp.take(self.position_embedding, at, axis=0).astype(cdt)
+        x = dropout(x, cfg.dropout, side.keys, salt=0)
         return constrain(x, RESIDUAL)
 
 
@@ -197,14 +212,21 @@ def rope_inv_freq(cfg: ModelConfig, head_dim: int) -> jax.Array:
     return jnp.where(between, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
 
 
-def rope(x_bshk: jax.Array, inv_freq: jax.Array, offset: jax.Array | int = 0) -> jax.Array:
-    """Rotary position embedding, "rotate half" convention (as Hugging Face's Llama); the s positions
-    start at `offset` (nonzero when decoding with a KV cache), or are this context rank's (context.positions)."""
-    s = x_bshk.shape[1]
-    positions = context.positions(s).astype(jnp.float32) + jnp.asarray(offset, jnp.float32)
-    angles = positions[:, None] * inv_freq[None, :]  # [s, k/2]
-    cos = jnp.concatenate([jnp.cos(angles)] * 2, -1)[None, :, None, :]
-    sin = jnp.concatenate([jnp.sin(angles)] * 2, -1)[None, :, None, :]
+def token_positions(side: Side, s: int, offset: jax.Array | int = 0) -> jax.Array:
+    """The positions of s tokens: side.positions [b, s] (packed documents with data.reset_position_ids), else
+    offset + this context rank's positions [s] (0 .. s - 1 without context parallelism)."""
+    if side.positions is not None:
+        return side.positions
+    return context.positions(s) + offset
+
+
+def rope(x_bshk: jax.Array, inv_freq: jax.Array, positions: jax.Array) -> jax.Array:
+    """Rotary position embedding, "rotate half" convention (as Hugging Face's Llama), at positions [s] or
+    [b, s] (`token_positions`)."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [(b,) s, k/2]
+    angles = angles if angles.ndim == 3 else angles[None]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, -1)[:, :, None, :]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, -1)[:, :, None, :]
     xf = x_bshk.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
@@ -241,7 +263,7 @@ class Attention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x_bsd: jax.Array, layer, keys: jax.Array | None, cache: KVCache | None = None,
+    def __call__(self, x_bsd: jax.Array, layer, side: Side | None, cache: KVCache | None = None,
                  offset: jax.Array | int = 0):
         """x [b, s, d] -> [b, s, d] (training and full forward passes).
 
@@ -249,6 +271,7 @@ class Attention(nn.Module):
         and the result is (y [b, s, d], updated cache); the parameters and projections are the same.
         """
         cfg = self.cfg
+        side = NO_SIDE if side is None else side
         h, g, k, d = cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.hidden_size
         pdt, cdt = dtype_of(cfg.param_dtype), dtype_of(cfg.compute_dtype)
         bias = cfg.arch == "gpt2"
@@ -269,19 +292,22 @@ class Attention(nn.Module):
         kk, v = qkv[:, :, :, r], qkv[:, :, :, r + 1]
         if cfg.arch == "llama":
             inv_freq = rope_inv_freq(cfg, q.shape[-1])
-            q, kk = rope(q, inv_freq, offset), rope(kk, inv_freq, offset)
+            at = token_positions(side, s, offset)
+            q, kk = rope(q, inv_freq, at), rope(kk, inv_freq, at)
         q = constrain(q, ("batch", None, "heads", "head_dim"))
         kk = constrain(kk, ("batch", None, "kv_heads", "head_dim"))
         v = constrain(v, ("batch", None, "kv_heads", "head_dim"))
 
         probs_dropout = None
-        if cfg.attention_dropout > 0 and keys is not None:
-            probs_dropout = functools.partial(dropout, rate=cfg.attention_dropout, keys=keys, salt=1 + 4 * layer)
+        if cfg.attention_dropout > 0 and side.keys is not None:
+            probs_dropout = functools.partial(dropout, rate=cfg.attention_dropout, keys=side.keys, salt=1 + 4 * layer)
+        segments = side.segment_ids  # packed documents attend within their own
 
         def core(q, kk, v):
             if context.size() > 1:  # the keys and values of the whole sequence come around the context ring
-                return context.ring_attention(q, kk, v, impl=cfg.attention_impl)
-            return kernels.attention(q, kk, v, causal=True, impl=cfg.attention_impl, probs_dropout=probs_dropout)
+                return context.ring_attention(q, kk, v, segment_ids=segments, impl=cfg.attention_impl)
+            return kernels.attention(q, kk, v, causal=True, segment_ids=segments, impl=cfg.attention_impl,
+                                     probs_dropout=probs_dropout)
 
         if cfg.recompute == "selective":
             # Megatron's selective recomputation: keep q, k, v; recompute softmax(qk^T) v in the backward.

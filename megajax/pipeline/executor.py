@@ -369,26 +369,26 @@ class _ChunkActions:
     def micro(self, row, prefix):
         mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, row[prefix + "micro"], keepdims=False),
                           self.mbs)
-        return mb, model.dropout_keys(self.mcfg, self.cfg.train.seed, mb["sample_ids"])
+        return mb, model.side_inputs(self.mcfg, self.cfg.train.seed, mb)
 
     # -- the chunk's layers, forward with its residuals -----------------------------------------------------
 
-    def _layers(self, w, x, keys, first_layer):
+    def _layers(self, w, x, side, first_layer):
         def body(x, wl):
             w_l, l = wl
-            return model.block_apply(self.mcfg, w_l, x, l, keys).astype(x.dtype), None
+            return model.block_apply(self.mcfg, w_l, x, l, side).astype(x.dtype), None
 
         return jax.lax.scan(body, x, (w["block"], first_layer + jnp.arange(self.lc)))[0]
 
-    def linearize(self, w, x, keys, first):
+    def linearize(self, w, x, side, first):
         """(chunk output, what its backward needs: jax.vjp's pullback)."""
-        return jax.vjp(lambda w, x: self._layers(w, x, keys, first), w, x)
+        return jax.vjp(lambda w, x: self._layers(w, x, side, first), w, x)
 
     def forward_keeping(self, row, prefix, x):
         """(chunk output, its residuals as a list of arrays): `linearize`'s, flattened so that the scan can
         carry them to the backward's tick."""
-        (w, first), (_, keys) = self.chunk(row, prefix), self.micro(row, prefix)
-        y, residuals = self.linearize(w, x, keys, first)
+        (w, first), (_, side) = self.chunk(row, prefix), self.micro(row, prefix)
+        y, residuals = self.linearize(w, x, side, first)
         leaves, tree = jax.tree.flatten(residuals)
         avals = [(leaf.shape, leaf.dtype) for leaf in leaves]
         if self._res_avals is None:
@@ -416,15 +416,15 @@ class _ChunkActions:
             loss, g_self = jnp.zeros((), jnp.float32), zeros
             if kind == NONE:
                 return vary((zeros, x, loss, g_self, res, g_shared))
-            (w, first), (mb, keys) = self.chunk(row, "f_"), self.micro(row, "f_")
+            (w, first), (mb, side) = self.chunk(row, "f_"), self.micro(row, "f_")
             if kind == FIRST:
-                x = model.embed_apply(self.mcfg, self.shared, mb["tokens"], keys).astype(x.dtype)
+                x = model.embed_apply(self.mcfg, self.shared, mb["tokens"], side).astype(x.dtype)
             if kind in (FIRST, MID):
-                return vary((self._layers(w, x, keys, first).astype(x.dtype), x, loss, g_self, res, g_shared))
+                return vary((self._layers(w, x, side, first).astype(x.dtype), x, loss, g_self, res, g_shared))
             if kind in (LAST_KEEP, LAST_STASH):
                 y, res = self.forward_keeping(row, "f_", x)
             else:  # its backward comes later, after a recompute
-                y = self._layers(w, x, keys, first).astype(x.dtype)
+                y = self._layers(w, x, side, first).astype(x.dtype)
             if kind == LAST_STASH:  # the head runs in its own action (H)
                 return vary((zeros, y.astype(x.dtype), loss, g_self, res, g_shared))
             loss, g_y, g_shared = self.head(y, mb, g_shared)
@@ -477,8 +477,8 @@ class _ChunkActions:
 
     def embedding_backward(self, dx, row, g_shared):
         """g_shared plus the embedding's gradients from the first chunk's input gradient dx."""
-        mb, keys = self.micro(row, "b_")
-        _, vjp = jax.vjp(lambda sh: model.embed_apply(self.mcfg, sh, mb["tokens"], keys), self.shared)
+        mb, side = self.micro(row, "b_")
+        _, vjp = jax.vjp(lambda sh: model.embed_apply(self.mcfg, sh, mb["tokens"], side), self.shared)
         (dsh,) = vjp(dx)
         return jax.tree.map(lambda a, d: a + d.astype(jnp.float32), g_shared, dsh)
 
@@ -492,14 +492,14 @@ def split_weights(w: dict, taps: dict) -> tuple[dict, dict]:
     return big, {k: val for k, val in flat.items() if k not in big}
 
 
-def zero_taps(mcfg, w: dict, x: jax.Array, keys) -> dict:
+def zero_taps(mcfg, w: dict, x: jax.Array, side) -> dict:
     """Zeros [Lc, ...] shaped like the taps of the chunk's layers (`split_linearize`'s, and their gradients)."""
     lc = jax.tree.leaves(w)[0].shape[0]
-    shapes = model.block_tap_shapes(mcfg, jax.tree.map(lambda a: a[0], w["block"]), x, keys)
+    shapes = model.block_tap_shapes(mcfg, jax.tree.map(lambda a: a[0], w["block"]), x, side)
     return jax.tree.map(lambda t: jnp.zeros((lc, *t.shape), t.dtype), shapes)
 
 
-def split_linearize(mcfg, w: dict, x: jax.Array, taps: dict, keys, first):
+def split_linearize(mcfg, w: dict, x: jax.Array, taps: dict, side, first):
     """The chunk's layers linearized for the split backward: (output, the pullback in (x, taps, the small
     parameters), each weight matmul's input). taps: `zero_taps`."""
     big, small = split_weights(w, taps)
@@ -508,7 +508,7 @@ def split_linearize(mcfg, w: dict, x: jax.Array, taps: dict, keys, first):
     def run(x, taps, small):
         def body(x, layer):
             w_l, l, taps_l = layer
-            y, inputs = model.block_apply_split(mcfg, w_l, taps_l, x, l, keys)
+            y, inputs = model.block_apply_split(mcfg, w_l, taps_l, x, l, side)
             return y.astype(x.dtype), inputs
 
         stacked = flax.traverse_util.unflatten_dict({**big, **small})
@@ -542,14 +542,14 @@ class _SplitChunkActions(_ChunkActions):
     def zero_dys(self):
         """Zeros shaped like the chunk's taps [Lc, ...] (their gradients, kept between B and W)."""
         row = {"f_chunk": jnp.zeros((), jnp.int32), "f_micro": jnp.zeros((), jnp.int32)}
-        (w, _), (_, keys) = self.chunk(row, "f_"), self.micro(row, "f_")
-        return zero_taps(self.mcfg, w, jnp.zeros(self.act_shape, self.act_dtype), keys)
+        (w, _), (_, side) = self.chunk(row, "f_"), self.micro(row, "f_")
+        return zero_taps(self.mcfg, w, jnp.zeros(self.act_shape, self.act_dtype), side)
 
-    def linearize(self, w, x, keys, first):
+    def linearize(self, w, x, side, first):
         """(chunk output, (the pullback in (x, taps, small parameters), each weight matmul's input))."""
         # varying over the manual axes like everything else, or their gradients would be summed over them
-        taps = vary(zero_taps(self.mcfg, w, x, keys))
-        y, pullback, inputs = split_linearize(self.mcfg, w, x, taps, keys, first)
+        taps = vary(zero_taps(self.mcfg, w, x, side))
+        y, pullback, inputs = split_linearize(self.mcfg, w, x, taps, side, first)
         return y, (pullback, inputs)
 
     def backward_branch(self, kind):
@@ -640,13 +640,13 @@ def _forward_rounds(cfg: Config, layers, shared, mbs, train: bool) -> jax.Array:
             k = t - rank  # the micro batch this rank works on
             active = (k >= 0) & (k < m)
             mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, jnp.clip(k, 0, m - 1), keepdims=False), mbs)
-            keys = model.dropout_keys(mcfg, cfg.train.seed, mb["sample_ids"]) if train else None
+            side = model.side_inputs(mcfg, cfg.train.seed, mb, dropout=train)
             if i == 0:
-                first = lambda: vary(model.embed_apply(mcfg, shared, mb["tokens"], keys).astype(dtype))  # noqa: E731
+                first = lambda: vary(model.embed_apply(mcfg, shared, mb["tokens"], side).astype(dtype))  # noqa: E731
             else:
                 first = lambda: jax.lax.dynamic_index_in_dim(returned, jnp.clip(k, 0, m - 1), keepdims=False)  # noqa: E731
             x = jax.lax.cond(rank == 0, first, lambda: x_in)
-            y = jax.lax.cond(active, lambda: model.layers_apply(mcfg, w, x, keys, (i * p + rank) * lc).astype(dtype),
+            y = jax.lax.cond(active, lambda: model.layers_apply(mcfg, w, x, side, (i * p + rank) * lc).astype(dtype),
                              lambda: x)
             if i == v - 1:
                 loss = loss + jax.lax.cond(active & (rank == p - 1),
