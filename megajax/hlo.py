@@ -325,9 +325,24 @@ def gemm_flops(hlo_text: str) -> dict[str, float]:
     return {"total": total, "in_conditional": in_cond, "fp8": fp8, "gemms": sites, "fp8_gemms": fp8_sites}
 
 
+def _own_kernel_flops(op) -> float:
+    """An estimate of the matmul FLOPs of one flash-attention Pallas kernel (a Triton custom call that GEMM counting
+    cannot see): 4 x b x s x h x d x t from its q [b, s, h, d] and k [b, t, g, d] operands (twice that for the dk/dv
+    kernel, which also recomputes the probabilities), not halved for causal masking. 0 for anything else."""
+    _, _, opcode, rest = op
+    if opcode != "custom-call" or 'custom_call_target="__gpu$xla.gpu.triton"' not in rest or "flash_attention" not in rest:
+        return 0.0
+    operands = re.search(r"operand_layout_constraints=\{([^}]*)\}", rest)
+    dims = [_dims(t) for t in re.findall(r"[a-z][a-z0-9]*\[[0-9,]*\]", operands.group(1))] if operands else []
+    if len(dims) < 2 or len(dims[0]) != 4 or len(dims[1]) != 4:
+        return 0.0
+    return (8.0 if "flash_attention_dkv" in rest else 4.0) * math.prod(dims[0]) * dims[1][1]
+
+
 def _inclusive_flops(comps):
     """flops(computation, op): the GEMM FLOPs one execution of `op` runs, with what it calls (fusions, calls,
-    while bodies times their trip counts; a conditional: its largest branch)."""
+    while bodies times their trip counts; a conditional: its largest branch), the flash-attention kernels'
+    estimated (`_own_kernel_flops`) included: what a collective can hide under."""
     shapes = {c: {name: shape_text for name, shape_text, _, _ in ops} for c, ops in comps.items()}
     memo: dict[str, float] = {}
 
@@ -340,9 +355,10 @@ def _inclusive_flops(comps):
     def of_op(c: str, op) -> float:
         callees = _callees(op[2], op[3])
         inner = [of_comp(callee) * times for callee, times, _ in callees]
+        own = _own_gemm_flops(op, shapes[c]) + _own_kernel_flops(op)
         if any(branch for _, _, branch in callees):  # one branch runs: the largest
-            return _own_gemm_flops(op, shapes[c]) + max(inner, default=0.0)
-        return _own_gemm_flops(op, shapes[c]) + sum(inner)
+            return own + max(inner, default=0.0)
+        return own + sum(inner)
 
     return of_op
 

@@ -130,7 +130,7 @@ def build(cfg: Config, mesh: jax.sharding.Mesh) -> StepSetup:
     is_none = lambda x: x is None  # noqa: E731
     param_specs = jax.tree.map(lambda n: _layout_spec(cfg, n), logical, is_leaf=is_names)
     params = jax.eval_shape(lambda b: _staged(cfg, nn.unbox(b)), boxed)  # the train state's param shapes
-    if cfg.parallel.distributed_optimizer and cfg.parallel.data > 1:
+    if cfg.parallel.distributed_optimizer and cfg.parallel.data * cfg.parallel.context > 1:
         lead = layout.lead_dims(cfg.parallel.pipeline > 1)  # stacked-layer dims: never the one padded
         zero_dims = jax.tree.map(lambda a, s, n: optim.zero_dim(a.shape, s, lead if n[:1] == ("layers",) else 0,
                                                                 dict(mesh.shape)), params, param_specs, logical,

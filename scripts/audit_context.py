@@ -53,7 +53,7 @@ def main() -> int:
         print(comm, report["exchange_at_32k_c4"][comm], flush=True)
     for c in (1, 8):
         rows = report["longest"][c] = {}
-        for seq in (65536, 131072, 262144, 524288):
+        for seq in (65536, 131072, 262144, 524288, 1048576):
             rows[seq] = audit(*layout(c, seq))
             print(c, seq, rows[seq], flush=True)
             if not rows[seq].get("fits"):

@@ -56,6 +56,9 @@ PAIRS = {
                                      "parallel.schedule=interleaved", "parallel.virtual_stages=2",
                                      "parallel.sequence_parallel=true"],
                                     ["parallel.data=1", "parallel.pipeline=4", "parallel.tensor=2"]),
+    # the distributed optimizer sharded over data x context (Megatron's data-parallel group with context parallelism)
+    "context2-zero1-to-data8": (["parallel.data=2", "parallel.context=2", "parallel.tensor=2",
+                                 "parallel.distributed_optimizer=true"], D8),
     # onto the distributed optimizer with each weight kept as its shard between steps (overlap_param_gather)
     "tensor4-sp-to-data8-zero1-gather": (["parallel.data=2", "parallel.tensor=4", "parallel.sequence_parallel=true"],
                                          ["parallel.data=8", "parallel.distributed_optimizer=true",
@@ -68,10 +71,10 @@ def reference_losses(tmp_path_factory):
     return _run(tmp_path_factory.mktemp("ref"), 9, D8)
 
 
-# the default run keeps the tensor pair; the pipeline pairs run with -m slow (suite time; a pipeline with the
+# the default run keeps the tensor and context pairs; the pipeline pairs run with -m slow (suite time; a pipeline with the
 # distributed optimizer resumed without one is also tests/test_fp8.py's delayed-scaling checkpoint test)
-@pytest.mark.parametrize("pair", [k if k.startswith("tensor4") else pytest.param(k, marks=pytest.mark.slow)
-                                  for k in PAIRS])
+@pytest.mark.parametrize("pair", [k if k.startswith(("tensor4", "context")) else
+                                  pytest.param(k, marks=pytest.mark.slow) for k in PAIRS])
 def test_restore_onto_another_layout_continues_the_same_run(pair, tmp_path, reference_losses):
     first, second = PAIRS[pair]
     _run(tmp_path, 6, first)
