@@ -332,8 +332,9 @@ def _own_kernel_flops(op) -> float:
     _, _, opcode, rest = op
     if opcode != "custom-call" or 'custom_call_target="__gpu$xla.gpu.triton"' not in rest or "flash_attention" not in rest:
         return 0.0
-    operands = re.search(r"operand_layout_constraints=\{([^}]*)\}", rest)
-    dims = [_dims(t) for t in re.findall(r"[a-z][a-z0-9]*\[[0-9,]*\]", operands.group(1))] if operands else []
+    start = rest.find("operand_layout_constraints={")
+    listed = rest[start:rest.find("}}", start)] if start >= 0 else ""  # shapes with their {layouts}, then "}"
+    dims = [_dims(t) for t in re.findall(r"[a-z][a-z0-9]*\[[0-9,]*\]", listed)]
     if len(dims) < 2 or len(dims[0]) != 4 or len(dims[1]) != 4:
         return 0.0
     return (8.0 if "flash_attention_dkv" in rest else 4.0) * math.prod(dims[0]) * dims[1][1]

@@ -180,13 +180,25 @@ def _take(tree, j):
 
 def _forward(st: _Static, q, k, v, seg):
     c = st.c
+    if st.comm == "all_gather":
+        everyone = _gather((k, v, seg))
+        o, lse = _block_forward(st, q, k, v, seg, seg, causal=True)
+        for step in range(1, c):
+            o, lse = _merge(o, lse, *_step_forward(st, step, q, seg, *_take(everyone, _source(step, c))))
+        return o.astype(q.dtype), lse
+    # ring: each hop is issued before the block that does not need it and tied to that block's result, so that it
+    # runs under the block's compute (without the tie XLA's scheduler sends every hop first, then computes)
+    arriving = _pass((k, v, seg), c)
     o, lse = _block_forward(st, q, k, v, seg, seg, causal=True)
-    here = (k, v, seg)
-    everyone = _gather(here) if st.comm == "all_gather" else None
+    arriving, (o, lse) = jax.lax.optimization_barrier((arriving, (o, lse)))
     for step in range(1, c):
-        # ring: issued before the block that does not need it, so it can run under compute
-        here = _pass(here, c) if everyone is None else _take(everyone, _source(step, c))
-        o, lse = _merge(o, lse, *_step_forward(st, step, q, seg, *here))
+        here = arriving
+        if step < c - 1:
+            arriving = _pass(here, c)
+        o_b, lse_b = _step_forward(st, step, q, seg, *here)
+        if step < c - 1:
+            arriving, (o_b, lse_b) = jax.lax.optimization_barrier((arriving, (o_b, lse_b)))
+        o, lse = _merge(o, lse, o_b, lse_b)
     return o.astype(q.dtype), lse
 
 
@@ -220,13 +232,22 @@ def _ring_bwd(st: _Static, res, do):
     dq, dk, dv = _block_backward(st, q, k, v, do, lse, delta, seg, seg, causal=True)
     if st.comm == "all_gather":
         return _gathered_backward(st, q, k, v, seg, do, lse, delta, dq, dk, dv)
-    here, dkv = (k, v, seg), (dk.astype(k.dtype), dv.astype(v.dtype))
+    # As in the forward, every hop is tied to the block it runs under: the keys and values of the next step, and
+    # the gradient buffer of this step's keys (it travels with them, one hop behind, and reaches their owner
+    # after c hops), which the block does not need until it adds its share.
+    arriving = _pass((k, v, seg), c)
+    arriving, (dq, dk, dv) = jax.lax.optimization_barrier((arriving, (dq, dk, dv)))
+    dkv = (dk.astype(k.dtype), dv.astype(v.dtype))
     for step in range(1, c):
-        # the keys and values of rank i - step, and the gradient buffer that travels with them
-        here, dkv = _pass((here, dkv), c)
-        dq_b, dk_b, dv_b = _step_backward(st, step, q, do, lse, delta, seg, *here)
+        here = arriving  # the keys and values of rank i - step
+        if step < c - 1:
+            arriving = _pass(here, c)
+        moving = _pass(dkv, c)  # their gradient buffer, with the shares of ranks i - step .. i - 1
+        grads = _step_backward(st, step, q, do, lse, delta, seg, *here)
+        (arriving, moving), (dq_b, dk_b, dv_b) = jax.lax.optimization_barrier(((arriving, moving), grads))
         dq = dq + dq_b
-        dkv = ((dkv[0].astype(jnp.float32) + dk_b).astype(k.dtype), (dkv[1].astype(jnp.float32) + dv_b).astype(v.dtype))
+        dkv = ((moving[0].astype(jnp.float32) + dk_b).astype(k.dtype),
+               (moving[1].astype(jnp.float32) + dv_b).astype(v.dtype))
     dk, dv = _pass(dkv, c)  # the last hop takes each buffer home
     return _cotangents(q, k, v, dq, dk, dv)
 
