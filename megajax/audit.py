@@ -119,9 +119,10 @@ def expected_context_exchange(cfg) -> dict:
     keys and values (2 x micro batch x seq / context x kv heads / tensor x head dim in the compute dtype): the
     ring sends KV c - 1 times in the forward, c - 1 times in the backward, and the gradient buffer dK, dV (KV's
     size) c times; the all_gather exchange gathers c x KV in the forward and again in the backward and
-    reduce-scatters c x KV of gradients. A forward run again in the backward (full or selective recomputation, a
-    1F1B / interleaved / zero_bubble pipeline) adds nothing: its exchange is the backward's own (the same
-    collectives on the same keys, which XLA merges; checked on the H100 program)."""
+    reduce-scatters c x KV of gradients. A forward run again in the backward (full or selective recomputation)
+    sends its c - 1 ring hops again, except the first, which is the backward's own first hop (the same collective
+    on the same keys: XLA merges them), and its all-gather is the backward's. Exact for the H100 program without
+    a pipeline (tests/test_context.py); under a pipeline the program's counts are per tick for every branch."""
     m, p = cfg.model, cfg.parallel
     c = p.context
     if c == 1:
@@ -131,7 +132,8 @@ def expected_context_exchange(cfg) -> dict:
     layers = m.num_layers // p.pipeline * cfg.num_micro_batches
     comm = p.context_comm if p.context_comm != "auto" else "all_gather" if p.pipeline > 1 else "ring"
     if comm == "ring":
-        per_layer = {"collective-permute": kv * (2 * (c - 1) + c)}
+        again = c - 2 if m.recompute != "none" else 0
+        per_layer = {"collective-permute": kv * (2 * (c - 1) + again + c)}
     else:
         per_layer = {"all-gather": 2 * c * kv, "reduce-scatter": c * kv}
     return {"exchange": comm, "kv_bytes_per_layer": kv, "bytes_per_step": {k: v * layers for k, v in per_layer.items()}}

@@ -218,3 +218,22 @@ def test_context_layout_matches_one_device(name):
     got = run_steps(small_config(**{**SIZE, **ARCHS[arch], **sets}), n, STEPS, grad_norms=norms)
     np.testing.assert_allclose(got, want, rtol=1e-4)
     np.testing.assert_allclose(norms, ref_norms, rtol=1e-4)
+
+
+@pytest.mark.parametrize("exchange,recompute", [("ring", "none"), ("ring", "selective"), ("all_gather", "full")])
+def test_the_exchange_on_h100_is_the_analytic_volume_and_the_ring_runs_under_the_kernels(exchange, recompute):
+    """XLA's GPU program (compile-only H100s) moves exactly the analytic bytes over 'context' (audit's
+    expected_context_exchange), and every ring hop has attention compute scheduled between its start and done."""
+    from megajax import audit, hlo
+
+    pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the gpu-audit extra (jax-cuda12-plugin)")
+    cfg = small_config(**{**SIZE, **ARCHS["llama"], "model.compute_dtype": "bfloat16", "model.attention_impl": "pallas",
+                          "parallel.context": 4, "parallel.context_comm": exchange, "model.recompute": recompute})
+    cfg, mesh, compiled, _ = audit.compile_step(cfg, audit._gpu_devices("h100", 8))
+    colls = [c for c in hlo.parse(compiled.as_text(), dict(mesh.shape), audit.GPUS_PER_HOST) if c.axes == ("context",)]
+    moved = {}
+    for c in colls:
+        moved[c.kind] = moved.get(c.kind, 0) + c.bytes * c.count
+    assert moved == audit.expected_context_exchange(cfg)["bytes_per_step"]
+    if exchange == "ring":
+        assert all(c.is_async and c.flops_under > 0 for c in colls), [(c.name, c.flops_under) for c in colls]
