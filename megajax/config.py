@@ -393,7 +393,8 @@ class Config:
         _check(
             m.seq_length % (2 * c) == 0,
             f"parallel.context={c} splits each sequence into 2 x {c} chunks (rank i holds chunks i and {2 * c - 1} - i, "
-            f"which balances the causal attention work): model.seq_length={m.seq_length} must be a multiple of {2 * c}",
+            f"which balances the causal attention work): model.seq_length={m.seq_length} must be a multiple of "
+            f"{2 * c}",
         )
         _check(
             not p.sequence_parallel or m.seq_length % (c * p.tensor) == 0,

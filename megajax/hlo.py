@@ -330,7 +330,8 @@ def _own_kernel_flops(op) -> float:
     cannot see): 4 x b x s x h x d x t from its q [b, s, h, d] and k [b, t, g, d] operands (twice that for the dk/dv
     kernel, which also recomputes the probabilities), not halved for causal masking. 0 for anything else."""
     _, _, opcode, rest = op
-    if opcode != "custom-call" or 'custom_call_target="__gpu$xla.gpu.triton"' not in rest or "flash_attention" not in rest:
+    triton = 'custom_call_target="__gpu$xla.gpu.triton"' in rest
+    if opcode != "custom-call" or not triton or "flash_attention" not in rest:
         return 0.0
     start = rest.find("operand_layout_constraints={")
     listed = rest[start:rest.find("}}", start)] if start >= 0 else ""  # shapes with their {layouts}, then "}"

@@ -160,7 +160,8 @@ def permute_bytes_per_step(cfg: Config) -> dict:
     par = cfg.parallel
     m = cfg.num_micro_batches
     mb = cfg.train.micro_batch_size
-    act = mb * (cfg.model.seq_length // par.context) * cfg.model.hidden_size * jnp.dtype(cfg.model.compute_dtype).itemsize
+    tokens = mb * (cfg.model.seq_length // par.context)
+    act = tokens * cfg.model.hidden_size * jnp.dtype(cfg.model.compute_dtype).itemsize
     if par.schedule == "gpipe":
         ticks = m + par.pipeline - 1
         return {"ppermutes": 2 * ticks, "bytes": 2 * ticks * act}  # forward scan and its transpose
