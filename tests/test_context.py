@@ -64,7 +64,8 @@ def _ring(c: int, impl: str, exchange: str):
     return jax.shard_map(local, mesh=_mesh(c), in_specs=P(), out_specs=P(), axis_names={"context"})
 
 
-@pytest.mark.parametrize("c,impl,exchange", [(2, "xla", "ring"), (4, "xla", "ring"), (4, "xla", "all_gather"),
+@pytest.mark.parametrize("c,impl,exchange", [pytest.param(2, "xla", "ring", marks=pytest.mark.slow), (4, "xla", "ring"),
+                                             pytest.param(4, "xla", "all_gather", marks=pytest.mark.slow),
                                              (2, "pallas", "ring"), (4, "pallas", "all_gather")])
 def test_ring_attention_equals_whole_sequence_attention(c, impl, exchange):
     b, s, h, g, d = 2, 8 * c, 4, 2, 8
@@ -100,7 +101,7 @@ def test_documents_give_segments_and_positions():
     assert "positions" not in model.documents(batch, eod, reset_positions=False)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
 def test_a_packed_document_does_not_see_the_one_before(arch):
     """With segment ids and reset positions, the logits of the second document do not change when the first one
     does (and they do without the segments)."""
@@ -169,10 +170,14 @@ def test_context_times_the_other_axes_must_fill_the_devices():
 
 LAYOUTS = {
     # name: (arch, devices, sets); the default run, then -m slow
-    "gpt2-c2": ("gpt2", 2, {"parallel.context": 2}),
     "llama-c4-packed-documents-dropout": ("llama", 4, {
         "parallel.context": 4, "model.seq_length": 128, "model.dropout": 0.1, "data.reset_attention_mask": True,
         "data.reset_position_ids": True}),
+    # Pallas kernels with segment ids inside the step's manual region (this crashed JAX's cond partial evaluation
+    # until launch.pallas_call stripped integer operands for both platform branches)
+    "gpt2-d2c2-packed-documents-pallas": ("gpt2", 4, {
+        "parallel.data": 2, "parallel.context": 2, "model.seq_length": 64, "model.attention_impl": "pallas",
+        "data.reset_attention_mask": True, "data.reset_position_ids": True}),
     "llama-d2c2t2-sp-selective": ("llama", 8, {"parallel.data": 2, "parallel.context": 2, "parallel.tensor": 2,
                                                "parallel.sequence_parallel": True, "model.recompute": "selective"}),
     "llama-d2p2c2-interleaved-zero1": ("llama", 8, {"parallel.data": 2, "parallel.pipeline": 2, "parallel.context": 2,
@@ -181,6 +186,7 @@ LAYOUTS = {
                                                     "train.micro_batch_size": 1}),
 }
 SLOW_LAYOUTS = {
+    "gpt2-c2": ("gpt2", 2, {"parallel.context": 2}),
     "gpt2-p2c2t2-1f1b": ("gpt2", 8, {"parallel.pipeline": 2, "parallel.context": 2, "parallel.tensor": 2,
                                      "train.micro_batch_size": 2}),
     "llama-c4-dropout": ("llama", 4, {"parallel.context": 4, "model.dropout": 0.1}),
@@ -196,9 +202,6 @@ SLOW_LAYOUTS = {
                                          "parallel.sequence_parallel": True, "parallel.schedule": "gpipe",
                                          "train.micro_batch_size": 2}),
     "llama-c2-full-recompute": ("llama", 2, {"parallel.context": 2, "model.recompute": "full"}),
-    "gpt2-d2c2-packed-documents-pallas": ("gpt2", 4, {
-        "parallel.data": 2, "parallel.context": 2, "model.seq_length": 64, "model.attention_impl": "pallas",
-        "data.reset_attention_mask": True, "data.reset_position_ids": True}),
     "llama-p2c2-packed-documents": ("llama", 4, {"parallel.pipeline": 2, "parallel.context": 2, "model.seq_length": 128,
                                                  "train.micro_batch_size": 2, "data.reset_attention_mask": True}),
     "gpt2-c2-overlap-zero1": ("gpt2", 8, {"parallel.data": 4, "parallel.context": 2,
@@ -222,8 +225,9 @@ def test_context_layout_matches_one_device(name):
     np.testing.assert_allclose(norms, ref_norms, rtol=1e-4)
 
 
-@pytest.mark.parametrize("exchange,recompute", [pytest.param("ring", "none", marks=pytest.mark.slow),
-                                                ("ring", "selective"), ("all_gather", "full")])
+@pytest.mark.parametrize("exchange,recompute", [
+    pytest.param("ring", "none", marks=pytest.mark.slow), ("ring", "selective"),
+    pytest.param("all_gather", "full", marks=pytest.mark.slow)])
 def test_the_exchange_on_h100_is_the_analytic_volume_and_the_ring_runs_under_the_kernels(exchange, recompute):
     """XLA's GPU program (compile-only H100s) moves exactly the analytic bytes over 'context' (audit's
     expected_context_exchange), and every ring hop has attention compute scheduled between its start and done."""

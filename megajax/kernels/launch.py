@@ -54,6 +54,10 @@ def pallas_call(kernel: Callable, *, interpret: bool | None = None, **params: An
 
         if interpret is not None:
             return (interpreted if interpret else compiled)(*args)
+        # Integer operands (segment ids) are stripped for both branches: a stripped value saved for the backward by
+        # one branch and a typed one by the other would give the two branches different residual types under
+        # partial evaluation ("branches_known" in JAX's cond). Integers have no tangents to keep typed.
+        args = [_strip(a) if jnp.issubdtype(a.dtype, jnp.integer) else a for a in args]
         return jax.lax.platform_dependent(*args, cpu=interpreted, default=compiled)
 
     return call
