@@ -20,7 +20,10 @@ So each step after the first is one unmasked block of h x 2h or 2h x h: half the
 blocks above the diagonal are never computed. The backward passes the same ring again: each step adds the block's
 dq locally and its dk, dv to a buffer that travels with the keys and values and reaches their owner after c hops.
 Blocks run with the Pallas flash-attention kernels (model.attention_impl=pallas, megajax/kernels/flash_attention.py)
-or the XLA reference (megajax/kernels/attention.py); neither materialises more than one [2h, h] block of logits.
+or the XLA reference (megajax/kernels/attention.py, one block of logits at a time: [2h, 2h] at most, never
+[s, s]). Each ring hop is tied to the block it runs under (optimization barriers), which is what makes XLA's GPU
+scheduler overlap it with that block's compute. `exchange` / parallel.context_comm=all_gather gathers every rank's
+keys at once instead (and reduce-scatters their gradients): the exchange that runs under a pipeline.
 """
 
 from __future__ import annotations
