@@ -66,7 +66,8 @@ def _ring(c: int, impl: str, exchange: str):
 
 @pytest.mark.parametrize("c,impl,exchange", [pytest.param(2, "xla", "ring", marks=pytest.mark.slow), (4, "xla", "ring"),
                                              pytest.param(4, "xla", "all_gather", marks=pytest.mark.slow),
-                                             (2, "pallas", "ring"), (4, "pallas", "all_gather")])
+                                             pytest.param(2, "pallas", "ring", marks=pytest.mark.slow),
+                                             (4, "pallas", "all_gather")])
 def test_ring_attention_equals_whole_sequence_attention(c, impl, exchange):
     b, s, h, g, d = 2, 8 * c, 4, 2, 8
     keys = jax.random.split(jax.random.key(c), 5)

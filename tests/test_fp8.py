@@ -203,6 +203,7 @@ def test_tiny_preset_trains_in_fp8_within_3_percent_of_bf16(tmp_path):
         assert abs(losses[name] - losses["bf16"]) / losses["bf16"] < 0.03, losses
 
 
+@pytest.mark.slow  # three 8-device CLI runs, two minutes (suite time)
 def test_delayed_state_is_checkpointed_and_restores_onto_another_layout(tmp_path):
     """Three steps on d 2 x p 2 x t 2 with the distributed optimizer, resumed on d 4 x t 2: the losses and the
     amax histories equal an uninterrupted run on d 8."""
