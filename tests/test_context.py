@@ -181,12 +181,15 @@ LAYOUTS = {
         "data.reset_attention_mask": True, "data.reset_position_ids": True}),
     "llama-d2c2t2-sp-selective": ("llama", 8, {"parallel.data": 2, "parallel.context": 2, "parallel.tensor": 2,
                                                "parallel.sequence_parallel": True, "model.recompute": "selective"}),
+    # the distributed optimizer sharded over context alone (data = 1)
+    "llama-p2c2-1f1b-zero1": ("llama", 4, {"parallel.pipeline": 2, "parallel.context": 2,
+                                           "parallel.distributed_optimizer": True, "train.micro_batch_size": 2}),
+}
+SLOW_LAYOUTS = {
     "llama-d2p2c2-interleaved-zero1": ("llama", 8, {"parallel.data": 2, "parallel.pipeline": 2, "parallel.context": 2,
                                                     "parallel.schedule": "interleaved", "parallel.virtual_stages": 2,
                                                     "parallel.distributed_optimizer": True,
                                                     "train.micro_batch_size": 1}),
-}
-SLOW_LAYOUTS = {
     "gpt2-c2": ("gpt2", 2, {"parallel.context": 2}),
     "gpt2-p2c2t2-1f1b": ("gpt2", 8, {"parallel.pipeline": 2, "parallel.context": 2, "parallel.tensor": 2,
                                      "train.micro_batch_size": 2}),

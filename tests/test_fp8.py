@@ -104,9 +104,10 @@ def test_fp8_layout_matches_one_device(name):
 DELAYED = {"model.fp8_recipe": "delayed"}
 
 
-@pytest.mark.parametrize("name", ["d2-p2-t2-zero_bubble-zero",  # the rest with -m slow (suite time)
+@pytest.mark.parametrize("name", ["d2-t2-sp",  # the rest with -m slow (suite time)
                                   *(pytest.param(n, marks=pytest.mark.slow) for n in (
-                                      "moe-dropless-d2-e2-t2", "d2-t2-sp", "t4-sp-llama-e4m3", "moe-capacity-d4-e2"))])
+                                      "moe-dropless-d2-e2-t2", "d2-p2-t2-zero_bubble-zero", "t4-sp-llama-e4m3",
+                                      "moe-capacity-d4-e2"))])
 def test_fp8_delayed_scaling_layout_matches_one_device(name):
     """Delayed scaling: the amax histories are reduced over micro batches, data ranks and pipeline ticks as
     the gradients are, so a layout equals one device as with current scaling. The first step (no history
