@@ -64,12 +64,17 @@ def exchange(comm: str):
         _COMM.reset(token)
 
 
+def resolve(choice: str, pipelined: bool) -> str:
+    """parallel.context_comm as it runs: 'auto' is all_gather with a pipeline (a collective-permute inside the
+    pipeline's per-rank branches waits for every device), else ring."""
+    if choice == "auto":
+        return "all_gather" if pipelined else "ring"
+    return choice
+
+
 def comm() -> str:
-    """The exchange in force: 'ring' or 'all_gather' ('auto': all_gather inside a pipeline, else ring)."""
-    chosen = _COMM.get()
-    if chosen == "auto":
-        return "all_gather" if "pipeline" in current_manual_axes() else "ring"
-    return chosen
+    """The exchange in force: `resolve` of the `exchange` context's choice inside this region."""
+    return resolve(_COMM.get(), "pipeline" in current_manual_axes())
 
 
 def chunk_ids(rank: int, c: int) -> tuple[int, int]:
