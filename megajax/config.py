@@ -171,7 +171,7 @@ class ParallelConfig:
     # pipeline's per-rank branches waits for every device of the mesh and deadlocks).
     context_comm: Literal["auto", "ring", "all_gather"] = "auto"
     sequence_parallel: bool = False  # shard the activations outside attention and the MLP over tensor
-    virtual_stages: int = 1  # model chunks per pipeline stage (the interleaved schedule)
+    virtual_stages: int = 1  # model chunks per pipeline stage (the interleaved or zero_bubble schedule)
     schedule: Literal["gpipe", "1f1b", "interleaved", "zero_bubble"] = "1f1b"  # the pipeline schedule
     distributed_optimizer: bool = False  # shard the optimizer state over the data ranks (ZeRO-1)
     # Reduce the data-parallel gradients layer by layer under the last micro batch's backward (Megatron's
@@ -209,8 +209,8 @@ class ParallelConfig:
             "parallel.overlap_grad_reduce=true (or parallel.overlap_param_gather=false)",
         )
         _check(
-            self.virtual_stages == 1 or self.schedule == "interleaved",
-            f"parallel.virtual_stages={self.virtual_stages} needs parallel.schedule=interleaved",
+            self.virtual_stages == 1 or self.schedule in ("interleaved", "zero_bubble"),
+            f"parallel.virtual_stages={self.virtual_stages} needs parallel.schedule=interleaved (or zero_bubble)",
         )
 
 
@@ -421,10 +421,11 @@ class Config:
             f"train.micro_batch_size={mb}: make the global batch a multiple of {data * mb}",
         )
         m = t.global_batch_size // (data * mb)
-        if p.schedule == "interleaved" and p.pipeline > 1:
+        if p.virtual_stages > 1 and p.pipeline > 1:
             _check(
                 m >= p.pipeline,
-                f"the interleaved schedule needs at least parallel.pipeline={p.pipeline} micro batches, got {m} "
+                f"the {p.schedule} schedule with parallel.virtual_stages={p.virtual_stages} needs at least "
+                f"parallel.pipeline={p.pipeline} micro batches, got {m} "
                 f"(= global batch {t.global_batch_size} / (data {data} x micro batch {mb})): raise "
                 f"train.global_batch_size or lower train.micro_batch_size",
             )

@@ -114,7 +114,7 @@ def _grads(cfg, n):
     return from_stages(g) if cfg.parallel.pipeline > 1 else g
 
 
-@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1)])
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1), ("zero_bubble", 2)])
 def test_pipeline_gradients_equal_plain_gradients(schedule, v):
     import jax
 

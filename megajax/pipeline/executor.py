@@ -14,6 +14,8 @@ nothing):
      next, keeps its residuals
   R  recompute of the next backward's chunk from its stash, keeping the residuals for the next tick; it
      runs before F in the tick (F may reuse the freed slot)
+  W  zero_bubble: the weight gradients of the rank's backward of the previous tick, first in the tick
+     (before R or the last chunk's F replace the residuals it reads)
 Sends are at the end of the tick: in the staggered lock step (schedule.py) a rank in its forward role
 sends an activation to rank r + 1 while rank r + 1, in its backward role, sends a gradient to rank r, so
 one ppermute of static swap pairs per tick carries both (two, one per direction, for an odd ring with
@@ -23,14 +25,12 @@ Memory: the stash is one activation per in-flight micro batch (Megatron's full r
 plus one chunk's residuals. The embedding and head gradients and the loss are summed over 'pipeline' once
 after the scan, and the caller reduces everything over 'data' once per step.
 
-zero_bubble (`_unit_tick`, `_SplitChunkActions`) runs unit ticks, one action per rank: F and R as above, B
-the input gradient only (and the norms' and biases' gradients), W the weight gradients from each weight
-matmul's kept input and the output gradient B found for it (model.layers.weight_einsum's taps), and on the
-last stage H, the head's forward and backward on the output its forward left in the slot (so the head
-stretches no tick); activations move forward and gradients back in the same tick, one ppermute each.
-Ticks are grouped into segments (filling, steady, cool-down) by what they run and send; a segment's switches
-hold only the actions it runs. GPipe is the simple baseline: autodiff of a forward-only pipeline scan
-(memory grows with m).
+zero_bubble (`_SplitChunkActions`) runs 1F1B's (or interleaved's) table with the backward split: B is the
+input gradient only (and the norms' and biases' gradients), sent at once, and W the weight gradients from
+each weight matmul's kept input and the output gradient B found for it (model.layers.weight_einsum's taps),
+run in the rank's next tick. Ticks are grouped into segments (filling, steady, cool-down); a segment's
+switches hold only the actions it runs. GPipe is the simple baseline: autodiff of a forward-only pipeline
+scan (memory grows with m).
 """
 
 from __future__ import annotations
@@ -50,16 +50,16 @@ from megajax.config import Config
 from megajax.data.loader import micro_batches
 from megajax.pipeline import schedule as schedule_lib
 from megajax.pipeline.layout import local_chunks
+from megajax.pipeline.schedule import perm_pairs
 from megajax.sharding import vary
 
 # what an action does depends on where its chunk sits in the model: 0 none, 1 first, 2 middle, 3 last chunk;
-# 4: a forward of the last chunk that keeps its residuals for the backward of the next tick; 5 (zero_bubble):
-# one that keeps its residuals and leaves its output in its slot for the head's own action (H)
-NONE, FIRST, MID, LAST, LAST_KEEP, LAST_STASH = range(6)
+# 4: a forward of the last chunk that keeps its residuals for the backward of the next tick
+NONE, FIRST, MID, LAST, LAST_KEEP = range(5)
 # the table columns a tick reads (the schedule's f_keep becomes the LAST_KEEP kind)
 FIELDS = ("f_chunk", "f_micro", "f_slot", "f_grad_slot", "r_chunk", "r_micro", "r_slot", "b_chunk", "b_micro",
-          "b_grad_slot", "w_chunk", "w_micro", "h_chunk", "h_micro", "h_slot", "h_grad_slot", "recv_act", "recv_grad")
-ACTIONS = ("f", "r", "b", "w", "h")
+          "b_grad_slot", "w_chunk", "w_micro", "recv_act", "recv_grad")
+ACTIONS = ("f", "r", "b", "w")
 
 
 def _position(global_chunk: np.ndarray, chunks: int) -> np.ndarray:
@@ -73,9 +73,8 @@ def _position(global_chunk: np.ndarray, chunks: int) -> np.ndarray:
 @dataclasses.dataclass(frozen=True)
 class Segment:
     """Ticks [start, stop) run by one scan. roles: the staggered lock step (ticks go in pairs, even then odd
-    from `start`'s parity); else every rank may run a forward and only activations move, or (zero_bubble)
-    activations move when send_act and gradients when send_grad. f, r, b, w, h: the action kinds present
-    (NONE always)."""
+    from `start`'s parity); else every rank may run a forward and only activations move. f, r, b, w: the
+    action kinds present (NONE always)."""
 
     start: int
     stop: int
@@ -85,23 +84,6 @@ class Segment:
     r: tuple[int, ...]
     b: tuple[int, ...]
     w: tuple[int, ...]
-    h: tuple[int, ...]
-    send_act: bool = True
-    send_grad: bool = False
-
-
-def perm_pairs(p: int, v: int, roles: bool, parity: int) -> list[list[tuple[int, int]]]:
-    """The ppermutes of a tick: a list of (source, destination) pair lists. Without roles, activations go
-    to r + 1. With roles, ranks with (parity + r) even send activations forward, the others gradients back;
-    one ppermute when that is a permutation, else one per direction. The wrap-around pair only when v > 1."""
-    ring = v > 1
-    if not roles:
-        return [[(r, (r + 1) % p) for r in range(p) if ring or r + 1 < p]]
-    fwd = [(r, (r + 1) % p) for r in range(p) if (parity + r) % 2 == 0 and (ring or r + 1 < p)]
-    bwd = [(r, (r - 1) % p) for r in range(p) if (parity + r) % 2 == 1 and (ring or r > 0)]
-    if len({d for _, d in fwd + bwd}) == len(fwd + bwd):
-        return [fwd + bwd] if fwd + bwd else []
-    return [fwd, bwd]
 
 
 @functools.lru_cache(maxsize=64)
@@ -112,18 +94,13 @@ def plan(name: str, p: int, v: int, m: int):
     chunks = p * v
     tables = {k: getattr(s, k) for k in FIELDS}
     fg, rg, bg = s.global_chunk(s.f_chunk), s.global_chunk(s.r_chunk), s.global_chunk(s.b_chunk)
-    wg, hg = s.global_chunk(s.w_chunk), s.global_chunk(s.h_chunk)
+    wg = s.global_chunk(s.w_chunk)
     free = s.free_ticks
     fsend_any = np.any((fg >= 0) & (fg < chunks - 1), axis=1)
-    bsend_any = np.any(bg > 0, axis=1)
     last_fwd = int(s.ticks - np.argmax(fsend_any[::-1])) if fsend_any.any() else free
-    if s.split_backward:  # unit ticks: segments by the directions messages move in
-        first_bwd = int(np.argmax(bsend_any)) if bsend_any.any() else s.ticks
-        bounds = sorted({0, min(first_bwd, s.ticks), min(last_fwd, s.ticks), s.ticks})
-    else:
-        steady_end = max(free, last_fwd)
-        steady_end += (steady_end - free) % 2  # whole tick pairs, so that no idle tick splits an R from its B
-        bounds = sorted({0, free, min(steady_end, s.ticks), s.ticks})
+    steady_end = max(free, last_fwd)
+    steady_end += (steady_end - free) % 2  # whole tick pairs, so that no idle tick splits an R from its B
+    bounds = sorted({0, free, min(steady_end, s.ticks), s.ticks})
     idle = {k: (np.full(p, s.act_slots - 1 if k in schedule_lib.ACT_SLOT_FIELDS else
                         s.grad_slots - 1 if k in schedule_lib.GRAD_SLOT_FIELDS else
                         -1, np.int32)) for k in FIELDS}
@@ -131,25 +108,22 @@ def plan(name: str, p: int, v: int, m: int):
     kinds = {key: [] for key in ACTIONS}
     segments = []
     for start, stop in zip(bounds[:-1], bounds[1:]):
-        roles = start >= free and not s.split_backward
+        roles = start >= free
         n = stop - start
         pad = n % 2 if roles else 0  # tick pairs: an idle tick completes an odd segment
         seg_start = len(rows["f_chunk"])
         for k in FIELDS:
             rows[k] += list(tables[k][start:stop]) + [idle[k]] * pad
-        for key, g in (("f", fg), ("r", rg), ("b", bg), ("w", wg), ("h", hg)):
+        for key, g in (("f", fg), ("r", rg), ("b", bg), ("w", wg)):
             kind = _position(g[start:stop], chunks)
             if key in ("r", "w"):  # a recompute or a weight gradient is the same for every chunk position
                 kind = np.where(kind == NONE, NONE, MID)
             if key == "f":
-                keep = LAST_STASH if s.split_backward else LAST_KEEP
-                kind = np.where((kind == LAST) & (s.f_keep[start:stop] > 0), keep, kind)
+                kind = np.where((kind == LAST) & (s.f_keep[start:stop] > 0), LAST_KEEP, kind)
             kinds[key] += list(kind) + [np.zeros(p, np.int32)] * pad
         present = {key: tuple(sorted(set(np.ravel(kinds[key][seg_start:]).tolist()) | {NONE})) for key in kinds}
-        sends = (bool(fsend_any[start:stop].any()), bool(bsend_any[start:stop].any())) if s.split_backward else \
-            (True, False)
         segments.append(Segment(seg_start, seg_start + n + pad, roles, start % 2, present["f"], present["r"],
-                                present["b"], present["w"], present["h"], *sends))
+                                present["b"], present["w"]))
     table = {k: np.array(rows[k], np.int32) for k in FIELDS}
     return s, table, {k: np.array(val, np.int32) for k, val in kinds.items()}, tuple(segments)
 
@@ -170,14 +144,13 @@ def permute_bytes_per_step(cfg: Config) -> dict:
     n = 0
     for seg in segments:
         for j in range(seg.stop - seg.start):
-            n += len(_unit_perms(p, seg) if sched.split_backward else
-                     perm_pairs(p, v, seg.roles, (seg.parity + j) % 2))
+            n += len(perm_pairs(p, v, seg.roles, (seg.parity + j) % 2))
     return {"ppermutes": n, "bytes": n * act}
 
 
 def _local_kinds(present: tuple[int, ...], kinds: np.ndarray) -> jax.Array:
     """Kind codes -> indices into the segment's list of branches."""
-    index = np.zeros(LAST_STASH + 1, np.int32)
+    index = np.zeros(LAST_KEEP + 1, np.int32)
     index[list(present)] = np.arange(len(present))
     return jnp.asarray(index[kinds])
 
@@ -214,14 +187,6 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
         xs = {k: jnp.asarray(table[k][seg.start:seg.stop]) for k in FIELDS}
         for key in ACTIONS:
             xs[key + "_kind"] = _local_kinds(getattr(seg, key), kinds[key][seg.start:seg.stop])
-        if sched.split_backward:
-            xs["unit"] = jnp.asarray(_unit_index(seg, kinds, seg.start, seg.stop))
-            rows = {k: table[k][seg.start:seg.stop] for k in ("f_chunk", "r_chunk", "f_slot", "r_slot", "h_slot")}
-            xs["a_slot"] = jnp.asarray(np.where(rows["f_chunk"] >= 0, rows["f_slot"],
-                                                np.where(rows["r_chunk"] >= 0, rows["r_slot"], rows["h_slot"])))
-            tick = functools.partial(_unit_tick, acts, seg, p, rank)
-            carry, _ = jax.lax.scan(lambda carry, row, tick=tick: (tick(carry, row), None), carry, xs)
-            continue
         tick = functools.partial(_tick, acts, seg, p, v, rank)
         if seg.roles:  # pairs of ticks, so that each one's ppermute pairs are static
             xs = jax.tree.map(lambda x: x.reshape(-1, 2, *x.shape[1:]), xs)
@@ -239,14 +204,21 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
 
 
 def _tick(acts: _ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, row: dict, parity):
-    """One tick of one rank: B, then R (it reads its stash before a forward may reuse the slot), then F,
-    then the sends (see the module docstring)."""
+    """One tick of one rank: W (zero_bubble), B, then R (it reads its stash before a forward may reuse the
+    slot), then F, then the sends (see the module docstring)."""
     row = {k: jnp.clip(val[rank], 0, None) for k, val in row.items()}
     # Only the slices an action reads go into a switch; the accumulators go through the backward's and the
     # forward's switches so that only the branches with something to add touch them.
-    send_grad, carry["g_layers"], carry["g_shared"] = jax.lax.switch(
-        row["b_kind"], [acts.backward_branch(k) for k in seg.b], carry["res"], carry["grad"][row["b_grad_slot"]],
-        carry["g_layers"], carry["g_shared"], row)
+    split = "dys" in carry
+    if split:  # the weight gradients of the last backward, before R or F replace its residuals
+        carry["g_layers"] = jax.lax.switch(row["w_kind"], [acts.weight_branch(k) for k in seg.w], carry["res"],
+                                           carry["dys"], carry["g_layers"], row)
+    b_args = (carry["res"], carry["grad"][row["b_grad_slot"]], carry["g_layers"], carry["g_shared"])
+    b_out = jax.lax.switch(row["b_kind"], [acts.backward_branch(k) for k in seg.b], *b_args,
+                           *((carry["dys"],) if split else ()), row)
+    send_grad, carry["g_layers"], carry["g_shared"] = b_out[:3]
+    if split:
+        carry["dys"] = b_out[3]
     # The recompute reads its stash before the forward may reuse the slot; the residuals go through both
     # switches (replaced by the one that makes them, untouched otherwise).
     carry["res"] = jax.lax.switch(row["r_kind"], [acts.recompute_branch(k) for k in seg.r],
@@ -270,76 +242,6 @@ def _tick(acts: _ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, 
     else:
         carry["act"] = carry["act"].at[row["recv_act"]].set(jax.lax.ppermute(send_act, "pipeline", perms[0]))
         carry["grad"] = carry["grad"].at[row["recv_grad"]].set(jax.lax.ppermute(send_grad, "pipeline", perms[1]))
-    return carry
-
-
-def _unit_perms(p: int, seg: Segment) -> list[list[tuple[int, int]]]:
-    """zero_bubble's ppermutes of a tick: activations to r + 1 and gradients to r - 1, each only in segments
-    where some rank sends one (any rank may do either in the same tick). (Folding both into one swap at
-    p = 2 measured slower on the CPU bench, 2.79 s against 2.57 s a step.)"""
-    perms = []
-    if seg.send_act:
-        perms.append([(r, r + 1) for r in range(p - 1)])
-    if seg.send_grad:
-        perms.append([(r + 1, r) for r in range(p - 1)])
-    return perms
-
-
-def _unit_actions(seg: Segment) -> list[tuple[str, int]]:
-    """zero_bubble's actions of a segment as (action, kind), the branches of its one switch: idle first."""
-    return [("idle", NONE)] + [(key, k) for key in ACTIONS for k in getattr(seg, key) if k != NONE]
-
-
-def _unit_index(seg: Segment, kinds: dict, start: int, stop: int) -> np.ndarray:
-    """[ticks, p] index into `_unit_actions(seg)` of what each rank runs (one action at most)."""
-    actions = _unit_actions(seg)
-    index = np.zeros(kinds["f"][start:stop].shape, np.int32)
-    for key in ACTIONS:
-        for i, (name, k) in enumerate(actions):
-            if name == key:
-                index[kinds[key][start:stop] == k] = i
-    return index
-
-
-def _unit_tick(acts: _SplitChunkActions, seg: Segment, p: int, rank, carry: dict, row: dict):
-    """One unit tick of zero_bubble: one switch runs this rank's action, B (input gradient), W (weight
-    gradient), R, F or H (the head), or nothing; then activations move forward and gradients back (see
-    schedule._ZeroBubbleSimulator). One conditional a tick, so the carried buffers pass through one."""
-    row = {k: jnp.clip(val[rank], 0, None) for k, val in row.items()}
-    zeros = jnp.zeros(acts.act_shape, acts.act_dtype)
-    no_loss = jnp.zeros((), jnp.float32)
-
-    def branch(name, kind):
-        def run(x, g, res, dys, g_layers, g_shared, row):
-            send_act, send_grad, stash, g_out, loss = zeros, zeros, x, zeros, no_loss
-            if name == "f":
-                send_act, stash, loss, _, res, g_shared = acts.forward_branch(kind)(x, res, g_shared, row)
-            elif name == "r":
-                res = acts.recompute_branch(kind)(x, res, row)
-            elif name == "b":
-                send_grad, g_layers, g_shared, dys = acts.backward_branch(kind)(res, g, g_layers, g_shared, dys, row)
-            elif name == "w":
-                g_layers = acts.weight_branch(kind)(res, dys, g_layers, row)
-            elif name == "h":
-                loss, g_out, g_shared = acts.head_branch(kind)(x, g_shared, row)
-            return vary((send_act, send_grad, stash, g_out, loss, res, dys, g_layers, g_shared))
-
-        return run
-
-    # the one activation slot the action reads (F its input, R its stash, H the chunk output) and writes back
-    slot = row["a_slot"]
-    (send_act, send_grad, stash, g_out, loss, carry["res"], carry["dys"], carry["g_layers"],
-     carry["g_shared"]) = jax.lax.switch(
-        row["unit"], [branch(*a) for a in _unit_actions(seg)], carry["act"][slot], carry["grad"][row["b_grad_slot"]],
-        carry["res"], carry["dys"], carry["g_layers"], carry["g_shared"], row)
-    carry["act"] = carry["act"].at[slot].set(stash)
-    carry["grad"] = carry["grad"].at[row["h_grad_slot"]].set(g_out)
-    carry["loss"] = carry["loss"] + loss
-    perms = _unit_perms(p, seg)
-    if seg.send_act:
-        carry["act"] = carry["act"].at[row["recv_act"]].set(jax.lax.ppermute(send_act, "pipeline", perms[0]))
-    if seg.send_grad:
-        carry["grad"] = carry["grad"].at[row["recv_grad"]].set(jax.lax.ppermute(send_grad, "pipeline", perms[-1]))
     return carry
 
 
@@ -422,12 +324,10 @@ class _ChunkActions:
                 x = model.embed_apply(self.mcfg, self.shared, mb["tokens"], side).astype(x.dtype)
             if kind in (FIRST, MID):
                 return vary((self._layers(w, x, side, first).astype(x.dtype), x, loss, g_self, res, g_shared))
-            if kind in (LAST_KEEP, LAST_STASH):
+            if kind == LAST_KEEP:
                 y, res = self.forward_keeping(row, "f_", x)
             else:  # its backward comes later, after a recompute
                 y = self._layers(w, x, side, first).astype(x.dtype)
-            if kind == LAST_STASH:  # the head runs in its own action (H)
-                return vary((zeros, y.astype(x.dtype), loss, g_self, res, g_shared))
             loss, g_y, g_shared = self.head(y, mb, g_shared)
             return vary((zeros, x, loss, g_y.astype(x.dtype), res, g_shared))
 
@@ -439,16 +339,6 @@ class _ChunkActions:
                                  self.shared, y)
         dsh, g_y = pullback(self.seed_scale)
         return loss, g_y, jax.tree.map(lambda a, d: a + d.astype(jnp.float32), g_shared, dsh)
-
-    def head_branch(self, kind):
-        """(chunk output, g_shared, row) -> (loss, output gradient, g_shared): zero_bubble's H."""
-        def run(y, g_shared, row):
-            if kind == NONE:
-                return vary((jnp.zeros((), jnp.float32), jnp.zeros_like(y), g_shared))
-            loss, g_y, g_shared = self.head(y, self.micro(row, "h_")[0], g_shared)
-            return vary((loss, g_y.astype(y.dtype), g_shared))
-
-        return run
 
     def recompute_branch(self, kind):
         """(stash, res, row) -> the residuals of the chunk's forward from its stashed input (res unchanged

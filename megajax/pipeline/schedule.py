@@ -8,9 +8,8 @@ A schedule is built in plain NumPy, without JAX. Each pipeline rank gets Megatro
                batches (backwards the same with the chunk order reversed); (p - r - 1) 2 + (v - 1) p
                warm-up forwards (capped at m v)
   GPipe        every forward, then every backward
-  zero_bubble  unit ticks, the backward split into B (input gradient) and W (weight gradients):
-               p - r - 1 warm-up forwards, then F R B W per micro batch, then R B W; the last stage
-               F H B W, H the head's forward and backward (_ZeroBubbleSimulator)
+  zero_bubble  1F1B's order (interleaved's with v > 1) with the backward split into B (the input
+               gradient, sent at once) and W (the weight gradients), W run in the rank's next tick
 Global chunk c = local chunk * p + rank holds layers [c L / (p v), (c + 1) L / (p v)).
 
 The executor runs in lock step, with roles staggered by rank: on ticks where t + r is even rank r may run a
@@ -25,10 +24,20 @@ recompute. Bubble (F 1, R 1, B 2 units): 1F1B below (p - 1) / m (the last stage 
 interleaved (p - 1) / (v m) with v = 2, an even p and m a multiple of p, more with an odd p (a wrap-around
 message waits a tick for its receiver's role) or v >= 3 (warm-up forwards beyond the fill ticks run in
 forward-role ticks only), never more than 1F1B's.
+zero_bubble (after Qi et al.) keeps this table and splits each backward: B computes the input gradient
+(and the small parameters' gradients) and sends it, W computes the weight gradients at the start of the
+rank's next tick, before that tick's recompute replaces the residuals it reads. The gradient that goes back
+waits only for B, so in the cool-down the gradients reach the first stage sooner, and each W fills time in
+which the rank waited for a message.
 A lock-step simulation turns the orders into the table: an action runs in a tick of its role when its
 inputs arrived in an earlier tick; R runs in the F tick right before its B, once the gradient B needs is
 there or on its way. It also gives every message a buffer slot on its receiver (a spare "trash" slot takes
 ticks with nothing to keep), so the executor's writes are unconditional and its buffers have a fixed size.
+
+Time (`Schedule.step_time`): the executor's ticks end with ppermutes between pairs of ranks, and a send /
+receive waits only for its two ranks (NCCL's point-to-point), so a rank's tick ends when it and the ranks it
+exchanges with in that tick are done ("pairs", the accounting used for the bubble). "ticks" is the bound of a
+global lock step, every tick as long as its slowest rank.
 
     python -m megajax.pipeline.schedule --schedule interleaved -p 4 -v 2 -m 8 [--png out.png]
 """
@@ -43,32 +52,44 @@ import sys
 import numpy as np
 
 FWD, BWD = 1, 2
-# Costs in units of one chunk forward (for bubble accounting): the recompute is a forward, the backward
-# (input and weight gradients) twice a forward, the paper's assumption; zero_bubble splits it into the input
-# gradient (B) and the weight gradient (W), a forward each.
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+SYNCS = ("pairs", "ticks")  # the time accountings of `Schedule.step_time`
 # the table columns that name a slot of the activation or the gradient buffer (the trash slot when idle)
-ACT_SLOT_FIELDS = ("recv_act", "f_slot", "r_slot", "h_slot")
-GRAD_SLOT_FIELDS = ("recv_grad", "f_grad_slot", "b_grad_slot", "h_grad_slot")
+ACT_SLOT_FIELDS = ("recv_act", "f_slot", "r_slot")
+GRAD_SLOT_FIELDS = ("recv_grad", "f_grad_slot", "b_grad_slot")
 
 
 @dataclasses.dataclass(frozen=True)
 class Costs:
     """Action costs in units of one chunk forward, for the bubble accounting. The defaults are the papers':
-    a recompute is a forward, the whole backward two, split into an input and a weight gradient of one each;
-    zero_bubble's head action (the last stage's, in R's place) one. `scripts/bench_split_backward.py`
-    measures them (H100, Llama 4096 wide, cuDNN attention: b 2.6, b_input 1.86, w 0.94)."""
+    a recompute is a forward, the whole backward two, split into an input and a weight gradient of one each.
+    `scripts/bench_split_backward.py` measures them (H100, Llama 4096 wide, cuDNN attention: b 2.61, b_input
+    1.86, w 0.94)."""
 
     f: float = 1.0
     r: float = 1.0
     b: float = 2.0  # the fused backward (input and weight gradients)
     w: float = 1.0
-    h: float = 1.0
     b_input: float | None = None  # the split backward's input gradient: b - w unless given
 
     def __post_init__(self):
         if self.b_input is None:
             object.__setattr__(self, "b_input", self.b - self.w)
+
+
+def perm_pairs(p: int, v: int, roles: bool, parity: int) -> list[list[tuple[int, int]]]:
+    """The ppermutes that end a tick: a list of (source, destination) pair lists. Without roles, activations
+    go to r + 1. With roles, ranks with (parity + r) even send activations forward, the others gradients
+    back; one ppermute when that is a permutation, else one per direction. The wrap-around pair only when
+    v > 1."""
+    ring = v > 1
+    if not roles:
+        return [[(r, (r + 1) % p) for r in range(p) if ring or r + 1 < p]]
+    fwd = [(r, (r + 1) % p) for r in range(p) if (parity + r) % 2 == 0 and (ring or r + 1 < p)]
+    bwd = [(r, (r - 1) % p) for r in range(p) if (parity + r) % 2 == 1 and (ring or r > 0)]
+    if len({d for _, d in fwd + bwd}) == len(fwd + bwd):
+        return [fwd + bwd] if fwd + bwd else []
+    return [fwd, bwd]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,12 +104,11 @@ class Schedule:
     f_grad_slot        last chunk: the gradient slot the head's backward writes the output gradient to
     r_chunk, r_micro   the recompute of the tick: the backward of the next tick, recomputed from its stash
     r_slot             activation slot of that stash; freed by the recompute
-    b_chunk, b_micro   the backward of the tick (its residuals come from the previous tick; zero_bubble: from
-                       the last recompute, and only the input gradient)
+    b_chunk, b_micro   the backward of the tick, from the residuals the previous tick made (zero_bubble: the
+                       input gradient only)
     b_grad_slot        gradient slot the backward reads; freed by it
-    w_chunk, w_micro   zero_bubble: the weight gradient of the last backward (-1 everywhere for the others)
-    h_chunk, h_micro   zero_bubble, last stage: the head's forward and backward on the chunk output its forward
-                       left in h_slot (freed), writing the output gradient to h_grad_slot
+    w_chunk, w_micro   zero_bubble: the weight gradient of the rank's backward of the previous tick, run first
+                       in the tick (-1 everywhere for the others)
     recv_act           slot the activation arriving at the end of the tick is written to
     recv_grad          slot for the arriving gradient
     Slot fields with nothing to read or keep point at the trash slot (the last one).
@@ -111,10 +131,6 @@ class Schedule:
     b_grad_slot: np.ndarray
     w_chunk: np.ndarray
     w_micro: np.ndarray
-    h_chunk: np.ndarray
-    h_micro: np.ndarray
-    h_slot: np.ndarray
-    h_grad_slot: np.ndarray
     recv_act: np.ndarray
     recv_grad: np.ndarray
     act_slots: int  # buffer sizes, including the trash slot
@@ -138,21 +154,48 @@ class Schedule:
         """Whether the backward is split into the input gradient (B) and the weight gradient (W)."""
         return self.name == "zero_bubble"
 
-    def tick_costs(self, costs: Costs | None = None) -> np.ndarray:
-        """[ticks] duration of each tick in units of one forward of a whole stage: its slowest rank's work."""
+    def work(self, costs: Costs | None = None) -> np.ndarray:
+        """[ticks, p] what each rank computes in each tick, in units of one forward of a whole stage."""
         c = costs or Costs()
         b = c.b_input if self.split_backward else c.b
-        work = ((self.f_chunk >= 0) * c.f + (self.r_chunk >= 0) * c.r + (self.b_chunk >= 0) * b
-                + (self.w_chunk >= 0) * c.w + (self.h_chunk >= 0) * c.h)
-        return work.max(axis=1) / self.v
+        return ((self.f_chunk >= 0) * c.f + (self.r_chunk >= 0) * c.r + (self.b_chunk >= 0) * b
+                + (self.w_chunk >= 0) * c.w) / self.v
 
-    def bubble_fraction(self, costs: Costs | None = None) -> float:
+    def exchanges(self, t: int) -> list[tuple[int, int]]:
+        """The (source, destination) pairs of the ppermutes that end tick t."""
+        roles = t >= self.free_ticks and self.name != "gpipe"
+        return [pair for pairs in perm_pairs(self.p, self.v, roles, t % 2) for pair in pairs]
+
+    def clock(self, costs: Costs | None = None, sync: str = "pairs") -> np.ndarray:
+        """[ticks + 1, p] when each rank starts each tick (the last row: when it is done), in units of one
+        forward of a whole stage. sync "pairs": a rank's tick ends when it and the ranks it sends to or
+        receives from in that tick are done (a send / receive pair waits for its two ranks only, as NCCL's
+        point-to-point does); "ticks": a global lock step, every tick as long as its slowest rank (an upper
+        bound)."""
+        work = self.work(costs)
+        if sync not in SYNCS:
+            raise ValueError(f"unknown sync {sync!r}: use {' or '.join(SYNCS)}")
+        out = np.zeros((self.ticks + 1, self.p))
+        for t in range(self.ticks):
+            done = out[t] + work[t]
+            out[t + 1] = done
+            if sync == "ticks":
+                out[t + 1] = done.max()
+            for src, dst in self.exchanges(t) if sync == "pairs" else ():  # (a pair waits for its two ranks)
+                out[t + 1, src] = max(out[t + 1, src], done[dst])
+                out[t + 1, dst] = max(out[t + 1, dst], done[src])
+        return out
+
+    def step_time(self, costs: Costs | None = None, sync: str = "pairs") -> float:
+        """The step's time in units of one forward of a whole stage (see `clock`)."""
+        return float(self.clock(costs, sync)[-1].max())
+
+    def bubble_fraction(self, costs: Costs | None = None, sync: str = "pairs") -> float:
         """Step time over the ideal (every rank busy), minus one: the paper's bubble time / ideal time,
-        (p - 1) / m for 1F1B, (p - 1) / (v m) interleaved, (p - 1) / (2 m) zero_bubble with the default
-        costs. The ideal counts a recompute and a whole backward for every micro batch (full recomputation,
-        as the executor runs)."""
+        (p - 1) / m for 1F1B, (p - 1) / (v m) interleaved. The ideal counts a recompute and a whole fused
+        backward for every micro batch (full recomputation, as the executor runs)."""
         c = costs or Costs()
-        return float(self.tick_costs(c).sum() / (self.m * (c.f + c.r + c.b)) - 1.0)
+        return self.step_time(c, sync) / (self.m * (c.f + c.r + c.b)) - 1.0
 
     def in_flight(self) -> np.ndarray:
         """Peak number of (chunk, micro batch) pairs whose forward ran and backward has not, per rank."""
@@ -164,10 +207,11 @@ class Schedule:
         fg, bg = self.global_chunk(self.f_chunk), self.global_chunk(self.b_chunk)
         return {"activations": int(np.sum((fg >= 0) & (fg < last))), "gradients": int(np.sum(bg > 0))}
 
-    def summary(self) -> dict:
+    def summary(self, costs: Costs | None = None) -> dict:
         return {
             "schedule": self.name, "p": self.p, "v": self.v, "m": self.m, "ticks": self.ticks,
-            "bubble_fraction": self.bubble_fraction(), "formula": formula(self.name, self.p, self.v, self.m),
+            "bubble_fraction": self.bubble_fraction(costs), "bubble_lock_step": self.bubble_fraction(costs, "ticks"),
+            "formula": formula(self.name, self.p, self.v, self.m),
             "peak_in_flight_per_rank": self.in_flight().tolist(), "sends": self.sends(),
             "act_slots": self.act_slots, "grad_slots": self.grad_slots,
         }
@@ -175,8 +219,8 @@ class Schedule:
 
 def formula(name: str, p: int, v: int, m: int) -> float:
     """The bubble fraction the papers give: (p - 1) / (v m) (Narayanan et al.; GPipe and 1F1B with v = 1),
-    (p - 1) / (2 m) for the zero-bubble schedule with unit ticks (Qi et al., ZB-H1 without W reordering)."""
-    return (p - 1) / (2 * m) if name == "zero_bubble" else (p - 1) / (v * m)
+    (p - 1) / (2 v m) for zero_bubble (Qi et al.'s ZB-H1 with unit costs)."""
+    return (p - 1) / (2 * v * m) if name == "zero_bubble" else (p - 1) / (v * m)
 
 
 def interleaved_table(p: int, v: int, m: int) -> list[tuple[int, int]]:
@@ -188,7 +232,9 @@ def interleaved_table(p: int, v: int, m: int) -> list[tuple[int, int]]:
 def rank_queues(name: str, p: int, v: int, m: int, r: int) -> tuple[list, list, int]:
     """Megatron's orders for rank r: (forwards [(local chunk, micro batch)], backwards [...], the most
     micro batches the rank may hold in flight). GPipe holds all m and starts no backward before its last
-    forward."""
+    forward. zero_bubble: 1F1B's orders, interleaved's with v > 1."""
+    if name == "zero_bubble":
+        name = "interleaved" if v > 1 else "1f1b"
     if name == "gpipe":
         return [(0, i) for i in range(m)], [(0, i) for i in range(m)], m
     if name == "1f1b":
@@ -226,10 +272,10 @@ def _check_layout(name: str, p: int, v: int, m: int) -> None:
         raise ValueError(f"pipeline sizes must be positive, got p={p} v={v} m={m}")
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}: use {', '.join(SCHEDULES)}")
-    if name != "interleaved" and v != 1:
-        raise ValueError(f"v={v} virtual stages need the interleaved schedule, not {name}")
-    if name == "interleaved" and p > 1 and m < p:
-        raise ValueError(f"the interleaved schedule needs at least p={p} micro batches, got m={m}")
+    if name not in ("interleaved", "zero_bubble") and v != 1:
+        raise ValueError(f"v={v} virtual stages need the interleaved or zero_bubble schedule, not {name}")
+    if v > 1 and p > 1 and m < p:
+        raise ValueError(f"{name} with v={v} chunks per rank needs at least p={p} micro batches, got m={m}")
 
 
 class _Slots:
@@ -253,8 +299,7 @@ class _Simulator:
     """Staggered lock-step execution of the rank orders: which actions run in which tick, and buffer slots."""
 
     FIELDS = ("f_chunk", "f_micro", "f_slot", "f_keep", "f_grad_slot", "r_chunk", "r_micro", "r_slot",
-              "b_chunk", "b_micro", "b_grad_slot", "w_chunk", "w_micro", "h_chunk", "h_micro", "h_slot", "h_grad_slot",
-              "recv_act", "recv_grad")
+              "b_chunk", "b_micro", "b_grad_slot", "w_chunk", "w_micro", "recv_act", "recv_grad")
 
     def __init__(self, name: str, p: int, v: int, m: int):
         self.p, self.chunks, self.gpipe = p, p * v, name == "gpipe"
@@ -342,102 +387,22 @@ class _Simulator:
         return all(self.bptr[r] >= len(self.bwd[r]) for r in range(self.p))
 
 
-class _ZeroBubbleSimulator:
-    """Unit ticks (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): a rank runs one action a tick,
-    F (forward), R (recompute, keeping the residuals), B (input gradient only, sent at once) or W (weight
-    gradient, off the critical path), in the order p - r - 1 warm-up forwards, then F R B W per micro batch,
-    then R B W. The last stage's forward keeps its own residuals and leaves its output in its slot, and H (the
-    head's forward and backward) runs in R's place: F H B W, so the head stretches no tick. An action runs as
-    soon as what it reads arrived in an earlier tick; each tick may move activations forward and gradients
-    back at once."""
-
-    def __init__(self, p: int, m: int):
-        self.p, self.free_ticks = p, 0
-        self.order = []
-        for r in range(p):
-            last, warm = r == p - 1, min(p - r - 1, m)
-            actions = [("F", i) for i in range(warm)]
-            for i in range(m):
-                actions += [("F", warm + i)] if warm + i < m else []
-                actions += [("H" if last else "R", i), ("B", i), ("W", i)]
-            self.order.append(actions)
-        self.ptr = [0] * p
-        self.done: dict[tuple[str, int, int], int] = {}  # (action, rank, micro) -> tick
-        self.act_at: list[dict[int, int]] = [{} for _ in range(p)]  # per rank: micro -> slot (one chunk a rank)
-        self.grad_at: list[dict[int, int]] = [{} for _ in range(p)]
-        self.act_alloc = [_Slots() for _ in range(p)]
-        self.grad_alloc = [_Slots() for _ in range(p)]
-
-    def _ready(self, kind: str, r: int, mb: int, t: int) -> bool:
-        def before(action, rank):
-            return self.done.get((action, rank, mb), t) < t
-
-        last = r == self.p - 1
-        if kind == "F":
-            return r == 0 or before("F", r - 1)
-        if kind in ("R", "H"):
-            return before("F", r)
-        if kind == "B":
-            return before("H", r) if last else before("R", r) and before("B", r + 1)
-        return before("B", r)
-
-    def tick(self, t: int) -> dict[str, list[int]]:
-        row = {f: [-1] * self.p for f in _Simulator.FIELDS}
-        sends = []
-        for r in range(self.p):
-            if self.ptr[r] >= len(self.order[r]):
-                continue
-            kind, mb = self.order[r][self.ptr[r]]
-            if not self._ready(kind, r, mb, t):
-                continue
-            self.ptr[r] += 1
-            self.done[(kind, r, mb)] = t
-            if kind == "F":
-                row["f_chunk"][r], row["f_micro"][r] = 0, mb
-                if r == 0:
-                    self.act_at[r][mb] = self.act_alloc[r].take()
-                row["f_slot"][r] = self.act_at[r][mb]
-                if r < self.p - 1:
-                    sends.append((FWD, r + 1, mb))
-                else:  # keeps its residuals; its output replaces its input in the slot, for H
-                    row["f_keep"][r] = 1
-            elif kind == "H":
-                row["h_chunk"][r], row["h_micro"][r] = 0, mb
-                row["h_slot"][r] = self.act_at[r].pop(mb)
-                self.act_alloc[r].give(row["h_slot"][r])
-                self.grad_at[r][mb] = row["h_grad_slot"][r] = self.grad_alloc[r].take()
-            elif kind == "R":
-                row["r_chunk"][r], row["r_micro"][r] = 0, mb
-                row["r_slot"][r] = self.act_at[r].pop(mb)
-                self.act_alloc[r].give(row["r_slot"][r])
-            elif kind == "B":
-                row["b_chunk"][r], row["b_micro"][r] = 0, mb
-                row["b_grad_slot"][r] = self.grad_at[r].pop(mb)
-                self.grad_alloc[r].give(row["b_grad_slot"][r])
-                if r > 0:
-                    sends.append((BWD, r - 1, mb))
-            else:
-                row["w_chunk"][r], row["w_micro"][r] = 0, mb
-        for kind, dst, mb in sends:
-            if kind == FWD:
-                self.act_at[dst][mb] = row["recv_act"][dst] = self.act_alloc[dst].take()
-            else:
-                self.grad_at[dst][mb] = row["recv_grad"][dst] = self.grad_alloc[dst].take()
-        return row
-
-    def finished(self) -> bool:
-        return all(self.ptr[r] >= len(self.order[r]) for r in range(self.p))
-
-
 def build(name: str, p: int, v: int = 1, m: int = 1) -> Schedule:
-    """Simulates the rank orders in lock step and assigns buffer slots."""
+    """Simulates the rank orders in lock step and assigns buffer slots; zero_bubble then runs each
+    backward's weight gradient in the rank's next tick (one more tick after the last backward)."""
     _check_layout(name, p, v, m)
-    sim = _ZeroBubbleSimulator(p, m) if name == "zero_bubble" else _Simulator(name, p, v, m)
+    sim = _Simulator(name, p, v, m)
     rows = []
     while not sim.finished():
         if len(rows) > 8 * (m * v + p) + 16:
             raise RuntimeError(f"schedule {name} p={p} v={v} m={m} deadlocked")  # never for Megatron's orders
         rows.append(sim.tick(len(rows)))
+    if name == "zero_bubble":
+        rows.append({f: [-1] * p for f in _Simulator.FIELDS})
+        for before, row in zip(rows[:-1], rows[1:]):
+            row["w_chunk"], row["w_micro"] = list(before["b_chunk"]), list(before["b_micro"])
+        if all(c < 0 for c in rows[-1]["w_chunk"]):
+            rows.pop()
     act_slots = max(a.size for a in sim.act_alloc) + 1  # + the trash slot
     grad_slots = max(a.size for a in sim.grad_alloc) + 1
     table = {f: np.array([row[f] for row in rows], np.int32) for f in _Simulator.FIELDS}
@@ -451,24 +416,22 @@ def build(name: str, p: int, v: int = 1, m: int = 1) -> Schedule:
 
 def timeline(s: Schedule) -> str:
     """One line per rank, one cell per tick: 'F3' forward of micro batch 3, 'R1' recompute for the backward
-    of micro batch 1, 'B1' that backward (zero_bubble: its input gradient), 'W1' its weight gradient, 'H1'
-    the head's forward and backward (zero_bubble's last stage), 'F3R1' a forward and a recompute; with v > 1 a chunk letter
-    follows each micro batch (a, b, ...); '.' is idle."""
+    of micro batch 1, 'B1' that backward (zero_bubble: its input gradient), 'W1' its weight gradient, 'F3R1'
+    a forward and a recompute; with v > 1 a chunk letter follows each micro batch (a, b, ...); '.' is idle."""
     def part(kind, chunk, micro):
         return "" if chunk < 0 else f"{kind}{micro}" + (chr(ord("a") + chunk) if s.v > 1 else "")
 
-    cells = [[part("F", s.f_chunk[t, r], s.f_micro[t, r]) + part("R", s.r_chunk[t, r], s.r_micro[t, r])
-              + part("B", s.b_chunk[t, r], s.b_micro[t, r]) + part("W", s.w_chunk[t, r], s.w_micro[t, r])
-              + part("H", s.h_chunk[t, r], s.h_micro[t, r]) or "."
+    cells = [[part("W", s.w_chunk[t, r], s.w_micro[t, r]) + part("F", s.f_chunk[t, r], s.f_micro[t, r])
+              + part("R", s.r_chunk[t, r], s.r_micro[t, r]) + part("B", s.b_chunk[t, r], s.b_micro[t, r]) or "."
               for t in range(s.ticks)] for r in range(s.p)]
     width = max(len(c) for row in cells for c in row)
     return "\n".join(f"rank {r}: " + " ".join(c.rjust(width) for c in cells[r]) for r in range(s.p))
 
 
-def save_png(s: Schedule, path: str) -> None:
-    """A Figure-4-like picture in time units (a forward or recompute 1 / v, a backward 2 / v; zero_bubble's
-    input and weight gradients 1 each): forwards light, recomputes hatched, backwards dark, weight gradients
-    cross-hatched, one hue per chunk; gaps are the bubble."""
+def save_png(s: Schedule, path: str, costs: Costs | None = None) -> None:
+    """A Figure-4-like picture in time units (one forward of a whole stage = 1), each rank's ticks where
+    `Schedule.clock` starts them (pairwise waits): forwards light, recomputes hatched, backwards dark (zero_bubble:
+    the input gradient), weight gradients cross-hatched, one hue per chunk; gaps are the bubble."""
     try:
         import matplotlib
     except ImportError:
@@ -477,34 +440,31 @@ def save_png(s: Schedule, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    c = Costs()
-    costs = s.tick_costs(c)
-    starts = np.concatenate([[0.0], np.cumsum(costs)])
-    fig, ax = plt.subplots(figsize=(max(6, starts[-1] * 0.35), 0.5 * s.p + 1.2))
+    c = costs or Costs()
+    starts = s.clock(c)
+    fig, ax = plt.subplots(figsize=(max(6, starts[-1].max() * 0.35), 0.5 * s.p + 1.2))
     hues = plt.get_cmap("tab10")
     for t in range(s.ticks):
         for r in range(s.p):
-            x, y = starts[t], s.p - 1 - r
-            for label, chunk, micro, width, alpha, hatch in (
-                    ("F", s.f_chunk[t, r], s.f_micro[t, r], c.f / s.v, 0.45, None),
-                    ("R", s.r_chunk[t, r], s.r_micro[t, r], c.r / s.v, 0.25, "//"),
-                    ("B", s.b_chunk[t, r], s.b_micro[t, r], (c.b_input if s.split_backward else c.b) / s.v, 0.95,
-                     None),
-                    ("W", s.w_chunk[t, r], s.w_micro[t, r], c.w / s.v, 0.7, "xx"),
-                    ("H", s.h_chunk[t, r], s.h_micro[t, r], c.h / s.v, 0.25, "..")):
+            x, y = starts[t, r], s.p - 1 - r
+            for label, chunk, micro, width, alpha, hatch in (  # in the executor's order
+                    ("W", s.w_chunk[t, r], s.w_micro[t, r], c.w, 0.7, "xx"),
+                    ("B", s.b_chunk[t, r], s.b_micro[t, r], c.b_input if s.split_backward else c.b, 0.95, None),
+                    ("R", s.r_chunk[t, r], s.r_micro[t, r], c.r, 0.25, "//"),
+                    ("F", s.f_chunk[t, r], s.f_micro[t, r], c.f, 0.45, None)):
                 if chunk < 0:
                     continue
-                ax.add_patch(plt.Rectangle((x, y), width, 1, facecolor=hues(int(chunk) % 10), edgecolor="white",
-                                           alpha=alpha, hatch=hatch))
-                ax.text(x + width / 2, y + 0.5, f"{label}{micro}", ha="center", va="center", fontsize=6)
-                x += width
-    ax.set_xlim(0, starts[-1])
+                ax.add_patch(plt.Rectangle((x, y), width / s.v, 1, facecolor=hues(int(chunk) % 10),
+                                           edgecolor="white", alpha=alpha, hatch=hatch))
+                ax.text(x + width / s.v / 2, y + 0.5, f"{label}{micro}", ha="center", va="center", fontsize=6)
+                x += width / s.v
+    ax.set_xlim(0, starts[-1].max())
     ax.set_ylim(0, s.p)
     ax.set_yticks([s.p - 0.5 - r for r in range(s.p)], [f"rank {r}" for r in range(s.p)])
     ax.set_xlabel("time (one forward of a whole stage = 1)")
-    ax.set_title(f"{s.name} p={s.p} v={s.v} m={s.m}: bubble {s.bubble_fraction():.3f} "
+    ax.set_title(f"{s.name} p={s.p} v={s.v} m={s.m}: bubble {s.bubble_fraction(c):.3f} "
                  f"(formula {formula(s.name, s.p, s.v, s.m):.3f}); F forward, R recompute, B backward"
-                 + (" (input), W weight gradient, H head" if s.split_backward else ""))
+                 + (" (input), W weight gradient" if s.split_backward else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -536,10 +496,11 @@ def main(argv: list[str] | None = None) -> int:
     print(timeline(s))
     summary = s.summary()
     if costs:
-        summary["bubble_at_costs"] = s.bubble_fraction(costs)
+        summary["at_costs"] = {"bubble_fraction": s.bubble_fraction(costs),
+                               "bubble_lock_step": s.bubble_fraction(costs, "ticks")}
     print(json.dumps(summary, indent=2))
     if args.png:
-        save_png(s, args.png)
+        save_png(s, args.png, costs)
     return 0
 
 
