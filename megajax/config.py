@@ -73,6 +73,7 @@ class ModelConfig:
     experts_per_token: int = 2  # experts each token is routed to (top-k)
     moe_ffn_hidden_size: int | None = None  # each expert's MLP width; null: ffn_hidden_size
     moe_capacity_factor: float | None = None  # tokens over factor x fair share are dropped; null: dropless
+    moe_token_drop_policy: Literal["probs", "position"] = "probs"  # capacity: keep top weights or first tokens
     moe_aux_loss_coef: float = 0.01  # weight of the Switch / GShard load-balancing loss
     moe_z_loss_coef: float = 0.0  # weight of the router z-loss
     moe_shared_experts: int = 0  # DeepSeek's always-on shared experts

@@ -1,4 +1,4 @@
-"""What the zero_bubble schedule's unit ticks cost on the device at hand: one pipeline chunk's forward (F),
+"""What the zero_bubble schedule's actions cost on the device at hand: one pipeline chunk's forward (F),
 its fused backward (input and weight gradients at once, as 1F1B runs it), and the split backward, B (input
 gradient, from the chunk linearized in its input, taps and small parameters) and W (the weight gradients, one
 matmul per weight), each in units of F.

@@ -17,7 +17,7 @@ MOE = {"model.num_experts": 4, "model.experts_per_token": 2, "model.moe_ffn_hidd
        "model.moe_aux_loss_coef": 0.01, "model.moe_z_loss_coef": 0.001, "train.micro_batch_size": 2}
 
 
-def _layer(arch, shared, capacity_factor=None):
+def _layer(arch, shared, capacity_factor=None, policy="probs"):
     import flax.linen as nn
     import jax
 
@@ -26,34 +26,42 @@ def _layer(arch, shared, capacity_factor=None):
 
     cfg = ModelConfig(arch=arch, hidden_size=32, num_heads=4, seq_length=8, num_experts=4, experts_per_token=2,
                       moe_ffn_hidden_size=48, moe_shared_experts=shared, moe_z_loss_coef=0.1,
-                      moe_capacity_factor=capacity_factor)
+                      moe_capacity_factor=capacity_factor, moe_token_drop_policy=policy)
     x = jax.random.normal(jax.random.key(0), (2, 8, 32))
     layer = moe.MoE(cfg)
     return cfg, layer, nn.unbox(layer.init(jax.random.key(1), x)["params"]), x
 
 
-@pytest.mark.parametrize("arch,shared,factor", [("gpt2", 0, None), ("llama", 0, None), ("llama", 1, None),
-                                                ("gpt2", 0, 0.5), ("llama", 0, 1.0), ("gpt2", 0, 4.0)])
-def test_layer_equals_every_token_through_its_experts(arch, shared, factor):
-    """Dropless, and with a capacity: each expert takes its first c assignments in token order, the rest of
-    its assignments contribute nothing (c = factor x 16 tokens x 2 / 4 experts; 4.0 drops none)."""
+@pytest.mark.parametrize("arch,shared,factor,policy", [
+    ("gpt2", 0, None, "probs"), ("llama", 0, None, "probs"), ("llama", 1, None, "probs"), ("gpt2", 0, 0.5, "probs"),
+    ("gpt2", 0, 0.5, "position"), ("llama", 0, 1.0, "probs"), ("llama", 0, 1.0, "position"), ("gpt2", 0, 4.0, "probs")])
+def test_layer_equals_every_token_through_its_experts(arch, shared, factor, policy):
+    """Dropless, and with a capacity: each expert keeps c of its assignments, those with the largest routing
+    weights (policy probs) or the first in token order (position); the rest contribute nothing (c = factor x
+    16 tokens x 2 / 4 experts; 4.0 drops none)."""
     import jax
 
     from megajax.model import moe
     from megajax.model.layers import MLP
 
-    cfg, layer, p, x = _layer(arch, shared, factor)
+    cfg, layer, p, x = _layer(arch, shared, factor, policy)
     got = np.asarray(layer.apply({"params": p}, x)).reshape(16, 32)
     xt = np.asarray(x).reshape(16, 32)
     weights, ids, _ = moe.route(xt @ p["router"], 2)
     c = moe.capacity(16, 2, 4, factor) if factor else 16 * 2
-    taken = [0] * 4
+    kept = set()
+    for e in range(4):
+        mine = [(t, j) for t in range(16) for j in range(2) if int(ids[t, j]) == e]
+        if policy == "probs":
+            mine.sort(key=lambda tj: -float(weights[tj]))  # (stable: ties in token order)
+        kept |= set(mine[:c])
+    if factor == 0.5:
+        assert len(kept) < 32, "the case drops something"
     ref = np.zeros((16, 32))
     for t in range(16):
         for j in range(2):
             e = int(ids[t, j])
-            taken[e] += 1
-            if taken[e] > c:
+            if (t, j) not in kept:
                 continue
             if arch == "llama":
                 gate_up = np.einsum("d,dfj->fj", xt[t], p["w_gate_up"][e])

@@ -5,9 +5,10 @@ Dimension letters as in layers.py, plus t tokens (b x s flattened), e experts, a
 Routing runs in fp32: softmax over the experts, then the top k, renormalised (Mixtral). The t k assignments
 are sorted by expert (stable: within an expert, in token order). Dropless (no capacity factor), each expert's
 matmuls run on its rows only (`jax.lax.ragged_dot` over the groups). With `moe_capacity_factor`, each expert
-takes at most `capacity` rows into an [e, c, d] buffer for batched matmuls, the first ones in token order
-(Megatron's `--moe-token-drop-policy position`, per rank and micro batch); a dropped assignment contributes
-nothing (the token keeps its other experts' outputs, weights not renormalised). Then the outputs are unsorted
+takes at most `capacity` rows into an [e, c, d] buffer for batched matmuls, per rank and micro batch, as
+Megatron's `--moe-token-drop-policy` (`model.moe_token_drop_policy`): "probs" keeps the assignments with the
+largest routing weights (ties in token order), "position" the first ones in token order; a dropped assignment
+contributes nothing (the token keeps its other experts' outputs, weights not renormalised). Then the outputs are unsorted
 and combined with the routing weights.
 
 The load-balancing loss (Switch / GShard: E sum_e f_e P_e, f_e the fraction of assignments to expert e, P_e
@@ -171,11 +172,16 @@ def capacity(tokens: int, k: int, e: int, factor: float) -> int:
     return max(1, math.ceil(tokens * k / e * factor))
 
 
-def dispatch(x_td: jax.Array, ids_tk: jax.Array, e: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def dispatch(x_td: jax.Array, ids_tk: jax.Array, e: int,
+             weights_tk: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Sorts the t k assignments by expert: (rows [a, d] grouped by expert, group sizes [e], the order a
-    sorted position came from, to unsort)."""
+    sorted position came from, to unsort). Within an expert in token order, or with weights_tk by descending
+    weight (ties in token order)."""
     flat = ids_tk.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
+    if weights_tk is None:
+        order = jnp.argsort(flat, stable=True)
+    else:
+        order = jnp.lexsort((-weights_tk.reshape(-1), flat))  # (stable: ties keep token order)
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
     return x_td[order // ids_tk.shape[1]], sizes, order
 
@@ -311,11 +317,12 @@ class MoE(nn.Module):
             hidden = constrain(hidden, (None,) * (hidden.ndim - 1) + ("mlp",))
             return matmul(hidden, w_out.astype(cdt), "w_out")
 
-        rows, sizes, order = dispatch(x_td, ids, e)
+        by_weight = cfg.moe_capacity_factor is not None and cfg.moe_token_drop_policy == "probs"
+        rows, sizes, order = dispatch(x_td, ids, e, weights if by_weight else None)
         if cfg.moe_capacity_factor is None:  # dropless: each expert's rows, as many as were routed to it
             out = experts(rows, sizes) if ep == 1 else exchange_dropless(rows, sizes, k, ep, experts)
             dropped = jnp.float32(0)
-        else:  # a capacity: [e, c, ...] buffers, the rows past c of an expert dropped (their output is 0)
+        else:  # a capacity: [e, c, ...] buffers, the rows past c of an expert (in dispatch's order) dropped
             c = capacity(b * s, k, e, cfg.moe_capacity_factor)
             expert = jnp.sort(ids.reshape(-1))
             pos = jnp.arange(rows.shape[0]) - (jnp.cumsum(sizes) - sizes)[expert]

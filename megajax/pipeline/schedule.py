@@ -28,7 +28,10 @@ zero_bubble (after Qi et al.) keeps this table and splits each backward: B compu
 (and the small parameters' gradients) and sends it, W computes the weight gradients at the start of the
 rank's next tick, before that tick's recompute replaces the residuals it reads. The gradient that goes back
 waits only for B, so in the cool-down the gradients reach the first stage sooner, and each W fills time in
-which the rank waited for a message.
+which the rank waited for a message (bubble (p - 1) / (2 m) or less with unit costs, v = 1). Memory: 1F1B's,
+plus each weight matmul's output gradient of one chunk between B and W. With v > 1 the wrap-around exchange
+closes a ring of ranks that wait on each other, so the forward's tick, which now holds W, sets the pace:
+interleaved zero_bubble wins only where W and B are cheap against F + R (the H100's costs at m <= 2 p).
 A lock-step simulation turns the orders into the table: an action runs in a tick of its role when its
 inputs arrived in an earlier tick; R runs in the F tick right before its B, once the gradient B needs is
 there or on its way. It also gives every message a buffer slot on its receiver (a spare "trash" slot takes
