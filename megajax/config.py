@@ -74,6 +74,7 @@ class ModelConfig:
     moe_ffn_hidden_size: int | None = None  # each expert's MLP width; null: ffn_hidden_size
     moe_capacity_factor: float | None = None  # tokens over factor x fair share are dropped; null: dropless
     moe_token_drop_policy: Literal["probs", "position"] = "probs"  # capacity: keep top weights or first tokens
+    moe_grouped_gemm: bool = False  # dropless expert matmuls as a Pallas grouped GEMM, not jax.lax.ragged_dot
     moe_aux_loss_coef: float = 0.01  # weight of the Switch / GShard load-balancing loss
     moe_z_loss_coef: float = 0.0  # weight of the router z-loss
     moe_shared_experts: int = 0  # DeepSeek's always-on shared experts
@@ -105,6 +106,8 @@ class ModelConfig:
             _check(self.moe_capacity_factor is None or self.moe_capacity_factor > 0,
                    f"model.moe_capacity_factor must be positive or null (dropless), got {self.moe_capacity_factor}")
             _check(self.moe_layer_freq == 1, "model.moe_layer_freq other than 1 is not built yet: every layer is MoE")
+            _check(not (self.moe_grouped_gemm and self.fp8 != "none"),
+                   "model.moe_grouped_gemm has no FP8 variant: set model.moe_grouped_gemm=false with model.fp8")
             _check(self.moe_shared_experts >= 0, "model.moe_shared_experts must be >= 0")
             _check(self.moe_aux_loss_coef >= 0 and self.moe_z_loss_coef >= 0, "MoE loss coefficients must be >= 0")
             _check(self.moe_router_bias_update_rate >= 0, "model.moe_router_bias_update_rate must be >= 0 (0: off)")

@@ -299,8 +299,8 @@ def _is_fp8(op, shapes: dict[str, str]) -> bool:
 
 def gemm_flops(hlo_text: str) -> dict[str, float]:
     """The matmul FLOPs of one step of a compiled module: 2 x output elements x contracted size over every
-    dot (also inside fusions: XLA:GPU's Triton GEMMs) and cuBLAS GEMM custom call, times the executions of
-    its computation. `in_conditional`: the part inside conditional branches, counted as if every branch ran
+    dot (also inside fusions: XLA:GPU's Triton GEMMs), cuBLAS GEMM custom call and grouped-GEMM kernel (MoE),
+    times the executions of its computation. `in_conditional`: the part inside conditional branches, counted as if every branch ran
     (an upper bound: the pipeline's ticks run one branch each). `fp8`: the FLOPs of GEMMs with FP8 operands;
     `gemms` and `fp8_gemms`: the GEMM sites in the program (a GEMM inside a loop body counts once)."""
     comps, multiplicity, conditional = _walk(hlo_text)
@@ -312,7 +312,7 @@ def gemm_flops(hlo_text: str) -> dict[str, float]:
             continue
         shapes = {name: shape_text for name, shape_text, _, _ in ops}
         for op in ops:
-            own = _own_gemm_flops(op, shapes)
+            own = _own_gemm_flops(op, shapes) + _grouped_gemm_flops(op)
             if not own:
                 continue
             flops = own * mult
@@ -325,20 +325,40 @@ def gemm_flops(hlo_text: str) -> dict[str, float]:
     return {"total": total, "in_conditional": in_cond, "fp8": fp8, "gemms": sites, "fp8_gemms": fp8_sites}
 
 
+def _kernel_operands(op, name: str) -> list[tuple[int, ...]] | None:
+    """The operand dims of a Pallas (Triton custom call) kernel whose name contains `name`, else None."""
+    _, _, opcode, rest = op
+    triton = 'custom_call_target="__gpu$xla.gpu.triton"' in rest
+    if opcode != "custom-call" or not triton or name not in rest:
+        return None
+    start = rest.find("operand_layout_constraints={")
+    listed = rest[start:rest.find("}}", start)] if start >= 0 else ""  # shapes with their {layouts}, then "}"
+    return [_dims(t) for t in re.findall(r"[a-z][a-z0-9]*\[[0-9,]*\]", listed)]
+
+
+def _grouped_gemm_flops(op) -> float:
+    """The FLOPs of one grouped-GEMM kernel (megajax.kernels.grouped_matmul), 2 x padded rows x k x n from its
+    row operands: x [rows, k] and w [e, k, n] (forward and input gradient), x [rows, k] and dy [rows, n] (weight
+    gradient). The rows include each group's padding to a whole tile."""
+    dims = _kernel_operands(op, 'name = "grouped_matmul')
+    if not dims or len(dims) < 3:
+        return 0.0
+    if 'name = "grouped_matmul_weight_grad"' in op[3]:
+        (rows, k), (_, n) = dims[-2], dims[-1]
+    else:
+        (rows, k), n = dims[-2], dims[-1][-1]
+    return 2.0 * rows * k * n
+
+
 def _own_kernel_flops(op) -> float:
     """An estimate of the matmul FLOPs of one flash-attention Pallas kernel (a Triton custom call that GEMM counting
     cannot see): 4 x b x s x h x d x t from its q [b, s, h, d] and k [b, t, g, d] operands (twice that for the dk/dv
-    kernel, which also recomputes the probabilities), not halved for causal masking. 0 for anything else."""
-    _, _, opcode, rest = op
-    triton = 'custom_call_target="__gpu$xla.gpu.triton"' in rest
-    if opcode != "custom-call" or not triton or "flash_attention" not in rest:
-        return 0.0
-    start = rest.find("operand_layout_constraints={")
-    listed = rest[start:rest.find("}}", start)] if start >= 0 else ""  # shapes with their {layouts}, then "}"
-    dims = [_dims(t) for t in re.findall(r"[a-z][a-z0-9]*\[[0-9,]*\]", listed)]
-    if len(dims) < 2 or len(dims[0]) != 4 or len(dims[1]) != 4:
-        return 0.0
-    return (8.0 if "flash_attention_dkv" in rest else 4.0) * math.prod(dims[0]) * dims[1][1]
+    kernel, which also recomputes the probabilities), not halved for causal masking; a grouped GEMM's
+    (`_grouped_gemm_flops`). 0 for anything else."""
+    dims = _kernel_operands(op, "flash_attention")
+    if not dims or len(dims) < 2 or len(dims[0]) != 4 or len(dims[1]) != 4:
+        return _grouped_gemm_flops(op)
+    return (8.0 if "flash_attention_dkv" in op[3] else 4.0) * math.prod(dims[0]) * dims[1][1]
 
 
 def _inclusive_flops(comps):

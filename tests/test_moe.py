@@ -135,7 +135,11 @@ def reference(arch, shared=0, factor=None):
     ("gpt2", {"parallel.data": 2, "parallel.pipeline": 2, "parallel.schedule": "1f1b"}),
     pytest.param("llama", {"parallel.pipeline": 2, "parallel.tensor": 2, "parallel.schedule": "zero_bubble",
                            "model.moe_shared_experts": 1}, marks=pytest.mark.slow),
-    ("gpt2", {"parallel.data": 2, "parallel.tensor": 2, "model.moe_capacity_factor": 1.0}),
+    pytest.param("gpt2", {"parallel.data": 2, "parallel.tensor": 2, "model.moe_capacity_factor": 1.0},
+                 marks=pytest.mark.slow),
+    # the Pallas grouped GEMM (interpreted here) per tensor shard, its rows from the expert-parallel exchange,
+    # against ragged_dot on one device
+    ("llama", {"parallel.data": 2, "parallel.expert": 2, "parallel.tensor": 2, "model.moe_grouped_gemm": True}),
     # expert parallelism with a capacity: each rank drops on its own micro batch (as without it), then the
     # capacity buffers go through the all-to-all
     ("gpt2", {"parallel.data": 2, "parallel.expert": 2, "model.moe_capacity_factor": 1.0}),

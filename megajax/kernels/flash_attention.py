@@ -41,7 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from megajax.kernels.launch import match_varying, next_power_of_2, pallas_call, shard_kernel
+from megajax.kernels.launch import dot, match_varying, next_power_of_2, pallas_call, shard_kernel
 from megajax.sharding import varying_axes
 
 LOG2E = math.log2(math.e)
@@ -114,11 +114,6 @@ def default_block_sizes(head_dim: int, dtype) -> BlockSizes:
 # Kernels. Refs arrive as 2D tiles: the batch and head dims are squeezed out by the BlockSpecs.
 
 
-def _dot(a: jax.Array, b: jax.Array, contract: tuple[int, int]) -> jax.Array:
-    """a and b contracted over dims (contract[0] of a, contract[1] of b), accumulated in fp32."""
-    return lax.dot_general(a, b, ((contract[:1], contract[1:]), ((), ())), preferred_element_type=jnp.float32)
-
-
 def _masked_logits(s, q_pos, k_pos, q_seg, k_seg, *, causal: bool, kv_len: int | None):
     """Applies the causal, segment and padding masks to a [block_q, block_k] tile of logits."""
     mask = None
@@ -153,14 +148,14 @@ def _forward_kernel(*refs, scale: float, causal: bool, kv_len: int, length_mask:
         acc, m, l = carry
         ks = pl.ds(j * block_k, block_k)
         k_seg = None if sk_ref is None else sk_ref[ks]
-        s = _dot(q, k_ref[ks, :], (1, 1)) * (scale * LOG2E)
+        s = dot(q, k_ref[ks, :], (1, 1)) * (scale * LOG2E)
         s = _masked_logits(s, q_pos, j * block_k + jnp.arange(block_k), q_seg, k_seg, causal=causal,
                            kv_len=kv_len if length_mask else None)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp2(m - m_new)  # rescales what was accumulated under the old max
         p = jnp.exp2(s - m_new[:, None])
         v = v_ref[ks, :]
-        acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, (1, 0))
+        acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, (1, 0))
         return acc, m_new, l * alpha + jnp.sum(p, axis=1)
 
     n_kv = pl.cdiv(kv_len, block_k)  # key blocks made only of padding are never read
@@ -187,12 +182,12 @@ def _dq_kernel(*refs, scale: float, causal: bool, kv_len: int, length_mask: bool
         ks = pl.ds(j * block_k, block_k)
         k = k_ref[ks, :]
         k_seg = None if sk_ref is None else sk_ref[ks]
-        s = _dot(q, k, (1, 1)) * (scale * LOG2E)
+        s = dot(q, k, (1, 1)) * (scale * LOG2E)
         s = _masked_logits(s, q_pos, j * block_k + jnp.arange(block_k), q_seg, k_seg, causal=causal,
                            kv_len=kv_len if length_mask else None)
         p = jnp.exp2(s - lse[:, None])
-        ds = p * (_dot(do, v_ref[ks, :], (1, 1)) - delta[:, None])  # dL/dlogits
-        return dq + _dot(ds.astype(k.dtype), k, (1, 0))
+        ds = p * (dot(do, v_ref[ks, :], (1, 1)) - delta[:, None])  # dL/dlogits
+        return dq + dot(ds.astype(k.dtype), k, (1, 0))
 
     n_kv = pl.cdiv(kv_len, block_k)
     upper = jnp.minimum(lax.div((qi + 1) * block_q + block_k - 1, block_k), n_kv) if causal else n_kv
@@ -216,13 +211,13 @@ def _dkv_kernel(*refs, scale: float, causal: bool, kv_len: int, q_len: int, leng
         qs = pl.ds(i * block_q, block_q)
         q, do = q_ref[qs, head, :], do_ref[qs, head, :]
         q_seg = None if sq_ref is None else sq_ref[qs]
-        s = _dot(q, k, (1, 1)) * (scale * LOG2E)
+        s = dot(q, k, (1, 1)) * (scale * LOG2E)
         s = _masked_logits(s, i * block_q + jnp.arange(block_q), k_pos, q_seg, k_seg, causal=causal,
                            kv_len=kv_len if length_mask else None)
         p = jnp.exp2(s - lse_ref[head, qs][:, None])
-        dv = dv + _dot(p.astype(do.dtype), do, (0, 0))
-        ds = p * (_dot(do, v, (1, 1)) - delta_ref[head, qs][:, None])
-        return dk + _dot(ds.astype(q.dtype), q, (0, 0)), dv
+        dv = dv + dot(p.astype(do.dtype), do, (0, 0))
+        ds = p * (dot(do, v, (1, 1)) - delta_ref[head, qs][:, None])
+        return dk + dot(ds.astype(q.dtype), q, (0, 0)), dv
 
     # Query blocks after the last real query only hold padding, whose do is zero: skip them.
     lower = lax.div(ki * block_k, block_q) if causal else 0

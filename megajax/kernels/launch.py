@@ -127,6 +127,11 @@ def _struct(shape, dtype, varying: frozenset) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
 
 
+def dot(a: jax.Array, b: jax.Array, contract: tuple[int, int]) -> jax.Array:
+    """In a kernel: a and b contracted over dims (contract[0] of a, contract[1] of b), accumulated in fp32."""
+    return jax.lax.dot_general(a, b, ((contract[:1], contract[1:]), ((), ())), preferred_element_type=jnp.float32)
+
+
 def next_power_of_2(x: int) -> int:
     return 1 if x <= 1 else 1 << (x - 1).bit_length()
 

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from megajax.config import ModelConfig
+from megajax.kernels.grouped_matmul import grouped_matmul
 from megajax.model import fp8
 from megajax.model.layers import MLP, RESIDUAL, dtype_of, fp8_state, gather_sequence, param
 from megajax.sharding import constrain, current_manual_axes, vary, varying_axes
@@ -300,9 +301,12 @@ class MoE(nn.Module):
                 expert_of = jnp.repeat(jnp.arange(el), sizes, total_repeat_length=xs.shape[0])
 
                 def matmul(x, w, name):
-                    if fmt == "none":
-                        return jax.lax.ragged_dot(x, w, sizes)
-                    return fp8.ragged_dot(fmt, cfg.fp8_margin, x, w, sizes, meta(name))
+                    if fmt != "none":
+                        return fp8.ragged_dot(fmt, cfg.fp8_margin, x, w, sizes, meta(name))
+                    if cfg.moe_grouped_gemm:  # the Pallas grouped GEMM, run per tensor shard
+                        a, z = ("mlp", "embed") if name == "w_out" else ("embed", "mlp")
+                        return grouped_matmul(x, w, sizes, ((None, a), ("expert", a, z), (None, z)))
+                    return jax.lax.ragged_dot(x, w, sizes)
 
                 bias = lambda b_ef: b_ef[expert_of]  # noqa: E731
             # The routed rows stay whole on every tensor rank and the expert width is split over 'tensor', as in
