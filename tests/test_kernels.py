@@ -224,6 +224,36 @@ def test_model_pallas_llama_sharded():
     np.testing.assert_allclose(got, xla_losses("llama"), rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows,k,n,sizes,dtype", [
+    (40, 24, 40, (5, 0, 17, 10, 0, 8), "float32"),  # empty groups, widths not multiples of the blocks
+    (64, 32, 64, (64, 0, 0, 0), "float32"),  # one group takes every row
+    (33, 16, 16, (1, 2, 3, 4), "float32"),  # rows past the groups (an exchange's padding): zeros
+    (96, 64, 48, (30, 30, 36), "bfloat16"),
+])
+def test_grouped_matmul_matches_ragged_dot(rows, k, n, sizes, dtype):
+    """The Pallas grouped GEMM (interpreted) against jax.lax.ragged_dot: output and both gradients."""
+    from megajax.kernels.grouped_matmul import Blocks, grouped_matmul
+
+    dt = jnp.dtype(dtype)
+    x = jax.random.normal(jax.random.key(0), (rows, k), dt)
+    w = jax.random.normal(jax.random.key(1), (len(sizes), k, n), dt)
+    s = jnp.array(sizes, jnp.int32)
+    g = jax.random.normal(jax.random.key(2), (rows, n), dt)
+    blocks = Blocks(m=16, n=16, k=16)
+
+    def run(f):
+        y, vjp = jax.vjp(f, x, w)
+        return (y, *vjp(g))
+
+    got = run(lambda x, w: grouped_matmul(x, w, s, blocks=blocks))
+    ref = run(lambda x, w: jax.lax.ragged_dot(x, w, s))
+    tol = dict(rtol=2e-2, atol=2e-1) if dtype == "bfloat16" else dict(rtol=1e-5, atol=1e-4)
+    for a, b in zip(got, ref):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), **tol)
+    if sum(sizes) < rows:
+        assert not np.asarray(got[0])[sum(sizes):].any()
+
+
 # ----------------------------------------------------------------------------------------------------
 # Lowered for GPUs on this CPU-only machine.
 
@@ -239,6 +269,17 @@ def test_train_step_exports_for_cuda_with_kernels(arch, norm):
     names = report["kernel_custom_calls"]["__gpu$xla.gpu.triton"]["names"]
     assert set(names) == {"flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv", f"{norm}_fwd",
                           f"{norm}_bwd"}
+
+
+def test_moe_grouped_gemm_exports_for_cuda():
+    """A dropless MoE with model.moe_grouped_gemm on d4 x e2 x t2: the exported step holds the grouped GEMM's
+    Triton kernels (forward, and the input and weight gradients)."""
+    from megajax import audit
+
+    cfg = small_config(**{"model.num_experts": 4, "model.experts_per_token": 2, "model.moe_grouped_gemm": True,
+                          "parallel.data": 4, "parallel.expert": 2, "parallel.tensor": 2})
+    names = audit.lower_for(cfg, "cuda")["kernel_custom_calls"]["__gpu$xla.gpu.triton"]["names"]
+    assert set(names) == {"grouped_matmul", "grouped_matmul_weight_grad"}
 
 
 def gpu_mesh(target: str):
