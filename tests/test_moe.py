@@ -128,11 +128,13 @@ def reference(arch, shared=0, factor=None):
 
 
 @pytest.mark.parametrize("arch,layout", [
-    ("gpt2", {"parallel.data": 2}),
+    # (suite time: MoE over data alone is in test_layouts' default run, d6 e2 and d8 e8)
+    pytest.param("gpt2", {"parallel.data": 2}, marks=pytest.mark.slow),
     # also in test_layouts' default run (llama-moe-d2e2p1t2) with the experts over 'data'
     pytest.param("llama", {"parallel.data": 2, "parallel.tensor": 2, "parallel.sequence_parallel": True},
                  marks=pytest.mark.slow),
-    ("gpt2", {"parallel.data": 2, "parallel.pipeline": 2, "parallel.schedule": "1f1b"}),
+    pytest.param("gpt2", {"parallel.data": 2, "parallel.pipeline": 2, "parallel.schedule": "1f1b"},
+                 marks=pytest.mark.slow),  # (suite time: MoE on a pipeline is in test_layouts' default run)
     pytest.param("llama", {"parallel.pipeline": 2, "parallel.tensor": 2, "parallel.schedule": "zero_bubble",
                            "model.moe_shared_experts": 1}, marks=pytest.mark.slow),
     pytest.param("gpt2", {"parallel.data": 2, "parallel.tensor": 2, "model.moe_capacity_factor": 1.0},
