@@ -300,8 +300,8 @@ def _is_fp8(op, shapes: dict[str, str]) -> bool:
 def gemm_flops(hlo_text: str) -> dict[str, float]:
     """The matmul FLOPs of one step of a compiled module: 2 x output elements x contracted size over every
     dot (also inside fusions: XLA:GPU's Triton GEMMs), cuBLAS GEMM custom call and grouped-GEMM kernel (MoE),
-    times the executions of its computation. `in_conditional`: the part inside conditional branches, counted as if every branch ran
-    (an upper bound: the pipeline's ticks run one branch each). `fp8`: the FLOPs of GEMMs with FP8 operands;
+    times the executions of its computation. `in_conditional`: the part inside conditional branches, counted as
+    if every branch ran (an upper bound: the pipeline's ticks run one branch each). `fp8`: the FLOPs of GEMMs with FP8 operands;
     `gemms` and `fp8_gemms`: the GEMM sites in the program (a GEMM inside a loop body counts once)."""
     comps, multiplicity, conditional = _walk(hlo_text)
     total = in_cond = fp8 = 0.0
