@@ -153,28 +153,32 @@ def _pad_cols(x, width):
     return x if x.shape[-1] == width else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
 
 
-def _forward(x, w, sizes, b: Blocks):
-    """The local forward: [a, n]."""
+def _prepare(x, w, sizes, b: Blocks):
+    """What the forward and the backward both build (cheap next to the matmuls): the fitted blocks, the plan
+    (`_plan`), x scattered into the padded buffer and w padded to the blocks."""
     rows, k = x.shape
     n = w.shape[2]
     b, kp, np_ = _fit(b, k, n)
-    dest, tile_group, _, _, padded = _plan(sizes, rows, b.m)
-    x_pad = _pad_cols(_scatter(x, dest, padded), kp)
-    w_pad = jnp.pad(w, ((0, 0), (0, kp - k), (0, np_ - n))).astype(x.dtype)
-    out = _gmm(x_pad, w_pad, tile_group, b, x.dtype)
-    return out.at[dest, :n].get(mode="fill", fill_value=0)
+    plan = _plan(sizes, rows, b.m)
+    x_pad = _pad_cols(_scatter(x, plan[0], plan[-1]), kp)
+    w_pad = jnp.pad(w, ((0, 0), (0, kp - k), (0, np_ - n)))
+    return b, plan, x_pad, w_pad
+
+
+def _forward(x, w, sizes, b: Blocks):
+    """The local forward: [a, n]."""
+    b, (dest, tile_group, _, _, _), x_pad, w_pad = _prepare(x, w, sizes, b)
+    out = _gmm(x_pad, w_pad.astype(x.dtype), tile_group, b, x.dtype)
+    return out.at[dest, :w.shape[2]].get(mode="fill", fill_value=0)
 
 
 def _backward(x, w, sizes, dy, b: Blocks):
-    """The local (dx, dw); the plan and the padded rows are rebuilt from x (cheap next to the matmuls)."""
-    rows, k = x.shape
-    n = w.shape[2]
-    b, kp, np_ = _fit(b, k, n)
-    dest, tile_group, first, count, padded = _plan(sizes, rows, b.m)
-    x_pad = _pad_cols(_scatter(x, dest, padded), kp)
-    dy_pad = _pad_cols(_scatter(dy, dest, padded), np_)
-    w_t = jnp.swapaxes(jnp.pad(w, ((0, 0), (0, kp - k), (0, np_ - n))), 1, 2).astype(dy.dtype)
+    """The local (dx, dw); the plan and the padded rows are rebuilt from x rather than kept from the forward."""
+    k, n = w.shape[1:]
+    b, (dest, tile_group, first, count, padded), x_pad, w_pad = _prepare(x, w, sizes, b)
+    dy_pad = _pad_cols(_scatter(dy, dest, padded), w_pad.shape[2])
     # the input gradient: the forward's kernel with the weight transposed (k and n swap roles)
+    w_t = jnp.swapaxes(w_pad, 1, 2).astype(dy.dtype)
     dx = _gmm(dy_pad, w_t, tile_group, dataclasses.replace(b, k=b.n, n=b.k), dy.dtype)
     dx = dx.at[dest, :k].get(mode="fill", fill_value=0)
     dw = _tgmm(x_pad, dy_pad, first, count, b, jnp.float32)[:, :k, :n].astype(w.dtype)
