@@ -109,7 +109,7 @@ def expected_all_to_all(cfg) -> dict:
     else:
         buffer = e * moe.capacity(tokens, k, e, m.moe_capacity_factor) * row
     recomputed = m.recompute == "full" or (p.pipeline > 1 and p.schedule != "gpipe")
-    return {"count": (6 if recomputed else 4) * (m.num_layers // p.pipeline) * cfg.num_micro_batches,
+    return {"count": (6 if recomputed else 4) * (m.moe_layers // p.pipeline) * cfg.num_micro_batches,
             "routed_bytes_each": tokens * k * row, "buffer_bytes_each": buffer}
 
 

@@ -441,15 +441,17 @@ def _with_fresh_fp8_state(params: dict, fresh: dict) -> dict:
     return traverse_util.unflatten_dict(flat)
 
 
-# Model fields that change what the parameters compute without changing their shapes.
+# Model fields that change what the parameters compute (most without changing their shapes).
 _SAME_MODEL_FIELDS = ("arch", "num_layers", "hidden_size", "num_heads", "kv_heads", "ffn_size", "vocab_size",
-                      "padded_vocab_size", "tied", "norm_eps", "rope_theta")
+                      "padded_vocab_size", "tied", "norm_eps", "rope_theta", "num_experts")
 
 
 def check_same_model(stored: ModelConfig, wanted: ModelConfig, where: str) -> None:
     """The architecture a checkpoint was written for must be the one being built; names each difference."""
     diffs = [f"model.{f}: {getattr(stored, f)!r} in the checkpoint, {getattr(wanted, f)!r} here"
              for f in _SAME_MODEL_FIELDS if getattr(stored, f) != getattr(wanted, f)]
+    if stored.layer_period != wanted.layer_period:
+        diffs.append(f"model.moe_layer_freq: {stored.layer_period} in the checkpoint, {wanted.layer_period} here")
     if stored.arch == "gpt2" and stored.seq_length != wanted.seq_length:
         diffs.append(f"model.seq_length (GPT-2's position embedding): {stored.seq_length} in the checkpoint, "
                      f"{wanted.seq_length} here")

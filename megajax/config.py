@@ -67,6 +67,7 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0  # llama3 scaling: wavelengths below original / this are kept
     rope_original_max_positions: int = 8192  # llama3 scaling: the context length the model was trained at
     tie_embeddings: bool | None = None  # output layer = embedding table; null: tied for gpt2, not for llama
+    add_qkv_bias: bool = False  # llama: biases on the Q, K and V projections (Qwen; gpt2 always has them)
     init_std: float = 0.02  # standard deviation of the weights' normal init
     # Mixture of experts (Mixtral / DeepSeek style): 0 experts = the dense MLP
     num_experts: int = 0  # experts per MoE layer (0: the dense MLP)
@@ -78,7 +79,9 @@ class ModelConfig:
     moe_aux_loss_coef: float = 0.01  # weight of the Switch / GShard load-balancing loss
     moe_z_loss_coef: float = 0.0  # weight of the router z-loss
     moe_shared_experts: int = 0  # DeepSeek's always-on shared experts
-    moe_layer_freq: int = 1  # every n-th layer is MoE
+    moe_shared_expert_gate: bool = False  # the shared experts' output times sigmoid(x w) (Qwen-MoE)
+    moe_router_pre_softmax: bool = False  # top k of the softmax over all experts, not renormalised (Qwen-MoE)
+    moe_layer_freq: int = 1  # 1: every layer is MoE; n: layers 0, n, 2n, .. are MoE, the rest dense (Megatron's)
     moe_router_bias_update_rate: float = 0.0  # DeepSeek-V3's auxiliary-loss-free balancing (0: off)
 
     def __post_init__(self):
@@ -105,10 +108,16 @@ class ModelConfig:
             )
             _check(self.moe_capacity_factor is None or self.moe_capacity_factor > 0,
                    f"model.moe_capacity_factor must be positive or null (dropless), got {self.moe_capacity_factor}")
-            _check(self.moe_layer_freq == 1, "model.moe_layer_freq other than 1 is not built yet: every layer is MoE")
+            _check(self.moe_layer_freq >= 1, f"model.moe_layer_freq must be >= 1, got {self.moe_layer_freq}")
+            _check(self.num_layers % self.moe_layer_freq == 0,
+                   f"model.num_layers={self.num_layers} is not a multiple of model.moe_layer_freq="
+                   f"{self.moe_layer_freq}: the layers repeat in groups of one MoE layer and moe_layer_freq - 1 dense "
+                   f"ones; choose a frequency from {_divisors(self.num_layers)}")
             _check(not (self.moe_grouped_gemm and self.fp8 != "none"),
                    "model.moe_grouped_gemm has no FP8 variant: set model.moe_grouped_gemm=false with model.fp8")
             _check(self.moe_shared_experts >= 0, "model.moe_shared_experts must be >= 0")
+            _check(not self.moe_shared_expert_gate or self.moe_shared_experts > 0,
+                   "model.moe_shared_expert_gate gates the shared experts: set model.moe_shared_experts >= 1")
             _check(self.moe_aux_loss_coef >= 0 and self.moe_z_loss_coef >= 0, "MoE loss coefficients must be >= 0")
             _check(self.moe_router_bias_update_rate >= 0, "model.moe_router_bias_update_rate must be >= 0 (0: off)")
         _check(self.param_dtype != "float16", "model.param_dtype=float16 is not supported: keep float32 master "
@@ -141,6 +150,16 @@ class ModelConfig:
     @property
     def moe_ffn_size(self) -> int:
         return self.ffn_size if self.moe_ffn_hidden_size is None else self.moe_ffn_hidden_size
+
+    @property
+    def layer_period(self) -> int:
+        """Layers per scanned unit: moe_layer_freq in an MoE model (one MoE layer, then dense ones), else 1."""
+        return self.moe_layer_freq if self.num_experts else 1
+
+    @property
+    def moe_layers(self) -> int:
+        """How many layers are MoE (layers 0, n, 2n, .. with moe_layer_freq n)."""
+        return self.num_layers // self.moe_layer_freq if self.num_experts else 0
 
     @property
     def tied(self) -> bool:
@@ -374,6 +393,14 @@ class Config:
             m.num_layers % chunks == 0,
             f"model.num_layers={m.num_layers} is not divisible by parallel.pipeline * parallel.virtual_stages = "
             f"{chunks}: choose layers that split evenly into {chunks} chunks",
+        )
+        period = m.layer_period
+        _check(
+            (m.num_layers // period) % chunks == 0,
+            f"model.moe_layer_freq={period} groups the {m.num_layers} layers by {period} (one MoE layer, then dense "
+            f"ones) and a pipeline chunk holds whole groups, but {m.num_layers // period} groups do not split into "
+            f"parallel.pipeline * parallel.virtual_stages = {chunks} chunks: change the layers, the frequency or the "
+            "pipeline",
         )
         if p.expert > 1:
             _check(m.num_experts > 0, f"parallel.expert={p.expert} needs an MoE model: set model.num_experts "

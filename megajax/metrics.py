@@ -30,15 +30,20 @@ PEAK_FLOPS = {
 
 
 def layer_forward_flops_per_token(cfg: ModelConfig) -> tuple[float, float]:
-    """(matmul FLOPs of one layer's forward per token without the attention core, the core's FLOPs).
+    """(matmul FLOPs of one layer's forward per token without the attention core, the core's FLOPs), averaged over
+    the layers.
 
-    An MoE layer counts its active MLP: the k routed experts and the shared ones, plus the router."""
-    d, h, g, k, f, s = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.ffn_size, cfg.seq_length
+    An MoE layer counts its active MLP: the k routed experts and the shared ones, plus the router; with
+    model.moe_layer_freq n, one layer in n is MoE and the others count the dense MLP."""
+    d, h, g, k, s = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.seq_length
     qkv = 2 * d * (h * k + 2 * g * k)
     out = 2 * h * k * d
+    mats = 3 if cfg.arch == "llama" else 2
+    mlp = 2 * d * cfg.ffn_size * mats
     if cfg.num_experts:
-        f = (cfg.experts_per_token + cfg.moe_shared_experts) * cfg.moe_ffn_size
-    mlp = 2 * d * f * (3 if cfg.arch == "llama" else 2) + 2 * d * cfg.num_experts
+        active = (cfg.experts_per_token + cfg.moe_shared_experts) * cfg.moe_ffn_size
+        moe = 2 * d * active * mats + 2 * d * cfg.num_experts
+        mlp = (cfg.moe_layers * moe + (cfg.num_layers - cfg.moe_layers) * mlp) / cfg.num_layers
     core = 2 * 2 * s * h * k  # q k^T and probs v over the full (uncausal) square, as Megatron counts
     return qkv + out + mlp, core
 

@@ -190,12 +190,16 @@ def test_replica_group_formats():
 
 
 @gpu
-@pytest.mark.parametrize("factor", [pytest.param(1.0, marks=pytest.mark.slow), None])  # dropless by default
-def test_expert_parallel_all_to_alls_on_h100_target(factor):
+# dropless by default
+@pytest.mark.parametrize("factor,freq", [pytest.param(1.0, 2, marks=pytest.mark.slow), (None, 1)])
+def test_expert_parallel_all_to_alls_on_h100_target(factor, freq):
     """Per MoE layer and micro batch: dispatch + combine all-to-all over 'expert', forward and backward, each of
-    audit.expected_all_to_all's buffer; with a capacity factor of 1 that is the analytic tokens x k x hidden."""
+    audit.expected_all_to_all's buffer; with a capacity factor of 1 that is the analytic tokens x k x hidden. With
+    model.moe_layer_freq 2 only layers 0 and 2 exchange, and the program's GEMMs count their experts and the
+    dense layers' MLP as the FLOPs formula does."""
     sets = ["parallel.data=4", "parallel.expert=4", "parallel.tensor=2", "model.compute_dtype=bfloat16",
-            "train.micro_batch_size=2", f"model.moe_capacity_factor={'null' if factor is None else factor}"]
+            "train.micro_batch_size=2", f"model.moe_capacity_factor={'null' if factor is None else factor}",
+            f"model.moe_layer_freq={freq}"]
     cfg = config_lib.load(f"{REPO}/configs/tiny-moe.yaml", sets)
     cfg, mesh, compiled, _ = audit.compile_step(cfg, audit._gpu_devices("h100", 8))
     colls = hlo.parse(compiled.as_text(), dict(mesh.shape))
@@ -208,7 +212,8 @@ def test_expert_parallel_all_to_alls_on_h100_target(factor):
     a2a = [c for c in colls if c.kind == "all-to-all"]
     assert {c.axes for c in a2a} == {("expert",)}
     rows = [c for c in a2a if c.bytes == want["buffer_bytes_each"]]
-    assert sum(c.count for c in rows) == want["count"] == 4 * 4 * 2  # 4 per layer, 4 layers, 2 micro batches
+    # 4 per MoE layer, 4 / freq MoE layers, 2 micro batches
+    assert sum(c.count for c in rows) == want["count"] == 4 * 4 // freq * 2
     if factor == 1.0:
         assert want["buffer_bytes_each"] == want["routed_bytes_each"] and len(rows) == len(a2a)
     else:  # dropless: the rows' buffers are ep x min(k, e / ep) / k = 4 x 2 / 2 = 4 times the routed rows, and

@@ -25,9 +25,11 @@ from megajax.sharding import constrain
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + Attn(Norm(x)), then x + MLP(Norm(x))."""
+    """Pre-norm transformer block: x + Attn(Norm(x)), then x + MLP(Norm(x)); in an MoE model the MLP is the
+    experts' unless `dense`."""
 
     cfg: ModelConfig
+    dense: bool = False
 
     @nn.compact
     def __call__(self, x_bsd: jax.Array, layer: jax.Array, side: Side | None,
@@ -39,13 +41,40 @@ class Block(nn.Module):
         if cache is not None:
             a, cache = a
         x = constrain(x_bsd + dropout(a, cfg.dropout, side.keys, salt=2 + 4 * layer), RESIDUAL)
-        m = (MoE if cfg.num_experts else MLP)(cfg, name="mlp")(Norm(cfg, name="mlp_norm")(x))
+        m = (MoE if cfg.num_experts and not self.dense else MLP)(cfg, name="mlp")(Norm(cfg, name="mlp_norm")(x))
         x = constrain(x + dropout(m, cfg.dropout, side.keys, salt=3 + 4 * layer), RESIDUAL)
         return x, cache
 
 
+class Period(nn.Module):
+    """model.moe_layer_freq = n consecutive blocks, scanned as one unit: `layer_0` with experts, `layer_1` ..
+    `layer_{n-1}` dense (Megatron's pattern: layer i is MoE when i % n == 0). Unit u runs layers u n .. u n + n - 1."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_bsd: jax.Array, unit: jax.Array, side: Side | None,
+                 cache: KVCache | None = None, offset: jax.Array | int = 0):
+        """As Block's; `cache` holds the n layers' keys and values ([n, b, t, g, k] each)."""
+        n = self.cfg.layer_period
+        x, new = x_bsd, []
+        for j in range(n):
+            x, c = Block(self.cfg, dense=j > 0, name=f"layer_{j}")(
+                x, unit * n + j, side, None if cache is None else (cache[0][j], cache[1][j]), offset)
+            new.append(c)
+        if cache is None:
+            return x, None
+        return x, tuple(jnp.stack([c[i] for c in new]) for i in range(2))
+
+
+def unit_module(cfg: ModelConfig) -> type[nn.Module]:
+    """What the layer stack scans: one Block, or a Period of model.moe_layer_freq blocks in an MoE model."""
+    return Period if cfg.layer_period > 1 else Block
+
+
 class LayerStack(nn.Module):
-    """`num_layers` blocks stacked on a leading 'layers' axis and run with a scan.
+    """`num_layers` units (`unit_module`: blocks, or groups of model.moe_layer_freq blocks) stacked on a leading
+    'layers' axis and run with a scan; layer indices count units.
 
     recompute="full" keeps only each block's input for the backward (Megatron's full recomputation);
     "selective" recomputes the attention core only (inside Attention).
@@ -59,16 +88,20 @@ class LayerStack(nn.Module):
                  cache: KVCache | None = None, offset: jax.Array | int = 0):
         """[b, s, d] -> [b, s, d]. Decoding passes `cache` (keys and values [layers, b, t, g, k]) and the
         position `offset` of the first of the s tokens, and gets (x, updated cache) back."""
+        unit = unit_module(self.cfg)
         if cache is not None:
-            # The same block and parameter tree, scanned with each layer's cache slice in and out.
-            scan = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+            # The same units and parameter tree, scanned with each unit's cache slice in and out.
+            n = self.cfg.layer_period
+            grouped = tuple(c.reshape(self.num_layers, n, *c.shape[1:]) for c in cache) if n > 1 else cache
+            scan = nn.scan(unit, variable_axes={"params": 0}, split_rngs={"params": True},
                            in_axes=(0, nn.broadcast, 0, nn.broadcast), length=self.num_layers,
                            metadata_params={nn.PARTITION_NAME: "layers"})
             layers = jnp.arange(self.num_layers) + first_layer
-            return scan(self.cfg, name="block")(x_bsd, layers, side, cache, offset)
-        block = Block
+            x, new = scan(self.cfg, name="block")(x_bsd, layers, side, grouped, offset)
+            return x, tuple(c.reshape(-1, *c.shape[2:]) for c in new) if n > 1 else new
+        block = unit
         if self.cfg.recompute == "full":
-            block = nn.remat(Block, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
+            block = nn.remat(unit, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
         scan = nn.scan(
             block,
             variable_axes={"params": 0},
@@ -77,7 +110,7 @@ class LayerStack(nn.Module):
             length=self.num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
-        layers = jnp.arange(self.num_layers) + first_layer  # global layer index: salts the dropout masks
+        layers = jnp.arange(self.num_layers) + first_layer  # global unit index: salts the dropout masks
         x, _ = scan(self.cfg, name="block")(x_bsd, layers, side)
         return x
 
@@ -121,7 +154,7 @@ class GPT(nn.Module):
 
     def setup(self):
         self.embed = Embed(self.cfg)
-        self.layers = LayerStack(self.cfg, self.cfg.num_layers)
+        self.layers = LayerStack(self.cfg, self.cfg.num_layers // self.cfg.layer_period)
         self.head = Head(self.cfg)
 
     def __call__(self, tokens_bs: jax.Array, side: Side | None = None) -> jax.Array:
@@ -154,17 +187,18 @@ def embed_apply(cfg: ModelConfig, params: dict, tokens_bs: jax.Array, side: Side
 
 def layers_apply(cfg: ModelConfig, stack_params: dict, x_bsd: jax.Array, side: Side | None,
                  first_layer: jax.Array | int = 0) -> jax.Array:
-    """Runs the blocks stacked in `stack_params` ({"block": leaves with a leading layer axis})."""
+    """Runs the units stacked in `stack_params` ({"block": leaves with a leading unit axis}); `first_layer` is the
+    global index of the first unit."""
     n = jax.tree.leaves(stack_params)[0].shape[0]
     return LayerStack(cfg, n).apply({"params": stack_params}, x_bsd, side, first_layer)
 
 
 def block_apply(cfg: ModelConfig, layer_params: dict, x_bsd: jax.Array, layer: jax.Array | int,
                 side: Side | None) -> jax.Array:
-    """One block (its parameters sliced from the stack) at global index `layer`: [b, s, d] -> [b, s, d].
-    The pipeline runs layers one at a time with it, to stash each layer's input and recompute layer by
-    layer in the backward."""
-    return Block(cfg).apply({"params": layer_params}, x_bsd, layer, side)[0]
+    """One unit (a block, or model.moe_layer_freq of them; its parameters sliced from the stack) at global unit
+    index `layer`: [b, s, d] -> [b, s, d]. The pipeline runs units one at a time with it, to stash each unit's input
+    and recompute unit by unit in the backward."""
+    return unit_module(cfg)(cfg).apply({"params": layer_params}, x_bsd, layer, side)[0]
 
 
 def block_apply_split(cfg: ModelConfig, layer_params: dict, taps: dict, x_bsd: jax.Array, layer: jax.Array | int,
@@ -172,15 +206,15 @@ def block_apply_split(cfg: ModelConfig, layer_params: dict, taps: dict, x_bsd: j
     """`block_apply` with the zero-bubble hooks (layers.TAP_GRADS): taps are zeros shaped like each weight
     matmul's output (`block_tap_shapes`), whose gradients are those outputs' gradients. Returns (y, each
     weight matmul's input, a tree shaped like taps)."""
-    (y, _), state = Block(cfg).apply({"params": layer_params, TAP_GRADS: taps}, x_bsd, layer, side,
-                                     mutable=[TAP_INPUTS])
+    (y, _), state = unit_module(cfg)(cfg).apply({"params": layer_params, TAP_GRADS: taps}, x_bsd, layer, side,
+                                                mutable=[TAP_INPUTS])
     return y, state[TAP_INPUTS]
 
 
 def block_tap_shapes(cfg: ModelConfig, layer_params: dict, x_bsd: jax.Array, side: Side | None) -> dict:
-    """The taps of one block as jax.ShapeDtypeStructs (nothing is computed)."""
+    """The taps of one unit as jax.ShapeDtypeStructs (nothing is computed)."""
     def taps(params, x, side):
-        return Block(cfg).apply({"params": params}, x, 0, side, mutable=[TAP_GRADS])[1][TAP_GRADS]
+        return unit_module(cfg)(cfg).apply({"params": params}, x, 0, side, mutable=[TAP_GRADS])[1][TAP_GRADS]
 
     return jax.eval_shape(taps, layer_params, x_bsd, side)
 
@@ -261,7 +295,7 @@ def decode_apply(cfg: ModelConfig, params: dict, tokens_bs: jax.Array,
     returns the fp32 logits of the last one [b, v_padded] and the cache with the s positions added."""
     offset = state.length
     x = Embed(cfg).apply({"params": params["embed"]}, tokens_bs, None, offset)
-    x, (k, v) = LayerStack(cfg, cfg.num_layers).apply({"params": params["layers"]}, x, None, 0,
+    x, (k, v) = LayerStack(cfg, cfg.num_layers // cfg.layer_period).apply({"params": params["layers"]}, x, None, 0,
                                                       (state.k, state.v), offset)
     table = params["embed"]["embedding"] if cfg.tied else None
     logits = Head(cfg).apply({"params": params["head"]}, x[:, -1:], table)[:, 0]
