@@ -1,7 +1,10 @@
 """Hugging Face <-> megajax: configs, tensor names and layouts, and safetensors files.
 
-Supported: GPT2LMHeadModel, LlamaForCausalLM (grouped-query attention, tied or untied embeddings) and
-MixtralForCausalLM (a Llama with a mixture-of-experts MLP: megajax's llama arch with model.num_experts).
+Supported: GPT2LMHeadModel, LlamaForCausalLM (grouped-query attention, tied or untied embeddings),
+MixtralForCausalLM (a Llama with a mixture-of-experts MLP: megajax's llama arch with model.num_experts),
+Qwen2ForCausalLM (a Llama with QKV biases: model.add_qkv_bias) and Qwen2MoeForCausalLM (QKV biases, experts
+weighted by their probabilities without renormalising: model.moe_router_pre_softmax, and a shared expert behind
+a sigmoid gate: model.moe_shared_experts with model.moe_shared_expert_gate).
 Everything here is NumPy (safetensors' NumPy API, ml_dtypes for bfloat16); torch is never imported.
 
 One table per architecture (`rules`) says, for every megajax parameter, which HF tensors it is made of
@@ -10,7 +13,8 @@ and how to go each way. The layouts differ in four places:
     key, then its value: Megatron's layout); GPT-2 fuses it as [d, q | k | v] (Conv1D, in x out), Llama
     keeps q_proj [h k, d], k_proj and v_proj [g k, d] apart (nn.Linear, out x in).
   - Llama's gate and up projections are fused as [d, 2, f]; Mixtral's experts (w1 gate, w3 up, w2 down, one
-    tensor per expert) are stacked as [e, d, f, 2] and [e, f, d], its router (gate) is [d, e].
+    tensor per expert; Qwen2-MoE's gate_proj, up_proj, down_proj) are stacked as [e, d, f, 2] and [e, f, d], the
+    router (gate) is [d, e]; Qwen's QKV biases are fused as the weights are, [g, r + 2, k].
   - Layers are stacked on a leading axis ('layers') instead of one tensor per layer.
   - The vocabulary is padded to model.padded_vocab_size: zero rows on import, dropped on export.
 """
@@ -29,8 +33,9 @@ import numpy as np
 
 from megajax.config import ConfigError, InputError, ModelConfig
 
-# HF model_type -> architecture (megajax arch: gpt2, or llama for llama and mixtral)
-ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
+# HF model_type -> architecture (megajax arch: gpt2, or llama for the others)
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 # Buffers some checkpoints carry that are not weights (GPT-2's causal mask, old Llama's RoPE frequencies).
 _BUFFERS = {"gpt2": re.compile(r"(^|\.)attn\.(bias|masked_bias)$"), "llama": re.compile(r"rotary_emb\.inv_freq$")}
 # Tokenizer and generation files copied along with the weights in both directions.
@@ -54,7 +59,7 @@ def read_hf_config(model_dir: str | Path) -> dict:
 
 
 def hf_arch(hf: dict) -> str:
-    """'gpt2', 'llama' or 'mixtral' from config.json's model_type and architectures; anything else is an error."""
+    """A key of ARCHITECTURES from config.json's model_type and architectures; anything else is an error."""
     model_type = hf.get("model_type")
     archs = hf.get("architectures") or []
     if model_type not in ARCHITECTURES:
@@ -76,7 +81,8 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     """The megajax model config equivalent to an HF config.json (fp32 parameters, Megatron vocab padding)."""
     arch = hf_arch(hf)
     try:
-        return {"gpt2": _gpt2_config, "llama": _llama_config, "mixtral": _mixtral_config}[arch](hf)
+        return {"gpt2": _gpt2_config, "llama": _llama_config, "mixtral": _mixtral_config, "qwen2": _qwen2_config,
+                "qwen2_moe": _qwen2_moe_config}[arch](hf)
     except KeyError as e:
         raise ConversionError(f"config.json of a {arch} model has no {e.args[0]!r}") from None
     except ConfigError as e:
@@ -140,21 +146,62 @@ def _mixtral_config(hf: dict) -> ModelConfig:
         moe_ffn_hidden_size=f, moe_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.01)))
 
 
+def _qwen_sliding_window(hf: dict) -> None:
+    _require(not hf.get("use_sliding_window", False), "Qwen use_sliding_window=true is not supported: megajax has no "
+             "sliding-window attention (set it to false)")
+
+
+def _qwen2_config(hf: dict) -> ModelConfig:
+    _qwen_sliding_window(hf)
+    return dataclasses.replace(_llama_config(hf), add_qkv_bias=True)
+
+
+def _qwen2_moe_config(hf: dict) -> ModelConfig:
+    _qwen_sliding_window(hf)
+    _require(hf.get("decoder_sparse_step", 1) == 1 and not hf.get("mlp_only_layers"),
+             f"Qwen2-MoE decoder_sparse_step={hf.get('decoder_sparse_step')} / mlp_only_layers="
+             f"{hf.get('mlp_only_layers')}: megajax converts Qwen2-MoE with experts in every layer (1 and []); its "
+             "model.moe_layer_freq n puts the MoE layers at 0, n, 2n, .., not Qwen's n - 1, 2n - 1, ..")
+    f, shared = hf["moe_intermediate_size"], hf["shared_expert_intermediate_size"]
+    _require(shared > 0 and shared % f == 0, f"Qwen2-MoE shared_expert_intermediate_size={shared} is not a "
+             f"positive multiple of moe_intermediate_size={f}: megajax's shared experts are model.moe_shared_experts "
+             "times the expert width")
+    return dataclasses.replace(
+        _llama_config(hf), add_qkv_bias=bool(hf.get("qkv_bias", True)), num_experts=hf["num_experts"],
+        experts_per_token=hf["num_experts_per_tok"], moe_ffn_hidden_size=f, moe_shared_experts=shared // f,
+        moe_shared_expert_gate=True, moe_router_pre_softmax=not hf.get("norm_topk_prob", False),
+        moe_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))
+
+
 def _require_convertible(cfg: ModelConfig) -> None:
-    """An MoE model converts only as Mixtral: llama, without shared experts."""
+    """An MoE model converts as Mixtral (llama, no shared experts, renormalised routing, no QKV biases) or as
+    Qwen2-MoE (llama, gated shared experts)."""
     if not cfg.num_experts:
         return
     _require(cfg.arch == "llama", f"model.num_experts={cfg.num_experts} with model.arch=gpt2 has no Hugging Face "
-             "counterpart: MoE models convert as Mixtral (model.arch=llama)")
-    _require(not cfg.moe_shared_experts, f"model.moe_shared_experts={cfg.moe_shared_experts}: Mixtral has no shared "
-             "experts, so this model does not convert")
-    _require(not cfg.moe_router_bias_update_rate, "model.moe_router_bias_update_rate: Mixtral routes without a "
-             "bias, so a model trained with one does not convert")
+             "counterpart: MoE models convert as Mixtral or Qwen2-MoE (model.arch=llama)")
+    _require(not cfg.moe_router_bias_update_rate, "model.moe_router_bias_update_rate: Mixtral and Qwen2-MoE route "
+             "without a bias, so a model trained with one does not convert")
+    _require(cfg.moe_layer_freq == 1, f"model.moe_layer_freq={cfg.moe_layer_freq}: Mixtral and Qwen2-MoE (as "
+             "converted here) have experts in every layer, so a model with dense layers between its MoE layers does "
+             "not convert")
+    if cfg.moe_shared_experts:
+        _require(cfg.moe_shared_expert_gate, f"model.moe_shared_experts={cfg.moe_shared_experts} without "
+                 "model.moe_shared_expert_gate: Hugging Face's MoE with shared experts (Qwen2-MoE) gates them, so "
+                 "this model does not convert")
+    else:
+        _require(not cfg.moe_router_pre_softmax and not cfg.add_qkv_bias, "model.moe_router_pre_softmax or "
+                 "model.add_qkv_bias without shared experts: Mixtral renormalises the top k and has no QKV biases, "
+                 "and Qwen2-MoE has a shared expert, so this model does not convert")
 
 
 def _hf_model_type(cfg: ModelConfig) -> str:
     _require_convertible(cfg)
-    return "mixtral" if cfg.num_experts else cfg.arch
+    if cfg.arch == "gpt2":
+        return "gpt2"
+    if cfg.num_experts:
+        return "qwen2_moe" if cfg.moe_shared_experts else "mixtral"
+    return "qwen2" if cfg.add_qkv_bias else "llama"
 
 
 def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", base: dict | None = None,
@@ -185,13 +232,24 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", base: dict | 
         out.update(num_hidden_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
                    num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim,
                    intermediate_size=cfg.ffn_size, max_position_embeddings=cfg.seq_length,
-                   rms_norm_eps=cfg.norm_eps, hidden_act="silu", attention_bias=False, mlp_bias=False,
-                   attention_dropout=cfg.attention_dropout, rope_theta=cfg.rope_theta, rope_parameters=rope)
+                   rms_norm_eps=cfg.norm_eps, hidden_act="silu", attention_dropout=cfg.attention_dropout,
+                   rope_theta=cfg.rope_theta, rope_parameters=rope)
         out.pop("rope_scaling", None)
-        if cfg.num_experts:
+        if model_type in ("llama", "mixtral"):
+            out.update(attention_bias=False, mlp_bias=False)
+        else:
+            out.update(use_sliding_window=False, sliding_window=None)
+        if model_type == "mixtral":
             out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
                        intermediate_size=cfg.moe_ffn_size, router_aux_loss_coef=cfg.moe_aux_loss_coef,
                        output_router_logits=False, router_jitter_noise=0.0, sliding_window=None)
+        if model_type == "qwen2_moe":
+            out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+                       moe_intermediate_size=cfg.moe_ffn_size,
+                       shared_expert_intermediate_size=cfg.moe_shared_experts * cfg.moe_ffn_size,
+                       norm_topk_prob=not cfg.moe_router_pre_softmax, qkv_bias=cfg.add_qkv_bias,
+                       decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=cfg.moe_aux_loss_coef,
+                       output_router_logits=False)
     return out
 
 
@@ -286,36 +344,63 @@ def _llama_rules(cfg: ModelConfig) -> list[Rule]:
                 ((h * k, d), (g * k, d), (g * k, d)), fuse_qkv, split_qkv)
     wo = Rule(blk + ("attn", "wo"), (attn + "o_proj.weight",), ((d, h * k),),
               lambda w: w.T.reshape(h, k, d), lambda x: (x.reshape(h * k, d).T,))
-    if cfg.num_experts:
-        mlp = _mixtral_rules(cfg)
+    biases = []
+    if cfg.add_qkv_bias:  # Qwen: q, k and v biases, fused like the weights
+        biases.append(Rule(blk + ("attn", "bqkv"), (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"),
+                           ((h * k,), (g * k,), (g * k,)),
+                           lambda q, kk, v: np.concatenate([q.reshape(g, r, k), kk.reshape(g, 1, k),
+                                                            v.reshape(g, 1, k)], axis=1),
+                           lambda x: (x[:, :r].reshape(h * k), x[:, r].reshape(g * k), x[:, r + 1].reshape(g * k))))
+    if not cfg.num_experts:
+        mlp = _swiglu_rules(blk + ("mlp",), p + "mlp.", d, f)
+    elif cfg.moe_shared_experts:
+        mlp = _qwen2_moe_rules(cfg)
     else:
-        mlp = [Rule(blk + ("mlp", "w_gate_up"), (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                    ((f, d), (f, d)), lambda gate, up: np.stack([gate.T, up.T], axis=1),
-                    lambda x: (x[:, 0].T, x[:, 1].T)),
-               _transposed(blk + ("mlp", "w_out"), p + "mlp.down_proj.weight", (d, f))]
+        mlp = _mixtral_rules(cfg)
     return [
         *_vocab_rules(cfg, "model.embed_tokens.weight"),
         _same(blk + ("attn_norm", "scale"), p + "input_layernorm.weight", (d,)),
-        wqkv, wo,
+        wqkv, *biases, wo,
         _same(blk + ("mlp_norm", "scale"), p + "post_attention_layernorm.weight", (d,)),
         *mlp,
         _same(("head", "final_norm", "scale"), "model.norm.weight", (d,)),
     ]
 
 
-def _mixtral_rules(cfg: ModelConfig) -> list[Rule]:
-    """Mixtral's block_sparse_moe: the router (gate, [e, d]) and per expert w1 (gate) and w3 (up) [f, d] and
-    w2 (down) [d, f], the way save_pretrained writes them."""
+def _swiglu_rules(path: tuple[str, ...], prefix: str, d: int, f: int) -> list[Rule]:
+    """A SwiGLU MLP: gate_proj and up_proj [f, d] fused as [d, 2, f], down_proj [d, f] as [f, d]."""
+    return [Rule(path + ("w_gate_up",), (prefix + "gate_proj.weight", prefix + "up_proj.weight"), ((f, d), (f, d)),
+                 lambda gate, up: np.stack([gate.T, up.T], axis=1), lambda x: (x[:, 0].T, x[:, 1].T)),
+            _transposed(path + ("w_out",), prefix + "down_proj.weight", (d, f))]
+
+
+def _expert_rules(cfg: ModelConfig, moe: str, names: tuple[str, str, str]) -> list[Rule]:
+    """The router (`moe`gate.weight, [e, d]) and each expert's gate, up [f, d] and down [d, f] projections
+    (`names`), one tensor per expert, the way save_pretrained writes them, stacked as [e, d, f, 2] and [e, f, d]."""
     d, f, e = cfg.hidden_size, cfg.moe_ffn_size, cfg.num_experts
-    moe = "model.layers.{i}.block_sparse_moe."
     mlp = ("layers", "block", "mlp")
-    w1, w3, w2 = ([moe + f"experts.{j}.{w}.weight" for j in range(e)] for w in ("w1", "w3", "w2"))
+    w1, w3, w2 = ([moe + f"experts.{j}.{w}.weight" for j in range(e)] for w in names)
     gate_up = Rule(mlp + ("w_gate_up",), (*w1, *w3), ((f, d),) * (2 * e),
                    lambda *ws: np.stack([np.stack([g.T, u.T], axis=-1) for g, u in zip(ws[:e], ws[e:])]),
                    lambda x: (*(x[j, ..., 0].T for j in range(e)), *(x[j, ..., 1].T for j in range(e))))
     down = Rule(mlp + ("w_out",), tuple(w2), ((d, f),) * e, lambda *ws: np.stack([w.T for w in ws]),
                 lambda x: tuple(x[j].T for j in range(e)))
     return [_transposed(mlp + ("router",), moe + "gate.weight", (e, d)), gate_up, down]
+
+
+def _mixtral_rules(cfg: ModelConfig) -> list[Rule]:
+    """Mixtral's block_sparse_moe: experts w1 (gate), w3 (up), w2 (down)."""
+    return _expert_rules(cfg, "model.layers.{i}.block_sparse_moe.", ("w1", "w3", "w2"))
+
+
+def _qwen2_moe_rules(cfg: ModelConfig) -> list[Rule]:
+    """Qwen2-MoE's mlp: experts (gate_proj, up_proj, down_proj), the shared expert (a SwiGLU MLP of
+    shared_expert_intermediate_size) and its gate [1, d]."""
+    moe, mlp, d = "model.layers.{i}.mlp.", ("layers", "block", "mlp"), cfg.hidden_size
+    return [*_expert_rules(cfg, moe, ("gate_proj", "up_proj", "down_proj")),
+            *_swiglu_rules(mlp + ("shared",), moe + "shared_expert.", d, cfg.moe_shared_experts * cfg.moe_ffn_size),
+            Rule(mlp + ("shared_gate",), (moe + "shared_expert_gate.weight",), ((1, d),), lambda w: w[0],
+                 lambda x: (x[None],))]
 
 
 def rules(cfg: ModelConfig) -> list[Rule]:

@@ -36,12 +36,16 @@ CASES = {
         original_max_position_embeddings=64)),
     "llama-mha": dict(arch="llama", num_key_value_heads=8),
     "mixtral": dict(arch="mixtral", num_key_value_heads=2),
+    "qwen2-gqa": dict(arch="qwen2", num_key_value_heads=2),  # Llama with QKV biases
+    # experts weighted by their probabilities without renormalising, a gated shared expert twice an expert's width
+    "qwen2-moe": dict(arch="qwen2_moe", num_key_value_heads=2),
 }
 SHARDED_SOURCE = {"gpt2-untied", "llama-gqa-untied"}  # saved as model-0000i-of-0000n + index json
 
 
 def hf_config(arch: str, **kw):
-    """A small GPT-2, Llama or Mixtral (4 experts, top 2) config; keywords override the defaults."""
+    """A small GPT-2, Llama, Mixtral (4 experts, top 2), Qwen2 or Qwen2-MoE (4 experts, top 2, shared expert) config;
+    keywords override the defaults."""
     if arch == "gpt2":
         base = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=40)
         return transformers.GPT2Config(**{**base, **kw, "bos_token_id": None, "eos_token_id": None})
@@ -49,7 +53,11 @@ def hf_config(arch: str, **kw):
                 max_position_embeddings=64, rope_theta=500.0, rms_norm_eps=1e-5)
     if arch == "mixtral":
         base.update(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
-    cls = transformers.MixtralConfig if arch == "mixtral" else transformers.LlamaConfig
+    if arch == "qwen2_moe":
+        base.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=96,
+                    norm_topk_prob=False)
+    cls = {"mixtral": transformers.MixtralConfig, "qwen2": transformers.Qwen2Config,
+           "qwen2_moe": transformers.Qwen2MoeConfig}.get(arch, transformers.LlamaConfig)
     return cls(**{**base, **kw, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None})
 
 
@@ -101,7 +109,8 @@ def test_logits_match_transformers(models, case):
     assert diff < 1e-4
 
 
-@pytest.mark.parametrize("case", ["gpt2-tied", "gpt2-untied", "llama-gqa-untied", "llama3-gqa-tied", "mixtral"])
+@pytest.mark.parametrize("case", ["gpt2-tied", "gpt2-untied", "llama-gqa-untied", "llama3-gqa-tied", "mixtral",
+                                  "qwen2-gqa", "qwen2-moe"])
 def test_export_then_reload_reproduces_the_weights(models, case, tmp_path):
     hf_model, src, ckpt = models[case]
     files = convert.to_hf(ckpt, tmp_path / "out", max_shard_size="30KB" if "tied" in case else "5GB")
@@ -192,7 +201,7 @@ def test_conversion_errors_name_the_problem(models, tmp_path, capsys):
     assert "is not a megajax checkpoint" in err
 
 
-@pytest.mark.parametrize("case", ["gpt2-untied", "llama-gqa-untied", "mixtral"])
+@pytest.mark.parametrize("case", ["gpt2-untied", "llama-gqa-untied", "mixtral", "qwen2-moe"])
 def test_kv_cache_decoding_matches_the_full_forward(models, case):
     """Prefill (in two chunks) + one-token steps through the cache give the full forward's logits."""
     source = checkpoint.find_params(models[case][2])
@@ -208,7 +217,7 @@ def test_kv_cache_decoding_matches_the_full_forward(models, case):
     assert step._cache_size() == 3  # one program per input length (5, 4, 1), none per position
 
 
-@pytest.mark.parametrize("case", ["gpt2-untied", "llama-gqa-untied", "mixtral"])
+@pytest.mark.parametrize("case", ["gpt2-untied", "llama-gqa-untied", "mixtral", "qwen2-moe"])
 def test_greedy_generation_matches_transformers(models, case, capsys):
     hf_model, _, ckpt = models[case]
     prompt = [5, 17, 250, 3, 99]
@@ -374,17 +383,28 @@ def test_tiny_model_generates_corpus_text(tmp_path):
 
 
 def test_mixture_of_experts_conversion_errors():
-    """Only Mixtral's shape of MoE converts: a GPT-2 MoE, shared experts and a sliding window are refused
-    with the field to change."""
+    """MoE converts as Mixtral or Qwen2-MoE: a GPT-2 MoE, ungated shared experts, Qwen's routing without a shared
+    expert, dense layers between the MoE ones, Qwen2-MoE's own dense-layer patterns, a shared width that is not a
+    whole number of experts and a sliding window are refused with the field to change."""
     from megajax import hf
     from megajax.config import ModelConfig
 
     for cfg, want in ((ModelConfig(arch="gpt2", num_experts=4), "model.arch=llama"),
-                      (ModelConfig(arch="llama", num_experts=4, moe_shared_experts=1), "moe_shared_experts")):
+                      (ModelConfig(arch="llama", num_experts=4, moe_shared_experts=1), "moe_shared_experts"),
+                      (ModelConfig(arch="llama", num_experts=4, moe_layer_freq=2), "moe_layer_freq")):
         with pytest.raises(hf.ConversionError, match=want):
             hf.hf_config_from_model(cfg)
         with pytest.raises(hf.ConversionError, match=want):
             hf.rules(cfg)
+    pre_softmax = ModelConfig(arch="llama", num_experts=4, moe_router_pre_softmax=True)
+    with pytest.raises(hf.ConversionError, match="moe_router_pre_softmax"):
+        hf.rules(pre_softmax)
+    qwen = hf_config("qwen2_moe").to_dict()
+    for change, want in (({"decoder_sparse_step": 2}, "decoder_sparse_step"), ({"mlp_only_layers": [1]}, "mlp_only"),
+                         ({"shared_expert_intermediate_size": 100}, "not a positive multiple"),
+                         ({"use_sliding_window": True}, "use_sliding_window")):
+        with pytest.raises(hf.ConversionError, match=want):
+            hf.model_config_from_hf({**qwen, **change})
     mixtral = hf_config("mixtral").to_dict()
     with pytest.raises(hf.ConversionError, match="sliding_window"):
         hf.model_config_from_hf({**mixtral, "sliding_window": 16})

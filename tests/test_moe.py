@@ -5,6 +5,7 @@ expert-parallel layouts with every other parallelism)."""
 
 import dataclasses
 import functools
+import itertools
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ MOE = {"model.num_experts": 4, "model.experts_per_token": 2, "model.moe_ffn_hidd
        "model.moe_aux_loss_coef": 0.01, "model.moe_z_loss_coef": 0.001, "train.micro_batch_size": 2}
 
 
-def _layer(arch, shared, capacity_factor=None, policy="probs"):
+def _layer(arch, shared, capacity_factor=None, policy="probs", qwen=False):
     import flax.linen as nn
     import jax
 
@@ -26,28 +27,33 @@ def _layer(arch, shared, capacity_factor=None, policy="probs"):
 
     cfg = ModelConfig(arch=arch, hidden_size=32, num_heads=4, seq_length=8, num_experts=4, experts_per_token=2,
                       moe_ffn_hidden_size=48, moe_shared_experts=shared, moe_z_loss_coef=0.1,
-                      moe_capacity_factor=capacity_factor, moe_token_drop_policy=policy)
+                      moe_capacity_factor=capacity_factor, moe_token_drop_policy=policy,
+                      moe_shared_expert_gate=qwen, moe_router_pre_softmax=qwen)
     x = jax.random.normal(jax.random.key(0), (2, 8, 32))
     layer = moe.MoE(cfg)
     return cfg, layer, nn.unbox(layer.init(jax.random.key(1), x)["params"]), x
 
 
-@pytest.mark.parametrize("arch,shared,factor,policy", [
-    ("gpt2", 0, None, "probs"), ("llama", 0, None, "probs"), ("llama", 1, None, "probs"), ("gpt2", 0, 0.5, "probs"),
-    ("gpt2", 0, 0.5, "position"), ("llama", 0, 1.0, "probs"), ("llama", 0, 1.0, "position"), ("gpt2", 0, 4.0, "probs")])
-def test_layer_equals_every_token_through_its_experts(arch, shared, factor, policy):
+@pytest.mark.parametrize("arch,shared,factor,policy,qwen", [
+    ("gpt2", 0, None, "probs", False), ("llama", 0, None, "probs", False), ("llama", 1, None, "probs", False),
+    ("llama", 1, None, "probs", True), ("gpt2", 0, 0.5, "probs", False), ("gpt2", 0, 0.5, "position", False),
+    ("llama", 0, 1.0, "probs", False), ("llama", 0, 1.0, "position", False), ("gpt2", 0, 4.0, "probs", False)])
+def test_layer_equals_every_token_through_its_experts(arch, shared, factor, policy, qwen):
     """Dropless, and with a capacity: each expert keeps c of its assignments, those with the largest routing
     weights (policy probs) or the first in token order (position); the rest contribute nothing (c = factor x
-    16 tokens x 2 / 4 experts; 4.0 drops none)."""
+    16 tokens x 2 / 4 experts; 4.0 drops none). Qwen-MoE's routing weighs the k experts by their probabilities
+    (not renormalised) and gates the shared expert by sigmoid(x . shared_gate)."""
     import jax
 
     from megajax.model import moe
     from megajax.model.layers import MLP
 
-    cfg, layer, p, x = _layer(arch, shared, factor, policy)
+    cfg, layer, p, x = _layer(arch, shared, factor, policy, qwen)
     got = np.asarray(layer.apply({"params": p}, x)).reshape(16, 32)
     xt = np.asarray(x).reshape(16, 32)
-    weights, ids, _ = moe.route(xt @ p["router"], 2)
+    weights, ids, probs = moe.route(xt @ p["router"], 2)
+    if qwen:
+        weights = np.take_along_axis(np.asarray(probs), np.asarray(ids), axis=1)
     c = moe.capacity(16, 2, 4, factor) if factor else 16 * 2
     kept = set()
     for e in range(4):
@@ -73,7 +79,8 @@ def test_layer_equals_every_token_through_its_experts(arch, shared, factor, poli
         ref += np.asarray(p["b_out"])
     if shared:
         dense = dataclasses.replace(cfg, ffn_hidden_size=48 * shared, num_experts=0)
-        ref += np.asarray(MLP(dense).apply({"params": p["shared"]}, x)).reshape(16, 32)
+        out = np.asarray(MLP(dense).apply({"params": p["shared"]}, x)).reshape(16, 32)
+        ref += out / (1 + np.exp(-xt @ np.asarray(p["shared_gate"]))[:, None]) if qwen else out
     np.testing.assert_allclose(got, ref, atol=1e-5)
     w, _, _ = moe.route(xt @ p["router"], 2)
     np.testing.assert_allclose(np.sum(w, -1), 1.0, rtol=1e-6)
@@ -109,7 +116,10 @@ def test_auxiliary_losses_join_the_gradient_at_the_objective_scale():
 @pytest.mark.parametrize("sets,fix", [
     ({"model.num_experts": 4, "model.experts_per_token": 5}, "experts_per_token"),
     ({"model.num_experts": 4, "model.moe_capacity_factor": -1.0}, "moe_capacity_factor"),
-    ({"model.num_experts": 4, "model.moe_layer_freq": 2}, "moe_layer_freq"),
+    ({"model.num_experts": 4, "model.num_layers": 3, "model.moe_layer_freq": 2}, "choose a frequency from"),
+    ({"model.num_experts": 4, "model.num_layers": 4, "model.moe_layer_freq": 2, "parallel.pipeline": 2,
+      "parallel.virtual_stages": 2, "parallel.schedule": "interleaved", "train.micro_batch_size": 2},
+     "a pipeline chunk holds whole groups"),
     ({"model.num_experts": 4, "parallel.data": 2, "parallel.expert": 4}, "choose parallel.expert from"),
     ({"model.num_experts": 6, "parallel.data": 4, "parallel.expert": 4}, "not divisible by parallel.expert"),
     ({"parallel.data": 2, "parallel.expert": 2}, "needs an MoE model"),
@@ -120,11 +130,15 @@ def test_bad_moe_configs_name_the_fix(sets, fix):
 
 
 @functools.lru_cache(maxsize=None)
-def reference(arch, shared=0, factor=None):
+def reference(arch, model_sets=()):
+    """One device's losses and gradient norms for the MoE model with `model_sets` ((key, value) pairs)."""
     norms = []
-    losses = run_steps(small_config(**MOE, **{"model.arch": arch, "model.moe_shared_experts": shared,
-                                              "model.moe_capacity_factor": factor}), 1, 2, grad_norms=norms)
+    losses = run_steps(small_config(**MOE, **{"model.arch": arch}, **dict(model_sets)), 1, 2, grad_norms=norms)
     return tuple(losses), tuple(norms)
+
+
+QWEN = {"model.moe_shared_experts": 1, "model.moe_shared_expert_gate": True, "model.moe_router_pre_softmax": True,
+        "model.add_qkv_bias": True}  # Qwen2-MoE's routing, gated shared expert and QKV biases
 
 
 @pytest.mark.parametrize("arch,layout", [
@@ -137,6 +151,10 @@ def reference(arch, shared=0, factor=None):
                  marks=pytest.mark.slow),  # (suite time: MoE on a pipeline is in test_layouts' default run)
     pytest.param("llama", {"parallel.pipeline": 2, "parallel.tensor": 2, "parallel.schedule": "zero_bubble",
                            "model.moe_shared_experts": 1}, marks=pytest.mark.slow),
+    ("llama", {"parallel.data": 2, "parallel.expert": 2, "parallel.tensor": 2, "parallel.sequence_parallel": True,
+               **QWEN}),
+    pytest.param("llama", {"parallel.pipeline": 2, "parallel.tensor": 2, "parallel.schedule": "zero_bubble", **QWEN},
+                 marks=pytest.mark.slow),
     pytest.param("gpt2", {"parallel.data": 2, "parallel.tensor": 2, "model.moe_capacity_factor": 1.0},
                  marks=pytest.mark.slow),
     # the Pallas grouped GEMM (interpreted here) per tensor shard, its rows from the expert-parallel exchange,
@@ -152,7 +170,8 @@ def test_moe_training_equals_one_device(arch, layout):
     n = layout.get("parallel.data", 1) * layout.get("parallel.pipeline", 1) * layout.get("parallel.tensor", 1)
     norms = []
     got = run_steps(small_config(**MOE, **{"model.arch": arch}, **layout), n, 2, grad_norms=norms)
-    ref, ref_norms = reference(arch, layout.get("model.moe_shared_experts", 0), layout.get("model.moe_capacity_factor"))
+    ref, ref_norms = reference(arch, tuple(sorted((k, v) for k, v in layout.items() if k.startswith("model.")
+                                                  and k != "model.moe_grouped_gemm")))
     assert ref[1] < ref[0] + 0.5
     np.testing.assert_allclose(got, ref, rtol=1e-4)
     np.testing.assert_allclose(norms, ref_norms, rtol=1e-4)
@@ -329,3 +348,95 @@ def test_flops_count_the_active_experts():
     got, core = metrics.layer_forward_flops_per_token(moe_cfg)
     want, core_dense = metrics.layer_forward_flops_per_token(dense)
     assert core == core_dense and got == want + 2 * 64 * 8
+
+
+@pytest.mark.parametrize("freq", [1, 2, 3, 4, 6, 12])
+def test_moe_layer_freq_space(freq):
+    """model.moe_layer_freq n on 12 layers: layers 0, n, 2n, .. are MoE and the rest dense (Megatron's pattern), as
+    units of n blocks; every pipeline split the config accepts holds whole units (and every other is refused with
+    the fix); FLOPs count the dense layers' MLP and the MoE layers' active experts."""
+    import jax
+
+    from megajax import metrics, model
+    from megajax.config import ModelConfig
+
+    sets = {"model.num_layers": 12, "model.num_experts": 4, "model.moe_layer_freq": freq,
+            "model.moe_ffn_hidden_size": 32, "model.ffn_hidden_size": 128}
+    for p, v in itertools.product((1, 2, 3, 4, 6), (1, 2)):
+        layout = {"parallel.pipeline": p, "parallel.virtual_stages": v, "train.micro_batch_size": 1,
+                  "parallel.schedule": "interleaved" if v > 1 else "1f1b"}
+        if p * v > 12:
+            continue
+        if 12 % (p * v):
+            with pytest.raises(config_lib.ConfigError, match="choose layers that split evenly"):
+                small_config(**sets, **layout)
+        elif (12 // freq) % (p * v):
+            with pytest.raises(config_lib.ConfigError, match="a pipeline chunk holds whole groups"):
+                small_config(**sets, **layout)
+        else:
+            small_config(**sets, **layout)
+    cfg = small_config(**sets).model
+    stack = model.abstract_params(cfg)["layers"]["block"]
+    units = [stack] if freq == 1 else [stack[f"layer_{j}"] for j in range(freq)]
+    assert [("router" in u["mlp"]) for u in units] == [True] + [False] * (freq - 1)
+    assert {jax.tree.leaves(u)[0].shape[0] for u in units} == {12 // freq}
+    assert cfg.moe_layers == 12 // freq
+    moe_flops, core = metrics.layer_forward_flops_per_token(dataclasses.replace(cfg, moe_layer_freq=1))
+    dense_flops, _ = metrics.layer_forward_flops_per_token(dataclasses.replace(cfg, num_experts=0))
+    got, _ = metrics.layer_forward_flops_per_token(cfg)
+    assert got == pytest.approx((moe_flops + (freq - 1) * dense_flops) / freq)
+
+
+FREQ = {**MOE, "model.arch": "llama", "model.num_layers": 4, "model.moe_layer_freq": 2}
+
+
+@functools.lru_cache(maxsize=None)
+def freq_reference():
+    norms = []
+    return tuple(run_steps(small_config(**FREQ), 1, 2, grad_norms=norms)), tuple(norms)
+
+
+@pytest.mark.parametrize("layout", [
+    {"parallel.data": 2, "parallel.expert": 2, "parallel.pipeline": 2, "parallel.schedule": "1f1b"},
+    pytest.param({"parallel.pipeline": 2, "parallel.tensor": 2, "parallel.schedule": "zero_bubble",
+                  "parallel.sequence_parallel": True}, marks=pytest.mark.slow),
+    pytest.param({"parallel.data": 2, "parallel.expert": 2, "parallel.tensor": 2, "model.recompute": "full",
+                  "parallel.distributed_optimizer": True}, marks=pytest.mark.slow),
+])
+def test_moe_layer_freq_training_equals_one_device(layout):
+    """MoE every second layer (4 layers: MoE, dense, MoE, dense) trains as on one device with experts over data,
+    on a pipeline (each stage one MoE and one dense layer), with tensor and sequence parallelism and zero_bubble's
+    split backward, and with full recomputation and the distributed optimizer."""
+    n = layout.get("parallel.data", 1) * layout.get("parallel.pipeline", 1) * layout.get("parallel.tensor", 1)
+    norms = []
+    got = run_steps(small_config(**FREQ, **layout), n, 2, grad_norms=norms)
+    ref, ref_norms = freq_reference()
+    np.testing.assert_allclose(got, ref, rtol=1e-4)
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-4)
+
+
+def test_moe_layer_freq_decoding_and_checkpoint_checks():
+    """With dense layers between the MoE layers the KV-cache decode gives the full forward's logits, and a
+    checkpoint of another layer pattern is refused naming model.moe_layer_freq."""
+    import jax
+    import jax.numpy as jnp
+
+    from megajax import checkpoint, model
+
+    cfg = small_config(**FREQ).model
+    params = jax.device_get(jax.jit(lambda k: nn_unbox(model.init_params(cfg, k)))(jax.random.key(0)))
+    tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, cfg.vocab_size)
+    full = np.asarray(model.GPT(cfg).apply({"params": params}, tokens))
+    state = model.init_decode_state(cfg, 2, 8)
+    for lo, hi in [(0, 5), (5, 6), (6, 7), (7, 8)]:
+        logits, state = model.decode_apply(cfg, params, tokens[:, lo:hi], state)
+        np.testing.assert_allclose(np.asarray(logits), full[:, hi - 1], atol=2e-5, rtol=0)
+    assert state.k.shape[0] == 4 and jnp.all(state.k[3] != 0)
+    with pytest.raises(config_lib.ConfigError, match="model.moe_layer_freq: 2 in the checkpoint, 1 here"):
+        checkpoint.check_same_model(cfg, dataclasses.replace(cfg, moe_layer_freq=1), "ckpt")
+
+
+def nn_unbox(tree):
+    import flax.linen as nn
+
+    return nn.unbox(tree)

@@ -275,6 +275,7 @@ class Attention(nn.Module):
         h, g, k, d = cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.hidden_size
         pdt, cdt = dtype_of(cfg.param_dtype), dtype_of(cfg.compute_dtype)
         bias = cfg.arch == "gpt2"
+        qkv_bias = bias or cfg.add_qkv_bias
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
 
         x = gather_sequence(x_bsd)  # sequence parallel: the all-gather before the column-parallel matmul
@@ -285,7 +286,7 @@ class Attention(nn.Module):
         r = h // g
         wqkv = param(self, "wqkv", (d, g, r + 2, k), ("embed", "kv_heads", None, "head_dim"), cfg.init_std, pdt)
         qkv = weight_einsum(self, "wqkv", x, wqkv.astype(cdt))
-        if bias:
+        if qkv_bias:
             qkv = qkv + param(self, "bqkv", (g, r + 2, k), ("kv_heads", None, "head_dim"), 0, pdt).astype(cdt)
         b, s = qkv.shape[:2]
         q = qkv[:, :, :, :r].reshape(b, s, h, k)  # query head i uses kv head i // r

@@ -142,9 +142,12 @@ def update_router_bias(params, loads: dict, rate: float):
     return jax.tree_util.tree_map_with_path(move, params)
 
 
-def route(logits_te: jax.Array, k: int, bias_e: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """fp32 logits [t, e] -> (weights [t, k] summing to 1, expert ids [t, k], probabilities [t, e]).
+def route(logits_te: jax.Array, k: int, bias_e: jax.Array | None = None,
+          renormalize: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """fp32 logits [t, e] -> (weights [t, k], expert ids [t, k], probabilities [t, e]).
 
+    The weights are the k largest probabilities, renormalised to sum to 1 (Mixtral; Megatron's default, a softmax
+    over the k logits) or with `renormalize` off as they are (Qwen-MoE; Megatron's moe_router_pre_softmax).
     With `bias_e` (DeepSeek-V3's auxiliary-loss-free balancing) the k experts are chosen by probability + bias,
     and weighted by their probabilities alone: the bias steers the choice and gets no gradient."""
     probs = jax.nn.softmax(logits_te, axis=-1)
@@ -153,7 +156,7 @@ def route(logits_te: jax.Array, k: int, bias_e: jax.Array | None = None) -> tupl
     else:
         _, ids = jax.lax.top_k(probs + jax.lax.stop_gradient(bias_e), k)
         top = jnp.take_along_axis(probs, ids, axis=-1)
-    return top / jnp.sum(top, axis=-1, keepdims=True), ids, probs
+    return (top / jnp.sum(top, axis=-1, keepdims=True) if renormalize else top), ids, probs
 
 
 def load_balancing_loss(probs_te: jax.Array, ids_tk: jax.Array) -> jax.Array:
@@ -252,7 +255,8 @@ def exchange_dropless(rows_ad: jax.Array, sizes_e: jax.Array, k: int, ep: int, e
 
 class MoE(nn.Module):
     """The MLP of an MoE layer: router, expert MLPs (GeLU for gpt2, SwiGLU for llama; dropless, or with a
-    capacity), and `moe_shared_experts` always-on experts as one dense MLP of that many times the expert width."""
+    capacity), and `moe_shared_experts` always-on experts as one dense MLP of that many times the expert width
+    (with `moe_shared_expert_gate`, scaled per token by sigmoid(x . shared_gate), Qwen-MoE's and Megatron's)."""
 
     cfg: ModelConfig
 
@@ -269,7 +273,7 @@ class MoE(nn.Module):
         logits = jnp.einsum("td,de->te", x_td.astype(jnp.float32), w_router.astype(jnp.float32))
         bias = (param(self, ROUTER_BIAS, (e,), (None,), 0, jnp.float32)
                 if cfg.moe_router_bias_update_rate else None)
-        weights, ids, probs = route(logits, k, bias)
+        weights, ids, probs = route(logits, k, bias, renormalize=not cfg.moe_router_pre_softmax)
 
         # The expert weights: [e, ...], or inside the train step with expert parallelism this rank's e / ep.
         ep = expert_parallel_size()
@@ -343,7 +347,12 @@ class MoE(nn.Module):
         y = constrain(y.reshape(b, s, d), RESIDUAL)
         if cfg.moe_shared_experts:
             shared_cfg = dataclasses.replace(cfg, ffn_hidden_size=cfg.moe_shared_experts * f, num_experts=0)
-            y = y + MLP(shared_cfg, name="shared")(x_bsd)
+            shared = MLP(shared_cfg, name="shared")(x_bsd)
+            if cfg.moe_shared_expert_gate:  # one sigmoid per token, on the residual's (sequence) shard
+                w_gate = param(self, "shared_gate", (d,), ("embed",), cfg.init_std, pdt)
+                gate = jax.nn.sigmoid(jnp.einsum("bsd,d->bs", x_bsd.astype(jnp.float32), w_gate.astype(jnp.float32)))
+                shared = shared * gate[..., None].astype(shared.dtype)
+            y = y + shared
         balance = load_balancing_loss(probs, ids)
         seed = _SEED.get()
         if seed is not None:
