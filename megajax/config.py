@@ -207,6 +207,10 @@ class ParallelConfig:
     # first forward gathers each layer one layer ahead, under the compute of the layer before, instead of the
     # update gathering every weight where nothing overlaps it.
     overlap_param_gather: bool = False
+    # Sequence parallelism's all-gather and reduce-scatter as rings of ppermutes under the matmuls they feed
+    # (Megatron's --tp-comm-overlap; megajax/model/collective_matmul.py). Needs sequence_parallel; not with a
+    # pipeline (a ppermute inside the schedule's per-rank branches deadlocks).
+    tp_comm_overlap: bool = False
 
     def __post_init__(self):
         for name in ("pipeline", "tensor", "virtual_stages", "expert", "context"):
@@ -230,6 +234,17 @@ class ParallelConfig:
             "parallel.overlap_param_gather=true gathers the distributed optimizer's shards in the step that reduces "
             "the gradients under the backward: set parallel.distributed_optimizer=true and "
             "parallel.overlap_grad_reduce=true (or parallel.overlap_param_gather=false)",
+        )
+        _check(
+            not self.tp_comm_overlap or self.sequence_parallel,
+            "parallel.tp_comm_overlap=true overlaps sequence parallelism's all-gather and reduce-scatter with the "
+            "matmuls: set parallel.sequence_parallel=true (with parallel.tensor > 1)",
+        )
+        _check(
+            not self.tp_comm_overlap or self.pipeline == 1,
+            "parallel.tp_comm_overlap=true is not built with a pipeline (its ring exchanges would run inside the "
+            "schedule's per-rank branches, where a ppermute waits for every device): set parallel.tp_comm_overlap="
+            "false or parallel.pipeline=1",
         )
         _check(
             self.virtual_stages == 1 or self.schedule in ("interleaved", "zero_bubble"),
@@ -394,6 +409,9 @@ class Config:
             f"model.num_layers={m.num_layers} is not divisible by parallel.pipeline * parallel.virtual_stages = "
             f"{chunks}: choose layers that split evenly into {chunks} chunks",
         )
+        _check(not (p.tp_comm_overlap and m.fp8 != "none"),
+               "parallel.tp_comm_overlap has no FP8 variant (its ring matmuls run in the compute dtype): set "
+               "parallel.tp_comm_overlap=false with model.fp8")
         period = m.layer_period
         _check(
             (m.num_layers // period) % chunks == 0,

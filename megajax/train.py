@@ -14,6 +14,7 @@ reduces the gradient over 'data' once per micro batch instead of once per step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import os
@@ -32,7 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from megajax import config as config_lib
 from megajax import metrics as metrics_lib
 from megajax import model, optim, overlap, pipeline, sharding, xla_flags
-from megajax.model import context, fp8, moe
+from megajax.model import collective_matmul, context, fp8, moe
 from megajax.pipeline import layout
 from megajax.config import Config, InputError
 from megajax import distributed
@@ -345,12 +346,21 @@ def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
     return loss, jax.tree.map(scatter, grads, zero, p_specs, is_leaf=is_none)
 
 
+@contextlib.contextmanager
+def _model_context(cfg: Config):
+    """What the model reads while a step is traced: the activation sharding rules, the context-parallel exchange
+    and the tensor-parallel ring matmuls (parallel.tp_comm_overlap)."""
+    with (sharding.activation_sharding(cfg.parallel.sequence_parallel), context.exchange(cfg.parallel.context_comm),
+          collective_matmul.enable(cfg.parallel.tp_comm_overlap)):
+        yield
+
+
 def train_step(setup: StepSetup, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     """One optimizer step on one global batch. Non-finite loss or gradients leave the weights and the
     optimizer state untouched (the step is counted as skipped)."""
     cfg = setup.cfg
     total = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
-    with sharding.activation_sharding(cfg.parallel.sequence_parallel), context.exchange(cfg.parallel.context_comm):
+    with _model_context(cfg):
         loss_sum, grads = compute_grads(setup, state.params, batch, state.loss_scale / total)
     grads, moe_stats, moe_loads = moe.step_stats(grads, cfg.model.num_experts, cfg.model.moe_capacity_factor)
     grads, fp8_seen = fp8.take_meta_grads(grads)
@@ -393,7 +403,7 @@ def eval_loss(setup: StepSetup, params, batch: dict) -> tuple[jax.Array, jax.Arr
     or through the pipeline (never gathering the layers) when there is one."""
     cfg = setup.cfg
     m = cfg.num_micro_batches
-    with sharding.activation_sharding(cfg.parallel.sequence_parallel), context.exchange(cfg.parallel.context_comm):
+    with _model_context(cfg):
         if cfg.parallel.pipeline > 1 or cfg.parallel.context > 1:
             def local(params, batch):
                 batch = setup.local_batch(batch)

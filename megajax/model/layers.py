@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from megajax import kernels
 from megajax.config import ModelConfig
-from megajax.model import context, fp8
+from megajax.model import collective_matmul, context, fp8
 from megajax.sharding import constrain
 
 @flax.struct.dataclass
@@ -93,6 +93,23 @@ def weight_einsum(module: nn.Module, name: str, x: jax.Array, w: jax.Array) -> j
         meta = fp8_state(module, name) if cfg.fp8_recipe == "delayed" else None
         y = fp8.einsum(spec, fmt, cfg.fp8_margin, x, w, meta)
     return module.perturb(name, y, collection=TAP_GRADS)
+
+
+def column_matmul(module: nn.Module, name: str, x_bsd: jax.Array, w: jax.Array, w_names) -> jax.Array:
+    """A column-parallel matmul on the residual stream x [b, s, d] (sequence-sharded with sequence parallelism):
+    gather_sequence then `weight_einsum`, or with parallel.tp_comm_overlap the gather as a ring under the GEMMs
+    (megajax/model/collective_matmul.py). w_names: the weight's logical axis names."""
+    if collective_matmul.active():
+        return collective_matmul.gather_matmul(WEIGHT_EINSUMS[name], x_bsd, w, w_names)
+    return weight_einsum(module, name, gather_sequence(x_bsd), w)
+
+
+def row_matmul(module: nn.Module, name: str, h: jax.Array, w: jax.Array, w_names) -> jax.Array:
+    """A row-parallel matmul back onto the residual stream: `weight_einsum`, its partial sums reduced (scattered
+    over the sequence with sequence parallelism), or with parallel.tp_comm_overlap the scatter as a ring."""
+    if collective_matmul.active():
+        return collective_matmul.matmul_scatter(WEIGHT_EINSUMS[name], h, w, w_names)
+    return constrain(weight_einsum(module, name, h, w), RESIDUAL)
 
 
 def fp8_state(module: nn.Module, name: str) -> jax.Array:
@@ -278,14 +295,14 @@ class Attention(nn.Module):
         qkv_bias = bias or cfg.add_qkv_bias
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
 
-        x = gather_sequence(x_bsd)  # sequence parallel: the all-gather before the column-parallel matmul
         # One fused QKV matrix, grouped by kv head as Megatron lays it out: [d, g, r + 2, k] holds, for each
         # kv head, its r = h / g query heads, then its key, then its value. Sharding g over 'tensor' keeps
         # every group on one rank, and the backward has a single partial dX to all-reduce (three separate
-        # q/k/v matmuls would all-reduce three).
+        # q/k/v matmuls would all-reduce three). Sequence parallel: the all-gather comes first.
         r = h // g
-        wqkv = param(self, "wqkv", (d, g, r + 2, k), ("embed", "kv_heads", None, "head_dim"), cfg.init_std, pdt)
-        qkv = weight_einsum(self, "wqkv", x, wqkv.astype(cdt))
+        names = ("embed", "kv_heads", None, "head_dim")
+        wqkv = param(self, "wqkv", (d, g, r + 2, k), names, cfg.init_std, pdt)
+        qkv = column_matmul(self, "wqkv", x_bsd, wqkv.astype(cdt), names)
         if qkv_bias:
             qkv = qkv + param(self, "bqkv", (g, r + 2, k), ("kv_heads", None, "head_dim"), 0, pdt).astype(cdt)
         b, s = qkv.shape[:2]
@@ -319,9 +336,9 @@ class Attention(nn.Module):
             o, cache = cached_attention(q, kk, v, cache, offset)
         o = constrain(o, ("batch", None, "heads", "head_dim"))
 
-        wo = param(self, "wo", (h, k, d), ("heads", "head_dim", "embed"), out_std, pdt)
-        y = weight_einsum(self, "wo", o, wo.astype(cdt))
-        y = constrain(y, RESIDUAL)  # the all-reduce (or reduce-scatter with sequence parallelism)
+        names = ("heads", "head_dim", "embed")
+        wo = param(self, "wo", (h, k, d), names, out_std, pdt)
+        y = row_matmul(self, "wo", o, wo.astype(cdt), names)  # the all-reduce (reduce-scatter with sequence parallel)
         if bias:
             y = y + param(self, "bo", (d,), ("embed",), 0, pdt).astype(cdt)
         return y if cache is None else (y, cache)
@@ -338,19 +355,20 @@ class MLP(nn.Module):
         d, f = cfg.hidden_size, cfg.ffn_size
         pdt, cdt = dtype_of(cfg.param_dtype), dtype_of(cfg.compute_dtype)
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        x = gather_sequence(x_bsd)
         if cfg.arch == "llama":
             # gate and up fused as [d, 2, f] (one partial dX to all-reduce in the backward, as for QKV)
-            w_gate_up = param(self, "w_gate_up", (d, 2, f), ("embed", None, "mlp"), cfg.init_std, pdt)
-            gate_up = weight_einsum(self, "w_gate_up", x, w_gate_up.astype(cdt))
+            names = ("embed", None, "mlp")
+            w_gate_up = param(self, "w_gate_up", (d, 2, f), names, cfg.init_std, pdt)
+            gate_up = column_matmul(self, "w_gate_up", x_bsd, w_gate_up.astype(cdt), names)
             hidden = nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
         else:
             w_in = param(self, "w_in", (d, f), ("embed", "mlp"), cfg.init_std, pdt)
             b_in = param(self, "b_in", (f,), ("mlp",), 0, pdt)
-            hidden = nn.gelu(weight_einsum(self, "w_in", x, w_in.astype(cdt)) + b_in.astype(cdt), approximate=True)
+            hidden = nn.gelu(column_matmul(self, "w_in", x_bsd, w_in.astype(cdt), ("embed", "mlp"))
+                             + b_in.astype(cdt), approximate=True)
         hidden = constrain(hidden, ("batch", None, "mlp"))
         w_out = param(self, "w_out", (f, d), ("mlp", "embed"), out_std, pdt)
-        y = constrain(weight_einsum(self, "w_out", hidden, w_out.astype(cdt)), RESIDUAL)
+        y = row_matmul(self, "w_out", hidden, w_out.astype(cdt), ("mlp", "embed"))
         if cfg.arch == "gpt2":
             y = y + param(self, "b_out", (d,), ("embed",), 0, pdt).astype(cdt)
         return y
