@@ -102,7 +102,10 @@ def _gather_ring(a: jax.Array, step) -> list:
     block, out = a, []
     for i in range(t):
         nxt = jax.lax.ppermute(block, "tensor", shift) if i < t - 1 else None
-        out.append(step(block, _mod(r, i, t)))
+        y = step(block, _mod(r, i, t))
+        if nxt is not None:  # the next step's GEMMs wait for this one's: XLA would merge them into one GEMM after
+            nxt, y = jax.lax.optimization_barrier((nxt, y))  # the transfer (its dot merger), hiding nothing
+        out.append(y)
         block = nxt
     return out
 
@@ -116,14 +119,16 @@ def _in_order(pieces: list) -> jax.Array:
     return jnp.moveaxis(blocks, 0, 1).reshape(blocks.shape[1], -1, *blocks.shape[3:])
 
 
-def _scatter_ring(part) -> jax.Array:
-    """Inside the manual region: the sum over ranks of part(j) for this rank's block j = r, built as each block's
-    partial sum travels the ring (block r - 1 - i's passes rank r at step i), the next term computed meanwhile."""
+def _scatter_ring(a, part) -> jax.Array:
+    """Inside the manual region: the sum over ranks of part(j, a) for this rank's block j = r, built as each block's
+    partial sum travels the ring (block r - 1 - i's passes rank r at step i), the next term computed meanwhile from
+    `a` (the arrays part reads)."""
     t, r = _rank()
     shift = [(j, (j + 1) % t) for j in range(t)]
-    acc = part(_mod(r, -1, t))
+    acc = part(_mod(r, -1, t), a)
     for i in range(1, t):
-        acc = jax.lax.ppermute(acc, "tensor", shift) + part(_mod(r, -1 - i, t))
+        acc, a = jax.lax.optimization_barrier((acc, a))  # the next term after this one (no merged GEMMs)
+        acc = jax.lax.ppermute(acc, "tensor", shift) + part(_mod(r, -1 - i, t), a)
     return acc
 
 
@@ -158,7 +163,7 @@ def _gather_matmul_bwd(spec, w_names, res, dy):
     def ring(x, w, dy):
         n = x.shape[1]
         dw = sum(_gather_ring(x, lambda block, j: jnp.einsum(f"{xl},{ol}->{wl}", block, _block(dy, j, n))))
-        dx = _scatter_ring(lambda j: jnp.einsum(f"{ol},{wl}->{xl}", _block(dy, j, n), w))
+        dx = _scatter_ring((dy, w), lambda j, a: jnp.einsum(f"{ol},{wl}->{xl}", _block(a[0], j, n), a[1]))
         return dx, dw
 
     out_specs = (_seq_spec(x.ndim), _spec(wl, split))
@@ -178,7 +183,7 @@ def matmul_scatter(spec: str, h: jax.Array, w: jax.Array, w_names) -> jax.Array:
 
     def ring(h, w):
         n = h.shape[1] // jax.lax.axis_size("tensor")
-        return _scatter_ring(lambda j: jnp.einsum(spec, _block(h, j, n), w))
+        return _scatter_ring((h, w), lambda j, a: jnp.einsum(spec, _block(a[0], j, n), a[1]))
 
     return _manual(ring, (h, w), (_spec(hl, split), _spec(wl, split)), _seq_spec(len(ol)))
 
