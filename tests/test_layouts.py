@@ -3,7 +3,8 @@
 The space: every (data, pipeline, tensor) with data x pipeline x tensor in {1, 2, 4, 6, 8} devices (data = 1
 included), sequence parallelism on and off (t > 1), the distributed optimizer on and off (d > 1), GPT-2 and
 Llama with grouped-query attention, every schedule (p > 1), and the model dense or mixture-of-experts (8
-dropless experts, top 2) with every expert-parallel size dividing data. `test_the_space_is_accepted` checks the
+dropless experts, top 2) with every expert-parallel size dividing data, and with sequence parallelism and no
+pipeline the ring matmuls of parallel.tp_comm_overlap on and off. `test_the_space_is_accepted` checks the
 whole space against the config (cheap); `test_layout_matches_one_device` trains each layout for two steps
 and compares the losses and gradient norms with one device (fp32, relative 1e-4). The default run covers
 every (d, p, t) triple once, with the features rotated so that each appears on and off (data = 1 with
@@ -55,14 +56,14 @@ def experts(d: int) -> list[int]:
     return [0] + [e for e in range(1, d + 1) if d % e == 0 and MOE["model.num_experts"] % e == 0]
 
 
-def case(arch, d, p, t, sp, zero, schedule, v, ep=0) -> dict:
+def case(arch, d, p, t, sp, zero, schedule, v, ep=0, ring=False) -> dict:
     # p micro batches through a pipeline (the fewest every schedule takes); without one, 2 or 3 per data
     # rank, so gradient accumulation runs on every layout too
     mb = BATCH // (d * p) if p > 1 else max(1, BATCH // (2 * d))
     return {"arch": arch, "moe": ep > 0, "n": d * p * t, "sets": {
         **ARCHS[arch], **(MOE if ep else {}), "train.global_batch_size": BATCH, "train.micro_batch_size": mb,
         "parallel.data": d, "parallel.pipeline": p, "parallel.tensor": t, "parallel.expert": max(ep, 1),
-        "parallel.sequence_parallel": sp, "parallel.distributed_optimizer": zero,
+        "parallel.sequence_parallel": sp, "parallel.distributed_optimizer": zero, "parallel.tp_comm_overlap": ring,
         "parallel.schedule": schedule, "parallel.virtual_stages": v}}
 
 
@@ -73,7 +74,8 @@ def space() -> list[dict]:
         for arch, sp, zero, (schedule, v), ep in itertools.product(
                 ARCHS, (False, True) if t > 1 else (False,), (False, True) if d > 1 else (False,), schedules(p),
                 experts(d)):
-            out.append(case(arch, d, p, t, sp, zero, schedule, v, ep))
+            for ring in (False, True) if sp and p == 1 else (False,):  # tp_comm_overlap: SP without a pipeline
+                out.append(case(arch, d, p, t, sp, zero, schedule, v, ep, ring))
     return out
 
 
@@ -90,8 +92,9 @@ def default_cases() -> list[dict]:
         options = [o for o in schedules(p) if o != ("zero_bubble", 2)]  # (test_pipeline runs it by default)
         schedule, v = options[i % len(options)]
         ep = DEFAULT_MOE.get((d, p, t), 0)
-        out.append(case(("gpt2", "llama")[i % 2], d, p, t, t > 1 and (i // 2) % 2 == 0, d > 1 and i % 3 != 1,
-                        schedule, v, ep))
+        sp = t > 1 and (i // 2) % 2 == 0
+        out.append(case(("gpt2", "llama")[i % 2], d, p, t, sp, d > 1 and i % 3 != 1, schedule, v, ep,
+                        ring=sp and p == 1 and i % 2 == 0))
     return out
 
 
@@ -102,6 +105,7 @@ def name(c: dict) -> str:
     return (f"{c['arch']}{'-moe' if c['moe'] else ''}-d{d}{experts}p{p}t{t}"
             f"{'-sp' if s['parallel.sequence_parallel'] else ''}"
             f"{'-zero1' if s['parallel.distributed_optimizer'] else ''}"
+            f"{'-ring' if s['parallel.tp_comm_overlap'] else ''}"
             + (f"-{s['parallel.schedule']}v{s['parallel.virtual_stages']}" if p > 1 else ""))
 
 
@@ -122,6 +126,8 @@ def test_the_space_is_accepted():
     assert any(s["parallel.pipeline"] > 1 for s in data1)
     for key in ("parallel.sequence_parallel", "parallel.distributed_optimizer"):
         assert {c["sets"][key] for c in DEFAULT} == {False, True}
+    sp1 = [c["sets"] for c in DEFAULT if c["sets"]["parallel.sequence_parallel"] and c["sets"]["parallel.pipeline"] == 1]
+    assert {s["parallel.tp_comm_overlap"] for s in sp1} == {False, True}, "SP with and without the ring matmuls"
     assert {c["sets"]["parallel.schedule"] for c in DEFAULT} == {"gpipe", "1f1b", "interleaved", "zero_bubble"}
     assert {c["arch"] for c in DEFAULT} == set(ARCHS)
     moe = [c["sets"] for c in DEFAULT if c["moe"]]

@@ -70,3 +70,87 @@ def test_overlapped_gradient_reduction_matches_one_device(case):
     got = run_steps(small_config(**sets, **{"parallel.overlap_grad_reduce": True}), n, 2, grad_norms=norms)
     np.testing.assert_allclose(got, ref, rtol=1e-4)
     np.testing.assert_allclose(norms, ref_norms, rtol=1e-4)
+
+
+# parallel.tp_comm_overlap (megajax/model/collective_matmul.py): the ring matmuls against plain einsums, then training
+# against one device over its space: pure tensor parallelism and with data, t 2 and 4, both architectures, each
+# recompute mode, dropout, MoE (a gated shared expert through the ring MLP), context parallelism, and the overlapped
+# data-parallel reduction with the distributed optimizer and the gathered weights.
+@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize("spec,x_shape,w_shape,w_names,kind", [
+    ("bsd,dgjk->bsgjk", (2, 8, 16), (16, 4, 3, 8), ("embed", "kv_heads", None, "head_dim"), "gather"),
+    ("bsd,dtf->bstf", (2, 8, 16), (16, 2, 24), ("embed", None, "mlp"), "gather"),
+    ("bshk,hkd->bsd", (2, 8, 4, 8), (4, 8, 16), ("heads", "head_dim", "embed"), "scatter"),
+    ("bsf,fd->bsd", (2, 8, 24), (24, 16), ("mlp", "embed"), "scatter"),
+])
+def test_ring_matmuls_equal_gather_then_matmul(t, spec, x_shape, w_shape, w_names, kind):
+    """Output, input gradient and weight gradient of the rings equal the plain einsum's (which XLA runs with an
+    all-gather before, or a reduce-scatter after), under a 2 x t (data, tensor) mesh with 'data' manual around it
+    as in the train step."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    from megajax.model import collective_matmul as cm
+
+    mesh = jax.make_mesh((2, t), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:2 * t])
+    x = jax.random.normal(jax.random.key(0), x_shape)
+    w = jax.random.normal(jax.random.key(1), w_shape)
+    g = jax.random.normal(jax.random.key(2), jnp.einsum(spec, x, w).shape)
+    ring = cm.gather_matmul if kind == "gather" else cm.matmul_scatter
+
+    def loss(f, x, w):
+        def local(x, w, g):
+            return jax.lax.psum(jnp.sum(f(x, jax.lax.pcast(w, ("data",), to="varying")) * g), "data")
+        return jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P(), P("data")), out_specs=P(),
+                             axis_names={"data"})(x, w, g)
+
+    with jax.set_mesh(mesh):
+        x_in = jax.device_put(x, NamedSharding(mesh, P("data", "tensor") if kind == "gather" else P("data")))
+        got = jax.jit(jax.value_and_grad(lambda x, w: loss(lambda a, b: ring(spec, a, b, w_names), x, w),
+                                         argnums=(0, 1)))(x_in, w)
+    want = jax.value_and_grad(lambda x, w: jnp.sum(jnp.einsum(spec, x, w) * g), argnums=(0, 1))(x, w)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for a, b in zip(got[1], want[1]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
+TP = {"parallel.sequence_parallel": True, "parallel.tp_comm_overlap": True}
+TP_CASES = {
+    "gpt2-t2-selective-dropout": {"parallel.tensor": 2, "model.recompute": "selective", "model.dropout": 0.1},
+    "llama-d2t4-full": {"model.arch": "llama", "model.num_heads": 8, "model.num_kv_heads": 4, "parallel.data": 2,
+                        "parallel.tensor": 4, "model.recompute": "full"},
+    "llama-moe-d2e2t2-shared": {"model.arch": "llama", "model.num_experts": 4, "model.experts_per_token": 2,
+                                "model.moe_ffn_hidden_size": 32, "model.moe_shared_experts": 1,
+                                "model.moe_shared_expert_gate": True, "parallel.data": 2, "parallel.expert": 2,
+                                "parallel.tensor": 2, "train.micro_batch_size": 2},
+    "gpt2-c2t2": {"parallel.context": 2, "parallel.tensor": 2},
+    "llama-d2t2-m2-overlap-zero-gather": {"model.arch": "llama", "parallel.data": 2, "parallel.tensor": 2,
+                                          "train.micro_batch_size": 2, "parallel.overlap_grad_reduce": True,
+                                          **GATHER},
+}
+
+
+@pytest.mark.parametrize("case", [c if c in ("llama-d2t4-full", "llama-moe-d2e2t2-shared") else
+                                  pytest.param(c, marks=pytest.mark.slow) for c in TP_CASES])
+def test_tp_comm_overlap_matches_one_device(case):
+    sets = {**TP_CASES[case], **TP}
+    n = sets.get("parallel.data", 1) * sets.get("parallel.tensor", 1) * sets.get("parallel.context", 1)
+    single = {k: v for k, v in sets.items() if not k.startswith("parallel.")}
+    ref_norms, norms = [], []
+    ref = run_steps(small_config(**single), 1, 2, grad_norms=ref_norms)
+    got = run_steps(small_config(**sets), n, 2, grad_norms=norms)
+    np.testing.assert_allclose(got, ref, rtol=1e-4)
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-4)
+
+
+@pytest.mark.parametrize("sets,fix", [
+    ({"parallel.tensor": 2, "parallel.tp_comm_overlap": True}, "set parallel.sequence_parallel=true"),
+    ({**TP, "parallel.tensor": 2, "parallel.pipeline": 2}, "parallel.pipeline=1"),
+    ({**TP, "parallel.tensor": 2, "model.fp8": "hybrid"}, "no FP8 variant"),
+])
+def test_tp_comm_overlap_bad_configs_name_the_fix(sets, fix):
+    from megajax import config as config_lib
+
+    with pytest.raises(config_lib.ConfigError, match=fix):
+        small_config(**sets)
