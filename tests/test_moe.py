@@ -151,18 +151,20 @@ QWEN = {"model.moe_shared_experts": 1, "model.moe_shared_expert_gate": True, "mo
                  marks=pytest.mark.slow),  # (suite time: MoE on a pipeline is in test_layouts' default run)
     pytest.param("llama", {"parallel.pipeline": 2, "parallel.tensor": 2, "parallel.schedule": "zero_bubble",
                            "model.moe_shared_experts": 1}, marks=pytest.mark.slow),
-    ("llama", {"parallel.data": 2, "parallel.expert": 2, "parallel.tensor": 2, "parallel.sequence_parallel": True,
-               **QWEN}),
+    pytest.param("llama", {"parallel.data": 2, "parallel.expert": 2, "parallel.tensor": 2,
+                           "parallel.sequence_parallel": True, **QWEN}, marks=pytest.mark.slow),
     pytest.param("llama", {"parallel.pipeline": 2, "parallel.tensor": 2, "parallel.schedule": "zero_bubble", **QWEN},
                  marks=pytest.mark.slow),
     pytest.param("gpt2", {"parallel.data": 2, "parallel.tensor": 2, "model.moe_capacity_factor": 1.0},
                  marks=pytest.mark.slow),
     # the Pallas grouped GEMM (interpreted here) per tensor shard, its rows from the expert-parallel exchange,
-    # against ragged_dot on one device
-    ("llama", {"parallel.data": 2, "parallel.expert": 2, "parallel.tensor": 2, "model.moe_grouped_gemm": True}),
+    # against ragged_dot on one device; with sequence parallelism and Qwen2-MoE's options (the case above, slow)
+    ("llama", {"parallel.data": 2, "parallel.expert": 2, "parallel.tensor": 2, "model.moe_grouped_gemm": True,
+               "parallel.sequence_parallel": True, **QWEN}),
     # expert parallelism with a capacity: each rank drops on its own micro batch (as without it), then the
-    # capacity buffers go through the all-to-all
-    ("gpt2", {"parallel.data": 2, "parallel.expert": 2, "model.moe_capacity_factor": 1.0}),
+    # capacity buffers go through the all-to-all (suite time: the d4 e2 case below covers it by default)
+    pytest.param("gpt2", {"parallel.data": 2, "parallel.expert": 2, "model.moe_capacity_factor": 1.0},
+                 marks=pytest.mark.slow),
     ("llama", {"parallel.data": 4, "parallel.expert": 2, "parallel.tensor": 2, "model.moe_capacity_factor": 0.5,
                "parallel.distributed_optimizer": True}),
 ])

@@ -11,8 +11,13 @@ them side by side:
     next one comes around the ring;
   matmul_scatter: each output block's partial sum travels the ring, gaining this rank's term h[:, block] w at
     every hop, and ends on its own rank.
-The backward of each is the other's pattern (autodiff of the ring), so it overlaps as well. The same bytes cross
-'tensor' as the all-gather and reduce-scatter move; the sum's order differs (partials added around the ring).
+Each backward is a custom VJP (jax 0.10.2 cannot differentiate a shard_map nested in the train step's manual
+region) built from the same two rings: gather_matmul's reduce-scatters the input gradient and brings the input's
+blocks round again for the weight gradient (as Megatron re-gathers it, rather than keeping the gathered input);
+matmul_scatter's brings the output gradient's blocks round for both gradients. An optimization barrier between
+ring steps keeps XLA's dot merger from fusing a ring's GEMMs into one that waits for every transfer. The same
+bytes cross 'tensor' as the all-gather and reduce-scatter move; the sum's order differs (partials added around
+the ring).
 
 Inside a pipeline the layers run in per-rank conditionals, where a ppermute waits for every device of the mesh
 (deadlock on the CPU runtime): the config refuses tp_comm_overlap with a pipeline.

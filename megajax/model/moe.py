@@ -2,9 +2,9 @@
 
 Dimension letters as in layers.py, plus t tokens (b x s flattened), e experts, a routed assignments (t k).
 
-Routing runs in fp32: softmax over the experts, then the top k, renormalised (Mixtral). The t k assignments
-are sorted by expert (within an expert in token order, or by descending weight for the "probs" drop policy).
-Dropless (no capacity factor), each expert's matmuls run on its rows only (`jax.lax.ragged_dot` over the
+Routing runs in fp32: softmax over the experts, then the top k, renormalised (Mixtral; kept as they are with
+model.moe_router_pre_softmax, Qwen-MoE). The t k assignments are sorted by expert (within an expert in token
+order, or by descending weight for the "probs" drop policy). Dropless (no capacity factor), each expert's matmuls run on its rows only (`jax.lax.ragged_dot` over the
 groups, or with `moe_grouped_gemm` the Pallas grouped GEMM of kernels/grouped_matmul.py). With
 `moe_capacity_factor`, each expert takes at most `capacity` rows into an [e, c, d] buffer for batched matmuls,
 per rank and micro batch, as Megatron's `--moe-token-drop-policy` (`model.moe_token_drop_policy`): "probs"
