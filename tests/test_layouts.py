@@ -126,7 +126,8 @@ def test_the_space_is_accepted():
     assert any(s["parallel.pipeline"] > 1 for s in data1)
     for key in ("parallel.sequence_parallel", "parallel.distributed_optimizer"):
         assert {c["sets"][key] for c in DEFAULT} == {False, True}
-    sp1 = [c["sets"] for c in DEFAULT if c["sets"]["parallel.sequence_parallel"] and c["sets"]["parallel.pipeline"] == 1]
+    sp1 = [c["sets"] for c in DEFAULT
+           if c["sets"]["parallel.sequence_parallel"] and c["sets"]["parallel.pipeline"] == 1]
     assert {s["parallel.tp_comm_overlap"] for s in sp1} == {False, True}, "SP with and without the ring matmuls"
     assert {c["sets"]["parallel.schedule"] for c in DEFAULT} == {"gpipe", "1f1b", "interleaved", "zero_bubble"}
     assert {c["arch"] for c in DEFAULT} == set(ARCHS)

@@ -73,15 +73,15 @@ def unit_module(cfg: ModelConfig) -> type[nn.Module]:
 
 
 class LayerStack(nn.Module):
-    """`num_layers` units (`unit_module`: blocks, or groups of model.moe_layer_freq blocks) stacked on a leading
-    'layers' axis and run with a scan; layer indices count units.
+    """`units` (`unit_module`: blocks, or groups of model.moe_layer_freq blocks) stacked on a leading 'layers' axis
+    and run with a scan; layer indices count units.
 
-    recompute="full" keeps only each block's input for the backward (Megatron's full recomputation);
+    recompute="full" keeps only each unit's input for the backward (Megatron's full recomputation);
     "selective" recomputes the attention core only (inside Attention).
     """
 
     cfg: ModelConfig
-    num_layers: int
+    units: int
 
     @nn.compact
     def __call__(self, x_bsd: jax.Array, side: Side | None, first_layer: jax.Array | int = 0,
@@ -92,11 +92,11 @@ class LayerStack(nn.Module):
         if cache is not None:
             # The same units and parameter tree, scanned with each unit's cache slice in and out.
             n = self.cfg.layer_period
-            grouped = tuple(c.reshape(self.num_layers, n, *c.shape[1:]) for c in cache) if n > 1 else cache
+            grouped = tuple(c.reshape(self.units, n, *c.shape[1:]) for c in cache) if n > 1 else cache
             scan = nn.scan(unit, variable_axes={"params": 0}, split_rngs={"params": True},
-                           in_axes=(0, nn.broadcast, 0, nn.broadcast), length=self.num_layers,
+                           in_axes=(0, nn.broadcast, 0, nn.broadcast), length=self.units,
                            metadata_params={nn.PARTITION_NAME: "layers"})
-            layers = jnp.arange(self.num_layers) + first_layer
+            layers = jnp.arange(self.units) + first_layer
             x, new = scan(self.cfg, name="block")(x_bsd, layers, side, grouped, offset)
             return x, tuple(c.reshape(-1, *c.shape[2:]) for c in new) if n > 1 else new
         block = unit
@@ -107,10 +107,10 @@ class LayerStack(nn.Module):
             variable_axes={"params": 0},
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast),
-            length=self.num_layers,
+            length=self.units,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
-        layers = jnp.arange(self.num_layers) + first_layer  # global unit index: salts the dropout masks
+        layers = jnp.arange(self.units) + first_layer  # global unit index: salts the dropout masks
         x, _ = scan(self.cfg, name="block")(x_bsd, layers, side)
         return x
 

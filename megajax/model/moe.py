@@ -4,13 +4,14 @@ Dimension letters as in layers.py, plus t tokens (b x s flattened), e experts, a
 
 Routing runs in fp32: softmax over the experts, then the top k, renormalised (Mixtral; kept as they are with
 model.moe_router_pre_softmax, Qwen-MoE). The t k assignments are sorted by expert (within an expert in token
-order, or by descending weight for the "probs" drop policy). Dropless (no capacity factor), each expert's matmuls run on its rows only (`jax.lax.ragged_dot` over the
-groups, or with `moe_grouped_gemm` the Pallas grouped GEMM of kernels/grouped_matmul.py). With
-`moe_capacity_factor`, each expert takes at most `capacity` rows into an [e, c, d] buffer for batched matmuls,
-per rank and micro batch, as Megatron's `--moe-token-drop-policy` (`model.moe_token_drop_policy`): "probs"
-keeps the assignments with the largest routing weights (ties in token order), "position" the first ones in
-token order; a dropped assignment contributes nothing (the token keeps its other experts' outputs, weights not
-renormalised). Then the outputs are unsorted and combined with the routing weights.
+order, or by descending weight for the "probs" drop policy). Dropless (no capacity factor), each expert's matmuls
+run on its rows only (`jax.lax.ragged_dot` over the groups, or with `moe_grouped_gemm` the Pallas grouped GEMM of
+kernels/grouped_matmul.py). With `moe_capacity_factor`, each expert takes at most `capacity` rows into an [e, c,
+d] buffer for batched matmuls, per rank and micro batch, as Megatron's `--moe-token-drop-policy`
+(`model.moe_token_drop_policy`): "probs" keeps the assignments with the largest routing weights (ties in token
+order), "position" the first ones in token order; a dropped assignment contributes nothing (the token keeps its
+other experts' outputs, weights not renormalised). Then the outputs are unsorted and combined with the routing
+weights.
 
 The load-balancing loss (Switch / GShard: E sum_e f_e P_e, f_e the fraction of assignments to expert e, P_e
 its mean routing probability) and the router z-loss enter the gradient where they are computed, without
