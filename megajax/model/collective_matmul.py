@@ -58,16 +58,13 @@ def active() -> bool:
             and "tensor" not in getattr(mesh, "manual_axes", ()))
 
 
-def _operands(spec: str) -> tuple[str, str, str]:
+def _letters(spec: str, w_names) -> tuple[str, str, str, set[str]]:
+    """(input, weight and output letters of the einsum `spec`, the letters of the weight's dims split over
+    'tensor')."""
     inputs, out = spec.split("->")
     x, w = inputs.split(",")
-    return x, w, out
-
-
-def _tensor_letters(w_letters: str, w_names) -> set[str]:
-    """The einsum letters of the weight's dims split over 'tensor'."""
-    spec = sharding.param_spec(w_names)
-    return {c for c, axis in zip(w_letters, spec) if "tensor" in sharding.axes_of(axis)}
+    split = {c for c, axis in zip(w, sharding.param_spec(w_names)) if "tensor" in sharding.axes_of(axis)}
+    return x, w, out, split
 
 
 def _spec(letters: str, split: set[str]) -> P:
@@ -147,8 +144,7 @@ def gather_matmul(spec: str, x: jax.Array, w: jax.Array, w_names) -> jax.Array:
     column-parallel w (logical names `w_names`): the result has the whole sequence (dim 1) and w's split dims.
     Backward: the input gradient reduce-scattered by the ring while the weight gradient's GEMMs run on the x blocks
     coming round again (Megatron gathers the input again in the backward too, rather than keeping it whole)."""
-    xl, wl, ol = _operands(spec)
-    split = _tensor_letters(wl, w_names)
+    xl, wl, ol, split = _letters(spec, w_names)
 
     def ring(x, w):
         return _in_order(_gather_ring(x, lambda block, j: jnp.einsum(spec, block, w)))
@@ -156,14 +152,14 @@ def gather_matmul(spec: str, x: jax.Array, w: jax.Array, w_names) -> jax.Array:
     return _manual(ring, (x, w), (_seq_spec(x.ndim), _spec(wl, split)), _spec(ol, split))
 
 
-def _gather_matmul_fwd(spec, x, w, w_names):
-    return gather_matmul(spec, x, w, w_names), (x, w)
+def _keeping_inputs(ring_matmul):
+    """A custom VJP's forward rule for a ring matmul (spec, a, w, w_names): its result, with (a, w) kept."""
+    return lambda spec, a, w, w_names: (ring_matmul(spec, a, w, w_names), (a, w))
 
 
 def _gather_matmul_bwd(spec, w_names, res, dy):
     x, w = res
-    xl, wl, ol = _operands(spec)
-    split = _tensor_letters(wl, w_names)
+    xl, wl, ol, split = _letters(spec, w_names)
 
     def ring(x, w, dy):
         n = x.shape[1]
@@ -175,7 +171,7 @@ def _gather_matmul_bwd(spec, w_names, res, dy):
     return _manual(ring, (x, w, dy), (_seq_spec(x.ndim), _spec(wl, split), _spec(ol, split)), out_specs)
 
 
-gather_matmul.defvjp(_gather_matmul_fwd, _gather_matmul_bwd)
+gather_matmul.defvjp(_keeping_inputs(gather_matmul), _gather_matmul_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
@@ -183,8 +179,7 @@ def matmul_scatter(spec: str, h: jax.Array, w: jax.Array, w_names) -> jax.Array:
     """reduce_scatter(einsum(spec, h, w) over the sequence) for a row-parallel w (its contracted dims split over
     'tensor', as are h's): the result [b, s / t, ...] is sequence-sharded over 'tensor'. Backward: the output
     gradient's blocks come round the ring, each giving its block of h's gradient and a term of w's."""
-    hl, wl, ol = _operands(spec)
-    split = _tensor_letters(wl, w_names)
+    hl, wl, ol, split = _letters(spec, w_names)
 
     def ring(h, w):
         n = h.shape[1] // jax.lax.axis_size("tensor")
@@ -193,14 +188,9 @@ def matmul_scatter(spec: str, h: jax.Array, w: jax.Array, w_names) -> jax.Array:
     return _manual(ring, (h, w), (_spec(hl, split), _spec(wl, split)), _seq_spec(len(ol)))
 
 
-def _matmul_scatter_fwd(spec, h, w, w_names):
-    return matmul_scatter(spec, h, w, w_names), (h, w)
-
-
 def _matmul_scatter_bwd(spec, w_names, res, dy):
     h, w = res
-    hl, wl, ol = _operands(spec)
-    split = _tensor_letters(wl, w_names)
+    hl, wl, ol, split = _letters(spec, w_names)
 
     def ring(h, w, dy):
         n = dy.shape[1]
@@ -212,4 +202,4 @@ def _matmul_scatter_bwd(spec, w_names, res, dy):
     return _manual(ring, (h, w, dy), (*specs, _seq_spec(dy.ndim)), specs)
 
 
-matmul_scatter.defvjp(_matmul_scatter_fwd, _matmul_scatter_bwd)
+matmul_scatter.defvjp(_keeping_inputs(matmul_scatter), _matmul_scatter_bwd)
