@@ -242,6 +242,17 @@ def test_grouped_gemm_computes_routed_rows_on_h100_target():
     assert 1.0 <= ratios[True] < 1.2 and ratios[False] > 4, ratios
 
 
+def _gpt2_1_3b_h100_communication(*sets: str) -> dict:
+    """The overlap report (`audit.communication`) of gpt2-1.3b's step on 8 compile-only H100s: data 4 x tensor 2
+    (with the preset's sequence parallelism), 4 micro batches of 1, and `sets`."""
+    cfg = config_lib.load(f"{REPO}/configs/gpt2-1.3b.yaml", [
+        "parallel.data=4", "parallel.tensor=2", "train.micro_batch_size=1", "train.global_batch_size=16", *sets])
+    cfg, mesh, compiled, _ = audit.compile_step(cfg, audit._gpu_devices("h100", 8))
+    text = compiled.as_text()
+    colls = hlo.parse(text, dict(mesh.shape), audit.GPUS_PER_HOST)
+    return audit.communication(colls, "h100", cfg.model.compute_dtype, hlo.gemm_flops(text)["total"])
+
+
 @gpu
 @pytest.mark.parametrize("mode", ["overlap", pytest.param("zero-overlap", marks=pytest.mark.slow),
                                   pytest.param("plain", marks=pytest.mark.slow)])  # suite time: two with -m slow
@@ -253,15 +264,9 @@ def test_data_parallel_reduction_runs_under_the_backward_on_h100(mode):
     the distributed optimizer the same holds for its reduce-scatter, and for its parameter all-gather when the
     weights are gathered one layer ahead in the next step's first forward (overlap_param_gather)."""
     zero = mode == "zero-overlap"
-    cfg = config_lib.load(f"{REPO}/configs/gpt2-1.3b.yaml", [
+    groups = _gpt2_1_3b_h100_communication(
         f"parallel.distributed_optimizer={str(zero).lower()}", f"parallel.overlap_param_gather={str(zero).lower()}",
-        "parallel.data=4", "parallel.tensor=2", "train.micro_batch_size=1", "train.global_batch_size=16",
-        f"parallel.overlap_grad_reduce={str(mode != 'plain').lower()}"])
-    cfg, mesh, compiled, _ = audit.compile_step(cfg, audit._gpu_devices("h100", 8))
-    text = compiled.as_text()
-    colls = hlo.parse(text, dict(mesh.shape), audit.GPUS_PER_HOST)
-    report = audit.communication(colls, "h100", cfg.model.compute_dtype, hlo.gemm_flops(text)["total"])
-    groups = report["groups"]
+        f"parallel.overlap_grad_reduce={str(mode != 'plain').lower()}")["groups"]
     if zero:  # each f32 gradient scattered once, each f32 weight gathered once (the bias of a padded dim aside)
         for kind in ("reduce-scatter", "all-gather"):
             data = groups[f"{kind} over data"]
@@ -288,15 +293,8 @@ def test_tp_comm_overlap_hides_the_tensor_collectives_on_h100():
     with a GEMM scheduled under >= 90% of their bytes (measured 98.8%; as XLA schedules them, 65% of the
     all-gathers' bytes and 24% of the reduce-scatters'), and the estimated exposed tensor time falls by more than
     half (4.7 to 1.0 ms measured). Only the head's and the embedding's gathers stay collectives."""
-    reports = {}
-    for on in (False, True):
-        cfg = config_lib.load(f"{REPO}/configs/gpt2-1.3b.yaml", [
-            "parallel.data=4", "parallel.tensor=2", "parallel.sequence_parallel=true", "train.micro_batch_size=1",
-            "train.global_batch_size=16", f"parallel.tp_comm_overlap={str(on).lower()}"])
-        cfg, mesh, compiled, _ = audit.compile_step(cfg, audit._gpu_devices("h100", 8))
-        text = compiled.as_text()
-        colls = hlo.parse(text, dict(mesh.shape), audit.GPUS_PER_HOST)
-        reports[on] = audit.communication(colls, "h100", cfg.model.compute_dtype, hlo.gemm_flops(text)["total"])
+    reports = {on: _gpt2_1_3b_h100_communication("parallel.sequence_parallel=true",
+                                                 f"parallel.tp_comm_overlap={str(on).lower()}") for on in (False, True)}
     tensor = {on: {k: g for k, g in r["groups"].items() if k.endswith("over tensor")} for on, r in reports.items()}
     ring = tensor[True]["collective-permute over tensor"]
     assert "collective-permute over tensor" not in tensor[False]
