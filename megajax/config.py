@@ -200,7 +200,7 @@ class ParallelConfig:
     # Reduce the data-parallel gradients layer by layer under the last micro batch's backward (Megatron's
     # --overlap-grad-reduce). megajax/overlap.py: an all-reduce per layer, or with the distributed optimizer a
     # reduce-scatter. Off by default: with several micro batches it holds one to three times the gradients' bytes
-    # more (README, "Communication overlap"); not yet with a pipeline.
+    # more (README, "Communication overlap"). With a pipeline (1f1b, interleaved): in each chunk's last backward.
     overlap_grad_reduce: bool = False
     # Keep the weights as their optimizer shards between steps and all-gather them under the next forward
     # (Megatron's --overlap-param-gather). Needs distributed_optimizer and overlap_grad_reduce: the next step's
@@ -225,9 +225,16 @@ class ParallelConfig:
                 f"parallel.expert={self.expert} must divide parallel.data={self.data} (expert parallelism splits "
                 f"the data-parallel ranks): choose parallel.expert from {_divisors(self.data)}")
         _check(
-            not self.overlap_grad_reduce or self.pipeline == 1,
-            "parallel.overlap_grad_reduce=true is not supported yet with a pipeline (its gradients are reduced once "
-            "after the schedule): set parallel.overlap_grad_reduce=false",
+            not self.overlap_grad_reduce or self.pipeline == 1 or self.schedule in ("1f1b", "interleaved"),
+            f"parallel.overlap_grad_reduce=true reduces each chunk's gradients in its last backward, which the "
+            f"{self.schedule} schedule does not run as one step (GPipe differentiates its whole forward, zero_bubble "
+            f"splits off the weight gradients): use parallel.schedule=1f1b or interleaved, or set "
+            f"parallel.overlap_grad_reduce=false",
+        )
+        _check(
+            not self.overlap_param_gather or self.pipeline == 1,
+            "parallel.overlap_param_gather=true is not built with a pipeline (every micro batch's forward and "
+            "recompute reads the whole weights): set parallel.overlap_param_gather=false",
         )
         _check(
             not self.overlap_param_gather or (self.distributed_optimizer and self.overlap_grad_reduce),

@@ -54,12 +54,13 @@ class Reduction:
     gather: bool = False
     local: bool = False
 
-    def per_layer(self) -> "Reduction":
-        """The reduction of one layer's slice of a stacked [layers, ...] weight."""
+    def per_layer(self, lead: int = 1) -> "Reduction":
+        """The reduction of one layer's slice of a stacked weight: [layers, ...], or `lead` = 3 for the
+        pipeline's staged [chunk, stage, layers, ...]."""
         if self.zero is None:
             return self
-        return dataclasses.replace(self, zero=dataclasses.replace(self.zero, dim=self.zero.dim - 1),
-                                   spec=P(*self.spec[1:]))
+        return dataclasses.replace(self, zero=dataclasses.replace(self.zero, dim=self.zero.dim - lead),
+                                   spec=P(*self.spec[lead:]))
 
     def _manual(self) -> tuple[str, ...]:
         return tuple(a for a in self.axes if a in sharding.current_manual_axes())
@@ -76,6 +77,11 @@ class Reduction:
         return _tensor_manual(functools.partial(jax.lax.psum_scatter, axis_name=axes,
                                                 scatter_dimension=self.zero.dim, tiled=True), g, self.spec)
 
+    def result_axes(self) -> tuple[str, ...]:
+        """The manual axes a gradient reduced in a region where everything varies (the pipeline's) varies over:
+        all of them but the summed axes after an all-reduce; all of them after a reduce-scatter (the shards)."""
+        return tuple(a for a in sharding.current_manual_axes() if self.zero is not None or a not in self.axes)
+
     def gathered(self, w: jax.Array) -> jax.Array:
         """The whole weight from its optimizer shard (`gather`), or w as it is."""
         axes = self._manual()
@@ -84,9 +90,9 @@ class Reduction:
         return _tensor_manual(functools.partial(jax.lax.all_gather, axis_name=axes, axis=self.zero.dim, tiled=True),
                               w, self.spec)
 
-    def sink(self, w: jax.Array) -> jax.Array:
+    def sink(self, w: jax.Array, dtype=None) -> jax.Array:
         """Zeros shaped (and varying) as this reduction leaves the gradient of w (the weight as it arrives)
-        inside the step's shard_map."""
+        inside the step's shard_map, in w's dtype unless given."""
         shape, axes = list(w.shape), tuple(sharding.varying_axes(w))
         if self.zero is not None and self.local and self.gather:  # the whole weight, gathered from its shard
             shape[self.zero.dim] = self.zero.size
@@ -95,7 +101,7 @@ class Reduction:
             shape[self.zero.dim] = self.zero.size // math.prod(mesh.shape[a] for a in self._manual())
         if self.local or self.zero is not None:
             axes += self.axes
-        return sharding.vary(jnp.zeros(shape, w.dtype), axes)
+        return sharding.vary(jnp.zeros(shape, dtype or w.dtype), axes)
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,6 +117,30 @@ def reducing_identity(r: Reduction):
         return None, None, r(ct if acc is None else ct + acc)
 
     hook.defvjp(lambda w, acc, sink: (sharding.vary(w, r.axes), acc), bwd)
+    return hook
+
+
+@functools.lru_cache(maxsize=None)
+def tapped_identity(r: Reduction, reduce: bool):
+    """The pipeline's hook on one layer's weight: identity(w, sink) -> (w, tap), tap fp32 zeros shaped like w.
+    Backward: the accumulated gradient of the earlier micro batches arrives as the cotangent of the tap (so
+    that it needs no room in the residuals the schedule carries between ticks); with `reduce` (the chunk's
+    last backward) r(gradient + that) becomes the cotangent of `sink`, else the gradient goes to w as usual.
+    The forward does not depend on `reduce`: one linearization serves both backwards."""
+    def primal(w):
+        return w, sharding.vary(jnp.zeros(w.shape, jnp.float32), sharding.varying_axes(w))
+
+    @jax.custom_vjp
+    def hook(w, sink):
+        return primal(w)
+
+    def bwd(_, cts):
+        ct_w, acc = cts
+        if not reduce:
+            return ct_w, None
+        return None, sharding.vary(r(ct_w.astype(jnp.float32) + acc), r.result_axes())
+
+    hook.defvjp(lambda w, sink: (primal(w), None), bwd)
     return hook
 
 

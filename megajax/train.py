@@ -298,6 +298,12 @@ def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
     def local(params, batch, seed_scale):
         batch = setup.local_batch(batch)  # packed documents; context parallelism: this rank's tokens
         with moe.objective_scale(seed_scale):  # MoE layers' auxiliary losses join the gradient at this scale
+            if cfg.parallel.pipeline > 1 and overlapped:
+                # the layers' gradients reduced in each chunk's last backward; the embedding's and head's here
+                loss, grads = pipeline.pipeline_grads(cfg, params, batch, seed_scale, reductions["layers"])
+                grads = {k: g if k == "layers" else jax.tree.map(lambda r, x: r(x), reductions[k], g)
+                         for k, g in grads.items()}
+                return sharding.psum(loss, sharding.GRAD), grads
             if cfg.parallel.pipeline > 1:
                 loss, grads = pipeline.pipeline_grads(cfg, params, batch, seed_scale)
             elif overlapped:
@@ -315,7 +321,6 @@ def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
     p_specs = setup.compute_param_specs()
     # per weight, the data-parallel axes its gradient is summed over
     reduce_axes = jax.tree.map(sharding.unsplit_data_axes, p_specs, is_leaf=is_spec)
-    # (ParallelConfig allows the overlap only without a pipeline)
     manual = sharding.manual_axes_of(setup.mesh)
     overlapped = cfg.parallel.overlap_grad_reduce and any(a in manual for a in sharding.DATA)
     if overlapped:

@@ -43,11 +43,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from megajax import model
+from megajax import model, overlap
 from megajax.model import fp8
 from megajax.model import layers as layers_lib
 from megajax.config import Config
 from megajax.data.loader import micro_batches
+from megajax.pipeline import layout
 from megajax.pipeline import schedule as schedule_lib
 from megajax.pipeline.layout import local_chunks
 from megajax.pipeline.schedule import perm_pairs
@@ -56,6 +57,9 @@ from megajax.sharding import vary
 # what an action does depends on where its chunk sits in the model: 0 none, 1 first, 2 middle, 3 last chunk;
 # 4: a forward of the last chunk that keeps its residuals for the backward of the next tick
 NONE, FIRST, MID, LAST, LAST_KEEP = range(5)
+# added to a backward's kind: the chunk's last backward on its rank, which reduces the chunk's gradients over the
+# data ranks layer by layer (parallel.overlap_grad_reduce)
+FINAL = 8
 # the table columns a tick reads (the schedule's f_keep becomes the LAST_KEEP kind)
 FIELDS = ("f_chunk", "f_micro", "f_slot", "f_grad_slot", "r_chunk", "r_micro", "r_slot", "b_chunk", "b_micro",
           "b_grad_slot", "w_chunk", "w_micro", "recv_act", "recv_grad")
@@ -87,9 +91,9 @@ class Segment:
 
 
 @functools.lru_cache(maxsize=64)
-def plan(name: str, p: int, v: int, m: int):
+def plan(name: str, p: int, v: int, m: int, final: bool = False):
     """(the schedule, its table padded to whole tick pairs per segment, its forward / recompute / backward
-    kinds per (tick, rank), the segments)."""
+    kinds per (tick, rank), the segments). final: each chunk's last backward on its rank is marked FINAL."""
     s = schedule_lib.build(name, p, v, m)
     chunks = p * v
     tables = {k: getattr(s, k) for k in FIELDS}
@@ -106,6 +110,10 @@ def plan(name: str, p: int, v: int, m: int):
                         -1, np.int32)) for k in FIELDS}
     rows = {k: [] for k in FIELDS}
     kinds = {key: [] for key in ACTIONS}
+    last_b = np.zeros(s.b_chunk.shape, bool)
+    for r in range(p):
+        for c in range(v) if final else ():
+            last_b[np.flatnonzero(s.b_chunk[:, r] == c)[-1], r] = True
     segments = []
     for start, stop in zip(bounds[:-1], bounds[1:]):
         roles = start >= free
@@ -120,6 +128,8 @@ def plan(name: str, p: int, v: int, m: int):
                 kind = np.where(kind == NONE, NONE, MID)
             if key == "f":
                 kind = np.where((kind == LAST) & (s.f_keep[start:stop] > 0), LAST_KEEP, kind)
+            if key == "b":
+                kind = np.where(last_b[start:stop], kind | FINAL, kind)
             kinds[key] += list(kind) + [np.zeros(p, np.int32)] * pad
         present = {key: tuple(sorted(set(np.ravel(kinds[key][seg_start:]).tolist()) | {NONE})) for key in kinds}
         segments.append(Segment(seg_start, seg_start + n + pad, roles, start % 2, present["f"], present["r"],
@@ -150,28 +160,36 @@ def permute_bytes_per_step(cfg: Config) -> dict:
 
 def _local_kinds(present: tuple[int, ...], kinds: np.ndarray) -> jax.Array:
     """Kind codes -> indices into the segment's list of branches."""
-    index = np.zeros(LAST_KEEP + 1, np.int32)
+    index = np.zeros(2 * FINAL, np.int32)
     index[list(present)] = np.arange(len(present))
     return jnp.asarray(index[kinds])
 
 
-def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array):
+def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array, reductions=None):
     """(summed token loss over the local batch, gradients of seed_scale * summed loss) on this data
     rank, summed over 'pipeline' where parameters are shared. params: stacked layers in the staged
-    layout [v, 1 (this rank), L/(p v), ...]; the rest replicated. batch: the local rows [m * mb, ...]."""
+    layout [v, 1 (this rank), L/(p v), ...]; the rest replicated. batch: the local rows [m * mb, ...].
+    reductions (parallel.overlap_grad_reduce): per stacked-layer weight, its `overlap.Reduction`: each chunk's
+    last backward reduces the chunk's gradients over the data ranks layer by layer (a reduce-scatter leaves
+    the optimizer shard), so the layers' gradients come back reduced."""
     par = cfg.parallel
     m = cfg.num_micro_batches
     if par.schedule == "gpipe":
         return _gpipe_grads(cfg, params, batch, seed_scale)
     p, v = par.pipeline, par.virtual_stages
-    sched, table, kinds, segments = plan(par.schedule, p, v, m)
+    sched, table, kinds, segments = plan(par.schedule, p, v, m, final=reductions is not None)
     layers = vary(local_chunks(params["layers"]))  # [v, Lc, ...]
     shared = _shared(params)
     mbs = vary(micro_batches(batch, m))
     act_shape = (batch["tokens"].shape[0] // m, batch["tokens"].shape[1], cfg.model.hidden_size)
     act_dtype = jnp.dtype(cfg.model.compute_dtype)
-    actions = _SplitChunkActions if sched.split_backward else _ChunkActions
-    acts = actions(cfg, layers, shared, mbs, vary(seed_scale), act_shape, act_dtype)
+    if sched.split_backward:
+        assert reductions is None, "zero_bubble reduces its gradients after the schedule"
+        acts = _SplitChunkActions(cfg, layers, shared, mbs, vary(seed_scale), act_shape, act_dtype)
+    else:
+        per_layer = None if reductions is None else jax.tree.map(
+            lambda r: r.per_layer(len(layout.STAGED)), reductions["block"])
+        acts = _ChunkActions(cfg, layers, shared, mbs, vary(seed_scale), act_shape, act_dtype, per_layer)
     carry = vary({
         "act": jnp.zeros((sched.act_slots, *act_shape), act_dtype),  # chunk inputs: stashes and arrivals
         "grad": jnp.zeros((sched.grad_slots, *act_shape), act_dtype),
@@ -182,6 +200,8 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
     })
     if sched.split_backward:
         carry["dys"] = vary(acts.zero_dys())
+    if reductions is not None:
+        carry["g_final"] = acts.zero_final()
     rank = jax.lax.axis_index("pipeline")
     for seg in segments:
         xs = {k: jnp.asarray(table[k][seg.start:seg.stop]) for k in FIELDS}
@@ -199,7 +219,10 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
         else:
             carry, _ = jax.lax.scan(lambda carry, row, tick=tick: (tick(carry, row, None), None), carry, xs)
     grads = {k: jax.lax.psum(g, "pipeline") for k, g in carry["g_shared"].items()}
-    grads["layers"] = jax.tree.map(lambda g: g[:, None], carry["g_layers"])
+    if reductions is None:
+        grads["layers"] = jax.tree.map(lambda g: g[:, None], carry["g_layers"])
+    else:
+        grads["layers"] = {"block": jax.tree.map(lambda f: f[:, None], carry["g_final"])}
     return jax.lax.psum(carry["loss"], "pipeline"), grads
 
 
@@ -214,11 +237,12 @@ def _tick(acts: _ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, 
         carry["g_layers"] = jax.lax.switch(row["w_kind"], [acts.weight_branch(k) for k in seg.w], carry["res"],
                                            carry["dys"], carry["g_layers"], row)
     b_args = (carry["res"], carry["grad"][row["b_grad_slot"]], carry["g_layers"], carry["g_shared"])
+    extra = "dys" if split else "g_final" if "g_final" in carry else None
     b_out = jax.lax.switch(row["b_kind"], [acts.backward_branch(k) for k in seg.b], *b_args,
-                           *((carry["dys"],) if split else ()), row)
+                           *((carry[extra],) if extra else ()), row)
     send_grad, carry["g_layers"], carry["g_shared"] = b_out[:3]
-    if split:
-        carry["dys"] = b_out[3]
+    if extra:
+        carry[extra] = b_out[3]
     # The recompute reads its stash before the forward may reuse the slot; the residuals go through both
     # switches (replaced by the one that makes them, untouched otherwise).
     carry["res"] = jax.lax.switch(row["r_kind"], [acts.recompute_branch(k) for k in seg.r],
@@ -249,12 +273,15 @@ class _ChunkActions:
     """What one rank can do with one (local chunk, micro batch) in a tick: the branches of the forward,
     recompute and backward switches, by where the chunk sits in the model (NONE / FIRST / MID / LAST)."""
 
-    def __init__(self, cfg: Config, layers, shared, mbs, seed_scale, act_shape, act_dtype):
+    def __init__(self, cfg: Config, layers, shared, mbs, seed_scale, act_shape, act_dtype, reductions=None):
         self.cfg, self.mcfg = cfg, cfg.model
         self.layers, self.shared, self.mbs, self.seed_scale = layers, shared, mbs, seed_scale
         self.act_shape, self.act_dtype = act_shape, act_dtype
         self.lc = jax.tree.leaves(layers)[0].shape[1]
+        # parallel.overlap_grad_reduce: per weight of one layer ({"block": ...}'s leaves), its overlap.Reduction
+        self.reductions = reductions
         self._res_tree = None
+        self._res_tree_final = None  # the same residuals, unflattened into the backward that reduces
         self._res_avals = None
 
     # -- what an action reads: the chunk's weights and the micro batch ------------------------------------
@@ -283,9 +310,40 @@ class _ChunkActions:
 
         return jax.lax.scan(body, x, (w["block"], first_layer + jnp.arange(self.lc)))[0]
 
-    def linearize(self, w, x, side, first):
-        """(chunk output, what its backward needs: jax.vjp's pullback)."""
-        return jax.vjp(lambda w, x: self._layers(w, x, side, first), w, x)
+    def _hooked_layers(self, w, x, sinks, side, first_layer, reduce):
+        """(chunk output, taps): `_layers` with each layer's weights behind overlap.tapped_identity."""
+        def body(x, wl):
+            w_l, l, s_l = wl
+            hooked = jax.tree.map(lambda r, w, s: overlap.tapped_identity(r, reduce)(w, s), self.reductions, w_l, s_l)
+            w_l = jax.tree.map(lambda r, h: h[0], self.reductions, hooked)
+            taps = jax.tree.map(lambda r, h: h[1], self.reductions, hooked)
+            return model.block_apply(self.mcfg, w_l, x, l, side).astype(x.dtype), taps
+
+        return jax.lax.scan(body, x, (w["block"], first_layer + jnp.arange(self.lc), sinks))
+
+    def _sinks(self, w, lead=()):
+        """Per weight, fp32 zeros [*lead, Lc, ...] shaped (and varying) as its reduction leaves each layer's
+        gradient."""
+        def stacked(r, x):
+            one = r.sink(x[0], jnp.float32)
+            return vary(jnp.zeros((*lead, x.shape[0], *one.shape), jnp.float32), r.result_axes())
+
+        return jax.tree.map(stacked, self.reductions, w["block"])
+
+    def zero_final(self):
+        """g_final: per weight, its reduced gradients [v, Lc, ...]: replicated over the data ranks (all-reduced;
+        the carry g_layers, which sums the micro batches, varies over them) or the optimizer shards."""
+        v = jax.tree.leaves(self.layers)[0].shape[0]
+        return self._sinks(jax.tree.map(lambda x: x[0], self.layers), lead=(v,))
+
+    def linearize(self, w, x, side, first, reduce=False):
+        """(chunk output, what its backward needs: jax.vjp's pullback; with reductions, in (output, taps)
+        giving (weights, input, sinks), the backward that reduces with `reduce`)."""
+        if self.reductions is None:
+            return jax.vjp(lambda w, x: self._layers(w, x, side, first), w, x)
+        (y, _), pullback = jax.vjp(lambda w, x, s: self._hooked_layers(w, x, s, side, first, reduce), w, x,
+                                   self._sinks(w))
+        return y, pullback
 
     def forward_keeping(self, row, prefix, x):
         """(chunk output, its residuals as a list of arrays): `linearize`'s, flattened so that the scan can
@@ -299,6 +357,13 @@ class _ChunkActions:
         elif avals != self._res_avals:
             raise AssertionError("the chunk's residuals differ between the forward and the recompute")
         self._res_tree = tree  # the backward unflattens with the latest trace's (the same function)
+        if self.reductions is not None and self._res_tree_final is None:
+            def final_leaves():
+                leaves, self._res_tree_final = jax.tree.flatten(self.linearize(w, x, side, first, reduce=True)[1])
+                return leaves
+
+            if [(a.shape, a.dtype) for a in jax.eval_shape(final_leaves)] != avals:
+                raise AssertionError("the reducing backward's residuals differ from the chunk's")
         return y, leaves
 
     def zero_res(self) -> list:
@@ -351,18 +416,35 @@ class _ChunkActions:
         return run
 
     def backward_branch(self, kind):
-        """(residuals, g, g_layers, g_shared, row) -> (gradient to send, g_layers, g_shared)."""
-        def run(res, g, g_layers, g_shared, row):
+        """(residuals, g, g_layers, g_shared[, g_final], row) -> (gradient to send, g_layers, g_shared[,
+        g_final]); g_final with reductions: a FINAL kind (the chunk's last backward) reduces the chunk's
+        gradients, the all-reduced into g_layers, the reduce-scattered into g_final."""
+        def run(res, g, g_layers, g_shared, *rest):
+            *g_final, row = rest
             if kind == NONE:
-                return vary((jnp.zeros_like(g), g_layers, g_shared))
-            pullback = jax.tree.unflatten(self._res_tree, res)
-            dw, dx = pullback(g)
+                return (*vary((jnp.zeros_like(g), g_layers, g_shared)), *g_final)
             c = row["b_chunk"]
-            g_layers = jax.tree.map(lambda acc, d: acc.at[c].add(d.astype(jnp.float32)), g_layers, dw)
-            if kind == FIRST:  # the embedding's backward ends the pipeline: nothing to send
+            if self.reductions is None:
+                dw, dx = jax.tree.unflatten(self._res_tree, res)(g)
+                g_layers = jax.tree.map(lambda acc, d: acc.at[c].add(d.astype(jnp.float32)), g_layers, dw)
+            else:
+                g_final, = g_final
+                pullback = jax.tree.unflatten(self._res_tree_final if kind & FINAL else self._res_tree, res)
+                acc = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, c, keepdims=False), g_layers["block"])
+                if not kind & FINAL:  # (the earlier micro batches' sum is read only by the reducing backward)
+                    acc = jax.tree.map(jnp.zeros_like, acc)
+                dw, dx, reduced = pullback((g, acc))
+                if kind & FINAL:
+                    g_final = jax.tree.map(lambda f, d: f.at[c].set(d), g_final, reduced)
+                else:
+                    g_layers = jax.tree.map(lambda a, d: a.at[c].add(d.astype(jnp.float32)), g_layers, dw)
+                g_final = (g_final,)
+            send = jnp.zeros_like(g)
+            if (kind & ~FINAL) == FIRST:  # the embedding's backward ends the pipeline: nothing to send
                 g_shared = self.embedding_backward(dx.astype(g.dtype), row, g_shared)
-                return vary((jnp.zeros_like(g), g_layers, g_shared))
-            return vary((dx.astype(g.dtype), g_layers, g_shared))
+            else:
+                send = dx.astype(g.dtype)
+            return (*vary((send, g_layers, g_shared)), *g_final)  # (g_final as the reductions leave it)
 
         return run
 
