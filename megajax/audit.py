@@ -175,7 +175,7 @@ def compile_step(cfg, devices, compiler_options: dict | None = None):
 def audit(cfg, target: str = "cpu", devices: int | None = None, dump_hlo: str | None = None) -> dict:
     import jax
 
-    from megajax import hlo, metrics
+    from megajax import hlo, metrics, pipeline
 
     if target == "cpu":
         devs = jax.devices()
@@ -196,8 +196,9 @@ def audit(cfg, target: str = "cpu", devices: int | None = None, dump_hlo: str | 
     cost = compiled.cost_analysis()
     if isinstance(cost, list):
         cost = cost[0] if cost else None
-    colls = hlo.parse(text, dict(mesh.shape), None if target == "cpu" else GPUS_PER_HOST)
-    gemm = hlo.gemm_flops(text)
+    runs = pipeline.branch_runs(cfg)  # how often the schedule runs each branch of its switches
+    colls = hlo.parse(text, dict(mesh.shape), None if target == "cpu" else GPUS_PER_HOST, runs)
+    gemm = hlo.gemm_flops(text, runs)
     flops = metrics.step_flops(cfg.model, cfg.train.global_batch_size * cfg.model.seq_length,
                                pipelined=cfg.parallel.pipeline > 1)
     gib = 2**30

@@ -6,7 +6,9 @@ XLA prints replica groups in several forms, all handled here:
   mesh['axis_0'=2,'axis_1'=4] {'axis_1'}  a mesh of XLA's own factorisation (device ids optional) and the
                                          axes the collective spans
 Groups are mapped back to the (data, pipeline, tensor) mesh by device coordinates. Ops inside a while body
-run `known_trip_count` times; ops inside a conditional branch run at most once per visit (reported apart).
+run `known_trip_count` times; ops inside a conditional branch run at most once per visit (reported apart), or,
+given `branch_runs` (the pipeline executor's: how often each branch of each of its switches runs per visit, found
+by the name scope the compiled program keeps in the conditional's op_name), as often as the schedule runs them.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class Collective:
     bytes: int  # the full buffer: all-reduce in/out, all-gather output, reduce-scatter input, permute/all-to-all input
     group_size: int
     axes: tuple[str, ...]  # mesh axes the groups span (permute: the axes source and target differ on)
-    count: int  # executions per step (while trip counts multiplied in)
+    count: float  # executions per step (while trip counts multiplied in; branches weighted by branch_runs)
     in_conditional: bool  # inside a conditional branch: runs only when that branch is taken
     computation: str
     is_async: bool = False  # a start/done pair the scheduler may place work between
@@ -145,26 +147,32 @@ def _bytes(kind: str, opcode: str, shape_text: str, group_size: int) -> int:
     return _total(tree)
 
 
-def _callees(opcode: str, rest: str) -> list[tuple[str, int, bool]]:
+def _callees(opcode: str, rest: str, branch_runs: dict | None = None) -> list[tuple[str, float, bool]]:
     """The computations one op runs: (name, executions per execution of the op, whether it is a conditional
-    branch): a while body times its known trip count, every branch of a conditional, what calls, fusions and
-    async starts call."""
+    branch): a while body times its known trip count, every branch of a conditional (as `branch_runs` weights
+    it, else once), what calls, fusions and async starts call."""
     if opcode == "while":
         body = re.search(r"body=%?([\w.\-]+)", rest)
         trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
         return [(body.group(1), int(trip.group(1)) if trip else 1, False)] if body else []
     if opcode == "conditional":
         found = re.search(r"branch_computations=\{([^}]*)\}", rest) or re.search(r"(true_computation=.*)", rest)
-        return [(b, 1, True) for b in re.findall(r"%([\w.\-]+)", found.group(1))]
+        branches = re.findall(r"%([\w.\-]+)", found.group(1))
+        scope = re.search(r'op_name="[^"]*/(pipeline_s\d+t\d_[a-z])/cond"', rest)
+        runs = (branch_runs or {}).get(scope.group(1)) if scope else None
+        if runs is None or len(runs) != len(branches):
+            runs = [1] * len(branches)
+        return [(b, r, True) for b, r in zip(branches, runs)]
     if opcode in ("call", "async-start", "fusion"):
         return [(c, 1, False) for c in re.findall(r"(?:to_apply|calls)=%?([\w.\-]+)", rest)]
     return []
 
 
-def _walk(hlo_text: str):
+def _walk(hlo_text: str, branch_runs: dict | None = None):
     """(computation -> its ops (name, shape, opcode, rest of line), executions of each computation per step,
     whether each runs inside a conditional branch), from the entry through while bodies (times their known
-    trip counts), conditional branches (each counted as if taken), calls and fusions."""
+    trip counts), conditional branches (each counted as if taken, or as `branch_runs` says), calls and
+    fusions."""
     comps: dict[str, list[tuple[str, str, str, str]]] = {}
     entry, current = None, None
     for line in hlo_text.splitlines():
@@ -186,7 +194,7 @@ def _walk(hlo_text: str):
             comps[current].append((om.group(1), om.group(2), om.group(3), om.group(4)))
 
     # executions of each computation: walk calls from the entry
-    multiplicity: dict[str, int] = defaultdict(int)
+    multiplicity: dict[str, float] = defaultdict(float)
     conditional: dict[str, bool] = defaultdict(bool)
 
     def visit(comp: str, mult: int, in_cond: bool, depth: int = 0) -> None:
@@ -195,7 +203,7 @@ def _walk(hlo_text: str):
         multiplicity[comp] += mult
         conditional[comp] |= in_cond
         for _, _, opcode, rest in comps[comp]:
-            for callee, times, branch in _callees(opcode, rest):
+            for callee, times, branch in _callees(opcode, rest, branch_runs):
                 visit(callee, mult * times, in_cond or branch, depth + 1)
 
     if entry:
@@ -203,7 +211,8 @@ def _walk(hlo_text: str):
     return comps, multiplicity, conditional
 
 
-def parse(hlo_text: str, mesh_shape: dict[str, int], devices_per_node: int | None = None) -> list[Collective]:
+def parse(hlo_text: str, mesh_shape: dict[str, int], devices_per_node: int | None = None,
+          branch_runs: dict | None = None) -> list[Collective]:
     """Every collective of a compiled module, with executions per step and what the schedule places under it
     (the module's instruction order is its schedule once XLA has scheduled it: `is_scheduled=true`).
     `devices_per_node`: logical device i sits on node i // devices_per_node (megajax's meshes order devices
@@ -212,7 +221,7 @@ def parse(hlo_text: str, mesh_shape: dict[str, int], devices_per_node: int | Non
     sizes = [mesh_shape[a] for a in axis_names]
     n = math.prod(sizes)
     coords = np.stack(np.unravel_index(np.arange(n), sizes), axis=1)
-    comps, multiplicity, conditional = _walk(hlo_text)
+    comps, multiplicity, conditional = _walk(hlo_text, branch_runs)
     under = _scheduled_under(comps)
     per_node = devices_per_node or n
     out = []
@@ -297,13 +306,14 @@ def _is_fp8(op, shapes: dict[str, str]) -> bool:
     return lhs.startswith("f8")
 
 
-def gemm_flops(hlo_text: str) -> dict[str, float]:
+def gemm_flops(hlo_text: str, branch_runs: dict | None = None) -> dict[str, float]:
     """The matmul FLOPs of one step of a compiled module: 2 x output elements x contracted size over every
     dot (also inside fusions: XLA:GPU's Triton GEMMs), cuBLAS GEMM custom call and grouped-GEMM kernel (MoE),
     times the executions of its computation. `in_conditional`: the part inside conditional branches, counted as
-    if every branch ran (an upper bound: the pipeline's ticks run one branch each). `fp8`: the FLOPs of GEMMs with FP8 operands;
-    `gemms` and `fp8_gemms`: the GEMM sites in the program (a GEMM inside a loop body counts once)."""
-    comps, multiplicity, conditional = _walk(hlo_text)
+    if every branch ran (an upper bound: the pipeline's ticks run one branch each) unless `branch_runs` (the
+    pipeline executor's) says how often each runs. `fp8`: the FLOPs of GEMMs with FP8 operands; `gemms` and
+    `fp8_gemms`: the GEMM sites in the program (a GEMM inside a loop body counts once)."""
+    comps, multiplicity, conditional = _walk(hlo_text, branch_runs)
     total = in_cond = fp8 = 0.0
     sites = fp8_sites = 0
     for comp, ops in comps.items():

@@ -38,7 +38,9 @@ def test_dropout_is_layout_independent():
 # embeddings), dropout, tensor and sequence parallelism, MoE with the experts over 'expert'; all-reduced, or
 # scattered onto the distributed optimizer's shards (over 'data' alone, over 'data' x 'expert', with 'tensor'
 # manual too, and a tensor-sharded bias all-reduced and sliced); the weights kept as their shards between steps
-# and gathered in the first forward (overlap_param_gather; first micro batch = last, or not).
+# and gathered in the first forward (overlap_param_gather; first micro batch = last, or not). With a pipeline
+# (1f1b and interleaved): each chunk's last backward reduces its layers, all-reduced or scattered, with tensor and
+# sequence parallelism, full recomputation and MoE experts over 'expert'.
 ZERO = {"parallel.distributed_optimizer": True}
 GATHER = {**ZERO, "parallel.overlap_param_gather": True}
 OVERLAP_CASES = {
@@ -52,17 +54,26 @@ OVERLAP_CASES = {
     "llama-moe-d4e2-m1-zero-gather": {"model.arch": "llama", "model.num_experts": 4, "model.experts_per_token": 2,
                                       "model.moe_ffn_hidden_size": 32, "parallel.data": 4, "parallel.expert": 2,
                                       "train.micro_batch_size": 2, **GATHER},
+    "gpt2-d2p2-m4": {"parallel.data": 2, "parallel.pipeline": 2, "train.micro_batch_size": 2},
+    "llama-d2p2t2sp-interleaved-full-zero": {"model.arch": "llama", "model.num_layers": 4, "parallel.data": 2,
+                                             "parallel.pipeline": 2, "parallel.tensor": 2,
+                                             "parallel.sequence_parallel": True, "parallel.schedule": "interleaved",
+                                             "parallel.virtual_stages": 2, "train.micro_batch_size": 1,
+                                             "model.recompute": "full", **ZERO},
+    "llama-moe-d4e2p2-zero": {"model.arch": "llama", "model.num_experts": 4, "model.experts_per_token": 2,
+                              "model.moe_ffn_hidden_size": 32, "parallel.data": 4, "parallel.expert": 2,
+                              "parallel.pipeline": 2, "train.micro_batch_size": 1, **ZERO},
 }
+SLOW_OVERLAP = ("gpt2-d4-m2-selective-dropout", "gpt2-d2-m1", "llama-moe-d4e2p2-zero")
 
 
-# the dropout case and the plain all-reduce at one micro batch with -m slow (suite time; the audit test compiles
-# the all-reduce path by default)
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in ("gpt2-d4-m2-selective-dropout",
-                                                                                   "gpt2-d2-m1") else c
+# the dropout case, the plain all-reduce at one micro batch and the pipelined MoE with -m slow (suite time; the
+# audit test compiles the all-reduce path by default)
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_OVERLAP else c
                                   for c in OVERLAP_CASES])
 def test_overlapped_gradient_reduction_matches_one_device(case):
     sets = OVERLAP_CASES[case]
-    n = sets.get("parallel.data", 1) * sets.get("parallel.tensor", 1)
+    n = sets.get("parallel.data", 1) * sets.get("parallel.tensor", 1) * sets.get("parallel.pipeline", 1)
     # one device: the same model and micro batch size (it splits the batch as the layout's ranks do)
     single = {k: v for k, v in sets.items() if not k.startswith("parallel.")}
     ref_norms, norms = [], []

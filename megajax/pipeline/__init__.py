@@ -7,8 +7,8 @@ plans and draws schedules with NumPy alone (no JAX import).
 
 import importlib
 
-_EXPORTS = {"permute_bytes_per_step": "executor", "pipeline_grads": "executor", "pipeline_loss": "executor",
-            "from_stages": "layout", "to_stages": "layout"}
+_EXPORTS = {"branch_runs": "executor", "permute_bytes_per_step": "executor", "pipeline_grads": "executor",
+            "pipeline_loss": "executor", "from_stages": "layout", "to_stages": "layout"}
 __all__ = sorted(_EXPORTS)
 
 

@@ -203,7 +203,7 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
     if reductions is not None:
         carry["g_final"] = acts.zero_final()
     rank = jax.lax.axis_index("pipeline")
-    for seg in segments:
+    for i, seg in enumerate(segments):
         xs = {k: jnp.asarray(table[k][seg.start:seg.stop]) for k in FIELDS}
         for key in ACTIONS:
             xs[key + "_kind"] = _local_kinds(getattr(seg, key), kinds[key][seg.start:seg.stop])
@@ -211,13 +211,14 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
         if seg.roles:  # pairs of ticks, so that each one's ppermute pairs are static
             xs = jax.tree.map(lambda x: x.reshape(-1, 2, *x.shape[1:]), xs)
 
-            def pair(carry, row2, tick=tick, parity=seg.parity):
-                carry = tick(carry, jax.tree.map(lambda x: x[0], row2), parity)
-                return tick(carry, jax.tree.map(lambda x: x[1], row2), 1 - parity), None
+            def pair(carry, row2, tick=tick, parity=seg.parity, i=i):
+                carry = tick(carry, jax.tree.map(lambda x: x[0], row2), parity, _scope(i, 0))
+                return tick(carry, jax.tree.map(lambda x: x[1], row2), 1 - parity, _scope(i, 1)), None
 
             carry, _ = jax.lax.scan(pair, carry, xs)
         else:
-            carry, _ = jax.lax.scan(lambda carry, row, tick=tick: (tick(carry, row, None), None), carry, xs)
+            carry, _ = jax.lax.scan(lambda carry, row, tick=tick, i=i: (tick(carry, row, None, _scope(i, 0)), None),
+                                    carry, xs)
     grads = {k: jax.lax.psum(g, "pipeline") for k, g in carry["g_shared"].items()}
     if reductions is None:
         grads["layers"] = jax.tree.map(lambda g: g[:, None], carry["g_layers"])
@@ -226,30 +227,60 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
     return jax.lax.psum(carry["loss"], "pipeline"), grads
 
 
-def _tick(acts: _ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, row: dict, parity):
+def _scope(segment: int, tick: int) -> str:
+    """The name scope of a tick's switches (`tick`: its place in the scan body, 0 or 1 for a pair of ticks): the
+    compiled program keeps it in each conditional's op_name, where `branch_runs` finds it."""
+    return f"pipeline_s{segment}t{tick}"
+
+
+def branch_runs(cfg: Config) -> dict[str, list[float]]:
+    """For the audit: per switch of the executor ('<_scope>_<action>'), how often each branch runs per visit
+    of the switch, averaged over the pipeline ranks (the compiled program counts every branch of a conditional
+    as taken; the schedule's table says which is)."""
+    par = cfg.parallel
+    if par.pipeline == 1 or par.schedule == "gpipe":
+        return {}
+    final = par.overlap_grad_reduce and (par.data or 1) > 1  # as train.compute_grads passes reductions
+    _, _, kinds, segments = plan(par.schedule, par.pipeline, par.virtual_stages, cfg.num_micro_batches, final)
+    out = {}
+    for i, seg in enumerate(segments):
+        step = 2 if seg.roles else 1
+        for t in range(step):
+            for key in ACTIONS:
+                rows = kinds[key][seg.start + t:seg.stop:step]
+                out[f"{_scope(i, t)}_{key}"] = [float(np.mean(rows == k)) for k in getattr(seg, key)]
+    return out
+
+
+def _tick(acts: _ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, row: dict, parity, scope: str):
     """One tick of one rank: W (zero_bubble), B, then R (it reads its stash before a forward may reuse the
-    slot), then F, then the sends (see the module docstring)."""
+    slot), then F, then the sends (see the module docstring); each switch under the name scope_<action>."""
     row = {k: jnp.clip(val[rank], 0, None) for k, val in row.items()}
+    named = lambda key: jax.named_scope(f"{scope}_{key}")  # noqa: E731
     # Only the slices an action reads go into a switch; the accumulators go through the backward's and the
     # forward's switches so that only the branches with something to add touch them.
     split = "dys" in carry
     if split:  # the weight gradients of the last backward, before R or F replace its residuals
-        carry["g_layers"] = jax.lax.switch(row["w_kind"], [acts.weight_branch(k) for k in seg.w], carry["res"],
-                                           carry["dys"], carry["g_layers"], row)
+        with named("w"):
+            carry["g_layers"] = jax.lax.switch(row["w_kind"], [acts.weight_branch(k) for k in seg.w], carry["res"],
+                                               carry["dys"], carry["g_layers"], row)
     b_args = (carry["res"], carry["grad"][row["b_grad_slot"]], carry["g_layers"], carry["g_shared"])
     extra = "dys" if split else "g_final" if "g_final" in carry else None
-    b_out = jax.lax.switch(row["b_kind"], [acts.backward_branch(k) for k in seg.b], *b_args,
-                           *((carry[extra],) if extra else ()), row)
+    with named("b"):
+        b_out = jax.lax.switch(row["b_kind"], [acts.backward_branch(k) for k in seg.b], *b_args,
+                               *((carry[extra],) if extra else ()), row)
     send_grad, carry["g_layers"], carry["g_shared"] = b_out[:3]
     if extra:
         carry[extra] = b_out[3]
     # The recompute reads its stash before the forward may reuse the slot; the residuals go through both
     # switches (replaced by the one that makes them, untouched otherwise).
-    carry["res"] = jax.lax.switch(row["r_kind"], [acts.recompute_branch(k) for k in seg.r],
-                                  carry["act"][row["r_slot"]], carry["res"], row)
-    send_act, stash, loss, g_self, carry["res"], carry["g_shared"] = jax.lax.switch(
-        row["f_kind"], [acts.forward_branch(k) for k in seg.f], carry["act"][row["f_slot"]], carry["res"],
-        carry["g_shared"], row)
+    with named("r"):
+        carry["res"] = jax.lax.switch(row["r_kind"], [acts.recompute_branch(k) for k in seg.r],
+                                      carry["act"][row["r_slot"]], carry["res"], row)
+    with named("f"):
+        send_act, stash, loss, g_self, carry["res"], carry["g_shared"] = jax.lax.switch(
+            row["f_kind"], [acts.forward_branch(k) for k in seg.f], carry["act"][row["f_slot"]], carry["res"],
+            carry["g_shared"], row)
     carry["act"] = carry["act"].at[row["f_slot"]].set(stash)  # (the trash slot when no forward)
     carry["grad"] = carry["grad"].at[row["f_grad_slot"]].set(g_self)
     carry["loss"] = carry["loss"] + loss
