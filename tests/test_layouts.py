@@ -4,7 +4,9 @@ The space: every (data, pipeline, tensor) with data x pipeline x tensor in {1, 2
 included), sequence parallelism on and off (t > 1), the distributed optimizer on and off (d > 1), GPT-2 and
 Llama with grouped-query attention, every schedule (p > 1), and the model dense or mixture-of-experts (8
 dropless experts, top 2) with every expert-parallel size dividing data, and with sequence parallelism and no
-pipeline the ring matmuls of parallel.tp_comm_overlap on and off. `test_the_space_is_accepted` checks the
+pipeline the ring matmuls of parallel.tp_comm_overlap on and off, and with data > 1 the gradient reduction
+overlapped with the backward (parallel.overlap_grad_reduce: without a pipeline, or in the last backward of each
+chunk with 1f1b and interleaved) on and off. `test_the_space_is_accepted` checks the
 whole space against the config (cheap); `test_layout_matches_one_device` trains each layout for two steps
 and compares the losses and gradient norms with one device (fp32, relative 1e-4). The default run covers
 every (d, p, t) triple once, with the features rotated so that each appears on and off (data = 1 with
@@ -56,7 +58,7 @@ def experts(d: int) -> list[int]:
     return [0] + [e for e in range(1, d + 1) if d % e == 0 and MOE["model.num_experts"] % e == 0]
 
 
-def case(arch, d, p, t, sp, zero, schedule, v, ep=0, ring=False) -> dict:
+def case(arch, d, p, t, sp, zero, schedule, v, ep=0, ring=False, overlap=False) -> dict:
     # p micro batches through a pipeline (the fewest every schedule takes); without one, 2 or 3 per data
     # rank, so gradient accumulation runs on every layout too
     mb = BATCH // (d * p) if p > 1 else max(1, BATCH // (2 * d))
@@ -64,7 +66,12 @@ def case(arch, d, p, t, sp, zero, schedule, v, ep=0, ring=False) -> dict:
         **ARCHS[arch], **(MOE if ep else {}), "train.global_batch_size": BATCH, "train.micro_batch_size": mb,
         "parallel.data": d, "parallel.pipeline": p, "parallel.tensor": t, "parallel.expert": max(ep, 1),
         "parallel.sequence_parallel": sp, "parallel.distributed_optimizer": zero, "parallel.tp_comm_overlap": ring,
-        "parallel.schedule": schedule, "parallel.virtual_stages": v}}
+        "parallel.overlap_grad_reduce": overlap, "parallel.schedule": schedule, "parallel.virtual_stages": v}}
+
+
+def overlaps(d: int, p: int, schedule: str) -> tuple[bool, ...]:
+    """parallel.overlap_grad_reduce's values: on and off with data > 1 (and a schedule that runs it)."""
+    return (False, True) if d > 1 and (p == 1 or schedule in ("1f1b", "interleaved")) else (False,)
 
 
 def space() -> list[dict]:
@@ -74,8 +81,9 @@ def space() -> list[dict]:
         for arch, sp, zero, (schedule, v), ep in itertools.product(
                 ARCHS, (False, True) if t > 1 else (False,), (False, True) if d > 1 else (False,), schedules(p),
                 experts(d)):
-            for ring in (False, True) if sp and p == 1 else (False,):  # tp_comm_overlap: SP without a pipeline
-                out.append(case(arch, d, p, t, sp, zero, schedule, v, ep, ring))
+            for ring, overlap in itertools.product((False, True) if sp and p == 1 else (False,),  # SP, no pipeline
+                                                   overlaps(d, p, schedule)):
+                out.append(case(arch, d, p, t, sp, zero, schedule, v, ep, ring, overlap))
     return out
 
 
@@ -94,7 +102,7 @@ def default_cases() -> list[dict]:
         ep = DEFAULT_MOE.get((d, p, t), 0)
         sp = t > 1 and (i // 2) % 2 == 0
         out.append(case(("gpt2", "llama")[i % 2], d, p, t, sp, d > 1 and i % 3 != 1, schedule, v, ep,
-                        ring=sp and p == 1 and i % 2 == 0))
+                        ring=sp and p == 1 and i % 2 == 0, overlap=overlaps(d, p, schedule)[-1] and i % 3 != 2))
     return out
 
 
@@ -106,6 +114,7 @@ def name(c: dict) -> str:
             f"{'-sp' if s['parallel.sequence_parallel'] else ''}"
             f"{'-zero1' if s['parallel.distributed_optimizer'] else ''}"
             f"{'-ring' if s['parallel.tp_comm_overlap'] else ''}"
+            f"{'-overlap' if s['parallel.overlap_grad_reduce'] else ''}"
             + (f"-{s['parallel.schedule']}v{s['parallel.virtual_stages']}" if p > 1 else ""))
 
 
@@ -129,6 +138,11 @@ def test_the_space_is_accepted():
     sp1 = [c["sets"] for c in DEFAULT
            if c["sets"]["parallel.sequence_parallel"] and c["sets"]["parallel.pipeline"] == 1]
     assert {s["parallel.tp_comm_overlap"] for s in sp1} == {False, True}, "SP with and without the ring matmuls"
+    overlapped = [(s["parallel.pipeline"], s["parallel.schedule"], s["parallel.distributed_optimizer"])
+                  for s in (c["sets"] for c in DEFAULT) if s["parallel.overlap_grad_reduce"]]
+    assert {p > 1 for p, _, _ in overlapped} == {False, True}, "the overlapped reduction with and without a pipeline"
+    assert {sched for p, sched, _ in overlapped if p > 1} == {"1f1b", "interleaved"}
+    assert {zero for p, _, zero in overlapped if p > 1} == {False, True}, "all-reduced and scattered on a pipeline"
     assert {c["sets"]["parallel.schedule"] for c in DEFAULT} == {"gpipe", "1f1b", "interleaved", "zero_bubble"}
     assert {c["arch"] for c in DEFAULT} == set(ARCHS)
     moe = [c["sets"] for c in DEFAULT if c["moe"]]
