@@ -58,17 +58,29 @@ def _target_value(target: str, key: str) -> float:
     return float(re.search(rf"{key}:\s*([0-9.e+]+)", desc).group(1))
 
 
-def communication(colls, target: str, compute_dtype: str, gemm_flops: float) -> dict:
+def communication(colls, target: str, compute_dtype: str, gemm_flops: float, pipeline: int = 1) -> dict:
     """The overlap report of a GPU program: per collective group (kind x mesh axes) bytes per step, the fraction
-    with GEMMs scheduled under them and the estimated exposed time; the totals next to the GEMM time at peak."""
+    with GEMMs scheduled under them and the estimated exposed time; the totals next to the GEMM time at peak.
+    With a pipeline, `in_schedule`: the data-parallel reductions the schedule runs inside its ticks
+    (parallel.overlap_grad_reduce): their bytes, the part of their time no GEMM hides (per rank), and what that
+    adds to the step: the ranks' last backwards of the last micro batch follow one another (each sends the
+    next its input gradient, at the end of its tick), so each rank's exposed reduction delays the cool-down,
+    `pipeline` times over (a reduction after the schedule costs its exposed time once, all ranks at once)."""
     from megajax import hlo, metrics
 
     peak = metrics.PEAK_FLOPS[target.upper()][compute_dtype]
     nvlink, network = _target_value(target, "nvlink_bytes_per_s"), _target_value(target, "network_bytes_per_s")
     groups = hlo.overlap(colls, peak, nvlink, network)
-    return {"groups": groups, "nvlink_bytes_per_s": nvlink, "network_bytes_per_s": network, "peak_flops": peak,
-            "gemm_s_at_peak": gemm_flops / peak, "comm_s": sum(g["comm_s"] for g in groups.values()),
-            "exposed_comm_s": sum(g["exposed_s"] for g in groups.values())}
+    out = {"groups": groups, "nvlink_bytes_per_s": nvlink, "network_bytes_per_s": network, "peak_flops": peak,
+           "gemm_s_at_peak": gemm_flops / peak, "comm_s": sum(g["comm_s"] for g in groups.values()),
+           "exposed_comm_s": sum(g["exposed_s"] for g in groups.values())}
+    if pipeline > 1:
+        inside = [c for c in colls if c.in_conditional and c.kind in ("all-reduce", "reduce-scatter") and c.axes
+                  and set(c.axes) <= {"data", "expert", "context"}]
+        exposed = sum(g["exposed_s"] for g in hlo.overlap(inside, peak, nvlink, network).values())
+        out["in_schedule"] = {"data_parallel_bytes": sum(c.bytes * c.count for c in inside), "exposed_s": exposed,
+                              "cooldown_delay_s": pipeline * exposed}
+    return out
 
 
 def megatron_expected(cfg) -> dict:
@@ -235,7 +247,7 @@ def audit(cfg, target: str = "cpu", devices: int | None = None, dump_hlo: str | 
         "expected_expert_all_to_all": expected_all_to_all(cfg),
         "expected_context_exchange": expected_context_exchange(cfg),
         "communication": (None if target == "cpu" else
-                          communication(colls, target, cfg.model.compute_dtype, gemm["total"])),
+                          communication(colls, target, cfg.model.compute_dtype, gemm["total"], p.pipeline)),
     }
 
 

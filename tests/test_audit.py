@@ -10,7 +10,7 @@ import sys
 import jax
 import pytest
 
-from megajax import audit, config as config_lib, hlo, metrics
+from megajax import audit, config as config_lib, hlo, metrics, pipeline
 
 from conftest import REPO, cli_env
 
@@ -283,6 +283,38 @@ def test_data_parallel_reduction_runs_under_the_backward_on_h100(mode):
         assert data["exposed_s"] < 0.5 * data["comm_s"]
     else:
         assert data["overlapped_fraction"] < 0.05
+
+
+@gpu
+def test_pipelined_reduction_runs_in_each_chunks_last_backward_on_h100():
+    """gpt2-1.3b cut to 8 layers, data 2 x pipeline 2 (1F1B) x tensor 2 with the preset's sequence parallelism
+    and distributed optimizer, 8 micro batches, parallel.overlap_grad_reduce: the layers' gradients are
+    reduce-scattered inside the schedule's ticks (the backward branch that ends each chunk), each exactly once a
+    step, as the audit counts the branches the schedule runs (`pipeline.branch_runs`: the program's GEMM FLOPs
+    then match Megatron's formula, where counting every branch as taken gave 3.3x); GEMMs run under part of
+    them (measured 33%: four layers a chunk, of which XLA peels the first and the last out of its loop)."""
+    cfg = config_lib.load(f"{REPO}/configs/gpt2-1.3b.yaml", [
+        "model.num_layers=8", "parallel.data=2", "parallel.pipeline=2", "parallel.tensor=2",
+        "train.micro_batch_size=1", "train.global_batch_size=16", "parallel.overlap_grad_reduce=true"])
+    devices = audit._gpu_devices("h100", 8)
+    cfg, mesh, compiled, setup = audit.compile_step(cfg, devices)
+    text = compiled.as_text()
+    runs = pipeline.branch_runs(cfg)
+    colls = hlo.parse(text, dict(mesh.shape), audit.GPUS_PER_HOST, runs)
+    gemm = hlo.gemm_flops(text, runs)["total"]
+    megatron = metrics.step_flops(cfg.model, cfg.train.global_batch_size * cfg.model.seq_length,
+                                  pipelined=True)["hardware_flops"] / len(devices)
+    assert 0.8 < gemm / megatron < 1.05 and hlo.gemm_flops(text)["total"] / megatron > 2
+    layers = sum(math.prod(s.shard_shape(a.shape)) * 4 for a, s in zip(  # one device's f32 layer gradients
+        jax.tree.leaves(setup.abstract_state.params["layers"]),
+        jax.tree.leaves(setup.state_shardings.params["layers"])))
+    report = audit.communication(colls, "h100", cfg.model.compute_dtype, gemm, cfg.parallel.pipeline)
+    inside = report["in_schedule"]
+    assert abs(inside["data_parallel_bytes"] / layers - 1) < 0.01, (inside, layers)
+    scattered = [c for c in colls if c.in_conditional and c.kind == "reduce-scatter" and c.axes == ("data",)]
+    under = sum(c.bytes * c.count for c in scattered if c.flops_under > 0) / inside["data_parallel_bytes"]
+    assert under > 0.25
+    assert inside["cooldown_delay_s"] == pytest.approx(2 * inside["exposed_s"])
 
 
 @gpu

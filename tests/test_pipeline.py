@@ -126,3 +126,37 @@ def test_pipeline_gradients_equal_plain_gradients(schedule, v):
     got = _grads(small_config(**ARCHS["llama"], **layout(schedule, 2, v, 2, 2, True, mb=2)), 8)
     scale = max(float(np.abs(x).max()) for x in jax.tree.leaves(ref))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * scale), got, ref)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_each_chunk_reduces_in_its_last_backward_and_the_audit_counts_branches_as_run(schedule):
+    """parallel.overlap_grad_reduce on a pipeline, over the schedule space (p 2-8, v 1-3, m p-3p): the plan marks
+    exactly one backward per (rank, local chunk) FINAL, its last; and `branch_runs` (how often the audit counts
+    each branch of each switch) sums to one run per visit and runs the FINAL branches v times per rank a step."""
+    from megajax.pipeline import executor
+
+    for p in range(2, 9):
+        for v in ((1,) if schedule == "1f1b" else (2, 3)):
+            for m in sorted({p, p + 1, 2 * p, 3 * p}):
+                _, table, kinds, _ = executor.plan(schedule, p, v, m, final=True)
+                final = (kinds["b"] & executor.FINAL) > 0
+                for r in range(p):
+                    for c in range(v):
+                        ticks = np.flatnonzero(table["b_chunk"][:, r] == c)
+                        assert list(np.flatnonzero(final[:, r] & (table["b_chunk"][:, r] == c))) == [ticks[-1]]
+                assert final.sum() == p * v
+                cfg = small_config(**{"model.num_layers": p * v, "parallel.pipeline": p, "parallel.virtual_stages": v,
+                                      "parallel.schedule": schedule, "parallel.data": 2,
+                                      "parallel.overlap_grad_reduce": True, "train.global_batch_size": 2 * m,
+                                      "train.micro_batch_size": 1})
+                _, _, _, segments = executor.plan(schedule, p, v, m, final=True)
+                runs = executor.branch_runs(cfg)
+                assert all(abs(sum(f) - 1) < 1e-9 for f in runs.values())
+                finals = 0.0
+                for i, seg in enumerate(segments):
+                    step = 2 if seg.roles else 1
+                    for t in range(step):
+                        visits = len(range(seg.start + t, seg.stop, step))
+                        finals += visits * sum(f for k, f in zip(seg.b, runs[f"{executor._scope(i, t)}_b"])
+                                               if k & executor.FINAL)
+                assert abs(finals - v) < 1e-9
