@@ -101,10 +101,11 @@ def megatron_expected(cfg) -> dict:
 
 
 def expected_all_to_all(cfg) -> dict:
-    """What expert parallelism moves over 'expert' in one step, per MoE layer and micro batch: a dispatch and
-    a combine all-to-all forward, the same two backward, and two more where the forward runs again (full
-    recomputation, or a 1F1B / interleaved / zero_bubble pipeline, which recomputes each chunk before its
-    backward).
+    """What expert parallelism moves over 'expert' in one step, per device, per MoE layer and micro batch: a
+    dispatch and a combine all-to-all forward, the same two backward, and two more where the forward runs again
+    (full recomputation, or a 1F1B / interleaved / zero_bubble pipeline, which recomputes a chunk before its
+    backward unless its forward kept the residuals, as the last chunk's does when its backward comes next:
+    the schedule's recomputes, averaged over the ranks).
     `routed_bytes_each`: the analytic volume, tokens x k x hidden in the compute dtype (Megatron's dropless
     all-to-all sends exactly that); `buffer_bytes_each`: megajax's fixed-size buffer, capacity_factor times that
     with a capacity, or ep x min(k, experts / ep) / k times that dropless (moe.exchange_dropless)."""
@@ -120,8 +121,13 @@ def expected_all_to_all(cfg) -> dict:
         buffer = p.expert * moe.dropless_bound(tokens, k, e, p.expert) * row
     else:
         buffer = e * moe.capacity(tokens, k, e, m.moe_capacity_factor) * row
-    recomputed = m.recompute == "full" or (p.pipeline > 1 and p.schedule != "gpipe")
-    return {"count": (6 if recomputed else 4) * (m.moe_layers // p.pipeline) * cfg.num_micro_batches,
+    again = 1.0 if m.recompute == "full" else 0.0  # the share of chunk forwards run twice
+    if m.recompute != "full" and p.pipeline > 1 and p.schedule != "gpipe":
+        from megajax.pipeline import executor
+
+        table = executor.plan(p.schedule, p.pipeline, p.virtual_stages, cfg.num_micro_batches)[1]
+        again = float((table["r_chunk"] >= 0).sum()) / (p.pipeline * p.virtual_stages * cfg.num_micro_batches)
+    return {"count": (4 + 2 * again) * (m.moe_layers // p.pipeline) * cfg.num_micro_batches,
             "routed_bytes_each": tokens * k * row, "buffer_bytes_each": buffer}
 
 

@@ -191,19 +191,31 @@ def test_replica_group_formats():
 
 @gpu
 # dropless by default
-@pytest.mark.parametrize("factor,freq", [pytest.param(1.0, 2, marks=pytest.mark.slow), (None, 1)])
+@pytest.mark.parametrize("factor,freq", [pytest.param(1.0, 2, marks=pytest.mark.slow), (None, 1),
+                                         pytest.param(1.0, "p2", marks=pytest.mark.slow)])
 def test_expert_parallel_all_to_alls_on_h100_target(factor, freq):
     """Per MoE layer and micro batch: dispatch + combine all-to-all over 'expert', forward and backward, each of
     audit.expected_all_to_all's buffer; with a capacity factor of 1 that is the analytic tokens x k x hidden. With
     model.moe_layer_freq 2 only layers 0 and 2 exchange, and the program's GEMMs count their experts and the
-    dense layers' MLP as the FLOPs formula does."""
-    sets = ["parallel.data=4", "parallel.expert=4", "parallel.tensor=2", "model.compute_dtype=bfloat16",
-            "train.micro_batch_size=2", f"model.moe_capacity_factor={'null' if factor is None else factor}",
-            f"model.moe_layer_freq={freq}"]
+    dense layers' MLP as the FLOPs formula does. "p2": on d 2 e 2 x p 2 (1F1B, 4 micro batches) the program, its
+    branches counted as the schedule runs them, exchanges as often as expected_all_to_all says: 6 a layer and
+    micro batch where a chunk is recomputed, 4 where the last chunk's forward kept its residuals."""
+    pipe = freq == "p2"
+    layout = (["parallel.data=2", "parallel.expert=2", "parallel.pipeline=2", "train.global_batch_size=8"] if pipe
+              else ["parallel.data=4", "parallel.expert=4"])
+    freq = 1 if pipe else freq
+    sets = [*layout, "parallel.tensor=2", "model.compute_dtype=bfloat16",
+            "train.micro_batch_size=2" if not pipe else "train.micro_batch_size=1",
+            f"model.moe_capacity_factor={'null' if factor is None else factor}", f"model.moe_layer_freq={freq}"]
     cfg = config_lib.load(f"{REPO}/configs/tiny-moe.yaml", sets)
     cfg, mesh, compiled, _ = audit.compile_step(cfg, audit._gpu_devices("h100", 8))
-    colls = hlo.parse(compiled.as_text(), dict(mesh.shape))
+    colls = hlo.parse(compiled.as_text(), dict(mesh.shape), branch_runs=pipeline.branch_runs(cfg))
     want = audit.expected_all_to_all(cfg)
+    if pipe:
+        a2a = [c for c in colls if c.kind == "all-to-all" and c.bytes == want["buffer_bytes_each"]]
+        # rank 0 recomputes its 4 micro batches, rank 1 (the last chunk) keeps its forwards' residuals
+        assert sum(c.count for c in a2a) == pytest.approx(want["count"]) == (4 + 2 * 0.5) * 4 // 2 * 4
+        return
     # the program's GEMM FLOPs against the active-parameter formula: the capacity buffers' rounding only;
     # dropless, XLA expands ragged_dot into dense matmuls over every local expert (and the exchange pads)
     gemm = hlo.gemm_flops(compiled.as_text())["total"]
