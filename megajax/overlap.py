@@ -13,6 +13,10 @@ as its cotangent, so the step differentiates the sinks and gets each gradient in
 hook sits inside the loop and its backward (one reduction per layer) inside the backward loop. The bytes and
 the order of the sums are the plain path's: (earlier micro batches + last) summed locally, then over the data
 ranks.
+
+Under a pipeline the chunk's backward is a pullback the schedule keeps between ticks, and the earlier micro
+batches' sum lives in the schedule's accumulator: `tapped_identity` hands it to each layer's reduction as the
+cotangent of a tap the layer emits, and the pipeline executor runs the reducing backward in each chunk's last.
 """
 
 from __future__ import annotations

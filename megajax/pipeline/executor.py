@@ -23,14 +23,18 @@ interleaving); while the pipeline fills only activations move. What arrives goes
 table names (a spare trash slot takes ticks with nothing to keep).
 Memory: the stash is one activation per in-flight micro batch (Megatron's full recomputation of a chunk)
 plus one chunk's residuals. The embedding and head gradients and the loss are summed over 'pipeline' once
-after the scan, and the caller reduces everything over 'data' once per step.
+after the scan, and the caller reduces everything over 'data' once per step (with
+overlap_grad_reduce, below, those alone).
 
 zero_bubble (`_SplitChunkActions`) runs 1F1B's (or interleaved's) table with the backward split: B is the
 input gradient only (and the norms' and biases' gradients), sent at once, and W the weight gradients from
 each weight matmul's kept input and the output gradient B found for it (model.layers.weight_einsum's taps),
 run in the rank's next tick. Ticks are grouped into segments (filling, steady, cool-down); a segment's
-switches hold only the actions it runs. GPipe is the simple baseline: autodiff of a forward-only pipeline
-scan (memory grows with m).
+switches hold only the actions it runs.
+parallel.overlap_grad_reduce (1F1B, interleaved): the backward that ends each chunk on its rank (kind FINAL)
+reduces the chunk's weight gradients over the data ranks, layer by layer inside its loop (overlap.tapped_identity;
+the same residuals, unflattened into the pullback whose hooks reduce); the reduced gradients go to `g_final`.
+GPipe is the simple baseline: autodiff of a forward-only pipeline scan (memory grows with m).
 """
 
 from __future__ import annotations
