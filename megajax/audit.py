@@ -58,14 +58,11 @@ def _target_value(target: str, key: str) -> float:
     return float(re.search(rf"{key}:\s*([0-9.e+]+)", desc).group(1))
 
 
-def communication(colls, target: str, compute_dtype: str, gemm_flops: float, pipeline: int = 1) -> dict:
+def communication(colls, target: str, compute_dtype: str, gemm_flops: float, cfg=None) -> dict:
     """The overlap report of a GPU program: per collective group (kind x mesh axes) bytes per step, the fraction
     with GEMMs scheduled under them and the estimated exposed time; the totals next to the GEMM time at peak.
-    With a pipeline, `in_schedule`: the data-parallel reductions the schedule runs inside its ticks
-    (parallel.overlap_grad_reduce): their bytes, the part of their time no GEMM hides (per rank), and what that
-    adds to the step: the ranks' last backwards of the last micro batch follow one another (each sends the
-    next its input gradient, at the end of its tick), so each rank's exposed reduction delays the cool-down,
-    `pipeline` times over (a reduction after the schedule costs its exposed time once, all ranks at once)."""
+    With a pipeline (`cfg`), `in_schedule`: the data-parallel reductions parallel.overlap_grad_reduce runs inside
+    the schedule's ticks, and an estimate of what they add to the step."""
     from megajax import hlo, metrics
 
     peak = metrics.PEAK_FLOPS[target.upper()][compute_dtype]
@@ -74,13 +71,42 @@ def communication(colls, target: str, compute_dtype: str, gemm_flops: float, pip
     out = {"groups": groups, "nvlink_bytes_per_s": nvlink, "network_bytes_per_s": network, "peak_flops": peak,
            "gemm_s_at_peak": gemm_flops / peak, "comm_s": sum(g["comm_s"] for g in groups.values()),
            "exposed_comm_s": sum(g["exposed_s"] for g in groups.values())}
-    if pipeline > 1:
-        inside = [c for c in colls if c.in_conditional and c.kind in ("all-reduce", "reduce-scatter") and c.axes
-                  and set(c.axes) <= {"data", "expert", "context"}]
-        exposed = sum(g["exposed_s"] for g in hlo.overlap(inside, peak, nvlink, network).values())
-        out["in_schedule"] = {"data_parallel_bytes": sum(c.bytes * c.count for c in inside), "exposed_s": exposed,
-                              "cooldown_delay_s": pipeline * exposed}
+    if cfg is not None and cfg.parallel.pipeline > 1:
+        out["in_schedule"] = _in_schedule(cfg, colls, peak, nvlink, network)
     return out
+
+
+def _in_schedule(cfg, colls, peak: float, nvlink: float, network: float) -> dict:
+    """The data-parallel reductions inside a pipeline's ticks (parallel.overlap_grad_reduce): bytes per device;
+    `in_backward_exposed_s`: per rank, the part of those run in a chunk's last backward (ranks with no idle
+    tick after it: rank 0) that no GEMM hides; `idle_ticks_s`: per rank, the wire time of those run in idle
+    ticks after the rank's last backward; `cooldown_delay_s`: what they add to the step. The last micro batch's
+    backward passes from rank p - 1 down to rank 0, each rank sending the next its input gradient at the end of
+    a tick, so an exposed reduction in a last backward delays the whole cool-down (p x the per-rank average);
+    an idle tick's run delays it only by what it takes beyond one chunk's backward at peak (the tick the other
+    ranks are computing meanwhile), the longest run of each tick counted. A reduction after the schedule costs
+    its exposed time once instead."""
+    from megajax import hlo, metrics
+    from megajax.pipeline import executor
+
+    par = cfg.parallel
+    dp = [c for c in colls if c.in_conditional and c.kind in ("all-reduce", "reduce-scatter") and c.axes
+          and set(c.axes) <= {"data", "expert", "context"}]
+    in_b = [c for c in dp if c.scope.endswith("_b")]
+    in_x = [c for c in dp if c.scope.endswith("_x")]
+    exposed_b = sum(g["exposed_s"] for g in hlo.overlap(in_b, peak, nvlink, network).values())
+    wire_x = sum(hlo.link_seconds(c, nvlink, network) * c.count for c in in_x)
+    lc = cfg.model.num_layers // cfg.model.layer_period // (par.pipeline * par.virtual_stages)
+    runs = executor.plan(par.schedule, par.pipeline, par.virtual_stages, cfg.num_micro_batches, lc)[2]["x"]
+    per_layer = wire_x / (runs.sum() / par.pipeline) if runs.sum() else 0.0
+    devices = par.data * par.pipeline * par.tensor * par.context
+    model = metrics.step_flops(cfg.model, cfg.train.global_batch_size * cfg.model.seq_length,
+                               pipelined=True)["model_flops"] / devices
+    backward = 2 / 3 * model / (cfg.num_micro_batches * par.virtual_stages) / peak  # one chunk, one micro batch
+    delay_x = sum(max(0.0, run * per_layer - backward) for run in runs.max(axis=1))
+    return {"data_parallel_bytes": sum(c.bytes * c.count for c in dp), "in_backward_exposed_s": exposed_b,
+            "idle_ticks_s": wire_x, "chunk_backward_s": backward,
+            "cooldown_delay_s": par.pipeline * exposed_b + delay_x}
 
 
 def megatron_expected(cfg) -> dict:
@@ -253,7 +279,7 @@ def audit(cfg, target: str = "cpu", devices: int | None = None, dump_hlo: str | 
         "expected_expert_all_to_all": expected_all_to_all(cfg),
         "expected_context_exchange": expected_context_exchange(cfg),
         "communication": (None if target == "cpu" else
-                          communication(colls, target, cfg.model.compute_dtype, gemm["total"], p.pipeline)),
+                          communication(colls, target, cfg.model.compute_dtype, gemm["total"], cfg)),
     }
 
 

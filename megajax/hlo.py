@@ -42,6 +42,7 @@ class Collective:
     is_async: bool = False  # a start/done pair the scheduler may place work between
     flops_under: float = 0.0  # GEMM FLOPs scheduled between its start and its done (one execution)
     crosses_nodes: bool = False  # a group spans GPUs of more than one node (the inter-node network)
+    scope: str = ""  # the pipeline switch it runs under (executor._scope + "_" + action), if any
 
 
 def _parse_shape_tree(text: str):
@@ -147,32 +148,34 @@ def _bytes(kind: str, opcode: str, shape_text: str, group_size: int) -> int:
     return _total(tree)
 
 
-def _callees(opcode: str, rest: str, branch_runs: dict | None = None) -> list[tuple[str, float, bool]]:
-    """The computations one op runs: (name, executions per execution of the op, whether it is a conditional
-    branch): a while body times its known trip count, every branch of a conditional (as `branch_runs` weights
-    it, else once), what calls, fusions and async starts call."""
+def _callees(opcode: str, rest: str, branch_runs: dict | None = None) -> list[tuple[str, float, str | None]]:
+    """The computations one op runs: (name, executions per execution of the op, None, or for a conditional
+    branch the pipeline switch's scope ("" when it has none)): a while body times its known trip count, every
+    branch of a conditional (as `branch_runs` weights it, else once), what calls, fusions and async starts
+    call."""
     if opcode == "while":
         body = re.search(r"body=%?([\w.\-]+)", rest)
         trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
-        return [(body.group(1), int(trip.group(1)) if trip else 1, False)] if body else []
+        return [(body.group(1), int(trip.group(1)) if trip else 1, None)] if body else []
     if opcode == "conditional":
         found = re.search(r"branch_computations=\{([^}]*)\}", rest) or re.search(r"(true_computation=.*)", rest)
         branches = re.findall(r"%([\w.\-]+)", found.group(1))
         scope = re.search(r'op_name="[^"]*/(pipeline_s\d+t\d_[a-z])/cond"', rest)
-        runs = (branch_runs or {}).get(scope.group(1)) if scope else None
+        scope = scope.group(1) if scope else ""
+        runs = (branch_runs or {}).get(scope)
         if runs is None or len(runs) != len(branches):
             runs = [1] * len(branches)
-        return [(b, r, True) for b, r in zip(branches, runs)]
+        return [(b, r, scope) for b, r in zip(branches, runs)]
     if opcode in ("call", "async-start", "fusion"):
-        return [(c, 1, False) for c in re.findall(r"(?:to_apply|calls)=%?([\w.\-]+)", rest)]
+        return [(c, 1, None) for c in re.findall(r"(?:to_apply|calls)=%?([\w.\-]+)", rest)]
     return []
 
 
 def _walk(hlo_text: str, branch_runs: dict | None = None):
     """(computation -> its ops (name, shape, opcode, rest of line), executions of each computation per step,
-    whether each runs inside a conditional branch), from the entry through while bodies (times their known
-    trip counts), conditional branches (each counted as if taken, or as `branch_runs` says), calls and
-    fusions."""
+    whether each runs inside a conditional branch, the pipeline switch each runs under), from the entry through
+    while bodies (times their known trip counts), conditional branches (each counted as if taken, or as
+    `branch_runs` says), calls and fusions."""
     comps: dict[str, list[tuple[str, str, str, str]]] = {}
     entry, current = None, None
     for line in hlo_text.splitlines():
@@ -196,19 +199,22 @@ def _walk(hlo_text: str, branch_runs: dict | None = None):
     # executions of each computation: walk calls from the entry
     multiplicity: dict[str, float] = defaultdict(float)
     conditional: dict[str, bool] = defaultdict(bool)
+    scopes: dict[str, str] = {}  # computation -> the innermost pipeline switch it runs under
 
-    def visit(comp: str, mult: int, in_cond: bool, depth: int = 0) -> None:
+    def visit(comp: str, mult: float, in_cond: bool, scope: str, depth: int = 0) -> None:
         if depth > 64 or comp not in comps:
             return
         multiplicity[comp] += mult
         conditional[comp] |= in_cond
+        if scope:
+            scopes[comp] = scope
         for _, _, opcode, rest in comps[comp]:
             for callee, times, branch in _callees(opcode, rest, branch_runs):
-                visit(callee, mult * times, in_cond or branch, depth + 1)
+                visit(callee, mult * times, in_cond or branch is not None, branch or scope, depth + 1)
 
     if entry:
-        visit(entry, 1, False)
-    return comps, multiplicity, conditional
+        visit(entry, 1, False, "")
+    return comps, multiplicity, conditional, scopes
 
 
 def parse(hlo_text: str, mesh_shape: dict[str, int], devices_per_node: int | None = None,
@@ -221,7 +227,7 @@ def parse(hlo_text: str, mesh_shape: dict[str, int], devices_per_node: int | Non
     sizes = [mesh_shape[a] for a in axis_names]
     n = math.prod(sizes)
     coords = np.stack(np.unravel_index(np.arange(n), sizes), axis=1)
-    comps, multiplicity, conditional = _walk(hlo_text, branch_runs)
+    comps, multiplicity, conditional, scopes = _walk(hlo_text, branch_runs)
     under = _scheduled_under(comps)
     per_node = devices_per_node or n
     out = []
@@ -243,7 +249,8 @@ def parse(hlo_text: str, mesh_shape: dict[str, int], devices_per_node: int | Non
                 crosses = any(len({i // per_node for i in g}) > 1 for g in (groups or [range(n)]))
             is_async, flops = under.get((comp, name), (opcode.endswith("-start"), 0.0))
             out.append(Collective(kind, name, _bytes(kind, opcode, shape_text, group), group, axes,
-                                  multiplicity[comp], conditional[comp], comp, is_async, flops, crosses))
+                                  multiplicity[comp], conditional[comp], comp, is_async, flops, crosses,
+                                  scopes.get(comp, "")))
     return out
 
 
@@ -313,7 +320,7 @@ def gemm_flops(hlo_text: str, branch_runs: dict | None = None) -> dict[str, floa
     if every branch ran (an upper bound: the pipeline's ticks run one branch each) unless `branch_runs` (the
     pipeline executor's) says how often each runs. `fp8`: the FLOPs of GEMMs with FP8 operands; `gemms` and
     `fp8_gemms`: the GEMM sites in the program (a GEMM inside a loop body counts once)."""
-    comps, multiplicity, conditional = _walk(hlo_text, branch_runs)
+    comps, multiplicity, conditional, _ = _walk(hlo_text, branch_runs)
     total = in_cond = fp8 = 0.0
     sites = fp8_sites = 0
     for comp, ops in comps.items():

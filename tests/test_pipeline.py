@@ -129,34 +129,51 @@ def test_pipeline_gradients_equal_plain_gradients(schedule, v):
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
-def test_each_chunk_reduces_in_its_last_backward_and_the_audit_counts_branches_as_run(schedule):
-    """parallel.overlap_grad_reduce on a pipeline, over the schedule space (p 2-8, v 1-3, m p-3p): the plan marks
-    exactly one backward per (rank, local chunk) FINAL, its last; and `branch_runs` (how often the audit counts
-    each branch of each switch) sums to one run per visit and runs the FINAL branches v times per rank a step."""
+def test_each_rank_reduces_its_gradients_once_and_the_audit_counts_branches_as_run(schedule):
+    """parallel.overlap_grad_reduce on a pipeline, over the schedule space (p 2-8, v 1-3, m p-3p, 1-4 layers a
+    chunk): each rank reduces each of its layers exactly once, after the layer's last backward: in idle ticks after
+    its last backward (the x action, runs of layers that tile its v x Lc layers) or, with no idle tick after it,
+    in the last backward of each chunk (FINAL); rank p - 1 always waits in the cool-down, rank 0 never does. And
+    `branch_runs` (how often the audit counts each branch of each switch) sums to one run per visit and runs the
+    reductions as the plan has them."""
     from megajax.pipeline import executor
 
     for p in range(2, 9):
         for v in ((1,) if schedule == "1f1b" else (2, 3)):
             for m in sorted({p, p + 1, 2 * p, 3 * p}):
-                _, table, kinds, _ = executor.plan(schedule, p, v, m, final=True)
-                final = (kinds["b"] & executor.FINAL) > 0
-                for r in range(p):
-                    for c in range(v):
-                        ticks = np.flatnonzero(table["b_chunk"][:, r] == c)
-                        assert list(np.flatnonzero(final[:, r] & (table["b_chunk"][:, r] == c))) == [ticks[-1]]
-                assert final.sum() == p * v
-                cfg = small_config(**{"model.num_layers": p * v, "parallel.pipeline": p, "parallel.virtual_stages": v,
-                                      "parallel.schedule": schedule, "parallel.data": 2,
-                                      "parallel.overlap_grad_reduce": True, "train.global_batch_size": 2 * m,
-                                      "train.micro_batch_size": 1})
-                _, _, _, segments = executor.plan(schedule, p, v, m, final=True)
+                for lc in (1, 4):
+                    s, table, kinds, segments = executor.plan(schedule, p, v, m, lc)
+                    final = (kinds["b"] & executor.FINAL) > 0
+                    busy = np.stack([kinds[a] > 0 for a in ("f", "r", "b", "w")]).any(0)
+                    for r in range(p):
+                        last = np.flatnonzero(table["b_chunk"][:, r] >= 0)[-1]
+                        xs = np.flatnonzero(kinds["x"][:, r])
+                        if final[:, r].any():
+                            assert not xs.size and final[:, r].sum() == v
+                            for c in range(v):
+                                ticks = np.flatnonzero(table["b_chunk"][:, r] == c)
+                                assert final[ticks[-1], r]
+                        else:
+                            assert xs.size and xs.min() > last and not busy[xs, r].any()
+                            covered = np.concatenate([np.arange(table["x_first"][t, r], table["x_first"][t, r]
+                                                                + kinds["x"][t, r]) for t in xs])
+                            assert sorted(covered) == list(range(v * lc))
+                    assert final[:, 0].any() and not final[:, p - 1].any()
+                cfg = small_config(**{"model.num_layers": p * v * 4, "parallel.pipeline": p,
+                                      "parallel.virtual_stages": v, "parallel.schedule": schedule,
+                                      "parallel.data": 2, "parallel.overlap_grad_reduce": True,
+                                      "train.global_batch_size": 2 * m, "train.micro_batch_size": 1})
+                _, _, kinds, segments = executor.plan(schedule, p, v, m, 4)
                 runs = executor.branch_runs(cfg)
                 assert all(abs(sum(f) - 1) < 1e-9 for f in runs.values())
-                finals = 0.0
+                finals = layers = 0.0
                 for i, seg in enumerate(segments):
                     step = 2 if seg.roles else 1
                     for t in range(step):
                         visits = len(range(seg.start + t, seg.stop, step))
-                        finals += visits * sum(f for k, f in zip(seg.b, runs[f"{executor._scope(i, t)}_b"])
-                                               if k & executor.FINAL)
-                assert abs(finals - v) < 1e-9
+                        at = lambda key: zip(getattr(seg, key), runs[f"{executor._scope(i, t)}_{key}"])  # noqa
+                        finals += visits * sum(f for k, f in at("b") if k & executor.FINAL)
+                        layers += visits * sum(k * f for k, f in at("x"))
+                ranks_final = ((kinds["b"] & executor.FINAL) > 0).any(0).sum()
+                assert abs(finals - v * ranks_final / p) < 1e-9
+                assert abs(layers - v * 4 * (p - ranks_final) / p) < 1e-9

@@ -62,12 +62,14 @@ from megajax.sharding import vary
 # 4: a forward of the last chunk that keeps its residuals for the backward of the next tick
 NONE, FIRST, MID, LAST, LAST_KEEP = range(5)
 # added to a backward's kind: the chunk's last backward on its rank, which reduces the chunk's gradients over the
-# data ranks layer by layer (parallel.overlap_grad_reduce)
+# data ranks layer by layer (parallel.overlap_grad_reduce, on a rank with no idle tick after its last backward)
 FINAL = 8
-# the table columns a tick reads (the schedule's f_keep becomes the LAST_KEEP kind)
+# the table columns a tick reads (the schedule's f_keep becomes the LAST_KEEP kind); x_first: the first of the
+# layers (counted over the rank's chunks, chunk-major) an idle tick reduces (parallel.overlap_grad_reduce)
 FIELDS = ("f_chunk", "f_micro", "f_slot", "f_grad_slot", "r_chunk", "r_micro", "r_slot", "b_chunk", "b_micro",
-          "b_grad_slot", "w_chunk", "w_micro", "recv_act", "recv_grad")
-ACTIONS = ("f", "r", "b", "w")
+          "b_grad_slot", "w_chunk", "w_micro", "recv_act", "recv_grad", "x_first")
+# x: the data-parallel reduction of x_kind layers from x_first, in an idle tick after the rank's last backward
+ACTIONS = ("f", "r", "b", "w", "x")
 
 
 def _position(global_chunk: np.ndarray, chunks: int) -> np.ndarray:
@@ -81,7 +83,7 @@ def _position(global_chunk: np.ndarray, chunks: int) -> np.ndarray:
 @dataclasses.dataclass(frozen=True)
 class Segment:
     """Ticks [start, stop) run by one scan. roles: the staggered lock step (ticks go in pairs, even then odd
-    from `start`'s parity); else every rank may run a forward and only activations move. f, r, b, w: the
+    from `start`'s parity); else every rank may run a forward and only activations move. f, r, b, w, x: the
     action kinds present (NONE always)."""
 
     start: int
@@ -92,15 +94,41 @@ class Segment:
     r: tuple[int, ...]
     b: tuple[int, ...]
     w: tuple[int, ...]
+    x: tuple[int, ...] = (NONE,)  # (the layer counts of the x action's reductions)
+
+
+def _reductions(s, lc: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where parallel.overlap_grad_reduce reduces each rank's gradients (lc layers a chunk): (FINAL marks [ticks,
+    p]: the chunk's last backward reduces it; x_first, x_kind [ticks, p]: an idle tick reduces x_kind layers from
+    x_first). A rank with idle ticks after its last backward (the cool-down's waiting) reduces there, its v x lc
+    layers split into near-equal runs, one per idle tick, so that each run overlaps the ticks the other ranks are
+    still computing; a rank with none (rank 0: its last backward ends the schedule) reduces in its last backwards,
+    under their compute."""
+    busy = (s.f_chunk >= 0) | (s.r_chunk >= 0) | (s.b_chunk >= 0) | (s.w_chunk >= 0)
+    final = np.zeros(busy.shape, bool)
+    x_first, x_kind = np.full(busy.shape, -1, np.int32), np.zeros(busy.shape, np.int32)
+    for r in range(s.p):
+        last = np.flatnonzero(s.b_chunk[:, r] >= 0)[-1]
+        pool = [t for t in range(last + 1, s.ticks) if not busy[t, r]][:s.v * lc]
+        if not pool:
+            for c in range(s.v):
+                final[np.flatnonzero(s.b_chunk[:, r] == c)[-1], r] = True
+            continue
+        sizes = np.diff(np.linspace(0, s.v * lc, len(pool) + 1).round().astype(int))
+        x_first[pool, r], x_kind[pool, r] = np.cumsum(sizes) - sizes, sizes
+    return final, x_first, x_kind
 
 
 @functools.lru_cache(maxsize=64)
-def plan(name: str, p: int, v: int, m: int, final: bool = False):
+def plan(name: str, p: int, v: int, m: int, reduce_layers: int = 0):
     """(the schedule, its table padded to whole tick pairs per segment, its forward / recompute / backward
-    kinds per (tick, rank), the segments). final: each chunk's last backward on its rank is marked FINAL."""
+    kinds per (tick, rank), the segments). reduce_layers: the layers a chunk (parallel.overlap_grad_reduce on):
+    where each rank reduces its gradients (`_reductions`): FINAL backwards, the x action's idle ticks."""
     s = schedule_lib.build(name, p, v, m)
     chunks = p * v
-    tables = {k: getattr(s, k) for k in FIELDS}
+    final, x_first, x_kind = _reductions(s, reduce_layers) if reduce_layers else (
+        np.zeros(s.b_chunk.shape, bool), np.full(s.b_chunk.shape, -1, np.int32), np.zeros(s.b_chunk.shape, np.int32))
+    tables = {**{k: getattr(s, k) for k in FIELDS if k != "x_first"}, "x_first": x_first}
     fg, rg, bg = s.global_chunk(s.f_chunk), s.global_chunk(s.r_chunk), s.global_chunk(s.b_chunk)
     wg = s.global_chunk(s.w_chunk)
     free = s.free_ticks
@@ -114,10 +142,6 @@ def plan(name: str, p: int, v: int, m: int, final: bool = False):
                         -1, np.int32)) for k in FIELDS}
     rows = {k: [] for k in FIELDS}
     kinds = {key: [] for key in ACTIONS}
-    last_b = np.zeros(s.b_chunk.shape, bool)
-    for r in range(p):
-        for c in range(v) if final else ():
-            last_b[np.flatnonzero(s.b_chunk[:, r] == c)[-1], r] = True
     segments = []
     for start, stop in zip(bounds[:-1], bounds[1:]):
         roles = start >= free
@@ -133,11 +157,12 @@ def plan(name: str, p: int, v: int, m: int, final: bool = False):
             if key == "f":
                 kind = np.where((kind == LAST) & (s.f_keep[start:stop] > 0), LAST_KEEP, kind)
             if key == "b":
-                kind = np.where(last_b[start:stop], kind | FINAL, kind)
+                kind = np.where(final[start:stop], kind | FINAL, kind)
             kinds[key] += list(kind) + [np.zeros(p, np.int32)] * pad
+        kinds["x"] += list(x_kind[start:stop]) + [np.zeros(p, np.int32)] * pad
         present = {key: tuple(sorted(set(np.ravel(kinds[key][seg_start:]).tolist()) | {NONE})) for key in kinds}
         segments.append(Segment(seg_start, seg_start + n + pad, roles, start % 2, present["f"], present["r"],
-                                present["b"], present["w"]))
+                                present["b"], present["w"], present["x"]))
     table = {k: np.array(rows[k], np.int32) for k in FIELDS}
     return s, table, {k: np.array(val, np.int32) for k, val in kinds.items()}, tuple(segments)
 
@@ -164,7 +189,7 @@ def permute_bytes_per_step(cfg: Config) -> dict:
 
 def _local_kinds(present: tuple[int, ...], kinds: np.ndarray) -> jax.Array:
     """Kind codes -> indices into the segment's list of branches."""
-    index = np.zeros(2 * FINAL, np.int32)
+    index = np.zeros(max(2 * FINAL, max(present) + 1), np.int32)
     index[list(present)] = np.arange(len(present))
     return jnp.asarray(index[kinds])
 
@@ -181,8 +206,9 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
     if par.schedule == "gpipe":
         return _gpipe_grads(cfg, params, batch, seed_scale)
     p, v = par.pipeline, par.virtual_stages
-    sched, table, kinds, segments = plan(par.schedule, p, v, m, final=reductions is not None)
     layers = vary(local_chunks(params["layers"]))  # [v, Lc, ...]
+    lc = jax.tree.leaves(layers)[0].shape[1]
+    sched, table, kinds, segments = plan(par.schedule, p, v, m, 0 if reductions is None else lc)
     shared = _shared(params)
     mbs = vary(micro_batches(batch, m))
     act_shape = (batch["tokens"].shape[0] // m, batch["tokens"].shape[1], cfg.model.hidden_size)
@@ -191,9 +217,8 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
         assert reductions is None, "zero_bubble reduces its gradients after the schedule"
         acts = _SplitChunkActions(cfg, layers, shared, mbs, vary(seed_scale), act_shape, act_dtype)
     else:
-        per_layer = None if reductions is None else jax.tree.map(
-            lambda r: r.per_layer(len(layout.STAGED)), reductions["block"])
-        acts = _ChunkActions(cfg, layers, shared, mbs, vary(seed_scale), act_shape, act_dtype, per_layer)
+        acts = _ChunkActions(cfg, layers, shared, mbs, vary(seed_scale), act_shape, act_dtype,
+                             None if reductions is None else reductions["block"])
     carry = vary({
         "act": jnp.zeros((sched.act_slots, *act_shape), act_dtype),  # chunk inputs: stashes and arrivals
         "grad": jnp.zeros((sched.grad_slots, *act_shape), act_dtype),
@@ -244,8 +269,10 @@ def branch_runs(cfg: Config) -> dict[str, list[float]]:
     par = cfg.parallel
     if par.pipeline == 1 or par.schedule == "gpipe":
         return {}
-    final = par.overlap_grad_reduce and (par.data or 1) > 1  # as train.compute_grads passes reductions
-    _, _, kinds, segments = plan(par.schedule, par.pipeline, par.virtual_stages, cfg.num_micro_batches, final)
+    overlapped = par.overlap_grad_reduce and (par.data or 1) > 1  # as train.compute_grads passes reductions
+    lc = cfg.model.num_layers // cfg.model.layer_period // (par.pipeline * par.virtual_stages)
+    _, _, kinds, segments = plan(par.schedule, par.pipeline, par.virtual_stages, cfg.num_micro_batches,
+                                 lc if overlapped else 0)
     out = {}
     for i, seg in enumerate(segments):
         step = 2 if seg.roles else 1
@@ -258,7 +285,8 @@ def branch_runs(cfg: Config) -> dict[str, list[float]]:
 
 def _tick(acts: _ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, row: dict, parity, scope: str):
     """One tick of one rank: W (zero_bubble), B, then R (it reads its stash before a forward may reuse the
-    slot), then F, then the sends (see the module docstring); each switch under the name scope_<action>."""
+    slot), then F, then the sends (see the module docstring), then X (an idle tick's data-parallel reduction);
+    each switch under the name scope_<action>."""
     row = {k: jnp.clip(val[rank], 0, None) for k, val in row.items()}
     named = lambda key: jax.named_scope(f"{scope}_{key}")  # noqa: E731
     # Only the slices an action reads go into a switch; the accumulators go through the backward's and the
@@ -301,6 +329,10 @@ def _tick(acts: _ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, 
     else:
         carry["act"] = carry["act"].at[row["recv_act"]].set(jax.lax.ppermute(send_act, "pipeline", perms[0]))
         carry["grad"] = carry["grad"].at[row["recv_grad"]].set(jax.lax.ppermute(send_grad, "pipeline", perms[1]))
+    if "g_final" in carry:  # an idle tick's data-parallel reduction, after the sends (nothing waits for it)
+        with named("x"):
+            carry["g_final"] = jax.lax.switch(row["x_kind"], [acts.reduce_branch(k) for k in seg.x],
+                                              carry["g_layers"], carry["g_final"], row)
     return carry
 
 
@@ -313,8 +345,12 @@ class _ChunkActions:
         self.layers, self.shared, self.mbs, self.seed_scale = layers, shared, mbs, seed_scale
         self.act_shape, self.act_dtype = act_shape, act_dtype
         self.lc = jax.tree.leaves(layers)[0].shape[1]
-        # parallel.overlap_grad_reduce: per weight of one layer ({"block": ...}'s leaves), its overlap.Reduction
-        self.reductions = reductions
+        # parallel.overlap_grad_reduce: per weight ({"block": ...}'s leaves), its overlap.Reduction for one layer,
+        # and for a run of layers [n, ...] (from the staged [v, p, Lc, ...] weight's)
+        staged = len(layout.STAGED)
+        self.reductions = None if reductions is None else jax.tree.map(lambda r: r.per_layer(staged), reductions)
+        self.run_reductions = None if reductions is None else jax.tree.map(lambda r: r.per_layer(staged - 1),
+                                                                           reductions)
         self._res_tree = None
         self._res_tree_final = None  # the same residuals, unflattened into the backward that reduces
         self._res_avals = None
@@ -480,6 +516,24 @@ class _ChunkActions:
             else:
                 send = dx.astype(g.dtype)
             return (*vary((send, g_layers, g_shared)), *g_final)  # (g_final as the reductions leave it)
+
+        return run
+
+    def reduce_branch(self, k):
+        """(g_layers, g_final, row) -> g_final with the k layers from row["x_first"] (counted over the rank's
+        chunks, chunk-major) reduced from g_layers (the x action: an idle tick after the rank's last backward)."""
+        def run(g_layers, g_final, row):
+            if k == NONE:
+                return g_final
+            first = row["x_first"]
+
+            def one(r, g, f):
+                flat = lambda a: a.reshape(-1, *a.shape[2:])  # noqa: E731  [v Lc, ...]
+                red = r(jax.lax.dynamic_slice_in_dim(flat(g), first, k))
+                red = vary(red, r.result_axes())
+                return jax.lax.dynamic_update_slice_in_dim(flat(f), red, first, 0).reshape(f.shape)
+
+            return jax.tree.map(one, self.run_reductions, g_layers["block"], g_final)
 
         return run
 
