@@ -200,8 +200,8 @@ class ParallelConfig:
     # Reduce the data-parallel gradients layer by layer under the last micro batch's backward (Megatron's
     # --overlap-grad-reduce). megajax/overlap.py: an all-reduce per layer, or with the distributed optimizer a
     # reduce-scatter. Off by default: with several micro batches it holds one to three times the gradients' bytes
-    # more (README, "Communication overlap"). With a pipeline (1f1b, interleaved): in each chunk's last backward,
-    # where what GEMMs do not hide delays the cool-down p times over (the audit's in_schedule.cooldown_delay_s).
+    # more (README, "Communication overlap"). With a pipeline (1f1b, interleaved): in each rank's idle cool-down
+    # ticks, or rank 0's last backwards; pays only where the audit's in_schedule.cooldown_delay_s is small.
     overlap_grad_reduce: bool = False
     # Keep the weights as their optimizer shards between steps and all-gather them under the next forward
     # (Megatron's --overlap-param-gather). Needs distributed_optimizer and overlap_grad_reduce: the next step's

@@ -16,7 +16,8 @@ ranks.
 
 Under a pipeline the chunk's backward is a pullback the schedule keeps between ticks, and the earlier micro
 batches' sum lives in the schedule's accumulator: `tapped_identity` hands it to each layer's reduction as the
-cotangent of a tap the layer emits, and the pipeline executor runs the reducing backward in each chunk's last.
+cotangent of a tap the layer emits, and the pipeline executor runs the reducing backward as the last backward of
+each chunk of a rank that has no idle tick to reduce in.
 """
 
 from __future__ import annotations

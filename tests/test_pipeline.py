@@ -171,9 +171,9 @@ def test_each_rank_reduces_its_gradients_once_and_the_audit_counts_branches_as_r
                     step = 2 if seg.roles else 1
                     for t in range(step):
                         visits = len(range(seg.start + t, seg.stop, step))
-                        at = lambda key: zip(getattr(seg, key), runs[f"{executor._scope(i, t)}_{key}"])  # noqa
-                        finals += visits * sum(f for k, f in at("b") if k & executor.FINAL)
-                        layers += visits * sum(k * f for k, f in at("x"))
+                        scope = executor._scope(i, t)
+                        finals += visits * sum(f for k, f in zip(seg.b, runs[f"{scope}_b"]) if k & executor.FINAL)
+                        layers += visits * sum(k * f for k, f in zip(seg.x, runs[f"{scope}_x"]))
                 ranks_final = ((kinds["b"] & executor.FINAL) > 0).any(0).sum()
                 assert abs(finals - v * ranks_final / p) < 1e-9
                 assert abs(layers - v * 4 * (p - ranks_final) / p) < 1e-9

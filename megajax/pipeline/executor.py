@@ -31,9 +31,11 @@ input gradient only (and the norms' and biases' gradients), sent at once, and W 
 each weight matmul's kept input and the output gradient B found for it (model.layers.weight_einsum's taps),
 run in the rank's next tick. Ticks are grouped into segments (filling, steady, cool-down); a segment's
 switches hold only the actions it runs.
-parallel.overlap_grad_reduce (1F1B, interleaved): the backward that ends each chunk on its rank (kind FINAL)
-reduces the chunk's weight gradients over the data ranks, layer by layer inside its loop (overlap.tapped_identity;
-the same residuals, unflattened into the pullback whose hooks reduce); the reduced gradients go to `g_final`.
+parallel.overlap_grad_reduce (1F1B, interleaved): each rank reduces its weight gradients over the data ranks once
+they are final (`_reductions`): in runs of layers in the idle ticks after its last backward (X, after the tick's
+sends), or, on a rank with none, in the backward that ends each chunk (kind FINAL), layer by layer inside its loop
+(overlap.tapped_identity; the same residuals, unflattened into the pullback whose hooks reduce). The reduced
+gradients go to `g_final`.
 GPipe is the simple baseline: autodiff of a forward-only pipeline scan (memory grows with m).
 """
 
