@@ -81,6 +81,8 @@ LAYOUTS = {
                             "model.moe_ffn_hidden_size": 64, "model.moe_capacity_factor": 2.0}, 4),
     "d4-zero-overlap-gather": ({"parallel.data": 4, "parallel.distributed_optimizer": True,
                                 "parallel.overlap_grad_reduce": True, "parallel.overlap_param_gather": True}, 4),
+    "d2-p2-zero-overlap": ({"parallel.data": 2, "parallel.pipeline": 2, "parallel.distributed_optimizer": True,
+                            "parallel.overlap_grad_reduce": True}, 4),
 }
 # the default run: pure tensor parallelism here; the pipeline with zero bubble with delayed scaling below
 DEFAULT = {"t4-sp-llama-e4m3"}
@@ -107,7 +109,7 @@ DELAYED = {"model.fp8_recipe": "delayed"}
 @pytest.mark.parametrize("name", ["d2-t2-sp",  # the rest with -m slow (suite time)
                                   *(pytest.param(n, marks=pytest.mark.slow) for n in (
                                       "moe-dropless-d2-e2-t2", "d2-p2-t2-zero_bubble-zero", "t4-sp-llama-e4m3",
-                                      "moe-capacity-d4-e2"))])
+                                      "moe-capacity-d4-e2", "d2-p2-zero-overlap"))])
 def test_fp8_delayed_scaling_layout_matches_one_device(name):
     """Delayed scaling: the amax histories are reduced over micro batches, data ranks and pipeline ticks as
     the gradients are, so a layout equals one device as with current scaling. The first step (no history
