@@ -211,6 +211,8 @@ SLOW_LAYOUTS = {
     "gpt2-c2-overlap-zero1": ("gpt2", 8, {"parallel.data": 4, "parallel.context": 2,
                                           "parallel.distributed_optimizer": True, "parallel.overlap_grad_reduce": True,
                                           "parallel.overlap_param_gather": True}),
+    "gpt2-d2p2c2-1f1b-overlap": ("gpt2", 8, {"parallel.data": 2, "parallel.pipeline": 2, "parallel.context": 2,
+                                             "parallel.overlap_grad_reduce": True, "train.micro_batch_size": 2}),
 }
 
 
