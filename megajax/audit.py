@@ -87,7 +87,7 @@ def _in_schedule(cfg, colls, peak: float, nvlink: float, network: float) -> dict
     ranks are computing meanwhile), the longest run of each tick counted. A reduction after the schedule costs
     its exposed time once instead."""
     from megajax import hlo, metrics
-    from megajax.pipeline import executor
+    from megajax.pipeline import ticks
 
     par = cfg.parallel
     dp = [c for c in colls if c.in_conditional and c.kind in ("all-reduce", "reduce-scatter") and c.axes
@@ -97,7 +97,7 @@ def _in_schedule(cfg, colls, peak: float, nvlink: float, network: float) -> dict
     exposed_b = sum(g["exposed_s"] for g in hlo.overlap(in_b, peak, nvlink, network).values())
     wire_x = sum(hlo.link_seconds(c, nvlink, network) * c.count for c in in_x)
     lc = cfg.model.num_layers // cfg.model.layer_period // (par.pipeline * par.virtual_stages)
-    runs = executor.plan(par.schedule, par.pipeline, par.virtual_stages, cfg.num_micro_batches, lc)[2]["x"]
+    runs = ticks.plan(par.schedule, par.pipeline, par.virtual_stages, cfg.num_micro_batches, lc)[2]["x"]
     per_layer = wire_x / (runs.sum() / par.pipeline) if runs.sum() else 0.0
     devices = par.data * par.pipeline * par.tensor * par.context
     model = metrics.step_flops(cfg.model, cfg.train.global_batch_size * cfg.model.seq_length,
@@ -149,9 +149,9 @@ def expected_all_to_all(cfg) -> dict:
         buffer = e * moe.capacity(tokens, k, e, m.moe_capacity_factor) * row
     again = 1.0 if m.recompute == "full" else 0.0  # the share of chunk forwards run twice
     if m.recompute != "full" and p.pipeline > 1 and p.schedule != "gpipe":
-        from megajax.pipeline import executor
+        from megajax.pipeline import ticks
 
-        table = executor.plan(p.schedule, p.pipeline, p.virtual_stages, cfg.num_micro_batches)[1]
+        table = ticks.plan(p.schedule, p.pipeline, p.virtual_stages, cfg.num_micro_batches)[1]
         again = float((table["r_chunk"] >= 0).sum()) / (p.pipeline * p.virtual_stages * cfg.num_micro_batches)
     return {"count": (4 + 2 * again) * (m.moe_layers // p.pipeline) * cfg.num_micro_batches,
             "routed_bytes_each": tokens * k * row, "buffer_bytes_each": buffer}

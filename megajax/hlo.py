@@ -42,7 +42,7 @@ class Collective:
     is_async: bool = False  # a start/done pair the scheduler may place work between
     flops_under: float = 0.0  # GEMM FLOPs scheduled between its start and its done (one execution)
     crosses_nodes: bool = False  # a group spans GPUs of more than one node (the inter-node network)
-    scope: str = ""  # the pipeline switch it runs under (executor._scope + "_" + action), if any
+    scope: str = ""  # the pipeline switch it runs under (pipeline.ticks.scope + "_" + action), if any
 
 
 def _parse_shape_tree(text: str):

@@ -136,14 +136,14 @@ def test_each_rank_reduces_its_gradients_once_and_the_audit_counts_branches_as_r
     in the last backward of each chunk (FINAL); rank p - 1 always waits in the cool-down, rank 0 never does. And
     `branch_runs` (how often the audit counts each branch of each switch) sums to one run per visit and runs the
     reductions as the plan has them."""
-    from megajax.pipeline import executor
+    from megajax.pipeline import ticks
 
     for p in range(2, 9):
         for v in ((1,) if schedule == "1f1b" else (2, 3)):
             for m in sorted({p, p + 1, 2 * p, 3 * p}):
                 for lc in (1, 4):
-                    s, table, kinds, segments = executor.plan(schedule, p, v, m, lc)
-                    final = (kinds["b"] & executor.FINAL) > 0
+                    s, table, kinds, segments = ticks.plan(schedule, p, v, m, lc)
+                    final = (kinds["b"] & ticks.FINAL) > 0
                     busy = np.stack([kinds[a] > 0 for a in ("f", "r", "b", "w")]).any(0)
                     for r in range(p):
                         last = np.flatnonzero(table["b_chunk"][:, r] >= 0)[-1]
@@ -151,8 +151,7 @@ def test_each_rank_reduces_its_gradients_once_and_the_audit_counts_branches_as_r
                         if final[:, r].any():
                             assert not xs.size and final[:, r].sum() == v
                             for c in range(v):
-                                ticks = np.flatnonzero(table["b_chunk"][:, r] == c)
-                                assert final[ticks[-1], r]
+                                assert final[np.flatnonzero(table["b_chunk"][:, r] == c)[-1], r]
                         else:
                             assert xs.size and xs.min() > last and not busy[xs, r].any()
                             covered = np.concatenate([np.arange(table["x_first"][t, r], table["x_first"][t, r]
@@ -163,17 +162,17 @@ def test_each_rank_reduces_its_gradients_once_and_the_audit_counts_branches_as_r
                                       "parallel.virtual_stages": v, "parallel.schedule": schedule,
                                       "parallel.data": 2, "parallel.overlap_grad_reduce": True,
                                       "train.global_batch_size": 2 * m, "train.micro_batch_size": 1})
-                _, _, kinds, segments = executor.plan(schedule, p, v, m, 4)
-                runs = executor.branch_runs(cfg)
+                _, _, kinds, segments = ticks.plan(schedule, p, v, m, 4)
+                runs = ticks.branch_runs(cfg)
                 assert all(abs(sum(f) - 1) < 1e-9 for f in runs.values())
                 finals = layers = 0.0
                 for i, seg in enumerate(segments):
                     step = 2 if seg.roles else 1
                     for t in range(step):
                         visits = len(range(seg.start + t, seg.stop, step))
-                        scope = executor._scope(i, t)
-                        finals += visits * sum(f for k, f in zip(seg.b, runs[f"{scope}_b"]) if k & executor.FINAL)
+                        scope = ticks.scope(i, t)
+                        finals += visits * sum(f for k, f in zip(seg.b, runs[f"{scope}_b"]) if k & ticks.FINAL)
                         layers += visits * sum(k * f for k, f in zip(seg.x, runs[f"{scope}_x"]))
-                ranks_final = ((kinds["b"] & executor.FINAL) > 0).any(0).sum()
+                ranks_final = ((kinds["b"] & ticks.FINAL) > 0).any(0).sum()
                 assert abs(finals - v * ranks_final / p) < 1e-9
                 assert abs(layers - v * 4 * (p - ranks_final) / p) < 1e-9

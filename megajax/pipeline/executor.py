@@ -32,7 +32,7 @@ each weight matmul's kept input and the output gradient B found for it (model.la
 run in the rank's next tick. Ticks are grouped into segments (filling, steady, cool-down); a segment's
 switches hold only the actions it runs.
 parallel.overlap_grad_reduce (1F1B, interleaved): each rank reduces its weight gradients over the data ranks once
-they are final (`_reductions`): in runs of layers in the idle ticks after its last backward (X, after the tick's
+they are final (`ticks._reductions`): in runs of layers in the idle ticks after its last backward (X, after the tick's
 sends), or, on a rank with none, in the backward that ends each chunk (kind FINAL), layer by layer inside its loop
 (overlap.tapped_identity; the same residuals, unflattened into the pullback whose hooks reduce). The reduced
 gradients go to `g_final`.
@@ -41,7 +41,6 @@ GPipe is the simple baseline: autodiff of a forward-only pipeline scan (memory g
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import flax.traverse_util
@@ -55,119 +54,11 @@ from megajax.model import layers as layers_lib
 from megajax.config import Config
 from megajax.data.loader import micro_batches
 from megajax.pipeline import layout
-from megajax.pipeline import schedule as schedule_lib
+from megajax.pipeline import ticks
+from megajax.pipeline.ticks import ACTIONS, FIELDS, FINAL, FIRST, LAST_KEEP, MID, NONE, Segment
 from megajax.pipeline.layout import local_chunks
 from megajax.pipeline.schedule import perm_pairs
 from megajax.sharding import vary
-
-# what an action does depends on where its chunk sits in the model: 0 none, 1 first, 2 middle, 3 last chunk;
-# 4: a forward of the last chunk that keeps its residuals for the backward of the next tick
-NONE, FIRST, MID, LAST, LAST_KEEP = range(5)
-# added to a backward's kind: the chunk's last backward on its rank, which reduces the chunk's gradients over the
-# data ranks layer by layer (parallel.overlap_grad_reduce, on a rank with no idle tick after its last backward)
-FINAL = 8
-# the table columns a tick reads (the schedule's f_keep becomes the LAST_KEEP kind); x_first: the first of the
-# layers (counted over the rank's chunks, chunk-major) an idle tick reduces (parallel.overlap_grad_reduce)
-FIELDS = ("f_chunk", "f_micro", "f_slot", "f_grad_slot", "r_chunk", "r_micro", "r_slot", "b_chunk", "b_micro",
-          "b_grad_slot", "w_chunk", "w_micro", "recv_act", "recv_grad", "x_first")
-# x: the data-parallel reduction of x_kind layers from x_first, in an idle tick after the rank's last backward
-ACTIONS = ("f", "r", "b", "w", "x")
-
-
-def _position(global_chunk: np.ndarray, chunks: int) -> np.ndarray:
-    out = np.full(global_chunk.shape, NONE, np.int32)
-    out[global_chunk == 0] = FIRST
-    out[(global_chunk > 0) & (global_chunk < chunks - 1)] = MID
-    out[global_chunk == chunks - 1] = LAST
-    return out
-
-
-@dataclasses.dataclass(frozen=True)
-class Segment:
-    """Ticks [start, stop) run by one scan. roles: the staggered lock step (ticks go in pairs, even then odd
-    from `start`'s parity); else every rank may run a forward and only activations move. f, r, b, w, x: the
-    action kinds present (NONE always)."""
-
-    start: int
-    stop: int
-    roles: bool
-    parity: int  # of the segment's first tick in the schedule (the table here is padded)
-    f: tuple[int, ...]
-    r: tuple[int, ...]
-    b: tuple[int, ...]
-    w: tuple[int, ...]
-    x: tuple[int, ...] = (NONE,)  # (the layer counts of the x action's reductions)
-
-
-def _reductions(s, lc: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Where parallel.overlap_grad_reduce reduces each rank's gradients (lc layers a chunk): (FINAL marks [ticks,
-    p]: the chunk's last backward reduces it; x_first, x_kind [ticks, p]: an idle tick reduces x_kind layers from
-    x_first). A rank with idle ticks after its last backward (the cool-down's waiting) reduces there, its v x lc
-    layers split into near-equal runs, one per idle tick, so that each run overlaps the ticks the other ranks are
-    still computing; a rank with none (rank 0: its last backward ends the schedule) reduces in its last backwards,
-    under their compute."""
-    busy = (s.f_chunk >= 0) | (s.r_chunk >= 0) | (s.b_chunk >= 0) | (s.w_chunk >= 0)
-    final = np.zeros(busy.shape, bool)
-    x_first, x_kind = np.full(busy.shape, -1, np.int32), np.zeros(busy.shape, np.int32)
-    for r in range(s.p):
-        last = np.flatnonzero(s.b_chunk[:, r] >= 0)[-1]
-        pool = [t for t in range(last + 1, s.ticks) if not busy[t, r]][:s.v * lc]
-        if not pool:
-            for c in range(s.v):
-                final[np.flatnonzero(s.b_chunk[:, r] == c)[-1], r] = True
-            continue
-        sizes = np.diff(np.linspace(0, s.v * lc, len(pool) + 1).round().astype(int))
-        x_first[pool, r], x_kind[pool, r] = np.cumsum(sizes) - sizes, sizes
-    return final, x_first, x_kind
-
-
-@functools.lru_cache(maxsize=64)
-def plan(name: str, p: int, v: int, m: int, reduce_layers: int = 0):
-    """(the schedule, its table padded to whole tick pairs per segment, its forward / recompute / backward
-    kinds per (tick, rank), the segments). reduce_layers: the layers a chunk (parallel.overlap_grad_reduce on):
-    where each rank reduces its gradients (`_reductions`): FINAL backwards, the x action's idle ticks."""
-    s = schedule_lib.build(name, p, v, m)
-    chunks = p * v
-    final, x_first, x_kind = _reductions(s, reduce_layers) if reduce_layers else (
-        np.zeros(s.b_chunk.shape, bool), np.full(s.b_chunk.shape, -1, np.int32), np.zeros(s.b_chunk.shape, np.int32))
-    tables = {**{k: getattr(s, k) for k in FIELDS if k != "x_first"}, "x_first": x_first}
-    fg, rg, bg = s.global_chunk(s.f_chunk), s.global_chunk(s.r_chunk), s.global_chunk(s.b_chunk)
-    wg = s.global_chunk(s.w_chunk)
-    free = s.free_ticks
-    fsend_any = np.any((fg >= 0) & (fg < chunks - 1), axis=1)
-    last_fwd = int(s.ticks - np.argmax(fsend_any[::-1])) if fsend_any.any() else free
-    steady_end = max(free, last_fwd)
-    steady_end += (steady_end - free) % 2  # whole tick pairs, so that no idle tick splits an R from its B
-    bounds = sorted({0, free, min(steady_end, s.ticks), s.ticks})
-    idle = {k: (np.full(p, s.act_slots - 1 if k in schedule_lib.ACT_SLOT_FIELDS else
-                        s.grad_slots - 1 if k in schedule_lib.GRAD_SLOT_FIELDS else
-                        -1, np.int32)) for k in FIELDS}
-    rows = {k: [] for k in FIELDS}
-    kinds = {key: [] for key in ACTIONS}
-    segments = []
-    for start, stop in zip(bounds[:-1], bounds[1:]):
-        roles = start >= free
-        n = stop - start
-        pad = n % 2 if roles else 0  # tick pairs: an idle tick completes an odd segment
-        seg_start = len(rows["f_chunk"])
-        for k in FIELDS:
-            rows[k] += list(tables[k][start:stop]) + [idle[k]] * pad
-        for key, g in (("f", fg), ("r", rg), ("b", bg), ("w", wg)):
-            kind = _position(g[start:stop], chunks)
-            if key in ("r", "w"):  # a recompute or a weight gradient is the same for every chunk position
-                kind = np.where(kind == NONE, NONE, MID)
-            if key == "f":
-                kind = np.where((kind == LAST) & (s.f_keep[start:stop] > 0), LAST_KEEP, kind)
-            if key == "b":
-                kind = np.where(final[start:stop], kind | FINAL, kind)
-            kinds[key] += list(kind) + [np.zeros(p, np.int32)] * pad
-        kinds["x"] += list(x_kind[start:stop]) + [np.zeros(p, np.int32)] * pad
-        present = {key: tuple(sorted(set(np.ravel(kinds[key][seg_start:]).tolist()) | {NONE})) for key in kinds}
-        segments.append(Segment(seg_start, seg_start + n + pad, roles, start % 2, present["f"], present["r"],
-                                present["b"], present["w"], present["x"]))
-    table = {k: np.array(rows[k], np.int32) for k in FIELDS}
-    return s, table, {k: np.array(val, np.int32) for k, val in kinds.items()}, tuple(segments)
-
 
 def permute_bytes_per_step(cfg: Config) -> dict:
     """What the executor sends per step over 'pipeline', per device: each tick's ppermutes of one
@@ -178,10 +69,10 @@ def permute_bytes_per_step(cfg: Config) -> dict:
     tokens = mb * (cfg.model.seq_length // par.context)
     act = tokens * cfg.model.hidden_size * jnp.dtype(cfg.model.compute_dtype).itemsize
     if par.schedule == "gpipe":
-        ticks = m + par.pipeline - 1
-        return {"ppermutes": 2 * ticks, "bytes": 2 * ticks * act}  # forward scan and its transpose
+        n = m + par.pipeline - 1  # ticks
+        return {"ppermutes": 2 * n, "bytes": 2 * n * act}  # forward scan and its transpose
     p, v = par.pipeline, par.virtual_stages
-    sched, _, _, segments = plan(par.schedule, p, v, m)
+    sched, _, _, segments = ticks.plan(par.schedule, p, v, m)
     n = 0
     for seg in segments:
         for j in range(seg.stop - seg.start):
@@ -210,7 +101,7 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
     p, v = par.pipeline, par.virtual_stages
     layers = vary(local_chunks(params["layers"]))  # [v, Lc, ...]
     lc = jax.tree.leaves(layers)[0].shape[1]
-    sched, table, kinds, segments = plan(par.schedule, p, v, m, 0 if reductions is None else lc)
+    sched, table, kinds, segments = ticks.plan(par.schedule, p, v, m, 0 if reductions is None else lc)
     shared = _shared(params)
     mbs = vary(micro_batches(batch, m))
     act_shape = (batch["tokens"].shape[0] // m, batch["tokens"].shape[1], cfg.model.hidden_size)
@@ -243,46 +134,19 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
             xs = jax.tree.map(lambda x: x.reshape(-1, 2, *x.shape[1:]), xs)
 
             def pair(carry, row2, tick=tick, parity=seg.parity, i=i):
-                carry = tick(carry, jax.tree.map(lambda x: x[0], row2), parity, _scope(i, 0))
-                return tick(carry, jax.tree.map(lambda x: x[1], row2), 1 - parity, _scope(i, 1)), None
+                carry = tick(carry, jax.tree.map(lambda x: x[0], row2), parity, ticks.scope(i, 0))
+                return tick(carry, jax.tree.map(lambda x: x[1], row2), 1 - parity, ticks.scope(i, 1)), None
 
             carry, _ = jax.lax.scan(pair, carry, xs)
         else:
-            carry, _ = jax.lax.scan(lambda carry, row, tick=tick, i=i: (tick(carry, row, None, _scope(i, 0)), None),
-                                    carry, xs)
+            carry, _ = jax.lax.scan(lambda carry, row, tick=tick, i=i: (tick(carry, row, None, ticks.scope(i, 0)),
+                                                                        None), carry, xs)
     grads = {k: jax.lax.psum(g, "pipeline") for k, g in carry["g_shared"].items()}
     if reductions is None:
         grads["layers"] = jax.tree.map(lambda g: g[:, None], carry["g_layers"])
     else:
         grads["layers"] = {"block": jax.tree.map(lambda f: f[:, None], carry["g_final"])}
     return jax.lax.psum(carry["loss"], "pipeline"), grads
-
-
-def _scope(segment: int, tick: int) -> str:
-    """The name scope of a tick's switches (`tick`: its place in the scan body, 0 or 1 for a pair of ticks): the
-    compiled program keeps it in each conditional's op_name, where `branch_runs` finds it."""
-    return f"pipeline_s{segment}t{tick}"
-
-
-def branch_runs(cfg: Config) -> dict[str, list[float]]:
-    """For the audit: per switch of the executor ('<_scope>_<action>'), how often each branch runs per visit
-    of the switch, averaged over the pipeline ranks (the compiled program counts every branch of a conditional
-    as taken; the schedule's table says which is)."""
-    par = cfg.parallel
-    if par.pipeline == 1 or par.schedule == "gpipe":
-        return {}
-    overlapped = par.overlap_grad_reduce and (par.data or 1) > 1  # as train.compute_grads passes reductions
-    lc = cfg.model.num_layers // cfg.model.layer_period // (par.pipeline * par.virtual_stages)
-    _, _, kinds, segments = plan(par.schedule, par.pipeline, par.virtual_stages, cfg.num_micro_batches,
-                                 lc if overlapped else 0)
-    out = {}
-    for i, seg in enumerate(segments):
-        step = 2 if seg.roles else 1
-        for t in range(step):
-            for key in ACTIONS:
-                rows = kinds[key][seg.start + t:seg.stop:step]
-                out[f"{_scope(i, t)}_{key}"] = [float(np.mean(rows == k)) for k in getattr(seg, key)]
-    return out
 
 
 def _tick(acts: _ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, row: dict, parity, scope: str):
