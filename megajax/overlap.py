@@ -60,8 +60,9 @@ class Reduction:
     local: bool = False
 
     def per_layer(self, lead: int = 1) -> "Reduction":
-        """The reduction of one layer's slice of a stacked weight: [layers, ...], or `lead` = 3 for the
-        pipeline's staged [chunk, stage, layers, ...]."""
+        """The reduction of a stacked weight's slice with its first `lead` dims dropped: one layer of [layers, ...]
+        (1) or of the pipeline's staged [chunk, stage, layers, ...] (3), or a run of the staged weight's layers
+        (2)."""
         if self.zero is None:
             return self
         return dataclasses.replace(self, zero=dataclasses.replace(self.zero, dim=self.zero.dim - lead),
@@ -95,9 +96,9 @@ class Reduction:
         return _tensor_manual(functools.partial(jax.lax.all_gather, axis_name=axes, axis=self.zero.dim, tiled=True),
                               w, self.spec)
 
-    def sink(self, w: jax.Array, dtype=None) -> jax.Array:
+    def sink(self, w: jax.Array) -> jax.Array:
         """Zeros shaped (and varying) as this reduction leaves the gradient of w (the weight as it arrives)
-        inside the step's shard_map, in w's dtype unless given."""
+        inside the step's shard_map."""
         shape, axes = list(w.shape), tuple(sharding.varying_axes(w))
         if self.zero is not None and self.local and self.gather:  # the whole weight, gathered from its shard
             shape[self.zero.dim] = self.zero.size
@@ -106,7 +107,7 @@ class Reduction:
             shape[self.zero.dim] = self.zero.size // math.prod(mesh.shape[a] for a in self._manual())
         if self.local or self.zero is not None:
             axes += self.axes
-        return sharding.vary(jnp.zeros(shape, dtype or w.dtype), axes)
+        return sharding.vary(jnp.zeros(shape, w.dtype), axes)
 
 
 @functools.lru_cache(maxsize=None)

@@ -262,8 +262,8 @@ class _ChunkActions:
         """Per weight, fp32 zeros [*lead, Lc, ...] shaped (and varying) as its reduction leaves each layer's
         gradient."""
         def stacked(r, x):
-            one = r.sink(x[0], jnp.float32)
-            return vary(jnp.zeros((*lead, x.shape[0], *one.shape), jnp.float32), r.result_axes())
+            shape = r.sink(x[0]).shape  # (one layer's)
+            return vary(jnp.zeros((*lead, x.shape[0], *shape), jnp.float32), r.result_axes())
 
         return jax.tree.map(stacked, self.reductions, w["block"])
 
