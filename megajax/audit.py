@@ -96,8 +96,8 @@ def _in_schedule(cfg, colls, peak: float, nvlink: float, network: float) -> dict
     in_x = [c for c in dp if c.scope.endswith("_x")]
     exposed_b = sum(g["exposed_s"] for g in hlo.overlap(in_b, peak, nvlink, network).values())
     wire_x = sum(hlo.link_seconds(c, nvlink, network) * c.count for c in in_x)
-    lc = cfg.model.num_layers // cfg.model.layer_period // (par.pipeline * par.virtual_stages)
-    runs = ticks.plan(par.schedule, par.pipeline, par.virtual_stages, cfg.num_micro_batches, lc)[2]["x"]
+    runs = ticks.plan(par.schedule, par.pipeline, par.virtual_stages, cfg.num_micro_batches,
+                      ticks.reduce_layers(cfg))[2]["x"]
     per_layer = wire_x / (runs.sum() / par.pipeline) if runs.sum() else 0.0
     devices = par.data * par.pipeline * par.tensor * par.context
     model = metrics.step_flops(cfg.model, cfg.train.global_batch_size * cfg.model.seq_length,

@@ -227,9 +227,10 @@ class ParallelConfig:
                 f"the data-parallel ranks): choose parallel.expert from {_divisors(self.data)}")
         _check(
             not self.overlap_grad_reduce or self.pipeline == 1 or self.schedule in ("1f1b", "interleaved"),
-            f"parallel.overlap_grad_reduce=true reduces each chunk's gradients in its last backward, which the "
-            f"{self.schedule} schedule does not run as one step (GPipe differentiates its whole forward, zero_bubble "
-            f"splits off the weight gradients): use parallel.schedule=1f1b or interleaved, or set "
+            f"parallel.overlap_grad_reduce=true reduces the gradients inside the schedule, in idle ticks or in each "
+            f"chunk's last backward, which the {self.schedule} schedule does not run as one step (GPipe "
+            f"differentiates its whole forward, zero_bubble splits off the weight gradients and fills the idle "
+            f"ticks with them): use parallel.schedule=1f1b or interleaved, or set "
             f"parallel.overlap_grad_reduce=false",
         )
         _check(

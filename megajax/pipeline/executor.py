@@ -91,9 +91,10 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
     """(summed token loss over the local batch, gradients of seed_scale * summed loss) on this data
     rank, summed over 'pipeline' where parameters are shared. params: stacked layers in the staged
     layout [v, 1 (this rank), L/(p v), ...]; the rest replicated. batch: the local rows [m * mb, ...].
-    reductions (parallel.overlap_grad_reduce): per stacked-layer weight, its `overlap.Reduction`: each chunk's
-    last backward reduces the chunk's gradients over the data ranks layer by layer (a reduce-scatter leaves
-    the optimizer shard), so the layers' gradients come back reduced."""
+    reductions (parallel.overlap_grad_reduce): per stacked-layer weight, its `overlap.Reduction`: each rank
+    reduces its layers' gradients over the data ranks inside the schedule (in idle ticks after its last
+    backward, or in each chunk's last backward; a reduce-scatter leaves the optimizer shard), so the layers'
+    gradients come back reduced."""
     par = cfg.parallel
     m = cfg.num_micro_batches
     if par.schedule == "gpipe":
@@ -355,7 +356,7 @@ class _ChunkActions:
     def backward_branch(self, kind):
         """(residuals, g, g_layers, g_shared[, g_final], row) -> (gradient to send, g_layers, g_shared[,
         g_final]); g_final with reductions: a FINAL kind (the chunk's last backward) reduces the chunk's
-        gradients, the all-reduced into g_layers, the reduce-scattered into g_final."""
+        gradients into it (the others add theirs to g_layers)."""
         def run(res, g, g_layers, g_shared, *rest):
             *g_final, row = rest
             if kind == NONE:

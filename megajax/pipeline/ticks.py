@@ -133,6 +133,16 @@ def scope(segment: int, tick: int) -> str:
     return f"pipeline_s{segment}t{tick}"
 
 
+def reduce_layers(cfg: Config) -> int:
+    """`plan`'s reduce_layers for a run: the layers (scanned units) of a chunk when the step reduces the
+    gradients inside the schedule (parallel.overlap_grad_reduce with data > 1, as train.compute_grads decides),
+    else 0."""
+    par, m = cfg.parallel, cfg.model
+    if not (par.overlap_grad_reduce and (par.data or 1) > 1):
+        return 0
+    return m.num_layers // m.layer_period // (par.pipeline * par.virtual_stages)
+
+
 def branch_runs(cfg: Config) -> dict[str, list[float]]:
     """For the audit: per switch of the executor ('<scope>_<action>'), how often each branch runs per visit
     of the switch, averaged over the pipeline ranks (the compiled program counts every branch of a conditional
@@ -140,10 +150,8 @@ def branch_runs(cfg: Config) -> dict[str, list[float]]:
     par = cfg.parallel
     if par.pipeline == 1 or par.schedule == "gpipe":
         return {}
-    overlapped = par.overlap_grad_reduce and (par.data or 1) > 1  # as train.compute_grads passes reductions
-    lc = cfg.model.num_layers // cfg.model.layer_period // (par.pipeline * par.virtual_stages)
     _, _, kinds, segments = plan(par.schedule, par.pipeline, par.virtual_stages, cfg.num_micro_batches,
-                                 lc if overlapped else 0)
+                                 reduce_layers(cfg))
     out = {}
     for i, seg in enumerate(segments):
         step = 2 if seg.roles else 1
