@@ -206,7 +206,8 @@ class ParallelConfig:
     # Keep the weights as their optimizer shards between steps and all-gather them under the next forward
     # (Megatron's --overlap-param-gather). Needs distributed_optimizer and overlap_grad_reduce: the next step's
     # first forward gathers each layer one layer ahead, under the compute of the layer before, instead of the
-    # update gathering every weight where nothing overlaps it.
+    # update gathering every weight where nothing overlaps it. With a pipeline (1f1b, interleaved): the layers'
+    # weights, in each rank's idle warm-up ticks, or rank 0's first forwards (the embedding and head stay whole).
     overlap_param_gather: bool = False
     # Sequence parallelism's all-gather and reduce-scatter as rings of ppermutes under the matmuls they feed
     # (Megatron's --tp-comm-overlap; megajax/model/collective_matmul.py). Needs sequence_parallel; not with a
@@ -232,11 +233,6 @@ class ParallelConfig:
             f"differentiates its whole forward, zero_bubble splits off the weight gradients and fills the idle "
             f"ticks with them): use parallel.schedule=1f1b or interleaved, or set "
             f"parallel.overlap_grad_reduce=false",
-        )
-        _check(
-            not self.overlap_param_gather or self.pipeline == 1,
-            "parallel.overlap_param_gather=true is not built with a pipeline (every micro batch's forward and "
-            "recompute reads the whole weights): set parallel.overlap_param_gather=false",
         )
         _check(
             not self.overlap_param_gather or (self.distributed_optimizer and self.overlap_grad_reduce),

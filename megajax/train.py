@@ -112,10 +112,15 @@ def _layout_spec(cfg: Config, names: tuple) -> P:
 
 def _gathered(cfg: Config, params, zero_dims):
     """StepSetup.gathered_params: with parallel.overlap_param_gather, every weight whose optimizer shard is an
-    unpadded slice over the data ranks alone (not a tensor-sharded dim split further)."""
-    return jax.tree.map(lambda a, z: bool(cfg.parallel.overlap_param_gather and z is not None and z.data_only
-                                          and z.size == a.shape[z.dim]),
-                        params, zero_dims, is_leaf=lambda x: x is None)
+    unpadded slice over the data ranks alone (not a tensor-sharded dim split further); with a pipeline, of the
+    layers only (the schedule gathers those in its ticks; the embedding and head are read by the first and last
+    ranks' first ticks, with nothing to hide a gather under)."""
+    gathered = jax.tree.map(lambda a, z: bool(cfg.parallel.overlap_param_gather and z is not None and z.data_only
+                                              and z.size == a.shape[z.dim]),
+                            params, zero_dims, is_leaf=lambda x: x is None)
+    if cfg.parallel.pipeline > 1:
+        gathered = {k: g if k == "layers" else jax.tree.map(lambda _: False, g) for k, g in gathered.items()}
+    return gathered
 
 
 def build(cfg: Config, mesh: jax.sharding.Mesh) -> StepSetup:
@@ -419,7 +424,8 @@ def eval_loss(setup: StepSetup, params, batch: dict) -> tuple[jax.Array, jax.Arr
                     sharding.vary(jnp.zeros((), jnp.float32), sharding.GRAD), micro_batches(batch, m))
                 return sharding.psum(loss, sharding.GRAD)
 
-            specs = (setup.param_specs(), {k: P(sharding.DATA) for k in batch})
+            # (the weights as the model computes with them: whole where the state keeps their optimizer shard)
+            specs = (setup.compute_param_specs(), {k: P(sharding.DATA) for k in batch})
             loss = _in_manual_region(setup.mesh, local, specs, P())(params, batch)
         else:
             def body(total, mb):

@@ -9,6 +9,7 @@ import sys
 
 import jax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from megajax import audit, config as config_lib, hlo, metrics, pipeline
 
@@ -298,16 +299,19 @@ def test_data_parallel_reduction_runs_under_the_backward_on_h100(mode):
 
 
 @gpu
-def test_pipelined_reduction_runs_in_each_chunks_last_backward_on_h100():
+def test_pipelined_reduction_and_gather_run_inside_the_schedule_on_h100():
     """gpt2-1.3b cut to 8 layers, data 2 x pipeline 2 (1F1B) x tensor 2 with the preset's sequence parallelism
-    and distributed optimizer, 8 micro batches, parallel.overlap_grad_reduce: the layers' gradients are
-    reduce-scattered inside the schedule's ticks (the backward branch that ends each chunk), each exactly once a
-    step, as the audit counts the branches the schedule runs (`pipeline.branch_runs`: the program's GEMM FLOPs
-    then match Megatron's formula, where counting every branch as taken gave 3.3x); GEMMs run under part of
-    them (measured 33%: four layers a chunk, of which XLA peels the first and the last out of its loop)."""
+    and distributed optimizer, 8 micro batches, parallel.overlap_grad_reduce and overlap_param_gather: the layers'
+    gradients are reduce-scattered inside the schedule's ticks (rank 1 in its idle cool-down tick, rank 0 in the
+    backward branch that ends its chunk) and their weights all-gathered from the shards (rank 1 in its idle warm-up
+    tick, rank 0 in its first forward), each exactly once a step, as the audit counts the branches the schedule
+    runs (`pipeline.branch_runs`: the program's GEMM FLOPs then match Megatron's formula, where counting every
+    branch as taken gave 3.3x); GEMMs run under part of rank 0's (measured 33% of the reductions: four layers a
+    chunk, of which XLA peels the first and the last out of its loop)."""
     cfg = config_lib.load(f"{REPO}/configs/gpt2-1.3b.yaml", [
         "model.num_layers=8", "parallel.data=2", "parallel.pipeline=2", "parallel.tensor=2",
-        "train.micro_batch_size=1", "train.global_batch_size=16", "parallel.overlap_grad_reduce=true"])
+        "train.micro_batch_size=1", "train.global_batch_size=16", "parallel.overlap_grad_reduce=true",
+        "parallel.overlap_param_gather=true"])
     devices = audit._gpu_devices("h100", 8)
     cfg, mesh, compiled, setup = audit.compile_step(cfg, devices)
     text = compiled.as_text()
@@ -317,21 +321,25 @@ def test_pipelined_reduction_runs_in_each_chunks_last_backward_on_h100():
     megatron = metrics.step_flops(cfg.model, cfg.train.global_batch_size * cfg.model.seq_length,
                                   pipelined=True)["hardware_flops"] / len(devices)
     assert 0.8 < gemm / megatron < 1.05 and hlo.gemm_flops(text)["total"] / megatron > 2
-    layers = sum(math.prod(s.shard_shape(a.shape)) * 4 for a, s in zip(  # one device's f32 layer gradients
-        jax.tree.leaves(setup.abstract_state.params["layers"]),
-        jax.tree.leaves(setup.state_shardings.params["layers"])))
+    compute_specs = jax.tree.leaves(setup.compute_param_specs()["layers"], is_leaf=lambda x: isinstance(x, P))
+    layers = sum(math.prod(jax.sharding.NamedSharding(mesh, s).shard_shape(a.shape)) * 4 for a, s in zip(
+        jax.tree.leaves(setup.abstract_state.params["layers"]), compute_specs))  # one device's f32 layer weights
     inside = audit.communication(colls, "h100", cfg.model.compute_dtype, gemm, cfg)["in_schedule"]
     assert abs(inside["data_parallel_bytes"] / layers - 1) < 0.01, (inside, layers)
+    assert abs(inside["gather_bytes"] / layers - 1) < 0.01, (inside, layers)
     # rank 1 reduces in its idle tick (the last: rank 0's last backward), rank 0 in its last backward, with GEMMs
-    # under part of it
-    scattered = [c for c in colls if c.in_conditional and c.kind == "reduce-scatter" and c.axes == ("data",)]
-    assert {c.scope[-1] for c in scattered} == {"b", "x"}
-    in_backward = [c for c in scattered if c.scope.endswith("_b")]
-    assert sum(c.bytes * c.count for c in in_backward) == pytest.approx(inside["data_parallel_bytes"] / 2, rel=0.01)
-    assert sum(c.bytes * c.count for c in in_backward if c.flops_under > 0) > 0.25 * inside["data_parallel_bytes"] / 2
-    # one idle tick against one 4-layer chunk's backward at peak: the run fits (no delay from it)
+    # under part of it; the gathers mirror that in the warm-up
+    for kind, where, fraction in (("reduce-scatter", {"b", "x"}, 0.25), ("all-gather", {"f", "g"}, 0.1)):
+        ours = [c for c in colls if c.in_conditional and c.kind == kind and c.axes == ("data",)]
+        assert {c.scope[-1] for c in ours} == where, kind
+        in_compute = [c for c in ours if c.scope[-1] in "bf"]
+        assert sum(c.bytes * c.count for c in in_compute) == pytest.approx(layers / 2, rel=0.01), kind
+        assert sum(c.bytes * c.count for c in in_compute if c.flops_under > 0) > fraction * layers / 2, kind
+    # one idle tick against one 4-layer chunk's backward (forward) at peak: the run fits (no delay from it)
     assert inside["idle_ticks_s"] < inside["chunk_backward_s"]
     assert inside["cooldown_delay_s"] == pytest.approx(2 * inside["in_backward_exposed_s"])
+    assert inside["warmup_idle_ticks_s"] < inside["chunk_forward_s"]
+    assert inside["warmup_delay_s"] == pytest.approx(2 * inside["in_forward_exposed_s"])
 
 
 @gpu

@@ -47,8 +47,6 @@ def test_defaults_and_overrides_are_typed():
      "use parallel.schedule=1f1b or interleaved, or set parallel.overlap_grad_reduce=false"),
     (["parallel.overlap_grad_reduce=true", "parallel.pipeline=2", "parallel.schedule=zero_bubble"],
      "use parallel.schedule=1f1b or interleaved"),
-    (["parallel.overlap_param_gather=true", "parallel.overlap_grad_reduce=true", "parallel.distributed_optimizer=true",
-      "parallel.pipeline=2"], "set parallel.overlap_param_gather=false"),
     (["parallel.overlap_param_gather=true", "parallel.overlap_grad_reduce=true"],
      "set parallel.distributed_optimizer=true and parallel.overlap_grad_reduce=true"),
     (["model.make_vocab_size_divisible_by=2", "model.vocab_size=257", "parallel.tensor=4"],

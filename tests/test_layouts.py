@@ -5,8 +5,9 @@ included), sequence parallelism on and off (t > 1), the distributed optimizer on
 Llama with grouped-query attention, every schedule (p > 1), and the model dense or mixture-of-experts (8
 dropless experts, top 2) with every expert-parallel size dividing data, and with sequence parallelism and no
 pipeline the ring matmuls of parallel.tp_comm_overlap on and off, and with data > 1 the gradient reduction
-overlapped with the backward (parallel.overlap_grad_reduce: without a pipeline, or in the last backward of each
-chunk with 1f1b and interleaved) on and off. `test_the_space_is_accepted` checks the
+overlapped with the backward (parallel.overlap_grad_reduce: without a pipeline, or inside the schedule with 1f1b
+and interleaved) on and off, and with the distributed optimizer the weights gathered under the forward too
+(parallel.overlap_param_gather). `test_the_space_is_accepted` checks the
 whole space against the config (cheap); `test_layout_matches_one_device` trains each layout for two steps
 and compares the losses and gradient norms with one device (fp32, relative 1e-4). The default run covers
 every (d, p, t) triple once, with the features rotated so that each appears on and off (data = 1 with
@@ -58,7 +59,7 @@ def experts(d: int) -> list[int]:
     return [0] + [e for e in range(1, d + 1) if d % e == 0 and MOE["model.num_experts"] % e == 0]
 
 
-def case(arch, d, p, t, sp, zero, schedule, v, ep=0, ring=False, overlap=False) -> dict:
+def case(arch, d, p, t, sp, zero, schedule, v, ep=0, ring=False, overlap=0) -> dict:
     # p micro batches through a pipeline (the fewest every schedule takes); without one, 2 or 3 per data
     # rank, so gradient accumulation runs on every layout too
     mb = BATCH // (d * p) if p > 1 else max(1, BATCH // (2 * d))
@@ -66,12 +67,16 @@ def case(arch, d, p, t, sp, zero, schedule, v, ep=0, ring=False, overlap=False) 
         **ARCHS[arch], **(MOE if ep else {}), "train.global_batch_size": BATCH, "train.micro_batch_size": mb,
         "parallel.data": d, "parallel.pipeline": p, "parallel.tensor": t, "parallel.expert": max(ep, 1),
         "parallel.sequence_parallel": sp, "parallel.distributed_optimizer": zero, "parallel.tp_comm_overlap": ring,
-        "parallel.overlap_grad_reduce": overlap, "parallel.schedule": schedule, "parallel.virtual_stages": v}}
+        "parallel.overlap_grad_reduce": overlap > 0, "parallel.overlap_param_gather": overlap == 2,
+        "parallel.schedule": schedule, "parallel.virtual_stages": v}}
 
 
-def overlaps(d: int, p: int, schedule: str) -> tuple[bool, ...]:
-    """parallel.overlap_grad_reduce's values: on and off with data > 1 (and a schedule that runs it)."""
-    return (False, True) if d > 1 and (p == 1 or schedule in ("1f1b", "interleaved")) else (False,)
+def overlaps(d: int, p: int, schedule: str, zero: bool) -> tuple[int, ...]:
+    """The overlap levels: 0 off, 1 parallel.overlap_grad_reduce (with data > 1 and a schedule that runs it), 2
+    with parallel.overlap_param_gather too (with the distributed optimizer)."""
+    if not (d > 1 and (p == 1 or schedule in ("1f1b", "interleaved"))):
+        return (0,)
+    return (0, 1, 2) if zero else (0, 1)
 
 
 def space() -> list[dict]:
@@ -82,7 +87,7 @@ def space() -> list[dict]:
                 ARCHS, (False, True) if t > 1 else (False,), (False, True) if d > 1 else (False,), schedules(p),
                 experts(d)):
             for ring, overlap in itertools.product((False, True) if sp and p == 1 else (False,),  # SP, no pipeline
-                                                   overlaps(d, p, schedule)):
+                                                   overlaps(d, p, schedule, zero)):
                 out.append(case(arch, d, p, t, sp, zero, schedule, v, ep, ring, overlap))
     return out
 
@@ -101,8 +106,10 @@ def default_cases() -> list[dict]:
         schedule, v = options[i % len(options)]
         ep = DEFAULT_MOE.get((d, p, t), 0)
         sp = t > 1 and (i // 2) % 2 == 0
-        out.append(case(("gpt2", "llama")[i % 2], d, p, t, sp, d > 1 and i % 3 != 1, schedule, v, ep,
-                        ring=sp and p == 1 and i % 2 == 0, overlap=overlaps(d, p, schedule)[-1] and i % 3 != 2))
+        zero = d > 1 and i % 3 != 1
+        levels = overlaps(d, p, schedule, zero)
+        out.append(case(("gpt2", "llama")[i % 2], d, p, t, sp, zero, schedule, v, ep, ring=sp and p == 1 and i % 2 == 0,
+                        overlap=0 if i % 3 == 2 or len(levels) == 1 else levels[1 + (i // 7) % (len(levels) - 1)]))
     return out
 
 
@@ -115,6 +122,7 @@ def name(c: dict) -> str:
             f"{'-zero1' if s['parallel.distributed_optimizer'] else ''}"
             f"{'-ring' if s['parallel.tp_comm_overlap'] else ''}"
             f"{'-overlap' if s['parallel.overlap_grad_reduce'] else ''}"
+            f"{'-gather' if s['parallel.overlap_param_gather'] else ''}"
             + (f"-{s['parallel.schedule']}v{s['parallel.virtual_stages']}" if p > 1 else ""))
 
 
@@ -143,6 +151,11 @@ def test_the_space_is_accepted():
     assert {p > 1 for p, _, _ in overlapped} == {False, True}, "the overlapped reduction with and without a pipeline"
     assert {sched for p, sched, _ in overlapped if p > 1} == {"1f1b", "interleaved"}
     assert {zero for p, _, zero in overlapped if p > 1} == {False, True}, "all-reduced and scattered on a pipeline"
+    zero_overlapped = [(s["parallel.pipeline"] > 1, s["parallel.overlap_param_gather"])
+                       for s in (c["sets"] for c in DEFAULT)
+                       if s["parallel.overlap_grad_reduce"] and s["parallel.distributed_optimizer"]]
+    assert set(zero_overlapped) == {(False, False), (False, True), (True, False), (True, True)}, \
+        "the distributed optimizer's shards gathered under the forward and not, with and without a pipeline"
     assert {c["sets"]["parallel.schedule"] for c in DEFAULT} == {"gpipe", "1f1b", "interleaved", "zero_bubble"}
     assert {c["arch"] for c in DEFAULT} == set(ARCHS)
     moe = [c["sets"] for c in DEFAULT if c["moe"]]

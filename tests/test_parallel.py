@@ -39,8 +39,9 @@ def test_dropout_is_layout_independent():
 # scattered onto the distributed optimizer's shards (over 'data' alone, over 'data' x 'expert', with 'tensor'
 # manual too, and a tensor-sharded bias all-reduced and sliced); the weights kept as their shards between steps
 # and gathered in the first forward (overlap_param_gather; first micro batch = last, or not). With a pipeline
-# (1f1b and interleaved): each chunk's last backward reduces its layers, all-reduced or scattered, with tensor and
-# sequence parallelism, full recomputation and MoE experts over 'expert'.
+# (1f1b and interleaved): each rank reduces its layers inside the schedule, all-reduced or scattered, with tensor
+# and sequence parallelism, full recomputation and MoE experts over 'expert'; and gathers them from their shards in
+# its warm-up (overlap_param_gather, with tensor and sequence parallelism here, with MoE in the layout matrix).
 ZERO = {"parallel.distributed_optimizer": True}
 GATHER = {**ZERO, "parallel.overlap_param_gather": True}
 OVERLAP_CASES = {
@@ -55,11 +56,11 @@ OVERLAP_CASES = {
                                       "model.moe_ffn_hidden_size": 32, "parallel.data": 4, "parallel.expert": 2,
                                       "train.micro_batch_size": 2, **GATHER},
     "gpt2-d2p2-m4": {"parallel.data": 2, "parallel.pipeline": 2, "train.micro_batch_size": 2},
-    "llama-d2p2t2sp-interleaved-full-zero": {"model.arch": "llama", "model.num_layers": 4, "parallel.data": 2,
-                                             "parallel.pipeline": 2, "parallel.tensor": 2,
-                                             "parallel.sequence_parallel": True, "parallel.schedule": "interleaved",
-                                             "parallel.virtual_stages": 2, "train.micro_batch_size": 1,
-                                             "model.recompute": "full", **ZERO},
+    "llama-d2p2t2sp-interleaved-full-gather": {"model.arch": "llama", "model.num_layers": 4, "parallel.data": 2,
+                                               "parallel.pipeline": 2, "parallel.tensor": 2,
+                                               "parallel.sequence_parallel": True, "parallel.schedule": "interleaved",
+                                               "parallel.virtual_stages": 2, "train.micro_batch_size": 1,
+                                               "model.recompute": "full", **GATHER},
     "llama-moe-d4e2p2-zero": {"model.arch": "llama", "model.num_experts": 4, "model.experts_per_token": 2,
                               "model.moe_ffn_hidden_size": 32, "parallel.data": 4, "parallel.expert": 2,
                               "parallel.pipeline": 2, "train.micro_batch_size": 1, **ZERO},

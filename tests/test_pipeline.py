@@ -129,43 +129,59 @@ def test_pipeline_gradients_equal_plain_gradients(schedule, v):
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
-def test_each_rank_reduces_its_gradients_once_and_the_audit_counts_branches_as_run(schedule):
-    """parallel.overlap_grad_reduce on a pipeline, over the schedule space (p 2-8, v 1-3, m p-3p, 1-4 layers a
-    chunk): each rank reduces each of its layers exactly once, after the layer's last backward: in idle ticks after
-    its last backward (the x action, runs of layers that tile its v x Lc layers) or, with no idle tick after it,
-    in the last backward of each chunk (FINAL); rank p - 1 always waits in the cool-down, rank 0 never does. And
-    `branch_runs` (how often the audit counts each branch of each switch) sums to one run per visit and runs the
-    reductions as the plan has them."""
+def test_each_rank_reduces_and_gathers_its_layers_once_and_the_audit_counts_branches_as_run(schedule):
+    """parallel.overlap_grad_reduce and overlap_param_gather on a pipeline, over the schedule space (p 2-8, v 1-3,
+    m p-3p, 1-4 layers a chunk): each rank reduces each of its layers exactly once, after the layer's last
+    backward: in idle ticks after its last backward (the x action, runs of layers that tile its v x Lc layers) or,
+    with no idle tick after it, in the last backward of each chunk (FINAL); rank p - 1 always waits in the
+    cool-down, rank 0 never does. The gathers mirror that: each layer once, before its first forward, in idle
+    warm-up ticks (the g action) or each chunk's first forward (GATHER, never the last chunk's); rank p - 1 waits
+    in the warm-up, rank 0 never does. And `branch_runs` (how often the audit counts each branch of each switch)
+    sums to one run per visit and runs the reductions and gathers as the plan has them."""
     from megajax.pipeline import ticks
+
+    def tiled(first, count, ts, r):
+        return sorted(np.concatenate([np.arange(first[t, r], first[t, r] + count[t, r]) for t in ts]))
 
     for p in range(2, 9):
         for v in ((1,) if schedule == "1f1b" else (2, 3)):
             for m in sorted({p, p + 1, 2 * p, 3 * p}):
                 for lc in (1, 4):
-                    s, table, kinds, segments = ticks.plan(schedule, p, v, m, lc)
+                    s, table, kinds, segments = ticks.plan(schedule, p, v, m, lc, lc)
                     final = (kinds["b"] & ticks.FINAL) > 0
+                    gather = (kinds["f"] & ticks.GATHER) > 0
                     busy = np.stack([kinds[a] > 0 for a in ("f", "r", "b", "w")]).any(0)
                     for r in range(p):
                         last = np.flatnonzero(table["b_chunk"][:, r] >= 0)[-1]
-                        xs = np.flatnonzero(kinds["x"][:, r])
+                        start = np.flatnonzero(table["f_chunk"][:, r] >= 0)[0]
+                        xs, gs = np.flatnonzero(kinds["x"][:, r]), np.flatnonzero(kinds["g"][:, r])
                         if final[:, r].any():
                             assert not xs.size and final[:, r].sum() == v
                             for c in range(v):
                                 assert final[np.flatnonzero(table["b_chunk"][:, r] == c)[-1], r]
                         else:
                             assert xs.size and xs.min() > last and not busy[xs, r].any()
-                            covered = np.concatenate([np.arange(table["x_first"][t, r], table["x_first"][t, r]
-                                                                + kinds["x"][t, r]) for t in xs])
-                            assert sorted(covered) == list(range(v * lc))
+                            assert tiled(table["x_first"], kinds["x"], xs, r) == list(range(v * lc))
+                        if gather[:, r].any():
+                            assert not gs.size and gather[:, r].sum() == v
+                            for c in range(v):
+                                assert gather[np.flatnonzero(table["f_chunk"][:, r] == c)[0], r]
+                            assert not np.isin(kinds["f"][gather[:, r], r] & ~ticks.GATHER,
+                                               (ticks.LAST, ticks.LAST_KEEP)).any()
+                        else:
+                            assert gs.size and gs.max() < start and not busy[gs, r].any()
+                            assert tiled(table["g_first"], kinds["g"], gs, r) == list(range(v * lc))
                     assert final[:, 0].any() and not final[:, p - 1].any()
+                    assert gather[:, 0].any() and not gather[:, p - 1].any()
                 cfg = small_config(**{"model.num_layers": p * v * 4, "parallel.pipeline": p,
                                       "parallel.virtual_stages": v, "parallel.schedule": schedule,
                                       "parallel.data": 2, "parallel.overlap_grad_reduce": True,
+                                      "parallel.distributed_optimizer": True, "parallel.overlap_param_gather": True,
                                       "train.global_batch_size": 2 * m, "train.micro_batch_size": 1})
-                _, _, kinds, segments = ticks.plan(schedule, p, v, m, 4)
+                _, _, kinds, segments = ticks.plan(schedule, p, v, m, 4, 4)
                 runs = ticks.branch_runs(cfg)
                 assert all(abs(sum(f) - 1) < 1e-9 for f in runs.values())
-                finals = layers = 0.0
+                finals = layers = gathers = gathered = 0.0
                 for i, seg in enumerate(segments):
                     step = 2 if seg.roles else 1
                     for t in range(step):
@@ -173,6 +189,11 @@ def test_each_rank_reduces_its_gradients_once_and_the_audit_counts_branches_as_r
                         scope = ticks.scope(i, t)
                         finals += visits * sum(f for k, f in zip(seg.b, runs[f"{scope}_b"]) if k & ticks.FINAL)
                         layers += visits * sum(k * f for k, f in zip(seg.x, runs[f"{scope}_x"]))
+                        gathers += visits * sum(f for k, f in zip(seg.f, runs[f"{scope}_f"]) if k & ticks.GATHER)
+                        gathered += visits * sum(k * f for k, f in zip(seg.g, runs[f"{scope}_g"]))
                 ranks_final = ((kinds["b"] & ticks.FINAL) > 0).any(0).sum()
+                ranks_gather = ((kinds["f"] & ticks.GATHER) > 0).any(0).sum()
                 assert abs(finals - v * ranks_final / p) < 1e-9
+                assert abs(gathers - v * ranks_gather / p) < 1e-9
+                assert abs(gathered - v * 4 * (p - ranks_gather) / p) < 1e-9
                 assert abs(layers - v * 4 * (p - ranks_final) / p) < 1e-9

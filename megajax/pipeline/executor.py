@@ -36,6 +36,11 @@ they are final (`ticks._reductions`): in runs of layers in the idle ticks after 
 sends), or, on a rank with none, in the backward that ends each chunk (kind FINAL), layer by layer inside its loop
 (overlap.tapped_identity; the same residuals, unflattened into the pullback whose hooks reduce). The reduced
 gradients go to `g_final`.
+parallel.overlap_param_gather, the mirror: the layers' weights arrive as their optimizer shards, and each rank
+all-gathers them into the carry's `whole` (what every action reads) before their first forward (`ticks._gathers`): in
+runs of layers in the idle ticks before its first forward (G, after the tick's sends), or, on a rank with none (rank
+0), in each chunk's first forward (kind GATHER), each layer's gather issued one layer ahead under the forward of the
+layer before.
 GPipe is the simple baseline: autodiff of a forward-only pipeline scan (memory grows with m).
 """
 
@@ -94,15 +99,18 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
     reductions (parallel.overlap_grad_reduce): per stacked-layer weight, its `overlap.Reduction`: each rank
     reduces its layers' gradients over the data ranks inside the schedule (in idle ticks after its last
     backward, or in each chunk's last backward; a reduce-scatter leaves the optimizer shard), so the layers'
-    gradients come back reduced."""
+    gradients come back reduced. A reduction with `gather` (parallel.overlap_param_gather): the weight arrives as
+    its optimizer shard and the schedule gathers it before the rank's first forward of its chunk."""
     par = cfg.parallel
     m = cfg.num_micro_batches
     if par.schedule == "gpipe":
         return _gpipe_grads(cfg, params, batch, seed_scale)
     p, v = par.pipeline, par.virtual_stages
-    layers = vary(local_chunks(params["layers"]))  # [v, Lc, ...]
+    layers = vary(local_chunks(params["layers"]))  # [v, Lc, ...] (a gathered weight: its optimizer shard)
     lc = jax.tree.leaves(layers)[0].shape[1]
-    sched, table, kinds, segments = ticks.plan(par.schedule, p, v, m, 0 if reductions is None else lc)
+    gathering = reductions is not None and any(r.gather for r in jax.tree.leaves(reductions))
+    sched, table, kinds, segments = ticks.plan(par.schedule, p, v, m, 0 if reductions is None else lc,
+                                               lc if gathering else 0)
     shared = _shared(params)
     mbs = vary(micro_batches(batch, m))
     act_shape = (batch["tokens"].shape[0] // m, batch["tokens"].shape[1], cfg.model.hidden_size)
@@ -113,6 +121,9 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
     else:
         acts = _ChunkActions(cfg, layers, shared, mbs, vary(seed_scale), act_shape, act_dtype,
                              None if reductions is None else reductions["block"])
+        if gathering:  # the whole weights, gathered into the carry's `whole` as the plan says
+            layers = acts.whole_zeros()
+            acts.layers = layers
     carry = vary({
         "act": jnp.zeros((sched.act_slots, *act_shape), act_dtype),  # chunk inputs: stashes and arrivals
         "grad": jnp.zeros((sched.grad_slots, *act_shape), act_dtype),
@@ -125,6 +136,8 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
         carry["dys"] = vary(acts.zero_dys())
     if reductions is not None:
         carry["g_final"] = acts.zero_final()
+    if gathering:
+        carry["whole"] = layers
     rank = jax.lax.axis_index("pipeline")
     for i, seg in enumerate(segments):
         xs = {k: jnp.asarray(table[k][seg.start:seg.stop]) for k in FIELDS}
@@ -152,10 +165,12 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
 
 def _tick(acts: _ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, row: dict, parity, scope: str):
     """One tick of one rank: W (zero_bubble), B, then R (it reads its stash before a forward may reuse the
-    slot), then F, then the sends (see the module docstring), then X (an idle tick's data-parallel reduction);
-    each switch under the name scope_<action>."""
+    slot), then F, then the sends (see the module docstring), then X and G (an idle tick's data-parallel reduction
+    or weight gather); each switch under the name scope_<action>."""
     row = {k: jnp.clip(val[rank], 0, None) for k, val in row.items()}
     named = lambda key: jax.named_scope(f"{scope}_{key}")  # noqa: E731
+    if "whole" in carry:  # the weights gathered so far (parallel.overlap_param_gather): what the actions read
+        acts.layers = carry["whole"]
     # Only the slices an action reads go into a switch; the accumulators go through the backward's and the
     # forward's switches so that only the branches with something to add touch them.
     split = "dys" in carry
@@ -176,10 +191,13 @@ def _tick(acts: _ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, 
     with named("r"):
         carry["res"] = jax.lax.switch(row["r_kind"], [acts.recompute_branch(k) for k in seg.r],
                                       carry["act"][row["r_slot"]], carry["res"], row)
+    gathering = any(k & ticks.GATHER for k in seg.f)  # (a forward that gathers its chunk's weights)
     with named("f"):
-        send_act, stash, loss, g_self, carry["res"], carry["g_shared"] = jax.lax.switch(
+        send_act, stash, loss, g_self, carry["res"], carry["g_shared"], *whole = jax.lax.switch(
             row["f_kind"], [acts.forward_branch(k) for k in seg.f], carry["act"][row["f_slot"]], carry["res"],
-            carry["g_shared"], row)
+            carry["g_shared"], *((carry["whole"],) if gathering else ()), row)
+    if gathering:
+        carry["whole"] = whole[0]
     carry["act"] = carry["act"].at[row["f_slot"]].set(stash)  # (the trash slot when no forward)
     carry["grad"] = carry["grad"].at[row["f_grad_slot"]].set(g_self)
     carry["loss"] = carry["loss"] + loss
@@ -200,6 +218,10 @@ def _tick(acts: _ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, 
         with named("x"):
             carry["g_final"] = jax.lax.switch(row["x_kind"], [acts.reduce_branch(k) for k in seg.x],
                                               carry["g_layers"], carry["g_final"], row)
+    if "whole" in carry and seg.g != (NONE,):  # an idle tick's gather, after the sends (like X)
+        with named("g"):
+            carry["whole"] = jax.lax.switch(row["g_kind"], [acts.gather_branch(k) for k in seg.g], carry["whole"],
+                                            row)
     return carry
 
 
@@ -218,6 +240,7 @@ class _ChunkActions:
         self.reductions = None if reductions is None else jax.tree.map(lambda r: r.per_layer(staged), reductions)
         self.run_reductions = None if reductions is None else jax.tree.map(lambda r: r.per_layer(staged - 1),
                                                                            reductions)
+        self.shards = layers  # parallel.overlap_param_gather: where the gathers read (self.layers: the whole weights)
         self._res_tree = None
         self._res_tree_final = None  # the same residuals, unflattened into the backward that reduces
         self._res_avals = None
@@ -268,6 +291,38 @@ class _ChunkActions:
 
         return jax.tree.map(stacked, self.reductions, w["block"])
 
+    def whole_zeros(self):
+        """Zeros [v, Lc, ...] shaped like the whole weights (a gathered weight's zero dim at its full size),
+        the rest as they are: what the gathers fill (parallel.overlap_param_gather)."""
+        def whole(r, x):
+            if not r.gather:
+                return x
+            shape = list(x.shape)
+            shape[r.zero.dim + 2] = r.zero.size  # (r: one layer's; x: [v, Lc, ...])
+            return vary(jnp.zeros(shape, x.dtype))
+
+        return {"block": jax.tree.map(whole, self.reductions, self.shards["block"])}
+
+    def _gathered(self, shards):
+        """One layer's whole weights from their shards (`overlap.Reduction.gathered`)."""
+        return jax.tree.map(lambda r, w: vary(r.gathered(w)), self.reductions, shards)
+
+    def _gathering_layers(self, shards, x, side, first_layer):
+        """(`_layers`' output, the chunk's whole weights [Lc, ...]) from the chunk's optimizer shards: each
+        layer's all-gather issued one layer ahead, under the compute of the layer before."""
+        at = lambda tree, idx: jax.tree.map(lambda a: a[idx], tree)  # noqa: E731
+        block = lambda x, w, l: model.block_apply(self.mcfg, w, x, l, side).astype(x.dtype)  # noqa: E731
+
+        def body(carry, inputs):
+            x, w = carry
+            ahead, l = inputs
+            return (block(x, w, l), self._gathered(ahead)), w
+
+        (x, w_last), ws = jax.lax.scan(body, (x, self._gathered(at(shards, 0))),
+                                       (at(shards, slice(1, None)), first_layer + jnp.arange(self.lc - 1)))
+        x = block(x, w_last, first_layer + self.lc - 1)
+        return x, jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), ws, w_last)
+
     def zero_final(self):
         """g_final: per weight, its reduced gradients [v, Lc, ...]: replicated over the data ranks (all-reduced;
         the carry g_layers, which sums the micro batches, varies over them) or the optimizer shards."""
@@ -315,24 +370,37 @@ class _ChunkActions:
     # -- the branches --------------------------------------------------------------------------------------
 
     def forward_branch(self, kind):
-        """(x, res, g_shared, row) -> (activation to send, the slot's new content, loss, output gradient of
-        the last chunk, residuals (the last chunk's own, else res unchanged), g_shared)."""
-        def run(x, res, g_shared, row):
+        """(x, res, g_shared[, whole], row) -> (activation to send, the slot's new content, loss, output gradient
+        of the last chunk, residuals (the last chunk's own, else res unchanged), g_shared[, whole]); whole with
+        a GATHER kind in the segment: a GATHER kind (the chunk's first forward) gathers the chunk's weights into
+        it, layer by layer (the others pass it on)."""
+        def run(x, res, g_shared, *rest):
+            *whole, row = rest
             zeros = jnp.zeros(self.act_shape, self.act_dtype)
             loss, g_self = jnp.zeros((), jnp.float32), zeros
             if kind == NONE:
-                return vary((zeros, x, loss, g_self, res, g_shared))
+                return (*vary((zeros, x, loss, g_self, res, g_shared)), *whole)
             (w, first), (mb, side) = self.chunk(row, "f_"), self.micro(row, "f_")
-            if kind == FIRST:
+            position = kind & ~ticks.GATHER
+            if position == FIRST:
                 x = model.embed_apply(self.mcfg, self.shared, mb["tokens"], side).astype(x.dtype)
-            if kind in (FIRST, MID):
-                return vary((self._layers(w, x, side, first).astype(x.dtype), x, loss, g_self, res, g_shared))
+            if kind & ticks.GATHER:
+                assert position in (FIRST, MID), "a rank with the last chunk gathers in idle ticks"
+                c = row["f_chunk"]
+                y, gathered = self._gathering_layers(jax.tree.map(lambda a: a[c], self.shards["block"]), x, side,
+                                                     first)
+                whole = [{"block": jax.tree.map(lambda r, f, g: f.at[c].set(g) if r.gather else f, self.reductions,
+                                                whole[0]["block"], gathered)}]
+                return (*vary((y.astype(x.dtype), x, loss, g_self, res, g_shared)), *whole)
+            if position in (FIRST, MID):
+                return (*vary((self._layers(w, x, side, first).astype(x.dtype), x, loss, g_self, res, g_shared)),
+                        *whole)
             if kind == LAST_KEEP:
                 y, res = self.forward_keeping(row, "f_", x)
             else:  # its backward comes later, after a recompute
                 y = self._layers(w, x, side, first).astype(x.dtype)
             loss, g_y, g_shared = self.head(y, mb, g_shared)
-            return vary((zeros, x, loss, g_y.astype(x.dtype), res, g_shared))
+            return (*vary((zeros, x, loss, g_y.astype(x.dtype), res, g_shared)), *whole)
 
         return run
 
@@ -401,6 +469,26 @@ class _ChunkActions:
                 return jax.lax.dynamic_update_slice_in_dim(flat(f), red, first, 0).reshape(f.shape)
 
             return jax.tree.map(one, self.run_reductions, g_layers["block"], g_final)
+
+        return run
+
+    def gather_branch(self, k):
+        """(whole, row) -> whole with the k layers from row["g_first"] (counted over the rank's chunks,
+        chunk-major) all-gathered from their optimizer shards (the g action: an idle tick before the rank's first
+        forward)."""
+        def run(whole, row):
+            if k == NONE:
+                return whole
+            first = row["g_first"]
+
+            def one(r, shard, f):
+                if not r.gather:
+                    return f
+                flat = lambda a: a.reshape(-1, *a.shape[2:])  # noqa: E731  [v Lc, ...]
+                got = r.gathered(jax.lax.dynamic_slice_in_dim(flat(shard), first, k))
+                return jax.lax.dynamic_update_slice_in_dim(flat(f), vary(got), first, 0).reshape(f.shape)
+
+            return {"block": jax.tree.map(one, self.run_reductions, self.shards["block"], whole["block"])}
 
         return run
 

@@ -1,8 +1,8 @@
 """The executor's tick tables: a schedule (schedule.py) as the rows the executor's scan reads, NumPy only.
 
 Per tick and rank, each action (F forward, R recompute, B backward, W zero_bubble's weight gradients, X an idle
-tick's data-parallel reduction) gets a kind: where its chunk sits in the model (it picks the branch of the
-action's switch) or, for X, how many layers it reduces. Ticks are grouped into segments (filling, steady,
+tick's data-parallel reduction, G an idle tick's all-gather of weights from their optimizer shards) gets a kind: where its chunk sits in the model (it picks the branch of the
+action's switch) or, for X and G, how many layers it reduces or gathers. Ticks are grouped into segments (filling, steady,
 cool-down), each run by one scan whose switches hold only the kinds it runs; segments after the filling go in
 tick pairs (the staggered lock step). The audit reads the same plan to weigh the compiled program's branches
 (`branch_runs`).
@@ -24,12 +24,17 @@ NONE, FIRST, MID, LAST, LAST_KEEP = range(5)
 # added to a backward's kind: the chunk's last backward on its rank, which reduces the chunk's gradients over the
 # data ranks layer by layer (parallel.overlap_grad_reduce, on a rank with no idle tick after its last backward)
 FINAL = 8
-# the table columns a tick reads (the schedule's f_keep becomes the LAST_KEEP kind); x_first: the first of the
-# layers (counted over the rank's chunks, chunk-major) an idle tick reduces (parallel.overlap_grad_reduce)
+# added to a forward's kind: the chunk's first forward on its rank, which all-gathers the chunk's weights from their
+# optimizer shards layer by layer (parallel.overlap_param_gather, on a rank with no idle tick before its first forward)
+GATHER = 16
+# the table columns a tick reads (the schedule's f_keep becomes the LAST_KEEP kind); x_first, g_first: the first of
+# the layers (counted over the rank's chunks, chunk-major) an idle tick reduces (parallel.overlap_grad_reduce) or
+# gathers (parallel.overlap_param_gather)
 FIELDS = ("f_chunk", "f_micro", "f_slot", "f_grad_slot", "r_chunk", "r_micro", "r_slot", "b_chunk", "b_micro",
-          "b_grad_slot", "w_chunk", "w_micro", "recv_act", "recv_grad", "x_first")
-# x: the data-parallel reduction of x_kind layers from x_first, in an idle tick after the rank's last backward
-ACTIONS = ("f", "r", "b", "w", "x")
+          "b_grad_slot", "w_chunk", "w_micro", "recv_act", "recv_grad", "x_first", "g_first")
+# x: the data-parallel reduction of x_kind layers from x_first, in an idle tick after the rank's last backward;
+# g: the all-gather of g_kind layers from g_first, in an idle tick before the rank's first forward
+ACTIONS = ("f", "r", "b", "w", "x", "g")
 
 
 def _position(global_chunk: np.ndarray, chunks: int) -> np.ndarray:
@@ -55,6 +60,20 @@ class Segment:
     b: tuple[int, ...]
     w: tuple[int, ...]
     x: tuple[int, ...] = (NONE,)  # (the layer counts of the x action's reductions)
+    g: tuple[int, ...] = (NONE,)  # (the layer counts of the g action's gathers)
+
+
+def _busy(s) -> np.ndarray:
+    """[ticks, p]: the ticks a rank computes something."""
+    return (s.f_chunk >= 0) | (s.r_chunk >= 0) | (s.b_chunk >= 0) | (s.w_chunk >= 0)
+
+
+def _runs(pool: list[int], n: int, shape) -> tuple[np.ndarray, np.ndarray]:
+    """n layers in near-equal runs over the ticks of `pool`: (first layer, layer count) per tick of one rank."""
+    first, count = np.full(shape, -1, np.int32), np.zeros(shape, np.int32)
+    sizes = np.diff(np.linspace(0, n, len(pool) + 1).round().astype(int))
+    first[pool], count[pool] = np.cumsum(sizes) - sizes, sizes
+    return first, count
 
 
 def _reductions(s, lc: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -64,7 +83,7 @@ def _reductions(s, lc: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     layers split into near-equal runs, one per idle tick, so that each run overlaps the ticks the other ranks are
     still computing; a rank with none (rank 0: its last backward ends the schedule) reduces in its last backwards,
     under their compute."""
-    busy = (s.f_chunk >= 0) | (s.r_chunk >= 0) | (s.b_chunk >= 0) | (s.w_chunk >= 0)
+    busy = _busy(s)
     final = np.zeros(busy.shape, bool)
     x_first, x_kind = np.full(busy.shape, -1, np.int32), np.zeros(busy.shape, np.int32)
     for r in range(s.p):
@@ -74,21 +93,45 @@ def _reductions(s, lc: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             for c in range(s.v):
                 final[np.flatnonzero(s.b_chunk[:, r] == c)[-1], r] = True
             continue
-        sizes = np.diff(np.linspace(0, s.v * lc, len(pool) + 1).round().astype(int))
-        x_first[pool, r], x_kind[pool, r] = np.cumsum(sizes) - sizes, sizes
+        x_first[:, r], x_kind[:, r] = _runs(pool, s.v * lc, s.ticks)
     return final, x_first, x_kind
 
 
+def _gathers(s, lc: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where parallel.overlap_param_gather all-gathers each rank's weights from their optimizer shards, the
+    mirror of `_reductions`: (GATHER marks [ticks, p]: the chunk's first forward gathers it; g_first, g_kind
+    [ticks, p]). A rank with idle ticks before its first forward (the warm-up's waiting: rank r has r in 1F1B)
+    gathers there, in near-equal runs, under the forwards the ranks before it compute; a rank with none (rank
+    0) gathers in each chunk's first forward, each layer's gather issued under the forward of the layer
+    before."""
+    busy = _busy(s)
+    first_fwd = np.zeros(busy.shape, bool)
+    g_first, g_kind = np.full(busy.shape, -1, np.int32), np.zeros(busy.shape, np.int32)
+    for r in range(s.p):
+        start = np.flatnonzero(s.f_chunk[:, r] >= 0)[0]
+        pool = [t for t in range(start) if not busy[t, r]][-s.v * lc:]
+        if not pool:
+            for c in range(s.v):
+                first_fwd[np.flatnonzero(s.f_chunk[:, r] == c)[0], r] = True
+            continue
+        g_first[:, r], g_kind[:, r] = _runs(pool, s.v * lc, s.ticks)
+    return first_fwd, g_first, g_kind
+
+
 @functools.lru_cache(maxsize=64)
-def plan(name: str, p: int, v: int, m: int, reduce_layers: int = 0):
+def plan(name: str, p: int, v: int, m: int, reduce_layers: int = 0, gather_layers: int = 0):
     """(the schedule, its table padded to whole tick pairs per segment, its forward / recompute / backward
     kinds per (tick, rank), the segments). reduce_layers: the layers a chunk (parallel.overlap_grad_reduce on):
-    where each rank reduces its gradients (`_reductions`): FINAL backwards, the x action's idle ticks."""
+    where each rank reduces its gradients (`_reductions`): FINAL backwards, the x action's idle ticks.
+    gather_layers: the same for parallel.overlap_param_gather (`_gathers`): GATHER forwards, the g action's."""
     s = schedule_lib.build(name, p, v, m)
     chunks = p * v
-    final, x_first, x_kind = _reductions(s, reduce_layers) if reduce_layers else (
-        np.zeros(s.b_chunk.shape, bool), np.full(s.b_chunk.shape, -1, np.int32), np.zeros(s.b_chunk.shape, np.int32))
-    tables = {**{k: getattr(s, k) for k in FIELDS if k != "x_first"}, "x_first": x_first}
+    nothing = (np.zeros(s.b_chunk.shape, bool), np.full(s.b_chunk.shape, -1, np.int32),
+               np.zeros(s.b_chunk.shape, np.int32))
+    final, x_first, x_kind = _reductions(s, reduce_layers) if reduce_layers else nothing
+    first_fwd, g_first, g_kind = _gathers(s, gather_layers) if gather_layers else nothing
+    tables = {**{k: getattr(s, k) for k in FIELDS if k not in ("x_first", "g_first")}, "x_first": x_first,
+              "g_first": g_first}
     fg, rg, bg = s.global_chunk(s.f_chunk), s.global_chunk(s.r_chunk), s.global_chunk(s.b_chunk)
     wg = s.global_chunk(s.w_chunk)
     free = s.free_ticks
@@ -116,13 +159,15 @@ def plan(name: str, p: int, v: int, m: int, reduce_layers: int = 0):
                 kind = np.where(kind == NONE, NONE, MID)
             if key == "f":
                 kind = np.where((kind == LAST) & (s.f_keep[start:stop] > 0), LAST_KEEP, kind)
+                kind = np.where(first_fwd[start:stop], kind | GATHER, kind)
             if key == "b":
                 kind = np.where(final[start:stop], kind | FINAL, kind)
             kinds[key] += list(kind) + [np.zeros(p, np.int32)] * pad
         kinds["x"] += list(x_kind[start:stop]) + [np.zeros(p, np.int32)] * pad
+        kinds["g"] += list(g_kind[start:stop]) + [np.zeros(p, np.int32)] * pad
         present = {key: tuple(sorted(set(np.ravel(kinds[key][seg_start:]).tolist()) | {NONE})) for key in kinds}
         segments.append(Segment(seg_start, seg_start + n + pad, roles, start % 2, present["f"], present["r"],
-                                present["b"], present["w"], present["x"]))
+                                present["b"], present["w"], present["x"], present["g"]))
     table = {k: np.array(rows[k], np.int32) for k in FIELDS}
     return s, table, {k: np.array(val, np.int32) for k, val in kinds.items()}, tuple(segments)
 
@@ -143,6 +188,12 @@ def reduce_layers(cfg: Config) -> int:
     return m.num_layers // m.layer_period // (par.pipeline * par.virtual_stages)
 
 
+def gather_layers(cfg: Config) -> int:
+    """`plan`'s gather_layers for a run: the layers of a chunk when the step gathers the weights from their
+    optimizer shards inside the schedule (parallel.overlap_param_gather), else 0."""
+    return reduce_layers(cfg) if cfg.parallel.overlap_param_gather and cfg.parallel.distributed_optimizer else 0
+
+
 def branch_runs(cfg: Config) -> dict[str, list[float]]:
     """For the audit: per switch of the executor ('<scope>_<action>'), how often each branch runs per visit
     of the switch, averaged over the pipeline ranks (the compiled program counts every branch of a conditional
@@ -151,7 +202,7 @@ def branch_runs(cfg: Config) -> dict[str, list[float]]:
     if par.pipeline == 1 or par.schedule == "gpipe":
         return {}
     _, _, kinds, segments = plan(par.schedule, par.pipeline, par.virtual_stages, cfg.num_micro_batches,
-                                 reduce_layers(cfg))
+                                 reduce_layers(cfg), gather_layers(cfg))
     out = {}
     for i, seg in enumerate(segments):
         step = 2 if seg.roles else 1
