@@ -80,16 +80,17 @@ def communication(colls, target: str, compute_dtype: str, gemm_flops: float, cfg
 
 def _in_schedule(cfg, colls, peak: float, nvlink: float, network: float) -> dict:
     """The data-parallel collectives inside a pipeline's ticks: the reductions of parallel.overlap_grad_reduce and
-    the weight gathers of parallel.overlap_param_gather. Reductions: bytes per device; `in_backward_exposed_s`: per
-    rank, the part of those run in a chunk's last backward (ranks with no idle tick after it: rank 0) that no GEMM
-    hides; `idle_ticks_s`: per rank, the wire time of those run in idle ticks after the rank's last backward;
-    `cooldown_delay_s`: what they add to the step. The last micro batch's backward passes from rank p - 1 down to
-    rank 0, each rank sending the next its input gradient at the end of a tick, so an exposed reduction in a last
-    backward delays the whole cool-down (p x the per-rank average); an idle tick's run delays it only by what it
-    takes beyond one chunk's backward at peak (the tick the other ranks are computing meanwhile), the longest run
-    of each tick counted. A reduction after the schedule costs its exposed time once instead. Gathers, the mirror
-    in the warm-up: `gather_bytes`, `in_forward_exposed_s` (rank 0's first forwards), `warmup_idle_ticks_s`, and
-    `warmup_delay_s`, an idle tick's run counted beyond one chunk's forward at peak."""
+    the weight gathers of parallel.overlap_param_gather, and an estimate of what they add to the step.
+
+    Reductions: `data_parallel_bytes` per device; `in_backward_exposed_s`: per rank, the part of those run in a
+    chunk's last backward (ranks with no idle tick after it: rank 0) that no GEMM hides; `idle_ticks_s`: per rank,
+    the wire time of those run in idle ticks; `cooldown_delay_s`: in the lock step a tick ends when its slowest rank
+    sends, so each tick adds the largest excess over its ranks: an idle tick's run beyond the tick the others
+    compute (`cooldown_tick_s`: a chunk's recompute and backward at peak), a last backward's exposed part. Gathers,
+    the mirror in the warm-up: `gather_bytes`, `in_forward_exposed_s` (rank 0's first forwards),
+    `warmup_idle_ticks_s`, `warmup_delay_s` (against `warmup_tick_s`, a chunk's forward). A reduction after the
+    schedule (a gather before it) costs its exposed time once instead. `comm_ratio`: one layer's reduce-scatter
+    (gather) over its forward of one micro batch, what parallel.overlap_comm_ratio takes."""
     from megajax import hlo, metrics
     from megajax.pipeline import ticks
 
@@ -100,30 +101,33 @@ def _in_schedule(cfg, colls, peak: float, nvlink: float, network: float) -> dict
     # (the weights' gathers: not context parallelism's key-value gathers, over 'context' alone)
     gathers = [c for c in colls if c.in_conditional and c.kind == "all-gather" and c.axes and set(c.axes) <= data_axes
                and set(c.axes) != {"context"} and c.scope[-2:] in ("_f", "_g")]
-    kinds = ticks.plan(par.schedule, par.pipeline, par.virtual_stages, cfg.num_micro_batches, ticks.reduce_layers(cfg),
-                       ticks.gather_layers(cfg))[2]
+    kinds = ticks.plan_of(cfg)[2]
     devices = par.data * par.pipeline * par.tensor * par.context
     model = metrics.step_flops(cfg.model, cfg.train.global_batch_size * cfg.model.seq_length,
                                pipelined=True)["model_flops"] / devices
     forward = 1 / 3 * model / (cfg.num_micro_batches * par.virtual_stages) / peak  # one chunk, one micro batch
 
-    def placed(in_compute: list, in_idle: list, runs: np.ndarray, tick_s: float):
-        """(exposed in compute a rank, wire time in idle ticks a rank, the delay of the idle ticks' longest runs)."""
+    def placed(in_compute: list, in_idle: list, runs: np.ndarray, marks: np.ndarray, tick_s: float):
+        """(exposed in compute a rank, wire time in idle ticks a rank, one layer's wire time, the delay)."""
         exposed = sum(g["exposed_s"] for g in hlo.overlap(in_compute, peak, nvlink, network).values())
         wire = sum(hlo.link_seconds(c, nvlink, network) * c.count for c in in_idle)
         per_layer = wire / (runs.sum() / par.pipeline) if runs.sum() else 0.0
-        return exposed, wire, sum(max(0.0, run * per_layer - tick_s) for run in runs.max(axis=1))
+        per_mark = par.pipeline * exposed / marks.sum() if marks.sum() else 0.0  # one chunk's, on its rank
+        excess = np.maximum(np.where(runs > 0, runs * per_layer - tick_s, 0.0), np.where(marks, per_mark, 0.0))
+        return exposed, wire, per_layer, float(np.maximum(excess, 0.0).max(axis=1).sum())
 
-    exposed_b, wire_x, delay_x = placed([c for c in dp if c.scope.endswith("_b")],
-                                        [c for c in dp if c.scope.endswith("_x")], kinds["x"], 2 * forward)
-    exposed_f, wire_g, delay_g = placed([c for c in gathers if c.scope.endswith("_f")],
-                                        [c for c in gathers if c.scope.endswith("_g")], kinds["g"], forward)
+    exposed_b, wire_x, layer_x, delay_x = placed(
+        [c for c in dp if c.scope.endswith("_b")], [c for c in dp if c.scope.endswith("_x")], kinds["x"],
+        (kinds["b"] & ticks.FINAL) > 0, 3 * forward)
+    exposed_f, wire_g, layer_g, delay_g = placed(
+        [c for c in gathers if c.scope.endswith("_f")], [c for c in gathers if c.scope.endswith("_g")], kinds["g"],
+        (kinds["f"] & ticks.GATHER) > 0, forward)
+    scatter = layer_g or layer_x / (1 if par.distributed_optimizer else 2)  # one layer's reduce-scatter
     return {"data_parallel_bytes": sum(c.bytes * c.count for c in dp), "in_backward_exposed_s": exposed_b,
-            "idle_ticks_s": wire_x, "chunk_backward_s": 2 * forward,
-            "cooldown_delay_s": par.pipeline * exposed_b + delay_x,
+            "idle_ticks_s": wire_x, "cooldown_tick_s": 3 * forward, "cooldown_delay_s": delay_x,
             "gather_bytes": sum(c.bytes * c.count for c in gathers), "in_forward_exposed_s": exposed_f,
-            "warmup_idle_ticks_s": wire_g, "chunk_forward_s": forward,
-            "warmup_delay_s": par.pipeline * exposed_f + delay_g}
+            "warmup_idle_ticks_s": wire_g, "warmup_tick_s": forward, "warmup_delay_s": delay_g,
+            "comm_ratio": scatter / (forward / ticks.chunk_layers(cfg))}
 
 
 def megatron_expected(cfg) -> dict:

@@ -201,7 +201,7 @@ class ParallelConfig:
     # --overlap-grad-reduce). megajax/overlap.py: an all-reduce per layer, or with the distributed optimizer a
     # reduce-scatter. Off by default: with several micro batches it holds one to three times the gradients' bytes
     # more (README, "Communication overlap"). With a pipeline (1f1b, interleaved): in each rank's idle cool-down
-    # ticks, or rank 0's last backwards; pays only where the audit's in_schedule.cooldown_delay_s is small.
+    # ticks, or rank 0's last backwards (across nodes set overlap_comm_ratio, below).
     overlap_grad_reduce: bool = False
     # Keep the weights as their optimizer shards between steps and all-gather them under the next forward
     # (Megatron's --overlap-param-gather). Needs distributed_optimizer and overlap_grad_reduce: the next step's
@@ -209,6 +209,13 @@ class ParallelConfig:
     # update gathering every weight where nothing overlaps it. With a pipeline (1f1b, interleaved): the layers'
     # weights, in each rank's idle warm-up ticks, or rank 0's first forwards (the embedding and head stay whole).
     overlap_param_gather: bool = False
+    # Under a pipeline: one layer's data-parallel reduce-scatter (or gather) time over its forward of one micro
+    # batch, as `python -m megajax.audit --target <gpu>` reports it (communication.in_schedule.comm_ratio: 0.86
+    # inside an H100 node for gpt2-1.3b, 17.9 across InfiniBand for the paper's 145B). It caps the layers an idle
+    # tick reduces or gathers so that each run fits under the tick the other ranks compute; the rest go to the
+    # schedule's last (first) tick, where they cost what reducing after (gathering before) the schedule costs.
+    # 0: no cap.
+    overlap_comm_ratio: float = 0.0
     # Sequence parallelism's all-gather and reduce-scatter as rings of ppermutes under the matmuls they feed
     # (Megatron's --tp-comm-overlap; megajax/model/collective_matmul.py). Needs sequence_parallel; not with a
     # pipeline (a ppermute inside the schedule's per-rank branches deadlocks).
@@ -218,6 +225,8 @@ class ParallelConfig:
         for name in ("pipeline", "tensor", "virtual_stages", "expert", "context"):
             _check(getattr(self, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(self, name)}")
         _check(self.data is None or self.data >= 1, f"parallel.data must be >= 1 (or null), got {self.data}")
+        _check(self.overlap_comm_ratio >= 0, f"parallel.overlap_comm_ratio must be >= 0 (0: no cap), got "
+               f"{self.overlap_comm_ratio}")
         _check(
             not self.sequence_parallel or self.tensor > 1,
             "parallel.sequence_parallel=true needs parallel.tensor > 1 (it shards over the tensor axis)",

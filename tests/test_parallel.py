@@ -41,7 +41,8 @@ def test_dropout_is_layout_independent():
 # and gathered in the first forward (overlap_param_gather; first micro batch = last, or not). With a pipeline
 # (1f1b and interleaved): each rank reduces its layers inside the schedule, all-reduced or scattered, with tensor
 # and sequence parallelism, full recomputation and MoE experts over 'expert'; and gathers them from their shards in
-# its warm-up (overlap_param_gather, with tensor and sequence parallelism here, with MoE in the layout matrix).
+# its warm-up (overlap_param_gather, with tensor and sequence parallelism here, with MoE in the layout matrix); and
+# at p 4 with parallel.overlap_comm_ratio capping the idle ticks' runs (the rest at the schedule's end and start).
 ZERO = {"parallel.distributed_optimizer": True}
 GATHER = {**ZERO, "parallel.overlap_param_gather": True}
 OVERLAP_CASES = {
@@ -61,6 +62,8 @@ OVERLAP_CASES = {
                                                "parallel.sequence_parallel": True, "parallel.schedule": "interleaved",
                                                "parallel.virtual_stages": 2, "train.micro_batch_size": 1,
                                                "model.recompute": "full", **GATHER},
+    "gpt2-d2p4-m4-gather-capped": {"model.num_layers": 8, "parallel.data": 2, "parallel.pipeline": 4,
+                                   "train.micro_batch_size": 1, "parallel.overlap_comm_ratio": 4.0, **GATHER},
     "llama-moe-d4e2p2-zero": {"model.arch": "llama", "model.num_experts": 4, "model.experts_per_token": 2,
                               "model.moe_ffn_hidden_size": 32, "parallel.data": 4, "parallel.expert": 2,
                               "parallel.pipeline": 2, "train.micro_batch_size": 1, **ZERO},

@@ -2,6 +2,7 @@
 through the stages. (Losses and gradient norms of every schedule and layout against one device: test_layouts.)"""
 
 import functools
+import itertools
 
 import numpy as np
 import pytest
@@ -136,8 +137,10 @@ def test_each_rank_reduces_and_gathers_its_layers_once_and_the_audit_counts_bran
     with no idle tick after it, in the last backward of each chunk (FINAL); rank p - 1 always waits in the
     cool-down, rank 0 never does. The gathers mirror that: each layer once, before its first forward, in idle
     warm-up ticks (the g action) or each chunk's first forward (GATHER, never the last chunk's); rank p - 1 waits
-    in the warm-up, rank 0 never does. And `branch_runs` (how often the audit counts each branch of each switch)
-    sums to one run per visit and runs the reductions and gathers as the plan has them."""
+    in the warm-up, rank 0 never does. With caps (parallel.overlap_comm_ratio), an idle tick takes at most that
+    many layers and the rest go to the schedule's last tick (first for gathers). And `branch_runs` (how often the
+    audit counts each branch of each switch) sums to one run per visit and runs the reductions and gathers as the
+    plan has them."""
     from megajax.pipeline import ticks
 
     def tiled(first, count, ts, r):
@@ -146,8 +149,8 @@ def test_each_rank_reduces_and_gathers_its_layers_once_and_the_audit_counts_bran
     for p in range(2, 9):
         for v in ((1,) if schedule == "1f1b" else (2, 3)):
             for m in sorted({p, p + 1, 2 * p, 3 * p}):
-                for lc in (1, 4):
-                    s, table, kinds, segments = ticks.plan(schedule, p, v, m, lc, lc)
+                for lc, caps in itertools.product((1, 4), ((None, None), (1, 0))):
+                    s, table, kinds, segments = ticks.plan(schedule, p, v, m, lc, lc, caps)
                     final = (kinds["b"] & ticks.FINAL) > 0
                     gather = (kinds["f"] & ticks.GATHER) > 0
                     busy = np.stack([kinds[a] > 0 for a in ("f", "r", "b", "w")]).any(0)
@@ -162,6 +165,9 @@ def test_each_rank_reduces_and_gathers_its_layers_once_and_the_audit_counts_bran
                         else:
                             assert xs.size and xs.min() > last and not busy[xs, r].any()
                             assert tiled(table["x_first"], kinds["x"], xs, r) == list(range(v * lc))
+                            if caps[0] is not None:  # at most cap a tick, the rest at the schedule's end
+                                end = np.flatnonzero(busy.any(1))[-1]  # (rank 0's last backward)
+                                assert (xs[kinds["x"][xs, r] > caps[0]] == end).all()
                         if gather[:, r].any():
                             assert not gs.size and gather[:, r].sum() == v
                             for c in range(v):
@@ -171,6 +177,8 @@ def test_each_rank_reduces_and_gathers_its_layers_once_and_the_audit_counts_bran
                         else:
                             assert gs.size and gs.max() < start and not busy[gs, r].any()
                             assert tiled(table["g_first"], kinds["g"], gs, r) == list(range(v * lc))
+                            if caps[1] is not None:  # at most cap a tick, the rest at the schedule's start
+                                assert (gs[kinds["g"][gs, r] > caps[1]] == 0).all()
                     assert final[:, 0].any() and not final[:, p - 1].any()
                     assert gather[:, 0].any() and not gather[:, p - 1].any()
                 cfg = small_config(**{"model.num_layers": p * v * 4, "parallel.pipeline": p,

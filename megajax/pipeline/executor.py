@@ -110,7 +110,7 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
     lc = jax.tree.leaves(layers)[0].shape[1]
     gathering = reductions is not None and any(r.gather for r in jax.tree.leaves(reductions))
     sched, table, kinds, segments = ticks.plan(par.schedule, p, v, m, 0 if reductions is None else lc,
-                                               lc if gathering else 0)
+                                               lc if gathering else 0, ticks.tick_caps(cfg))
     shared = _shared(params)
     mbs = vary(micro_batches(batch, m))
     act_shape = (batch["tokens"].shape[0] // m, batch["tokens"].shape[1], cfg.model.hidden_size)

@@ -1,11 +1,11 @@
 """The executor's tick tables: a schedule (schedule.py) as the rows the executor's scan reads, NumPy only.
 
 Per tick and rank, each action (F forward, R recompute, B backward, W zero_bubble's weight gradients, X an idle
-tick's data-parallel reduction, G an idle tick's all-gather of weights from their optimizer shards) gets a kind: where its chunk sits in the model (it picks the branch of the
-action's switch) or, for X and G, how many layers it reduces or gathers. Ticks are grouped into segments (filling, steady,
-cool-down), each run by one scan whose switches hold only the kinds it runs; segments after the filling go in
-tick pairs (the staggered lock step). The audit reads the same plan to weigh the compiled program's branches
-(`branch_runs`).
+tick's data-parallel reduction, G an idle tick's all-gather of weights from their optimizer shards) gets a kind:
+where its chunk sits in the model (it picks the branch of the action's switch) or, for X and G, how many layers
+it reduces or gathers. Ticks are grouped into segments (filling, steady, cool-down), each run by one scan whose
+switches hold only the kinds it runs; segments after the filling go in tick pairs (the staggered lock step). The
+audit reads the same plan to weigh the compiled program's branches (`branch_runs`).
 """
 
 from __future__ import annotations
@@ -68,68 +68,81 @@ def _busy(s) -> np.ndarray:
     return (s.f_chunk >= 0) | (s.r_chunk >= 0) | (s.b_chunk >= 0) | (s.w_chunk >= 0)
 
 
-def _runs(pool: list[int], n: int, shape) -> tuple[np.ndarray, np.ndarray]:
-    """n layers in near-equal runs over the ticks of `pool`: (first layer, layer count) per tick of one rank."""
+def _runs(pool: list[int], n: int, shape, cap: int | None = None, late: bool = True):
+    """n layers in near-equal runs over the ticks of `pool` (its first n ticks, or with `late` false its last
+    n): (first layer, layer count) per tick of one rank. `cap`: the most layers a tick takes; the rest go to the
+    spill tick, the pool's last (`late`: the schedule's end, where nothing waits for them) or first (its start)."""
     first, count = np.full(shape, -1, np.int32), np.zeros(shape, np.int32)
-    sizes = np.diff(np.linspace(0, n, len(pool) + 1).round().astype(int))
-    first[pool], count[pool] = np.cumsum(sizes) - sizes, sizes
+    used = pool[:n] if late else pool[-n:]
+    sizes = np.diff(np.linspace(0, n, len(used) + 1).round().astype(int))
+    if cap is not None and sizes.max() > cap:
+        spill = pool[-1] if late else pool[0]
+        if spill not in used:
+            used, sizes = (used + [spill], np.append(sizes, 0)) if late else ([spill] + used, np.insert(sizes, 0, 0))
+        sizes = np.minimum(sizes, cap)
+        at = used.index(spill)
+        sizes[at] = 0
+        sizes[at] = n - sizes.sum()
+    first[used], count[used] = np.cumsum(sizes) - sizes, sizes
     return first, count
 
 
-def _reductions(s, lc: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _reductions(s, lc: int, cap: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Where parallel.overlap_grad_reduce reduces each rank's gradients (lc layers a chunk): (FINAL marks [ticks,
     p]: the chunk's last backward reduces it; x_first, x_kind [ticks, p]: an idle tick reduces x_kind layers from
     x_first). A rank with idle ticks after its last backward (the cool-down's waiting) reduces there, its v x lc
     layers split into near-equal runs, one per idle tick, so that each run overlaps the ticks the other ranks are
-    still computing; a rank with none (rank 0: its last backward ends the schedule) reduces in its last backwards,
-    under their compute."""
+    still computing, at most `cap` layers a tick (the rest in its last idle tick, the schedule's last); a rank with
+    none (rank 0: its last backward ends the schedule) reduces in its last backwards, under their compute."""
     busy = _busy(s)
     final = np.zeros(busy.shape, bool)
     x_first, x_kind = np.full(busy.shape, -1, np.int32), np.zeros(busy.shape, np.int32)
     for r in range(s.p):
         last = np.flatnonzero(s.b_chunk[:, r] >= 0)[-1]
-        pool = [t for t in range(last + 1, s.ticks) if not busy[t, r]][:s.v * lc]
+        pool = [t for t in range(last + 1, s.ticks) if not busy[t, r]]
         if not pool:
             for c in range(s.v):
                 final[np.flatnonzero(s.b_chunk[:, r] == c)[-1], r] = True
             continue
-        x_first[:, r], x_kind[:, r] = _runs(pool, s.v * lc, s.ticks)
+        x_first[:, r], x_kind[:, r] = _runs(pool, s.v * lc, s.ticks, cap)
     return final, x_first, x_kind
 
 
-def _gathers(s, lc: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _gathers(s, lc: int, cap: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Where parallel.overlap_param_gather all-gathers each rank's weights from their optimizer shards, the
     mirror of `_reductions`: (GATHER marks [ticks, p]: the chunk's first forward gathers it; g_first, g_kind
     [ticks, p]). A rank with idle ticks before its first forward (the warm-up's waiting: rank r has r in 1F1B)
-    gathers there, in near-equal runs, under the forwards the ranks before it compute; a rank with none (rank
-    0) gathers in each chunk's first forward, each layer's gather issued under the forward of the layer
-    before."""
+    gathers there, in near-equal runs, under the forwards the ranks before it compute, at most `cap` layers a tick
+    (the rest in its first tick, the schedule's first); a rank with none (rank 0) gathers in each chunk's first
+    forward, each layer's gather issued under the forward of the layer before."""
     busy = _busy(s)
     first_fwd = np.zeros(busy.shape, bool)
     g_first, g_kind = np.full(busy.shape, -1, np.int32), np.zeros(busy.shape, np.int32)
     for r in range(s.p):
         start = np.flatnonzero(s.f_chunk[:, r] >= 0)[0]
-        pool = [t for t in range(start) if not busy[t, r]][-s.v * lc:]
+        pool = [t for t in range(start) if not busy[t, r]]
         if not pool:
             for c in range(s.v):
                 first_fwd[np.flatnonzero(s.f_chunk[:, r] == c)[0], r] = True
             continue
-        g_first[:, r], g_kind[:, r] = _runs(pool, s.v * lc, s.ticks)
+        g_first[:, r], g_kind[:, r] = _runs(pool, s.v * lc, s.ticks, cap, late=False)
     return first_fwd, g_first, g_kind
 
 
 @functools.lru_cache(maxsize=64)
-def plan(name: str, p: int, v: int, m: int, reduce_layers: int = 0, gather_layers: int = 0):
+def plan(name: str, p: int, v: int, m: int, reduce_layers: int = 0, gather_layers: int = 0,
+         caps: tuple[int | None, int | None] = (None, None)):
     """(the schedule, its table padded to whole tick pairs per segment, its forward / recompute / backward
     kinds per (tick, rank), the segments). reduce_layers: the layers a chunk (parallel.overlap_grad_reduce on):
     where each rank reduces its gradients (`_reductions`): FINAL backwards, the x action's idle ticks.
-    gather_layers: the same for parallel.overlap_param_gather (`_gathers`): GATHER forwards, the g action's."""
+    gather_layers: the same for parallel.overlap_param_gather (`_gathers`): GATHER forwards, the g action's.
+    caps: the most layers an idle tick reduces and gathers (`tick_caps`)."""
     s = schedule_lib.build(name, p, v, m)
     chunks = p * v
     nothing = (np.zeros(s.b_chunk.shape, bool), np.full(s.b_chunk.shape, -1, np.int32),
                np.zeros(s.b_chunk.shape, np.int32))
-    final, x_first, x_kind = _reductions(s, reduce_layers) if reduce_layers else nothing
-    first_fwd, g_first, g_kind = _gathers(s, gather_layers) if gather_layers else nothing
+    final, x_first, x_kind = _reductions(s, reduce_layers, caps[0]) if reduce_layers else nothing
+    first_fwd, g_first, g_kind = _gathers(s, gather_layers, caps[1]) if gather_layers else nothing
     tables = {**{k: getattr(s, k) for k in FIELDS if k not in ("x_first", "g_first")}, "x_first": x_first,
               "g_first": g_first}
     fg, rg, bg = s.global_chunk(s.f_chunk), s.global_chunk(s.r_chunk), s.global_chunk(s.b_chunk)
@@ -178,13 +191,37 @@ def scope(segment: int, tick: int) -> str:
     return f"pipeline_s{segment}t{tick}"
 
 
+def tick_caps(cfg: Config) -> tuple[int | None, int | None]:
+    """The most layers an idle tick reduces and gathers, from parallel.overlap_comm_ratio (one layer's reduce-scatter
+    or gather over its forward of one micro batch): a cool-down tick holds the others' recompute and backward of
+    a chunk (3 forwards of its layers; an all-reduce moves twice a reduce-scatter's bytes), a warm-up tick their
+    forward. (None, None): no cap (ratio 0)."""
+    par = cfg.parallel
+    ratio = par.overlap_comm_ratio
+    if not ratio:
+        return None, None
+    reduce_bytes = 1 if par.distributed_optimizer else 2
+    return int(3 * chunk_layers(cfg) / (ratio * reduce_bytes)), int(chunk_layers(cfg) / ratio)
+
+
+def plan_of(cfg: Config):
+    """`plan` for a run (its overlapped reductions and gathers as train.compute_grads decides)."""
+    par = cfg.parallel
+    return plan(par.schedule, par.pipeline, par.virtual_stages, cfg.num_micro_batches, reduce_layers(cfg),
+                gather_layers(cfg), tick_caps(cfg))
+
+
 def reduce_layers(cfg: Config) -> int:
     """`plan`'s reduce_layers for a run: the layers (scanned units) of a chunk when the step reduces the
     gradients inside the schedule (parallel.overlap_grad_reduce with data > 1, as train.compute_grads decides),
     else 0."""
+    par = cfg.parallel
+    return chunk_layers(cfg) if par.overlap_grad_reduce and (par.data or 1) > 1 else 0
+
+
+def chunk_layers(cfg: Config) -> int:
+    """The layers (scanned units) of a pipeline chunk."""
     par, m = cfg.parallel, cfg.model
-    if not (par.overlap_grad_reduce and (par.data or 1) > 1):
-        return 0
     return m.num_layers // m.layer_period // (par.pipeline * par.virtual_stages)
 
 
@@ -201,8 +238,7 @@ def branch_runs(cfg: Config) -> dict[str, list[float]]:
     par = cfg.parallel
     if par.pipeline == 1 or par.schedule == "gpipe":
         return {}
-    _, _, kinds, segments = plan(par.schedule, par.pipeline, par.virtual_stages, cfg.num_micro_batches,
-                                 reduce_layers(cfg), gather_layers(cfg))
+    _, _, kinds, segments = plan_of(cfg)
     out = {}
     for i, seg in enumerate(segments):
         step = 2 if seg.roles else 1
