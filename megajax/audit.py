@@ -90,7 +90,7 @@ def _in_schedule(cfg, colls, peak: float, nvlink: float, network: float) -> dict
     the mirror in the warm-up: `gather_bytes`, `in_forward_exposed_s` (rank 0's first forwards),
     `warmup_idle_ticks_s`, `warmup_delay_s` (against `warmup_tick_s`, a chunk's forward). A reduction after the
     schedule (a gather before it) costs its exposed time once instead. `comm_ratio`: one layer's reduce-scatter
-    (gather) over its forward of one micro batch, what parallel.overlap_comm_ratio takes."""
+    over its forward of one micro batch, what parallel.overlap_comm_ratio takes."""
     from megajax import hlo, metrics
     from megajax.pipeline import ticks
 
@@ -122,7 +122,7 @@ def _in_schedule(cfg, colls, peak: float, nvlink: float, network: float) -> dict
     exposed_f, wire_g, layer_g, delay_g = placed(
         [c for c in gathers if c.scope.endswith("_f")], [c for c in gathers if c.scope.endswith("_g")], kinds["g"],
         (kinds["f"] & ticks.GATHER) > 0, forward)
-    scatter = layer_g or layer_x / (1 if par.distributed_optimizer else 2)  # one layer's reduce-scatter
+    scatter = layer_x / (1 if par.distributed_optimizer else 2)  # one layer's reduce-scatter of its fp32 gradient
     return {"data_parallel_bytes": sum(c.bytes * c.count for c in dp), "in_backward_exposed_s": exposed_b,
             "idle_ticks_s": wire_x, "cooldown_tick_s": 3 * forward, "cooldown_delay_s": delay_x,
             "gather_bytes": sum(c.bytes * c.count for c in gathers), "in_forward_exposed_s": exposed_f,

@@ -50,14 +50,18 @@ class Reduction:
     """How one weight's gradient is reduced in the backward: summed over the data-parallel `axes`; with `zero`
     (the distributed optimizer's optim.ZeroDim) zero-padded as the optimizer pads it and scattered over `axes`
     along zero.dim, which leaves each data rank its optimizer shard. `gather`: the weight arrives as that shard
-    (parallel.overlap_param_gather) and is all-gathered where it is first used. `local`: a micro batch before the
-    last, whose gradient stays on its rank (not reduced)."""
+    (parallel.overlap_param_gather) and is all-gathered where it is first used; `gather_dtype`: in that dtype (a
+    matmul weight, which the model casts to the compute dtype anyway: half the bytes in bf16, as Megatron gathers
+    its bf16 parameters), its gradient then cast back to `grad_dtype` (the parameter's) before the reduction.
+    `local`: a micro batch before the last, whose gradient stays on its rank (not reduced)."""
 
     axes: tuple[str, ...]
     zero: optim.ZeroDim | None = None
     spec: P = P()  # the weight's PartitionSpec ('tensor' is all the collectives read of it)
     gather: bool = False
     local: bool = False
+    gather_dtype: str | None = None
+    grad_dtype: str | None = None
 
     def per_layer(self, lead: int = 1) -> "Reduction":
         """The reduction of a stacked weight's slice with its first `lead` dims dropped: one layer of [layers, ...]
@@ -72,6 +76,8 @@ class Reduction:
         return tuple(a for a in self.axes if a in sharding.current_manual_axes())
 
     def __call__(self, g: jax.Array) -> jax.Array:
+        if self.grad_dtype is not None:  # (the gradient of a weight gathered in a lower precision)
+            g = g.astype(self.grad_dtype)
         if self.local:
             return g
         if self.zero is None:
@@ -93,6 +99,8 @@ class Reduction:
         axes = self._manual()
         if not self.gather or not axes:
             return w
+        if self.gather_dtype is not None:
+            w = w.astype(self.gather_dtype)
         return _tensor_manual(functools.partial(jax.lax.all_gather, axis_name=axes, axis=self.zero.dim, tiled=True),
                               w, self.spec)
 
@@ -107,7 +115,7 @@ class Reduction:
             shape[self.zero.dim] = self.zero.size // math.prod(mesh.shape[a] for a in self._manual())
         if self.local or self.zero is not None:
             axes += self.axes
-        return sharding.vary(jnp.zeros(shape, w.dtype), axes)
+        return sharding.vary(jnp.zeros(shape, self.grad_dtype or w.dtype), axes)
 
 
 @functools.lru_cache(maxsize=None)
@@ -120,7 +128,7 @@ def reducing_identity(r: Reduction):
         return sharding.vary(w, r.axes)
 
     def bwd(acc, ct):
-        return None, None, r(ct if acc is None else ct + acc)
+        return None, None, r(ct if acc is None else ct.astype(acc.dtype) + acc)
 
     hook.defvjp(lambda w, acc, sink: (sharding.vary(w, r.axes), acc), bwd)
     return hook

@@ -123,6 +123,21 @@ def _gathered(cfg: Config, params, zero_dims):
     return gathered
 
 
+def _gather_dtypes(cfg: Config, params):
+    """Per parameter, the Reduction's gather_dtype and grad_dtype: a matmul weight (the model casts it to the compute
+    dtype wherever it reads it) is gathered in the compute dtype, as Megatron gathers its bf16 parameters; the rest
+    in its own."""
+    mcfg = cfg.model
+    low = mcfg.compute_dtype != mcfg.param_dtype
+
+    def one(path, a):
+        if low and getattr(path[-1], "key", None) in model.layers.WEIGHT_EINSUMS:
+            return {"gather_dtype": mcfg.compute_dtype, "grad_dtype": mcfg.param_dtype}
+        return {}
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
 def build(cfg: Config, mesh: jax.sharding.Mesh) -> StepSetup:
     """Derives shapes and shardings of the state and batch (with jax.eval_shape: nothing is allocated)."""
     boxed = jax.eval_shape(lambda: model.init_params(cfg.model, jax.random.key(0)))
@@ -333,9 +348,9 @@ def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
         # except where the sharded dim is also tensor-sharded (a column-parallel bias): those few bytes are
         # all-reduced there and sliced after.
         scattered = jax.tree.map(lambda z: z is not None and z.data_only, zero, is_leaf=is_none)
-        reductions = jax.tree.map(lambda z, sc, a, s, g: overlap.Reduction(a, z, s, gather=g) if sc
+        reductions = jax.tree.map(lambda z, sc, a, s, g, low: overlap.Reduction(a, z, s, gather=g, **low) if sc
                                   else overlap.Reduction(a), zero, scattered, reduce_axes, p_specs,
-                                  setup.gathered_params(), is_leaf=is_none)
+                                  setup.gathered_params(), _gather_dtypes(cfg, params), is_leaf=is_none)
         g_specs = jax.tree.map(lambda s, z, sc: optim.zero_spec(s, z, z.dim + 1) if sc else s, p_specs, zero,
                                scattered, is_leaf=is_none)
     else:

@@ -88,6 +88,29 @@ def test_overlapped_gradient_reduction_matches_one_device(case):
     np.testing.assert_allclose(norms, ref_norms, rtol=1e-4)
 
 
+# overlap_param_gather gathers the matmul weights in the compute dtype (Megatron gathers its bf16 parameters): in bf16
+# the step is the one that gathers fp32 weights and casts them where the model reads them, without a pipeline (one
+# micro batch: the gathering backward is the reducing one) and inside the schedule's ticks (d2 x p4: idle ticks and
+# rank 0's first forwards).
+@pytest.mark.parametrize("sets", [
+    {"parallel.data": 2, "parallel.tensor": 2, "parallel.sequence_parallel": True, "train.micro_batch_size": 4},
+    {"model.num_layers": 8, "parallel.data": 2, "parallel.pipeline": 4, "train.micro_batch_size": 1},
+], ids=["d2t2sp-m1", "d2p4-m4"])
+def test_weights_gathered_in_bf16_train_as_gathered_in_fp32(sets, monkeypatch):
+    import jax
+
+    from megajax import train
+
+    cfg = small_config(**sets, **GATHER, **{"parallel.overlap_grad_reduce": True, "model.compute_dtype": "bfloat16"})
+    n = sets["parallel.data"] * sets.get("parallel.tensor", 1) * sets.get("parallel.pipeline", 1)
+    norms_low, norms = [], []
+    low = run_steps(cfg, n, 2, grad_norms=norms_low)
+    monkeypatch.setattr(train, "_gather_dtypes", lambda cfg, params: jax.tree.map(lambda _: {}, params))
+    whole = run_steps(cfg, n, 2, grad_norms=norms)
+    np.testing.assert_allclose(low, whole, rtol=1e-6)
+    np.testing.assert_allclose(norms_low, norms, rtol=1e-5)
+
+
 # parallel.tp_comm_overlap (megajax/model/collective_matmul.py): the ring matmuls against plain einsums, then training
 # against one device over its space: pure tensor parallelism and with data, t 2 and 4, both architectures, each
 # recompute mode, dropout, MoE (a gated shared expert through the ring MLP), context parallelism, and the overlapped

@@ -292,14 +292,14 @@ class _ChunkActions:
         return jax.tree.map(stacked, self.reductions, w["block"])
 
     def whole_zeros(self):
-        """Zeros [v, Lc, ...] shaped like the whole weights (a gathered weight's zero dim at its full size),
-        the rest as they are: what the gathers fill (parallel.overlap_param_gather)."""
+        """Zeros [v, Lc, ...] shaped like the whole weights (a gathered weight's zero dim at its full size, in the
+        dtype it is gathered in), the rest as they are: what the gathers fill (parallel.overlap_param_gather)."""
         def whole(r, x):
             if not r.gather:
                 return x
             shape = list(x.shape)
             shape[r.zero.dim + 2] = r.zero.size  # (r: one layer's; x: [v, Lc, ...])
-            return vary(jnp.zeros(shape, x.dtype))
+            return vary(jnp.zeros(shape, r.gather_dtype or x.dtype))
 
         return {"block": jax.tree.map(whole, self.reductions, self.shards["block"])}
 

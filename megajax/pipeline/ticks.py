@@ -191,17 +191,22 @@ def scope(segment: int, tick: int) -> str:
     return f"pipeline_s{segment}t{tick}"
 
 
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
 def tick_caps(cfg: Config) -> tuple[int | None, int | None]:
     """The most layers an idle tick reduces and gathers, from parallel.overlap_comm_ratio (one layer's reduce-scatter
-    or gather over its forward of one micro batch): a cool-down tick holds the others' recompute and backward of
-    a chunk (3 forwards of its layers; an all-reduce moves twice a reduce-scatter's bytes), a warm-up tick their
-    forward. (None, None): no cap (ratio 0)."""
-    par = cfg.parallel
+    of its gradient over its forward of one micro batch): a cool-down tick holds the others' recompute and backward
+    of a chunk (3 forwards of its layers; an all-reduce moves twice a reduce-scatter's bytes), a warm-up tick their
+    forward (the matmul weights are gathered in the compute dtype: half the bytes in bf16). (None, None): no cap
+    (ratio 0)."""
+    par, m = cfg.parallel, cfg.model
     ratio = par.overlap_comm_ratio
     if not ratio:
         return None, None
     reduce_bytes = 1 if par.distributed_optimizer else 2
-    return int(3 * chunk_layers(cfg) / (ratio * reduce_bytes)), int(chunk_layers(cfg) / ratio)
+    gather_bytes = _ITEMSIZE[m.compute_dtype] / _ITEMSIZE[m.param_dtype]
+    return int(3 * chunk_layers(cfg) / (ratio * reduce_bytes)), int(chunk_layers(cfg) / (ratio * gather_bytes))
 
 
 def plan_of(cfg: Config):
