@@ -113,8 +113,6 @@ class ModelConfig:
                    f"model.num_layers={self.num_layers} is not a multiple of model.moe_layer_freq="
                    f"{self.moe_layer_freq}: the layers repeat in groups of one MoE layer and moe_layer_freq - 1 dense "
                    f"ones; choose a frequency from {_divisors(self.num_layers)}")
-            _check(not (self.moe_grouped_gemm and self.fp8 != "none"),
-                   "model.moe_grouped_gemm has no FP8 variant: set model.moe_grouped_gemm=false with model.fp8")
             _check(self.moe_shared_experts >= 0, "model.moe_shared_experts must be >= 0")
             _check(not self.moe_shared_expert_gate or self.moe_shared_experts > 0,
                    "model.moe_shared_expert_gate gates the shared experts: set model.moe_shared_experts >= 1")

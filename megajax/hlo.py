@@ -304,10 +304,12 @@ def _own_gemm_flops(op, shapes: dict[str, str]) -> float:
 
 
 def _is_fp8(op, shapes: dict[str, str]) -> bool:
-    """A GEMM with FP8 operands: cuBLASLt's FP8 call, or a dot (a Triton GEMM's) whose left operand is FP8."""
+    """A GEMM with FP8 operands: cuBLASLt's FP8 call, a grouped-GEMM kernel whose row operand is FP8, or a dot (a
+    Triton GEMM's) whose left operand is FP8."""
     _, _, opcode, rest = op
     if opcode == "custom-call":
-        return 'custom_call_target="__cublas$lt$matmul$f8"' in rest
+        kernel = _kernel_operand_types(op, 'name = "grouped_matmul') or []
+        return 'custom_call_target="__cublas$lt$matmul$f8"' in rest or any(t.startswith("f8") for t in kernel)
     first = re.match(r"\s*(?:([a-z][a-z0-9]*\[[0-9,]*\])\S*\s+)?%?([\w.\-]+)", rest)
     lhs = (first.group(1) or shapes.get(first.group(2), "")) if first else ""
     return lhs.startswith("f8")
@@ -342,15 +344,22 @@ def gemm_flops(hlo_text: str, branch_runs: dict | None = None) -> dict[str, floa
     return {"total": total, "in_conditional": in_cond, "fp8": fp8, "gemms": sites, "fp8_gemms": fp8_sites}
 
 
-def _kernel_operands(op, name: str) -> list[tuple[int, ...]] | None:
-    """The operand dims of a Pallas (Triton custom call) kernel whose name contains `name`, else None."""
+def _kernel_operand_types(op, name: str) -> list[str] | None:
+    """The operand types (`f8e4m3fn[4352,128]`) of a Pallas (Triton custom call) kernel whose name contains `name`,
+    else None."""
     _, _, opcode, rest = op
     triton = 'custom_call_target="__gpu$xla.gpu.triton"' in rest
     if opcode != "custom-call" or not triton or name not in rest:
         return None
     start = rest.find("operand_layout_constraints={")
     listed = rest[start:rest.find("}}", start)] if start >= 0 else ""  # shapes with their {layouts}, then "}"
-    return [_dims(t) for t in re.findall(r"[a-z][a-z0-9]*\[[0-9,]*\]", listed)]
+    return re.findall(r"[a-z][a-z0-9]*\[[0-9,]*\]", listed)
+
+
+def _kernel_operands(op, name: str) -> list[tuple[int, ...]] | None:
+    """The operand dims of a Pallas (Triton custom call) kernel whose name contains `name`, else None."""
+    types = _kernel_operand_types(op, name)
+    return None if types is None else [_dims(t) for t in types]
 
 
 def _grouped_gemm_flops(op) -> float:

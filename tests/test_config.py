@@ -39,7 +39,6 @@ def test_defaults_and_overrides_are_typed():
     (["parallel.data=1", "parallel.pipeline=4", "parallel.virtual_stages=2", "parallel.schedule=zero_bubble",
       "model.num_layers=8", "train.global_batch_size=6", "train.micro_batch_size=2"],
      "needs at least parallel.pipeline=4 micro batches"),
-    (["model.num_experts=4", "model.moe_grouped_gemm=true", "model.fp8=hybrid"], "model.moe_grouped_gemm has no FP8"),
     (["model.num_experts=4", "model.moe_capacity_factor=1", "model.moe_token_drop_policy=first"],
      "model.moe_token_drop_policy='first' is not one of probs, position"),
     (["parallel.sequence_parallel=true"], "needs parallel.tensor > 1"),

@@ -76,6 +76,10 @@ LAYOUTS = {
                                           "interleaved", "parallel.virtual_stages": 2, "model.recompute": "full"}, 4),
     "moe-dropless-d2-e2-t2": ({"parallel.data": 2, "parallel.expert": 2, "parallel.tensor": 2, "model.num_experts": 4,
                                "model.experts_per_token": 2, "model.moe_ffn_hidden_size": 64}, 4),
+    # the dropless expert matmuls as the Pallas grouped GEMM with FP8 operands (interpreted here)
+    "moe-dropless-grouped-d2-e2-t2": ({"parallel.data": 2, "parallel.expert": 2, "parallel.tensor": 2,
+                                       "model.num_experts": 4, "model.experts_per_token": 2,
+                                       "model.moe_ffn_hidden_size": 64, "model.moe_grouped_gemm": True}, 4),
     "moe-capacity-d4-e2": ({"parallel.data": 4, "parallel.expert": 2, "model.num_experts": 4,
                             "model.experts_per_token": 2,
                             "model.moe_ffn_hidden_size": 64, "model.moe_capacity_factor": 2.0}, 4),
@@ -109,7 +113,8 @@ DELAYED = {"model.fp8_recipe": "delayed"}
 @pytest.mark.parametrize("name", ["d2-t2-sp",  # the rest with -m slow (suite time)
                                   *(pytest.param(n, marks=pytest.mark.slow) for n in (
                                       "moe-dropless-d2-e2-t2", "d2-p2-t2-zero_bubble-zero", "t4-sp-llama-e4m3",
-                                      "moe-capacity-d4-e2", "d2-p2-zero-overlap"))])
+                                      "moe-capacity-d4-e2", "d2-p2-zero-overlap",
+                                      "moe-dropless-grouped-d2-e2-t2"))])
 def test_fp8_delayed_scaling_layout_matches_one_device(name):
     """Delayed scaling: the amax histories are reduced over micro batches, data ranks and pipeline ticks as
     the gradients are, so a layout equals one device as with current scaling. The first step (no history
@@ -188,6 +193,20 @@ def test_h100_program_multiplies_in_fp8_and_a100_refuses():
     assert plain["fp8"]["fp8_gemms"] == 0
     with pytest.raises(ConfigError, match="no FP8 tensor cores"):
         audit.audit(config_lib.load(f"{REPO}/configs/tiny.yaml", sets), "a100", 8)
+
+
+@pytest.mark.slow  # a compile-only H100 build of the MoE step (about 20 s)
+@pytest.mark.skipif(not _gpu_audit_available(), reason="needs the gpu-audit extra (compile-only H100 devices)")
+def test_h100_grouped_expert_gemms_multiply_in_fp8():
+    from megajax import audit
+
+    sets = ["model.fp8=hybrid", "model.moe_grouped_gemm=true", "parallel.data=2", "parallel.expert=2"]
+    report = audit.audit(config_lib.load(f"{REPO}/configs/tiny-moe.yaml", sets), "h100", 2)
+    # attention's 2 linear layers and the experts' 2 grouped kernels, each forward, input and weight gradient
+    assert report["fp8"]["fp8_gemms"] >= 12, report["fp8"]
+    assert report["fp8"]["fp8_flop_share"] > 0.8, report["fp8"]  # the expert matmuls are most of the FLOPs
+    plain = audit.audit(config_lib.load(f"{REPO}/configs/tiny-moe.yaml", sets[1:]), "h100", 2)
+    assert plain["fp8"]["fp8_gemms"] == 0
 
 
 @pytest.mark.slow  # three 200-step runs of the tiny preset at hidden 256 (about 8 minutes)

@@ -254,6 +254,30 @@ def test_grouped_matmul_matches_ragged_dot(rows, k, n, sizes, dtype):
         assert not np.asarray(got[0])[sum(sizes):].any()
 
 
+@pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
+def test_fp8_grouped_gemm_matches_fp8_ragged_dot(fmt):
+    """model.fp8 with model.moe_grouped_gemm: the three FP8 products (forward e4m3 x e4m3; the input and weight
+    gradients with the gradient in e5m2 (hybrid: multiplied in bf16, which holds both formats exactly) or e4m3)
+    as the Pallas grouped GEMM (interpreted) equal them as jax.lax.ragged_dot: output and both gradients, with
+    empty groups and padding rows."""
+    from megajax.model import fp8
+
+    rows, k, n, sizes = 40, 24, 40, (5, 0, 17, 10, 0, 7)
+    x = jax.random.normal(jax.random.key(0), (rows, k), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (len(sizes), k, n), jnp.bfloat16)
+    g = jax.random.normal(jax.random.key(2), (rows, n), jnp.bfloat16)
+    s = jnp.array(sizes, jnp.int32)
+
+    def run(grouped):
+        y, vjp = jax.vjp(lambda x, w: fp8.ragged_dot(fmt, 0, x, w, s, None, grouped), x, w)
+        return (y, *vjp(g))
+
+    got = run(((None, "embed"), ("expert", "embed", "mlp"), (None, "mlp")))
+    for a, b in zip(got, run(None)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6, atol=1e-6)
+    assert not np.asarray(got[0], np.float32)[sum(sizes):].any()
+
+
 # ----------------------------------------------------------------------------------------------------
 # Lowered for GPUs on this CPU-only machine.
 
@@ -271,13 +295,15 @@ def test_train_step_exports_for_cuda_with_kernels(arch, norm):
                           f"{norm}_bwd"}
 
 
-def test_moe_grouped_gemm_exports_for_cuda():
+@pytest.mark.parametrize("fmt", ["none", "hybrid"])
+def test_moe_grouped_gemm_exports_for_cuda(fmt):
     """A dropless MoE with model.moe_grouped_gemm on d4 x e2 x t2: the exported step holds the grouped GEMM's
-    Triton kernels (forward, and the input and weight gradients)."""
+    Triton kernels (forward, and the input and weight gradients), with FP8 operands too."""
     from megajax import audit
 
     cfg = small_config(**{"model.num_experts": 4, "model.experts_per_token": 2, "model.moe_grouped_gemm": True,
-                          "parallel.data": 4, "parallel.expert": 2, "parallel.tensor": 2})
+                          "parallel.data": 4, "parallel.expert": 2, "parallel.tensor": 2, "model.fp8": fmt,
+                          "model.compute_dtype": "bfloat16"})
     names = audit.lower_for(cfg, "cuda")["kernel_custom_calls"]["__gpu$xla.gpu.triton"]["names"]
     assert set(names) == {"grouped_matmul", "grouped_matmul_weight_grad"}
 

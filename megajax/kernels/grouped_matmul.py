@@ -156,20 +156,33 @@ def _pad_cols(x, width):
 def _prepare(x, w, sizes, b: Blocks):
     """What the forward and the backward both build (cheap next to the matmuls): the fitted blocks, the plan
     (`_plan`), x scattered into the padded buffer and w padded to the blocks."""
-    rows, k = x.shape
-    n = w.shape[2]
-    b, kp, np_ = _fit(b, k, n)
-    plan = _plan(sizes, rows, b.m)
-    x_pad = _pad_cols(_scatter(x, plan[0], plan[-1]), kp)
-    w_pad = jnp.pad(w, ((0, 0), (0, kp - k), (0, np_ - n)))
+    k, n = w.shape[1:]
+    b, plan, x_pad = _layout(x, sizes, n, b)
+    w_pad = jnp.pad(w, ((0, 0), (0, x_pad.shape[1] - k), (0, _round_up(n, b.n) - n)))
     return b, plan, x_pad, w_pad
 
 
-def _forward(x, w, sizes, b: Blocks):
-    """The local forward: [a, n]."""
+def _layout(x, sizes, n: int, b: Blocks):
+    """(the blocks fitted to x's [a, k] and an output width n, the plan, x scattered into the padded buffer)."""
+    rows, k = x.shape
+    b, kp, _ = _fit(b, k, n)
+    plan = _plan(sizes, rows, b.m)
+    return b, plan, _pad_cols(_scatter(x, plan[0], plan[-1]), kp)
+
+
+def _forward(x, w, sizes, b: Blocks, out_dtype=None):
+    """The local forward: [a, n] (in x's dtype, or out_dtype with w as it is: FP8 operands)."""
     b, (dest, tile_group, _, _, _), x_pad, w_pad = _prepare(x, w, sizes, b)
-    out = _gmm(x_pad, w_pad.astype(x.dtype), tile_group, b, x.dtype)
+    out = _gmm(x_pad, w_pad if out_dtype else w_pad.astype(x.dtype), tile_group, b, out_dtype or x.dtype)
     return out.at[dest, :w.shape[2]].get(mode="fill", fill_value=0)
+
+
+def _weight_dot(x, dy, sizes, b: Blocks):
+    """The local per-group x^T dy: [e, k, n] in fp32."""
+    k, n = x.shape[1], dy.shape[1]
+    b, (dest, _, first, count, padded), x_pad = _layout(x, sizes, n, b)
+    dy_pad = _pad_cols(_scatter(dy, dest, padded), _round_up(n, b.n))
+    return _tgmm(x_pad, dy_pad, first, count, b, jnp.float32)[:, :k, :n]
 
 
 def _backward(x, w, sizes, dy, b: Blocks):
@@ -235,3 +248,22 @@ def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, names: tuple | 
     logical axis names of (x, w, out) to run shard by shard under a mesh (launch.shard_kernel); None: as is."""
     x_names, w_names, out_names = names or (None, None, None)
     return _grouped(x, w, sizes, _Static(blocks or Blocks(), x_names, w_names, out_names))
+
+
+def grouped_dot(x: jax.Array, w: jax.Array, sizes: jax.Array, names: tuple | None = None,
+                blocks: Blocks | None = None) -> jax.Array:
+    """`grouped_matmul`'s product in fp32 with the operands as they are (FP8 included; two FP8 formats are
+    multiplied in bf16, launch.dot), not differentiable: the FP8 grouped GEMM's forward and input gradient
+    (model.fp8.ragged_dot)."""
+    st = _Static(blocks or Blocks(), *(names or (None, None, None)))
+    return _sharded(lambda x, w, sizes: (_forward(x, w, sizes, st.blocks, jnp.float32),), [x, w, sizes],
+                    [st.x_names, st.w_names, (None,)], [st.out_names], st)[0]
+
+
+def grouped_weight_dot(x: jax.Array, dy: jax.Array, sizes: jax.Array, names: tuple | None = None,
+                       blocks: Blocks | None = None) -> jax.Array:
+    """dw [e, k, n] in fp32, dw[g] = x[rows of g]^T dy[rows of g] (x [a, k], dy [a, n]): the FP8 grouped GEMM's
+    weight gradient. names: those of (x, w, dy) as for `grouped_matmul`."""
+    st = _Static(blocks or Blocks(), *(names or (None, None, None)))
+    return _sharded(lambda x, dy, sizes: (_weight_dot(x, dy, sizes, st.blocks),), [x, dy, sizes],
+                    [st.x_names, st.out_names, (None,)], [st.w_names], st)[0]

@@ -128,7 +128,11 @@ def _struct(shape, dtype, varying: frozenset) -> jax.ShapeDtypeStruct:
 
 
 def dot(a: jax.Array, b: jax.Array, contract: tuple[int, int]) -> jax.Array:
-    """In a kernel: a and b contracted over dims (contract[0] of a, contract[1] of b), accumulated in fp32."""
+    """In a kernel: a and b contracted over dims (contract[0] of a, contract[1] of b), accumulated in fp32. Two
+    different FP8 formats (e4m3 x e5m2: the backward of hybrid FP8) are multiplied in bf16, which holds both
+    exactly: Triton's dot takes one operand type."""
+    if a.dtype != b.dtype and jnp.dtype(a.dtype).itemsize == 1 and jnp.dtype(b.dtype).itemsize == 1:
+        a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
     return jax.lax.dot_general(a, b, ((contract[:1], contract[1:]), ((), ())), preferred_element_type=jnp.float32)
 
 

@@ -164,25 +164,44 @@ _RAGGED_WEIGHT_GRAD = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 6))
 def ragged_dot(fmt: str, margin: int, x: jax.Array, w: jax.Array, sizes: jax.Array,
-               meta: jax.Array | None = None) -> jax.Array:
+               meta: jax.Array | None = None, grouped: tuple | None = None) -> jax.Array:
     """jax.lax.ragged_dot(x [n, d], w [g, d, f], sizes [g]) with FP8 operands (a mixture of experts' grouped
-    matmul: rows grouped by expert), scaled as `einsum`: one scale per operand over all groups."""
-    return _ragged_forward(fmt, margin, x, w, sizes, meta)[0]
+    matmul: rows grouped by expert), scaled as `einsum`: one scale per operand over all groups. grouped: the
+    logical names of (x, w, out) to run the three products as the Pallas grouped GEMM (model.moe_grouped_gemm,
+    kernels.grouped_matmul: only each row's own group), else jax.lax.ragged_dot."""
+    return _ragged_forward(fmt, margin, x, w, sizes, meta, grouped)[0]
 
 
-def _ragged_forward(fmt, margin, x, w, sizes, meta):
+def _group_dot(grouped, a, b, sizes):
+    """a [n, k] times b [g, k, f] by groups of rows, in fp32."""
+    if grouped is None:
+        return jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32)
+    from megajax.kernels.grouped_matmul import grouped_dot
+
+    return grouped_dot(a, b, sizes, grouped)
+
+
+def _ragged_forward(fmt, margin, x, w, sizes, meta, grouped):
     xq, sx, wq, sw, dy_counters, seen = _quantize_operands(fmt, margin, x, w, meta)
-    y = jax.lax.ragged_dot(xq, wq, sizes, preferred_element_type=jnp.float32) * (1.0 / (sx * sw))
+    y = _group_dot(grouped, xq, wq, sizes) * (1.0 / (sx * sw))
     return y.astype(x.dtype), (xq, sx, wq, sw, sizes, dy_counters, seen)
 
 
-def _ragged_backward(fmt, margin, residuals, dy):
+def _ragged_backward(fmt, margin, grouped, residuals, dy):
     xq, sx, wq, sw, sizes, dy_counters, seen = residuals
     dyq, sdy, g_meta = _quantize_gradient(fmt, margin, dy, dy_counters, seen)
-    dx = jax.lax.ragged_dot(dyq, jnp.swapaxes(wq, 1, 2), sizes, preferred_element_type=jnp.float32)
-    dw = jax.lax.ragged_dot_general(xq, dyq, sizes, _RAGGED_WEIGHT_GRAD, preferred_element_type=jnp.float32)
+    if grouped is None:
+        dw = jax.lax.ragged_dot_general(xq, dyq, sizes, _RAGGED_WEIGHT_GRAD, preferred_element_type=jnp.float32)
+        transposed = None
+    else:
+        from megajax.kernels.grouped_matmul import grouped_weight_dot
+
+        x_names, w_names, y_names = grouped
+        dw = grouped_weight_dot(xq, dyq, sizes, grouped)
+        transposed = (y_names, (w_names[0], w_names[2], w_names[1]), x_names)
+    dx = _group_dot(transposed, dyq, jnp.swapaxes(wq, 1, 2), sizes)
     return ((dx * (1.0 / (sdy * sw))).astype(dy.dtype), (dw * (1.0 / (sx * sdy))).astype(dy.dtype), None, g_meta)
 
 

@@ -307,11 +307,13 @@ class MoE(nn.Module):
                 expert_of = jnp.repeat(jnp.arange(el), sizes, total_repeat_length=xs.shape[0])
 
                 def matmul(x, w, name):
+                    a, z = ("mlp", "embed") if name == "w_out" else ("embed", "mlp")
+                    # the Pallas grouped GEMM, run per tensor shard (these names), or jax.lax.ragged_dot
+                    grouped = ((None, a), ("expert", a, z), (None, z)) if cfg.moe_grouped_gemm else None
                     if fmt != "none":
-                        return fp8.ragged_dot(fmt, cfg.fp8_margin, x, w, sizes, meta(name))
-                    if cfg.moe_grouped_gemm:  # the Pallas grouped GEMM, run per tensor shard
-                        a, z = ("mlp", "embed") if name == "w_out" else ("embed", "mlp")
-                        return grouped_matmul(x, w, sizes, ((None, a), ("expert", a, z), (None, z)))
+                        return fp8.ragged_dot(fmt, cfg.fp8_margin, x, w, sizes, meta(name), grouped)
+                    if grouped:
+                        return grouped_matmul(x, w, sizes, grouped)
                     return jax.lax.ragged_dot(x, w, sizes)
 
                 bias = lambda b_ef: b_ef[expert_of]  # noqa: E731
