@@ -215,8 +215,8 @@ class ParallelConfig:
     # 0: no cap.
     overlap_comm_ratio: float = 0.0
     # Sequence parallelism's all-gather and reduce-scatter as rings of ppermutes under the matmuls they feed
-    # (Megatron's --tp-comm-overlap; megajax/model/collective_matmul.py). Needs sequence_parallel; not with a
-    # pipeline (a ppermute inside the schedule's per-rank branches deadlocks).
+    # (Megatron's --tp-comm-overlap; megajax/model/collective_matmul.py); with a pipeline as chunked all-gathers
+    # and reduce-scatters (a ppermute inside the schedule's per-rank branches deadlocks). Needs sequence_parallel.
     tp_comm_overlap: bool = False
 
     def __post_init__(self):
@@ -253,10 +253,10 @@ class ParallelConfig:
             "matmuls: set parallel.sequence_parallel=true (with parallel.tensor > 1)",
         )
         _check(
-            not self.tp_comm_overlap or self.pipeline == 1,
-            "parallel.tp_comm_overlap=true is not built with a pipeline (its ring exchanges would run inside the "
-            "schedule's per-rank branches, where a ppermute waits for every device): set parallel.tp_comm_overlap="
-            "false or parallel.pipeline=1",
+            not self.tp_comm_overlap or self.pipeline == 1 or self.schedule != "zero_bubble",
+            "parallel.tp_comm_overlap=true is not built with the zero_bubble schedule (it defers each weight "
+            "matmul's gradient, which the collective matmuls compute in their backward): use parallel.schedule="
+            "1f1b, interleaved or gpipe, or set parallel.tp_comm_overlap=false",
         )
         _check(
             self.virtual_stages == 1 or self.schedule in ("interleaved", "zero_bubble"),

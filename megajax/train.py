@@ -374,9 +374,10 @@ def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
 @contextlib.contextmanager
 def _model_context(cfg: Config):
     """What the model reads while a step is traced: the activation sharding rules, the context-parallel exchange
-    and the tensor-parallel ring matmuls (parallel.tp_comm_overlap)."""
+    and the tensor-parallel collective matmuls (parallel.tp_comm_overlap: rings, or chunks in a pipeline's
+    branches)."""
     with (sharding.activation_sharding(cfg.parallel.sequence_parallel), context.exchange(cfg.parallel.context_comm),
-          collective_matmul.enable(cfg.parallel.tp_comm_overlap)):
+          collective_matmul.enable(cfg.parallel.tp_comm_overlap, ring=cfg.parallel.pipeline == 1)):
         yield
 
 

@@ -3,11 +3,11 @@
 The space: every (data, pipeline, tensor) with data x pipeline x tensor in {1, 2, 4, 6, 8} devices (data = 1
 included), sequence parallelism on and off (t > 1), the distributed optimizer on and off (d > 1), GPT-2 and
 Llama with grouped-query attention, every schedule (p > 1), and the model dense or mixture-of-experts (8
-dropless experts, top 2) with every expert-parallel size dividing data, and with sequence parallelism and no
-pipeline the ring matmuls of parallel.tp_comm_overlap on and off, and with data > 1 the gradient reduction
-overlapped with the backward (parallel.overlap_grad_reduce: without a pipeline, or inside the schedule with 1f1b
-and interleaved) on and off, and with the distributed optimizer the weights gathered under the forward too
-(parallel.overlap_param_gather). `test_the_space_is_accepted` checks the
+dropless experts, top 2) with every expert-parallel size dividing data, and with sequence parallelism the
+collective matmuls of parallel.tp_comm_overlap (rings; chunks on a pipeline, not with zero_bubble) on and off,
+and with data > 1 the gradient reduction overlapped with the backward (parallel.overlap_grad_reduce: without a
+pipeline, or inside the schedule with 1f1b and interleaved) on and off, and with the distributed optimizer the
+weights gathered under the forward too (parallel.overlap_param_gather). `test_the_space_is_accepted` checks the
 whole space against the config (cheap); `test_layout_matches_one_device` trains each layout for two steps
 and compares the losses and gradient norms with one device (fp32, relative 1e-4). The default run covers
 every (d, p, t) triple once, with the features rotated so that each appears on and off (data = 1 with
@@ -86,7 +86,7 @@ def space() -> list[dict]:
         for arch, sp, zero, (schedule, v), ep in itertools.product(
                 ARCHS, (False, True) if t > 1 else (False,), (False, True) if d > 1 else (False,), schedules(p),
                 experts(d)):
-            for ring, overlap in itertools.product((False, True) if sp and p == 1 else (False,),  # SP, no pipeline
+            for ring, overlap in itertools.product((False, True) if sp and schedule != "zero_bubble" else (False,),
                                                    overlaps(d, p, schedule, zero)):
                 out.append(case(arch, d, p, t, sp, zero, schedule, v, ep, ring, overlap))
     return out
@@ -108,7 +108,8 @@ def default_cases() -> list[dict]:
         sp = t > 1 and (i // 2) % 2 == 0
         zero = d > 1 and i % 3 != 1
         levels = overlaps(d, p, schedule, zero)
-        out.append(case(("gpt2", "llama")[i % 2], d, p, t, sp, zero, schedule, v, ep, ring=sp and p == 1 and i % 2 == 0,
+        ring = sp and i % 2 == 0 and schedule != "zero_bubble"
+        out.append(case(("gpt2", "llama")[i % 2], d, p, t, sp, zero, schedule, v, ep, ring=ring,
                         overlap=0 if i % 3 == 2 or len(levels) == 1 else levels[1 + (i // 7) % (len(levels) - 1)]))
     return out
 
@@ -143,9 +144,9 @@ def test_the_space_is_accepted():
     assert any(s["parallel.pipeline"] > 1 for s in data1)
     for key in ("parallel.sequence_parallel", "parallel.distributed_optimizer"):
         assert {c["sets"][key] for c in DEFAULT} == {False, True}
-    sp1 = [c["sets"] for c in DEFAULT
-           if c["sets"]["parallel.sequence_parallel"] and c["sets"]["parallel.pipeline"] == 1]
-    assert {s["parallel.tp_comm_overlap"] for s in sp1} == {False, True}, "SP with and without the ring matmuls"
+    sp = [c["sets"] for c in DEFAULT if c["sets"]["parallel.sequence_parallel"]]
+    assert {(s["parallel.pipeline"] > 1, s["parallel.tp_comm_overlap"]) for s in sp} == {
+        (False, False), (False, True), (True, False), (True, True)}, "SP with and without the collective matmuls"
     overlapped = [(s["parallel.pipeline"], s["parallel.schedule"], s["parallel.distributed_optimizer"])
                   for s in (c["sets"] for c in DEFAULT) if s["parallel.overlap_grad_reduce"]]
     assert {p > 1 for p, _, _ in overlapped} == {False, True}, "the overlapped reduction with and without a pipeline"

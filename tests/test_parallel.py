@@ -1,6 +1,7 @@
 """Gradient accumulation and dropout are layout independent (every layout against one device: test_layouts)."""
 
 import functools
+import math
 
 import numpy as np
 import pytest
@@ -111,10 +112,12 @@ def test_weights_gathered_in_bf16_train_as_gathered_in_fp32(sets, monkeypatch):
     np.testing.assert_allclose(norms_low, norms, rtol=1e-5)
 
 
-# parallel.tp_comm_overlap (megajax/model/collective_matmul.py): the ring matmuls against plain einsums, then training
-# against one device over its space: pure tensor parallelism and with data, t 2 and 4, both architectures, each
-# recompute mode, dropout, MoE (a gated shared expert through the ring MLP), context parallelism, and the overlapped
-# data-parallel reduction with the distributed optimizer and the gathered weights.
+# parallel.tp_comm_overlap (megajax/model/collective_matmul.py): the ring and chunked matmuls against plain einsums,
+# then training against one device over its space: pure tensor parallelism and with data, t 2 and 4, both
+# architectures, each recompute mode, dropout, MoE (a gated shared expert through the ring MLP), context
+# parallelism, the overlapped data-parallel reduction with the distributed optimizer and the gathered weights, and
+# the pipeline's schedules (the chunks).
+@pytest.mark.parametrize("mode", ["ring", "chunks"])
 @pytest.mark.parametrize("t", [2, 4])
 @pytest.mark.parametrize("spec,x_shape,w_shape,w_names,kind", [
     ("bsd,dgjk->bsgjk", (2, 8, 16), (16, 4, 3, 8), ("embed", "kv_heads", None, "head_dim"), "gather"),
@@ -122,10 +125,11 @@ def test_weights_gathered_in_bf16_train_as_gathered_in_fp32(sets, monkeypatch):
     ("bshk,hkd->bsd", (2, 8, 4, 8), (4, 8, 16), ("heads", "head_dim", "embed"), "scatter"),
     ("bsf,fd->bsd", (2, 8, 24), (24, 16), ("mlp", "embed"), "scatter"),
 ])
-def test_ring_matmuls_equal_gather_then_matmul(t, spec, x_shape, w_shape, w_names, kind):
-    """Output, input gradient and weight gradient of the rings equal the plain einsum's (which XLA runs with an
-    all-gather before, or a reduce-scatter after), under a 2 x t (data, tensor) mesh with 'data' manual around it
-    as in the train step."""
+def test_collective_matmuls_equal_gather_then_matmul(mode, t, spec, x_shape, w_shape, w_names, kind):
+    """Output, input gradient and weight gradient of the rings, and of the chunks (8 rows: t 2 cuts each rank's
+    4-row block into 2 chunks, t 4 its 2 rows into 2), equal the plain einsum's (which XLA runs with an all-gather
+    before, or a reduce-scatter after), under a 2 x t (data, tensor) mesh with 'data' manual around it as in the
+    train step."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
@@ -144,7 +148,7 @@ def test_ring_matmuls_equal_gather_then_matmul(t, spec, x_shape, w_shape, w_name
         return jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P(), P("data")), out_specs=P(),
                              axis_names={"data"})(x, w, g)
 
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), cm.enable(True, ring=mode == "ring"):
         x_in = jax.device_put(x, NamedSharding(mesh, P("data", "tensor") if kind == "gather" else P("data")))
         got = jax.jit(jax.value_and_grad(lambda x, w: loss(lambda a, b: ring(spec, a, b, w_names), x, w),
                                          argnums=(0, 1)))(x_in, w)
@@ -167,15 +171,30 @@ TP_CASES = {
     "llama-d2t2-m2-overlap-zero-gather": {"model.arch": "llama", "parallel.data": 2, "parallel.tensor": 2,
                                           "train.micro_batch_size": 2, "parallel.overlap_grad_reduce": True,
                                           **GATHER},
+    # in the pipeline's per-rank branches: chunked all-gathers and reduce-scatters
+    "llama-d2p2t2-1f1b": {"model.arch": "llama", "parallel.data": 2, "parallel.pipeline": 2, "parallel.tensor": 2,
+                          "parallel.schedule": "1f1b", "train.micro_batch_size": 2},
+    "gpt2-p2t4-interleaved-full": {"model.num_layers": 4, "model.num_heads": 8, "parallel.pipeline": 2,
+                                   "parallel.tensor": 4, "parallel.schedule": "interleaved",
+                                   "parallel.virtual_stages": 2, "model.recompute": "full",
+                                   "train.micro_batch_size": 2},
+    "gpt2-d2p2t2-gpipe-selective": {"parallel.data": 2, "parallel.pipeline": 2, "parallel.tensor": 2,
+                                    "parallel.schedule": "gpipe", "model.recompute": "selective",
+                                    "train.micro_batch_size": 2},
+    "llama-d2p2t2-interleaved-overlap-gather": {"model.arch": "llama", "model.num_layers": 4, "parallel.data": 2,
+                                                "parallel.pipeline": 2, "parallel.tensor": 2,
+                                                "parallel.schedule": "interleaved", "parallel.virtual_stages": 2,
+                                                "train.micro_batch_size": 2, "parallel.overlap_grad_reduce": True,
+                                                **GATHER},
 }
 
 
 # suite time: the rest with -m slow (the layout matrix runs the ring on its sequence-parallel layouts by default)
-@pytest.mark.parametrize("case", [c if c == "llama-d2t4-full" else pytest.param(c, marks=pytest.mark.slow)
-                                  for c in TP_CASES])
+@pytest.mark.parametrize("case", [c if c in ("llama-d2t4-full", "llama-d2p2t2-1f1b") else
+                                  pytest.param(c, marks=pytest.mark.slow) for c in TP_CASES])
 def test_tp_comm_overlap_matches_one_device(case):
     sets = {**TP_CASES[case], **TP}
-    n = sets.get("parallel.data", 1) * sets.get("parallel.tensor", 1) * sets.get("parallel.context", 1)
+    n = math.prod(sets.get(f"parallel.{a}", 1) for a in ("data", "pipeline", "tensor", "context"))
     single = {k: v for k, v in sets.items() if not k.startswith("parallel.")}
     ref_norms, norms = [], []
     ref = run_steps(small_config(**single), 1, 2, grad_norms=ref_norms)
@@ -186,8 +205,9 @@ def test_tp_comm_overlap_matches_one_device(case):
 
 @pytest.mark.parametrize("sets,fix", [
     ({"parallel.tensor": 2, "parallel.tp_comm_overlap": True}, "set parallel.sequence_parallel=true"),
-    ({**TP, "parallel.tensor": 2, "parallel.pipeline": 2}, "parallel.pipeline=1"),
     ({**TP, "parallel.tensor": 2, "model.fp8": "hybrid"}, "no FP8 variant"),
+    ({**TP, "parallel.tensor": 2, "parallel.pipeline": 2, "parallel.schedule": "zero_bubble"},
+     "parallel.schedule=1f1b, interleaved or gpipe"),
 ])
 def test_tp_comm_overlap_bad_configs_name_the_fix(sets, fix):
     from megajax import config as config_lib

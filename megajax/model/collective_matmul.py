@@ -20,7 +20,16 @@ bytes cross 'tensor' as the all-gather and reduce-scatter move; the sum's order 
 the ring).
 
 Inside a pipeline the layers run in per-rank conditionals, where a ppermute waits for every device of the mesh
-(deadlock on the CPU runtime): the config refuses tp_comm_overlap with a pipeline.
+(deadlock on the CPU runtime: its peers are every device, not the ranks of one 'tensor' group). There the
+collectives are split into chunks instead (`enable(..., ring=False)`), which wait only for their own group, as
+GSPMD's do in the branches: each rank's sequence block is cut into t chunks;
+  gather_matmul multiplies its own block while chunk 0 of the other blocks is all-gathered, then chunk c of the
+    others while chunk c + 1 comes;
+  matmul_scatter computes its term for chunk c of the other blocks and reduce-scatters it while the next chunk's
+    term is computed, its own block's term last.
+Optimization barriers order the steps as in the ring, and chain the collectives: left alone, XLA's combiner made
+one all-gather of a matmul's chunks before its first GEMM and one reduce-scatter after its last. The same bytes
+and FLOPs as the ring.
 """
 
 from __future__ import annotations
@@ -35,14 +44,16 @@ from jax.sharding import PartitionSpec as P
 
 from megajax import sharding
 
-_ON: contextvars.ContextVar[bool] = contextvars.ContextVar("megajax_tp_comm_overlap", default=False)
+# None: off; "ring" or "chunks": the decomposition the matmuls use
+_ON: contextvars.ContextVar[str | None] = contextvars.ContextVar("megajax_tp_comm_overlap", default=None)
 
 
 @contextlib.contextmanager
-def enable(on: bool):
+def enable(on: bool, ring: bool = True):
     """Within this context (and `sharding.activation_sharding` with sequence parallelism) the model's tensor-
-    parallel matmuls run as rings."""
-    token = _ON.set(on)
+    parallel matmuls run with their collectives decomposed: as rings, or with `ring` off (inside a pipeline's
+    per-rank branches) as chunked all-gathers and reduce-scatters."""
+    token = _ON.set(("ring" if ring else "chunks") if on else None)
     try:
         yield
     finally:
@@ -50,7 +61,8 @@ def enable(on: bool):
 
 
 def active() -> bool:
-    """Whether the ring runs here: asked for, sequence-parallel rules in force, 'tensor' > 1 and not manual."""
+    """Whether the decomposition runs here: asked for, sequence-parallel rules in force, 'tensor' > 1 and not
+    manual."""
     if not _ON.get() or sharding.current_activation_rules().get("seq") != "tensor":
         return False
     mesh = jax.sharding.get_abstract_mesh()
@@ -138,18 +150,120 @@ def _block(a: jax.Array, j, n: int) -> jax.Array:
     return jax.lax.dynamic_slice_in_dim(a, j * n, n, axis=1)
 
 
+def _chunks(n: int) -> int:
+    """How many chunks a rank's sequence block of n rows is cut into: t, or the largest divisor of n below it."""
+    t = jax.lax.axis_size("tensor")
+    return max(c for c in range(1, t + 1) if n % c == 0)
+
+
+def _rotate(blocks: jax.Array, back: bool = False) -> jax.Array:
+    """[b, t, ...] blocks in sequence order -> this rank's first (block i is (r + i) mod t), or `back` again."""
+    t, r = _rank()
+    start = jax.lax.rem(t - r, t) if back else r
+    return jax.lax.dynamic_slice_in_dim(jnp.concatenate([blocks, blocks], axis=1), start, t, axis=1)
+
+
+def _others_chunk(whole: jax.Array, c: int, m: int) -> jax.Array:
+    """Of a whole-sequence array [b, s, ...] (t blocks of m chunks): chunk c of the other ranks' blocks, [b, (t -
+    1) s / (t m), ...], in ring order (rank r + 1's first)."""
+    t = jax.lax.axis_size("tensor")
+    blocks = _rotate(whole.reshape(whole.shape[0], t, m, -1, *whole.shape[2:])[:, :, c])
+    return blocks[:, 1:].reshape(whole.shape[0], -1, *whole.shape[2:])
+
+
+def _gather_chunks(a: jax.Array, step) -> list:
+    """Inside the manual region: step(a, -1) on this rank's block ([b, n, ...]) while the first chunk comes,
+    then [step(chunk c of the other ranks' blocks, c)] for the m chunks of a block (`_others_chunk`'s rows), each
+    all-gathered over 'tensor' during the step before."""
+    t = jax.lax.axis_size("tensor")
+    m = _chunks(a.shape[1])
+    n = a.shape[1] // m
+
+    def gather(a, c):
+        chunk = jax.lax.all_gather(a[:, c * n:(c + 1) * n], "tensor", axis=1, tiled=False)  # [b, t, n / m, ...]
+        return _rotate(chunk)[:, 1:].reshape(a.shape[0], (t - 1) * n, *a.shape[2:])
+
+    piece, j, out = a, -1, []
+    for c in range(m + 1):
+        nxt = gather(a, c) if c < m else None
+        y = step(piece, j)
+        if nxt is not None:  # as in the ring: the next step's GEMMs are not merged with this one's; and the gather
+            # after next reads a from here, so XLA's combiner cannot make one all-gather of them all before step 0
+            nxt, y, a = jax.lax.optimization_barrier((nxt, y, a))
+        out.append(y)
+        piece, j = nxt, c
+    return out
+
+
+def _chunks_in_order(pieces: list) -> jax.Array:
+    """`_gather_chunks`' pieces (this rank's block, then chunk c of the others' in ring order) as one array in
+    sequence order along dim 1."""
+    own, chunks = pieces[0], pieces[1:]
+    t = jax.lax.axis_size("tensor")
+    split = [p.reshape(p.shape[0], t - 1, -1, *p.shape[2:]) for p in chunks]  # [b, other block, rows, ...]
+    others = jnp.stack(split, axis=2).reshape(own.shape[0], t - 1, *own.shape[1:])  # [b, other block, n, ...]
+    whole = _rotate(jnp.concatenate([own[:, None], others], axis=1), back=True)
+    return whole.reshape(own.shape[0], -1, *own.shape[2:])
+
+
+def _scatter_chunks(a, part, n: int) -> jax.Array:
+    """Inside the manual region: this rank's block [b, n, ...] of the sum over ranks of the whole-sequence terms:
+    part(rows, a) gives this rank's term for the rows rows(whole) picks of a whole-sequence array. Chunk c of the
+    other ranks' blocks (`_others_chunk`) is reduce-scattered over 'tensor' while the next chunk's term is computed,
+    this rank's own block's term last."""
+    t, r = _rank()
+    m = _chunks(n)
+    out = []
+    for c in range(m):
+        term = part(lambda whole: _others_chunk(whole, c, m), a)  # [b, (t - 1) n / m, ...], rank r + 1's first
+        term, a = jax.lax.optimization_barrier((term, a))  # the next term after this one (no merged GEMMs)
+        if out:  # each reduce-scatter after the one before: XLA's combiner cannot make one of them all at the end
+            term, out[-1] = jax.lax.optimization_barrier((term, out[-1]))
+        blocks = term.reshape(term.shape[0], t - 1, -1, *term.shape[2:])
+        blocks = _rotate(jnp.concatenate([jnp.zeros_like(blocks[:, :1]), blocks], axis=1), back=True)
+        out.append(jax.lax.psum_scatter(blocks, "tensor", scatter_dimension=1, tiled=True)[:, 0])
+    own = part(lambda whole: _block(whole, r, n), a)
+    return jnp.concatenate(out, axis=1) + own
+
+
+def _gather_plan(a: jax.Array):
+    """How the blocks of a ([b, n, ...], sequence-sharded) come round: (gather(step), the pieces step(piece, j)
+    for its t blocks (the ring) or this rank's block and the others' chunks; rows(whole, j), a whole-sequence
+    array's rows that go with piece j; in_order(pieces), whole-sequence pieces joined in sequence order)."""
+    n = a.shape[1]
+    if _ON.get() == "ring":
+        return (lambda step: _gather_ring(a, step)), (lambda whole, j: _block(whole, j, n)), _in_order
+    m = _chunks(n)
+
+    def rows(whole, j):
+        return _block(whole, _rank()[1], n) if j < 0 else _others_chunk(whole, j, m)
+
+    return (lambda step: _gather_chunks(a, step)), rows, _chunks_in_order
+
+
+def _scattered(a, part, s: int) -> jax.Array:
+    """The reduce-scatter over the sequence (s rows) of the terms part(rows, a), rows(whole) giving a
+    whole-sequence array's rows of one block (the ring) or chunk."""
+    n = s // jax.lax.axis_size("tensor")
+    if _ON.get() == "ring":
+        return _scatter_ring(a, lambda j, a: part(lambda whole: _block(whole, j, n), a))
+    return _scatter_chunks(a, part, n)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
 def gather_matmul(spec: str, x: jax.Array, w: jax.Array, w_names) -> jax.Array:
     """einsum(spec, all_gather(x over the sequence), w) for x [b, s / t, ...] sequence-sharded over 'tensor' and a
     column-parallel w (logical names `w_names`): the result has the whole sequence (dim 1) and w's split dims.
-    Backward: the input gradient reduce-scattered by the ring while the weight gradient's GEMMs run on the x blocks
-    coming round again (Megatron gathers the input again in the backward too, rather than keeping it whole)."""
+    Backward: the input gradient reduce-scattered by the ring (or chunks) while the weight gradient's GEMMs run on
+    the x blocks coming round again (Megatron gathers the input again in the backward too, rather than keeping it
+    whole)."""
     xl, wl, ol, split = _letters(spec, w_names)
 
-    def ring(x, w):
-        return _in_order(_gather_ring(x, lambda block, j: jnp.einsum(spec, block, w)))
+    def run(x, w):
+        gather, _, in_order = _gather_plan(x)
+        return in_order(gather(lambda piece, j: jnp.einsum(spec, piece, w)))
 
-    return _manual(ring, (x, w), (_seq_spec(x.ndim), _spec(wl, split)), _spec(ol, split))
+    return _manual(run, (x, w), (_seq_spec(x.ndim), _spec(wl, split)), _spec(ol, split))
 
 
 def _keeping_inputs(ring_matmul):
@@ -161,14 +275,14 @@ def _gather_matmul_bwd(spec, w_names, res, dy):
     x, w = res
     xl, wl, ol, split = _letters(spec, w_names)
 
-    def ring(x, w, dy):
-        n = x.shape[1]
-        dw = sum(_gather_ring(x, lambda block, j: jnp.einsum(f"{xl},{ol}->{wl}", block, _block(dy, j, n))))
-        dx = _scatter_ring((dy, w), lambda j, a: jnp.einsum(f"{ol},{wl}->{xl}", _block(a[0], j, n), a[1]))
+    def run(x, w, dy):
+        gather, rows, _ = _gather_plan(x)
+        dw = sum(gather(lambda piece, j: jnp.einsum(f"{xl},{ol}->{wl}", piece, rows(dy, j))))
+        dx = _scattered((dy, w), lambda rows, a: jnp.einsum(f"{ol},{wl}->{xl}", rows(a[0]), a[1]), dy.shape[1])
         return dx, dw
 
     out_specs = (_seq_spec(x.ndim), _spec(wl, split))
-    return _manual(ring, (x, w, dy), (_seq_spec(x.ndim), _spec(wl, split), _spec(ol, split)), out_specs)
+    return _manual(run, (x, w, dy), (_seq_spec(x.ndim), _spec(wl, split), _spec(ol, split)), out_specs)
 
 
 gather_matmul.defvjp(_keeping_inputs(gather_matmul), _gather_matmul_bwd)
@@ -178,28 +292,27 @@ gather_matmul.defvjp(_keeping_inputs(gather_matmul), _gather_matmul_bwd)
 def matmul_scatter(spec: str, h: jax.Array, w: jax.Array, w_names) -> jax.Array:
     """reduce_scatter(einsum(spec, h, w) over the sequence) for a row-parallel w (its contracted dims split over
     'tensor', as are h's): the result [b, s / t, ...] is sequence-sharded over 'tensor'. Backward: the output
-    gradient's blocks come round the ring, each giving its block of h's gradient and a term of w's."""
+    gradient's blocks (or chunks) come round, each giving its rows of h's gradient and a term of w's."""
     hl, wl, ol, split = _letters(spec, w_names)
 
-    def ring(h, w):
-        n = h.shape[1] // jax.lax.axis_size("tensor")
-        return _scatter_ring((h, w), lambda j, a: jnp.einsum(spec, _block(a[0], j, n), a[1]))
+    def run(h, w):
+        return _scattered((h, w), lambda rows, a: jnp.einsum(spec, rows(a[0]), a[1]), h.shape[1])
 
-    return _manual(ring, (h, w), (_spec(hl, split), _spec(wl, split)), _seq_spec(len(ol)))
+    return _manual(run, (h, w), (_spec(hl, split), _spec(wl, split)), _seq_spec(len(ol)))
 
 
 def _matmul_scatter_bwd(spec, w_names, res, dy):
     h, w = res
     hl, wl, ol, split = _letters(spec, w_names)
 
-    def ring(h, w, dy):
-        n = dy.shape[1]
-        pieces = _gather_ring(dy, lambda block, j: (jnp.einsum(f"{ol},{wl}->{hl}", block, w),
-                                                    jnp.einsum(f"{hl},{ol}->{wl}", _block(h, j, n), block)))
-        return _in_order([dh for dh, _ in pieces]), sum(dw for _, dw in pieces)
+    def run(h, w, dy):
+        gather, rows, in_order = _gather_plan(dy)
+        pieces = gather(lambda piece, j: (jnp.einsum(f"{ol},{wl}->{hl}", piece, w),
+                                          jnp.einsum(f"{hl},{ol}->{wl}", rows(h, j), piece)))
+        return in_order([dh for dh, _ in pieces]), sum(dw for _, dw in pieces)
 
     specs = (_spec(hl, split), _spec(wl, split))
-    return _manual(ring, (h, w, dy), (*specs, _seq_spec(dy.ndim)), specs)
+    return _manual(run, (h, w, dy), (*specs, _seq_spec(dy.ndim)), specs)
 
 
 matmul_scatter.defvjp(_keeping_inputs(matmul_scatter), _matmul_scatter_bwd)
