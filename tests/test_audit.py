@@ -354,6 +354,25 @@ def test_pipelined_reduction_and_gather_run_inside_the_schedule_on_h100():
 
 
 @gpu
+@pytest.mark.slow  # suite time: two GPU-target compiles of a 24-layer model on a pipeline (about a minute)
+def test_tp_comm_overlap_hides_the_tensor_collectives_in_a_pipeline_on_h100():
+    """gpt2-1.3b, data 2 x pipeline 2 (1F1B) x tensor 2 with sequence parallelism, 8 micro batches of 1: inside the
+    schedule's branches parallel.tp_comm_overlap chunks the layers' all-gathers and reduce-scatters over 'tensor'
+    (no ppermutes), and the GPU schedule puts GEMMs under >= 85% of each kind's bytes (measured 98% and 89%; as
+    XLA schedules the whole collectives, 56% and 20%)."""
+    sets = ["parallel.data=2", "parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_parallel=true",
+            "parallel.schedule=1f1b", "train.micro_batch_size=1", "train.global_batch_size=16"]
+    groups = {on: audit.audit(config_lib.load(f"{REPO}/configs/gpt2-1.3b.yaml", [
+        *sets, f"parallel.tp_comm_overlap={str(on).lower()}"]), "h100", 8)["communication"]["groups"]
+        for on in (False, True)}
+    for kind in ("all-gather", "reduce-scatter"):
+        off, on = groups[False][f"{kind} over tensor"], groups[True][f"{kind} over tensor"]
+        assert on["bytes"] == pytest.approx(off["bytes"], rel=0.01)  # the same data, chunked
+        assert off["overlapped_fraction"] < 0.7 and on["overlapped_fraction"] >= 0.85, (kind, off, on)
+    assert not any(k.startswith("collective-permute over tensor") for k in groups[True])
+
+
+@gpu
 @pytest.mark.slow  # suite time: two GPU-target compiles of a 24-layer model
 def test_tp_comm_overlap_hides_the_tensor_collectives_on_h100():
     """gpt2-1.3b, data 4 x tensor 2 with sequence parallelism, micro batch 1: with parallel.tp_comm_overlap the
