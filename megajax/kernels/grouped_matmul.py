@@ -208,6 +208,11 @@ class _Static:
     out_names: tuple | None
 
 
+def _static(names: tuple | None, blocks: Blocks | None) -> _Static:
+    """The public entry points' (names of (x, w, out) or None, blocks or None) as a _Static."""
+    return _Static(blocks or Blocks(), *(names or (None, None, None)))
+
+
 def _sharded(fn, args, in_names, out_names, st: _Static):
     if st.x_names is None:
         return tuple(fn(*args))
@@ -246,8 +251,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, names: tuple | 
     """out [a, n] with out[i] = x[i] @ w[group of row i], rows grouped in order by sizes [e] (rows past
     sum(sizes) give zeros): `jax.lax.ragged_dot`'s contract, computing only each row's own group. names: the
     logical axis names of (x, w, out) to run shard by shard under a mesh (launch.shard_kernel); None: as is."""
-    x_names, w_names, out_names = names or (None, None, None)
-    return _grouped(x, w, sizes, _Static(blocks or Blocks(), x_names, w_names, out_names))
+    return _grouped(x, w, sizes, _static(names, blocks))
 
 
 def grouped_dot(x: jax.Array, w: jax.Array, sizes: jax.Array, names: tuple | None = None,
@@ -255,7 +259,7 @@ def grouped_dot(x: jax.Array, w: jax.Array, sizes: jax.Array, names: tuple | Non
     """`grouped_matmul`'s product in fp32 with the operands as they are (FP8 included; two FP8 formats are
     multiplied in bf16, launch.dot), not differentiable: the FP8 grouped GEMM's forward and input gradient
     (model.fp8.ragged_dot)."""
-    st = _Static(blocks or Blocks(), *(names or (None, None, None)))
+    st = _static(names, blocks)
     return _sharded(lambda x, w, sizes: (_forward(x, w, sizes, st.blocks, jnp.float32),), [x, w, sizes],
                     [st.x_names, st.w_names, (None,)], [st.out_names], st)[0]
 
@@ -264,6 +268,6 @@ def grouped_weight_dot(x: jax.Array, dy: jax.Array, sizes: jax.Array, names: tup
                        blocks: Blocks | None = None) -> jax.Array:
     """dw [e, k, n] in fp32, dw[g] = x[rows of g]^T dy[rows of g] (x [a, k], dy [a, n]): the FP8 grouped GEMM's
     weight gradient. names: those of (x, w, dy) as for `grouped_matmul`."""
-    st = _Static(blocks or Blocks(), *(names or (None, None, None)))
+    st = _static(names, blocks)
     return _sharded(lambda x, dy, sizes: (_weight_dot(x, dy, sizes, st.blocks),), [x, dy, sizes],
                     [st.x_names, st.out_names, (None,)], [st.w_names], st)[0]
