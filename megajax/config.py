@@ -421,9 +421,6 @@ class Config:
             f"model.num_layers={m.num_layers} is not divisible by parallel.pipeline * parallel.virtual_stages = "
             f"{chunks}: choose layers that split evenly into {chunks} chunks",
         )
-        _check(not (p.tp_comm_overlap and m.fp8 != "none"),
-               "parallel.tp_comm_overlap has no FP8 variant (its ring matmuls run in the compute dtype): set "
-               "parallel.tp_comm_overlap=false with model.fp8")
         period = m.layer_period
         _check(
             (m.num_layers // period) % chunks == 0,

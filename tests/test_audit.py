@@ -374,6 +374,30 @@ def test_tp_comm_overlap_hides_the_tensor_collectives_in_a_pipeline_on_h100():
 
 @gpu
 @pytest.mark.slow  # suite time: two GPU-target compiles of a 24-layer model
+def test_fp8_collective_matmuls_move_fp8_blocks_on_h100():
+    """gpt2-1.3b as above in FP8 (hybrid, bf16 compute): with parallel.tp_comm_overlap the ring GEMMs are FP8 GEMMs
+    (twice the sites, the same FP8 share of the FLOPs) and the blocks a ring gathers (x forward and again for the
+    weight gradient, dy of a row-parallel matmul) travel in FP8, the partial sums in bf16: per layer and micro
+    batch 14 ring steps' worth of s / t x h bytes against 20 in bf16, all of it with GEMMs under it. Without the
+    rings the reduce-scatters of the partial sums are bf16 too (`fp8.dot` writes the compute dtype): 4 per layer and
+    micro batch of s x h x 2 bytes (plus the head's)."""
+    reports = {on: audit.audit(config_lib.load(f"{REPO}/configs/gpt2-1.3b.yaml", [
+        "parallel.data=4", "parallel.tensor=2", "train.micro_batch_size=1", "train.global_batch_size=16",
+        "parallel.sequence_parallel=true", "model.fp8=hybrid", "model.compute_dtype=bfloat16",
+        f"parallel.tp_comm_overlap={str(on).lower()}"]), "h100", 8) for on in (False, True)}
+    layers, micro, s, h = 24, 4, 2048, 2048
+    ring = reports[True]["communication"]["groups"]["collective-permute over tensor"]
+    assert ring["bytes"] == pytest.approx(layers * micro * 14 * (s // 2) * h, rel=0.01)
+    assert ring["overlapped_fraction"] >= 0.9
+    scattered = reports[False]["communication"]["groups"]["reduce-scatter over tensor"]["bytes"]
+    assert layers * micro * 4 * s * h * 2 <= scattered < 1.05 * layers * micro * 4 * s * h * 2
+    fp8 = {on: r["fp8"] for on, r in reports.items()}
+    assert fp8[True]["fp8_gemms"] == 2 * fp8[False]["fp8_gemms"] >= 40
+    assert fp8[True]["fp8_flop_share"] == pytest.approx(fp8[False]["fp8_flop_share"], rel=1e-3)
+
+
+@gpu
+@pytest.mark.slow  # suite time: two GPU-target compiles of a 24-layer model
 def test_tp_comm_overlap_hides_the_tensor_collectives_on_h100():
     """gpt2-1.3b, data 4 x tensor 2 with sequence parallelism, micro batch 1: with parallel.tp_comm_overlap the
     layers' all-gathers and reduce-scatters over 'tensor' become ring ppermutes (megajax/model/collective_matmul.py)

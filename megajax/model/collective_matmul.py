@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from megajax import sharding
+from megajax.model import fp8
 
 # None: off; "ring" or "chunks": the decomposition the matmuls use
 _ON: contextvars.ContextVar[str | None] = contextvars.ContextVar("megajax_tp_comm_overlap", default=None)
@@ -250,69 +251,141 @@ def _scattered(a, part, s: int) -> jax.Array:
     return _scatter_chunks(a, part, n)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
-def gather_matmul(spec: str, x: jax.Array, w: jax.Array, w_names) -> jax.Array:
+def _quantized(fp8_fmt, x, w, meta):
+    """(x and w as the rings multiply them, the backward's quantization state): themselves (state None), or with
+    model.fp8 ((format, margin)) their FP8 copies and scales, quantized here, before the collectives, with the
+    amax of the whole tensor as the FP8 matmul's: the sequence blocks then cross 'tensor' in FP8, half the bytes
+    of bf16 (Transformer Engine's FP8 all-gather)."""
+    if fp8_fmt is None:
+        return x, w, None
+    xq, sx, wq, sw, dy_counters, seen = fp8.quantize_operands(*fp8_fmt, x, w, meta)
+    return xq, wq, (sx, sw, dy_counters, seen)
+
+
+def _quantized_grad(fp8_fmt, dy, state):
+    """(dy as the rings multiply it, its scale, meta's gradient): dy itself, or its FP8 copy (`fp8.einsum`'s)."""
+    if state is None:
+        return dy, None, None
+    return fp8.quantize_gradient(*fp8_fmt, dy, state[2], state[3])
+
+
+def _inverse(*scales):
+    """1 / the product of the operands' scales (the FP8 product's unscaling; none in the compute dtype)."""
+    return () if scales[0] is None else (1.0 / functools.reduce(jnp.multiply, scales),)
+
+
+def _grad_dtypes(dy, wq, state):
+    """(the input gradient's dtype, the weight gradient's): einsum's (None) and w's, or with FP8 (weights taken in
+    the compute dtype) dy's both, as `fp8.einsum`'s."""
+    return (dy.dtype, dy.dtype) if state else (None, wq.dtype)
+
+
+def _mul(spec: str, a: jax.Array, b: jax.Array, inv: tuple, dtype) -> jax.Array:
+    """einsum(spec, a, b) as `dtype` (None: einsum's): of the compute-dtype operands, or (inv = (1 / their scales' product,)) of FP8
+    operands, accumulated in fp32 and unscaled (`fp8.dot`)."""
+    if not inv:
+        return jnp.einsum(spec, a, b, preferred_element_type=dtype)
+    return fp8.dot(spec, a, b, inv[0], dtype)
+
+
+def _ring_sum(pieces: list, dtype) -> jax.Array:
+    """The sum of a weight gradient's fp32 terms (one per block or chunk), as `dtype`: rounded once, as the
+    gathered GEMM's single fp32 accumulation is."""
+    return functools.reduce(jnp.add, pieces).astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
+def gather_matmul(spec: str, x: jax.Array, w: jax.Array, w_names, fp8_fmt: tuple | None = None,
+                  meta: jax.Array | None = None) -> jax.Array:
     """einsum(spec, all_gather(x over the sequence), w) for x [b, s / t, ...] sequence-sharded over 'tensor' and a
     column-parallel w (logical names `w_names`): the result has the whole sequence (dim 1) and w's split dims.
     Backward: the input gradient reduce-scattered by the ring (or chunks) while the weight gradient's GEMMs run on
     the x blocks coming round again (Megatron gathers the input again in the backward too, rather than keeping it
-    whole)."""
-    xl, wl, ol, split = _letters(spec, w_names)
+    whole). With fp8_fmt ((model.fp8, model.fp8_margin); `meta`: the delayed-scaling state) the products are
+    `fp8.einsum`'s, on FP8 blocks."""
+    return _gather_matmul_fwd(spec, x, w, w_names, fp8_fmt, meta)[0]
 
-    def run(x, w):
+
+def _gather_matmul_fwd(spec, x, w, w_names, fp8_fmt, meta):
+    xl, wl, ol, split = _letters(spec, w_names)
+    xq, wq, state = _quantized(fp8_fmt, x, w, meta)
+    inv = _inverse(*state[:2]) if state else ()
+
+    def run(x, w, *inv):
         gather, _, in_order = _gather_plan(x)
-        return in_order(gather(lambda piece, j: jnp.einsum(spec, piece, w)))
+        return in_order(gather(lambda piece, j: _mul(spec, piece, w, inv, out_dtype)))
 
-    return _manual(run, (x, w), (_seq_spec(x.ndim), _spec(wl, split)), _spec(ol, split))
-
-
-def _keeping_inputs(ring_matmul):
-    """A custom VJP's forward rule for a ring matmul (spec, a, w, w_names): its result, with (a, w) kept."""
-    return lambda spec, a, w, w_names: (ring_matmul(spec, a, w, w_names), (a, w))
+    out_dtype = x.dtype if state else None
+    y = _manual(run, (xq, wq, *inv), (_seq_spec(x.ndim), _spec(wl, split), *[P()] * len(inv)), _spec(ol, split))
+    return y, (xq, wq, state)
 
 
-def _gather_matmul_bwd(spec, w_names, res, dy):
-    x, w = res
+def _gather_matmul_bwd(spec, w_names, fp8_fmt, res, dy):
+    xq, wq, state = res
     xl, wl, ol, split = _letters(spec, w_names)
+    dyq, s_dy, g_meta = _quantized_grad(fp8_fmt, dy, state)
+    x_dtype, w_dtype = _grad_dtypes(dy, wq, state)
+    inv_w, inv_x = (_inverse(state[0], s_dy), _inverse(s_dy, state[1])) if state else ((), ())
 
-    def run(x, w, dy):
+    def run(x, w, dy, *invs):
+        inv_w, inv_x = invs[:len(invs) // 2], invs[len(invs) // 2:]
         gather, rows, _ = _gather_plan(x)
-        dw = sum(gather(lambda piece, j: jnp.einsum(f"{xl},{ol}->{wl}", piece, rows(dy, j))))
-        dx = _scattered((dy, w), lambda rows, a: jnp.einsum(f"{ol},{wl}->{xl}", rows(a[0]), a[1]), dy.shape[1])
+        dw = _ring_sum(gather(lambda piece, j: _mul(f"{xl},{ol}->{wl}", piece, rows(dy, j), inv_w, jnp.float32)),
+                       w_dtype)
+        dx = _scattered((dy, w), lambda rows, a: _mul(f"{ol},{wl}->{xl}", rows(a[0]), a[1], inv_x, x_dtype),
+                        dy.shape[1])
         return dx, dw
 
-    out_specs = (_seq_spec(x.ndim), _spec(wl, split))
-    return _manual(run, (x, w, dy), (_seq_spec(x.ndim), _spec(wl, split), _spec(ol, split)), out_specs)
+    invs = (*inv_w, *inv_x)
+    specs = (_seq_spec(xq.ndim), _spec(wl, split))
+    dx, dw = _manual(run, (xq, wq, dyq, *invs), (*specs, _spec(ol, split), *[P()] * len(invs)), specs)
+    return dx, dw, g_meta
 
 
-gather_matmul.defvjp(_keeping_inputs(gather_matmul), _gather_matmul_bwd)
+gather_matmul.defvjp(_gather_matmul_fwd, _gather_matmul_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
-def matmul_scatter(spec: str, h: jax.Array, w: jax.Array, w_names) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
+def matmul_scatter(spec: str, h: jax.Array, w: jax.Array, w_names, fp8_fmt: tuple | None = None,
+                   meta: jax.Array | None = None) -> jax.Array:
     """reduce_scatter(einsum(spec, h, w) over the sequence) for a row-parallel w (its contracted dims split over
     'tensor', as are h's): the result [b, s / t, ...] is sequence-sharded over 'tensor'. Backward: the output
-    gradient's blocks (or chunks) come round, each giving its rows of h's gradient and a term of w's."""
+    gradient's blocks (or chunks) come round, each giving its rows of h's gradient and a term of w's; with
+    fp8_fmt in FP8 (the output gradient quantized before it travels), as `gather_matmul`."""
+    return _matmul_scatter_fwd(spec, h, w, w_names, fp8_fmt, meta)[0]
+
+
+def _matmul_scatter_fwd(spec, h, w, w_names, fp8_fmt, meta):
     hl, wl, ol, split = _letters(spec, w_names)
+    hq, wq, state = _quantized(fp8_fmt, h, w, meta)
+    inv = _inverse(*state[:2]) if state else ()
 
-    def run(h, w):
-        return _scattered((h, w), lambda rows, a: jnp.einsum(spec, rows(a[0]), a[1]), h.shape[1])
+    def run(h, w, *inv):
+        return _scattered((h, w), lambda rows, a: _mul(spec, rows(a[0]), a[1], inv, out_dtype), h.shape[1])
 
-    return _manual(run, (h, w), (_spec(hl, split), _spec(wl, split)), _seq_spec(len(ol)))
+    out_dtype = h.dtype if state else None
+    y = _manual(run, (hq, wq, *inv), (_spec(hl, split), _spec(wl, split), *[P()] * len(inv)), _seq_spec(len(ol)))
+    return y, (hq, wq, state)
 
 
-def _matmul_scatter_bwd(spec, w_names, res, dy):
-    h, w = res
+def _matmul_scatter_bwd(spec, w_names, fp8_fmt, res, dy):
+    hq, wq, state = res
     hl, wl, ol, split = _letters(spec, w_names)
+    dyq, s_dy, g_meta = _quantized_grad(fp8_fmt, dy, state)
+    h_dtype, w_dtype = _grad_dtypes(dy, wq, state)
+    inv_h, inv_w = (_inverse(s_dy, state[1]), _inverse(state[0], s_dy)) if state else ((), ())
 
-    def run(h, w, dy):
+    def run(h, w, dy, *invs):
+        inv_h, inv_w = invs[:len(invs) // 2], invs[len(invs) // 2:]
         gather, rows, in_order = _gather_plan(dy)
-        pieces = gather(lambda piece, j: (jnp.einsum(f"{ol},{wl}->{hl}", piece, w),
-                                          jnp.einsum(f"{hl},{ol}->{wl}", rows(h, j), piece)))
-        return in_order([dh for dh, _ in pieces]), sum(dw for _, dw in pieces)
+        pieces = gather(lambda piece, j: (_mul(f"{ol},{wl}->{hl}", piece, w, inv_h, h_dtype),
+                                          _mul(f"{hl},{ol}->{wl}", rows(h, j), piece, inv_w, jnp.float32)))
+        return in_order([dh for dh, _ in pieces]), _ring_sum([dw for _, dw in pieces], w_dtype)
 
+    invs = (*inv_h, *inv_w)
     specs = (_spec(hl, split), _spec(wl, split))
-    return _manual(run, (h, w, dy), (*specs, _seq_spec(dy.ndim)), specs)
+    dh, dw = _manual(run, (hq, wq, dyq, *invs), (*specs, _seq_spec(dy.ndim), *[P()] * len(invs)), specs)
+    return dh, dw, g_meta
 
 
-matmul_scatter.defvjp(_keeping_inputs(matmul_scatter), _matmul_scatter_bwd)
+matmul_scatter.defvjp(_matmul_scatter_fwd, _matmul_scatter_bwd)

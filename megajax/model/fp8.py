@@ -55,8 +55,15 @@ def _operands(spec: str) -> tuple[str, str, str]:
     return x, w, out
 
 
-def _dot(spec: str, a: jax.Array, b: jax.Array, inv_scale: jax.Array, dtype) -> jax.Array:
-    return (jnp.einsum(spec, a, b, preferred_element_type=jnp.float32) * inv_scale).astype(dtype)
+def dot(spec: str, a: jax.Array, b: jax.Array, inv_scale: jax.Array, dtype) -> jax.Array:
+    """einsum(spec, a, b) of FP8 operands, unscaled by inv_scale, as `dtype`. The GEMM accumulates in fp32 and
+    writes bf16 (or fp32) itself, unscaled after: a power of two rescales exactly, and a product of scaled operands
+    is far from the ends of bf16's range, so this rounds as unscaling in fp32 would. A row-parallel matmul's
+    partial sums then cross 'tensor' in bf16, not fp32 (half the reduce-scatter's bytes). fp16's range is too
+    short for the scaled product (448^2 alone is past its maximum): it is unscaled in fp32."""
+    if jnp.finfo(dtype).maxexp < jnp.finfo(jnp.float32).maxexp:
+        return (jnp.einsum(spec, a, b, preferred_element_type=jnp.float32) * inv_scale).astype(dtype)
+    return jnp.einsum(spec, a, b, preferred_element_type=dtype) * inv_scale.astype(dtype)
 
 
 # Delayed scaling (model.fp8_recipe=delayed, Transformer Engine's default recipe): each matmul's scales come from
@@ -104,7 +111,7 @@ def _counters(meta):
     return (None, None, None) if meta is None else tuple(meta.reshape(3, BINS))
 
 
-def _quantize_operands(fmt, margin, x, w, meta):
+def quantize_operands(fmt, margin, x, w, meta):
     """(x_q, s_x, w_q, s_w, dy's counters, the forward's exponents as meta's gradient part) for one matmul."""
     forward, _ = FORMATS[fmt]
     x_counters, w_counters, dy_counters = _counters(meta)
@@ -114,7 +121,7 @@ def _quantize_operands(fmt, margin, x, w, meta):
     return xq, sx, wq, sw, dy_counters, seen
 
 
-def _quantize_gradient(fmt, margin, dy, dy_counters, seen):
+def quantize_gradient(fmt, margin, dy, dy_counters, seen):
     """(dy_q, s_dy, meta's gradient: the operands' exponents, or None with current scaling)."""
     dyq, sdy = _quantize(dy, FORMATS[fmt][1], dy_counters, margin)
     if seen is None:
@@ -132,16 +139,16 @@ def einsum(spec: str, fmt: str, margin: int, x: jax.Array, w: jax.Array,
 
 
 def _forward(spec, fmt, margin, x, w, meta):
-    xq, sx, wq, sw, dy_counters, seen = _quantize_operands(fmt, margin, x, w, meta)
-    return _dot(spec, xq, wq, 1.0 / (sx * sw), x.dtype), (xq, sx, wq, sw, dy_counters, seen)
+    xq, sx, wq, sw, dy_counters, seen = quantize_operands(fmt, margin, x, w, meta)
+    return dot(spec, xq, wq, 1.0 / (sx * sw), x.dtype), (xq, sx, wq, sw, dy_counters, seen)
 
 
 def _backward(spec, fmt, margin, residuals, dy):
     xq, sx, wq, sw, dy_counters, seen = residuals
-    dyq, sdy, g_meta = _quantize_gradient(fmt, margin, dy, dy_counters, seen)
+    dyq, sdy, g_meta = quantize_gradient(fmt, margin, dy, dy_counters, seen)
     x_sub, w_sub, y_sub = _operands(spec)
-    dx = _dot(f"{y_sub},{w_sub}->{x_sub}", dyq, wq, 1.0 / (sdy * sw), dy.dtype)
-    dw = _dot(f"{x_sub},{y_sub}->{w_sub}", xq, dyq, 1.0 / (sx * sdy), dy.dtype)
+    dx = dot(f"{y_sub},{w_sub}->{x_sub}", dyq, wq, 1.0 / (sdy * sw), dy.dtype)
+    dw = dot(f"{x_sub},{y_sub}->{w_sub}", xq, dyq, 1.0 / (sx * sdy), dy.dtype)
     return dx, dw, g_meta
 
 
@@ -157,7 +164,7 @@ def weight_grad(spec: str, fmt: str, margin: int, x: jax.Array, dy: jax.Array,
     xq, sx = _quantize(x, forward, x_counters, margin)
     dyq, sdy = _quantize(dy, gradient, dy_counters, margin)
     x_sub, w_sub, y_sub = _operands(spec)
-    return _dot(f"{x_sub},{y_sub}->{w_sub}", xq, dyq, 1.0 / (sx * sdy), dy.dtype)
+    return dot(f"{x_sub},{y_sub}->{w_sub}", xq, dyq, 1.0 / (sx * sdy), dy.dtype)
 
 
 _RAGGED_WEIGHT_GRAD = jax.lax.RaggedDotDimensionNumbers(
@@ -184,14 +191,14 @@ def _group_dot(grouped, a, b, sizes):
 
 
 def _ragged_forward(fmt, margin, x, w, sizes, meta, grouped):
-    xq, sx, wq, sw, dy_counters, seen = _quantize_operands(fmt, margin, x, w, meta)
+    xq, sx, wq, sw, dy_counters, seen = quantize_operands(fmt, margin, x, w, meta)
     y = _group_dot(grouped, xq, wq, sizes) * (1.0 / (sx * sw))
     return y.astype(x.dtype), (xq, sx, wq, sw, sizes, dy_counters, seen)
 
 
 def _ragged_backward(fmt, margin, grouped, residuals, dy):
     xq, sx, wq, sw, sizes, dy_counters, seen = residuals
-    dyq, sdy, g_meta = _quantize_gradient(fmt, margin, dy, dy_counters, seen)
+    dyq, sdy, g_meta = quantize_gradient(fmt, margin, dy, dy_counters, seen)
     if grouped is None:
         dw = jax.lax.ragged_dot_general(xq, dyq, sizes, _RAGGED_WEIGHT_GRAD, preferred_element_type=jnp.float32)
         transposed = None

@@ -85,14 +85,18 @@ def weight_einsum(module: nn.Module, name: str, x: jax.Array, w: jax.Array) -> j
     """einsum(WEIGHT_EINSUMS[name], x, w) for the parameter `name` of `module`, with the zero-bubble hooks; in
     FP8 with model.fp8 (megajax/model/fp8.py)."""
     module.sow(TAP_INPUTS, name, x, init_fn=lambda: None, reduce_fn=lambda _, new: new)
-    cfg = module.cfg
-    spec, fmt = WEIGHT_EINSUMS[name], cfg.fp8
-    if fmt == "none":
-        y = jnp.einsum(spec, x, w)
-    else:
-        meta = fp8_state(module, name) if cfg.fp8_recipe == "delayed" else None
-        y = fp8.einsum(spec, fmt, cfg.fp8_margin, x, w, meta)
+    spec = WEIGHT_EINSUMS[name]
+    fmt, meta = _fp8_of(module, name)
+    y = jnp.einsum(spec, x, w) if fmt is None else fp8.einsum(spec, *fmt, x, w, meta)
     return module.perturb(name, y, collection=TAP_GRADS)
+
+
+def _fp8_of(module: nn.Module, name: str) -> tuple[tuple | None, jax.Array | None]:
+    """((model.fp8, model.fp8_margin) or None without FP8, the delayed-scaling state of weight `name` or None)."""
+    cfg = module.cfg
+    if cfg.fp8 == "none":
+        return None, None
+    return (cfg.fp8, cfg.fp8_margin), (fp8_state(module, name) if cfg.fp8_recipe == "delayed" else None)
 
 
 def column_matmul(module: nn.Module, name: str, x_bsd: jax.Array, w: jax.Array, w_names) -> jax.Array:
@@ -100,7 +104,7 @@ def column_matmul(module: nn.Module, name: str, x_bsd: jax.Array, w: jax.Array, 
     gather_sequence then `weight_einsum`, or with parallel.tp_comm_overlap the gather as a ring under the GEMMs
     (megajax/model/collective_matmul.py). w_names: the weight's logical axis names."""
     if collective_matmul.active():
-        return collective_matmul.gather_matmul(WEIGHT_EINSUMS[name], x_bsd, w, w_names)
+        return collective_matmul.gather_matmul(WEIGHT_EINSUMS[name], x_bsd, w, w_names, *_fp8_of(module, name))
     return weight_einsum(module, name, gather_sequence(x_bsd), w)
 
 
@@ -108,7 +112,7 @@ def row_matmul(module: nn.Module, name: str, h: jax.Array, w: jax.Array, w_names
     """A row-parallel matmul back onto the residual stream: `weight_einsum`, its partial sums reduced (scattered
     over the sequence with sequence parallelism), or with parallel.tp_comm_overlap the scatter as a ring."""
     if collective_matmul.active():
-        return collective_matmul.matmul_scatter(WEIGHT_EINSUMS[name], h, w, w_names)
+        return collective_matmul.matmul_scatter(WEIGHT_EINSUMS[name], h, w, w_names, *_fp8_of(module, name))
     return constrain(weight_einsum(module, name, h, w), RESIDUAL)
 
 
