@@ -253,12 +253,6 @@ class ParallelConfig:
             "matmuls: set parallel.sequence_parallel=true (with parallel.tensor > 1)",
         )
         _check(
-            not self.tp_comm_overlap or self.pipeline == 1 or self.schedule != "zero_bubble",
-            "parallel.tp_comm_overlap=true is not built with the zero_bubble schedule (it defers each weight "
-            "matmul's gradient, which the collective matmuls compute in their backward): use parallel.schedule="
-            "1f1b, interleaved or gpipe, or set parallel.tp_comm_overlap=false",
-        )
-        _check(
             self.virtual_stages == 1 or self.schedule in ("interleaved", "zero_bubble"),
             f"parallel.virtual_stages={self.virtual_stages} needs parallel.schedule=interleaved (or zero_bubble)",
         )

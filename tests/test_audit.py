@@ -373,6 +373,28 @@ def test_tp_comm_overlap_hides_the_tensor_collectives_in_a_pipeline_on_h100():
 
 
 @gpu
+@pytest.mark.slow  # suite time: two GPU-target compiles of a 24-layer model on a pipeline (about a minute)
+def test_tp_comm_overlap_hides_the_tensor_collectives_under_zero_bubble_on_h100():
+    """As above with the zero_bubble schedule: B's chunked matmuls leave the weight gradients to W, which gathers
+    its blocks under its own GEMMs. The row-parallel matmuls' output gradients are gathered twice (B and W), so
+    more all-gather bytes; measured 41% -> 77% of them and 1% -> 80% of the reduce-scatters' under GEMMs, and
+    the exposed tensor time more than halved."""
+    sets = ["parallel.data=2", "parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_parallel=true",
+            "parallel.schedule=zero_bubble", "train.micro_batch_size=1", "train.global_batch_size=16"]
+    groups = {on: audit.audit(config_lib.load(f"{REPO}/configs/gpt2-1.3b.yaml", [
+        *sets, f"parallel.tp_comm_overlap={str(on).lower()}"]), "h100", 8)["communication"]["groups"]
+        for on in (False, True)}
+    gathered = {on: g["all-gather over tensor"] for on, g in groups.items()}
+    scattered = {on: g["reduce-scatter over tensor"] for on, g in groups.items()}
+    assert gathered[True]["bytes"] < 1.4 * gathered[False]["bytes"]
+    assert scattered[True]["bytes"] == pytest.approx(scattered[False]["bytes"], rel=0.01)
+    assert gathered[True]["overlapped_fraction"] >= 0.7 > 0.5 > gathered[False]["overlapped_fraction"]
+    assert scattered[True]["overlapped_fraction"] >= 0.75 > 0.1 > scattered[False]["overlapped_fraction"]
+    exposed = {on: gathered[on]["exposed_s"] + scattered[on]["exposed_s"] for on in (False, True)}
+    assert exposed[True] < 0.6 * exposed[False]
+
+
+@gpu
 @pytest.mark.slow  # suite time: two GPU-target compiles of a 24-layer model
 def test_fp8_collective_matmuls_move_fp8_blocks_on_h100():
     """gpt2-1.3b as above in FP8 (hybrid, bf16 compute): with parallel.tp_comm_overlap the ring GEMMs are FP8 GEMMs

@@ -94,6 +94,9 @@ LAYOUTS = {
     "d2-p2-t2-1f1b-sp-chunks-llama": ({"parallel.data": 2, "parallel.pipeline": 2, "parallel.tensor": 2,
                                        "parallel.schedule": "1f1b", "parallel.sequence_parallel": True,
                                        "parallel.tp_comm_overlap": True, "model.arch": "llama"}, 8),
+    "d2-p2-t2-zero_bubble-sp-chunks": ({"parallel.data": 2, "parallel.pipeline": 2, "parallel.tensor": 2,
+                                        "parallel.schedule": "zero_bubble", "parallel.sequence_parallel": True,
+                                        "parallel.tp_comm_overlap": True}, 8),
 }
 # the default run: pure tensor parallelism here; the pipeline with zero bubble with delayed scaling below
 DEFAULT = {"t4-sp-llama-e4m3"}
@@ -121,7 +124,8 @@ DELAYED = {"model.fp8_recipe": "delayed"}
                                   *(pytest.param(n, marks=pytest.mark.slow) for n in (
                                       "d2-t2-sp", "moe-dropless-d2-e2-t2", "d2-p2-t2-zero_bubble-zero",
                                       "t4-sp-llama-e4m3", "moe-capacity-d4-e2", "d2-p2-zero-overlap",
-                                      "moe-dropless-grouped-d2-e2-t2", "d2-p2-t2-1f1b-sp-chunks-llama"))])
+                                      "moe-dropless-grouped-d2-e2-t2", "d2-p2-t2-1f1b-sp-chunks-llama",
+                                      "d2-p2-t2-zero_bubble-sp-chunks"))])
 def test_fp8_delayed_scaling_layout_matches_one_device(name):
     """Delayed scaling: the amax histories are reduced over micro batches, data ranks and pipeline ticks as
     the gradients are, so a layout equals one device as with current scaling. The first step (no history

@@ -4,7 +4,7 @@ The space: every (data, pipeline, tensor) with data x pipeline x tensor in {1, 2
 included), sequence parallelism on and off (t > 1), the distributed optimizer on and off (d > 1), GPT-2 and
 Llama with grouped-query attention, every schedule (p > 1), and the model dense or mixture-of-experts (8
 dropless experts, top 2) with every expert-parallel size dividing data, and with sequence parallelism the
-collective matmuls of parallel.tp_comm_overlap (rings; chunks on a pipeline, not with zero_bubble) on and off,
+collective matmuls of parallel.tp_comm_overlap (rings; chunks on a pipeline) on and off,
 and with data > 1 the gradient reduction overlapped with the backward (parallel.overlap_grad_reduce: without a
 pipeline, or inside the schedule with 1f1b and interleaved) on and off, and with the distributed optimizer the
 weights gathered under the forward too (parallel.overlap_param_gather). `test_the_space_is_accepted` checks the
@@ -86,7 +86,7 @@ def space() -> list[dict]:
         for arch, sp, zero, (schedule, v), ep in itertools.product(
                 ARCHS, (False, True) if t > 1 else (False,), (False, True) if d > 1 else (False,), schedules(p),
                 experts(d)):
-            for ring, overlap in itertools.product((False, True) if sp and schedule != "zero_bubble" else (False,),
+            for ring, overlap in itertools.product((False, True) if sp else (False,),
                                                    overlaps(d, p, schedule, zero)):
                 out.append(case(arch, d, p, t, sp, zero, schedule, v, ep, ring, overlap))
     return out
@@ -108,7 +108,7 @@ def default_cases() -> list[dict]:
         sp = t > 1 and (i // 2) % 2 == 0
         zero = d > 1 and i % 3 != 1
         levels = overlaps(d, p, schedule, zero)
-        ring = sp and i % 2 == 0 and schedule != "zero_bubble"
+        ring = sp and i % 2 == 0
         out.append(case(("gpt2", "llama")[i % 2], d, p, t, sp, zero, schedule, v, ep, ring=ring,
                         overlap=0 if i % 3 == 2 or len(levels) == 1 else levels[1 + (i // 7) % (len(levels) - 1)]))
     return out

@@ -74,10 +74,14 @@ def active() -> bool:
 def _letters(spec: str, w_names) -> tuple[str, str, str, set[str]]:
     """(input, weight and output letters of the einsum `spec`, the letters of the weight's dims split over
     'tensor')."""
-    inputs, out = spec.split("->")
-    x, w = inputs.split(",")
+    x, w, out = _subscripts(spec)
     split = {c for c, axis in zip(w, sharding.param_spec(w_names)) if "tensor" in sharding.axes_of(axis)}
     return x, w, out, split
+
+
+def _subscripts(spec: str) -> tuple[str, str, str]:
+    inputs, out = spec.split("->")
+    return (*inputs.split(","), out)
 
 
 def _spec(letters: str, split: set[str]) -> P:
@@ -294,19 +298,20 @@ def _ring_sum(pieces: list, dtype) -> jax.Array:
     return functools.reduce(jnp.add, pieces).astype(dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4, 6))
 def gather_matmul(spec: str, x: jax.Array, w: jax.Array, w_names, fp8_fmt: tuple | None = None,
-                  meta: jax.Array | None = None) -> jax.Array:
+                  meta: jax.Array | None = None, weights: bool = True) -> jax.Array:
     """einsum(spec, all_gather(x over the sequence), w) for x [b, s / t, ...] sequence-sharded over 'tensor' and a
     column-parallel w (logical names `w_names`): the result has the whole sequence (dim 1) and w's split dims.
     Backward: the input gradient reduce-scattered by the ring (or chunks) while the weight gradient's GEMMs run on
     the x blocks coming round again (Megatron gathers the input again in the backward too, rather than keeping it
     whole). With fp8_fmt ((model.fp8, model.fp8_margin); `meta`: the delayed-scaling state) the products are
-    `fp8.einsum`'s, on FP8 blocks."""
-    return _gather_matmul_fwd(spec, x, w, w_names, fp8_fmt, meta)[0]
+    `fp8.einsum`'s, on FP8 blocks. With `weights` off (the zero-bubble schedule's B) the backward leaves the
+    weight gradient (zeros) to `weight_grad` (its W)."""
+    return _gather_matmul_fwd(spec, x, w, w_names, fp8_fmt, meta, weights)[0]
 
 
-def _gather_matmul_fwd(spec, x, w, w_names, fp8_fmt, meta):
+def _gather_matmul_fwd(spec, x, w, w_names, fp8_fmt, meta, weights):
     xl, wl, ol, split = _letters(spec, w_names)
     xq, wq, state = _quantized(fp8_fmt, x, w, meta)
     inv = _inverse(*state[:2]) if state else ()
@@ -320,7 +325,7 @@ def _gather_matmul_fwd(spec, x, w, w_names, fp8_fmt, meta):
     return y, (xq, wq, state)
 
 
-def _gather_matmul_bwd(spec, w_names, fp8_fmt, res, dy):
+def _gather_matmul_bwd(spec, w_names, fp8_fmt, weights, res, dy):
     xq, wq, state = res
     xl, wl, ol, split = _letters(spec, w_names)
     dyq, s_dy, g_meta = _quantized_grad(fp8_fmt, dy, state)
@@ -329,9 +334,7 @@ def _gather_matmul_bwd(spec, w_names, fp8_fmt, res, dy):
 
     def run(x, w, dy, *invs):
         inv_w, inv_x = invs[:len(invs) // 2], invs[len(invs) // 2:]
-        gather, rows, _ = _gather_plan(x)
-        dw = _ring_sum(gather(lambda piece, j: _mul(f"{xl},{ol}->{wl}", piece, rows(dy, j), inv_w, jnp.float32)),
-                       w_dtype)
+        dw = _gathered_input_dw(spec, x, dy, inv_w, w_dtype) if weights else jnp.zeros(w.shape, w_dtype)
         dx = _scattered((dy, w), lambda rows, a: _mul(f"{ol},{wl}->{xl}", rows(a[0]), a[1], inv_x, x_dtype),
                         dy.shape[1])
         return dx, dw
@@ -345,17 +348,17 @@ def _gather_matmul_bwd(spec, w_names, fp8_fmt, res, dy):
 gather_matmul.defvjp(_gather_matmul_fwd, _gather_matmul_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4, 6))
 def matmul_scatter(spec: str, h: jax.Array, w: jax.Array, w_names, fp8_fmt: tuple | None = None,
-                   meta: jax.Array | None = None) -> jax.Array:
+                   meta: jax.Array | None = None, weights: bool = True) -> jax.Array:
     """reduce_scatter(einsum(spec, h, w) over the sequence) for a row-parallel w (its contracted dims split over
     'tensor', as are h's): the result [b, s / t, ...] is sequence-sharded over 'tensor'. Backward: the output
     gradient's blocks (or chunks) come round, each giving its rows of h's gradient and a term of w's; with
-    fp8_fmt in FP8 (the output gradient quantized before it travels), as `gather_matmul`."""
-    return _matmul_scatter_fwd(spec, h, w, w_names, fp8_fmt, meta)[0]
+    fp8_fmt in FP8 (the output gradient quantized before it travels), and `weights`, as `gather_matmul`."""
+    return _matmul_scatter_fwd(spec, h, w, w_names, fp8_fmt, meta, weights)[0]
 
 
-def _matmul_scatter_fwd(spec, h, w, w_names, fp8_fmt, meta):
+def _matmul_scatter_fwd(spec, h, w, w_names, fp8_fmt, meta, weights):
     hl, wl, ol, split = _letters(spec, w_names)
     hq, wq, state = _quantized(fp8_fmt, h, w, meta)
     inv = _inverse(*state[:2]) if state else ()
@@ -368,7 +371,7 @@ def _matmul_scatter_fwd(spec, h, w, w_names, fp8_fmt, meta):
     return y, (hq, wq, state)
 
 
-def _matmul_scatter_bwd(spec, w_names, fp8_fmt, res, dy):
+def _matmul_scatter_bwd(spec, w_names, fp8_fmt, weights, res, dy):
     hq, wq, state = res
     hl, wl, ol, split = _letters(spec, w_names)
     dyq, s_dy, g_meta = _quantized_grad(fp8_fmt, dy, state)
@@ -379,8 +382,10 @@ def _matmul_scatter_bwd(spec, w_names, fp8_fmt, res, dy):
         inv_h, inv_w = invs[:len(invs) // 2], invs[len(invs) // 2:]
         gather, rows, in_order = _gather_plan(dy)
         pieces = gather(lambda piece, j: (_mul(f"{ol},{wl}->{hl}", piece, w, inv_h, h_dtype),
-                                          _mul(f"{hl},{ol}->{wl}", rows(h, j), piece, inv_w, jnp.float32)))
-        return in_order([dh for dh, _ in pieces]), _ring_sum([dw for _, dw in pieces], w_dtype)
+                                          _mul(f"{hl},{ol}->{wl}", rows(h, j), piece, inv_w, jnp.float32)
+                                          if weights else None))
+        dw = _ring_sum([dw for _, dw in pieces], w_dtype) if weights else jnp.zeros(w.shape, w_dtype)
+        return in_order([dh for dh, _ in pieces]), dw
 
     invs = (*inv_h, *inv_w)
     specs = (_spec(hl, split), _spec(wl, split))
@@ -389,3 +394,43 @@ def _matmul_scatter_bwd(spec, w_names, fp8_fmt, res, dy):
 
 
 matmul_scatter.defvjp(_matmul_scatter_fwd, _matmul_scatter_bwd)
+
+
+def _gathered_input_dw(spec, x, dy, inv, w_dtype) -> jax.Array:
+    """Inside the manual region: gather_matmul's weight gradient, x's blocks (or chunks) gathered again under the
+    GEMMs of their terms with dy's rows."""
+    xl, wl, ol = _subscripts(spec)
+    gather, rows, _ = _gather_plan(x)
+    return _ring_sum(gather(lambda piece, j: _mul(f"{xl},{ol}->{wl}", piece, rows(dy, j), inv, jnp.float32)),
+                     w_dtype)
+
+
+def _gathered_grad_dw(spec, h, dy, inv, w_dtype) -> jax.Array:
+    """Inside the manual region: matmul_scatter's weight gradient, dy's blocks (or chunks) gathered under the GEMMs
+    of their terms with h's rows."""
+    hl, wl, ol = _subscripts(spec)
+    gather, rows, _ = _gather_plan(dy)
+    return _ring_sum(gather(lambda piece, j: _mul(f"{hl},{ol}->{wl}", rows(h, j), piece, inv, jnp.float32)),
+                     w_dtype)
+
+
+def weight_grad(spec: str, column: bool, a: jax.Array, dy: jax.Array, w: jax.Array, w_names,
+                fp8_fmt: tuple | None = None, meta: jax.Array | None = None) -> jax.Array:
+    """The zero-bubble schedule's W for a weight whose B ran with `weights` off: the gradient of w (its dtype) from
+    the matmul's input `a` and output gradient dy, its GEMMs under the same collectives as the fused backward's:
+    a column-parallel matmul's (`gather_matmul`: a sequence-sharded) gathers a's blocks again, a row-parallel one's
+    (`matmul_scatter`: dy sequence-sharded) gathers dy's, which B gathered too (W runs later, and keeping dy whole
+    between them would cost t times its memory). In FP8 with fp8_fmt (quantized before the gathers)."""
+    al, wl, ol, split = _letters(spec, w_names)
+    if fp8_fmt is None:
+        ops, inv = (a, dy), ()
+    else:
+        aq, s_a, dyq, s_dy = fp8.weight_grad_operands(*fp8_fmt, a, dy, meta)
+        ops, inv = (aq, dyq), _inverse(s_a, s_dy)
+    dtype = w.dtype
+
+    def run(a, dy, *inv):
+        return (_gathered_input_dw if column else _gathered_grad_dw)(spec, a, dy, inv, dtype)
+
+    specs = (_seq_spec(a.ndim), _spec(ol, split)) if column else (_spec(al, split), _seq_spec(dy.ndim))
+    return _manual(run, (*ops, *inv), (*specs, *[P()] * len(inv)), _spec(wl, split))

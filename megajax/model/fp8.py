@@ -159,12 +159,16 @@ def weight_grad(spec: str, fmt: str, margin: int, x: jax.Array, dy: jax.Array,
                 meta: jax.Array | None = None) -> jax.Array:
     """The weight gradient of `einsum(spec, fmt, margin, x, w, meta)` from x and the output gradient, as its
     backward computes it (for the zero-bubble schedule's deferred W pass)."""
-    forward, gradient = FORMATS[fmt]
-    x_counters, _, dy_counters = _counters(meta)
-    xq, sx = _quantize(x, forward, x_counters, margin)
-    dyq, sdy = _quantize(dy, gradient, dy_counters, margin)
+    xq, sx, dyq, sdy = weight_grad_operands(fmt, margin, x, dy, meta)
     x_sub, w_sub, y_sub = _operands(spec)
     return dot(f"{x_sub},{y_sub}->{w_sub}", xq, dyq, 1.0 / (sx * sdy), dy.dtype)
+
+
+def weight_grad_operands(fmt: str, margin: int, x: jax.Array, dy: jax.Array, meta: jax.Array | None = None):
+    """(x_q, s_x, dy_q, s_dy): the weight gradient's FP8 operands, quantized as the forward and backward did."""
+    forward, gradient = FORMATS[fmt]
+    x_counters, _, dy_counters = _counters(meta)
+    return (*_quantize(x, forward, x_counters, margin), *_quantize(dy, gradient, dy_counters, margin))
 
 
 _RAGGED_WEIGHT_GRAD = jax.lax.RaggedDotDimensionNumbers(

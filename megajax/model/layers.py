@@ -79,6 +79,10 @@ gather_sequence.defvjp(_gather_sequence_fwd, _gather_sequence_bwd)
 TAP_INPUTS, TAP_GRADS = "tap_inputs", "tap_grads"
 WEIGHT_EINSUMS = {"wqkv": "bsd,dgjk->bsgjk", "wo": "bshk,hkd->bsd", "w_gate_up": "bsd,dtf->bstf",
                   "w_in": "bsd,df->bsf", "w_out": "bsf,fd->bsd"}
+# their logical axis names; the column-parallel ones (their input the residual stream) and the row-parallel ones
+WEIGHT_NAMES = {"wqkv": ("embed", "kv_heads", None, "head_dim"), "wo": ("heads", "head_dim", "embed"),
+                "w_gate_up": ("embed", None, "mlp"), "w_in": ("embed", "mlp"), "w_out": ("mlp", "embed")}
+COLUMN_PARALLEL = frozenset({"wqkv", "w_gate_up", "w_in"})
 
 
 def weight_einsum(module: nn.Module, name: str, x: jax.Array, w: jax.Array) -> jax.Array:
@@ -99,21 +103,31 @@ def _fp8_of(module: nn.Module, name: str) -> tuple[tuple | None, jax.Array | Non
     return (cfg.fp8, cfg.fp8_margin), (fp8_state(module, name) if cfg.fp8_recipe == "delayed" else None)
 
 
-def column_matmul(module: nn.Module, name: str, x_bsd: jax.Array, w: jax.Array, w_names) -> jax.Array:
+def column_matmul(module: nn.Module, name: str, x_bsd: jax.Array, w: jax.Array) -> jax.Array:
     """A column-parallel matmul on the residual stream x [b, s, d] (sequence-sharded with sequence parallelism):
     gather_sequence then `weight_einsum`, or with parallel.tp_comm_overlap the gather as a ring under the GEMMs
-    (megajax/model/collective_matmul.py). w_names: the weight's logical axis names."""
+    (megajax/model/collective_matmul.py)."""
     if collective_matmul.active():
-        return collective_matmul.gather_matmul(WEIGHT_EINSUMS[name], x_bsd, w, w_names, *_fp8_of(module, name))
+        return _collective_matmul(module, name, collective_matmul.gather_matmul, x_bsd, w)
     return weight_einsum(module, name, gather_sequence(x_bsd), w)
 
 
-def row_matmul(module: nn.Module, name: str, h: jax.Array, w: jax.Array, w_names) -> jax.Array:
+def row_matmul(module: nn.Module, name: str, h: jax.Array, w: jax.Array) -> jax.Array:
     """A row-parallel matmul back onto the residual stream: `weight_einsum`, its partial sums reduced (scattered
     over the sequence with sequence parallelism), or with parallel.tp_comm_overlap the scatter as a ring."""
     if collective_matmul.active():
-        return collective_matmul.matmul_scatter(WEIGHT_EINSUMS[name], h, w, w_names, *_fp8_of(module, name))
+        return _collective_matmul(module, name, collective_matmul.matmul_scatter, h, w)
     return constrain(weight_einsum(module, name, h, w), RESIDUAL)
+
+
+def _collective_matmul(module: nn.Module, name: str, matmul, x: jax.Array, w: jax.Array) -> jax.Array:
+    """`matmul` (collective_matmul.gather_matmul or matmul_scatter) of weight `name`, with the zero-bubble hooks as
+    `weight_einsum`: given taps (the split backward's B), its backward leaves the weight gradient to `weight_grad`
+    (W), which gathers under its GEMMs as the fused backward does."""
+    module.sow(TAP_INPUTS, name, x, init_fn=lambda: None, reduce_fn=lambda _, new: new)
+    split = module.has_variable(TAP_GRADS, name)
+    y = matmul(WEIGHT_EINSUMS[name], x, w, WEIGHT_NAMES[name], *_fp8_of(module, name), not split)
+    return module.perturb(name, y, collection=TAP_GRADS)
 
 
 def fp8_state(module: nn.Module, name: str) -> jax.Array:
@@ -127,8 +141,12 @@ def weight_grad(name: str, cfg: ModelConfig, x: jax.Array, dy: jax.Array, w: jax
                 meta: jax.Array | None = None) -> jax.Array:
     """The gradient of parameter `name` (w's shape and dtype) from its matmul's input x and output gradient dy,
     computed in x's dtype (or in FP8 with model.fp8; `meta`: its delayed-scaling state) as the fused backward
-    does."""
-    if cfg.fp8 != "none":
+    does: with parallel.tp_comm_overlap (`_collective_matmul`) its gathers under the GEMMs too."""
+    fmt = None if cfg.fp8 == "none" else (cfg.fp8, cfg.fp8_margin)
+    if collective_matmul.active():
+        return collective_matmul.weight_grad(WEIGHT_EINSUMS[name], name in COLUMN_PARALLEL, x, dy, w,
+                                             WEIGHT_NAMES[name], fmt, meta)
+    if fmt is not None:
         return fp8.weight_grad(WEIGHT_EINSUMS[name], cfg.fp8, cfg.fp8_margin, x, dy, meta).astype(w.dtype)
     return jax.vjp(lambda w: jnp.einsum(WEIGHT_EINSUMS[name], x, w.astype(x.dtype)), w)[1](dy)[0]
 
@@ -304,9 +322,8 @@ class Attention(nn.Module):
         # every group on one rank, and the backward has a single partial dX to all-reduce (three separate
         # q/k/v matmuls would all-reduce three). Sequence parallel: the all-gather comes first.
         r = h // g
-        names = ("embed", "kv_heads", None, "head_dim")
-        wqkv = param(self, "wqkv", (d, g, r + 2, k), names, cfg.init_std, pdt)
-        qkv = column_matmul(self, "wqkv", x_bsd, wqkv.astype(cdt), names)
+        wqkv = param(self, "wqkv", (d, g, r + 2, k), WEIGHT_NAMES["wqkv"], cfg.init_std, pdt)
+        qkv = column_matmul(self, "wqkv", x_bsd, wqkv.astype(cdt))
         if qkv_bias:
             qkv = qkv + param(self, "bqkv", (g, r + 2, k), ("kv_heads", None, "head_dim"), 0, pdt).astype(cdt)
         b, s = qkv.shape[:2]
@@ -340,9 +357,8 @@ class Attention(nn.Module):
             o, cache = cached_attention(q, kk, v, cache, offset)
         o = constrain(o, ("batch", None, "heads", "head_dim"))
 
-        names = ("heads", "head_dim", "embed")
-        wo = param(self, "wo", (h, k, d), names, out_std, pdt)
-        y = row_matmul(self, "wo", o, wo.astype(cdt), names)  # the all-reduce (reduce-scatter with sequence parallel)
+        wo = param(self, "wo", (h, k, d), WEIGHT_NAMES["wo"], out_std, pdt)
+        y = row_matmul(self, "wo", o, wo.astype(cdt))  # the all-reduce (reduce-scatter with sequence parallel)
         if bias:
             y = y + param(self, "bo", (d,), ("embed",), 0, pdt).astype(cdt)
         return y if cache is None else (y, cache)
@@ -361,18 +377,17 @@ class MLP(nn.Module):
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         if cfg.arch == "llama":
             # gate and up fused as [d, 2, f] (one partial dX to all-reduce in the backward, as for QKV)
-            names = ("embed", None, "mlp")
-            w_gate_up = param(self, "w_gate_up", (d, 2, f), names, cfg.init_std, pdt)
-            gate_up = column_matmul(self, "w_gate_up", x_bsd, w_gate_up.astype(cdt), names)
+            w_gate_up = param(self, "w_gate_up", (d, 2, f), WEIGHT_NAMES["w_gate_up"], cfg.init_std, pdt)
+            gate_up = column_matmul(self, "w_gate_up", x_bsd, w_gate_up.astype(cdt))
             hidden = nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
         else:
-            w_in = param(self, "w_in", (d, f), ("embed", "mlp"), cfg.init_std, pdt)
+            w_in = param(self, "w_in", (d, f), WEIGHT_NAMES["w_in"], cfg.init_std, pdt)
             b_in = param(self, "b_in", (f,), ("mlp",), 0, pdt)
-            hidden = nn.gelu(column_matmul(self, "w_in", x_bsd, w_in.astype(cdt), ("embed", "mlp"))
+            hidden = nn.gelu(column_matmul(self, "w_in", x_bsd, w_in.astype(cdt))
                              + b_in.astype(cdt), approximate=True)
         hidden = constrain(hidden, ("batch", None, "mlp"))
-        w_out = param(self, "w_out", (f, d), ("mlp", "embed"), out_std, pdt)
-        y = row_matmul(self, "w_out", hidden, w_out.astype(cdt), ("mlp", "embed"))
+        w_out = param(self, "w_out", (f, d), WEIGHT_NAMES["w_out"], out_std, pdt)
+        y = row_matmul(self, "w_out", hidden, w_out.astype(cdt))
         if cfg.arch == "gpt2":
             y = y + param(self, "b_out", (d,), ("embed",), 0, pdt).astype(cdt)
         return y
