@@ -30,6 +30,10 @@ GSPMD's do in the branches: each rank's sequence block is cut into t chunks;
 Optimization barriers order the steps as in the ring, and chain the collectives: left alone, XLA's combiner made
 one all-gather of a matmul's chunks before its first GEMM and one reduce-scatter after its last. The same bytes
 and FLOPs as the ring.
+
+With model.fp8 the products are the FP8 matmul's (megajax/model/fp8.py), its operands quantized before they travel:
+the blocks a ring gathers cross 'tensor' in FP8, the partial sums in the compute dtype. With the zero_bubble
+schedule the backward is split: B's VJP leaves the weight gradients out and W (`weight_grad`) gathers for them.
 """
 
 from __future__ import annotations
@@ -285,8 +289,8 @@ def _grad_dtypes(dy, wq, state):
 
 
 def _mul(spec: str, a: jax.Array, b: jax.Array, inv: tuple, dtype) -> jax.Array:
-    """einsum(spec, a, b) as `dtype` (None: einsum's): of the compute-dtype operands, or (inv = (1 / their scales' product,)) of FP8
-    operands, accumulated in fp32 and unscaled (`fp8.dot`)."""
+    """einsum(spec, a, b) as `dtype` (None: einsum's): of the compute-dtype operands, or (inv = (1 / their scales'
+    product,)) of FP8 operands, accumulated in fp32 and unscaled (`fp8.dot`)."""
     if not inv:
         return jnp.einsum(spec, a, b, preferred_element_type=dtype)
     return fp8.dot(spec, a, b, inv[0], dtype)

@@ -79,7 +79,7 @@ gather_sequence.defvjp(_gather_sequence_fwd, _gather_sequence_bwd)
 TAP_INPUTS, TAP_GRADS = "tap_inputs", "tap_grads"
 WEIGHT_EINSUMS = {"wqkv": "bsd,dgjk->bsgjk", "wo": "bshk,hkd->bsd", "w_gate_up": "bsd,dtf->bstf",
                   "w_in": "bsd,df->bsf", "w_out": "bsf,fd->bsd"}
-# their logical axis names; the column-parallel ones (their input the residual stream) and the row-parallel ones
+# their logical axis names, and the column-parallel ones (their input the residual stream; the rest row-parallel)
 WEIGHT_NAMES = {"wqkv": ("embed", "kv_heads", None, "head_dim"), "wo": ("heads", "head_dim", "embed"),
                 "w_gate_up": ("embed", None, "mlp"), "w_in": ("embed", "mlp"), "w_out": ("mlp", "embed")}
 COLUMN_PARALLEL = frozenset({"wqkv", "w_gate_up", "w_in"})
