@@ -92,11 +92,13 @@ def test_overlapped_gradient_reduction_matches_one_device(case):
 # overlap_param_gather gathers the matmul weights in the compute dtype (Megatron gathers its bf16 parameters): in bf16
 # the step is the one that gathers fp32 weights and casts them where the model reads them, without a pipeline (one
 # micro batch: the gathering backward is the reducing one) and inside the schedule's ticks (d2 x p4: idle ticks and
-# rank 0's first forwards).
+# rank 0's first forwards; -m slow, suite time: the overlapped reduction's cases gather on a pipeline by default).
 @pytest.mark.parametrize("sets", [
-    {"parallel.data": 2, "parallel.tensor": 2, "parallel.sequence_parallel": True, "train.micro_batch_size": 4},
-    {"model.num_layers": 8, "parallel.data": 2, "parallel.pipeline": 4, "train.micro_batch_size": 1},
-], ids=["d2t2sp-m1", "d2p4-m4"])
+    pytest.param({"parallel.data": 2, "parallel.tensor": 2, "parallel.sequence_parallel": True,
+                  "train.micro_batch_size": 4}, id="d2t2sp-m1"),
+    pytest.param({"model.num_layers": 8, "parallel.data": 2, "parallel.pipeline": 4, "train.micro_batch_size": 1},
+                 id="d2p4-m4", marks=pytest.mark.slow),
+])
 def test_weights_gathered_in_bf16_train_as_gathered_in_fp32(sets, monkeypatch):
     import jax
 
@@ -244,8 +246,9 @@ TP_CASES = {
 }
 
 
-# suite time: the rest with -m slow (the layout matrix runs the ring on its sequence-parallel layouts by default)
-@pytest.mark.parametrize("case", [c if c in ("llama-d2t4-full", "llama-d2p2t2-zero_bubble") else
+# suite time: the rest with -m slow (the layout matrix runs the ring on its sequence-parallel layouts by default, t 4
+# among them)
+@pytest.mark.parametrize("case", [c if c in ("llama-d2p2t2-zero_bubble",) else
                                   pytest.param(c, marks=pytest.mark.slow) for c in TP_CASES])
 def test_tp_comm_overlap_matches_one_device(case):
     sets = {**TP_CASES[case], **TP}
