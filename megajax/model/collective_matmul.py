@@ -282,6 +282,14 @@ def _inverse(*scales):
     return () if scales[0] is None else (1.0 / functools.reduce(jnp.multiply, scales),)
 
 
+def _backward_operands(fp8_fmt, dy, wq, state):
+    """A backward's (dy as multiplied, meta's gradient, (input gradient's dtype, weight gradient's), (the input
+    gradient's unscaling, the weight gradient's))."""
+    dyq, s_dy, g_meta = _quantized_grad(fp8_fmt, dy, state)
+    invs = (_inverse(s_dy, state[1]), _inverse(state[0], s_dy)) if state else ((), ())
+    return dyq, g_meta, _grad_dtypes(dy, wq, state), invs
+
+
 def _grad_dtypes(dy, wq, state):
     """(the input gradient's dtype, the weight gradient's): einsum's (None) and w's, or with FP8 (weights taken in
     the compute dtype) dy's both, as `fp8.einsum`'s."""
@@ -332,9 +340,7 @@ def _gather_matmul_fwd(spec, x, w, w_names, fp8_fmt, meta, weights):
 def _gather_matmul_bwd(spec, w_names, fp8_fmt, weights, res, dy):
     xq, wq, state = res
     xl, wl, ol, split = _letters(spec, w_names)
-    dyq, s_dy, g_meta = _quantized_grad(fp8_fmt, dy, state)
-    x_dtype, w_dtype = _grad_dtypes(dy, wq, state)
-    inv_w, inv_x = (_inverse(state[0], s_dy), _inverse(s_dy, state[1])) if state else ((), ())
+    dyq, g_meta, (x_dtype, w_dtype), (inv_x, inv_w) = _backward_operands(fp8_fmt, dy, wq, state)
 
     def run(x, w, dy, *invs):
         inv_w, inv_x = invs[:len(invs) // 2], invs[len(invs) // 2:]
@@ -378,9 +384,7 @@ def _matmul_scatter_fwd(spec, h, w, w_names, fp8_fmt, meta, weights):
 def _matmul_scatter_bwd(spec, w_names, fp8_fmt, weights, res, dy):
     hq, wq, state = res
     hl, wl, ol, split = _letters(spec, w_names)
-    dyq, s_dy, g_meta = _quantized_grad(fp8_fmt, dy, state)
-    h_dtype, w_dtype = _grad_dtypes(dy, wq, state)
-    inv_h, inv_w = (_inverse(s_dy, state[1]), _inverse(state[0], s_dy)) if state else ((), ())
+    dyq, g_meta, (h_dtype, w_dtype), (inv_h, inv_w) = _backward_operands(fp8_fmt, dy, wq, state)
 
     def run(h, w, dy, *invs):
         inv_h, inv_w = invs[:len(invs) // 2], invs[len(invs) // 2:]
