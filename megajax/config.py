@@ -185,6 +185,12 @@ class ParallelConfig:
     pipeline: int = 1  # pipeline stages
     tensor: int = 1  # tensor-parallel size (Megatron's column/row-parallel layers)
     expert: int = 1  # expert-parallel size; divides data
+    # The experts' tensor-parallel size (Megatron's --expert-tensor-parallel-size): null = parallel.tensor, each
+    # expert's width split over 'tensor' as the dense MLP's. 1 = every expert whole on one device, the experts
+    # spread over 'expert' x 'tensor' (Megatron's MoE parallel folding): each tensor rank routes its own sequence
+    # shard and one all-to-all over 'expert' x 'tensor' sends the rows (megajax/model/moe.py). Needs
+    # sequence_parallel and a model.moe_capacity_factor.
+    expert_tensor: int | None = None
     context: int = 1  # context-parallel size: every sequence split over this many ranks, attention by a ring
     # How attention's keys and values cross the context ranks (Megatron's --cp-comm-type): ring = ppermute one hop
     # per step under the previous block's compute (p2p); all_gather = every rank's at once, the gradients
@@ -229,6 +235,12 @@ class ParallelConfig:
             not self.sequence_parallel or self.tensor > 1,
             "parallel.sequence_parallel=true needs parallel.tensor > 1 (it shards over the tensor axis)",
         )
+        _check(self.expert_tensor in (None, 1, self.tensor),
+               f"parallel.expert_tensor={self.expert_tensor} must be null (= parallel.tensor), 1 (whole experts, "
+               f"spread over parallel.expert x parallel.tensor ranks) or parallel.tensor={self.tensor}")
+        _check(not self.folded_experts or self.sequence_parallel,
+               "parallel.expert_tensor=1 routes each tensor rank's sequence shard: set "
+               "parallel.sequence_parallel=true (or parallel.expert_tensor=null)")
         if self.data is not None and self.data % self.expert:
             raise ConfigError(
                 f"parallel.expert={self.expert} must divide parallel.data={self.data} (expert parallelism splits "
@@ -256,6 +268,12 @@ class ParallelConfig:
             self.virtual_stages == 1 or self.schedule in ("interleaved", "zero_bubble"),
             f"parallel.virtual_stages={self.virtual_stages} needs parallel.schedule=interleaved (or zero_bubble)",
         )
+
+
+    @property
+    def folded_experts(self) -> bool:
+        """Whole experts spread over 'expert' x 'tensor' (parallel.expert_tensor=1 with parallel.tensor > 1)."""
+        return self.expert_tensor == 1 and self.tensor > 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -431,6 +449,17 @@ class Config:
                 f"model.num_experts={m.num_experts} is not divisible by parallel.expert={p.expert}: choose "
                 f"parallel.expert from {_divisors(m.num_experts)}",
             )
+        if p.folded_experts:
+            _check(m.num_experts > 0, "parallel.expert_tensor=1 spreads the experts over the tensor ranks: it needs "
+                   "an MoE model (model.num_experts), or set parallel.expert_tensor=null")
+            ranks = p.expert * p.tensor
+            _check(m.num_experts % ranks == 0,
+                   f"model.num_experts={m.num_experts} is not divisible by parallel.expert x parallel.tensor = "
+                   f"{ranks}, the ranks parallel.expert_tensor=1 spreads whole experts over: change the experts or "
+                   "the layout, or set parallel.expert_tensor=null")
+            _check(m.moe_capacity_factor is not None,
+                   "parallel.expert_tensor=1 exchanges capacity buffers (dropless routing with whole experts is not "
+                   "built): set model.moe_capacity_factor (e.g. 1.25), or parallel.expert_tensor=null")
         _check(not self.data.reset_attention_mask or m.attention_impl != "cudnn",
                "data.reset_attention_mask needs segment masks, which model.attention_impl=cudnn does not take here: "
                "use model.attention_impl=pallas or xla")

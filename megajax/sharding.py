@@ -44,6 +44,7 @@ PARAM_RULES: dict[str, Axis] = {
     "chunk": None,  # the staged pipeline layout [chunk, stage, layers, ...] (megajax.pipeline.layout)
     "stage": "pipeline",
 }
+FOLDED = ("expert", "tensor")  # the experts' ranks with parallel.expert_tensor=1 (Megatron's MoE parallel folding)
 
 
 def activation_rules(sequence_parallel: bool) -> dict[str, Axis]:
@@ -56,6 +57,7 @@ def activation_rules(sequence_parallel: bool) -> dict[str, Axis]:
         "head_dim": None,
         "mlp": "tensor",
         "vocab": "tensor",
+        "expert": FOLDED,  # the folded experts' buffers (parallel.expert_tensor=1): one expert rank per device
     }
 
 
@@ -122,8 +124,10 @@ def spec_for(names: Sequence[str | None], rules: dict[str, Axis]) -> P:
     return P(*out)
 
 
-def param_spec(names: Sequence[str | None]) -> P:
-    return spec_for(names, PARAM_RULES)
+def param_spec(names: Sequence[str | None], folded_experts: bool = False) -> P:
+    """A parameter's PartitionSpec. With folded_experts (parallel.expert_tensor=1) the experts are spread over
+    'expert' x 'tensor' and each one stays whole (its 'mlp' dim falls back to None: 'tensor' is taken)."""
+    return spec_for(names, {**PARAM_RULES, "expert": FOLDED} if folded_experts else PARAM_RULES)
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
@@ -184,6 +188,19 @@ def vary(tree, axes: Sequence[str] | None = None):
         return jax.lax.pcast(x, need, to="varying") if need else x
 
     return jax.tree.map(one, tree)
+
+
+def tensor_manual(fn, args, in_specs, out_spec):
+    """fn(*args) with 'tensor' manual (a shard_map nested in the train step's region), without jax's varying-axes
+    checks inside: under the train step's manual 'data', they add input-free equations (pvary of literals) that a
+    layer scan's linearization moves out of the region as residual inputs, to which jax 0.10.2 gives a sharding
+    XLA rejects ("manual axis tensor after free axis data"). The results vary over every outer manual axis the
+    arguments vary over, as checked ones would. jax 0.10.2 cannot differentiate such a region: its callers give
+    it a custom VJP."""
+    mesh = jax.sharding.get_abstract_mesh()
+    out = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec, axis_names={"tensor"},
+                        check_vma=False)(*args)
+    return vary(out, sorted(set().union(*map(varying_axes, args))))
 
 
 def psum(x, axis: Axis):

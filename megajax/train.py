@@ -107,7 +107,7 @@ class StepSetup:
 
 def _layout_spec(cfg: Config, names: tuple) -> P:
     """The parameter's PartitionSpec as the model computes with it (staged layer layout under a pipeline)."""
-    return sharding.param_spec(layout.layout_names(names, cfg.parallel.pipeline > 1))
+    return sharding.param_spec(layout.layout_names(names, cfg.parallel.pipeline > 1), cfg.parallel.folded_experts)
 
 
 def _gathered(cfg: Config, params, zero_dims):
@@ -237,7 +237,7 @@ def load_initial_params(setup: StepSetup, directory: str):
     checkpoint.check_same_model(source.config.model, cfg.model, directory)
     canonical = model.abstract_params(cfg.model)
     target = jax.tree.map(lambda names, a: jax.ShapeDtypeStruct(
-        a.shape, a.dtype, sharding=NamedSharding(mesh, sharding.param_spec(names))),
+        a.shape, a.dtype, sharding=NamedSharding(mesh, sharding.param_spec(names, cfg.parallel.folded_experts))),
         setup.logical, canonical, is_leaf=lambda x: isinstance(x, tuple))
     params = checkpoint.load_params(source, target)
     if cfg.parallel.pipeline > 1:
@@ -374,10 +374,11 @@ def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
 @contextlib.contextmanager
 def _model_context(cfg: Config):
     """What the model reads while a step is traced: the activation sharding rules, the context-parallel exchange
-    and the tensor-parallel collective matmuls (parallel.tp_comm_overlap: rings, or chunks in a pipeline's
-    branches)."""
+    the tensor-parallel collective matmuls (parallel.tp_comm_overlap: rings, or chunks in a pipeline's branches)
+    and the folded experts (parallel.expert_tensor=1)."""
     with (sharding.activation_sharding(cfg.parallel.sequence_parallel), context.exchange(cfg.parallel.context_comm),
-          collective_matmul.enable(cfg.parallel.tp_comm_overlap, ring=cfg.parallel.pipeline == 1)):
+          collective_matmul.enable(cfg.parallel.tp_comm_overlap, ring=cfg.parallel.pipeline == 1),
+          moe.fold_experts(cfg.parallel.folded_experts)):
         yield
 
 

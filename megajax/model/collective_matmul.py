@@ -47,6 +47,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from megajax import sharding
+from megajax.sharding import tensor_manual
 from megajax.model import fp8
 
 # None: off; "ring" or "chunks": the decomposition the matmuls use
@@ -90,17 +91,6 @@ def _subscripts(spec: str) -> tuple[str, str, str]:
 
 def _spec(letters: str, split: set[str]) -> P:
     return P(*["tensor" if c in split else None for c in letters])
-
-
-def _manual(fn, args, in_specs, out_spec):
-    """fn(*args) with 'tensor' manual, without jax's varying-axes checks inside: under the train step's manual
-    'data', they add input-free equations (pvary of literals) that a layer scan's linearization moves out of the
-    region as residual inputs, to which jax 0.10.2 gives a sharding XLA rejects ("manual axis tensor after free
-    axis data"). The results vary over every outer manual axis the arguments vary over, as checked ones would."""
-    mesh = jax.sharding.get_abstract_mesh()
-    out = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec, axis_names={"tensor"},
-                        check_vma=False)(*args)
-    return sharding.vary(out, sorted(set().union(*map(sharding.varying_axes, args))))
 
 
 def _seq_spec(ndim: int) -> P:
@@ -333,7 +323,7 @@ def _gather_matmul_fwd(spec, x, w, w_names, fp8_fmt, meta, weights):
         return in_order(gather(lambda piece, j: _mul(spec, piece, w, inv, out_dtype)))
 
     out_dtype = x.dtype if state else None
-    y = _manual(run, (xq, wq, *inv), (_seq_spec(x.ndim), _spec(wl, split), *[P()] * len(inv)), _spec(ol, split))
+    y = tensor_manual(run, (xq, wq, *inv), (_seq_spec(x.ndim), _spec(wl, split), *[P()] * len(inv)), _spec(ol, split))
     return y, (xq, wq, state)
 
 
@@ -351,7 +341,7 @@ def _gather_matmul_bwd(spec, w_names, fp8_fmt, weights, res, dy):
 
     invs = (*inv_w, *inv_x)
     specs = (_seq_spec(xq.ndim), _spec(wl, split))
-    dx, dw = _manual(run, (xq, wq, dyq, *invs), (*specs, _spec(ol, split), *[P()] * len(invs)), specs)
+    dx, dw = tensor_manual(run, (xq, wq, dyq, *invs), (*specs, _spec(ol, split), *[P()] * len(invs)), specs)
     return dx, dw, g_meta
 
 
@@ -377,7 +367,7 @@ def _matmul_scatter_fwd(spec, h, w, w_names, fp8_fmt, meta, weights):
         return _scattered((h, w), lambda rows, a: _mul(spec, rows(a[0]), a[1], inv, out_dtype), h.shape[1])
 
     out_dtype = h.dtype if state else None
-    y = _manual(run, (hq, wq, *inv), (_spec(hl, split), _spec(wl, split), *[P()] * len(inv)), _seq_spec(len(ol)))
+    y = tensor_manual(run, (hq, wq, *inv), (_spec(hl, split), _spec(wl, split), *[P()] * len(inv)), _seq_spec(len(ol)))
     return y, (hq, wq, state)
 
 
@@ -397,7 +387,7 @@ def _matmul_scatter_bwd(spec, w_names, fp8_fmt, weights, res, dy):
 
     invs = (*inv_h, *inv_w)
     specs = (_spec(hl, split), _spec(wl, split))
-    dh, dw = _manual(run, (hq, wq, dyq, *invs), (*specs, _seq_spec(dy.ndim), *[P()] * len(invs)), specs)
+    dh, dw = tensor_manual(run, (hq, wq, dyq, *invs), (*specs, _seq_spec(dy.ndim), *[P()] * len(invs)), specs)
     return dh, dw, g_meta
 
 
@@ -441,4 +431,4 @@ def weight_grad(spec: str, column: bool, a: jax.Array, dy: jax.Array, w: jax.Arr
         return (_gathered_input_dw if column else _gathered_grad_dw)(spec, a, dy, inv, dtype)
 
     specs = (_seq_spec(a.ndim), _spec(ol, split)) if column else (_spec(al, split), _seq_spec(dy.ndim))
-    return _manual(run, (*ops, *inv), (*specs, *[P()] * len(inv)), _spec(wl, split))
+    return tensor_manual(run, (*ops, *inv), (*specs, *[P()] * len(inv)), _spec(wl, split))

@@ -32,14 +32,16 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from megajax.config import ModelConfig
 from megajax.kernels.grouped_matmul import grouped_matmul
 from megajax.model import fp8
 from megajax.model.layers import MLP, RESIDUAL, dtype_of, fp8_state, gather_sequence, param
-from megajax.sharding import constrain, current_manual_axes, vary, varying_axes
+from megajax.sharding import FOLDED, constrain, current_manual_axes, tensor_manual, vary, varying_axes
 
 _SEED: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("megajax_moe_seed", default=None)
+_FOLDED: contextvars.ContextVar[bool] = contextvars.ContextVar("megajax_moe_folded", default=False)
 
 
 @contextlib.contextmanager
@@ -51,6 +53,25 @@ def objective_scale(seed: jax.Array):
         yield
     finally:
         _SEED.reset(token)
+
+
+@contextlib.contextmanager
+def fold_experts(on: bool):
+    """While a step is traced: parallel.expert_tensor=1, whole experts spread over 'expert' x 'tensor'."""
+    token = _FOLDED.set(on)
+    try:
+        yield
+    finally:
+        _FOLDED.reset(token)
+
+
+def folds() -> int:
+    """The tensor ranks that route their own sequence shards and hold whole experts (parallel.expert_tensor=1):
+    the size of 'tensor' where folding is on and 'tensor' is left to GSPMD, else 1."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not _FOLDED.get() or mesh.empty or "tensor" in current_manual_axes():
+        return 1
+    return mesh.shape["tensor"]
 
 
 @jax.custom_vjp
@@ -223,6 +244,59 @@ def exchange_capacity(buf_ecd: jax.Array, ep: int, experts) -> jax.Array:
     return _all_to_all(out).reshape(e, c, -1)
 
 
+def to_buffers(rows_ad: jax.Array, ids_tk: jax.Array, sizes_e: jax.Array, c: int):
+    """dispatch's rows [a, d] -> (capacity buffers [e, c, d], each row's expert, slot and whether it was kept):
+    an expert takes its first c rows in dispatch's order, the rest are dropped."""
+    e = sizes_e.shape[0]
+    expert = jnp.sort(ids_tk.reshape(-1))
+    pos = jnp.arange(rows_ad.shape[0]) - (jnp.cumsum(sizes_e) - sizes_e)[expert]
+    keep = pos < c
+    slot = jnp.where(keep, pos, c)  # out of range: dropped by the scatter
+    buf = jnp.zeros((e, c, rows_ad.shape[1]), rows_ad.dtype).at[expert, slot].set(rows_ad, mode="drop")
+    return buf, (expert, slot, keep)
+
+
+def from_buffers(buf_ecd: jax.Array, placed) -> jax.Array:
+    """The experts' outputs [e, c, d'] back to to_buffers' rows [a, d'] (a dropped row gets zeros)."""
+    expert, slot, keep = placed
+    return buf_ecd[expert, jnp.minimum(slot, buf_ecd.shape[1] - 1)] * keep[:, None].astype(buf_ecd.dtype)
+
+
+def _folded_all_to_all_fn(x: jax.Array) -> jax.Array:
+    axes = tuple(a for a in FOLDED if a == "tensor" or a in current_manual_axes())
+
+    def run(block):
+        return jax.lax.all_to_all(block, axes, 1, 1, tiled=True)
+
+    spec = P("tensor", *[None] * (x.ndim - 1))
+    return tensor_manual(run, (x,), (spec,), spec)
+
+
+@jax.custom_vjp
+def folded_all_to_all(x: jax.Array) -> jax.Array:
+    """x [t, n, ...] with dim 0 on 'tensor' (one block per tensor rank) and n = 'expert' x 'tensor' ranks: block j
+    of dim 1 goes to folded rank j (expert rank major); dim 1 of the result is the rank each block came from. Its
+    own transpose (jax 0.10.2 cannot differentiate the nested shard_map, hence the custom VJP)."""
+    return _folded_all_to_all_fn(x)
+
+
+folded_all_to_all.defvjp(lambda x: (_folded_all_to_all_fn(x), None), lambda _, ct: (_folded_all_to_all_fn(ct),))
+
+
+def exchange_folded(buf_gecd: jax.Array, ep: int, experts) -> jax.Array:
+    """Capacity buffers [t, e, c, d] of the t tensor ranks' sequence shards -> the experts' outputs [t, e, c, d'],
+    with whole experts spread over ep x t ranks (parallel.expert_tensor=1): each rank sends every folded rank the
+    buffers of its e / (ep t) experts (one all-to-all over 'expert' x 'tensor'), runs its experts on
+    [e / (ep t), ep t c, d] and sends the outputs back."""
+    t, e, c, d = buf_gecd.shape
+    n = ep * t
+    el = e // n
+    recv = folded_all_to_all(buf_gecd.reshape(t, n, el, c, d))  # [holding rank, source rank, local expert, c, d]
+    out = experts(recv.transpose(0, 2, 1, 3, 4).reshape(t * el, n * c, d))
+    out = out.reshape(t, el, n, c, -1).transpose(0, 2, 1, 3, 4)
+    return folded_all_to_all(out).reshape(t, e, c, -1)
+
+
 def dropless_bound(tokens: int, k: int, e: int, ep: int) -> int:
     """Rows one rank sends each expert rank dropless: the most it can get, a token picking k distinct experts
     of which e / ep live there (min(k, e / ep) rows a token)."""
@@ -267,11 +341,18 @@ class MoE(nn.Module):
         d, f, e, k = cfg.hidden_size, cfg.moe_ffn_size, cfg.num_experts, cfg.experts_per_token
         pdt, cdt = dtype_of(cfg.param_dtype), dtype_of(cfg.compute_dtype)
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        x = gather_sequence(x_bsd)
+        # With folded experts each tensor rank routes its own sequence shard (group r: rank r's tokens), else the
+        # sequence is gathered and every tensor rank routes all of it (one group).
+        g = folds()
+        x = x_bsd if g > 1 else gather_sequence(x_bsd)
         b, s, _ = x.shape
-        x_td = x.reshape(b * s, d)
+
+        def groups(a):  # [b, s, ...] -> [g, b s / g, ...]
+            return a.reshape(b, g, s // g, *a.shape[2:]).swapaxes(0, 1).reshape(g, b * s // g, *a.shape[2:])
+
+        x_gtd = constrain(groups(x), ("seq", None, "embed")) if g > 1 else groups(x)
         w_router = param(self, "router", (d, e), ("embed", None), cfg.init_std, pdt)
-        logits = jnp.einsum("td,de->te", x_td.astype(jnp.float32), w_router.astype(jnp.float32))
+        logits = jnp.einsum("gtd,de->gte", x_gtd.astype(jnp.float32), w_router.astype(jnp.float32)).reshape(-1, e)
         bias = (param(self, ROUTER_BIAS, (e,), (None,), 0, jnp.float32)
                 if cfg.moe_router_bias_update_rate else None)
         weights, ids, probs = route(logits, k, bias, renormalize=not cfg.moe_router_pre_softmax)
@@ -279,6 +360,7 @@ class MoE(nn.Module):
         # The expert weights: [e, ...], or inside the train step with expert parallelism this rank's e / ep.
         ep = expert_parallel_size()
         el = e // ep
+        lead = "expert" if g > 1 else None  # the folded experts' buffers: each on its own rank's
         if cfg.arch == "llama":
             # gate and up interleaved as [..., f, 2]: with f split over 'tensor' each rank holds its own gate and
             # up columns, so the fused matmul's output splits into the two locally
@@ -319,32 +401,44 @@ class MoE(nn.Module):
                 bias = lambda b_ef: b_ef[expert_of]  # noqa: E731
             # The routed rows stay whole on every tensor rank and the expert width is split over 'tensor', as in
             # the dense MLP: the second matmul's partial sums are its one all-reduce (no permutes of rows).
-            xs = constrain(xs, (None,) * (xs.ndim - 1) + ("embed",))
+            # With folded experts each rank holds whole experts and their rows (lead), the width not split.
+            xs = constrain(xs, (lead,) + (None,) * (xs.ndim - 2) + ("embed",))
             if cfg.arch == "llama":
                 gate_up = matmul(xs, w_gate_up.reshape(el, d, 2 * f).astype(cdt), "w_gate_up").reshape(
                     *xs.shape[:-1], f, 2)
                 hidden = nn.silu(gate_up[..., 0]) * gate_up[..., 1]
             else:
                 hidden = nn.gelu(matmul(xs, w_in.astype(cdt), "w_in") + bias(b_in.astype(cdt)), approximate=True)
-            hidden = constrain(hidden, (None,) * (hidden.ndim - 1) + ("mlp",))
+            hidden = constrain(hidden, (lead,) + (None,) * (hidden.ndim - 2) + ("mlp",))
             return matmul(hidden, w_out.astype(cdt), "w_out")
 
         by_weight = cfg.moe_capacity_factor is not None and cfg.moe_token_drop_policy == "probs"
-        rows, sizes, order = dispatch(x_td, ids, e, weights if by_weight else None)
-        if cfg.moe_capacity_factor is None:  # dropless: each expert's rows, as many as were routed to it
-            out = experts(rows, sizes) if ep == 1 else exchange_dropless(rows, sizes, k, ep, experts)
-            dropped = jnp.float32(0)
-        else:  # a capacity: [e, c, ...] buffers, the rows past c of an expert (in dispatch's order) dropped
-            c = capacity(b * s, k, e, cfg.moe_capacity_factor)
-            expert = jnp.sort(ids.reshape(-1))
-            pos = jnp.arange(rows.shape[0]) - (jnp.cumsum(sizes) - sizes)[expert]
-            keep = pos < c
-            slot = jnp.where(keep, pos, c)  # out of range: dropped by the scatter
-            buf = jnp.zeros((e, c, d), rows.dtype).at[expert, slot].set(rows, mode="drop")
-            buf = experts(buf) if ep == 1 else exchange_capacity(buf, ep, experts)
-            out = buf[expert, jnp.minimum(slot, c - 1)] * keep[:, None].astype(buf.dtype)
-            dropped = jnp.sum(~keep).astype(jnp.float32)
-        y = combine(out, order, weights)
+        ids_g, weights_g = ids.reshape(g, -1, k), weights.reshape(g, -1, k)
+        if g > 1:  # folded: each rank's capacity buffers over 'expert' x 'tensor' to whole experts
+            c = capacity(b * s // g, k, e, cfg.moe_capacity_factor)
+
+            def place(x_td, ids_tk, weights_tk):
+                rows, sizes, order = dispatch(x_td, ids_tk, e, weights_tk if by_weight else None)
+                return *to_buffers(rows, ids_tk, sizes, c), sizes, order
+
+            buf, placed, sizes, order = jax.vmap(place)(x_gtd, ids_g, weights_g)
+            buf = exchange_folded(buf, ep, experts)
+            y = jax.vmap(lambda bf, pl, o, w: combine(from_buffers(bf, pl), o, w))(buf, placed, order, weights_g)
+            y = y.reshape(g, b, s // g, d).swapaxes(0, 1).reshape(b, s, d)  # group r back to sequence shard r
+            sizes = jnp.sum(sizes, axis=0)
+            dropped = jnp.sum(~placed[2]).astype(jnp.float32)
+        else:
+            x_td, ids, weights = x_gtd[0], ids_g[0], weights_g[0]
+            rows, sizes, order = dispatch(x_td, ids, e, weights if by_weight else None)
+            if cfg.moe_capacity_factor is None:  # dropless: each expert's rows, as many as were routed to it
+                out = experts(rows, sizes) if ep == 1 else exchange_dropless(rows, sizes, k, ep, experts)
+                dropped = jnp.float32(0)
+            else:  # a capacity: [e, c, ...] buffers, the rows past c of an expert (in dispatch's order) dropped
+                buf, placed = to_buffers(rows, ids, sizes, capacity(b * s, k, e, cfg.moe_capacity_factor))
+                buf = experts(buf) if ep == 1 else exchange_capacity(buf, ep, experts)
+                out = from_buffers(buf, placed)
+                dropped = jnp.sum(~placed[2]).astype(jnp.float32)
+            y = combine(out, order, weights)
         if cfg.arch == "gpt2":
             y = y + param(self, "b_out", (d,), ("embed",), 0, pdt).astype(cdt)
         y = constrain(y.reshape(b, s, d), RESIDUAL)
