@@ -59,12 +59,25 @@ def experts(d: int) -> list[int]:
     return [0] + [e for e in range(1, d + 1) if d % e == 0 and MOE["model.num_experts"] % e == 0]
 
 
-def case(arch, d, p, t, sp, zero, schedule, v, ep=0, ring=False, overlap=0) -> dict:
+def folds(ep: int, t: int, sp: bool) -> tuple[bool, ...]:
+    """parallel.expert_tensor=1 (whole experts over 'expert' x 'tensor') off, and on where it applies: an MoE model
+    with sequence parallelism whose experts divide over ep x t ranks."""
+    return (False, True) if ep and sp and MOE["model.num_experts"] % (ep * t) == 0 else (False,)
+
+
+# Folded experts exchange capacity buffers: a factor of experts / k gives every expert room for every token
+# (no drops), so the layout still equals the dropless reference.
+FOLD = {"parallel.expert_tensor": 1,
+        "model.moe_capacity_factor": MOE["model.num_experts"] / MOE["model.experts_per_token"]}
+
+
+def case(arch, d, p, t, sp, zero, schedule, v, ep=0, ring=False, overlap=0, fold=False) -> dict:
     # p micro batches through a pipeline (the fewest every schedule takes); without one, 2 or 3 per data
     # rank, so gradient accumulation runs on every layout too
     mb = BATCH // (d * p) if p > 1 else max(1, BATCH // (2 * d))
     return {"arch": arch, "moe": ep > 0, "n": d * p * t, "sets": {
-        **ARCHS[arch], **(MOE if ep else {}), "train.global_batch_size": BATCH, "train.micro_batch_size": mb,
+        **ARCHS[arch], **(MOE if ep else {}), **(FOLD if fold else {}),
+        "train.global_batch_size": BATCH, "train.micro_batch_size": mb,
         "parallel.data": d, "parallel.pipeline": p, "parallel.tensor": t, "parallel.expert": max(ep, 1),
         "parallel.sequence_parallel": sp, "parallel.distributed_optimizer": zero, "parallel.tp_comm_overlap": ring,
         "parallel.overlap_grad_reduce": overlap > 0, "parallel.overlap_param_gather": overlap == 2,
@@ -86,15 +99,15 @@ def space() -> list[dict]:
         for arch, sp, zero, (schedule, v), ep in itertools.product(
                 ARCHS, (False, True) if t > 1 else (False,), (False, True) if d > 1 else (False,), schedules(p),
                 experts(d)):
-            for ring, overlap in itertools.product((False, True) if sp else (False,),
-                                                   overlaps(d, p, schedule, zero)):
-                out.append(case(arch, d, p, t, sp, zero, schedule, v, ep, ring, overlap))
+            for ring, overlap, fold in itertools.product((False, True) if sp else (False,),
+                                                         overlaps(d, p, schedule, zero), folds(ep, t, sp)):
+                out.append(case(arch, d, p, t, sp, zero, schedule, v, ep, ring, overlap, fold))
     return out
 
 
 # The default run's MoE layouts, (d, p, t) -> expert-parallel size: without expert parallelism on a pipeline;
 # experts over all data ranks (alone, with tensor, with a GPipe pipeline, sequence parallelism and the distributed
-# optimizer) and over some of them (d 4, e 2, with an interleaved pipeline).
+# optimizer; there folded over 'expert' x 'tensor') and over some of them (d 4, e 2, with an interleaved pipeline).
 DEFAULT_MOE = {(1, 2, 1): 1, (2, 1, 2): 2, (2, 2, 2): 2, (4, 2, 1): 2, (8, 1, 1): 8}
 
 
@@ -110,7 +123,8 @@ def default_cases() -> list[dict]:
         levels = overlaps(d, p, schedule, zero)
         ring = sp and i % 2 == 0
         out.append(case(("gpt2", "llama")[i % 2], d, p, t, sp, zero, schedule, v, ep, ring=ring,
-                        overlap=0 if i % 3 == 2 or len(levels) == 1 else levels[1 + (i // 7) % (len(levels) - 1)]))
+                        overlap=0 if i % 3 == 2 or len(levels) == 1 else levels[1 + (i // 7) % (len(levels) - 1)],
+                        fold=folds(ep, t, sp)[-1]))
     return out
 
 
@@ -124,6 +138,7 @@ def name(c: dict) -> str:
             f"{'-ring' if s['parallel.tp_comm_overlap'] else ''}"
             f"{'-overlap' if s['parallel.overlap_grad_reduce'] else ''}"
             f"{'-gather' if s['parallel.overlap_param_gather'] else ''}"
+            f"{'-fold' if s.get('parallel.expert_tensor') == 1 else ''}"
             + (f"-{s['parallel.schedule']}v{s['parallel.virtual_stages']}" if p > 1 else ""))
 
 
@@ -167,6 +182,7 @@ def test_the_space_is_accepted():
         assert {s[key] for s in moe if ep(s) > 1} == {False, True}, f"expert parallelism with {key} on and off"
     assert {s["parallel.pipeline"] > 1 for s in moe if ep(s) > 1} == {False, True}
     assert {s["parallel.data"] == ep(s) for s in moe} >= {True}
+    assert any(s.get("parallel.expert_tensor") == 1 and s["parallel.pipeline"] > 1 for s in moe), "folded experts"
 
 
 @functools.lru_cache(maxsize=None)

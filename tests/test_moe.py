@@ -16,6 +16,10 @@ from conftest import run_steps, small_config
 
 MOE = {"model.num_experts": 4, "model.experts_per_token": 2, "model.moe_ffn_hidden_size": 96,
        "model.moe_aux_loss_coef": 0.01, "model.moe_z_loss_coef": 0.001, "train.micro_batch_size": 2}
+# parallel.expert_tensor=1 on d2 e2 x t2 (sequence parallel): a capacity of experts / k drops nothing (equals
+# dropless routing on one device)
+FOLD = {"parallel.data": 2, "parallel.expert": 2, "parallel.tensor": 2, "parallel.sequence_parallel": True,
+        "parallel.expert_tensor": 1, "model.moe_capacity_factor": 2.0}
 
 
 def _layer(arch, shared, capacity_factor=None, policy="probs", qwen=False):
@@ -123,10 +127,53 @@ def test_auxiliary_losses_join_the_gradient_at_the_objective_scale():
     ({"model.num_experts": 4, "parallel.data": 2, "parallel.expert": 4}, "choose parallel.expert from"),
     ({"model.num_experts": 6, "parallel.data": 4, "parallel.expert": 4}, "not divisible by parallel.expert"),
     ({"parallel.data": 2, "parallel.expert": 2}, "needs an MoE model"),
+    ({"model.num_experts": 4, "model.moe_capacity_factor": 1.0, "parallel.tensor": 2, "parallel.expert_tensor": 1},
+     "set parallel.sequence_parallel=true"),
+    ({"model.num_experts": 4, "parallel.tensor": 2, "parallel.expert_tensor": 3}, "must be null"),
+    ({**FOLD, "model.num_experts": 6, "parallel.data": 2, "parallel.expert": 2}, "not divisible by parallel.expert x"),
+    ({**FOLD, "model.num_experts": 4, "model.moe_capacity_factor": None}, "set model.moe_capacity_factor"),
+    ({**FOLD, "parallel.expert": 1, "model.num_experts": 0}, "spreads the experts over the tensor ranks"),
 ])
 def test_bad_moe_configs_name_the_fix(sets, fix):
     with pytest.raises(config_lib.ConfigError, match=fix):
         small_config(**sets)
+
+
+def test_folded_experts_route_and_drop_per_sequence_shard():
+    """parallel.expert_tensor=1: each tensor rank routes its own sequence shard, so with a capacity every shard
+    drops on its own tokens (Megatron's per-rank dropping). On t 2 with sequence parallelism (GSPMD, experts
+    whole on each rank, exchanged over 'tensor') the layer equals one device's layer run on each half of the
+    sequence, and its statistics count both halves' assignments and drops."""
+    import jax
+    import jax.numpy as jnp
+
+    from megajax import sharding
+    from megajax.config import ParallelConfig
+    from megajax.model import moe
+
+    cfg, layer, p, x = _layer("llama", 0, 0.5)
+    halves = [layer.apply({"params": p}, x[:, h * 4:(h + 1) * 4]) for h in range(2)]
+
+    def stats_of(q, x):
+        return jax.grad(lambda q: jnp.sum(layer.apply({"params": q}, x) ** 2))(q)[moe.STATS]
+
+    mesh = sharding.make_mesh(ParallelConfig(data=1, tensor=2, sequence_parallel=True), jax.devices()[:2])
+    specs = {k: sharding.param_spec(n, folded_experts=True) for k, n in {
+        "router": ("embed", None), "w_gate_up": ("expert", "embed", "mlp", None),
+        "w_out": ("expert", "mlp", "embed"), moe.STATS: (None,)}.items()}
+    assert specs["w_gate_up"] == jax.sharding.PartitionSpec(("expert", "tensor"), None, None, None)
+    q = {k: jax.device_put(v, jax.sharding.NamedSharding(mesh, specs[k])) for k, v in p.items()}
+    with jax.set_mesh(mesh), sharding.activation_sharding(True), moe.fold_experts(True):
+        assert moe.folds() == 2
+        got = jax.jit(lambda q, x: layer.apply({"params": q}, x))(q, x)
+        stats = jax.jit(stats_of)(q, x)
+    np.testing.assert_allclose(got, np.concatenate(halves, axis=1), rtol=1e-5, atol=1e-6)
+    want = sum(np.asarray(stats_of(p, x[:, h * 4:(h + 1) * 4])) for h in range(2))
+    np.testing.assert_allclose(stats[:4], want[:4])  # assignments per expert
+    np.testing.assert_allclose(stats[-1], want[-1])  # drops
+    assert stats[-1] > 0, "the case drops something"
+    whole = stats_of(p, x)  # one device, one group: the capacity over all 16 tokens drops differently
+    assert whole[-1] != stats[-1] or not np.allclose(layer.apply({"params": p}, x), got)
 
 
 @functools.lru_cache(maxsize=None)
@@ -167,6 +214,11 @@ QWEN = {"model.moe_shared_experts": 1, "model.moe_shared_expert_gate": True, "mo
                  marks=pytest.mark.slow),
     ("llama", {"parallel.data": 4, "parallel.expert": 2, "parallel.tensor": 2, "model.moe_capacity_factor": 0.5,
                "parallel.distributed_optimizer": True}),
+    # whole experts over 'expert' x 'tensor' (parallel.expert_tensor=1), Qwen2-MoE's options; over 'tensor' alone
+    # on a zero_bubble pipeline (the layout matrix runs a folded GPipe pipeline by default)
+    pytest.param("llama", {**FOLD, **QWEN}, marks=pytest.mark.slow),
+    pytest.param("gpt2", {**FOLD, "parallel.data": 1, "parallel.expert": 1, "parallel.pipeline": 2,
+                          "parallel.schedule": "zero_bubble"}, marks=pytest.mark.slow),
 ])
 def test_moe_training_equals_one_device(arch, layout):
     n = layout.get("parallel.data", 1) * layout.get("parallel.pipeline", 1) * layout.get("parallel.tensor", 1)
@@ -182,7 +234,8 @@ def test_moe_training_equals_one_device(arch, layout):
 def test_checkpoint_moves_between_expert_parallel_sizes(tmp_path):
     """A checkpoint written with the experts over 2 of 4 data ranks (distributed optimizer: an expert's state
     sharded over its 2 'data' ranks, a dense weight's over all 4) restores exactly with the experts over all 4,
-    and onto one device without expert parallelism or the distributed optimizer."""
+    folded over 2 'expert' x 2 'tensor' ranks, and onto one device without expert parallelism or the distributed
+    optimizer."""
     import jax
 
     from megajax import checkpoint, optim, train
@@ -200,6 +253,7 @@ def test_checkpoint_moves_between_expert_parallel_sizes(tmp_path):
 
     want = unpadded(state)
     for n, layout in ((4, {"parallel.data": 4, "parallel.expert": 4, "parallel.distributed_optimizer": True}),
+                      (4, {**FOLD, "parallel.distributed_optimizer": True}),  # experts over 'expert' x 'tensor'
                       (1, {"parallel.data": 1})):
         target = train.setup_for(small_config(**sets, **layout), jax.devices()[:n])
         fields, _ = checkpoint.restore(mgr, 2, target.abstract_state, target.state_shardings, target.cfg)
