@@ -155,13 +155,15 @@ def expected_all_to_all(cfg) -> dict:
     the schedule's recomputes, averaged over the ranks).
     `routed_bytes_each`: the analytic volume, tokens x k x hidden in the compute dtype (Megatron's dropless
     all-to-all sends exactly that); `buffer_bytes_each`: megajax's fixed-size buffer, capacity_factor times that
-    with a capacity, or ep x min(k, experts / ep) / k times that dropless (moe.exchange_dropless)."""
+    with a capacity, or ep x min(k, experts / ep) / k times that dropless (moe.exchange_dropless). With folded
+    experts (parallel.expert_tensor=1) over `axes` 'expert' x 'tensor', the tokens are a tensor rank's sequence
+    shard."""
     from megajax.model import moe
 
     m, p = cfg.model, cfg.parallel
-    if not m.num_experts or p.expert == 1:
+    if not m.num_experts or (p.expert == 1 and not p.folded_experts):
         return {}
-    tokens = cfg.train.micro_batch_size * m.seq_length
+    tokens = cfg.train.micro_batch_size * m.seq_length // (p.tensor if p.folded_experts else 1)
     row = m.hidden_size * (2 if m.compute_dtype != "float32" else 4)
     k, e = m.experts_per_token, m.num_experts
     if m.moe_capacity_factor is None:
@@ -175,7 +177,8 @@ def expected_all_to_all(cfg) -> dict:
         table = ticks.plan(p.schedule, p.pipeline, p.virtual_stages, cfg.num_micro_batches)[1]
         again = float((table["r_chunk"] >= 0).sum()) / (p.pipeline * p.virtual_stages * cfg.num_micro_batches)
     return {"count": (4 + 2 * again) * (m.moe_layers // p.pipeline) * cfg.num_micro_batches,
-            "routed_bytes_each": tokens * k * row, "buffer_bytes_each": buffer}
+            "routed_bytes_each": tokens * k * row, "buffer_bytes_each": buffer,
+            "axes": [a for a, n in (("expert", p.expert), ("tensor", p.tensor if p.folded_experts else 1)) if n > 1]}
 
 
 def expected_context_exchange(cfg) -> dict:

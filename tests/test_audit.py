@@ -194,18 +194,23 @@ def test_replica_group_formats():
 @gpu
 # dropless by default
 @pytest.mark.parametrize("factor,freq", [pytest.param(1.0, 2, marks=pytest.mark.slow), (None, 1),
-                                         pytest.param(1.0, "p2", marks=pytest.mark.slow)])
+                                         pytest.param(1.0, "p2", marks=pytest.mark.slow),
+                                         pytest.param(1.0, "fold", marks=pytest.mark.slow)])
 def test_expert_parallel_all_to_alls_on_h100_target(factor, freq):
     """Per MoE layer and micro batch: dispatch + combine all-to-all over 'expert', forward and backward, each of
     audit.expected_all_to_all's buffer; with a capacity factor of 1 that is the analytic tokens x k x hidden. With
     model.moe_layer_freq 2 only layers 0 and 2 exchange, and the program's GEMMs count their experts and the
     dense layers' MLP as the FLOPs formula does. "p2": on d 2 e 2 x p 2 (1F1B, 4 micro batches) the program, its
     branches counted as the schedule runs them, exchanges as often as expected_all_to_all says: 6 a layer and
-    micro batch where a chunk is recomputed, 4 where the last chunk's forward kept its residuals."""
-    pipe = freq == "p2"
+    micro batch where a chunk is recomputed, 4 where the last chunk's forward kept its residuals. "fold": the
+    experts whole over 'expert' x 'tensor' (parallel.expert_tensor=1, sequence parallel): the exchange is over both
+    axes and carries a tensor rank's sequence shard (half the bytes), and no expert's partial sums are
+    all-reduced over 'tensor'."""
+    pipe, fold = freq == "p2", freq == "fold"
     layout = (["parallel.data=2", "parallel.expert=2", "parallel.pipeline=2", "train.global_batch_size=8"] if pipe
               else ["parallel.data=4", "parallel.expert=4"])
-    freq = 1 if pipe else freq
+    layout += ["parallel.sequence_parallel=true", "parallel.expert_tensor=1"] if fold else []
+    freq = 1 if pipe or fold else freq
     sets = [*layout, "parallel.tensor=2", "model.compute_dtype=bfloat16",
             "train.micro_batch_size=2" if not pipe else "train.micro_batch_size=1",
             f"model.moe_capacity_factor={'null' if factor is None else factor}", f"model.moe_layer_freq={freq}"]
@@ -224,7 +229,11 @@ def test_expert_parallel_all_to_alls_on_h100_target(factor, freq):
     active = metrics.step_flops(cfg.model, cfg.train.global_batch_size * cfg.model.seq_length)["hardware_flops"] / 8
     assert (gemm / active == pytest.approx(1.0, abs=0.01)) if factor else (gemm / active > 2)
     a2a = [c for c in colls if c.kind == "all-to-all"]
-    assert {c.axes for c in a2a} == {("expert",)}
+    assert {c.axes for c in a2a} == {tuple(want["axes"])} == {("expert", "tensor") if fold else ("expert",)}
+    if fold:
+        assert want["routed_bytes_each"] == 256 // 2 * 2 * 128 * 2  # tokens / t x k x hidden x bf16
+        reduced = sum(c.bytes * c.count for c in colls if c.kind == "all-reduce" and c.axes == ("tensor",))
+        assert reduced < 0.1 * sum(c.bytes * c.count for c in a2a)
     rows = [c for c in a2a if c.bytes == want["buffer_bytes_each"]]
     # 4 per MoE layer, 4 / freq MoE layers, 2 micro batches
     assert sum(c.count for c in rows) == want["count"] == 4 * 4 // freq * 2
