@@ -13,6 +13,13 @@ order), "position" the first ones in token order; a dropped assignment contribut
 other experts' outputs, weights not renormalised). Then the outputs are unsorted and combined with the routing
 weights.
 
+With expert parallelism the experts live on the 'expert' ranks and the rows are exchanged by all-to-all; each
+expert's width is split over 'tensor' like the dense MLP's, every tensor rank routing the whole gathered sequence.
+With folded experts (parallel.expert_tensor=1, `fold_experts`) every expert is whole on one of the 'expert' x
+'tensor' ranks: the tokens are routed in g groups, one per tensor rank's sequence shard (capacity and drops per
+group, as Megatron's per-rank router), and one all-to-all over both axes carries the capacity buffers
+(`exchange_folded`).
+
 The load-balancing loss (Switch / GShard: E sum_e f_e P_e, f_e the fraction of assignments to expert e, P_e
 its mean routing probability) and the router z-loss enter the gradient where they are computed, without
 threading a second loss through the layer scan and the pipeline (Megatron's MoEAuxLossAutoScaler):
