@@ -57,7 +57,7 @@ def activation_rules(sequence_parallel: bool) -> dict[str, Axis]:
         "head_dim": None,
         "mlp": "tensor",
         "vocab": "tensor",
-        "expert": FOLDED,  # the folded experts' buffers (parallel.expert_tensor=1): one expert rank per device
+        "folded_expert": FOLDED,  # the folded experts' buffers (parallel.expert_tensor=1): one expert rank a device
     }
 
 

@@ -367,7 +367,7 @@ class MoE(nn.Module):
         # The expert weights: [e, ...], or inside the train step with expert parallelism this rank's e / ep.
         ep = expert_parallel_size()
         el = e // ep
-        lead = "expert" if g > 1 else None  # the folded experts' buffers: each on its own rank's
+        lead = "folded_expert" if g > 1 else None  # folded: the rows sharded like the experts they go to
         if cfg.arch == "llama":
             # gate and up interleaved as [..., f, 2]: with f split over 'tensor' each rank holds its own gate and
             # up columns, so the fused matmul's output splits into the two locally
