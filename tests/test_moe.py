@@ -452,8 +452,9 @@ def freq_reference():
     return tuple(run_steps(small_config(**FREQ), 1, 2, grad_norms=norms)), tuple(norms)
 
 
-@pytest.mark.parametrize("layout", [
-    {"parallel.data": 2, "parallel.expert": 2, "parallel.pipeline": 2, "parallel.schedule": "1f1b"},
+@pytest.mark.parametrize("layout", [  # all slow (suite time; the decoding test runs the period by default)
+    pytest.param({"parallel.data": 2, "parallel.expert": 2, "parallel.pipeline": 2, "parallel.schedule": "1f1b"},
+                 marks=pytest.mark.slow),
     pytest.param({"parallel.pipeline": 2, "parallel.tensor": 2, "parallel.schedule": "zero_bubble",
                   "parallel.sequence_parallel": True}, marks=pytest.mark.slow),
     pytest.param({"parallel.data": 2, "parallel.expert": 2, "parallel.tensor": 2, "model.recompute": "full",

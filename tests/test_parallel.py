@@ -69,8 +69,10 @@ OVERLAP_CASES = {
                               "model.moe_ffn_hidden_size": 32, "parallel.data": 4, "parallel.expert": 2,
                               "parallel.pipeline": 2, "train.micro_batch_size": 1, **ZERO},
 }
-# (the layout matrix runs 1f1b's all-reduce and MoE on a pipeline by default)
-SLOW_OVERLAP = ("gpt2-d4-m2-selective-dropout", "gpt2-d2-m1", "gpt2-d2p2-m4", "llama-moe-d4e2p2-zero")
+# (the layout matrix runs 1f1b's all-reduce, MoE on a pipeline and the interleaved pipeline's gathered weights by
+# default; suite time: the capped, the MoE gather and the interleaved full-recompute gather cases are slow too)
+SLOW_OVERLAP = ("gpt2-d4-m2-selective-dropout", "gpt2-d2-m1", "gpt2-d2p2-m4", "llama-moe-d4e2p2-zero",
+                "gpt2-d2p4-m4-gather-capped", "llama-moe-d4e2-m1-zero-gather", "llama-d2p2t2sp-interleaved-full-gather")
 
 
 # the dropout case, the plain all-reduce at one micro batch and two pipelined cases with -m slow (suite time; the
