@@ -65,13 +65,18 @@ _ACTIVATION_RULES: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def activation_sharding(sequence_parallel: bool):
-    """Within this context `constrain` pins activations to the mesh; outside it, `constrain` is a no-op."""
-    token = _ACTIVATION_RULES.set(activation_rules(sequence_parallel))
+def setting(var: contextvars.ContextVar, value):
+    """Within this context `var` holds `value` (a trace-time setting the step's modules read), then its old one."""
+    token = var.set(value)
     try:
         yield
     finally:
-        _ACTIVATION_RULES.reset(token)
+        var.reset(token)
+
+
+def activation_sharding(sequence_parallel: bool):
+    """Within this context `constrain` pins activations to the mesh; outside it, `constrain` is a no-op."""
+    return setting(_ACTIVATION_RULES, activation_rules(sequence_parallel))
 
 
 def current_activation_rules() -> dict[str, Axis]:

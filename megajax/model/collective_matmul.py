@@ -38,7 +38,6 @@ schedule the backward is split: B's VJP leaves the weight gradients out and W (`
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
 
@@ -54,16 +53,11 @@ from megajax.model import fp8
 _ON: contextvars.ContextVar[str | None] = contextvars.ContextVar("megajax_tp_comm_overlap", default=None)
 
 
-@contextlib.contextmanager
 def enable(on: bool, ring: bool = True):
     """Within this context (and `sharding.activation_sharding` with sequence parallelism) the model's tensor-
     parallel matmuls run with their collectives decomposed: as rings, or with `ring` off (inside a pipeline's
     per-rank branches) as chunked all-gathers and reduce-scatters."""
-    token = _ON.set(("ring" if ring else "chunks") if on else None)
-    try:
-        yield
-    finally:
-        _ON.reset(token)
+    return sharding.setting(_ON, ("ring" if ring else "chunks") if on else None)
 
 
 def active() -> bool:

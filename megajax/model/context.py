@@ -28,7 +28,6 @@ keys at once instead (and reduce-scatters their gradients): the exchange that ru
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
 import functools
@@ -39,7 +38,7 @@ import jax.numpy as jnp
 
 from megajax import kernels
 from megajax.kernels.launch import match_varying
-from megajax.sharding import current_manual_axes, varying_axes, vary
+from megajax.sharding import current_manual_axes, setting, varying_axes, vary
 
 AXIS = "context"
 
@@ -54,14 +53,9 @@ def size() -> int:
 _COMM: contextvars.ContextVar[str] = contextvars.ContextVar("megajax_context_comm", default="auto")
 
 
-@contextlib.contextmanager
 def exchange(comm: str):
     """Within this context ring attention exchanges keys and values as parallel.context_comm says."""
-    token = _COMM.set(comm)
-    try:
-        yield
-    finally:
-        _COMM.reset(token)
+    return setting(_COMM, comm)
 
 
 def resolve(choice: str, pipelined: bool) -> str:

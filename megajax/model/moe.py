@@ -31,7 +31,6 @@ The seed is set around the loss function by `objective_scale` (trace-time contex
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
 import math
@@ -45,31 +44,21 @@ from megajax.config import ModelConfig
 from megajax.kernels.grouped_matmul import grouped_matmul
 from megajax.model import fp8
 from megajax.model.layers import MLP, RESIDUAL, dtype_of, fp8_state, gather_sequence, param
-from megajax.sharding import FOLDED, constrain, current_manual_axes, tensor_manual, vary, varying_axes
+from megajax.sharding import FOLDED, constrain, current_manual_axes, setting, tensor_manual, vary, varying_axes
 
 _SEED: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("megajax_moe_seed", default=None)
 _FOLDED: contextvars.ContextVar[bool] = contextvars.ContextVar("megajax_moe_folded", default=False)
 
 
-@contextlib.contextmanager
 def objective_scale(seed: jax.Array):
     """While tracing a loss function whose gradient is taken with cotangent seed (the train step's
     seed_scale), MoE layers add their auxiliary losses' gradients at that scale."""
-    token = _SEED.set(seed)
-    try:
-        yield
-    finally:
-        _SEED.reset(token)
+    return setting(_SEED, seed)
 
 
-@contextlib.contextmanager
 def fold_experts(on: bool):
     """While a step is traced: parallel.expert_tensor=1, whole experts spread over 'expert' x 'tensor'."""
-    token = _FOLDED.set(on)
-    try:
-        yield
-    finally:
-        _FOLDED.reset(token)
+    return setting(_FOLDED, on)
 
 
 def folds() -> int:
