@@ -155,9 +155,9 @@ def expected_all_to_all(cfg) -> dict:
     the schedule's recomputes, averaged over the ranks).
     `routed_bytes_each`: the analytic volume, tokens x k x hidden in the compute dtype (Megatron's dropless
     all-to-all sends exactly that); `buffer_bytes_each`: megajax's fixed-size buffer, capacity_factor times that
-    with a capacity, or ep x min(k, experts / ep) / k times that dropless (moe.exchange_dropless). With folded
-    experts (parallel.expert_tensor=1) over `axes` 'expert' x 'tensor', the tokens are a tensor rank's sequence
-    shard."""
+    with a capacity, or n x min(k, experts / n) / k times that dropless, n the ranks holding experts
+    (moe.exchange_dropless). With folded experts (parallel.expert_tensor=1) over `axes` 'expert' x 'tensor', the
+    tokens are a tensor rank's sequence shard and n = expert x tensor."""
     from megajax.model import moe
 
     m, p = cfg.model, cfg.parallel
@@ -167,7 +167,8 @@ def expected_all_to_all(cfg) -> dict:
     row = m.hidden_size * (2 if m.compute_dtype != "float32" else 4)
     k, e = m.experts_per_token, m.num_experts
     if m.moe_capacity_factor is None:
-        buffer = p.expert * moe.dropless_bound(tokens, k, e, p.expert) * row
+        ranks = p.expert * (p.tensor if p.folded_experts else 1)  # the ranks that hold experts
+        buffer = ranks * moe.dropless_bound(tokens, k, e, ranks) * row
     else:
         buffer = e * moe.capacity(tokens, k, e, m.moe_capacity_factor) * row
     again = 1.0 if m.recompute == "full" else 0.0  # the share of chunk forwards run twice

@@ -457,9 +457,6 @@ class Config:
                    f"model.num_experts={m.num_experts} is not divisible by parallel.expert x parallel.tensor = "
                    f"{ranks}, the ranks parallel.expert_tensor=1 spreads whole experts over: change the experts or "
                    "the layout, or set parallel.expert_tensor=null")
-            _check(m.moe_capacity_factor is not None,
-                   "parallel.expert_tensor=1 exchanges capacity buffers (dropless routing with whole experts is not "
-                   "built): set model.moe_capacity_factor (e.g. 1.25), or parallel.expert_tensor=null")
         _check(not self.data.reset_attention_mask or m.attention_impl != "cudnn",
                "data.reset_attention_mask needs segment masks, which model.attention_impl=cudnn does not take here: "
                "use model.attention_impl=pallas or xla")

@@ -195,7 +195,8 @@ def test_replica_group_formats():
 # dropless by default
 @pytest.mark.parametrize("factor,freq", [pytest.param(1.0, 2, marks=pytest.mark.slow), (None, 1),
                                          pytest.param(1.0, "p2", marks=pytest.mark.slow),
-                                         pytest.param(1.0, "fold", marks=pytest.mark.slow)])
+                                         pytest.param(1.0, "fold", marks=pytest.mark.slow),
+                                         pytest.param(None, "fold", marks=pytest.mark.slow)])
 def test_expert_parallel_all_to_alls_on_h100_target(factor, freq):
     """Per MoE layer and micro batch: dispatch + combine all-to-all over 'expert', forward and backward, each of
     audit.expected_all_to_all's buffer; with a capacity factor of 1 that is the analytic tokens x k x hidden. With
@@ -203,9 +204,9 @@ def test_expert_parallel_all_to_alls_on_h100_target(factor, freq):
     dense layers' MLP as the FLOPs formula does. "p2": on d 2 e 2 x p 2 (1F1B, 4 micro batches) the program, its
     branches counted as the schedule runs them, exchanges as often as expected_all_to_all says: 6 a layer and
     micro batch where a chunk is recomputed, 4 where the last chunk's forward kept its residuals. "fold": the
-    experts whole over 'expert' x 'tensor' (parallel.expert_tensor=1, sequence parallel): the exchange is over both
-    axes and carries a tensor rank's sequence shard (half the bytes), and no expert's partial sums are
-    all-reduced over 'tensor'."""
+    experts whole over 'expert' x 'tensor' (parallel.expert_tensor=1, sequence parallel; with a capacity and
+    dropless): the exchange is over both axes and carries a tensor rank's sequence shard (half the bytes), and no
+    expert's partial sums are all-reduced over 'tensor'."""
     pipe, fold = freq == "p2", freq == "fold"
     layout = (["parallel.data=2", "parallel.expert=2", "parallel.pipeline=2", "train.global_batch_size=8"] if pipe
               else ["parallel.data=4", "parallel.expert=4"])
@@ -239,8 +240,9 @@ def test_expert_parallel_all_to_alls_on_h100_target(factor, freq):
     assert sum(c.count for c in rows) == want["count"] == 4 * 4 // freq * 2
     if factor == 1.0:
         assert want["buffer_bytes_each"] == want["routed_bytes_each"] and len(rows) == len(a2a)
-    else:  # dropless: the rows' buffers are ep x min(k, e / ep) / k = 4 x 2 / 2 = 4 times the routed rows, and
-        # the group sizes go along once per layer forward (4 ranks x 2 experts x 4 bytes)
+    else:  # dropless: the rows' buffers are n x min(k, e / n) / k = 4 x 2 / 2 = 4 times the routed rows (n = 4
+        # ranks holding experts: e 4, or folded e 2 x t 2), and the group sizes go along once per layer forward (4
+        # ranks x 2 experts x 4 bytes)
         assert want["buffer_bytes_each"] == 4 * want["routed_bytes_each"]
         sizes = [c for c in a2a if c not in rows]
         assert {c.bytes for c in sizes} == {4 * 4 * 2} and sum(c.count for c in sizes) == 4 * 2

@@ -59,24 +59,25 @@ def experts(d: int) -> list[int]:
     return [0] + [e for e in range(1, d + 1) if d % e == 0 and MOE["model.num_experts"] % e == 0]
 
 
-def folds(ep: int, t: int, sp: bool) -> tuple[bool, ...]:
-    """parallel.expert_tensor=1 (whole experts over 'expert' x 'tensor') off, and on where it applies: an MoE model
-    with sequence parallelism whose experts divide over ep x t ranks."""
-    return (False, True) if ep and sp and MOE["model.num_experts"] % (ep * t) == 0 else (False,)
+def folds(ep: int, t: int, sp: bool) -> tuple[int, ...]:
+    """parallel.expert_tensor=1 (whole experts over 'expert' x 'tensor'): 0 off, and where it applies (an MoE model
+    with sequence parallelism whose experts divide over ep x t ranks) 1 dropless, 2 with capacity buffers."""
+    return (0, 1, 2) if ep and sp and MOE["model.num_experts"] % (ep * t) == 0 else (0,)
 
 
-# Folded experts exchange capacity buffers: a factor of experts / k gives every expert room for every token
-# (no drops), so the layout still equals the dropless reference.
-FOLD = {"parallel.expert_tensor": 1,
-        "model.moe_capacity_factor": MOE["model.num_experts"] / MOE["model.experts_per_token"]}
+# Folded experts, dropless or with capacity buffers: a factor of experts / k gives every expert room for every
+# token (no drops), so the layout still equals the dropless reference.
+FOLD = {1: {"parallel.expert_tensor": 1},
+        2: {"parallel.expert_tensor": 1,
+            "model.moe_capacity_factor": MOE["model.num_experts"] / MOE["model.experts_per_token"]}}
 
 
-def case(arch, d, p, t, sp, zero, schedule, v, ep=0, ring=False, overlap=0, fold=False) -> dict:
+def case(arch, d, p, t, sp, zero, schedule, v, ep=0, ring=False, overlap=0, fold=0) -> dict:
     # p micro batches through a pipeline (the fewest every schedule takes); without one, 2 or 3 per data
     # rank, so gradient accumulation runs on every layout too
     mb = BATCH // (d * p) if p > 1 else max(1, BATCH // (2 * d))
     return {"arch": arch, "moe": ep > 0, "n": d * p * t, "sets": {
-        **ARCHS[arch], **(MOE if ep else {}), **(FOLD if fold else {}),
+        **ARCHS[arch], **(MOE if ep else {}), **FOLD.get(fold, {}),
         "train.global_batch_size": BATCH, "train.micro_batch_size": mb,
         "parallel.data": d, "parallel.pipeline": p, "parallel.tensor": t, "parallel.expert": max(ep, 1),
         "parallel.sequence_parallel": sp, "parallel.distributed_optimizer": zero, "parallel.tp_comm_overlap": ring,
@@ -105,10 +106,12 @@ def space() -> list[dict]:
     return out
 
 
-# The default run's MoE layouts, (d, p, t) -> expert-parallel size: without expert parallelism on a pipeline;
+# The default run's MoE layouts, (d, p, t) -> expert-parallel size: without expert parallelism on a 1F1B pipeline
+# (suite time: MoE on zero_bubble compiled for 56 s, test_moe runs it with -m slow);
 # experts over all data ranks (alone, with tensor, with a GPipe pipeline, sequence parallelism and the distributed
-# optimizer; there folded over 'expert' x 'tensor') and over some of them (d 4, e 2, with an interleaved pipeline).
-DEFAULT_MOE = {(1, 2, 1): 1, (2, 1, 2): 2, (2, 2, 2): 2, (4, 2, 1): 2, (8, 1, 1): 8}
+# optimizer; there folded over 'expert' x 'tensor', dropless) and over some of them (d 4, e 2, with an interleaved
+# pipeline).
+DEFAULT_MOE = {(1, 6, 1): 1, (2, 1, 2): 2, (2, 2, 2): 2, (4, 2, 1): 2, (8, 1, 1): 8}
 
 
 def default_cases() -> list[dict]:
@@ -124,7 +127,7 @@ def default_cases() -> list[dict]:
         ring = sp and i % 2 == 0
         out.append(case(("gpt2", "llama")[i % 2], d, p, t, sp, zero, schedule, v, ep, ring=ring,
                         overlap=0 if i % 3 == 2 or len(levels) == 1 else levels[1 + (i // 7) % (len(levels) - 1)],
-                        fold=folds(ep, t, sp)[-1]))
+                        fold=folds(ep, t, sp)[:2][-1]))
     return out
 
 
@@ -139,6 +142,7 @@ def name(c: dict) -> str:
             f"{'-overlap' if s['parallel.overlap_grad_reduce'] else ''}"
             f"{'-gather' if s['parallel.overlap_param_gather'] else ''}"
             f"{'-fold' if s.get('parallel.expert_tensor') == 1 else ''}"
+            f"{'cap' if s.get('parallel.expert_tensor') == 1 and s.get('model.moe_capacity_factor') else ''}"
             + (f"-{s['parallel.schedule']}v{s['parallel.virtual_stages']}" if p > 1 else ""))
 
 

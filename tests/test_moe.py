@@ -16,8 +16,8 @@ from conftest import run_steps, small_config
 
 MOE = {"model.num_experts": 4, "model.experts_per_token": 2, "model.moe_ffn_hidden_size": 96,
        "model.moe_aux_loss_coef": 0.01, "model.moe_z_loss_coef": 0.001, "train.micro_batch_size": 2}
-# parallel.expert_tensor=1 on d2 e2 x t2 (sequence parallel): a capacity of experts / k drops nothing (equals
-# dropless routing on one device)
+# parallel.expert_tensor=1 on d2 e2 x t2 (sequence parallel), here with a capacity of experts / k, which drops
+# nothing (equals dropless routing on one device)
 FOLD = {"parallel.data": 2, "parallel.expert": 2, "parallel.tensor": 2, "parallel.sequence_parallel": True,
         "parallel.expert_tensor": 1, "model.moe_capacity_factor": 2.0}
 
@@ -131,7 +131,6 @@ def test_auxiliary_losses_join_the_gradient_at_the_objective_scale():
      "set parallel.sequence_parallel=true"),
     ({"model.num_experts": 4, "parallel.tensor": 2, "parallel.expert_tensor": 3}, "must be null"),
     ({**FOLD, "model.num_experts": 6, "parallel.data": 2, "parallel.expert": 2}, "not divisible by parallel.expert x"),
-    ({**FOLD, "model.num_experts": 4, "model.moe_capacity_factor": None}, "set model.moe_capacity_factor"),
     ({**FOLD, "parallel.expert": 1, "model.num_experts": 0}, "spreads the experts over the tensor ranks"),
 ])
 def test_bad_moe_configs_name_the_fix(sets, fix):
@@ -139,11 +138,14 @@ def test_bad_moe_configs_name_the_fix(sets, fix):
         small_config(**sets)
 
 
-def test_folded_experts_route_and_drop_per_sequence_shard():
+@pytest.mark.parametrize("factor,grouped", [(0.5, False), (None, False), (None, True)])
+def test_folded_experts_route_and_drop_per_sequence_shard(factor, grouped):
     """parallel.expert_tensor=1: each tensor rank routes its own sequence shard, so with a capacity every shard
     drops on its own tokens (Megatron's per-rank dropping). On t 2 with sequence parallelism (GSPMD, experts
     whole on each rank, exchanged over 'tensor') the layer equals one device's layer run on each half of the
-    sequence, and its statistics count both halves' assignments and drops."""
+    sequence, and its statistics count both halves' assignments and drops. Dropless (with jax.lax.ragged_dot or
+    the Pallas grouped GEMM, interpreted) routing is per token, so it also equals one device on the whole
+    sequence."""
     import jax
     import jax.numpy as jnp
 
@@ -151,10 +153,11 @@ def test_folded_experts_route_and_drop_per_sequence_shard():
     from megajax.config import ParallelConfig
     from megajax.model import moe
 
-    cfg, layer, p, x = _layer("llama", 0, 0.5)
+    cfg, layer, p, x = _layer("llama", 0, factor)
     halves = [layer.apply({"params": p}, x[:, h * 4:(h + 1) * 4]) for h in range(2)]
+    folded = moe.MoE(dataclasses.replace(cfg, moe_grouped_gemm=grouped))
 
-    def stats_of(q, x):
+    def stats_of(layer, q, x):
         return jax.grad(lambda q: jnp.sum(layer.apply({"params": q}, x) ** 2))(q)[moe.STATS]
 
     mesh = sharding.make_mesh(ParallelConfig(data=1, tensor=2, sequence_parallel=True), jax.devices()[:2])
@@ -165,15 +168,23 @@ def test_folded_experts_route_and_drop_per_sequence_shard():
     q = {k: jax.device_put(v, jax.sharding.NamedSharding(mesh, specs[k])) for k, v in p.items()}
     with jax.set_mesh(mesh), sharding.activation_sharding(True), moe.fold_experts(True):
         assert moe.folds() == 2
-        got = jax.jit(lambda q, x: layer.apply({"params": q}, x))(q, x)
-        stats = jax.jit(stats_of)(q, x)
+        got = jax.jit(lambda q, x: folded.apply({"params": q}, x))(q, x)
+        stats = jax.jit(functools.partial(stats_of, folded))(q, x)
+        grads = jax.jit(jax.grad(lambda q, x: jnp.sum(folded.apply({"params": q}, x) ** 2)))(q, x)
     np.testing.assert_allclose(got, np.concatenate(halves, axis=1), rtol=1e-5, atol=1e-6)
-    want = sum(np.asarray(stats_of(p, x[:, h * 4:(h + 1) * 4])) for h in range(2))
+    want = sum(np.asarray(stats_of(layer, p, x[:, h * 4:(h + 1) * 4])) for h in range(2))
     np.testing.assert_allclose(stats[:4], want[:4])  # assignments per expert
     np.testing.assert_allclose(stats[-1], want[-1])  # drops
-    assert stats[-1] > 0, "the case drops something"
-    whole = stats_of(p, x)  # one device, one group: the capacity over all 16 tokens drops differently
-    assert whole[-1] != stats[-1] or not np.allclose(layer.apply({"params": p}, x), got)
+    whole = stats_of(layer, p, x)  # one device, one group
+    want_grads = jax.grad(lambda q, x: jnp.sum(layer.apply({"params": q}, x) ** 2))(p, x)
+    if factor is None:  # dropless: the same tokens through the same experts as on one device
+        assert stats[-1] == 0
+        np.testing.assert_allclose(got, layer.apply({"params": p}, x), rtol=1e-5, atol=1e-6)
+        for name in ("router", "w_gate_up", "w_out"):
+            np.testing.assert_allclose(grads[name], want_grads[name], rtol=1e-4, atol=1e-6)
+    else:  # the capacity over all 16 tokens drops differently
+        assert stats[-1] > 0, "the case drops something"
+        assert whole[-1] != stats[-1] or not np.allclose(layer.apply({"params": p}, x), got)
 
 
 @functools.lru_cache(maxsize=None)
@@ -205,9 +216,11 @@ QWEN = {"model.moe_shared_experts": 1, "model.moe_shared_expert_gate": True, "mo
     pytest.param("gpt2", {"parallel.data": 2, "parallel.tensor": 2, "model.moe_capacity_factor": 1.0},
                  marks=pytest.mark.slow),
     # the Pallas grouped GEMM (interpreted here) per tensor shard, its rows from the expert-parallel exchange,
-    # against ragged_dot on one device; with sequence parallelism and Qwen2-MoE's options (the case above, slow)
-    ("llama", {"parallel.data": 2, "parallel.expert": 2, "parallel.tensor": 2, "model.moe_grouped_gemm": True,
-               "parallel.sequence_parallel": True, **QWEN}),
+    # against ragged_dot on one device; with sequence parallelism and Qwen2-MoE's options (the case above). Suite
+    # time (20 s): the default run checks the kernels in tests/test_kernels.py and the folded layer's blocks above
+    pytest.param("llama", {"parallel.data": 2, "parallel.expert": 2, "parallel.tensor": 2,
+                           "model.moe_grouped_gemm": True, "parallel.sequence_parallel": True, **QWEN},
+                 marks=pytest.mark.slow),
     # expert parallelism with a capacity: each rank drops on its own micro batch (as without it), then the
     # capacity buffers go through the all-to-all (suite time: the d4 e2 case below covers it by default)
     pytest.param("gpt2", {"parallel.data": 2, "parallel.expert": 2, "model.moe_capacity_factor": 1.0},
@@ -217,6 +230,10 @@ QWEN = {"model.moe_shared_experts": 1, "model.moe_shared_expert_gate": True, "mo
     # whole experts over 'expert' x 'tensor' (parallel.expert_tensor=1), Qwen2-MoE's options; over 'tensor' alone
     # on a zero_bubble pipeline (the layout matrix runs a folded GPipe pipeline by default)
     pytest.param("llama", {**FOLD, **QWEN}, marks=pytest.mark.slow),
+    # folded and dropless, the Pallas grouped GEMM on each rank's blocks of rows (the layout matrix runs a folded
+    # dropless GPipe pipeline with ragged_dot by default)
+    pytest.param("llama", {**FOLD, **QWEN, "model.moe_capacity_factor": None, "model.moe_grouped_gemm": True},
+                 marks=pytest.mark.slow),
     pytest.param("gpt2", {**FOLD, "parallel.data": 1, "parallel.expert": 1, "parallel.pipeline": 2,
                           "parallel.schedule": "zero_bubble"}, marks=pytest.mark.slow),
 ])

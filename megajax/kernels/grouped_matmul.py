@@ -214,8 +214,14 @@ def _static(names: tuple | None, blocks: Blocks | None) -> _Static:
 
 
 def _sharded(fn, args, in_names, out_names, st: _Static):
+    """fn on args shard by shard (by the names), each shard's blocks of rows (x [g, a, k], w [g, e, k, n], sizes
+    [g, e]: folded experts, a block per tensor rank) one after another."""
+    if args[0].ndim == 3:
+        fn = jax.vmap(fn)
     if st.x_names is None:
         return tuple(fn(*args))
+    sizes_names = tuple(st.x_names[:-2]) + (None,)  # the blocks' names, then the groups
+    in_names = [sizes_names if n == (None,) else n for n in in_names]
     # outputs are partial sums where their contraction dim was split (launch.shard_kernel's `summed`)
     return shard_kernel(fn, args, in_names, out_names, summed=tuple(range(len(out_names))))
 
@@ -250,7 +256,8 @@ def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, names: tuple | 
                    blocks: Blocks | None = None) -> jax.Array:
     """out [a, n] with out[i] = x[i] @ w[group of row i], rows grouped in order by sizes [e] (rows past
     sum(sizes) give zeros): `jax.lax.ragged_dot`'s contract, computing only each row's own group. names: the
-    logical axis names of (x, w, out) to run shard by shard under a mesh (launch.shard_kernel); None: as is."""
+    logical axis names of (x, w, out) to run shard by shard under a mesh (launch.shard_kernel); None: as is.
+    With a leading dim on every operand (x [g, a, k], w [g, e, k, n], sizes [g, e]), g such products."""
     return _grouped(x, w, sizes, _static(names, blocks))
 
 

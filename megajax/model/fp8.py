@@ -179,16 +179,18 @@ _RAGGED_WEIGHT_GRAD = jax.lax.RaggedDotDimensionNumbers(
 def ragged_dot(fmt: str, margin: int, x: jax.Array, w: jax.Array, sizes: jax.Array,
                meta: jax.Array | None = None, grouped: tuple | None = None) -> jax.Array:
     """jax.lax.ragged_dot(x [n, d], w [g, d, f], sizes [g]) with FP8 operands (a mixture of experts' grouped
-    matmul: rows grouped by expert), scaled as `einsum`: one scale per operand over all groups. grouped: the
+    matmul: rows grouped by expert), scaled as `einsum`: one scale per operand over all groups (with a leading dim
+    on all three, folded experts' blocks, one scale over the blocks too). grouped: the
     logical names of (x, w, out) to run the three products as the Pallas grouped GEMM (model.moe_grouped_gemm,
     kernels.grouped_matmul: only each row's own group), else jax.lax.ragged_dot."""
     return _ragged_forward(fmt, margin, x, w, sizes, meta, grouped)[0]
 
 
 def _group_dot(grouped, a, b, sizes):
-    """a [n, k] times b [g, k, f] by groups of rows, in fp32."""
+    """a [n, k] times b [g, k, f] by groups of rows, in fp32 (with a leading dim on all three, blocks of such)."""
     if grouped is None:
-        return jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32)
+        dot = functools.partial(jax.lax.ragged_dot, preferred_element_type=jnp.float32)
+        return (jax.vmap(dot) if a.ndim == 3 else dot)(a, b, sizes)
     from megajax.kernels.grouped_matmul import grouped_dot
 
     return grouped_dot(a, b, sizes, grouped)
@@ -204,15 +206,17 @@ def _ragged_backward(fmt, margin, grouped, residuals, dy):
     xq, sx, wq, sw, sizes, dy_counters, seen = residuals
     dyq, sdy, g_meta = quantize_gradient(fmt, margin, dy, dy_counters, seen)
     if grouped is None:
-        dw = jax.lax.ragged_dot_general(xq, dyq, sizes, _RAGGED_WEIGHT_GRAD, preferred_element_type=jnp.float32)
+        dot = functools.partial(jax.lax.ragged_dot_general, ragged_dot_dimension_numbers=_RAGGED_WEIGHT_GRAD,
+                                preferred_element_type=jnp.float32)
+        dw = (jax.vmap(dot) if xq.ndim == 3 else dot)(xq, dyq, sizes)
         transposed = None
     else:
         from megajax.kernels.grouped_matmul import grouped_weight_dot
 
         x_names, w_names, y_names = grouped
         dw = grouped_weight_dot(xq, dyq, sizes, grouped)
-        transposed = (y_names, (w_names[0], w_names[2], w_names[1]), x_names)
-    dx = _group_dot(transposed, dyq, jnp.swapaxes(wq, 1, 2), sizes)
+        transposed = (y_names, (*w_names[:-2], w_names[-1], w_names[-2]), x_names)
+    dx = _group_dot(transposed, dyq, jnp.swapaxes(wq, -1, -2), sizes)
     return ((dx * (1.0 / (sdy * sw))).astype(dy.dtype), (dw * (1.0 / (sx * sdy))).astype(dy.dtype), None, g_meta)
 
 

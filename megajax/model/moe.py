@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
 import math
 
 import flax.linen as nn
@@ -299,6 +300,35 @@ def dropless_bound(tokens: int, k: int, e: int, ep: int) -> int:
     return tokens * min(k, e // ep)
 
 
+def _pack(rows_ad: jax.Array, sizes_e: jax.Array, ranks: int, bound: int):
+    """Rows [a, d] sorted by expert (group sizes [e]) -> (send buffers [ranks, bound, d]: block r holds the rows of
+    rank r's e / ranks experts, zeros past them; where each sent row sits in rows_ad [ranks, bound]; which are
+    rows [ranks, bound])."""
+    a = rows_ad.shape[0]
+    per_rank = jnp.sum(sizes_e.reshape(ranks, -1), axis=1)
+    j = jnp.arange(bound)
+    src = (jnp.cumsum(per_rank) - per_rank)[:, None] + j
+    valid = j < per_rank[:, None]
+    return jnp.where(valid[..., None], rows_ad[jnp.minimum(src, a - 1)], 0), src, valid
+
+
+def _regroup(counts_re: jax.Array, bound: int) -> jax.Array:
+    """The received blocks' group sizes [source rank, local expert] -> the order [ranks bound] that sorts the
+    received rows by local expert (each expert's rows in source rank order; padding rows last)."""
+    j = jnp.arange(bound)
+    local = jnp.sum(j[None, :, None] >= jnp.cumsum(counts_re, axis=1)[:, None, :], axis=-1)  # el: padding
+    return jnp.argsort(local.reshape(-1), stable=True)
+
+
+def _unsort(out_nd: jax.Array, order: jax.Array) -> jax.Array:
+    return jnp.zeros_like(out_nd).at[order].set(out_nd)
+
+
+def _unpack(back_rbd: jax.Array, src: jax.Array, valid: jax.Array, a: int) -> jax.Array:
+    """_pack's inverse for the experts' outputs [ranks, bound, d'] -> [a, d']."""
+    return jnp.zeros((a, back_rbd.shape[-1]), back_rbd.dtype).at[jnp.where(valid, src, a)].set(back_rbd, mode="drop")
+
+
 def exchange_dropless(rows_ad: jax.Array, sizes_e: jax.Array, k: int, ep: int, experts) -> jax.Array:
     """Dropless rows [a, d] sorted by expert (group sizes [e]) -> the experts' outputs [a, d'], with the experts on
     `ep` ranks. Each expert rank gets the rows of its e / ep experts in a buffer of the most it can get (a token
@@ -309,19 +339,124 @@ def exchange_dropless(rows_ad: jax.Array, sizes_e: jax.Array, k: int, ep: int, e
     a, d = rows_ad.shape
     el = sizes_e.shape[0] // ep
     bound = dropless_bound(a // k, k, sizes_e.shape[0], ep)
-    per_rank = jnp.sum(sizes_e.reshape(ep, el), axis=1)
-    j = jnp.arange(bound)
-    src = (jnp.cumsum(per_rank) - per_rank)[:, None] + j  # [ep, bound]: where each sent row sits in rows_ad
-    valid = j < per_rank[:, None]
-    send = jnp.where(valid[..., None], rows_ad[jnp.minimum(src, a - 1)], 0)
+    send, src, valid = _pack(rows_ad, sizes_e, ep, bound)
     recv = _all_to_all(send).reshape(ep * bound, d)
     counts = _all_to_all(sizes_e.reshape(ep, el))  # [source rank, local expert]
-    local = jnp.sum(j[None, :, None] >= jnp.cumsum(counts, axis=1)[:, None, :], axis=-1)  # el: padding
-    order = jnp.argsort(local.reshape(-1), stable=True)
-    out = experts(recv[order], jnp.sum(counts, axis=0))
-    out = jnp.zeros_like(out).at[order].set(out).reshape(ep, bound, -1)
-    back = _all_to_all(out)  # [destination rank, bound, d'], in the order the rows were sent
-    return jnp.zeros((a, back.shape[-1]), back.dtype).at[jnp.where(valid, src, a)].set(back, mode="drop")
+    order = _regroup(counts, bound)
+    out = _unsort(experts(recv[order], jnp.sum(counts, axis=0)), order)
+    back = _all_to_all(out.reshape(ep, bound, -1))  # [destination rank, bound, d'], in the order the rows were sent
+    return _unpack(back, src, valid, a)
+
+
+def exchange_folded_dropless(rows_gad: jax.Array, sizes_ge: jax.Array, k: int, ep: int, experts) -> jax.Array:
+    """exchange_dropless for folded experts (parallel.expert_tensor=1): the rows [t, a, d] of the t tensor ranks'
+    sequence shards (group sizes [t, e]) -> their outputs [t, a, d'], the experts whole on ep x t ranks. One
+    all-to-all over 'expert' x 'tensor' carries each rank's rows to the n = ep t folded ranks (n x min(k, e / n)
+    rows a token); every folded rank runs its e / n experts on [n bound, d] rows with
+    `experts(rows [t, n bound, d], group sizes [t, e / n])`, and the outputs go back the same way."""
+    t, a, d = rows_gad.shape
+    e = sizes_ge.shape[1]
+    n = ep * t
+    bound = dropless_bound(a // k, k, e, n)
+    send, src, valid = jax.vmap(lambda r, s: _pack(r, s, n, bound))(rows_gad, sizes_ge)
+    recv = folded_all_to_all(send).reshape(t, n * bound, d)
+    # the group sizes travel with the rows (as floats: the all-to-all's custom VJP wants a differentiable type)
+    counts = folded_all_to_all(sizes_ge.reshape(t, n, e // n).astype(jnp.float32)).astype(jnp.int32)
+    order = jax.vmap(lambda c: _regroup(c, bound))(counts)
+    rows_in = jnp.take_along_axis(recv, order[..., None], axis=1)
+    out = jax.vmap(_unsort)(experts(rows_in, jnp.sum(counts, axis=1)), order)
+    back = folded_all_to_all(out.reshape(t, n, bound, -1))
+    return jax.vmap(lambda b, s, v: _unpack(b, s, v, a))(back, src, valid)
+
+
+def expert_mlps(cfg: ModelConfig, w: dict, meta, lead: str | None, xs: jax.Array,
+                sizes: jax.Array | None = None) -> jax.Array:
+    """The el experts' MLPs (weights `w` [el, ...] by name) on their rows: buffers [el, rows, d] (batched matmuls),
+    or with `sizes` [el] rows [n, d] grouped by expert (ragged matmuls; rows past the groups are padding). Folded
+    experts (lead "folded_expert") take ragged rows in blocks, one per tensor rank: [g, n, d] with sizes
+    [g, el / g], block r for the experts r el / g ... `meta(name)`: an FP8 operand's delayed-scaling state."""
+    cdt = dtype_of(cfg.compute_dtype)
+    el = next(iter(w.values())).shape[0]
+    fmt = cfg.fp8
+    meta = meta or (lambda name: None)
+    if sizes is None:
+        spec = "ecd,edf->ecf"
+
+        def matmul(x, w, name):
+            if fmt == "none":
+                return jnp.einsum(spec, x, w)
+            return fp8.einsum(spec, fmt, cfg.fp8_margin, x, w, meta(name))
+
+        bias = lambda b_ef: b_ef[:, None]  # noqa: E731
+    else:
+        blocks = sizes.ndim - 1  # 1 with folded experts
+
+        def repeat(ids, sizes):
+            return jnp.repeat(ids, sizes, total_repeat_length=xs.shape[-2])
+
+        ids = jnp.arange(el).reshape(sizes.shape)
+        expert_of = jax.vmap(repeat)(ids, sizes) if blocks else repeat(ids, sizes)
+
+        def matmul(x, w, name):
+            w = w.reshape(*sizes.shape, *w.shape[1:])  # folded: [g, el / g, ...], block r on tensor rank r
+            a, z = ("mlp", "embed") if name == "w_out" else ("embed", "mlp")
+            # the Pallas grouped GEMM, run per tensor shard (these names), or jax.lax.ragged_dot
+            names = ((lead, None, a), (lead, None, a, z), (lead, None, z)) if blocks else (
+                (None, a), ("expert", a, z), (None, z))
+            grouped = names if cfg.moe_grouped_gemm else None
+            if fmt != "none":
+                return fp8.ragged_dot(fmt, cfg.fp8_margin, x, w, sizes, meta(name), grouped)
+            if grouped:
+                return grouped_matmul(x, w, sizes, grouped)
+            return jax.vmap(jax.lax.ragged_dot)(x, w, sizes) if blocks else jax.lax.ragged_dot(x, w, sizes)
+
+        bias = lambda b_ef: b_ef[expert_of]  # noqa: E731
+    # The routed rows stay whole on every tensor rank and the expert width is split over 'tensor', as in the dense
+    # MLP: the second matmul's partial sums are its one all-reduce (no permutes of rows). With folded experts each
+    # rank holds whole experts and their rows (lead), the width not split.
+    xs = constrain(xs, (lead,) + (None,) * (xs.ndim - 2) + ("embed",))
+    if cfg.arch == "llama":
+        w_gate_up = w["w_gate_up"]
+        # gate and up interleaved as [..., f, 2]: with f split over 'tensor' each rank holds its own gate and up
+        # columns, so the fused matmul's output splits into the two locally
+        gate_up = matmul(xs, w_gate_up.reshape(el, w_gate_up.shape[1], -1).astype(cdt), "w_gate_up")
+        gate_up = gate_up.reshape(*gate_up.shape[:-1], -1, 2)
+        hidden = nn.silu(gate_up[..., 0]) * gate_up[..., 1]
+    else:
+        hidden = nn.gelu(matmul(xs, w["w_in"].astype(cdt), "w_in") + bias(w["b_in"].astype(cdt)), approximate=True)
+    hidden = constrain(hidden, (lead,) + (None,) * (hidden.ndim - 2) + ("mlp",))
+    return matmul(hidden, w["w_out"].astype(cdt), "w_out")
+
+
+def run_experts(x_gtd: jax.Array, ids_gtk: jax.Array, weights_gtk: jax.Array, cfg: ModelConfig, ep: int,
+                experts) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The routed tokens of g groups (x [g, t, d], expert ids and routing weights [g, t, k]) through `experts` and
+    back, combined: (outputs [g, t, d], assignments per expert [e], dropped assignments). One group routes the
+    whole sequence (rows to ep expert ranks); g > 1 groups are the tensor ranks' sequence shards with folded
+    experts (rows to ep x g ranks). Dropless, or with a capacity per group."""
+    e, k = cfg.num_experts, cfg.experts_per_token
+    g, t, _ = x_gtd.shape
+    by_weight = cfg.moe_capacity_factor is not None and cfg.moe_token_drop_policy == "probs"
+    rows, sizes, order = jax.vmap(lambda x, i, w: dispatch(x, i, e, w if by_weight else None))(
+        x_gtd, ids_gtk, weights_gtk)
+    if cfg.moe_capacity_factor is None:  # dropless: each expert's rows, as many as were routed to it
+        if g > 1:
+            out = exchange_folded_dropless(rows, sizes, k, ep, experts)
+        elif ep > 1:
+            out = exchange_dropless(rows[0], sizes[0], k, ep, experts)[None]
+        else:
+            out = experts(rows[0], sizes[0])[None]
+        dropped = jnp.float32(0)
+    else:  # a capacity: [e, c, ...] buffers, the rows past c of an expert (in dispatch's order) dropped
+        c = capacity(t, k, e, cfg.moe_capacity_factor)
+        buf, placed = jax.vmap(lambda r, i, s: to_buffers(r, i, s, c))(rows, ids_gtk, sizes)
+        if g > 1:
+            buf = exchange_folded(buf, ep, experts)
+        else:
+            buf = (experts(buf[0]) if ep == 1 else exchange_capacity(buf[0], ep, experts))[None]
+        out = jax.vmap(from_buffers)(buf, placed)
+        dropped = jnp.sum(~placed[2]).astype(jnp.float32)
+    return jax.vmap(combine)(out, order, weights_gtk), jnp.sum(sizes, axis=0), dropped
 
 
 class MoE(nn.Module):
@@ -358,83 +493,19 @@ class MoE(nn.Module):
         el = e // ep
         lead = "folded_expert" if g > 1 else None  # folded: the rows sharded like the experts they go to
         if cfg.arch == "llama":
-            # gate and up interleaved as [..., f, 2]: with f split over 'tensor' each rank holds its own gate and
-            # up columns, so the fused matmul's output splits into the two locally
-            w_gate_up = param(self, "w_gate_up", (el, d, f, 2), ("expert", "embed", "mlp", None), cfg.init_std, pdt)
+            w = {"w_gate_up": param(self, "w_gate_up", (el, d, f, 2), ("expert", "embed", "mlp", None),
+                                    cfg.init_std, pdt)}
         else:
-            w_in = param(self, "w_in", (el, d, f), ("expert", "embed", "mlp"), cfg.init_std, pdt)
-            b_in = param(self, "b_in", (el, f), ("expert", "mlp"), 0, pdt)
-        w_out = param(self, "w_out", (el, f, d), ("expert", "mlp", "embed"), out_std, pdt)
+            w = {"w_in": param(self, "w_in", (el, d, f), ("expert", "embed", "mlp"), cfg.init_std, pdt),
+                 "b_in": param(self, "b_in", (el, f), ("expert", "mlp"), 0, pdt)}
+        w["w_out"] = param(self, "w_out", (el, f, d), ("expert", "mlp", "embed"), out_std, pdt)
 
-        def experts(xs, sizes=None):
-            """The el experts' MLPs on their rows: [el, rows, d] buffers (batched matmuls), or with `sizes` [el]
-            rows [n, d] grouped by expert (ragged matmuls; rows past the groups are padding)."""
-            fmt = cfg.fp8
-            delayed = cfg.fp8_recipe == "delayed"
-            meta = lambda name: fp8_state(self, name) if delayed else None  # noqa: E731
-            if sizes is None:
-                spec = "ecd,edf->ecf"
+        delayed = cfg.fp8 != "none" and cfg.fp8_recipe == "delayed"
+        experts = functools.partial(expert_mlps, cfg, w, (lambda name: fp8_state(self, name)) if delayed else None,
+                                    lead)
 
-                def matmul(x, w, name):
-                    if fmt == "none":
-                        return jnp.einsum(spec, x, w)
-                    return fp8.einsum(spec, fmt, cfg.fp8_margin, x, w, meta(name))
-
-                bias = lambda b_ef: b_ef[:, None]  # noqa: E731
-            else:
-                expert_of = jnp.repeat(jnp.arange(el), sizes, total_repeat_length=xs.shape[0])
-
-                def matmul(x, w, name):
-                    a, z = ("mlp", "embed") if name == "w_out" else ("embed", "mlp")
-                    # the Pallas grouped GEMM, run per tensor shard (these names), or jax.lax.ragged_dot
-                    grouped = ((None, a), ("expert", a, z), (None, z)) if cfg.moe_grouped_gemm else None
-                    if fmt != "none":
-                        return fp8.ragged_dot(fmt, cfg.fp8_margin, x, w, sizes, meta(name), grouped)
-                    if grouped:
-                        return grouped_matmul(x, w, sizes, grouped)
-                    return jax.lax.ragged_dot(x, w, sizes)
-
-                bias = lambda b_ef: b_ef[expert_of]  # noqa: E731
-            # The routed rows stay whole on every tensor rank and the expert width is split over 'tensor', as in
-            # the dense MLP: the second matmul's partial sums are its one all-reduce (no permutes of rows).
-            # With folded experts each rank holds whole experts and their rows (lead), the width not split.
-            xs = constrain(xs, (lead,) + (None,) * (xs.ndim - 2) + ("embed",))
-            if cfg.arch == "llama":
-                gate_up = matmul(xs, w_gate_up.reshape(el, d, 2 * f).astype(cdt), "w_gate_up").reshape(
-                    *xs.shape[:-1], f, 2)
-                hidden = nn.silu(gate_up[..., 0]) * gate_up[..., 1]
-            else:
-                hidden = nn.gelu(matmul(xs, w_in.astype(cdt), "w_in") + bias(b_in.astype(cdt)), approximate=True)
-            hidden = constrain(hidden, (lead,) + (None,) * (hidden.ndim - 2) + ("mlp",))
-            return matmul(hidden, w_out.astype(cdt), "w_out")
-
-        by_weight = cfg.moe_capacity_factor is not None and cfg.moe_token_drop_policy == "probs"
-        ids_g, weights_g = ids.reshape(g, -1, k), weights.reshape(g, -1, k)
-        if g > 1:  # folded: each rank's capacity buffers over 'expert' x 'tensor' to whole experts
-            c = capacity(b * s // g, k, e, cfg.moe_capacity_factor)
-
-            def place(x_td, ids_tk, weights_tk):
-                rows, sizes, order = dispatch(x_td, ids_tk, e, weights_tk if by_weight else None)
-                return *to_buffers(rows, ids_tk, sizes, c), sizes, order
-
-            buf, placed, sizes, order = jax.vmap(place)(x_gtd, ids_g, weights_g)
-            buf = exchange_folded(buf, ep, experts)
-            y = jax.vmap(lambda bf, pl, o, w: combine(from_buffers(bf, pl), o, w))(buf, placed, order, weights_g)
-            y = y.reshape(g, b, s // g, d).swapaxes(0, 1).reshape(b, s, d)  # group r back to sequence shard r
-            sizes = jnp.sum(sizes, axis=0)
-            dropped = jnp.sum(~placed[2]).astype(jnp.float32)
-        else:
-            x_td, ids, weights = x_gtd[0], ids_g[0], weights_g[0]
-            rows, sizes, order = dispatch(x_td, ids, e, weights if by_weight else None)
-            if cfg.moe_capacity_factor is None:  # dropless: each expert's rows, as many as were routed to it
-                out = experts(rows, sizes) if ep == 1 else exchange_dropless(rows, sizes, k, ep, experts)
-                dropped = jnp.float32(0)
-            else:  # a capacity: [e, c, ...] buffers, the rows past c of an expert (in dispatch's order) dropped
-                buf, placed = to_buffers(rows, ids, sizes, capacity(b * s, k, e, cfg.moe_capacity_factor))
-                buf = experts(buf) if ep == 1 else exchange_capacity(buf, ep, experts)
-                out = from_buffers(buf, placed)
-                dropped = jnp.sum(~placed[2]).astype(jnp.float32)
-            y = combine(out, order, weights)
+        y, sizes, dropped = run_experts(x_gtd, ids.reshape(g, -1, k), weights.reshape(g, -1, k), cfg, ep, experts)
+        y = y.reshape(g, b, s // g, d).swapaxes(0, 1)  # group r back to sequence shard r
         if cfg.arch == "gpt2":
             y = y + param(self, "b_out", (d,), ("embed",), 0, pdt).astype(cdt)
         y = constrain(y.reshape(b, s, d), RESIDUAL)
