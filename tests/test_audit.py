@@ -235,6 +235,10 @@ def test_expert_parallel_all_to_alls_on_h100_target(factor, freq):
         assert want["routed_bytes_each"] == 256 // 2 * 2 * 128 * 2  # tokens / t x k x hidden x bf16
         reduced = sum(c.bytes * c.count for c in colls if c.kind == "all-reduce" and c.axes == ("tensor",))
         assert reduced < 0.1 * sum(c.bytes * c.count for c in a2a)
+        # nothing of the experts' rows is gathered over 'tensor' (a gather from all [el, f] biases by every
+        # block's rows was: 1 MB a layer), only the sequence (< 100 KB each; the routed rows are 64 KiB a device)
+        gathered = [c.bytes for c in colls if c.kind == "all-gather" and c.axes == ("tensor",)]
+        assert max(gathered) < 2 * want["routed_bytes_each"], gathered
     rows = [c for c in a2a if c.bytes == want["buffer_bytes_each"]]
     # 4 per MoE layer, 4 / freq MoE layers, 2 micro batches
     assert sum(c.count for c in rows) == want["count"] == 4 * 4 // freq * 2

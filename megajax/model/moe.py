@@ -18,7 +18,8 @@ expert's width is split over 'tensor' like the dense MLP's, every tensor rank ro
 With folded experts (parallel.expert_tensor=1, `fold_experts`) every expert is whole on one of the 'expert' x
 'tensor' ranks: the tokens are routed in g groups, one per tensor rank's sequence shard (capacity and drops per
 group, as Megatron's per-rank router), and one all-to-all over both axes carries the capacity buffers
-(`exchange_folded`).
+(`exchange_folded`) or, dropless, each group's rows in fixed-size blocks (`exchange_folded_dropless`), which every
+rank runs through its whole experts block by block (`expert_mlps`).
 
 The load-balancing loss (Switch / GShard: E sum_e f_e P_e, f_e the fraction of assignments to expert e, P_e
 its mean routing probability) and the router z-loss enter the gradient where they are computed, without
@@ -391,11 +392,11 @@ def expert_mlps(cfg: ModelConfig, w: dict, meta, lead: str | None, xs: jax.Array
     else:
         blocks = sizes.ndim - 1  # 1 with folded experts
 
-        def repeat(ids, sizes):
-            return jnp.repeat(ids, sizes, total_repeat_length=xs.shape[-2])
+        def repeat(sizes):  # each row's expert among its block's
+            return jnp.repeat(jnp.arange(sizes.shape[0]), sizes, total_repeat_length=xs.shape[-2])
 
-        ids = jnp.arange(el).reshape(sizes.shape)
-        expert_of = jax.vmap(repeat)(ids, sizes) if blocks else repeat(ids, sizes)
+        def pick(b_ef, sizes):  # each row's bias [n, f]
+            return b_ef[repeat(sizes)]
 
         def matmul(x, w, name):
             w = w.reshape(*sizes.shape, *w.shape[1:])  # folded: [g, el / g, ...], block r on tensor rank r
@@ -410,7 +411,9 @@ def expert_mlps(cfg: ModelConfig, w: dict, meta, lead: str | None, xs: jax.Array
                 return grouped_matmul(x, w, sizes, grouped)
             return jax.vmap(jax.lax.ragged_dot)(x, w, sizes) if blocks else jax.lax.ragged_dot(x, w, sizes)
 
-        bias = lambda b_ef: b_ef[expert_of]  # noqa: E731
+        def bias(b_ef):  # folded: block by block (a gather from all [el, f] would gather every block's rows)
+            return jax.vmap(pick)(b_ef.reshape(*sizes.shape, -1), sizes) if blocks else pick(b_ef, sizes)
+
     # The routed rows stay whole on every tensor rank and the expert width is split over 'tensor', as in the dense
     # MLP: the second matmul's partial sums are its one all-reduce (no permutes of rows). With folded experts each
     # rank holds whole experts and their rows (lead), the width not split.
