@@ -115,9 +115,12 @@ DEFAULT_MOE = {(1, 6, 1): 1, (2, 1, 2): 2, (2, 2, 2): 2, (4, 2, 1): 2, (8, 1, 1)
 
 
 def default_cases() -> list[dict]:
-    """One case per (d, p, t), features rotated so that each value appears in the default run (MoE: DEFAULT_MOE)."""
+    """One case per (d, p, t) but one device's, features rotated so that each value appears in the default run (MoE:
+    DEFAULT_MOE)."""
     out = []
     for i, (d, p, t) in enumerate(triples()):
+        if (d, p, t) == (1, 1, 1):  # one device: the reference's own program (suite time; -m slow runs it)
+            continue
         options = [o for o in schedules(p) if o != ("zero_bubble", 2)]  # (test_pipeline runs it by default)
         schedule, v = options[i % len(options)]
         ep = DEFAULT_MOE.get((d, p, t), 0)
@@ -157,7 +160,7 @@ def test_the_space_is_accepted():
         cfg = small_config(**c["sets"]).for_devices(c["n"])
         assert cfg.num_micro_batches * cfg.parallel.data * cfg.train.micro_batch_size == BATCH
     assert len(triples()) == 29 and len({(c["sets"]["parallel.data"], c["sets"]["parallel.pipeline"],
-                                          c["sets"]["parallel.tensor"]) for c in DEFAULT}) == 29
+                                          c["sets"]["parallel.tensor"]) for c in DEFAULT}) == 28
     data1 = [c["sets"] for c in DEFAULT if c["sets"]["parallel.data"] == 1 and c["sets"]["parallel.tensor"] > 1]
     assert {s["parallel.sequence_parallel"] for s in data1} == {False, True}
     assert any(s["parallel.pipeline"] > 1 for s in data1)

@@ -32,13 +32,33 @@ E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 FORMATS = {"hybrid": (E4M3, E5M2), "e4m3": (E4M3, E4M3)}
 
 
-def scale_for(x: jax.Array, dtype) -> jax.Array:
-    """The power of two that maps x's absolute maximum to at most the format's maximum (1 for an all-zero or
-    non-finite x, so a NaN reaches the loss instead of being hidden by the scale)."""
-    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+def _pow2_scale(amax: jax.Array, dtype) -> jax.Array:
+    """The powers of two that map absolute maxima to at most the format's maximum (1 for an all-zero or
+    non-finite operand, so a NaN reaches the loss instead of being hidden by the scale)."""
     _, exponent = jnp.frexp(float(jnp.finfo(dtype).max) / amax)  # = mantissa in [0.5, 1) x 2^exponent, exactly
-    scale = jnp.ldexp(jnp.float32(1), exponent - 1)
-    return jnp.where((amax > 0) & jnp.isfinite(amax), scale, jnp.float32(1))
+    scale = jnp.ldexp(jnp.ones_like(amax), exponent - 1)
+    return jnp.where((amax > 0) & jnp.isfinite(amax), scale, jnp.ones_like(amax))
+
+
+def scale_for(x: jax.Array, dtype) -> jax.Array:
+    """The power of two that maps x's absolute maximum to at most the format's maximum."""
+    return _pow2_scale(jnp.max(jnp.abs(x)).astype(jnp.float32), dtype)
+
+
+def expert_scales(x: jax.Array, dtype, rows_of: jax.Array | None = None, experts: int = 0) -> jax.Array:
+    """One scale per expert, [..., e] (Transformer Engine's grouped GEMMs quantize each expert's operands on their
+    own, so an expert with large values does not push the others' towards the bottom of the format's range): of x
+    [..., e, m, n] by its expert dim, or of rows x [..., rows, n] by each row's expert rows_of [..., rows] (of
+    `experts`; a row past them, padding, counts nowhere)."""
+    mag = jnp.abs(x).astype(jnp.float32)
+    if rows_of is None:
+        return _pow2_scale(jnp.max(mag, axis=(-2, -1)), dtype)
+
+    def per_expert(row_max, rows_of):
+        return jax.ops.segment_max(row_max, rows_of, num_segments=experts)  # -inf for an expert without rows
+
+    row_max = jnp.max(mag, axis=-1)
+    return _pow2_scale((jax.vmap(per_expert) if row_max.ndim == 2 else per_expert)(row_max, rows_of), dtype)
 
 
 def quantize(x: jax.Array, dtype, scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -129,23 +149,41 @@ def quantize_gradient(fmt, margin, dy, dy_counters, seen):
     return dyq, sdy, jnp.concatenate([seen, vary(amax_bin(dy), tuple(varying_axes(seen)))])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 6))
 def einsum(spec: str, fmt: str, margin: int, x: jax.Array, w: jax.Array,
-           meta: jax.Array | None = None) -> jax.Array:
+           meta: jax.Array | None = None, by_expert: bool = False) -> jax.Array:
     """jnp.einsum(spec, x, w) with FP8 operands (x and w of the same dtype; the result has it too): current
     scaling, or with `meta` ([3 x BINS] counters of x, w and dy) delayed scaling, `meta` getting the step's amax
-    exponents as its gradient."""
-    return _forward(spec, fmt, margin, x, w, meta)[0]
+    exponents as its gradient. by_expert: x, w and the output lead with the experts ([e, c, d] capacity buffers,
+    [e, d, f] weights, "ecd,edf->ecf"), and current scaling scales each expert's on their own
+    (`expert_scales`); delayed scaling keeps one history over all experts."""
+    return _forward(spec, fmt, margin, x, w, meta, by_expert)[0]
 
 
-def _forward(spec, fmt, margin, x, w, meta):
-    xq, sx, wq, sw, dy_counters, seen = quantize_operands(fmt, margin, x, w, meta)
-    return dot(spec, xq, wq, 1.0 / (sx * sw), x.dtype), (xq, sx, wq, sw, dy_counters, seen)
+def _lead(scale: jax.Array) -> jax.Array:
+    """Scales [..., e] (or one) against operands [..., e, m, n]."""
+    return scale if scale.ndim == 0 else scale[..., None, None]
 
 
-def _backward(spec, fmt, margin, residuals, dy):
+def _forward(spec, fmt, margin, x, w, meta, by_expert):
+    if by_expert and meta is None:
+        forward = FORMATS[fmt][0]
+        sx, sw = expert_scales(x, forward), expert_scales(w, forward)
+        (xq, _), (wq, _) = quantize(x, forward, _lead(sx)), quantize(w, forward, _lead(sw))
+        dy_counters = seen = None
+    else:
+        xq, sx, wq, sw, dy_counters, seen = quantize_operands(fmt, margin, x, w, meta)
+    return dot(spec, xq, wq, 1.0 / _lead(sx * sw), x.dtype), (xq, sx, wq, sw, dy_counters, seen)
+
+
+def _backward(spec, fmt, margin, by_expert, residuals, dy):
     xq, sx, wq, sw, dy_counters, seen = residuals
-    dyq, sdy, g_meta = quantize_gradient(fmt, margin, dy, dy_counters, seen)
+    if by_expert and seen is None:
+        sdy = expert_scales(dy, FORMATS[fmt][1])
+        dyq, g_meta = quantize(dy, FORMATS[fmt][1], _lead(sdy))[0], None
+    else:
+        dyq, sdy, g_meta = quantize_gradient(fmt, margin, dy, dy_counters, seen)
+    sx, sw, sdy = _lead(sx), _lead(sw), _lead(sdy)
     x_sub, w_sub, y_sub = _operands(spec)
     dx = dot(f"{y_sub},{w_sub}->{x_sub}", dyq, wq, 1.0 / (sdy * sw), dy.dtype)
     dw = dot(f"{x_sub},{y_sub}->{w_sub}", xq, dyq, 1.0 / (sx * sdy), dy.dtype)
@@ -179,8 +217,9 @@ _RAGGED_WEIGHT_GRAD = jax.lax.RaggedDotDimensionNumbers(
 def ragged_dot(fmt: str, margin: int, x: jax.Array, w: jax.Array, sizes: jax.Array,
                meta: jax.Array | None = None, grouped: tuple | None = None) -> jax.Array:
     """jax.lax.ragged_dot(x [n, d], w [g, d, f], sizes [g]) with FP8 operands (a mixture of experts' grouped
-    matmul: rows grouped by expert), scaled as `einsum`: one scale per operand over all groups (with a leading dim
-    on all three, folded experts' blocks, one scale over the blocks too). grouped: the
+    matmul: rows grouped by expert). Current scaling scales each expert's rows, weight and output gradient on
+    their own (`expert_scales`, as Transformer Engine's grouped GEMM); delayed scaling as `einsum`, one history
+    over all experts. With a leading dim on all three (folded experts' blocks), each block's experts. grouped: the
     logical names of (x, w, out) to run the three products as the Pallas grouped GEMM (model.moe_grouped_gemm,
     kernels.grouped_matmul: only each row's own group), else jax.lax.ragged_dot."""
     return _ragged_forward(fmt, margin, x, w, sizes, meta, grouped)[0]
@@ -196,15 +235,42 @@ def _group_dot(grouped, a, b, sizes):
     return grouped_dot(a, b, sizes, grouped)
 
 
+def _rows_of(sizes: jax.Array, rows: int) -> jax.Array:
+    """Each row's group [..., rows] (g for a row past the groups) from group sizes [..., g]."""
+    def one(sizes):  # (not jnp.searchsorted: jax 0.10.2's fails on operands varying over a manual axis)
+        return jnp.sum(jnp.arange(rows)[:, None] >= jnp.cumsum(sizes)[None, :], axis=-1)
+
+    return jax.vmap(one)(sizes) if sizes.ndim == 2 else one(sizes)
+
+
+def _by_row(scale: jax.Array, rows_of: jax.Array) -> jax.Array:
+    """Scales [..., g] (or one) against rows [..., n, d]: each row's group's (padding rows: the last group's)."""
+    if scale.ndim == 0:
+        return scale
+    return jnp.take_along_axis(scale, jnp.minimum(rows_of, scale.shape[-1] - 1), axis=-1)[..., None]
+
+
 def _ragged_forward(fmt, margin, x, w, sizes, meta, grouped):
-    xq, sx, wq, sw, dy_counters, seen = quantize_operands(fmt, margin, x, w, meta)
-    y = _group_dot(grouped, xq, wq, sizes) * (1.0 / (sx * sw))
+    rows_of = _rows_of(sizes, x.shape[-2])
+    if meta is None:
+        forward = FORMATS[fmt][0]
+        sx, sw = expert_scales(x, forward, rows_of, sizes.shape[-1]), expert_scales(w, forward)
+        (xq, _), (wq, _) = quantize(x, forward, _by_row(sx, rows_of)), quantize(w, forward, _lead(sw))
+        dy_counters = seen = None
+    else:
+        xq, sx, wq, sw, dy_counters, seen = quantize_operands(fmt, margin, x, w, meta)
+    y = _group_dot(grouped, xq, wq, sizes) * (1.0 / (_by_row(sx, rows_of) * _by_row(sw, rows_of)))
     return y.astype(x.dtype), (xq, sx, wq, sw, sizes, dy_counters, seen)
 
 
 def _ragged_backward(fmt, margin, grouped, residuals, dy):
     xq, sx, wq, sw, sizes, dy_counters, seen = residuals
-    dyq, sdy, g_meta = quantize_gradient(fmt, margin, dy, dy_counters, seen)
+    rows_of = _rows_of(sizes, xq.shape[-2])
+    if seen is None:
+        sdy = expert_scales(dy, FORMATS[fmt][1], rows_of, sizes.shape[-1])
+        dyq, g_meta = quantize(dy, FORMATS[fmt][1], _by_row(sdy, rows_of))[0], None
+    else:
+        dyq, sdy, g_meta = quantize_gradient(fmt, margin, dy, dy_counters, seen)
     if grouped is None:
         dot = functools.partial(jax.lax.ragged_dot_general, ragged_dot_dimension_numbers=_RAGGED_WEIGHT_GRAD,
                                 preferred_element_type=jnp.float32)
@@ -217,7 +283,8 @@ def _ragged_backward(fmt, margin, grouped, residuals, dy):
         dw = grouped_weight_dot(xq, dyq, sizes, grouped)
         transposed = (y_names, (*w_names[:-2], w_names[-1], w_names[-2]), x_names)
     dx = _group_dot(transposed, dyq, jnp.swapaxes(wq, -1, -2), sizes)
-    return ((dx * (1.0 / (sdy * sw))).astype(dy.dtype), (dw * (1.0 / (sx * sdy))).astype(dy.dtype), None, g_meta)
+    dx = dx * (1.0 / (_by_row(sdy, rows_of) * _by_row(sw, rows_of)))
+    return dx.astype(dy.dtype), (dw * (1.0 / _lead(sx * sdy))).astype(dy.dtype), None, g_meta
 
 
 ragged_dot.defvjp(_ragged_forward, _ragged_backward)

@@ -386,7 +386,7 @@ def expert_mlps(cfg: ModelConfig, w: dict, meta, lead: str | None, xs: jax.Array
         def matmul(x, w, name):
             if fmt == "none":
                 return jnp.einsum(spec, x, w)
-            return fp8.einsum(spec, fmt, cfg.fp8_margin, x, w, meta(name))
+            return fp8.einsum(spec, fmt, cfg.fp8_margin, x, w, meta(name), True)  # scaled by expert
 
         bias = lambda b_ef: b_ef[:, None]  # noqa: E731
     else:
