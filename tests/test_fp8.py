@@ -249,9 +249,9 @@ def test_h100_program_multiplies_in_fp8_and_a100_refuses():
     report = audit.audit(config_lib.load(f"{REPO}/configs/tiny.yaml", sets), "h100", 8)
     # 4 linear layers x (forward, input gradient, weight gradient) in the layer loop, each an FP8 GEMM
     assert report["fp8"]["fp8_gemms"] >= 12, report["fp8"]
-    assert report["fp8"]["fp8_flop_share"] > 0.5, report["fp8"]
-    plain = audit.audit(config_lib.load(f"{REPO}/configs/tiny.yaml", [s for s in sets if "fp8" not in s]), "h100", 8)
-    assert plain["fp8"]["fp8_gemms"] == 0
+    # attention's score and value matmuls and the output layer stay bf16 (the counter tells the two apart; a
+    # plain build counting no FP8 GEMM is tests/test_fp8.py's grouped-GEMM audit, -m slow)
+    assert 0.5 < report["fp8"]["fp8_flop_share"] < 1 and report["fp8"]["fp8_gemms"] < report["fp8"]["gemms"]
     with pytest.raises(ConfigError, match="no FP8 tensor cores"):
         audit.audit(config_lib.load(f"{REPO}/configs/tiny.yaml", sets), "a100", 8)
 

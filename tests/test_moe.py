@@ -200,7 +200,7 @@ QWEN = {"model.moe_shared_experts": 1, "model.moe_shared_expert_gate": True, "mo
 
 
 @pytest.mark.parametrize("arch,layout", [
-    # (suite time: MoE over data alone is in test_layouts' default run, d6 e2 and d8 e8)
+    # (suite time: MoE over data alone is in test_layouts' default run, d2 e2)
     pytest.param("gpt2", {"parallel.data": 2}, marks=pytest.mark.slow),
     # also in test_layouts' default run (llama-moe-d2e2p1t2) with the experts over 'data'
     pytest.param("llama", {"parallel.data": 2, "parallel.tensor": 2, "parallel.sequence_parallel": True},

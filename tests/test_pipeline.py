@@ -115,9 +115,9 @@ def _grads(cfg, n):
     return from_stages(g) if cfg.parallel.pipeline > 1 else g
 
 
-@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("zero_bubble", 2),
-                                        # (test_layouts' default run has interleaved layouts and two zero_bubble
-                                        # layouts with v = 1)
+@pytest.mark.parametrize("schedule,v", [pytest.param("1f1b", 1, marks=pytest.mark.slow), ("zero_bubble", 2),
+                                        # (test_layouts' default run trains 7 1F1B layouts, interleaved layouts and
+                                        # zero_bubble layouts with v = 1 against one device)
                                         pytest.param("interleaved", 2, marks=pytest.mark.slow),
                                         pytest.param("zero_bubble", 1, marks=pytest.mark.slow)])
 def test_pipeline_gradients_equal_plain_gradients(schedule, v):
