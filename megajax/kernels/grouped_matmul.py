@@ -207,6 +207,11 @@ class _Static:
     w_names: tuple | None
     out_names: tuple | None
 
+    @property
+    def sizes_names(self) -> tuple | None:
+        """The group sizes' names: the blocks' (x's leading names, with folded experts), then the groups'."""
+        return None if self.x_names is None else (*self.x_names[:-2], None)
+
 
 def _static(names: tuple | None, blocks: Blocks | None) -> _Static:
     """The public entry points' (names of (x, w, out) or None, blocks or None) as a _Static."""
@@ -220,8 +225,6 @@ def _sharded(fn, args, in_names, out_names, st: _Static):
         fn = jax.vmap(fn)
     if st.x_names is None:
         return tuple(fn(*args))
-    sizes_names = tuple(st.x_names[:-2]) + (None,)  # the blocks' names, then the groups
-    in_names = [sizes_names if n == (None,) else n for n in in_names]
     # outputs are partial sums where their contraction dim was split (launch.shard_kernel's `summed`)
     return shard_kernel(fn, args, in_names, out_names, summed=tuple(range(len(out_names))))
 
@@ -231,7 +234,7 @@ def _grouped(x, w, sizes, st: _Static):
     def local(x, w, sizes):
         return (_forward(x, w, sizes, st.blocks),)
 
-    return _sharded(local, [x, w, sizes], [st.x_names, st.w_names, (None,)], [st.out_names], st)[0]
+    return _sharded(local, [x, w, sizes], [st.x_names, st.w_names, st.sizes_names], [st.out_names], st)[0]
 
 
 def _grouped_fwd(x, w, sizes, st: _Static):
@@ -244,7 +247,7 @@ def _grouped_bwd(st: _Static, res, dy):
     def local(x, w, sizes, dy):
         return _backward(x, w, sizes, dy, st.blocks)
 
-    dx, dw = _sharded(local, [x, w, sizes, dy], [st.x_names, st.w_names, (None,), st.out_names],
+    dx, dw = _sharded(local, [x, w, sizes, dy], [st.x_names, st.w_names, st.sizes_names, st.out_names],
                       [st.x_names, st.w_names], st)
     return dx, dw, None
 
@@ -268,7 +271,7 @@ def grouped_dot(x: jax.Array, w: jax.Array, sizes: jax.Array, names: tuple | Non
     (model.fp8.ragged_dot)."""
     st = _static(names, blocks)
     return _sharded(lambda x, w, sizes: (_forward(x, w, sizes, st.blocks, jnp.float32),), [x, w, sizes],
-                    [st.x_names, st.w_names, (None,)], [st.out_names], st)[0]
+                    [st.x_names, st.w_names, st.sizes_names], [st.out_names], st)[0]
 
 
 def grouped_weight_dot(x: jax.Array, dy: jax.Array, sizes: jax.Array, names: tuple | None = None,
@@ -277,4 +280,4 @@ def grouped_weight_dot(x: jax.Array, dy: jax.Array, sizes: jax.Array, names: tup
     weight gradient. names: those of (x, w, dy) as for `grouped_matmul`."""
     st = _static(names, blocks)
     return _sharded(lambda x, dy, sizes: (_weight_dot(x, dy, sizes, st.blocks),), [x, dy, sizes],
-                    [st.x_names, st.out_names, (None,)], [st.w_names], st)[0]
+                    [st.x_names, st.out_names, st.sizes_names], [st.w_names], st)[0]
