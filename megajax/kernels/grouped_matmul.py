@@ -45,6 +45,14 @@ class Blocks:
     interpret: bool | None = None  # None: interpret on CPU, compile elsewhere (launch.pallas_call)
 
 
+def group_of_rows(sizes: jax.Array, rows: int) -> jax.Array:
+    """Each row's group [..., rows] from group sizes [..., e] (e for a padding row, past the groups)."""
+    def one(sizes):  # (not jnp.searchsorted: jax 0.10.2's fails on operands varying over a manual axis)
+        return jnp.sum(jnp.arange(rows)[:, None] >= jnp.cumsum(sizes)[None, :], axis=-1)
+
+    return jax.vmap(one)(sizes) if sizes.ndim == 2 else one(sizes)
+
+
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 

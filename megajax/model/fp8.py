@@ -25,6 +25,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from megajax.kernels.grouped_matmul import group_of_rows, grouped_dot, grouped_weight_dot
 from megajax.sharding import vary, varying_axes
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -230,17 +231,7 @@ def _group_dot(grouped, a, b, sizes):
     if grouped is None:
         dot = functools.partial(jax.lax.ragged_dot, preferred_element_type=jnp.float32)
         return (jax.vmap(dot) if a.ndim == 3 else dot)(a, b, sizes)
-    from megajax.kernels.grouped_matmul import grouped_dot
-
     return grouped_dot(a, b, sizes, grouped)
-
-
-def _rows_of(sizes: jax.Array, rows: int) -> jax.Array:
-    """Each row's group [..., rows] (g for a row past the groups) from group sizes [..., g]."""
-    def one(sizes):  # (not jnp.searchsorted: jax 0.10.2's fails on operands varying over a manual axis)
-        return jnp.sum(jnp.arange(rows)[:, None] >= jnp.cumsum(sizes)[None, :], axis=-1)
-
-    return jax.vmap(one)(sizes) if sizes.ndim == 2 else one(sizes)
 
 
 def _by_row(scale: jax.Array, rows_of: jax.Array) -> jax.Array:
@@ -251,7 +242,7 @@ def _by_row(scale: jax.Array, rows_of: jax.Array) -> jax.Array:
 
 
 def _ragged_forward(fmt, margin, x, w, sizes, meta, grouped):
-    rows_of = _rows_of(sizes, x.shape[-2])
+    rows_of = group_of_rows(sizes, x.shape[-2])
     if meta is None:
         forward = FORMATS[fmt][0]
         sx, sw = expert_scales(x, forward, rows_of, sizes.shape[-1]), expert_scales(w, forward)
@@ -259,13 +250,13 @@ def _ragged_forward(fmt, margin, x, w, sizes, meta, grouped):
         dy_counters = seen = None
     else:
         xq, sx, wq, sw, dy_counters, seen = quantize_operands(fmt, margin, x, w, meta)
-    y = _group_dot(grouped, xq, wq, sizes) * (1.0 / (_by_row(sx, rows_of) * _by_row(sw, rows_of)))
+    y = _group_dot(grouped, xq, wq, sizes) * (1.0 / _by_row(sx * sw, rows_of))
     return y.astype(x.dtype), (xq, sx, wq, sw, sizes, dy_counters, seen)
 
 
 def _ragged_backward(fmt, margin, grouped, residuals, dy):
     xq, sx, wq, sw, sizes, dy_counters, seen = residuals
-    rows_of = _rows_of(sizes, xq.shape[-2])
+    rows_of = group_of_rows(sizes, xq.shape[-2])
     if seen is None:
         sdy = expert_scales(dy, FORMATS[fmt][1], rows_of, sizes.shape[-1])
         dyq, g_meta = quantize(dy, FORMATS[fmt][1], _by_row(sdy, rows_of))[0], None
@@ -277,13 +268,11 @@ def _ragged_backward(fmt, margin, grouped, residuals, dy):
         dw = (jax.vmap(dot) if xq.ndim == 3 else dot)(xq, dyq, sizes)
         transposed = None
     else:
-        from megajax.kernels.grouped_matmul import grouped_weight_dot
-
         x_names, w_names, y_names = grouped
         dw = grouped_weight_dot(xq, dyq, sizes, grouped)
         transposed = (y_names, (*w_names[:-2], w_names[-1], w_names[-2]), x_names)
     dx = _group_dot(transposed, dyq, jnp.swapaxes(wq, -1, -2), sizes)
-    dx = dx * (1.0 / (_by_row(sdy, rows_of) * _by_row(sw, rows_of)))
+    dx = dx * (1.0 / _by_row(sdy * sw, rows_of))
     return dx.astype(dy.dtype), (dw * (1.0 / _lead(sx * sdy))).astype(dy.dtype), None, g_meta
 
 

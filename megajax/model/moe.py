@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from megajax.config import ModelConfig
-from megajax.kernels.grouped_matmul import grouped_matmul
+from megajax.kernels.grouped_matmul import group_of_rows, grouped_matmul
 from megajax.model import fp8
 from megajax.model.layers import MLP, RESIDUAL, dtype_of, fp8_state, gather_sequence, param
 from megajax.sharding import FOLDED, constrain, current_manual_axes, setting, tensor_manual, vary, varying_axes
@@ -392,11 +392,8 @@ def expert_mlps(cfg: ModelConfig, w: dict, meta, lead: str | None, xs: jax.Array
     else:
         blocks = sizes.ndim - 1  # 1 with folded experts
 
-        def repeat(sizes):  # each row's expert among its block's
-            return jnp.repeat(jnp.arange(sizes.shape[0]), sizes, total_repeat_length=xs.shape[-2])
-
-        def pick(b_ef, sizes):  # each row's bias [n, f]
-            return b_ef[repeat(sizes)]
+        def pick(b_ef, sizes):  # each row's bias [n, f] (a padding row's index, e, is clamped: its output is unused)
+            return b_ef[group_of_rows(sizes, xs.shape[-2])]
 
         def matmul(x, w, name):
             w = w.reshape(*sizes.shape, *w.shape[1:])  # folded: [g, el / g, ...], block r on tensor rank r
