@@ -156,8 +156,10 @@ def expected_all_to_all(cfg) -> dict:
     `routed_bytes_each`: the analytic volume, tokens x k x hidden in the compute dtype (Megatron's dropless
     all-to-all sends exactly that); `buffer_bytes_each`: megajax's fixed-size buffer, capacity_factor times that
     with a capacity, or n x min(k, experts / n) / k times that dropless, n the ranks holding experts
-    (moe.exchange_dropless). With folded experts (parallel.expert_tensor=1) over `axes` 'expert' x 'tensor', the
-    tokens are a tensor rank's sequence shard and n = expert x tensor."""
+    (moe.exchange_dropless). `bytes_each`: what each all-to-all moves, the buffer, or with
+    parallel.expert_all_to_all=ragged (dropless) the routed rows alone, the program's ragged all-to-alls. With
+    folded experts (parallel.expert_tensor=1) over `axes` 'expert' x 'tensor', the tokens are a tensor rank's
+    sequence shard and n = expert x tensor."""
     from megajax.model import moe
 
     m, p = cfg.model, cfg.parallel
@@ -177,8 +179,11 @@ def expected_all_to_all(cfg) -> dict:
 
         table = ticks.plan(p.schedule, p.pipeline, p.virtual_stages, cfg.num_micro_batches)[1]
         again = float((table["r_chunk"] >= 0).sum()) / (p.pipeline * p.virtual_stages * cfg.num_micro_batches)
+    ragged = m.moe_capacity_factor is None and p.expert_all_to_all == "ragged"
     return {"count": (4 + 2 * again) * (m.moe_layers // p.pipeline) * cfg.num_micro_batches,
             "routed_bytes_each": tokens * k * row, "buffer_bytes_each": buffer,
+            "exchange": "ragged-all-to-all" if ragged else "all-to-all",
+            "bytes_each": tokens * k * row if ragged else buffer,
             "axes": [a for a, n in (("expert", p.expert), ("tensor", p.tensor if p.folded_experts else 1)) if n > 1]}
 
 

@@ -189,8 +189,13 @@ class ParallelConfig:
     # expert's width split over 'tensor' as the dense MLP's. 1 = every expert whole on one device, the experts
     # spread over 'expert' x 'tensor' (Megatron's MoE parallel folding): each tensor rank routes its own sequence
     # shard and one all-to-all over 'expert' x 'tensor' sends the rows (megajax/model/moe.py). Needs
-    # sequence_parallel and a model.moe_capacity_factor.
+    # sequence_parallel.
     expert_tensor: int | None = None
+    # How the dropless experts' rows cross the expert ranks: padded = fixed-size blocks of the most a rank can get
+    # (all-to-all, every platform; at e / expert < k that is expert x min(k, e / expert) / k times the routed rows),
+    # ragged = the routed rows alone (XLA's ragged all-to-all, as Megatron's all-to-all by split sizes; GPU only,
+    # emulated by fixed-size all-to-alls on CPU). The receiving buffers are the padded ones either way.
+    expert_all_to_all: Literal["padded", "ragged"] = "padded"
     context: int = 1  # context-parallel size: every sequence split over this many ranks, attention by a ring
     # How attention's keys and values cross the context ranks (Megatron's --cp-comm-type): ring = ppermute one hop
     # per step under the previous block's compute (p2p); all_gather = every rank's at once, the gradients
@@ -457,6 +462,12 @@ class Config:
                    f"model.num_experts={m.num_experts} is not divisible by parallel.expert x parallel.tensor = "
                    f"{ranks}, the ranks parallel.expert_tensor=1 spreads whole experts over: change the experts or "
                    "the layout, or set parallel.expert_tensor=null")
+        if p.expert_all_to_all == "ragged":
+            _check(m.num_experts > 0 and m.moe_capacity_factor is None and (p.expert > 1 or p.folded_experts),
+                   "parallel.expert_all_to_all=ragged sends dropless experts' rows by exact counts over the expert "
+                   "ranks: it needs model.num_experts, model.moe_capacity_factor=null (capacity buffers are fixed-size "
+                   "already) and parallel.expert > 1 or parallel.expert_tensor=1; else set "
+                   "parallel.expert_all_to_all=padded")
         _check(not self.data.reset_attention_mask or m.attention_impl != "cudnn",
                "data.reset_attention_mask needs segment masks, which model.attention_impl=cudnn does not take here: "
                "use model.attention_impl=pallas or xla")

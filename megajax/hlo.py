@@ -20,7 +20,7 @@ from collections import defaultdict
 
 import numpy as np
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all", "ragged-all-to-all")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                 "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1,
                 "token": 0, "s4": 1, "u4": 1}
@@ -33,7 +33,10 @@ _SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
 class Collective:
     kind: str  # one of KINDS
     name: str
-    bytes: int  # the full buffer: all-reduce in/out, all-gather output, reduce-scatter input, permute/all-to-all input
+    # the full buffer: all-reduce in/out, all-gather output, reduce-scatter input, permute/all-to-all input; a
+    # ragged all-to-all: the smaller of its input and output (what moves when each row is sent once, as MoE's
+    # exchanges send every routed row: all of the input on the way out, all of the output on the way back)
+    bytes: int
     group_size: int
     axes: tuple[str, ...]  # mesh axes the groups span (permute: the axes source and target differ on)
     count: float  # executions per step (while trip counts multiplied in; branches weighted by branch_runs)
@@ -138,6 +141,9 @@ def _kind(opcode: str) -> str | None:
 
 def _bytes(kind: str, opcode: str, shape_text: str, group_size: int) -> int:
     tree = _parse_shape_tree(shape_text)
+    if kind == "ragged-all-to-all":  # (operand, output, 4 offsets and sizes)[, output]: the smaller buffer
+        operands = tree[0] if opcode.endswith("-start") else tree
+        return min(_total(operands[0]), _total(operands[1])) if isinstance(operands, list) else _total(operands)
     if opcode.endswith("-start") and isinstance(tree, list) and kind != "all-reduce":
         # async start ops return (operands, results[, contexts])
         if kind == "all-gather":
@@ -416,7 +422,7 @@ def wire_bytes(c: Collective) -> float:
     g = c.group_size
     if c.kind == "all-reduce":
         return 2 * (g - 1) / g * c.bytes
-    if c.kind in ("all-gather", "reduce-scatter", "all-to-all"):
+    if c.kind in ("all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all"):
         return (g - 1) / g * c.bytes
     return float(c.bytes)
 

@@ -375,10 +375,10 @@ def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
 def _model_context(cfg: Config):
     """What the model reads while a step is traced: the activation sharding rules, the context-parallel exchange
     the tensor-parallel collective matmuls (parallel.tp_comm_overlap: rings, or chunks in a pipeline's branches)
-    and the folded experts (parallel.expert_tensor=1)."""
+    and the experts' exchange (parallel.expert_tensor=1, parallel.expert_all_to_all)."""
     with (sharding.activation_sharding(cfg.parallel.sequence_parallel), context.exchange(cfg.parallel.context_comm),
           collective_matmul.enable(cfg.parallel.tp_comm_overlap, ring=cfg.parallel.pipeline == 1),
-          moe.fold_experts(cfg.parallel.folded_experts)):
+          moe.exchange(cfg.parallel.folded_experts, cfg.parallel.expert_all_to_all == "ragged")):
         yield
 
 
@@ -431,7 +431,7 @@ def eval_loss(setup: StepSetup, params, batch: dict) -> tuple[jax.Array, jax.Arr
     cfg = setup.cfg
     m = cfg.num_micro_batches
     with _model_context(cfg):
-        if cfg.parallel.pipeline > 1 or cfg.parallel.context > 1:
+        if cfg.parallel.pipeline > 1 or cfg.parallel.context > 1 or cfg.parallel.expert > 1:
             def local(params, batch):
                 batch = setup.local_batch(batch)
                 if cfg.parallel.pipeline > 1:

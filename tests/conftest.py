@@ -79,6 +79,24 @@ def run_steps(cfg: config_lib.Config, num_devices: int, steps: int, *, return_st
     return (losses, state, setup) if return_state else losses
 
 
+def evaluate(cfg: config_lib.Config, num_devices: int):
+    """The eval step's mean token loss on the first global batch of fresh weights, and its compiled program's
+    collectives (megajax.hlo)."""
+    from megajax import hlo, train
+    from megajax.data.loader import build_datasets, global_batch
+
+    setup = train.setup_for(cfg, jax.devices()[:num_devices])
+    cfg, mesh = setup.cfg, setup.mesh
+    state = train.init_state(setup)
+    data = build_datasets(cfg, {"train": 16})["train"]
+    with jax.set_mesh(mesh):
+        batch = global_batch(data, 0, cfg.train.global_batch_size, setup.batch_shardings)
+        step = train.jit_eval_step(setup)
+        total, count = step(state.params, batch)
+        text = step.lower(state.params, batch).compile().as_text()
+    return float(total) / float(count), hlo.parse(text, dict(mesh.shape))
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> str:
     return REPO

@@ -196,7 +196,8 @@ def test_replica_group_formats():
 @pytest.mark.parametrize("factor,freq", [pytest.param(1.0, 2, marks=pytest.mark.slow), (None, 1),
                                          pytest.param(1.0, "p2", marks=pytest.mark.slow),
                                          pytest.param(1.0, "fold", marks=pytest.mark.slow),
-                                         pytest.param(None, "fold", marks=pytest.mark.slow)])
+                                         pytest.param(None, "fold", marks=pytest.mark.slow),
+                                         (None, "ragged"), pytest.param(None, "fold-ragged", marks=pytest.mark.slow)])
 def test_expert_parallel_all_to_alls_on_h100_target(factor, freq):
     """Per MoE layer and micro batch: dispatch + combine all-to-all over 'expert', forward and backward, each of
     audit.expected_all_to_all's buffer; with a capacity factor of 1 that is the analytic tokens x k x hidden. With
@@ -206,12 +207,15 @@ def test_expert_parallel_all_to_alls_on_h100_target(factor, freq):
     micro batch where a chunk is recomputed, 4 where the last chunk's forward kept its residuals. "fold": the
     experts whole over 'expert' x 'tensor' (parallel.expert_tensor=1, sequence parallel; with a capacity and
     dropless): the exchange is over both axes and carries a tensor rank's sequence shard (half the bytes), and no
-    expert's partial sums are all-reduced over 'tensor'."""
-    pipe, fold = freq == "p2", freq == "fold"
+    expert's partial sums are all-reduced over 'tensor'. "ragged" (parallel.expert_all_to_all=ragged, dropless):
+    XLA's ragged all-to-all carries the routed rows alone, the analytic volume (a quarter of the padded blocks),
+    and only the group sizes and offsets go by fixed-size all-to-alls."""
+    pipe, fold, ragged = freq == "p2", "fold" in str(freq), "ragged" in str(freq)
     layout = (["parallel.data=2", "parallel.expert=2", "parallel.pipeline=2", "train.global_batch_size=8"] if pipe
               else ["parallel.data=4", "parallel.expert=4"])
     layout += ["parallel.sequence_parallel=true", "parallel.expert_tensor=1"] if fold else []
-    freq = 1 if pipe or fold else freq
+    layout += ["parallel.expert_all_to_all=ragged"] if ragged else []
+    freq = 1 if isinstance(freq, str) else freq
     sets = [*layout, "parallel.tensor=2", "model.compute_dtype=bfloat16",
             "train.micro_batch_size=2" if not pipe else "train.micro_batch_size=1",
             f"model.moe_capacity_factor={'null' if factor is None else factor}", f"model.moe_layer_freq={freq}"]
@@ -229,6 +233,14 @@ def test_expert_parallel_all_to_alls_on_h100_target(factor, freq):
     gemm = hlo.gemm_flops(compiled.as_text())["total"]
     active = metrics.step_flops(cfg.model, cfg.train.global_batch_size * cfg.model.seq_length)["hardware_flops"] / 8
     assert (gemm / active == pytest.approx(1.0, abs=0.01)) if factor else (gemm / active > 2)
+    if ragged:  # the rows by exact counts; fixed-size all-to-alls carry only group sizes and offsets (< 64 B)
+        rows = [c for c in colls if c.kind == "ragged-all-to-all"]
+        assert want["exchange"] == "ragged-all-to-all" and want["bytes_each"] == want["routed_bytes_each"]
+        assert {c.bytes for c in rows} == {want["routed_bytes_each"]}, [c.bytes for c in rows]
+        assert sum(c.count for c in rows) == want["count"] == 4 * 4 * 2
+        assert {c.axes for c in rows} == {tuple(want["axes"])} == {("expert", "tensor") if fold else ("expert",)}
+        assert max(c.bytes for c in colls if c.kind == "all-to-all") < 64
+        return
     a2a = [c for c in colls if c.kind == "all-to-all"]
     assert {c.axes for c in a2a} == {tuple(want["axes"])} == {("expert", "tensor") if fold else ("expert",)}
     if fold:

@@ -65,6 +65,13 @@ def folds(ep: int, t: int, sp: bool) -> tuple[int, ...]:
     return (0, 1, 2) if ep and sp and MOE["model.num_experts"] % (ep * t) == 0 else (0,)
 
 
+def exchanges(ep: int, fold: int, ring: bool) -> tuple[bool, ...]:
+    """parallel.expert_all_to_all=ragged (the routed rows alone, not padded blocks): off, and on where dropless rows
+    cross devices (expert parallelism or folded experts, without capacity buffers) and the collective matmuls are
+    off (they move the attention's and dense MLP's activations, not the experts' rows)."""
+    return (False, True) if (ep > 1 or fold == 1) and fold != 2 and not ring else (False,)
+
+
 # Folded experts, dropless or with capacity buffers: a factor of experts / k gives every expert room for every
 # token (no drops), so the layout still equals the dropless reference.
 FOLD = {1: {"parallel.expert_tensor": 1},
@@ -72,12 +79,13 @@ FOLD = {1: {"parallel.expert_tensor": 1},
             "model.moe_capacity_factor": MOE["model.num_experts"] / MOE["model.experts_per_token"]}}
 
 
-def case(arch, d, p, t, sp, zero, schedule, v, ep=0, ring=False, overlap=0, fold=0) -> dict:
+def case(arch, d, p, t, sp, zero, schedule, v, ep=0, ring=False, overlap=0, fold=0, ragged=False) -> dict:
     # p micro batches through a pipeline (the fewest every schedule takes); without one, 2 or 3 per data
     # rank, so gradient accumulation runs on every layout too
     mb = BATCH // (d * p) if p > 1 else max(1, BATCH // (2 * d))
     return {"arch": arch, "moe": ep > 0, "n": d * p * t, "sets": {
         **ARCHS[arch], **(MOE if ep else {}), **FOLD.get(fold, {}),
+        **({"parallel.expert_all_to_all": "ragged"} if ragged else {}),
         "train.global_batch_size": BATCH, "train.micro_batch_size": mb,
         "parallel.data": d, "parallel.pipeline": p, "parallel.tensor": t, "parallel.expert": max(ep, 1),
         "parallel.sequence_parallel": sp, "parallel.distributed_optimizer": zero, "parallel.tp_comm_overlap": ring,
@@ -102,7 +110,8 @@ def space() -> list[dict]:
                 experts(d)):
             for ring, overlap, fold in itertools.product((False, True) if sp else (False,),
                                                          overlaps(d, p, schedule, zero), folds(ep, t, sp)):
-                out.append(case(arch, d, p, t, sp, zero, schedule, v, ep, ring, overlap, fold))
+                for ragged in exchanges(ep, fold, ring):
+                    out.append(case(arch, d, p, t, sp, zero, schedule, v, ep, ring, overlap, fold, ragged))
     return out
 
 
@@ -110,8 +119,10 @@ def space() -> list[dict]:
 # (suite time: MoE on zero_bubble compiled for 56 s, test_moe runs it with -m slow);
 # experts over all data ranks (alone, with tensor, with a GPipe pipeline, sequence parallelism and the distributed
 # optimizer; there folded over 'expert' x 'tensor', dropless) and over some of them (d 4, e 2, with an interleaved
-# pipeline). Suite time: the experts over 2 data ranks alone, not 8 (d 8 e 8 runs with -m slow).
+# pipeline). Suite time: the experts over 2 data ranks alone, not 8 (d 8 e 8 runs with -m slow). The rows cross
+# the expert ranks by exact counts (parallel.expert_all_to_all=ragged) with tensor parallelism and on the pipeline.
 DEFAULT_MOE = {(1, 6, 1): 1, (2, 1, 1): 2, (2, 1, 2): 2, (2, 2, 2): 2, (4, 2, 1): 2}
+DEFAULT_RAGGED = {(2, 1, 2), (4, 2, 1)}
 
 
 def default_cases() -> list[dict]:
@@ -130,7 +141,7 @@ def default_cases() -> list[dict]:
         ring = sp and i % 2 == 0
         out.append(case(("gpt2", "llama")[i % 2], d, p, t, sp, zero, schedule, v, ep, ring=ring,
                         overlap=0 if i % 3 == 2 or len(levels) == 1 else levels[1 + (i // 7) % (len(levels) - 1)],
-                        fold=folds(ep, t, sp)[:2][-1]))
+                        fold=folds(ep, t, sp)[:2][-1], ragged=(d, p, t) in DEFAULT_RAGGED))
     return out
 
 
@@ -146,6 +157,7 @@ def name(c: dict) -> str:
             f"{'-gather' if s['parallel.overlap_param_gather'] else ''}"
             f"{'-fold' if s.get('parallel.expert_tensor') == 1 else ''}"
             f"{'cap' if s.get('parallel.expert_tensor') == 1 and s.get('model.moe_capacity_factor') else ''}"
+            f"{'-ragged' if s.get('parallel.expert_all_to_all') == 'ragged' else ''}"
             + (f"-{s['parallel.schedule']}v{s['parallel.virtual_stages']}" if p > 1 else ""))
 
 
@@ -190,6 +202,9 @@ def test_the_space_is_accepted():
     assert {s["parallel.pipeline"] > 1 for s in moe if ep(s) > 1} == {False, True}
     assert {s["parallel.data"] == ep(s) for s in moe} >= {True}
     assert any(s.get("parallel.expert_tensor") == 1 and s["parallel.pipeline"] > 1 for s in moe), "folded experts"
+    ragged = [s for s in moe if s.get("parallel.expert_all_to_all") == "ragged"]
+    assert {s["parallel.pipeline"] > 1 for s in ragged} == {False, True} and any(s["parallel.tensor"] > 1
+                                                                                for s in ragged), "ragged exchange"
 
 
 @functools.lru_cache(maxsize=None)

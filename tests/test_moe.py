@@ -12,7 +12,7 @@ import pytest
 
 from megajax import config as config_lib
 
-from conftest import run_steps, small_config
+from conftest import evaluate, run_steps, small_config
 
 MOE = {"model.num_experts": 4, "model.experts_per_token": 2, "model.moe_ffn_hidden_size": 96,
        "model.moe_aux_loss_coef": 0.01, "model.moe_z_loss_coef": 0.001, "train.micro_batch_size": 2}
@@ -132,20 +132,27 @@ def test_auxiliary_losses_join_the_gradient_at_the_objective_scale():
     ({"model.num_experts": 4, "parallel.tensor": 2, "parallel.expert_tensor": 3}, "must be null"),
     ({**FOLD, "model.num_experts": 6, "parallel.data": 2, "parallel.expert": 2}, "not divisible by parallel.expert x"),
     ({**FOLD, "parallel.expert": 1, "model.num_experts": 0}, "spreads the experts over the tensor ranks"),
+    ({"model.num_experts": 4, "parallel.data": 2, "parallel.expert": 2, "model.moe_capacity_factor": 1.0,
+      "parallel.expert_all_to_all": "ragged"}, "set parallel.expert_all_to_all=padded"),
+    ({"model.num_experts": 4, "parallel.data": 2, "parallel.expert_all_to_all": "ragged"},
+     "parallel.expert > 1 or parallel.expert_tensor=1"),
+    ({"parallel.expert_all_to_all": "sparse"}, "expert_all_to_all"),
 ])
 def test_bad_moe_configs_name_the_fix(sets, fix):
     with pytest.raises(config_lib.ConfigError, match=fix):
         small_config(**sets)
 
 
-@pytest.mark.parametrize("factor,grouped", [(0.5, False), (None, False), (None, True)])
-def test_folded_experts_route_and_drop_per_sequence_shard(factor, grouped):
+@pytest.mark.parametrize("factor,grouped,ragged", [
+    (0.5, False, False), (None, False, False), (None, True, False), (None, False, True)])
+def test_folded_experts_route_and_drop_per_sequence_shard(factor, grouped, ragged):
     """parallel.expert_tensor=1: each tensor rank routes its own sequence shard, so with a capacity every shard
     drops on its own tokens (Megatron's per-rank dropping). On t 2 with sequence parallelism (GSPMD, experts
     whole on each rank, exchanged over 'tensor') the layer equals one device's layer run on each half of the
     sequence, and its statistics count both halves' assignments and drops. Dropless (with jax.lax.ragged_dot or
     the Pallas grouped GEMM, interpreted) routing is per token, so it also equals one device on the whole
-    sequence."""
+    sequence, with the rows sent in padded blocks or by exact counts (`ragged`: XLA's ragged all-to-all, emulated
+    on CPU)."""
     import jax
     import jax.numpy as jnp
 
@@ -166,7 +173,7 @@ def test_folded_experts_route_and_drop_per_sequence_shard(factor, grouped):
         "w_out": ("expert", "mlp", "embed"), moe.STATS: (None,)}.items()}
     assert specs["w_gate_up"] == jax.sharding.PartitionSpec(("expert", "tensor"), None, None, None)
     q = {k: jax.device_put(v, jax.sharding.NamedSharding(mesh, specs[k])) for k, v in p.items()}
-    with jax.set_mesh(mesh), sharding.activation_sharding(True), moe.fold_experts(True):
+    with jax.set_mesh(mesh), sharding.activation_sharding(True), moe.exchange(True, ragged):
         assert moe.folds() == 2
         got = jax.jit(lambda q, x: folded.apply({"params": q}, x))(q, x)
         stats = jax.jit(functools.partial(stats_of, folded))(q, x)
@@ -246,6 +253,22 @@ def test_moe_training_equals_one_device(arch, layout):
     assert ref[1] < ref[0] + 0.5
     np.testing.assert_allclose(got, ref, rtol=1e-4)
     np.testing.assert_allclose(norms, ref_norms, rtol=1e-4)
+
+
+@pytest.mark.parametrize("layout", [
+    {"parallel.data": 2, "parallel.expert": 2},
+    {**FOLD, "model.moe_capacity_factor": None, "parallel.expert_all_to_all": "ragged"}])
+def test_evaluation_exchanges_rows_as_training_does(layout):
+    """With expert parallelism the eval step runs in the train step's manual region: the experts' rows go by
+    all-to-all over the expert ranks as in training (under GSPMD it all-reduced every expert's partial outputs over
+    'expert', 34 MB a step on tiny-moe d2 e2 x t2, and folded it replicated a reshaped expert weight), and the
+    loss equals one device's (dropless)."""
+    ref, _ = evaluate(small_config(**MOE), 1)
+    n = layout["parallel.data"] * layout.get("parallel.tensor", 1)
+    got, colls = evaluate(small_config(**MOE, **layout), n)
+    assert got == pytest.approx(ref, rel=1e-5)
+    moved = {c.kind for c in colls if "expert" in c.axes and c.bytes > 1024}
+    assert moved == {"all-to-all"}, moved  # (the ragged exchange's CPU emulation too)
 
 
 def test_checkpoint_moves_between_expert_parallel_sizes(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 from megajax import config as config_lib, hlo
 from megajax.pipeline import permute_bytes_per_step
 
-from conftest import run_steps, small_config
+from conftest import evaluate, run_steps, small_config
 
 STEPS = 3
 ARCHS = {
@@ -66,27 +66,9 @@ def test_memory_flat_in_micro_batches_and_collectives_as_planned(schedule, v, re
         assert growth < 1.15, temps
 
 
-def _eval_loss(cfg, n):
-    import jax
-
-    from megajax import train
-    from megajax.data.loader import build_datasets, global_batch
-
-    setup = train.setup_for(cfg, jax.devices()[:n])
-    cfg, mesh = setup.cfg, setup.mesh
-    state = train.init_state(setup)
-    data = build_datasets(cfg, {"train": 16})["train"]
-    with jax.set_mesh(mesh):
-        batch = global_batch(data, 0, cfg.train.global_batch_size, setup.batch_shardings)
-        step = train.jit_eval_step(setup)
-        total, count = step(state.params, batch)
-        text = step.lower(state.params, batch).compile().as_text()
-    return float(total) / float(count), hlo.parse(text, dict(mesh.shape))
-
-
 def test_evaluation_runs_through_the_pipeline_without_gathering_layers():
-    ref, _ = _eval_loss(small_config(**ARCHS["gpt2"]), 1)
-    got, colls = _eval_loss(small_config(**ARCHS["gpt2"], **layout("interleaved", 2, 2, 2, 2, True, mb=2)), 8)
+    ref, _ = evaluate(small_config(**ARCHS["gpt2"]), 1)
+    got, colls = evaluate(small_config(**ARCHS["gpt2"], **layout("interleaved", 2, 2, 2, 2, True, mb=2)), 8)
     assert got == pytest.approx(ref, rel=1e-5)
     assert not [c for c in colls if c.kind == "all-gather" and "pipeline" in c.axes]
     assert [c for c in colls if c.kind == "collective-permute"], "activations move between stages"

@@ -15,11 +15,13 @@ weights.
 
 With expert parallelism the experts live on the 'expert' ranks and the rows are exchanged by all-to-all; each
 expert's width is split over 'tensor' like the dense MLP's, every tensor rank routing the whole gathered sequence.
-With folded experts (parallel.expert_tensor=1, `fold_experts`) every expert is whole on one of the 'expert' x
+With folded experts (parallel.expert_tensor=1, `exchange`) every expert is whole on one of the 'expert' x
 'tensor' ranks: the tokens are routed in g groups, one per tensor rank's sequence shard (capacity and drops per
 group, as Megatron's per-rank router), and one all-to-all over both axes carries the capacity buffers
 (`exchange_folded`) or, dropless, each group's rows in fixed-size blocks (`exchange_folded_dropless`), which every
-rank runs through its whole experts block by block (`expert_mlps`).
+rank runs through its whole experts block by block (`expert_mlps`). Dropless, parallel.expert_all_to_all=ragged
+sends the routed rows alone (`ragged_move`: XLA's ragged all-to-all, emulated on CPU) into the same receiving
+buffers.
 
 The load-balancing loss (Switch / GShard: E sum_e f_e P_e, f_e the fraction of assignments to expert e, P_e
 its mean routing probability) and the router z-loss enter the gradient where they are computed, without
@@ -36,6 +38,7 @@ import contextvars
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -49,7 +52,16 @@ from megajax.model.layers import MLP, RESIDUAL, dtype_of, fp8_state, gather_sequ
 from megajax.sharding import FOLDED, constrain, current_manual_axes, setting, tensor_manual, vary, varying_axes
 
 _SEED: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("megajax_moe_seed", default=None)
-_FOLDED: contextvars.ContextVar[bool] = contextvars.ContextVar("megajax_moe_folded", default=False)
+
+
+class Exchange(NamedTuple):
+    """How the experts' rows cross the devices (parallel.expert_tensor, parallel.expert_all_to_all)."""
+
+    folded: bool = False  # whole experts spread over 'expert' x 'tensor'
+    ragged: bool = False  # dropless rows by exact counts, not fixed-size blocks
+
+
+_EXCHANGE: contextvars.ContextVar[Exchange] = contextvars.ContextVar("megajax_moe_exchange", default=Exchange())
 
 
 def objective_scale(seed: jax.Array):
@@ -58,16 +70,17 @@ def objective_scale(seed: jax.Array):
     return setting(_SEED, seed)
 
 
-def fold_experts(on: bool):
-    """While a step is traced: parallel.expert_tensor=1, whole experts spread over 'expert' x 'tensor'."""
-    return setting(_FOLDED, on)
+def exchange(folded: bool, ragged: bool = False):
+    """While a step is traced: parallel.expert_tensor=1 (`folded`: whole experts spread over 'expert' x 'tensor')
+    and parallel.expert_all_to_all=ragged."""
+    return setting(_EXCHANGE, Exchange(folded, ragged))
 
 
 def folds() -> int:
     """The tensor ranks that route their own sequence shards and hold whole experts (parallel.expert_tensor=1):
     the size of 'tensor' where folding is on and 'tensor' is left to GSPMD, else 1."""
     mesh = jax.sharding.get_abstract_mesh()
-    if not _FOLDED.get() or mesh.empty or "tensor" in current_manual_axes():
+    if not _EXCHANGE.get().folded or mesh.empty or "tensor" in current_manual_axes():
         return 1
     return mesh.shape["tensor"]
 
@@ -330,42 +343,126 @@ def _unpack(back_rbd: jax.Array, src: jax.Array, valid: jax.Array, a: int) -> ja
     return jnp.zeros((a, back_rbd.shape[-1]), back_rbd.dtype).at[jnp.where(valid, src, a)].set(back_rbd, mode="drop")
 
 
-def exchange_dropless(rows_ad: jax.Array, sizes_e: jax.Array, k: int, ep: int, experts) -> jax.Array:
+def _emulated_ragged_all_to_all(x, out, in_off, send, out_off, recv, axes):
+    """jax.lax.ragged_all_to_all as its documentation defines it, by fixed-size all-to-alls (XLA:CPU has no
+    ragged all-to-all): slice j (send[j] rows of x from in_off[j]) goes to rank j, padded to x's rows, and
+    is written there at out_off[j]; recv[s] rows come from rank s."""
+    rows = x.shape[0]
+    j = jnp.arange(rows)
+    trail = (1,) * (x.ndim - 1)
+    blocks = jnp.where((j < send[:, None]).reshape(*send.shape, rows, *trail),
+                       x[jnp.minimum(in_off[:, None] + j, rows - 1)], 0)
+    got = jax.lax.all_to_all(blocks, axes, 0, 0, tiled=True)  # [source rank, rows, ...]
+    at = jax.lax.all_to_all(out_off, axes, 0, 0, tiled=True)
+    return out.at[jnp.where(j < recv[:, None], at[:, None] + j, out.shape[0])].set(got, mode="drop")
+
+
+def _ragged_all_to_all(*args, axes):
+    """The ragged all-to-all where it exists (XLA:GPU), its emulation on CPU (chosen per lowering platform, so a
+    CPU machine still compiles the real one for a GPU target)."""
+    return jax.lax.platform_dependent(
+        *args, cpu=functools.partial(_emulated_ragged_all_to_all, axes=axes),
+        default=lambda *a: jax.lax.ragged_all_to_all(*a, axis_name=axes))
+
+
+def _move_fn(x, per_rank, recv, bound: int, rows_out: int, back: bool, folded: bool) -> jax.Array:
+    """`ragged_move` without its VJP. Folded: x's leading dim (one block per tensor rank) is split over 'tensor' in
+    a nested manual region, and the ranks are 'expert' x 'tensor'."""
+
+    def one(x, per_rank, recv, axes):
+        n = per_rank.shape[0]
+        me = jax.lax.axis_index(axes)
+        starts = jnp.cumsum(per_rank) - per_rank
+        if back:  # block s of recv[s] rows back to s, where s's rows for this rank started
+            args = (jnp.arange(n) * bound, recv, jax.lax.all_to_all(starts, axes, 0, 0, tiled=True), per_rank)
+        else:  # per_rank[j] rows from starts[j] to rank j, at this rank's block there
+            args = (starts, per_rank, jnp.full((n,), me * bound, per_rank.dtype), recv)
+        out = jnp.zeros((rows_out, *x.shape[1:]), x.dtype)
+        return _ragged_all_to_all(x, out if folded else vary(out, sorted(varying_axes(x) | set(axes))), *args, axes=axes)
+
+    if not folded:
+        return one(x[0], per_rank[0], recv[0], ("expert",))[None]
+    axes = tuple(a for a in FOLDED if a == "tensor" or a in current_manual_axes())
+    spec = lambda a: P("tensor", *[None] * (a.ndim - 1))  # noqa: E731
+    return tensor_manual(lambda *a: one(*(b[0] for b in a), axes)[None], (x, per_rank, recv),
+                         tuple(map(spec, (x, per_rank, recv))), spec(x))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def ragged_move(x: jax.Array, per_rank: jax.Array, recv: jax.Array, bound: int, rows_out: int, back: bool,
+                folded: bool) -> jax.Array:
+    """The dropless rows' exchange with exact counts (parallel.expert_all_to_all=ragged): blocks [g, rows, d] of
+    rows sorted by destination rank, per_rank [g, n] of them for each of the n ranks, recv [g, n] from each.
+    Forward (back=False): each rank's rows land in block `me` of [n bound] rows on their rank (the layout of the
+    padded exchange, without sending its padding). back=True is its transpose: the experts' outputs return to
+    where their rows were. One block (g = 1) over 'expert'; folded experts, one per tensor rank over 'expert' x
+    'tensor' (`folded`). Each direction is the other's VJP."""
+    return _move_fn(x, per_rank, recv, bound, rows_out, back, folded)
+
+
+def _move_fwd(x, per_rank, recv, bound, rows_out, back, folded):
+    return _move_fn(x, per_rank, recv, bound, rows_out, back, folded), (per_rank, recv, x.shape[1])
+
+
+def _move_bwd(bound, rows_out, back, folded, res, ct):
+    per_rank, recv, rows_in = res
+    return _move_fn(ct, per_rank, recv, bound, rows_in, not back, folded), None, None
+
+
+ragged_move.defvjp(_move_fwd, _move_bwd)
+
+
+def exchange_dropless(rows_ad: jax.Array, sizes_e: jax.Array, k: int, ep: int, experts,
+                      ragged: bool = False) -> jax.Array:
     """Dropless rows [a, d] sorted by expert (group sizes [e]) -> the experts' outputs [a, d'], with the experts on
     `ep` ranks. Each expert rank gets the rows of its e / ep experts in a buffer of the most it can get (a token
-    picks k distinct experts, so min(k, e / ep) rows a token); the all-to-all is fixed-size, so it moves
-    ep x min(k, e / ep) / k times the routed rows (the capacity path moves capacity_factor times). The received
-    rows are regrouped by local expert for `experts(rows, group sizes [e / ep])` (padding rows last, in no group,
-    their outputs unused), and the outputs go back the same way."""
+    picks k distinct experts, so min(k, e / ep) rows a token). The padded all-to-all is fixed-size, so it moves
+    ep x min(k, e / ep) / k times the routed rows (the capacity path moves capacity_factor times); `ragged` moves
+    the routed rows alone (`ragged_move`). The received rows are regrouped by local expert for
+    `experts(rows, group sizes [e / ep])` (padding rows last, in no group, their outputs unused), and the outputs
+    go back the same way."""
     a, d = rows_ad.shape
     el = sizes_e.shape[0] // ep
     bound = dropless_bound(a // k, k, sizes_e.shape[0], ep)
-    send, src, valid = _pack(rows_ad, sizes_e, ep, bound)
-    recv = _all_to_all(send).reshape(ep * bound, d)
     counts = _all_to_all(sizes_e.reshape(ep, el))  # [source rank, local expert]
+    if ragged:
+        per_rank, recv_n = jnp.sum(sizes_e.reshape(ep, el), axis=1)[None], jnp.sum(counts, axis=1)[None]
+        recv = ragged_move(rows_ad[None], per_rank, recv_n, bound, ep * bound, False, False)[0]
+    else:
+        send, src, valid = _pack(rows_ad, sizes_e, ep, bound)
+        recv = _all_to_all(send).reshape(ep * bound, d)
     order = _regroup(counts, bound)
     out = _unsort(experts(recv[order], jnp.sum(counts, axis=0)), order)
+    if ragged:
+        return ragged_move(out[None], per_rank, recv_n, bound, a, True, False)[0]
     back = _all_to_all(out.reshape(ep, bound, -1))  # [destination rank, bound, d'], in the order the rows were sent
     return _unpack(back, src, valid, a)
 
 
-def exchange_folded_dropless(rows_gad: jax.Array, sizes_ge: jax.Array, k: int, ep: int, experts) -> jax.Array:
+def exchange_folded_dropless(rows_gad: jax.Array, sizes_ge: jax.Array, k: int, ep: int, experts,
+                             ragged: bool = False) -> jax.Array:
     """exchange_dropless for folded experts (parallel.expert_tensor=1): the rows [t, a, d] of the t tensor ranks'
     sequence shards (group sizes [t, e]) -> their outputs [t, a, d'], the experts whole on ep x t ranks. One
     all-to-all over 'expert' x 'tensor' carries each rank's rows to the n = ep t folded ranks (n x min(k, e / n)
-    rows a token); every folded rank runs its e / n experts on [n bound, d] rows with
-    `experts(rows [t, n bound, d], group sizes [t, e / n])`, and the outputs go back the same way."""
+    rows a token padded, the routed rows alone `ragged`); every folded rank runs its e / n experts on [n bound, d]
+    rows with `experts(rows [t, n bound, d], group sizes [t, e / n])`, and the outputs go back the same way."""
     t, a, d = rows_gad.shape
     e = sizes_ge.shape[1]
     n = ep * t
     bound = dropless_bound(a // k, k, e, n)
-    send, src, valid = jax.vmap(lambda r, s: _pack(r, s, n, bound))(rows_gad, sizes_ge)
-    recv = folded_all_to_all(send).reshape(t, n * bound, d)
     # the group sizes travel with the rows (as floats: the all-to-all's custom VJP wants a differentiable type)
     counts = folded_all_to_all(sizes_ge.reshape(t, n, e // n).astype(jnp.float32)).astype(jnp.int32)
+    if ragged:
+        per_rank, recv_n = jnp.sum(sizes_ge.reshape(t, n, -1), axis=2), jnp.sum(counts, axis=2)
+        recv = ragged_move(rows_gad, per_rank, recv_n, bound, n * bound, False, True)
+    else:
+        send, src, valid = jax.vmap(lambda r, s: _pack(r, s, n, bound))(rows_gad, sizes_ge)
+        recv = folded_all_to_all(send).reshape(t, n * bound, d)
     order = jax.vmap(lambda c: _regroup(c, bound))(counts)
     rows_in = jnp.take_along_axis(recv, order[..., None], axis=1)
     out = jax.vmap(_unsort)(experts(rows_in, jnp.sum(counts, axis=1)), order)
+    if ragged:
+        return ragged_move(out, per_rank, recv_n, bound, a, True, True)
     back = folded_all_to_all(out.reshape(t, n, bound, -1))
     return jax.vmap(lambda b, s, v: _unpack(b, s, v, a))(back, src, valid)
 
@@ -440,10 +537,11 @@ def run_experts(x_gtd: jax.Array, ids_gtk: jax.Array, weights_gtk: jax.Array, cf
     rows, sizes, order = jax.vmap(lambda x, i, w: dispatch(x, i, e, w if by_weight else None))(
         x_gtd, ids_gtk, weights_gtk)
     if cfg.moe_capacity_factor is None:  # dropless: each expert's rows, as many as were routed to it
+        ragged = _EXCHANGE.get().ragged
         if g > 1:
-            out = exchange_folded_dropless(rows, sizes, k, ep, experts)
+            out = exchange_folded_dropless(rows, sizes, k, ep, experts, ragged)
         elif ep > 1:
-            out = exchange_dropless(rows[0], sizes[0], k, ep, experts)[None]
+            out = exchange_dropless(rows[0], sizes[0], k, ep, experts, ragged)[None]
         else:
             out = experts(rows[0], sizes[0])[None]
         dropped = jnp.float32(0)
