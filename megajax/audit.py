@@ -156,8 +156,9 @@ def expected_all_to_all(cfg) -> dict:
     `routed_bytes_each`: the analytic volume, tokens x k x hidden in the compute dtype (Megatron's dropless
     all-to-all sends exactly that); `buffer_bytes_each`: megajax's fixed-size buffer, capacity_factor times that
     with a capacity, or n x min(k, experts / n) / k times that dropless, n the ranks holding experts
-    (moe.exchange_dropless). `bytes_each`: what each all-to-all moves, the buffer, or with
-    parallel.expert_all_to_all=ragged (dropless) the routed rows alone, the program's ragged all-to-alls. With
+    (moe.exchange_dropless), or with parallel.expert_buffer_factor the ragged exchange's receiving buffer.
+    `bytes_each`: what each all-to-all moves, the buffer, or with parallel.expert_all_to_all=ragged (dropless) the
+    routed rows alone (at most the receiving buffer), the program's ragged all-to-alls. With
     folded experts (parallel.expert_tensor=1) over `axes` 'expert' x 'tensor', the tokens are a tensor rank's
     sequence shard and n = expert x tensor."""
     from megajax.model import moe
@@ -170,7 +171,8 @@ def expected_all_to_all(cfg) -> dict:
     k, e = m.experts_per_token, m.num_experts
     if m.moe_capacity_factor is None:
         ranks = p.expert * (p.tensor if p.folded_experts else 1)  # the ranks that hold experts
-        buffer = ranks * moe.dropless_bound(tokens, k, e, ranks) * row
+        bound = moe.dropless_bound(tokens, k, e, ranks)
+        buffer = moe.receive_rows(tokens * k, bound, ranks, p.expert_buffer_factor) * row
     else:
         buffer = e * moe.capacity(tokens, k, e, m.moe_capacity_factor) * row
     again = 1.0 if m.recompute == "full" else 0.0  # the share of chunk forwards run twice
@@ -183,7 +185,7 @@ def expected_all_to_all(cfg) -> dict:
     return {"count": (4 + 2 * again) * (m.moe_layers // p.pipeline) * cfg.num_micro_batches,
             "routed_bytes_each": tokens * k * row, "buffer_bytes_each": buffer,
             "exchange": "ragged-all-to-all" if ragged else "all-to-all",
-            "bytes_each": tokens * k * row if ragged else buffer,
+            "bytes_each": min(tokens * k * row, buffer) if ragged else buffer,
             "axes": [a for a, n in (("expert", p.expert), ("tensor", p.tensor if p.folded_experts else 1)) if n > 1]}
 
 

@@ -196,6 +196,10 @@ class ParallelConfig:
     # ragged = the routed rows alone (XLA's ragged all-to-all, as Megatron's all-to-all by split sizes; GPU only,
     # emulated by fixed-size all-to-alls on CPU). The receiving buffers are the padded ones either way.
     expert_all_to_all: Literal["padded", "ragged"] = "padded"
+    # With expert_all_to_all=ragged: each expert rank receives at most this times one rank's routed rows (the mean
+    # it receives; MaxText's ragged_buffer_factor), not the most it can get, and the rows that do not fit are
+    # dropped (the higher source ranks' last rows first; moe_dropped_fraction counts them). null: dropless.
+    expert_buffer_factor: float | None = None
     context: int = 1  # context-parallel size: every sequence split over this many ranks, attention by a ring
     # How attention's keys and values cross the context ranks (Megatron's --cp-comm-type): ring = ppermute one hop
     # per step under the previous block's compute (p2p); all_gather = every rank's at once, the gradients
@@ -234,6 +238,11 @@ class ParallelConfig:
         for name in ("pipeline", "tensor", "virtual_stages", "expert", "context"):
             _check(getattr(self, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(self, name)}")
         _check(self.data is None or self.data >= 1, f"parallel.data must be >= 1 (or null), got {self.data}")
+        _check(self.expert_buffer_factor is None or self.expert_buffer_factor > 0,
+               f"parallel.expert_buffer_factor must be positive or null (dropless), got {self.expert_buffer_factor}")
+        _check(self.expert_buffer_factor is None or self.expert_all_to_all == "ragged",
+               "parallel.expert_buffer_factor sizes the ragged exchange's receiving buffer: set "
+               "parallel.expert_all_to_all=ragged (or parallel.expert_buffer_factor=null)")
         _check(self.overlap_comm_ratio >= 0, f"parallel.overlap_comm_ratio must be >= 0 (0: no cap), got "
                f"{self.overlap_comm_ratio}")
         _check(
@@ -523,6 +532,12 @@ class Config:
         if self.train.micro_batch_size is not None:
             return self.train.micro_batch_size
         return max(1, self.train.global_batch_size // data)
+
+    @property
+    def drops_tokens(self) -> bool:
+        """Whether the MoE layers can drop assignments: a capacity factor, or a ragged exchange's receiving buffer
+        smaller than the most a rank can get (parallel.expert_buffer_factor)."""
+        return self.model.moe_capacity_factor is not None or self.parallel.expert_buffer_factor is not None
 
     @property
     def num_micro_batches(self) -> int:

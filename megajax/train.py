@@ -378,7 +378,8 @@ def _model_context(cfg: Config):
     and the experts' exchange (parallel.expert_tensor=1, parallel.expert_all_to_all)."""
     with (sharding.activation_sharding(cfg.parallel.sequence_parallel), context.exchange(cfg.parallel.context_comm),
           collective_matmul.enable(cfg.parallel.tp_comm_overlap, ring=cfg.parallel.pipeline == 1),
-          moe.exchange(cfg.parallel.folded_experts, cfg.parallel.expert_all_to_all == "ragged")):
+          moe.exchange(cfg.parallel.folded_experts, cfg.parallel.expert_all_to_all == "ragged",
+                       cfg.parallel.expert_buffer_factor)):
         yield
 
 
@@ -389,7 +390,7 @@ def train_step(setup: StepSetup, state: TrainState, batch: dict) -> tuple[TrainS
     total = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
     with _model_context(cfg):
         loss_sum, grads = compute_grads(setup, state.params, batch, state.loss_scale / total)
-    grads, moe_stats, moe_loads = moe.step_stats(grads, cfg.model.num_experts, cfg.model.moe_capacity_factor)
+    grads, moe_stats, moe_loads = moe.step_stats(grads, cfg.model.num_experts, drops=cfg.drops_tokens)
     grads, fp8_seen = fp8.take_meta_grads(grads)
     grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
     loss = loss_sum / total

@@ -137,6 +137,10 @@ def test_auxiliary_losses_join_the_gradient_at_the_objective_scale():
     ({"model.num_experts": 4, "parallel.data": 2, "parallel.expert_all_to_all": "ragged"},
      "parallel.expert > 1 or parallel.expert_tensor=1"),
     ({"parallel.expert_all_to_all": "sparse"}, "expert_all_to_all"),
+    ({"model.num_experts": 4, "parallel.data": 2, "parallel.expert": 2, "parallel.expert_buffer_factor": 1.0},
+     "set parallel.expert_all_to_all=ragged"),
+    ({"model.num_experts": 4, "parallel.data": 2, "parallel.expert": 2, "parallel.expert_all_to_all": "ragged",
+      "parallel.expert_buffer_factor": 0.0}, "must be positive or null"),
 ])
 def test_bad_moe_configs_name_the_fix(sets, fix):
     with pytest.raises(config_lib.ConfigError, match=fix):
@@ -192,6 +196,60 @@ def test_folded_experts_route_and_drop_per_sequence_shard(factor, grouped, ragge
     else:  # the capacity over all 16 tokens drops differently
         assert stats[-1] > 0, "the case drops something"
         assert whole[-1] != stats[-1] or not np.allclose(layer.apply({"params": p}, x), got)
+
+
+@pytest.mark.parametrize("factor", [0.5, 0.8, 2.0])
+def test_ragged_receiving_buffer_drops_what_does_not_fit(factor):
+    """parallel.expert_buffer_factor: with the ragged exchange each rank's receiving buffer holds factor x one
+    rank's routed rows, and the rows past it are not sent. On t 2 folded (GSPMD, 2 ranks of 2 experts, 16 routed
+    rows a rank) the layer equals a NumPy reference of the rule: a rank takes its sources' rows in source rank
+    order (each source's sorted by expert, then token) up to the buffer, and a token's output sums its kept
+    assignments' weighted expert outputs; the statistics count the rows left out. At 2.0 (the most a rank can
+    get, 32 rows) nothing is dropped."""
+    import jax
+    import jax.numpy as jnp
+
+    from megajax import sharding
+    from megajax.config import ParallelConfig
+    from megajax.model import moe
+
+    cfg, layer, p, x = _layer("llama", 0)
+    mesh = sharding.make_mesh(ParallelConfig(data=1, tensor=2, sequence_parallel=True), jax.devices()[:2])
+    names = {"router": ("embed", None), "w_gate_up": ("expert", "embed", "mlp", None),
+             "w_out": ("expert", "mlp", "embed"), moe.STATS: (None,)}
+    q = {k: jax.device_put(v, jax.sharding.NamedSharding(mesh, sharding.param_spec(names[k], folded_experts=True)))
+         for k, v in p.items()}
+    with jax.set_mesh(mesh), sharding.activation_sharding(True), moe.exchange(True, True, factor):
+        got = jax.jit(lambda q, x: layer.apply({"params": q}, x))(q, x)
+        dropped = jax.jit(jax.grad(lambda q, x: jnp.sum(layer.apply({"params": q}, x))))(q, x)[moe.STATS][-1]
+
+    xs, k, f = np.asarray(x), cfg.experts_per_token, cfg.moe_ffn_size
+    w_gu, w_out = np.asarray(p["w_gate_up"]).reshape(4, 32, -1), np.asarray(p["w_out"])
+    buffer = min(32, int(np.ceil(factor * 16)))
+    want, kept_total = np.zeros_like(xs), 0
+    routed = []  # per source rank (sequence half): its tokens' (b, s) positions, weights and expert ids
+    for src in range(2):
+        pos = [(b, s) for b in range(2) for s in range(src * 4, src * 4 + 4)]
+        tokens = np.stack([xs[b, s] for b, s in pos])
+        weights, ids, _ = moe.route(jnp.asarray(tokens @ np.asarray(p["router"])), k)
+        routed.append((pos, tokens, np.asarray(weights), np.asarray(ids)))
+    for dest in range(2):
+        room = buffer
+        for pos, tokens, weights, ids in routed:
+            rows = sorted((e, t, j) for t in range(len(pos)) for j, e in enumerate(ids[t]) if e // 2 == dest)
+            for e, t, j in rows[:max(0, room)]:
+                gate_up = (tokens[t] @ w_gu[e]).reshape(f, 2)
+                hidden = gate_up[:, 0] / (1 + np.exp(-gate_up[:, 0])) * gate_up[:, 1]
+                want[pos[t]] += weights[t, j] * (hidden @ w_out[e])
+                kept_total += 1
+            room -= len(rows)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert float(dropped) == 2 * 8 * k - kept_total
+    if factor == 2.0:
+        assert kept_total == 32
+        np.testing.assert_allclose(got, layer.apply({"params": p}, x), rtol=1e-5, atol=1e-6)
+    else:
+        assert float(dropped) > 0, "the case drops something"
 
 
 @functools.lru_cache(maxsize=None)
@@ -348,6 +406,19 @@ def test_routing_metrics_are_the_same_on_every_layout():
         np.testing.assert_allclose(runs[1][key], runs[0][key], rtol=1e-5)
     assert runs[0]["moe_load_imbalance"] >= 1 and 0 < runs[0]["moe_dropped_fraction"] < 1
     assert runs[0]["moe_aux_loss"] == pytest.approx(1.0, abs=0.1)  # near-uniform routing at initialisation
+
+
+def test_ragged_buffer_factor_trains_and_reports_its_drops():
+    """d 2 e 2, the ragged exchange into buffers of 0.6 x a rank's routed rows: training runs (the exchange's VJP
+    sends the kept rows' gradients back; the dropped ones get none), moe_dropped_fraction reports the rows left out
+    (about 40% at near-uniform routing), and the loss is within what dropping 40% of the expert outputs can move."""
+    sets = {**MOE, "parallel.data": 2, "parallel.expert": 2, "parallel.expert_all_to_all": "ragged",
+            "parallel.expert_buffer_factor": 0.6}
+    losses, state, setup = run_steps(small_config(**sets), 2, 2, return_state=True)
+    metrics, _ = _one_step_stats(setup, state)
+    assert 0.3 < metrics["moe_dropped_fraction"] < 0.5, metrics
+    ref, _ = reference("gpt2")
+    assert np.all(np.isfinite(losses)) and losses[1] < losses[0] and abs(losses[0] - ref[0]) < 0.05
 
 
 def _one_step_stats(setup, state):

@@ -59,6 +59,7 @@ class Exchange(NamedTuple):
 
     folded: bool = False  # whole experts spread over 'expert' x 'tensor'
     ragged: bool = False  # dropless rows by exact counts, not fixed-size blocks
+    buffer_factor: float | None = None  # ragged: receive at most this times a rank's routed rows (null: the most)
 
 
 _EXCHANGE: contextvars.ContextVar[Exchange] = contextvars.ContextVar("megajax_moe_exchange", default=Exchange())
@@ -70,10 +71,10 @@ def objective_scale(seed: jax.Array):
     return setting(_SEED, seed)
 
 
-def exchange(folded: bool, ragged: bool = False):
-    """While a step is traced: parallel.expert_tensor=1 (`folded`: whole experts spread over 'expert' x 'tensor')
-    and parallel.expert_all_to_all=ragged."""
-    return setting(_EXCHANGE, Exchange(folded, ragged))
+def exchange(folded: bool, ragged: bool = False, buffer_factor: float | None = None):
+    """While a step is traced: parallel.expert_tensor=1 (`folded`: whole experts spread over 'expert' x 'tensor'),
+    parallel.expert_all_to_all=ragged and parallel.expert_buffer_factor."""
+    return setting(_EXCHANGE, Exchange(folded, ragged, buffer_factor))
 
 
 def folds() -> int:
@@ -135,11 +136,11 @@ def _named(path, name: str) -> bool:
     return getattr(path[-1], "key", None) == name
 
 
-def step_stats(grads, num_experts: int, capacity_factor: float | None) -> tuple[object, dict, dict]:
+def step_stats(grads, num_experts: int, drops: bool) -> tuple[object, dict, dict]:
     """(grads with every STATS gradient zeroed, the step's metrics, each MoE module's assignments per expert
     [..., e] by its path): `moe_aux_loss` (the balancing loss, token mean, unscaled), `moe_load_imbalance` (per
-    layer, max over mean assignments per expert over the whole step, averaged over layers) and with a capacity
-    `moe_dropped_fraction` (of all assignments)."""
+    layer, max over mean assignments per expert over the whole step, averaged over layers) and, where the layout
+    `drops` assignments (Config.drops_tokens), `moe_dropped_fraction` (of all assignments)."""
     found, loads = [], {}
 
     def take(path, g):
@@ -157,7 +158,7 @@ def step_stats(grads, num_experts: int, capacity_factor: float | None) -> tuple[
     counts = rows[:, :num_experts]
     out = {"moe_aux_loss": jnp.sum(rows[:, num_experts]) / jnp.maximum(jnp.sum(rows[:, num_experts + 1]), 1.0),
            "moe_load_imbalance": jnp.mean(jnp.max(counts, axis=1) / jnp.maximum(jnp.mean(counts, axis=1), 1e-9))}
-    if capacity_factor is not None:
+    if drops:
         out["moe_dropped_fraction"] = jnp.sum(rows[:, num_experts + 2]) / jnp.maximum(jnp.sum(counts), 1.0)
     return grads, out, loads
 
@@ -326,12 +327,14 @@ def _pack(rows_ad: jax.Array, sizes_e: jax.Array, ranks: int, bound: int):
     return jnp.where(valid[..., None], rows_ad[jnp.minimum(src, a - 1)], 0), src, valid
 
 
-def _regroup(counts_re: jax.Array, bound: int) -> jax.Array:
-    """The received blocks' group sizes [source rank, local expert] -> the order [ranks bound] that sorts the
-    received rows by local expert (each expert's rows in source rank order; padding rows last)."""
-    j = jnp.arange(bound)
-    local = jnp.sum(j[None, :, None] >= jnp.cumsum(counts_re, axis=1)[:, None, :], axis=-1)  # el: padding
-    return jnp.argsort(local.reshape(-1), stable=True)
+def _regroup(counts_se: jax.Array, off_s: jax.Array, rows: int) -> jax.Array:
+    """The received rows' group sizes [source rank, local expert] and where each source's rows start (ascending)
+    -> the order [rows] that sorts the received rows by local expert (each expert's rows in source rank order;
+    rows in no group last)."""
+    p = jnp.arange(rows)
+    src = jnp.sum(p[:, None] >= off_s[None, 1:], axis=1)
+    local = jnp.sum((p - off_s[src])[:, None] >= jnp.cumsum(counts_se, axis=1)[src], axis=-1)  # el: no group
+    return jnp.argsort(local, stable=True)
 
 
 def _unsort(out_nd: jax.Array, order: jax.Array) -> jax.Array:
@@ -365,106 +368,146 @@ def _ragged_all_to_all(*args, axes):
         default=lambda *a: jax.lax.ragged_all_to_all(*a, axis_name=axes))
 
 
-def _move_fn(x, per_rank, recv, bound: int, rows_out: int, back: bool, folded: bool) -> jax.Array:
+def _move_fn(x, send_off, send_n, dest_off, recv_off, recv_n, rows_out: int, back: bool,
+             folded: bool) -> jax.Array:
     """`ragged_move` without its VJP. Folded: x's leading dim (one block per tensor rank) is split over 'tensor' in
     a nested manual region, and the ranks are 'expert' x 'tensor'."""
 
-    def one(x, per_rank, recv, axes):
-        n = per_rank.shape[0]
-        me = jax.lax.axis_index(axes)
-        starts = jnp.cumsum(per_rank) - per_rank
-        if back:  # block s of recv[s] rows back to s, where s's rows for this rank started
-            args = (jnp.arange(n) * bound, recv, jax.lax.all_to_all(starts, axes, 0, 0, tiled=True), per_rank)
-        else:  # per_rank[j] rows from starts[j] to rank j, at this rank's block there
-            args = (starts, per_rank, jnp.full((n,), me * bound, per_rank.dtype), recv)
+    def one(x, send_off, send_n, dest_off, recv_off, recv_n, axes):
+        if back:  # the rows received from s (recv_n[s] from recv_off[s]) back to where s sent them from
+            args = (recv_off, recv_n, jax.lax.all_to_all(send_off, axes, 0, 0, tiled=True), send_n)
+        else:
+            args = (send_off, send_n, dest_off, recv_n)
         out = jnp.zeros((rows_out, *x.shape[1:]), x.dtype)
-        return _ragged_all_to_all(x, out if folded else vary(out, sorted(varying_axes(x) | set(axes))), *args, axes=axes)
+        out = out if folded else vary(out, sorted(varying_axes(x) | set(axes)))
+        return _ragged_all_to_all(x, out, *args, axes=axes)
 
+    args = (x, send_off, send_n, dest_off, recv_off, recv_n)
     if not folded:
-        return one(x[0], per_rank[0], recv[0], ("expert",))[None]
+        return one(*(a[0] for a in args), ("expert",))[None]
     axes = tuple(a for a in FOLDED if a == "tensor" or a in current_manual_axes())
     spec = lambda a: P("tensor", *[None] * (a.ndim - 1))  # noqa: E731
-    return tensor_manual(lambda *a: one(*(b[0] for b in a), axes)[None], (x, per_rank, recv),
-                         tuple(map(spec, (x, per_rank, recv))), spec(x))
+    return tensor_manual(lambda *a: one(*(b[0] for b in a), axes)[None], args, tuple(map(spec, args)), spec(x))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def ragged_move(x: jax.Array, per_rank: jax.Array, recv: jax.Array, bound: int, rows_out: int, back: bool,
-                folded: bool) -> jax.Array:
-    """The dropless rows' exchange with exact counts (parallel.expert_all_to_all=ragged): blocks [g, rows, d] of
-    rows sorted by destination rank, per_rank [g, n] of them for each of the n ranks, recv [g, n] from each.
-    Forward (back=False): each rank's rows land in block `me` of [n bound] rows on their rank (the layout of the
-    padded exchange, without sending its padding). back=True is its transpose: the experts' outputs return to
-    where their rows were. One block (g = 1) over 'expert'; folded experts, one per tensor rank over 'expert' x
-    'tensor' (`folded`). Each direction is the other's VJP."""
-    return _move_fn(x, per_rank, recv, bound, rows_out, back, folded)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def ragged_move(x: jax.Array, send_off: jax.Array, send_n: jax.Array, dest_off: jax.Array, recv_off: jax.Array,
+                recv_n: jax.Array, rows_out: int, back: bool, folded: bool) -> jax.Array:
+    """The dropless rows' exchange by exact counts (parallel.expert_all_to_all=ragged), for blocks [g, rows, d]
+    (one over 'expert'; folded, one per tensor rank over 'expert' x 'tensor', `folded`), every offset and size
+    [g, n ranks] (`ragged_plan`). Forward: send_n[j] rows from send_off[j] to rank j, written there from
+    dest_off[j]; recv_n[s] rows arrive from s at recv_off[s] of [rows_out, d]. back=True is its transpose: the rows
+    received go back where they came from (into zeros [rows_out, d]: rows never sent get zeros). Each direction is
+    the other's VJP."""
+    return _move_fn(x, send_off, send_n, dest_off, recv_off, recv_n, rows_out, back, folded)
 
 
-def _move_fwd(x, per_rank, recv, bound, rows_out, back, folded):
-    return _move_fn(x, per_rank, recv, bound, rows_out, back, folded), (per_rank, recv, x.shape[1])
+def _move_fwd(x, send_off, send_n, dest_off, recv_off, recv_n, rows_out, back, folded):
+    out = _move_fn(x, send_off, send_n, dest_off, recv_off, recv_n, rows_out, back, folded)
+    return out, (send_off, send_n, dest_off, recv_off, recv_n, x.shape[1])
 
 
-def _move_bwd(bound, rows_out, back, folded, res, ct):
-    per_rank, recv, rows_in = res
-    return _move_fn(ct, per_rank, recv, bound, rows_in, not back, folded), None, None
+def _move_bwd(rows_out, back, folded, res, ct):
+    *plan, rows_in = res
+    return (_move_fn(ct, *plan, rows_in, not back, folded),) + (None,) * 5
 
 
 ragged_move.defvjp(_move_fwd, _move_bwd)
 
 
+def receive_rows(rows: int, bound: int, ranks: int, factor: float | None) -> int:
+    """The rows of a rank's receiving buffer for the ragged exchange: the most it can get (ranks x bound), or with
+    parallel.expert_buffer_factor that factor times one rank's routed rows (the mean a rank receives), at most
+    the most."""
+    return ranks * bound if factor is None else min(ranks * bound, math.ceil(factor * rows))
+
+
+def ragged_plan(per_rank: jax.Array, rows_out: int):
+    """Where the ragged exchange's rows go: the blocks' rows for each rank per_rank [g, n] (g blocks on this
+    device: 1, or folded the tensor ranks' (GSPMD), ranks expert-major) -> (send_off, send_n, dest_off, recv_off,
+    recv_n), each [g, n], as `ragged_move` takes them. A receiving buffer of rows_out rows holds the sources' rows
+    in source rank order; what does not fit is not sent (the higher sources' last rows first)."""
+    g, n = per_rank.shape
+    if "expert" in current_manual_axes():  # every block's counts: [sources, destinations]
+        every = jax.lax.all_gather(per_rank, "expert", tiled=True)
+        me = jax.lax.axis_index("expert") * g + jnp.arange(g)
+    else:
+        every, me = per_rank, jnp.arange(g)
+    before = jnp.cumsum(every, axis=0) - every  # [s, j]: rows sources before s send j
+    dest_off = before[me]
+    send_n = jnp.clip(rows_out - dest_off, 0, per_rank)
+    recv_off = before[:, me].T
+    recv_n = jnp.clip(rows_out - recv_off, 0, every[:, me].T)
+    return jnp.cumsum(per_rank, axis=1) - per_rank, send_n, dest_off, recv_off, recv_n
+
+
+def _ragged_exchange(rows_gad, sizes_ge, counts_gse, ranks: int, bound: int, factor, experts, folded: bool):
+    """The ragged exchange of g blocks of rows [g, a, d] sorted by expert (group sizes [g, e]; the group sizes
+    each block receives from each source [g, n, e / n]) through `experts` and back: (outputs [g, a, d'], rows
+    dropped for want of room)."""
+    g, a, _ = rows_gad.shape
+    rows_out = receive_rows(a, bound, ranks, factor)
+    plan = ragged_plan(jnp.sum(sizes_ge.reshape(g, ranks, -1), axis=2), rows_out)
+    recv = ragged_move(rows_gad, *plan, rows_out, False, folded)
+    recv_off, recv_n = plan[3], plan[4]
+    kept = jnp.clip(recv_n[..., None] - (jnp.cumsum(counts_gse, axis=2) - counts_gse), 0, counts_gse)
+    order = jax.vmap(lambda c, o: _regroup(c, o, rows_out))(kept, recv_off)
+    rows_in = jnp.take_along_axis(recv, order[..., None], axis=1)
+    out = jax.vmap(_unsort)(experts(rows_in if folded else rows_in[0], jnp.sum(kept, axis=1) if folded else
+                                    jnp.sum(kept[0], axis=0)).reshape(g, rows_out, -1), order)
+    dropped = jnp.sum(sizes_ge) - jnp.sum(plan[1])
+    return ragged_move(out, *plan, a, True, folded), dropped.astype(jnp.float32)
+
+
 def exchange_dropless(rows_ad: jax.Array, sizes_e: jax.Array, k: int, ep: int, experts,
-                      ragged: bool = False) -> jax.Array:
-    """Dropless rows [a, d] sorted by expert (group sizes [e]) -> the experts' outputs [a, d'], with the experts on
-    `ep` ranks. Each expert rank gets the rows of its e / ep experts in a buffer of the most it can get (a token
-    picks k distinct experts, so min(k, e / ep) rows a token). The padded all-to-all is fixed-size, so it moves
-    ep x min(k, e / ep) / k times the routed rows (the capacity path moves capacity_factor times); `ragged` moves
-    the routed rows alone (`ragged_move`). The received rows are regrouped by local expert for
+                      how: Exchange = Exchange()) -> tuple[jax.Array, jax.Array]:
+    """Dropless rows [a, d] sorted by expert (group sizes [e]) -> (the experts' outputs [a, d'], rows dropped), with
+    the experts on `ep` ranks. Each expert rank gets the rows of its e / ep experts in a buffer of the most it can
+    get (a token picks k distinct experts, so min(k, e / ep) rows a token). The padded all-to-all is fixed-size,
+    so it moves ep x min(k, e / ep) / k times the routed rows (the capacity path moves capacity_factor times);
+    `how.ragged` moves the routed rows alone (`ragged_move`), into a smaller buffer with `how.buffer_factor`
+    (dropping what does not fit). The received rows are regrouped by local expert for
     `experts(rows, group sizes [e / ep])` (padding rows last, in no group, their outputs unused), and the outputs
     go back the same way."""
     a, d = rows_ad.shape
     el = sizes_e.shape[0] // ep
     bound = dropless_bound(a // k, k, sizes_e.shape[0], ep)
     counts = _all_to_all(sizes_e.reshape(ep, el))  # [source rank, local expert]
-    if ragged:
-        per_rank, recv_n = jnp.sum(sizes_e.reshape(ep, el), axis=1)[None], jnp.sum(counts, axis=1)[None]
-        recv = ragged_move(rows_ad[None], per_rank, recv_n, bound, ep * bound, False, False)[0]
-    else:
-        send, src, valid = _pack(rows_ad, sizes_e, ep, bound)
-        recv = _all_to_all(send).reshape(ep * bound, d)
-    order = _regroup(counts, bound)
+    if how.ragged:
+        out, dropped = _ragged_exchange(rows_ad[None], sizes_e[None], counts[None], ep, bound, how.buffer_factor,
+                                        experts, False)
+        return out[0], dropped
+    send, src, valid = _pack(rows_ad, sizes_e, ep, bound)
+    recv = _all_to_all(send).reshape(ep * bound, d)
+    order = _regroup(counts, jnp.arange(ep) * bound, ep * bound)
     out = _unsort(experts(recv[order], jnp.sum(counts, axis=0)), order)
-    if ragged:
-        return ragged_move(out[None], per_rank, recv_n, bound, a, True, False)[0]
     back = _all_to_all(out.reshape(ep, bound, -1))  # [destination rank, bound, d'], in the order the rows were sent
-    return _unpack(back, src, valid, a)
+    return _unpack(back, src, valid, a), jnp.float32(0)
 
 
 def exchange_folded_dropless(rows_gad: jax.Array, sizes_ge: jax.Array, k: int, ep: int, experts,
-                             ragged: bool = False) -> jax.Array:
+                             how: Exchange = Exchange()) -> tuple[jax.Array, jax.Array]:
     """exchange_dropless for folded experts (parallel.expert_tensor=1): the rows [t, a, d] of the t tensor ranks'
-    sequence shards (group sizes [t, e]) -> their outputs [t, a, d'], the experts whole on ep x t ranks. One
-    all-to-all over 'expert' x 'tensor' carries each rank's rows to the n = ep t folded ranks (n x min(k, e / n)
-    rows a token padded, the routed rows alone `ragged`); every folded rank runs its e / n experts on [n bound, d]
-    rows with `experts(rows [t, n bound, d], group sizes [t, e / n])`, and the outputs go back the same way."""
+    sequence shards (group sizes [t, e]) -> (their outputs [t, a, d'], rows dropped), the experts whole on ep x t
+    ranks. One all-to-all over 'expert' x 'tensor' carries each rank's rows to the n = ep t folded ranks
+    (n x min(k, e / n) rows a token padded, the routed rows alone with `how.ragged`); every folded rank runs its
+    e / n experts on its received rows with `experts(rows [t, rows, d], group sizes [t, e / n])`, and the outputs
+    go back the same way."""
     t, a, d = rows_gad.shape
     e = sizes_ge.shape[1]
     n = ep * t
     bound = dropless_bound(a // k, k, e, n)
     # the group sizes travel with the rows (as floats: the all-to-all's custom VJP wants a differentiable type)
     counts = folded_all_to_all(sizes_ge.reshape(t, n, e // n).astype(jnp.float32)).astype(jnp.int32)
-    if ragged:
-        per_rank, recv_n = jnp.sum(sizes_ge.reshape(t, n, -1), axis=2), jnp.sum(counts, axis=2)
-        recv = ragged_move(rows_gad, per_rank, recv_n, bound, n * bound, False, True)
-    else:
-        send, src, valid = jax.vmap(lambda r, s: _pack(r, s, n, bound))(rows_gad, sizes_ge)
-        recv = folded_all_to_all(send).reshape(t, n * bound, d)
-    order = jax.vmap(lambda c: _regroup(c, bound))(counts)
+    if how.ragged:
+        return _ragged_exchange(rows_gad, sizes_ge, counts, n, bound, how.buffer_factor, experts, True)
+    send, src, valid = jax.vmap(lambda r, s: _pack(r, s, n, bound))(rows_gad, sizes_ge)
+    recv = folded_all_to_all(send).reshape(t, n * bound, d)
+    order = jax.vmap(lambda c: _regroup(c, jnp.arange(n) * bound, n * bound))(counts)
     rows_in = jnp.take_along_axis(recv, order[..., None], axis=1)
     out = jax.vmap(_unsort)(experts(rows_in, jnp.sum(counts, axis=1)), order)
-    if ragged:
-        return ragged_move(out, per_rank, recv_n, bound, a, True, True)
     back = folded_all_to_all(out.reshape(t, n, bound, -1))
-    return jax.vmap(lambda b, s, v: _unpack(b, s, v, a))(back, src, valid)
+    return jax.vmap(lambda b, s, v: _unpack(b, s, v, a))(back, src, valid), jnp.float32(0)
 
 
 def expert_mlps(cfg: ModelConfig, w: dict, meta, lead: str | None, xs: jax.Array,
@@ -536,15 +579,15 @@ def run_experts(x_gtd: jax.Array, ids_gtk: jax.Array, weights_gtk: jax.Array, cf
     by_weight = cfg.moe_capacity_factor is not None and cfg.moe_token_drop_policy == "probs"
     rows, sizes, order = jax.vmap(lambda x, i, w: dispatch(x, i, e, w if by_weight else None))(
         x_gtd, ids_gtk, weights_gtk)
-    if cfg.moe_capacity_factor is None:  # dropless: each expert's rows, as many as were routed to it
-        ragged = _EXCHANGE.get().ragged
+    if cfg.moe_capacity_factor is None:  # dropless: each expert's rows, as many as were routed to it (or as fit
+        # the ragged exchange's receiving buffer with parallel.expert_buffer_factor)
         if g > 1:
-            out = exchange_folded_dropless(rows, sizes, k, ep, experts, ragged)
+            out, dropped = exchange_folded_dropless(rows, sizes, k, ep, experts, _EXCHANGE.get())
         elif ep > 1:
-            out = exchange_dropless(rows[0], sizes[0], k, ep, experts, ragged)[None]
+            out, dropped = exchange_dropless(rows[0], sizes[0], k, ep, experts, _EXCHANGE.get())
+            out = out[None]
         else:
-            out = experts(rows[0], sizes[0])[None]
-        dropped = jnp.float32(0)
+            out, dropped = experts(rows[0], sizes[0])[None], jnp.float32(0)
     else:  # a capacity: [e, c, ...] buffers, the rows past c of an expert (in dispatch's order) dropped
         c = capacity(t, k, e, cfg.moe_capacity_factor)
         buf, placed = jax.vmap(lambda r, i, s: to_buffers(r, i, s, c))(rows, ids_gtk, sizes)
