@@ -417,15 +417,18 @@ def load_params(source: ParamsSource | str | os.PathLike, target=None):
 
 
 def _without_fresh_fp8_state(source: ParamsSource, target: dict) -> tuple[dict, dict]:
-    """(target without the FP8 delayed-scaling state leaves the checkpoint lacks, those leaves by path): weights
-    trained or imported without model.fp8_recipe=delayed start its amax history empty (megajax.model.fp8)."""
+    """(target without the FP8 delayed-scaling state leaves the checkpoint lacks or holds in another shape, those
+    leaves by path): weights trained or imported without model.fp8_recipe=delayed, or with one history over all of
+    an MoE layer's experts (megajax before per-expert histories), start the amax history empty (megajax.model.fp8:
+    the first step scales from the operands themselves)."""
     from flax import traverse_util
 
     from megajax.model.fp8 import META_PREFIX
 
-    stored = set(traverse_util.flatten_dict(stored_shapes(source)))
+    stored = traverse_util.flatten_dict(stored_shapes(source))
     flat = traverse_util.flatten_dict(target)
-    fresh = {k: v for k, v in flat.items() if k[-1].startswith(META_PREFIX) and k not in stored}
+    fresh = {k: v for k, v in flat.items()
+             if k[-1].startswith(META_PREFIX) and (k not in stored or tuple(stored[k]) != tuple(v.shape))}
     if not fresh:
         return target, {}
     return traverse_util.unflatten_dict({k: v for k, v in flat.items() if k not in fresh}), fresh

@@ -194,7 +194,8 @@ class ParallelConfig:
     # How the dropless experts' rows cross the expert ranks: padded = fixed-size blocks of the most a rank can get
     # (all-to-all, every platform; at e / expert < k that is expert x min(k, e / expert) / k times the routed rows),
     # ragged = the routed rows alone (XLA's ragged all-to-all, as Megatron's all-to-all by split sizes; GPU only,
-    # emulated by fixed-size all-to-alls on CPU). The receiving buffers are the padded ones either way.
+    # emulated by fixed-size all-to-alls on CPU). The receiving buffers are the padded size unless
+    # expert_buffer_factor (below) makes them smaller.
     expert_all_to_all: Literal["padded", "ragged"] = "padded"
     # With expert_all_to_all=ragged: each expert rank receives at most this times one rank's routed rows (the mean
     # it receives; MaxText's ragged_buffer_factor), not the most it can get, and the rows that do not fit are

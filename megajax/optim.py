@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from megajax import sharding
 from megajax.config import OptimConfig
+from megajax.model.fp8 import is_meta
 
 
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
@@ -46,11 +47,12 @@ def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
 
 def decay_mask(logical_axes) -> dict:
     """Weight decay only on matrices: a parameter with at least two axes besides the stacked 'layers'
-    (and pipeline 'stage') axes. Norm scales and biases are left alone, as in Megatron."""
-    def is_matrix(names):
-        return sum(n not in ("layers", "stage") for n in names) >= 2
+    (and pipeline 'stage') axes. Norm scales and biases are left alone, as in Megatron, and so is the FP8
+    delayed-scaling state (counters, [experts, ...] for an MoE layer's)."""
+    def is_matrix(path, names):
+        return not is_meta(path) and sum(n not in ("layers", "stage") for n in names) >= 2
 
-    return jax.tree.map(is_matrix, logical_axes, is_leaf=lambda x: isinstance(x, tuple))
+    return jax.tree_util.tree_map_with_path(is_matrix, logical_axes, is_leaf=lambda x: isinstance(x, tuple))
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int, logical_axes) -> optax.GradientTransformation:

@@ -106,6 +106,47 @@ def test_each_expert_is_scaled_on_its_own():
     np.testing.assert_array_equal(got[1, :24], y[24:48])
 
 
+def test_each_expert_keeps_its_own_amax_history():
+    """Delayed scaling keeps one amax history per expert (state [e, 3 BINS], sharded as the experts): a step reports
+    each expert's operand exponents apart (expert 1's 16 below expert 0's), and the next step scales each expert
+    from its own history, so the tiny expert stays FP8-accurate (under 8%) in the capacity buffers' matmul, the
+    ragged matmul and folded blocks of it."""
+    k = jax.random.split(jax.random.key(2), 3)
+    tiny = jnp.array([1.0, 2.0 ** -16])[:, None, None]
+    x = jax.random.normal(k[0], (2, 24, 32)) * tiny
+    w = 0.05 * jax.random.normal(k[1], (2, 32, 16)) * tiny
+    dy = jax.random.normal(k[2], (2, 24, 16)) * tiny
+    spec = "ecd,edf->ecf"
+    ref, ref_vjp = jax.vjp(lambda a, b: jnp.einsum(spec, a, b), x, w)
+    want = (ref, *ref_vjp(dy))
+
+    def step(meta):
+        y, vjp = jax.vjp(lambda a, b, m: fp8.einsum(spec, "hybrid", 0, a, b, m, True), x, w, meta)
+        return (y, *vjp(dy))
+
+    empty = jnp.zeros((2, 3 * fp8.BINS))
+    seen = np.asarray(step(empty)[3]).reshape(2, 3, fp8.BINS)
+    exponents = seen.argmax(-1) - fp8.BINS // 2
+    assert (seen.sum(-1) == 1).all() and (exponents[0] - exponents[1] == 16).all(), exponents
+    history = jnp.asarray(np.where(seen > 0, 4.0, 0.0).reshape(2, -1))  # the counters after that step
+    got = step(history)
+    assert max(e for g, r in zip(got[:3], want) for e in _per_group_errors(g, r, (0, 1))) < 0.08
+    # ragged rows (24 of each expert, 4 of padding) with the same histories, then as 2 folded blocks
+    sizes = jnp.array([24, 24], jnp.int32)
+    rows, d_rows = (jnp.concatenate([a.reshape(48, -1), jnp.zeros((4, a.shape[-1]))]) for a in (x, dy))
+    y, vjp = jax.vjp(lambda a, b, m: fp8.ragged_dot("hybrid", 0, a, b, sizes, m), rows, w, history)
+    dx, dw, g_meta = vjp(d_rows)
+    np.testing.assert_array_equal(g_meta, seen.reshape(2, -1))  # the same exponents as the buffers' (no padding)
+    for got_, ref_ in ((y, want[0]), (dx, want[1])):
+        assert max(_per_group_errors(got_[:48].reshape(2, 24, -1), ref_, (0, 1))) < 0.08
+    assert max(_per_group_errors(dw, want[2], (0, 1))) < 0.08
+    blocks = jnp.stack([rows, jnp.concatenate([rows[24:48], jnp.zeros((28, 32))])])
+    got = fp8.ragged_dot("hybrid", 0, blocks, jnp.stack([w, w[::-1]]), jnp.array([[24, 24], [24, 0]], jnp.int32),
+                         jnp.stack([history, history[::-1]]))
+    np.testing.assert_array_equal(got[0], y)
+    np.testing.assert_array_equal(got[1, :24], y[24:48])
+
+
 BASE = {"model.fp8": "hybrid", "model.num_layers": 4, "train.micro_batch_size": 2}
 LAYOUTS = {
     "d2-t2-sp": ({"parallel.data": 2, "parallel.tensor": 2, "parallel.sequence_parallel": True}, 4),
@@ -196,10 +237,14 @@ def test_fp8_delayed_scaling_layout_matches_one_device(name):
     metas = {k: np.asarray(v) for k, v in flax.traverse_util.flatten_dict(jax.device_get(state.params)).items()
              if k[-1].startswith(fp8.META_PREFIX)}
     assert {k[-1] for k in metas} >= {"fp8_wqkv", "fp8_wo"} | ({"fp8_w_in", "fp8_w_out"} if "moe" in name else set())
-    for counters in metas.values():
-        rows = counters.reshape(counters.shape[0], 3, fp8.BINS)
+    for path, counters in metas.items():
+        rows = counters.reshape(*counters.shape[:-1], 3, fp8.BINS)  # experts: [layers, experts, 3, BINS]
         assert set(np.unique(rows)) <= {0.0, 14.0, 15.0, 16.0}
-        assert ((rows == 16).sum(axis=-1) == 1).all()  # one amax per operand and step: the last step's
+        last = (rows == 16).sum(axis=-1)  # one amax per operand and step: the last step's
+        if path[-1] in ("fp8_w_in", "fp8_w_gate_up", "fp8_w_out"):  # one history per expert
+            assert counters.shape[-2] == 4 and (last[..., 1] == 1).all() and (last <= 1).all()
+        else:
+            assert (last == 1).all()
         assert ((rows > 0).sum(axis=-1) <= 3).all()
 
 
@@ -210,7 +255,7 @@ def test_delayed_einsum_scales_from_the_history_and_reports_exponents():
     counters = np.zeros((3, fp8.BINS), np.float32)
     counters[0, fp8.BINS // 2 + 5] = 7  # x: an amax below 2^5 still in the history -> scale 2^(8 - 5)
     meta = jnp.asarray(counters.reshape(-1))
-    xq, _ = fp8.quantize(x, fp8.E4M3, fp8.delayed_scale(meta.reshape(3, -1)[0], x, fp8.E4M3, 0))
+    xq, _ = fp8.quantize(x, fp8.E4M3, fp8.delayed_scale(meta.reshape(3, -1)[0], jnp.max(jnp.abs(x)), fp8.E4M3, 0))
     assert float(xq.astype(jnp.float32).max()) == 3.0 * 2 ** 3
     _, vjp = jax.vjp(lambda a, b, m: fp8.einsum("ab,bc->ac", "hybrid", 0, a, b, m), x, w, meta)
     seen = np.asarray(vjp(dy)[2]).reshape(3, fp8.BINS)
@@ -315,6 +360,22 @@ def test_delayed_state_is_checkpointed_and_restores_onto_another_layout(tmp_path
     for k in want:  # bins seen 4-6 steps ago only survive a resume that restored the state
         np.testing.assert_array_equal(have[k], want[k])
 
+
+
+def test_an_expert_history_of_another_shape_starts_empty(monkeypatch):
+    """A checkpoint from before per-expert histories holds an MoE layer's state as [layers, 3 BINS]; restoring it
+    where the state is [layers, experts, 3 BINS] starts that history empty (the first step scales from the
+    operands) instead of failing on the shape; the other leaves restore."""
+    from megajax import checkpoint
+
+    sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    stored = {"moe": {"fp8_w_in": (4, 3 * fp8.BINS), "w_in": (4, 8, 32, 64)}, "attn": {"fp8_wqkv": (4, 3 * fp8.BINS)}}
+    monkeypatch.setattr(checkpoint, "stored_shapes", lambda source: stored)
+    target = {"moe": {"fp8_w_in": sds(4, 8, 3 * fp8.BINS), "w_in": sds(4, 8, 32, 64)},
+              "attn": {"fp8_wqkv": sds(4, 3 * fp8.BINS)}}
+    kept, fresh = checkpoint._without_fresh_fp8_state(None, target)
+    assert list(fresh) == [("moe", "fp8_w_in")] and kept == {"moe": {"w_in": target["moe"]["w_in"]},
+                                                              "attn": target["attn"]}
 
 
 @pytest.mark.slow  # two more CLI runs (suite time)

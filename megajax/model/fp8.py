@@ -46,20 +46,26 @@ def scale_for(x: jax.Array, dtype) -> jax.Array:
     return _pow2_scale(jnp.max(jnp.abs(x)).astype(jnp.float32), dtype)
 
 
-def expert_scales(x: jax.Array, dtype, rows_of: jax.Array | None = None, experts: int = 0) -> jax.Array:
-    """One scale per expert, [..., e] (Transformer Engine's grouped GEMMs quantize each expert's operands on their
-    own, so an expert with large values does not push the others' towards the bottom of the format's range): of x
-    [..., e, m, n] by its expert dim, or of rows x [..., rows, n] by each row's expert rows_of [..., rows] (of
-    `experts`; a row past them, padding, counts nowhere)."""
+def expert_amax(x: jax.Array, rows_of: jax.Array | None = None, experts: int = 0) -> jax.Array:
+    """Each expert's absolute maximum, [..., e]: of x [..., e, m, n] by its expert dim, or of rows x [..., rows, n]
+    by each row's expert rows_of [..., rows] (of `experts`; a row past them, padding, counts nowhere; -inf for an
+    expert without rows)."""
     mag = jnp.abs(x).astype(jnp.float32)
     if rows_of is None:
-        return _pow2_scale(jnp.max(mag, axis=(-2, -1)), dtype)
+        return jnp.max(mag, axis=(-2, -1))
 
     def per_expert(row_max, rows_of):
-        return jax.ops.segment_max(row_max, rows_of, num_segments=experts)  # -inf for an expert without rows
+        return jax.ops.segment_max(row_max, rows_of, num_segments=experts)
 
     row_max = jnp.max(mag, axis=-1)
-    return _pow2_scale((jax.vmap(per_expert) if row_max.ndim == 2 else per_expert)(row_max, rows_of), dtype)
+    return (jax.vmap(per_expert) if row_max.ndim == 2 else per_expert)(row_max, rows_of)
+
+
+def expert_scales(x: jax.Array, dtype, rows_of: jax.Array | None = None, experts: int = 0) -> jax.Array:
+    """One scale per expert, [..., e] (Transformer Engine's grouped GEMMs quantize each expert's operands on their
+    own, so an expert with large values does not push the others' towards the bottom of the format's range), from
+    `expert_amax`."""
+    return _pow2_scale(expert_amax(x, rows_of, experts), dtype)
 
 
 def quantize(x: jax.Array, dtype, scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -105,31 +111,74 @@ def _max_exponent(dtype) -> int:
     return math.frexp(float(jnp.finfo(dtype).max))[1] - 1  # floor(log2(max)): 8 for e4m3, 15 for e5m2
 
 
-def amax_bin(x: jax.Array) -> jax.Array:
-    """One-hot [BINS] of the exponent e of x's absolute maximum (amax < 2^e); zeros for an all-zero or
-    non-finite x."""
-    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+def amax_bins(amax: jax.Array) -> jax.Array:
+    """One-hot [..., BINS] of the exponents e of absolute maxima [...] (amax < 2^e); zeros for a zero or
+    non-finite one."""
     _, e = jnp.frexp(amax)
-    ok = (amax > 0) & jnp.isfinite(amax)
+    ok = ((amax > 0) & jnp.isfinite(amax))[..., None]
     return jnp.where(ok, jax.nn.one_hot(jnp.clip(e + BINS // 2, 0, BINS - 1), BINS, dtype=jnp.float32), 0.0)
 
 
-def delayed_scale(counters: jax.Array, x: jax.Array, dtype, margin: int) -> jax.Array:
-    """The power of two for the largest exponent still in the history ([BINS] counters; x's own scale if none),
-    divided by 2^margin."""
-    top = jnp.max(jnp.where(counters > 0, jnp.arange(BINS), -1))
+def amax_bin(x: jax.Array) -> jax.Array:
+    """`amax_bins` of x's absolute maximum: [BINS]."""
+    return amax_bins(jnp.max(jnp.abs(x)).astype(jnp.float32))
+
+
+def delayed_scale(counters: jax.Array, amax: jax.Array, dtype, margin: int) -> jax.Array:
+    """The powers of two for the largest exponents still in the histories (counters [..., BINS]; where one has
+    none, the scale of its absolute maximum amax [...]: current scaling), divided by 2^margin."""
+    top = jnp.max(jnp.where(counters > 0, jnp.arange(BINS), -1), axis=-1)
     k = jnp.clip(_max_exponent(dtype) - (top - BINS // 2) - margin, -126, 126)
-    return jnp.where(top >= 0, jnp.ldexp(jnp.float32(1), k), scale_for(x, dtype))
+    return jnp.where(top >= 0, jnp.ldexp(jnp.ones_like(amax), k), _pow2_scale(amax, dtype))
 
 
 def _quantize(x, dtype, counters, margin):
     """`quantize` with current scaling (counters None) or delayed scaling."""
-    return quantize(x, dtype, None if counters is None else delayed_scale(counters, x, dtype, margin))
+    if counters is None:
+        return quantize(x, dtype)
+    return quantize(x, dtype, delayed_scale(counters, jnp.max(jnp.abs(x)).astype(jnp.float32), dtype, margin))
 
 
 def _counters(meta):
-    """The x, w and dy rows of the delayed-scaling state (None each with current scaling)."""
-    return (None, None, None) if meta is None else tuple(meta.reshape(3, BINS))
+    """The x, w and dy counters of the delayed-scaling state [..., 3 BINS] (None each with current scaling)."""
+    if meta is None:
+        return None, None, None
+    rows = meta.reshape(*meta.shape[:-1], 3, BINS)
+    return rows[..., 0, :], rows[..., 1, :], rows[..., 2, :]
+
+
+def _expert_scales(amax, dtype, counters, margin):
+    """Per expert [..., e]: current scales of the experts' absolute maxima, or delayed from their histories."""
+    return _pow2_scale(amax, dtype) if counters is None else delayed_scale(counters, amax, dtype, margin)
+
+
+def _seen(bins, meta):
+    return vary(bins, tuple(varying_axes(meta)))
+
+
+def expert_operands(fmt, margin, x, w, meta, rows_of=None, experts: int = 0):
+    """(x_q, s_x, w_q, s_w, dy's counters, the forward's exponents as meta's gradient part) for one experts' matmul,
+    every expert scaled on its own: scales [..., e], current, or delayed with `meta` [..., e, 3 BINS] (one
+    history per expert). x: buffers [..., e, c, d], or rows [..., n, d] of the experts rows_of [..., n]."""
+    forward, _ = FORMATS[fmt]
+    x_counters, w_counters, dy_counters = _counters(meta)
+    ax, aw = expert_amax(x, rows_of, experts), expert_amax(w)
+    sx, sw = _expert_scales(ax, forward, x_counters, margin), _expert_scales(aw, forward, w_counters, margin)
+    against = _lead if rows_of is None else functools.partial(_by_row, rows_of=rows_of)
+    (xq, _), (wq, _) = quantize(x, forward, against(sx)), quantize(w, forward, _lead(sw))
+    seen = None if meta is None else _seen(jnp.concatenate([amax_bins(ax), amax_bins(aw)], axis=-1), meta)
+    return xq, sx, wq, sw, dy_counters, seen
+
+
+def expert_gradient(fmt, margin, dy, dy_counters, seen, rows_of=None, experts: int = 0):
+    """(dy_q, s_dy [..., e], meta's gradient [..., e, 3 BINS] or None): `expert_operands` for the output gradient."""
+    gradient = FORMATS[fmt][1]
+    ady = expert_amax(dy, rows_of, experts)
+    sdy = _expert_scales(ady, gradient, dy_counters, margin)
+    dyq = quantize(dy, gradient, _lead(sdy) if rows_of is None else _by_row(sdy, rows_of))[0]
+    if seen is None:
+        return dyq, sdy, None
+    return dyq, sdy, jnp.concatenate([seen, _seen(amax_bins(ady), seen)], axis=-1)
 
 
 def quantize_operands(fmt, margin, x, w, meta):
@@ -156,8 +205,8 @@ def einsum(spec: str, fmt: str, margin: int, x: jax.Array, w: jax.Array,
     """jnp.einsum(spec, x, w) with FP8 operands (x and w of the same dtype; the result has it too): current
     scaling, or with `meta` ([3 x BINS] counters of x, w and dy) delayed scaling, `meta` getting the step's amax
     exponents as its gradient. by_expert: x, w and the output lead with the experts ([e, c, d] capacity buffers,
-    [e, d, f] weights, "ecd,edf->ecf"), and current scaling scales each expert's on their own
-    (`expert_scales`); delayed scaling keeps one history over all experts."""
+    [e, d, f] weights, "ecd,edf->ecf"), and each expert's operands are scaled on their own (`expert_operands`;
+    delayed: `meta` [e, 3 BINS], one history per expert)."""
     return _forward(spec, fmt, margin, x, w, meta, by_expert)[0]
 
 
@@ -167,23 +216,15 @@ def _lead(scale: jax.Array) -> jax.Array:
 
 
 def _forward(spec, fmt, margin, x, w, meta, by_expert):
-    if by_expert and meta is None:
-        forward = FORMATS[fmt][0]
-        sx, sw = expert_scales(x, forward), expert_scales(w, forward)
-        (xq, _), (wq, _) = quantize(x, forward, _lead(sx)), quantize(w, forward, _lead(sw))
-        dy_counters = seen = None
-    else:
-        xq, sx, wq, sw, dy_counters, seen = quantize_operands(fmt, margin, x, w, meta)
+    operands = expert_operands if by_expert else quantize_operands
+    xq, sx, wq, sw, dy_counters, seen = operands(fmt, margin, x, w, meta)
     return dot(spec, xq, wq, 1.0 / _lead(sx * sw), x.dtype), (xq, sx, wq, sw, dy_counters, seen)
 
 
 def _backward(spec, fmt, margin, by_expert, residuals, dy):
     xq, sx, wq, sw, dy_counters, seen = residuals
-    if by_expert and seen is None:
-        sdy = expert_scales(dy, FORMATS[fmt][1])
-        dyq, g_meta = quantize(dy, FORMATS[fmt][1], _lead(sdy))[0], None
-    else:
-        dyq, sdy, g_meta = quantize_gradient(fmt, margin, dy, dy_counters, seen)
+    gradient = expert_gradient if by_expert else quantize_gradient
+    dyq, sdy, g_meta = gradient(fmt, margin, dy, dy_counters, seen)
     sx, sw, sdy = _lead(sx), _lead(sw), _lead(sdy)
     x_sub, w_sub, y_sub = _operands(spec)
     dx = dot(f"{y_sub},{w_sub}->{x_sub}", dyq, wq, 1.0 / (sdy * sw), dy.dtype)
@@ -218,9 +259,9 @@ _RAGGED_WEIGHT_GRAD = jax.lax.RaggedDotDimensionNumbers(
 def ragged_dot(fmt: str, margin: int, x: jax.Array, w: jax.Array, sizes: jax.Array,
                meta: jax.Array | None = None, grouped: tuple | None = None) -> jax.Array:
     """jax.lax.ragged_dot(x [n, d], w [g, d, f], sizes [g]) with FP8 operands (a mixture of experts' grouped
-    matmul: rows grouped by expert). Current scaling scales each expert's rows, weight and output gradient on
-    their own (`expert_scales`, as Transformer Engine's grouped GEMM); delayed scaling as `einsum`, one history
-    over all experts. With a leading dim on all three (folded experts' blocks), each block's experts. grouped: the
+    matmul: rows grouped by expert). Each expert's rows, weight and output gradient are scaled on their own
+    (`expert_operands`, as Transformer Engine's grouped GEMM), current, or delayed with `meta` [g, 3 BINS], one
+    history per expert. With a leading dim on all of them (folded experts' blocks), each block's experts. grouped: the
     logical names of (x, w, out) to run the three products as the Pallas grouped GEMM (model.moe_grouped_gemm,
     kernels.grouped_matmul: only each row's own group), else jax.lax.ragged_dot."""
     return _ragged_forward(fmt, margin, x, w, sizes, meta, grouped)[0]
@@ -243,13 +284,7 @@ def _by_row(scale: jax.Array, rows_of: jax.Array) -> jax.Array:
 
 def _ragged_forward(fmt, margin, x, w, sizes, meta, grouped):
     rows_of = group_of_rows(sizes, x.shape[-2])
-    if meta is None:
-        forward = FORMATS[fmt][0]
-        sx, sw = expert_scales(x, forward, rows_of, sizes.shape[-1]), expert_scales(w, forward)
-        (xq, _), (wq, _) = quantize(x, forward, _by_row(sx, rows_of)), quantize(w, forward, _lead(sw))
-        dy_counters = seen = None
-    else:
-        xq, sx, wq, sw, dy_counters, seen = quantize_operands(fmt, margin, x, w, meta)
+    xq, sx, wq, sw, dy_counters, seen = expert_operands(fmt, margin, x, w, meta, rows_of, sizes.shape[-1])
     y = _group_dot(grouped, xq, wq, sizes) * (1.0 / _by_row(sx * sw, rows_of))
     return y.astype(x.dtype), (xq, sx, wq, sw, sizes, dy_counters, seen)
 
@@ -257,11 +292,7 @@ def _ragged_forward(fmt, margin, x, w, sizes, meta, grouped):
 def _ragged_backward(fmt, margin, grouped, residuals, dy):
     xq, sx, wq, sw, sizes, dy_counters, seen = residuals
     rows_of = group_of_rows(sizes, xq.shape[-2])
-    if seen is None:
-        sdy = expert_scales(dy, FORMATS[fmt][1], rows_of, sizes.shape[-1])
-        dyq, g_meta = quantize(dy, FORMATS[fmt][1], _by_row(sdy, rows_of))[0], None
-    else:
-        dyq, sdy, g_meta = quantize_gradient(fmt, margin, dy, dy_counters, seen)
+    dyq, sdy, g_meta = expert_gradient(fmt, margin, dy, dy_counters, seen, rows_of, sizes.shape[-1])
     if grouped is None:
         dot = functools.partial(jax.lax.ragged_dot_general, ragged_dot_dimension_numbers=_RAGGED_WEIGHT_GRAD,
                                 preferred_element_type=jnp.float32)

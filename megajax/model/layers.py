@@ -130,11 +130,13 @@ def _collective_matmul(module: nn.Module, name: str, matmul, x: jax.Array, w: ja
     return module.perturb(name, y, collection=TAP_GRADS)
 
 
-def fp8_state(module: nn.Module, name: str) -> jax.Array:
+def fp8_state(module: nn.Module, name: str, experts: int = 0) -> jax.Array:
     """The delayed-scaling state of weight `name` (megajax/model/fp8.py): a variable of the params collection
-    rather than module.param, so it draws nothing from the init RNG (the weights' init is the same without)."""
+    rather than module.param, so it draws nothing from the init RNG (the weights' init is the same without).
+    experts: one history per expert, [experts, ...] sharded as the experts are."""
+    shape, names = ((experts, 3 * fp8.BINS), ("expert", None)) if experts else ((3 * fp8.BINS,), (None,))
     return nn.unbox(module.variable("params", fp8.META_PREFIX + name, lambda: nn.LogicallyPartitioned(
-        jnp.zeros((3 * fp8.BINS,), jnp.float32), (None,))).value)
+        jnp.zeros(shape, jnp.float32), names)).value)
 
 
 def weight_grad(name: str, cfg: ModelConfig, x: jax.Array, dy: jax.Array, w: jax.Array,

@@ -20,8 +20,9 @@ With folded experts (parallel.expert_tensor=1, `exchange`) every expert is whole
 group, as Megatron's per-rank router), and one all-to-all over both axes carries the capacity buffers
 (`exchange_folded`) or, dropless, each group's rows in fixed-size blocks (`exchange_folded_dropless`), which every
 rank runs through its whole experts block by block (`expert_mlps`). Dropless, parallel.expert_all_to_all=ragged
-sends the routed rows alone (`ragged_move`: XLA's ragged all-to-all, emulated on CPU) into the same receiving
-buffers.
+sends the routed rows alone (`ragged_move`: XLA's ragged all-to-all, emulated on CPU), each rank's received
+rows packed by source into a buffer of the most it can get, or with parallel.expert_buffer_factor of that factor
+times one rank's routed rows (`ragged_plan`: what does not fit is not sent, and counts as dropped).
 
 The load-balancing loss (Switch / GShard: E sum_e f_e P_e, f_e the fraction of assignments to expert e, P_e
 its mean routing probability) and the router z-loss enter the gradient where they are computed, without
@@ -526,7 +527,7 @@ def expert_mlps(cfg: ModelConfig, w: dict, meta, lead: str | None, xs: jax.Array
         def matmul(x, w, name):
             if fmt == "none":
                 return jnp.einsum(spec, x, w)
-            return fp8.einsum(spec, fmt, cfg.fp8_margin, x, w, meta(name), True)  # scaled by expert
+            return fp8.einsum(spec, fmt, cfg.fp8_margin, x, w, meta(name), True)  # scaled (and histories) by expert
 
         bias = lambda b_ef: b_ef[:, None]  # noqa: E731
     else:
@@ -542,8 +543,10 @@ def expert_mlps(cfg: ModelConfig, w: dict, meta, lead: str | None, xs: jax.Array
             names = ((lead, None, a), (lead, None, a, z), (lead, None, z)) if blocks else (
                 (None, a), ("expert", a, z), (None, z))
             grouped = names if cfg.moe_grouped_gemm else None
-            if fmt != "none":
-                return fp8.ragged_dot(fmt, cfg.fp8_margin, x, w, sizes, meta(name), grouped)
+            if fmt != "none":  # (the delayed-scaling histories [el, ...] cut into blocks as the weights are)
+                m = meta(name)
+                m = None if m is None else m.reshape(*sizes.shape, -1)
+                return fp8.ragged_dot(fmt, cfg.fp8_margin, x, w, sizes, m, grouped)
             if grouped:
                 return grouped_matmul(x, w, sizes, grouped)
             return jax.vmap(jax.lax.ragged_dot)(x, w, sizes) if blocks else jax.lax.ragged_dot(x, w, sizes)
@@ -642,7 +645,7 @@ class MoE(nn.Module):
         w["w_out"] = param(self, "w_out", (el, f, d), ("expert", "mlp", "embed"), out_std, pdt)
 
         delayed = cfg.fp8 != "none" and cfg.fp8_recipe == "delayed"
-        experts = functools.partial(expert_mlps, cfg, w, (lambda name: fp8_state(self, name)) if delayed else None,
+        experts = functools.partial(expert_mlps, cfg, w, (lambda name: fp8_state(self, name, el)) if delayed else None,
                                     lead)
 
         y, sizes, dropped = run_experts(x_gtd, ids.reshape(g, -1, k), weights.reshape(g, -1, k), cfg, ep, experts)
