@@ -453,9 +453,9 @@ def _ragged_exchange(rows_gad, sizes_ge, counts_gse, ranks: int, bound: int, fac
     recv_off, recv_n = plan[3], plan[4]
     kept = jnp.clip(recv_n[..., None] - (jnp.cumsum(counts_gse, axis=2) - counts_gse), 0, counts_gse)
     order = jax.vmap(lambda c, o: _regroup(c, o, rows_out))(kept, recv_off)
-    rows_in = jnp.take_along_axis(recv, order[..., None], axis=1)
-    out = jax.vmap(_unsort)(experts(rows_in if folded else rows_in[0], jnp.sum(kept, axis=1) if folded else
-                                    jnp.sum(kept[0], axis=0)).reshape(g, rows_out, -1), order)
+    rows_in, sizes_in = jnp.take_along_axis(recv, order[..., None], axis=1), jnp.sum(kept, axis=1)
+    out = experts(rows_in, sizes_in) if folded else experts(rows_in[0], sizes_in[0])[None]
+    out = jax.vmap(_unsort)(out, order)
     dropped = jnp.sum(sizes_ge) - jnp.sum(plan[1])
     return ragged_move(out, *plan, a, True, folded), dropped.astype(jnp.float32)
 
