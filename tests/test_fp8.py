@@ -174,6 +174,14 @@ LAYOUTS = {
                                     "parallel.sequence_parallel": True, "parallel.expert_tensor": 1,
                                     "model.num_experts": 4, "model.experts_per_token": 2,
                                     "model.moe_ffn_hidden_size": 64}, 4),
+    # the rows by the ragged exchange (emulated here), unfolded with the grouped GEMM and folded
+    "moe-ragged-grouped-d2-e2": ({"parallel.data": 2, "parallel.expert": 2, "model.num_experts": 4,
+                                  "model.experts_per_token": 2, "model.moe_ffn_hidden_size": 64,
+                                  "model.moe_grouped_gemm": True, "parallel.expert_all_to_all": "ragged"}, 2),
+    "moe-ragged-fold-d2-e2-t2": ({"parallel.data": 2, "parallel.expert": 2, "parallel.tensor": 2,
+                                  "parallel.sequence_parallel": True, "parallel.expert_tensor": 1,
+                                  "model.num_experts": 4, "model.experts_per_token": 2,
+                                  "model.moe_ffn_hidden_size": 64, "parallel.expert_all_to_all": "ragged"}, 4),
     "d4-zero-overlap-gather": ({"parallel.data": 4, "parallel.distributed_optimizer": True,
                                 "parallel.overlap_grad_reduce": True, "parallel.overlap_param_gather": True}, 4),
     "d2-p2-zero-overlap": ({"parallel.data": 2, "parallel.pipeline": 2, "parallel.distributed_optimizer": True,
@@ -216,7 +224,8 @@ DELAYED = {"model.fp8_recipe": "delayed"}
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) for n in (
     "d2-t2-sp-ring", "d2-t2-sp", "moe-dropless-d2-e2-t2", "d2-p2-t2-zero_bubble-zero", "t4-sp-llama-e4m3",
     "moe-capacity-d4-e2", "d2-p2-zero-overlap", "moe-dropless-grouped-d2-e2-t2", "d2-p2-t2-1f1b-sp-chunks-llama",
-    "d2-p2-t2-zero_bubble-sp-chunks", "moe-capacity-fold-d2-e2-t2", "moe-dropless-fold-d2-e2-t2")])
+    "d2-p2-t2-zero_bubble-sp-chunks", "moe-capacity-fold-d2-e2-t2", "moe-dropless-fold-d2-e2-t2",
+    "moe-ragged-grouped-d2-e2", "moe-ragged-fold-d2-e2-t2")])
 def test_fp8_delayed_scaling_layout_matches_one_device(name):
     """Delayed scaling: the amax histories are reduced over micro batches, data ranks and pipeline ticks as
     the gradients are, so a layout equals one device as with current scaling. The first step (no history

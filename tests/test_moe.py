@@ -299,6 +299,11 @@ QWEN = {"model.moe_shared_experts": 1, "model.moe_shared_expert_gate": True, "mo
     # dropless GPipe pipeline with ragged_dot by default)
     pytest.param("llama", {**FOLD, **QWEN, "model.moe_capacity_factor": None, "model.moe_grouped_gemm": True},
                  marks=pytest.mark.slow),
+    # the same rows by the ragged exchange (emulated here), into the grouped GEMM, on a 1F1B pipeline
+    pytest.param("llama", {**FOLD, **QWEN, "model.moe_capacity_factor": None, "model.moe_grouped_gemm": True,
+                           "parallel.expert_all_to_all": "ragged", "parallel.data": 2, "parallel.pipeline": 2,
+                           "parallel.tensor": 2, "parallel.schedule": "1f1b"},
+                 marks=pytest.mark.slow),
     pytest.param("gpt2", {**FOLD, "parallel.data": 1, "parallel.expert": 1, "parallel.pipeline": 2,
                           "parallel.schedule": "zero_bubble"}, marks=pytest.mark.slow),
 ])
