@@ -434,6 +434,9 @@ def ragged_plan(per_rank: jax.Array, rows_out: int):
         me = jax.lax.axis_index("expert") * g + jnp.arange(g)
     else:
         every, me = per_rank, jnp.arange(g)
+    # whole on every device: a cumulative sum over the blocks split over 'tensor' would be a chain of
+    # collective-permutes, which deadlock inside a pipeline's per-rank branches
+    every = constrain(every, (None, None))
     before = jnp.cumsum(every, axis=0) - every  # [s, j]: rows sources before s send j
     dest_off = before[me]
     send_n = jnp.clip(rows_out - dest_off, 0, per_rank)
