@@ -120,9 +120,10 @@ def space() -> list[dict]:
 # experts over all data ranks (alone, with tensor, with a GPipe pipeline, sequence parallelism and the distributed
 # optimizer; there folded over 'expert' x 'tensor', dropless) and over some of them (d 4, e 2, with an interleaved
 # pipeline). Suite time: the experts over 2 data ranks alone, not 8 (d 8 e 8 runs with -m slow). The rows cross
-# the expert ranks by exact counts (parallel.expert_all_to_all=ragged) with tensor parallelism and on the pipeline.
-DEFAULT_MOE = {(1, 6, 1): 1, (2, 1, 1): 2, (2, 1, 2): 2, (2, 2, 2): 2, (4, 2, 1): 2}
-DEFAULT_RAGGED = {(2, 1, 2), (4, 2, 1)}
+# the expert ranks by exact counts (parallel.expert_all_to_all=ragged) with tensor parallelism, on an interleaved
+# pipeline, and folded over 'tensor' alone on a 1F1B pipeline (its counts' cumulative sums once deadlocked there).
+DEFAULT_MOE = {(1, 2, 2): 1, (1, 6, 1): 1, (2, 1, 1): 2, (2, 1, 2): 2, (2, 2, 2): 2, (4, 2, 1): 2}
+DEFAULT_RAGGED = {(1, 2, 2), (2, 1, 2), (4, 2, 1)}
 
 
 def default_cases() -> list[dict]:
