@@ -427,8 +427,10 @@ def train_step(setup: StepSetup, state: TrainState, batch: dict) -> tuple[TrainS
 
 
 def eval_loss(setup: StepSetup, params, batch: dict) -> tuple[jax.Array, jax.Array]:
-    """(summed token loss, token count) of a batch, forward only: micro batch by micro batch under GSPMD,
-    or through the pipeline (never gathering the layers) when there is one."""
+    """(summed token loss, token count) of a batch, forward only: micro batch by micro batch under GSPMD, or in
+    the train step's manual region with a pipeline (through it, never gathering the layers), context parallelism
+    or expert parallelism (the experts' rows exchanged as in training, not every expert's partial outputs
+    all-reduced)."""
     cfg = setup.cfg
     m = cfg.num_micro_batches
     with _model_context(cfg):
