@@ -47,9 +47,11 @@ def scale_for(x: jax.Array, dtype) -> jax.Array:
 
 
 def expert_amax(x: jax.Array, rows_of: jax.Array | None = None, experts: int = 0) -> jax.Array:
-    """Each expert's absolute maximum, [..., e]: of x [..., e, m, n] by its expert dim, or of rows x [..., rows, n]
-    by each row's expert rows_of [..., rows] (of `experts`; a row past them, padding, counts nowhere; -inf for an
-    expert without rows)."""
+    """Each expert's absolute maximum, [..., e], for its own scale (Transformer Engine's grouped GEMMs quantize each
+    expert's operands on their own, so an expert with large values does not push the others' towards the bottom
+    of the format's range): of x [..., e, m, n] by its expert dim, or of rows x [..., rows, n] by each row's expert
+    rows_of [..., rows] (of `experts`; a row past them, padding, counts nowhere; -inf for an expert without
+    rows)."""
     mag = jnp.abs(x).astype(jnp.float32)
     if rows_of is None:
         return jnp.max(mag, axis=(-2, -1))
@@ -59,13 +61,6 @@ def expert_amax(x: jax.Array, rows_of: jax.Array | None = None, experts: int = 0
 
     row_max = jnp.max(mag, axis=-1)
     return (jax.vmap(per_expert) if row_max.ndim == 2 else per_expert)(row_max, rows_of)
-
-
-def expert_scales(x: jax.Array, dtype, rows_of: jax.Array | None = None, experts: int = 0) -> jax.Array:
-    """One scale per expert, [..., e] (Transformer Engine's grouped GEMMs quantize each expert's operands on their
-    own, so an expert with large values does not push the others' towards the bottom of the format's range), from
-    `expert_amax`."""
-    return _pow2_scale(expert_amax(x, rows_of, experts), dtype)
 
 
 def quantize(x: jax.Array, dtype, scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -147,7 +142,7 @@ def _counters(meta):
     return rows[..., 0, :], rows[..., 1, :], rows[..., 2, :]
 
 
-def _expert_scales(amax, dtype, counters, margin):
+def _scales(amax, dtype, counters, margin):
     """Per expert [..., e]: current scales of the experts' absolute maxima, or delayed from their histories."""
     return _pow2_scale(amax, dtype) if counters is None else delayed_scale(counters, amax, dtype, margin)
 
@@ -163,7 +158,7 @@ def expert_operands(fmt, margin, x, w, meta, rows_of=None, experts: int = 0):
     forward, _ = FORMATS[fmt]
     x_counters, w_counters, dy_counters = _counters(meta)
     ax, aw = expert_amax(x, rows_of, experts), expert_amax(w)
-    sx, sw = _expert_scales(ax, forward, x_counters, margin), _expert_scales(aw, forward, w_counters, margin)
+    sx, sw = _scales(ax, forward, x_counters, margin), _scales(aw, forward, w_counters, margin)
     against = _lead if rows_of is None else functools.partial(_by_row, rows_of=rows_of)
     (xq, _), (wq, _) = quantize(x, forward, against(sx)), quantize(w, forward, _lead(sw))
     seen = None if meta is None else _seen(jnp.concatenate([amax_bins(ax), amax_bins(aw)], axis=-1), meta)
@@ -174,7 +169,7 @@ def expert_gradient(fmt, margin, dy, dy_counters, seen, rows_of=None, experts: i
     """(dy_q, s_dy [..., e], meta's gradient [..., e, 3 BINS] or None): `expert_operands` for the output gradient."""
     gradient = FORMATS[fmt][1]
     ady = expert_amax(dy, rows_of, experts)
-    sdy = _expert_scales(ady, gradient, dy_counters, margin)
+    sdy = _scales(ady, gradient, dy_counters, margin)
     dyq = quantize(dy, gradient, _lead(sdy) if rows_of is None else _by_row(sdy, rows_of))[0]
     if seen is None:
         return dyq, sdy, None
