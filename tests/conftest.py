@@ -79,18 +79,27 @@ def run_steps(cfg: config_lib.Config, num_devices: int, steps: int, *, return_st
     return (losses, state, setup) if return_state else losses
 
 
+def first_batch(cfg: config_lib.Config, num_devices: int):
+    """(the step's setup on `num_devices`, a fresh train state, the first global batch of the bundled data placed
+    as the step takes it)."""
+    from megajax import train
+    from megajax.data.loader import build_datasets, global_batch
+
+    setup = train.setup_for(cfg, jax.devices()[:num_devices])
+    state = train.init_state(setup)
+    data = build_datasets(setup.cfg, {"train": 16})["train"]
+    with jax.set_mesh(setup.mesh):
+        return setup, state, global_batch(data, 0, setup.cfg.train.global_batch_size, setup.batch_shardings)
+
+
 def evaluate(cfg: config_lib.Config, num_devices: int):
     """The eval step's mean token loss on the first global batch of fresh weights, and its compiled program's
     collectives (megajax.hlo)."""
     from megajax import hlo, train
-    from megajax.data.loader import build_datasets, global_batch
 
-    setup = train.setup_for(cfg, jax.devices()[:num_devices])
-    cfg, mesh = setup.cfg, setup.mesh
-    state = train.init_state(setup)
-    data = build_datasets(cfg, {"train": 16})["train"]
+    setup, state, batch = first_batch(cfg, num_devices)
+    mesh = setup.mesh
     with jax.set_mesh(mesh):
-        batch = global_batch(data, 0, cfg.train.global_batch_size, setup.batch_shardings)
         step = train.jit_eval_step(setup)
         total, count = step(state.params, batch)
         text = step.lower(state.params, batch).compile().as_text()

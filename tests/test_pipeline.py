@@ -10,7 +10,7 @@ import pytest
 from megajax import config as config_lib, hlo
 from megajax.pipeline import permute_bytes_per_step
 
-from conftest import evaluate, run_steps, small_config
+from conftest import evaluate, first_batch, run_steps, small_config
 
 STEPS = 3
 ARCHS = {
@@ -78,16 +78,11 @@ def _grads(cfg, n):
     import jax
 
     from megajax import sharding, train
-    from megajax.data.loader import build_datasets, global_batch
     from megajax.pipeline import from_stages
 
-    setup = train.setup_for(cfg, jax.devices()[:n])
+    setup, state, batch = first_batch(cfg, n)
     cfg, mesh = setup.cfg, setup.mesh
-    state = train.init_state(setup)
-    data = build_datasets(cfg, {"train": 16})["train"]
     with jax.set_mesh(mesh):
-        batch = global_batch(data, 0, cfg.train.global_batch_size, setup.batch_shardings)
-
         @jax.jit
         def grads(params, batch):
             with sharding.activation_sharding(cfg.parallel.sequence_parallel):
