@@ -68,11 +68,10 @@ def _plan(sizes: jax.Array, rows: int, block_m: int):
     group_tiles = (sizes + block_m - 1) // block_m
     first_tile = jnp.cumsum(group_tiles) - group_tiles
     row = jnp.arange(rows, dtype=jnp.int32)
-    group = jnp.searchsorted(jnp.cumsum(sizes), row, side="right").astype(jnp.int32)  # e for padding rows
+    group = group_of_rows(sizes, rows).astype(jnp.int32)  # e for padding rows
     safe = jnp.minimum(group, e - 1)
     dest = jnp.where(group < e, first_tile[safe] * block_m + row - start[safe], padded_rows)
-    tile = jnp.arange(tiles, dtype=jnp.int32)
-    tile_group = jnp.searchsorted(jnp.cumsum(group_tiles), tile, side="right").astype(jnp.int32)
+    tile_group = group_of_rows(group_tiles, tiles).astype(jnp.int32)  # e past the last group's tiles
     return dest, tile_group, first_tile.astype(jnp.int32), group_tiles.astype(jnp.int32), padded_rows
 
 

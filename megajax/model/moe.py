@@ -240,9 +240,9 @@ def expert_parallel_size() -> int:
     return mesh.shape["expert"] if "expert" in current_manual_axes() else 1
 
 
-def _all_to_all(x: jax.Array) -> jax.Array:
-    """Block i of x's leading dim (one per expert rank) to expert rank i; block j of the result came from j."""
-    return jax.lax.all_to_all(x, "expert", 0, 0, tiled=True)
+def _all_to_all(x: jax.Array, axes="expert") -> jax.Array:
+    """Block i of x's leading dim (one per rank of `axes`) to rank i; block j of the result came from j."""
+    return jax.lax.all_to_all(x, axes, 0, 0, tiled=True)
 
 
 def exchange_capacity(buf_ecd: jax.Array, ep: int, experts) -> jax.Array:
@@ -356,8 +356,8 @@ def _emulated_ragged_all_to_all(x, out, in_off, send, out_off, recv, axes):
     trail = (1,) * (x.ndim - 1)
     blocks = jnp.where((j < send[:, None]).reshape(*send.shape, rows, *trail),
                        x[jnp.minimum(in_off[:, None] + j, rows - 1)], 0)
-    got = jax.lax.all_to_all(blocks, axes, 0, 0, tiled=True)  # [source rank, rows, ...]
-    at = jax.lax.all_to_all(out_off, axes, 0, 0, tiled=True)
+    got = _all_to_all(blocks, axes)  # [source rank, rows, ...]
+    at = _all_to_all(out_off, axes)
     return out.at[jnp.where(j < recv[:, None], at[:, None] + j, out.shape[0])].set(got, mode="drop")
 
 
@@ -376,7 +376,7 @@ def _move_fn(x, send_off, send_n, dest_off, recv_off, recv_n, rows_out: int, bac
 
     def one(x, send_off, send_n, dest_off, recv_off, recv_n, axes):
         if back:  # the rows received from s (recv_n[s] from recv_off[s]) back to where s sent them from
-            args = (recv_off, recv_n, jax.lax.all_to_all(send_off, axes, 0, 0, tiled=True), send_n)
+            args = (recv_off, recv_n, _all_to_all(send_off, axes), send_n)
         else:
             args = (send_off, send_n, dest_off, recv_n)
         out = jnp.zeros((rows_out, *x.shape[1:]), x.dtype)
