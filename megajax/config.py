@@ -69,6 +69,16 @@ class ModelConfig:
     tie_embeddings: bool | None = None  # output layer = embedding table; null: tied for gpt2, not for llama
     add_qkv_bias: bool = False  # llama: biases on the Q, K and V projections (Qwen; gpt2 always has them)
     init_std: float = 0.02  # standard deviation of the weights' normal init
+    # Multi-latent attention (DeepSeek-V2/V3; Megatron's --multi-latent-attention), llama only: keys and values
+    # from one compressed latent of kv_lora_rank per token, queries through a q_lora_rank one (null: a plain
+    # projection), each head's query and key = a qk_head_dim part without position and a qk_pos_emb_head_dim part
+    # with RoPE (the key's shared by all heads), values of v_head_dim.
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None  # the query's latent width; null: queries projected from the residual directly
+    kv_lora_rank: int = 512  # the keys' and values' latent width
+    qk_head_dim: int = 128  # each head's query/key dimensions without RoPE
+    qk_pos_emb_head_dim: int = 64  # each head's query/key dimensions with RoPE (the key's shared by the heads)
+    v_head_dim: int = 128  # each head's value dimensions
     # Mixture of experts (Mixtral / DeepSeek style): 0 experts = the dense MLP
     num_experts: int = 0  # experts per MoE layer (0: the dense MLP)
     experts_per_token: int = 2  # experts each token is routed to (top-k)
@@ -83,6 +93,10 @@ class ModelConfig:
     moe_router_pre_softmax: bool = False  # top k of the softmax over all experts, not renormalised (Qwen-MoE)
     moe_layer_freq: int = 1  # 1: every layer is MoE; n: layers 0, n, 2n, .. are MoE, the rest dense (Megatron's)
     moe_router_bias_update_rate: float = 0.0  # DeepSeek-V3's auxiliary-loss-free balancing (0: off)
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"  # sigmoid: DeepSeek-V3's expert scores
+    moe_router_num_groups: int | None = None  # group-limited routing (DeepSeek): experts in this many groups
+    moe_router_group_topk: int | None = None  # group-limited routing: each token's experts from its best groups
+    moe_router_topk_scaling_factor: float | None = None  # the k weights times this (DeepSeek's routed_scaling_factor)
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_length"):
@@ -118,6 +132,14 @@ class ModelConfig:
                    "model.moe_shared_expert_gate gates the shared experts: set model.moe_shared_experts >= 1")
             _check(self.moe_aux_loss_coef >= 0 and self.moe_z_loss_coef >= 0, "MoE loss coefficients must be >= 0")
             _check(self.moe_router_bias_update_rate >= 0, "model.moe_router_bias_update_rate must be >= 0 (0: off)")
+            self._check_group_routing()
+            _check(not (self.moe_router_pre_softmax and self.moe_router_score_function == "sigmoid"),
+                   "model.moe_router_pre_softmax takes the top k of a softmax: with "
+                   "model.moe_router_score_function=sigmoid the k scores are always normalised, unset one of them")
+            _check(self.moe_router_topk_scaling_factor is None or self.moe_router_topk_scaling_factor > 0,
+                   "model.moe_router_topk_scaling_factor must be positive or null")
+        if self.multi_latent_attention:
+            self._check_latent_attention()
         _check(self.param_dtype != "float16", "model.param_dtype=float16 is not supported: keep float32 master "
                "weights and set model.compute_dtype=float16")
         _check(self.fp8_amax_history >= 1 and self.fp8_margin >= 0,
@@ -129,13 +151,54 @@ class ModelConfig:
                    "model.rope_scaling=llama3 needs rope_scaling_factor >= 1, rope_original_max_positions > 0 and "
                    "rope_high_freq_factor > rope_low_freq_factor > 0 (Llama 3.1: 8, 8192, 4 and 1)")
 
+    def _check_group_routing(self) -> None:
+        groups, best = self.moe_router_num_groups, self.moe_router_group_topk
+        _check((groups is None) == (best is None), "group-limited routing needs both model.moe_router_num_groups "
+               "and model.moe_router_group_topk (DeepSeek-V3: 8 and 4), or neither")
+        if groups is None:
+            return
+        _check(groups >= 1 and self.num_experts % groups == 0,
+               f"model.moe_router_num_groups={groups} must divide model.num_experts={self.num_experts}: choose from "
+               f"{_divisors(self.num_experts)}")
+        _check(1 <= best <= groups and best * (self.num_experts // groups) >= self.experts_per_token,
+               f"model.moe_router_group_topk={best} groups of {self.num_experts // groups} experts must hold "
+               f"model.experts_per_token={self.experts_per_token} experts, with 1 <= group_topk <= {groups}")
+        _check(self.experts_per_token % best == 0,
+               f"group-limited routing scores a group by its top experts_per_token / group_topk experts: "
+               f"model.experts_per_token={self.experts_per_token} must be a multiple of "
+               f"model.moe_router_group_topk={best}")
+
+    def _check_latent_attention(self) -> None:
+        _check(self.arch == "llama", "model.multi_latent_attention needs RoPE and RMSNorm: set model.arch=llama")
+        _check(self.num_kv_heads is None, "multi-latent attention gives every head its own keys and values: "
+               "unset model.num_kv_heads")
+        _check(not self.add_qkv_bias, "multi-latent attention has no Q, K, V biases: set model.add_qkv_bias=false")
+        _check(self.qk_pos_emb_head_dim % 2 == 0 and self.qk_pos_emb_head_dim > 0,
+               f"model.qk_pos_emb_head_dim={self.qk_pos_emb_head_dim} must be positive and even (RoPE rotates pairs)")
+        for name in ("kv_lora_rank", "qk_head_dim", "v_head_dim"):
+            _check(getattr(self, name) > 0, f"model.{name} must be positive, got {getattr(self, name)}")
+        _check(self.q_lora_rank is None or self.q_lora_rank > 0, "model.q_lora_rank must be positive or null")
+        _check(self.v_head_dim <= self.qk_head_dim + self.qk_pos_emb_head_dim,
+               f"model.v_head_dim={self.v_head_dim} is wider than a query head (qk_head_dim + qk_pos_emb_head_dim = "
+               f"{self.qk_head_dim + self.qk_pos_emb_head_dim}): the values are padded to the query width, so lower "
+               "it (DeepSeek-V3: 128 of 192)")
+
     @property
     def kv_heads(self) -> int:
         return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
     @property
     def head_dim(self) -> int:
+        """Each head's query/key width (with multi-latent attention qk_head_dim + qk_pos_emb_head_dim), also the
+        width of the cached values (MLA pads its values to it)."""
+        if self.multi_latent_attention:
+            return self.qk_head_dim + self.qk_pos_emb_head_dim
         return self.hidden_size // self.num_heads
+
+    @property
+    def value_dim(self) -> int:
+        """Each head's value (and attention output) width."""
+        return self.v_head_dim if self.multi_latent_attention else self.head_dim
 
     @property
     def ffn_size(self) -> int:

@@ -62,7 +62,8 @@ def from_hf(model_dir: str | Path, output: str | Path, config_out: str | Path | 
     hf_cfg = hf.read_hf_config(model_dir)
     model_cfg = hf.model_config_from_hf(hf_cfg)
     reader = hf.SafetensorsReader(model_dir, model_cfg.arch)
-    params = hf.params_from_hf(model_cfg, reader.get, reader.names(), source=str(model_dir))
+    params = hf.params_from_hf(model_cfg, reader.get, reader.names(), source=str(model_dir),
+                               rope_interleave=hf_cfg.get("rope_interleave", True))
     checkpoint.check_params_fit(params, _expected_shapes(model_cfg), str(model_dir))
 
     _prepare_output(output, force)

@@ -35,7 +35,7 @@ from megajax.config import ConfigError, InputError, ModelConfig
 
 # HF model_type -> architecture (megajax arch: gpt2, or llama for the others)
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 # Buffers some checkpoints carry that are not weights (GPT-2's causal mask, old Llama's RoPE frequencies).
 _BUFFERS = {"gpt2": re.compile(r"(^|\.)attn\.(bias|masked_bias)$"), "llama": re.compile(r"rotary_emb\.inv_freq$")}
 # Tokenizer and generation files copied along with the weights in both directions.
@@ -82,7 +82,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     arch = hf_arch(hf)
     try:
         return {"gpt2": _gpt2_config, "llama": _llama_config, "mixtral": _mixtral_config, "qwen2": _qwen2_config,
-                "qwen2_moe": _qwen2_moe_config}[arch](hf)
+                "qwen2_moe": _qwen2_moe_config, "deepseek_v3": _deepseek_v3_config}[arch](hf)
     except KeyError as e:
         raise ConversionError(f"config.json of a {arch} model has no {e.args[0]!r}") from None
     except ConfigError as e:
@@ -173,9 +173,79 @@ def _qwen2_moe_config(hf: dict) -> ModelConfig:
         moe_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))
 
 
+DEEPSEEK_BIAS_RATE = 1e-3  # DeepSeek-V3's bias update speed (gamma) for most of its training
+
+
+def _deepseek_v3_config(hf: dict) -> ModelConfig:
+    """DeepSeek-V3: multi-latent attention, sigmoid routing with a correction bias (imported as the
+    auxiliary-loss-free balancing bias, updated at DEEPSEEK_BIAS_RATE when trained on), group-limited top k, the
+    weights scaled by routed_scaling_factor, shared experts; first_k_dense_replace = num_hidden_layers is a dense
+    model with multi-latent attention."""
+    layers, dense = hf["num_hidden_layers"], hf.get("first_k_dense_replace", 0)
+    _require(dense in (0, layers), f"DeepSeek-V3 first_k_dense_replace={dense}: megajax converts models with experts "
+             f"in every layer (0) or in none ({layers}); dense first layers are not built yet")
+    _require(hf.get("rms_norm_eps", 1e-6) == 1e-6, "DeepSeek-V3 rms_norm_eps must be 1e-6 here: Hugging Face's "
+             "latent norms always use 1e-6 and megajax uses one epsilon for every norm")
+    _require(hf.get("hidden_act", "silu") == "silu", "DeepSeek-V3 hidden_act must be silu (megajax's SwiGLU)")
+    _require(not hf.get("attention_bias", False), "DeepSeek-V3 attention_bias=true is not supported")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    _require(rope_type == "default", f"DeepSeek-V3 rope type {rope_type!r} is not supported: only plain RoPE "
+             "(YaRN scaling is not built yet)")
+    _require(hf.get("norm_topk_prob", True), "DeepSeek-V3 norm_topk_prob=false is not supported: megajax "
+             "normalises the k sigmoid scores (as Megatron)")
+    groups, best, k = hf.get("n_group") or 1, hf.get("topk_group") or 1, hf["num_experts_per_tok"]
+    _require(groups == 1 or k == 2 * best, f"DeepSeek-V3 scores a group by its top two experts: megajax scores it by "
+             f"its top num_experts_per_tok / topk_group, so topk_group must be num_experts_per_tok / 2, got {best} "
+             f"for {k}")
+    d, h = hf["hidden_size"], hf["num_attention_heads"]
+    cfg = ModelConfig(
+        arch="llama", num_layers=layers, hidden_size=d, num_heads=h, ffn_hidden_size=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"], seq_length=hf.get("max_position_embeddings", 2048), norm_eps=1e-6,
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 1e4))),
+        attention_dropout=hf.get("attention_dropout", 0.0), tie_embeddings=hf.get("tie_word_embeddings", False),
+        init_std=hf.get("initializer_range", 0.02), multi_latent_attention=True, q_lora_rank=hf.get("q_lora_rank"),
+        kv_lora_rank=hf["kv_lora_rank"], qk_head_dim=hf["qk_nope_head_dim"],
+        qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"])
+    if dense:
+        return cfg
+    return dataclasses.replace(
+        cfg, num_experts=hf["n_routed_experts"], experts_per_token=k, moe_ffn_hidden_size=hf["moe_intermediate_size"],
+        moe_shared_experts=hf.get("n_shared_experts") or 0, moe_router_score_function="sigmoid",
+        moe_router_num_groups=groups if groups > 1 else None, moe_router_group_topk=best if groups > 1 else None,
+        moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        moe_router_bias_update_rate=DEEPSEEK_BIAS_RATE, moe_aux_loss_coef=float(hf.get("aux_loss_alpha", 1e-4)))
+
+
+def _deepseek(cfg: ModelConfig) -> bool:
+    """Whether `cfg` converts as DeepSeek-V3: multi-latent attention or sigmoid routing."""
+    return cfg.multi_latent_attention or (cfg.num_experts > 0 and cfg.moe_router_score_function == "sigmoid")
+
+
+def _require_deepseek(cfg: ModelConfig) -> None:
+    _require(cfg.multi_latent_attention, "sigmoid routing converts as DeepSeek-V3, which has multi-latent attention: "
+             "set model.multi_latent_attention=true, or route with softmax (Mixtral, Qwen2-MoE)")
+    _require(cfg.norm_eps == 1e-6, f"model.norm_eps={cfg.norm_eps}: DeepSeek-V3's latent norms use 1e-6, so a model "
+             "with another epsilon does not convert")
+    if not cfg.num_experts:
+        return
+    _require(cfg.moe_router_score_function == "sigmoid" and cfg.moe_layer_freq == 1 and cfg.moe_shared_experts > 0
+             and not cfg.moe_shared_expert_gate,
+             "DeepSeek-V3 routes with sigmoid scores in every layer and has ungated shared experts: set "
+             "model.moe_router_score_function=sigmoid, model.moe_layer_freq=1, model.moe_shared_experts >= 1 and "
+             "model.moe_shared_expert_gate=false")
+    groups = cfg.moe_router_num_groups or 1
+    _require(groups == 1 or cfg.experts_per_token == 2 * cfg.moe_router_group_topk,
+             "DeepSeek-V3 scores an expert group by its top two experts: model.moe_router_group_topk must be "
+             "model.experts_per_token / 2 for the model to convert")
+
+
 def _require_convertible(cfg: ModelConfig) -> None:
     """An MoE model converts as Mixtral (llama, no shared experts, renormalised routing, no QKV biases) or as
     Qwen2-MoE (llama, gated shared experts)."""
+    if _deepseek(cfg):
+        _require_deepseek(cfg)
+        return
     if not cfg.num_experts:
         return
     _require(cfg.arch == "llama", f"model.num_experts={cfg.num_experts} with model.arch=gpt2 has no Hugging Face "
@@ -199,6 +269,8 @@ def _hf_model_type(cfg: ModelConfig) -> str:
     _require_convertible(cfg)
     if cfg.arch == "gpt2":
         return "gpt2"
+    if _deepseek(cfg):
+        return "deepseek_v3"
     if cfg.num_experts:
         return "qwen2_moe" if cfg.moe_shared_experts else "mixtral"
     return "qwen2" if cfg.add_qkv_bias else "llama"
@@ -235,7 +307,9 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", base: dict | 
                    rms_norm_eps=cfg.norm_eps, hidden_act="silu", attention_dropout=cfg.attention_dropout,
                    rope_theta=cfg.rope_theta, rope_parameters=rope)
         out.pop("rope_scaling", None)
-        if model_type in ("llama", "mixtral"):
+        if model_type == "deepseek_v3":
+            out.update(_deepseek_v3_fields(cfg))
+        elif model_type in ("llama", "mixtral"):
             out.update(attention_bias=False, mlp_bias=False)
         else:
             out.update(use_sliding_window=False, sliding_window=None)
@@ -250,6 +324,22 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", base: dict | 
                        norm_topk_prob=not cfg.moe_router_pre_softmax, qkv_bias=cfg.add_qkv_bias,
                        decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=cfg.moe_aux_loss_coef,
                        output_router_logits=False)
+    return out
+
+
+def _deepseek_v3_fields(cfg: ModelConfig) -> dict:
+    """config.json fields of a DeepSeek-V3 model (exported with interleaved RoPE weights, as DeepSeek's own)."""
+    out = dict(q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_head_dim,
+               qk_rope_head_dim=cfg.qk_pos_emb_head_dim, v_head_dim=cfg.v_head_dim,
+               qk_head_dim=cfg.qk_head_dim + cfg.qk_pos_emb_head_dim, head_dim=cfg.qk_pos_emb_head_dim,
+               rope_interleave=True, attention_bias=False, num_nextn_predict_layers=0,
+               first_k_dense_replace=0 if cfg.num_experts else cfg.num_layers)
+    if cfg.num_experts:
+        out.update(n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+                   moe_intermediate_size=cfg.moe_ffn_size, n_shared_experts=cfg.moe_shared_experts,
+                   n_group=cfg.moe_router_num_groups or 1, topk_group=cfg.moe_router_group_topk or 1,
+                   routed_scaling_factor=cfg.moe_router_topk_scaling_factor or 1.0, norm_topk_prob=True,
+                   aux_loss_alpha=cfg.moe_aux_loss_coef)
     return out
 
 
@@ -325,7 +415,7 @@ def _gpt2_rules(cfg: ModelConfig) -> list[Rule]:
     ]
 
 
-def _llama_rules(cfg: ModelConfig) -> list[Rule]:
+def _llama_rules(cfg: ModelConfig, rope_interleave: bool = True) -> list[Rule]:
     d, h, g, k, f = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.ffn_size
     r = h // g
     p = "model.layers.{i}."
@@ -340,6 +430,13 @@ def _llama_rules(cfg: ModelConfig) -> list[Rule]:
         return x[:, :, :r].reshape(d, h * k).T, x[:, :, r].reshape(d, g * k).T, x[:, :, r + 1].reshape(d, g * k).T
 
     attn = p + "self_attn."
+    if cfg.multi_latent_attention:
+        return [*_vocab_rules(cfg, "model.embed_tokens.weight"),
+                _same(blk + ("attn_norm", "scale"), p + "input_layernorm.weight", (d,)),
+                *_latent_attention_rules(cfg, attn, rope_interleave),
+                _same(blk + ("mlp_norm", "scale"), p + "post_attention_layernorm.weight", (d,)),
+                *(_deepseek_moe_rules(cfg) if cfg.num_experts else _swiglu_rules(blk + ("mlp",), p + "mlp.", d, f)),
+                _same(("head", "final_norm", "scale"), "model.norm.weight", (d,))]
     wqkv = Rule(blk + ("attn", "wqkv"), (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
                 ((h * k, d), (g * k, d), (g * k, d)), fuse_qkv, split_qkv)
     wo = Rule(blk + ("attn", "wo"), (attn + "o_proj.weight",), ((d, h * k),),
@@ -403,9 +500,58 @@ def _qwen2_moe_rules(cfg: ModelConfig) -> list[Rule]:
                  lambda x: (x[None],))]
 
 
-def rules(cfg: ModelConfig) -> list[Rule]:
+def _latent_attention_rules(cfg: ModelConfig, attn: str, interleaved: bool) -> list[Rule]:
+    """DeepSeek's MLA projections (nn.Linear [out, in]) as megajax's [in, .., out] weights. Hugging Face keeps the
+    RoPE dimensions of q_b_proj (or q_proj) and kv_a_proj_with_mqa interleaved, each pair (2i, 2i + 1) rotated by
+    frequency i (rope_interleave); megajax rotates halves (i, i + r / 2), so those output rows are reordered evens
+    first on import, and back on export (kept as they are from a source without rope_interleave). The attention
+    scores are the same."""
+    d, h, n, r, v = cfg.hidden_size, cfg.num_heads, cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim
+    c, blk = cfg.kv_lora_rank, ("layers", "block", "attn")
+    halves = np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)]) if interleaved else np.arange(r)
+    pairs = np.argsort(halves)  # halves -> interleaved
+
+    def heads(name, hf_name, rank):  # [h (n + r), rank] -> [rank, h, n + r], RoPE dims in halves; and back
+        def to_megajax(w):
+            w = w.T.reshape(rank, h, n + r)
+            return np.concatenate([w[..., :n], w[..., n:][..., halves]], axis=-1)
+
+        return Rule(blk + (name,), (attn + hf_name,), ((h * (n + r), rank),), to_megajax,
+                    lambda x: (np.concatenate([x[..., :n], x[..., n:][..., pairs]], axis=-1).reshape(rank, -1).T,))
+
+    out = [Rule(blk + ("wkv_down",), (attn + "kv_a_proj_with_mqa.weight",), ((c + r, d),),
+                lambda w: np.concatenate([w.T[:, :c], w.T[:, c:][:, halves]], axis=1),
+                lambda x: (np.concatenate([x[:, :c], x[:, c:][:, pairs]], axis=1).T,)),
+           _same(blk + ("kv_norm", "scale"), attn + "kv_a_layernorm.weight", (c,)),
+           Rule(blk + ("wkv_up",), (attn + "kv_b_proj.weight",), ((h * (n + v), c),),
+                lambda w: w.T.reshape(c, h, n + v), lambda x: (x.reshape(c, -1).T,)),
+           Rule(blk + ("wo",), (attn + "o_proj.weight",), ((d, h * v),),
+                lambda w: w.T.reshape(h, v, d), lambda x: (x.reshape(h * v, d).T,))]
+    if cfg.q_lora_rank is None:
+        return [heads("wq", "q_proj.weight", d), *out]
+    return [_transposed(blk + ("wq_down",), attn + "q_a_proj.weight", (cfg.q_lora_rank, d)),
+            _same(blk + ("q_norm", "scale"), attn + "q_a_layernorm.weight", (cfg.q_lora_rank,)),
+            heads("wq_up", "q_b_proj.weight", cfg.q_lora_rank), *out]
+
+
+def _deepseek_moe_rules(cfg: ModelConfig) -> list[Rule]:
+    """DeepSeek-V3's mlp: the router (gate), its e_score_correction_bias (megajax's auxiliary-loss-free balancing
+    bias, when the model has one), the experts and the ungated shared experts."""
+    from megajax.model.moe import ROUTER_BIAS
+
+    moe, mlp, e = "model.layers.{i}.mlp.", ("layers", "block", "mlp"), cfg.num_experts
+    bias = ([_same(mlp + (ROUTER_BIAS,), moe + "gate.e_score_correction_bias", (e,))]
+            if cfg.moe_router_bias_update_rate else [])
+    return [*_expert_rules(cfg, moe, ("gate_proj", "up_proj", "down_proj")), *bias,
+            *_swiglu_rules(mlp + ("shared",), moe + "shared_experts.", cfg.hidden_size,
+                           cfg.moe_shared_experts * cfg.moe_ffn_size)]
+
+
+def rules(cfg: ModelConfig, rope_interleave: bool = True) -> list[Rule]:
+    """The conversion table of `cfg`'s architecture. rope_interleave: a DeepSeek-V3 source lays out its RoPE
+    dimensions in pairs (config.json's rope_interleave, the default); exports always do."""
     _require_convertible(cfg)
-    return _gpt2_rules(cfg) if cfg.arch == "gpt2" else _llama_rules(cfg)
+    return _gpt2_rules(cfg) if cfg.arch == "gpt2" else _llama_rules(cfg, rope_interleave)
 
 
 def _config_summary(cfg: ModelConfig) -> str:
@@ -415,7 +561,7 @@ def _config_summary(cfg: ModelConfig) -> str:
 
 
 def params_from_hf(cfg: ModelConfig, get: Callable[[str], np.ndarray | None], names: Iterable[str],
-                   source: str = "the model") -> dict:
+                   source: str = "the model", rope_interleave: bool = True) -> dict:
     """The megajax parameter tree (NumPy, layers stacked, cfg.param_dtype) from HF tensors.
 
     get(name) returns a tensor or None if missing; names lists every tensor the source holds, so that
@@ -436,7 +582,7 @@ def params_from_hf(cfg: ModelConfig, get: Callable[[str], np.ndarray | None], na
         return w.astype(dtype)
 
     params: dict = {}
-    for rule in rules(cfg):
+    for rule in rules(cfg, rope_interleave):
         def one(i: int | None, rule=rule) -> np.ndarray:
             ws = [fetch(n.format(i=i), s) for n, s in zip(rule.names, rule.shapes)]
             return np.ascontiguousarray(rule.to_megajax(*ws))

@@ -39,6 +39,11 @@ CASES = {
     "qwen2-gqa": dict(arch="qwen2", num_key_value_heads=2),  # Llama with QKV biases
     # experts weighted by their probabilities without renormalising, a gated shared expert twice an expert's width
     "qwen2-moe": dict(arch="qwen2_moe", num_key_value_heads=2),
+    # multi-latent attention with a query latent, sigmoid routing with a (nonzero) correction bias, 4 groups of 2
+    # experts of which each token's 4 come from its best 2, scaled weights, a shared expert, interleaved RoPE
+    "deepseek-v3": dict(arch="deepseek_v3"),
+    # MLA without a query latent, dense MLPs only (first_k_dense_replace = the layers), RoPE dims in halves
+    "deepseek-v3-dense": dict(arch="deepseek_v3", q_lora_rank=None, first_k_dense_replace=2, rope_interleave=False),
 }
 SHARDED_SOURCE = {"gpt2-untied", "llama-gqa-untied"}  # saved as model-0000i-of-0000n + index json
 
@@ -56,8 +61,13 @@ def hf_config(arch: str, **kw):
     if arch == "qwen2_moe":
         base.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=96,
                     norm_topk_prob=False)
+    if arch == "deepseek_v3":
+        base.update(num_key_value_heads=8, rms_norm_eps=1e-6, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                    v_head_dim=6, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=4, n_group=4,
+                    topk_group=2, first_k_dense_replace=0, moe_intermediate_size=48, routed_scaling_factor=2.5)
     cls = {"mixtral": transformers.MixtralConfig, "qwen2": transformers.Qwen2Config,
-           "qwen2_moe": transformers.Qwen2MoeConfig}.get(arch, transformers.LlamaConfig)
+           "qwen2_moe": transformers.Qwen2MoeConfig,
+           "deepseek_v3": transformers.DeepseekV3Config}.get(arch, transformers.LlamaConfig)
     return cls(**{**base, **kw, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None})
 
 
@@ -68,6 +78,9 @@ def build_hf_model(arch: str, seed: int = 0, **kw):
         for name, p in m.named_parameters():
             is_scale = re.search(r"(ln_\w+|layernorm|norm)\.weight$", name)
             p.copy_((1.0 if is_scale else 0.0) + 0.2 * torch.randn_like(p))
+        for name, b in m.named_buffers():  # DeepSeek's routing bias: a trained model's steers the choice
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
     return m.eval()
 
 
@@ -110,7 +123,7 @@ def test_logits_match_transformers(models, case):
 
 
 @pytest.mark.parametrize("case", ["gpt2-tied", "gpt2-untied", "llama-gqa-untied", "llama3-gqa-tied", "mixtral",
-                                  "qwen2-gqa", "qwen2-moe"])
+                                  "qwen2-gqa", "qwen2-moe", "deepseek-v3"])
 def test_export_then_reload_reproduces_the_weights(models, case, tmp_path):
     hf_model, src, ckpt = models[case]
     files = convert.to_hf(ckpt, tmp_path / "out", max_shard_size="30KB" if "tied" in case else "5GB")
@@ -201,7 +214,7 @@ def test_conversion_errors_name_the_problem(models, tmp_path, capsys):
     assert "is not a megajax checkpoint" in err
 
 
-@pytest.mark.parametrize("case", ["gpt2-untied", "llama-gqa-untied", "mixtral", "qwen2-moe"])
+@pytest.mark.parametrize("case", ["gpt2-untied", "llama-gqa-untied", "mixtral", "qwen2-moe", "deepseek-v3"])
 def test_kv_cache_decoding_matches_the_full_forward(models, case):
     """Prefill (in two chunks) + one-token steps through the cache give the full forward's logits."""
     source = checkpoint.find_params(models[case][2])
@@ -217,7 +230,8 @@ def test_kv_cache_decoding_matches_the_full_forward(models, case):
     assert step._cache_size() == 3  # one program per input length (5, 4, 1), none per position
 
 
-@pytest.mark.parametrize("case", ["gpt2-untied", "llama-gqa-untied", "mixtral", "qwen2-moe"])
+@pytest.mark.parametrize("case", ["gpt2-untied", "llama-gqa-untied", "mixtral", "qwen2-moe", "deepseek-v3",
+                                  "deepseek-v3-dense"])
 def test_greedy_generation_matches_transformers(models, case, capsys):
     hf_model, _, ckpt = models[case]
     prompt = [5, 17, 250, 3, 99]

@@ -55,7 +55,7 @@ def test_layer_equals_every_token_through_its_experts(arch, shared, factor, poli
     cfg, layer, p, x = _layer(arch, shared, factor, policy, qwen)
     got = np.asarray(layer.apply({"params": p}, x)).reshape(16, 32)
     xt = np.asarray(x).reshape(16, 32)
-    weights, ids, probs = moe.route(xt @ p["router"], 2)
+    weights, ids, probs = moe.route(xt @ p["router"], moe.Routing(2))
     if qwen:
         weights = np.take_along_axis(np.asarray(probs), np.asarray(ids), axis=1)
     c = moe.capacity(16, 2, 4, factor) if factor else 16 * 2
@@ -86,7 +86,7 @@ def test_layer_equals_every_token_through_its_experts(arch, shared, factor, poli
         out = np.asarray(MLP(dense).apply({"params": p["shared"]}, x)).reshape(16, 32)
         ref += out / (1 + np.exp(-xt @ np.asarray(p["shared_gate"]))[:, None]) if qwen else out
     np.testing.assert_allclose(got, ref, atol=1e-5)
-    w, _, _ = moe.route(xt @ p["router"], 2)
+    w, _, _ = moe.route(xt @ p["router"], moe.Routing(2))
     np.testing.assert_allclose(np.sum(w, -1), 1.0, rtol=1e-6)
 
 
@@ -105,7 +105,7 @@ def test_auxiliary_losses_join_the_gradient_at_the_objective_scale():
 
     def explicit(p):
         logits = x.reshape(16, 32) @ p["router"]
-        _, ids, probs = moe.route(logits, 2)
+        _, ids, probs = moe.route(logits, moe.Routing(2))
         aux = cfg.moe_aux_loss_coef * moe.load_balancing_loss(probs, ids) + cfg.moe_z_loss_coef * moe.z_loss(logits)
         return jnp.sum(layer.apply({"params": p}, x) * g) + 0.5 * 16 * aux
 
@@ -231,7 +231,7 @@ def test_ragged_receiving_buffer_drops_what_does_not_fit(factor):
     for src in range(2):
         pos = [(b, s) for b in range(2) for s in range(src * 4, src * 4 + 4)]
         tokens = np.stack([xs[b, s] for b, s in pos])
-        weights, ids, _ = moe.route(jnp.asarray(tokens @ np.asarray(p["router"])), k)
+        weights, ids, _ = moe.route(jnp.asarray(tokens @ np.asarray(p["router"])), moe.Routing(k))
         routed.append((pos, tokens, np.asarray(weights), np.asarray(ids)))
     for dest in range(2):
         room = buffer
@@ -378,7 +378,7 @@ def test_layer_reports_its_routing_statistics_through_the_stats_gradient(factor)
     assert not np.any(p[moe.STATS])
     grads = jax.grad(lambda q: jnp.sum(layer.apply({"params": q}, x) ** 2))(p)
     xt = np.asarray(x).reshape(16, 32)
-    _, ids, probs = moe.route(xt @ p["router"], 2)
+    _, ids, probs = moe.route(xt @ p["router"], moe.Routing(2))
     counts = np.bincount(np.asarray(ids).reshape(-1), minlength=4)
     c = moe.capacity(16, 2, 4, factor) if factor else 32
     want = [*counts, 16 * float(moe.load_balancing_loss(probs, ids)), 16, np.maximum(counts - c, 0).sum()]
@@ -459,7 +459,7 @@ def test_router_bias_steers_the_choice_and_follows_the_load():
     from megajax.model import moe
 
     logits = jnp.log(jnp.array([[0.4, 0.3, 0.2, 0.1]]))
-    weights, ids, _ = moe.route(logits, 2, jnp.array([0.0, 0.0, 0.0, 0.25]))
+    weights, ids, _ = moe.route(logits, moe.Routing(2), jnp.array([0.0, 0.0, 0.0, 0.25]))
     assert ids.tolist() == [[0, 3]]  # 0.4 and 0.1 + 0.25 beat 0.3
     np.testing.assert_allclose(weights, [[0.8, 0.2]], rtol=1e-6)
     params = {"layers": {"mlp": {moe.ROUTER_BIAS: jnp.zeros((2, 4)), "w": jnp.ones(3)}}}

@@ -78,11 +78,18 @@ gather_sequence.defvjp(_gather_sequence_fwd, _gather_sequence_bwd)
 # (`weight_grad`). Both hooks do nothing unless a caller passes those collections.
 TAP_INPUTS, TAP_GRADS = "tap_inputs", "tap_grads"
 WEIGHT_EINSUMS = {"wqkv": "bsd,dgjk->bsgjk", "wo": "bshk,hkd->bsd", "w_gate_up": "bsd,dtf->bstf",
-                  "w_in": "bsd,df->bsf", "w_out": "bsf,fd->bsd"}
-# their logical axis names, and the column-parallel ones (their input the residual stream; the rest row-parallel)
+                  "w_in": "bsd,df->bsf", "w_out": "bsf,fd->bsd",
+                  # multi-latent attention: the down-projections to the latents (r letters) and back up to heads
+                  "wq": "bsd,dhk->bshk", "wq_down": "bsd,dr->bsr", "wq_up": "bsr,rhk->bshk",
+                  "wkv_down": "bsd,dr->bsr", "wkv_up": "bsr,rhk->bshk"}
+# their logical axis names, and the column-parallel ones (their input the residual stream; the rest row-parallel,
+# but for the latent projections, which are neither: `latent_matmul`)
 WEIGHT_NAMES = {"wqkv": ("embed", "kv_heads", None, "head_dim"), "wo": ("heads", "head_dim", "embed"),
-                "w_gate_up": ("embed", None, "mlp"), "w_in": ("embed", "mlp"), "w_out": ("mlp", "embed")}
-COLUMN_PARALLEL = frozenset({"wqkv", "w_gate_up", "w_in"})
+                "w_gate_up": ("embed", None, "mlp"), "w_in": ("embed", "mlp"), "w_out": ("mlp", "embed"),
+                "wq": ("embed", "heads", "head_dim"), "wq_down": ("embed", None), "wq_up": (None, "heads", "head_dim"),
+                "wkv_down": ("embed", None), "wkv_up": (None, "heads", "head_dim")}
+COLUMN_PARALLEL = frozenset({"wqkv", "w_gate_up", "w_in", "wq"})
+LATENT = frozenset({"wq_down", "wq_up", "wkv_down", "wkv_up"})
 
 
 def weight_einsum(module: nn.Module, name: str, x: jax.Array, w: jax.Array) -> jax.Array:
@@ -145,7 +152,7 @@ def weight_grad(name: str, cfg: ModelConfig, x: jax.Array, dy: jax.Array, w: jax
     computed in x's dtype (or in FP8 with model.fp8; `meta`: its delayed-scaling state) as the fused backward
     does: with parallel.tp_comm_overlap (`_collective_matmul`) its gathers under the GEMMs too."""
     fmt = None if cfg.fp8 == "none" else (cfg.fp8, cfg.fp8_margin)
-    if collective_matmul.active():
+    if collective_matmul.active() and name not in LATENT:
         return collective_matmul.weight_grad(WEIGHT_EINSUMS[name], name in COLUMN_PARALLEL, x, dy, w,
                                              WEIGHT_NAMES[name], fmt, meta)
     if fmt is not None:
@@ -298,8 +305,8 @@ def cached_attention(q_bshk: jax.Array, k_bsgk: jax.Array, v_bsgk: jax.Array, ca
 
 
 class Attention(nn.Module):
-    """Causal self-attention, grouped-query when num_kv_heads < num_heads. Column-parallel QKV over
-    heads, row-parallel output projection."""
+    """Causal self-attention, grouped-query when num_kv_heads < num_heads, or DeepSeek's multi-latent attention
+    (`latent_qkv`). Column-parallel QKV over heads, row-parallel output projection."""
 
     cfg: ModelConfig
 
@@ -313,28 +320,10 @@ class Attention(nn.Module):
         """
         cfg = self.cfg
         side = NO_SIDE if side is None else side
-        h, g, k, d = cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.hidden_size
+        h, d = cfg.num_heads, cfg.hidden_size
         pdt, cdt = dtype_of(cfg.param_dtype), dtype_of(cfg.compute_dtype)
-        bias = cfg.arch == "gpt2"
-        qkv_bias = bias or cfg.add_qkv_bias
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-
-        # One fused QKV matrix, grouped by kv head as Megatron lays it out: [d, g, r + 2, k] holds, for each
-        # kv head, its r = h / g query heads, then its key, then its value. Sharding g over 'tensor' keeps
-        # every group on one rank, and the backward has a single partial dX to all-reduce (three separate
-        # q/k/v matmuls would all-reduce three). Sequence parallel: the all-gather comes first.
-        r = h // g
-        wqkv = param(self, "wqkv", (d, g, r + 2, k), WEIGHT_NAMES["wqkv"], cfg.init_std, pdt)
-        qkv = column_matmul(self, "wqkv", x_bsd, wqkv.astype(cdt))
-        if qkv_bias:
-            qkv = qkv + param(self, "bqkv", (g, r + 2, k), ("kv_heads", None, "head_dim"), 0, pdt).astype(cdt)
-        b, s = qkv.shape[:2]
-        q = qkv[:, :, :, :r].reshape(b, s, h, k)  # query head i uses kv head i // r
-        kk, v = qkv[:, :, :, r], qkv[:, :, :, r + 1]
-        if cfg.arch == "llama":
-            inv_freq = rope_inv_freq(cfg, q.shape[-1])
-            at = token_positions(side, s, offset)
-            q, kk = rope(q, inv_freq, at), rope(kk, inv_freq, at)
+        q, kk, v = (latent_qkv if cfg.multi_latent_attention else fused_qkv)(self, x_bsd, side, offset)
         q = constrain(q, ("batch", None, "heads", "head_dim"))
         kk = constrain(kk, ("batch", None, "kv_heads", "head_dim"))
         v = constrain(v, ("batch", None, "kv_heads", "head_dim"))
@@ -357,13 +346,79 @@ class Attention(nn.Module):
             o = core(q, kk, v)
         else:  # decoding: the new positions attend over the cache (no dropout, nothing to recompute)
             o, cache = cached_attention(q, kk, v, cache, offset)
-        o = constrain(o, ("batch", None, "heads", "head_dim"))
+        o = constrain(o[..., :cfg.value_dim], ("batch", None, "heads", "head_dim"))
 
-        wo = param(self, "wo", (h, k, d), WEIGHT_NAMES["wo"], out_std, pdt)
+        wo = param(self, "wo", (h, cfg.value_dim, d), WEIGHT_NAMES["wo"], out_std, pdt)
         y = row_matmul(self, "wo", o, wo.astype(cdt))  # the all-reduce (reduce-scatter with sequence parallel)
-        if bias:
+        if cfg.arch == "gpt2":
             y = y + param(self, "bo", (d,), ("embed",), 0, pdt).astype(cdt)
         return y if cache is None else (y, cache)
+
+
+def fused_qkv(module: nn.Module, x_bsd: jax.Array, side: Side, offset: jax.Array | int):
+    """Queries [b, s, h, k], keys and values [b, s, g, k] from one fused matmul (RoPE applied for llama)."""
+    cfg = module.cfg
+    h, g, k, d = cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.hidden_size
+    pdt, cdt = dtype_of(cfg.param_dtype), dtype_of(cfg.compute_dtype)
+    # One fused QKV matrix, grouped by kv head as Megatron lays it out: [d, g, r + 2, k] holds, for each kv head,
+    # its r = h / g query heads, then its key, then its value. Sharding g over 'tensor' keeps every group on one
+    # rank, and the backward has a single partial dX to all-reduce (three separate q/k/v matmuls would all-reduce
+    # three). Sequence parallel: the all-gather comes first.
+    r = h // g
+    wqkv = param(module, "wqkv", (d, g, r + 2, k), WEIGHT_NAMES["wqkv"], cfg.init_std, pdt)
+    qkv = column_matmul(module, "wqkv", x_bsd, wqkv.astype(cdt))
+    if cfg.arch == "gpt2" or cfg.add_qkv_bias:
+        qkv = qkv + param(module, "bqkv", (g, r + 2, k), ("kv_heads", None, "head_dim"), 0, pdt).astype(cdt)
+    b, s = qkv.shape[:2]
+    q = qkv[:, :, :, :r].reshape(b, s, h, k)  # query head i uses kv head i // r
+    kk, v = qkv[:, :, :, r], qkv[:, :, :, r + 1]
+    if cfg.arch == "llama":
+        inv_freq = rope_inv_freq(cfg, q.shape[-1])
+        at = token_positions(side, s, offset)
+        q, kk = rope(q, inv_freq, at), rope(kk, inv_freq, at)
+    return q, kk, v
+
+
+def latent_matmul(module: nn.Module, name: str, x_bsr: jax.Array, shape: tuple) -> jax.Array:
+    """One of multi-latent attention's projections (`weight_einsum`): a down-projection of the residual stream
+    x [b, s, d] to a latent [b, s, r] (the weight whole on every tensor rank, the output left on the residual's
+    sequence shards), or an up-projection of a gathered latent to heads [b, s, h, k] (column-parallel)."""
+    cfg = module.cfg
+    w = param(module, name, shape, WEIGHT_NAMES[name], cfg.init_std, dtype_of(cfg.param_dtype))
+    y = weight_einsum(module, name, x_bsr, w.astype(dtype_of(cfg.compute_dtype)))
+    return constrain(y, RESIDUAL) if y.ndim == 3 else y
+
+
+def latent_qkv(module: nn.Module, x_bsd: jax.Array, side: Side, offset: jax.Array | int):
+    """Multi-latent attention's queries and keys [b, s, h, n + r] and values [b, s, h, v] padded to n + r
+    (DeepSeek-V2, Megatron-Core's MLA; n = qk_head_dim, r = qk_pos_emb_head_dim, v = v_head_dim).
+
+    The residual stream is projected down to a latent c_kv [b, s, kv_lora_rank] and a RoPE key part [b, s, r]
+    shared by all heads, and (with q_lora_rank) to a query latent; each latent is RMS-normalised, and the heads'
+    keys' first n dimensions, their values and their queries are column-parallel up-projections of them. The
+    down-projections run on the residual's sequence shards (their weights are small and whole on every tensor
+    rank), so sequence parallelism gathers the latents, not the residual stream: kv_lora_rank + r (+ q_lora_rank)
+    wide instead of d, as Megatron's MLA does. The values are zero-padded to the query width so every attention
+    implementation (and the KV cache) takes them; the padding is sliced off the output before the projection."""
+    cfg = module.cfg
+    h, n, r, v, d = cfg.num_heads, cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim, cfg.hidden_size
+    if cfg.q_lora_rank is None:
+        w = param(module, "wq", (d, h, n + r), WEIGHT_NAMES["wq"], cfg.init_std, dtype_of(cfg.param_dtype))
+        q = column_matmul(module, "wq", x_bsd, w.astype(dtype_of(cfg.compute_dtype)))
+    else:
+        cq = Norm(cfg, name="q_norm")(latent_matmul(module, "wq_down", x_bsd, (d, cfg.q_lora_rank)))
+        q = latent_matmul(module, "wq_up", gather_sequence(cq), (cfg.q_lora_rank, h, n + r))
+    ckv = latent_matmul(module, "wkv_down", x_bsd, (d, cfg.kv_lora_rank + r))
+    c = Norm(cfg, name="kv_norm")(ckv[..., :cfg.kv_lora_rank])
+    kv = latent_matmul(module, "wkv_up", gather_sequence(c), (cfg.kv_lora_rank, h, n + v))
+    k_pe = gather_sequence(ckv[..., cfg.kv_lora_rank:])[:, :, None, :]  # [b, s, 1, r]
+    b, s = q.shape[:2]
+    inv_freq, at = rope_inv_freq(cfg, r), token_positions(side, s, offset)
+    q = jnp.concatenate([q[..., :n], rope(q[..., n:], inv_freq, at)], axis=-1)
+    k_pe = jnp.broadcast_to(rope(k_pe, inv_freq, at), (b, s, h, r))
+    kk = jnp.concatenate([kv[..., :n], k_pe], axis=-1)
+    values = jnp.pad(kv[..., n:], ((0, 0), (0, 0), (0, 0), (0, n + r - v)))
+    return q, kk, values
 
 
 class MLP(nn.Module):

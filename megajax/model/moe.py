@@ -177,21 +177,54 @@ def update_router_bias(params, loads: dict, rate: float):
     return jax.tree_util.tree_map_with_path(move, params)
 
 
-def route(logits_te: jax.Array, k: int, bias_e: jax.Array | None = None,
-          renormalize: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """fp32 logits [t, e] -> (weights [t, k], expert ids [t, k], probabilities [t, e]).
+class Routing(NamedTuple):
+    """How `route` turns logits into the k experts and their weights (model.moe_router_*)."""
 
-    The weights are the k largest probabilities, renormalised to sum to 1 (Mixtral; Megatron's default, a softmax
-    over the k logits) or with `renormalize` off as they are (Qwen-MoE; Megatron's moe_router_pre_softmax).
-    With `bias_e` (DeepSeek-V3's auxiliary-loss-free balancing) the k experts are chosen by probability + bias,
-    and weighted by their probabilities alone: the bias steers the choice and gets no gradient."""
-    probs = jax.nn.softmax(logits_te, axis=-1)
-    if bias_e is None:
-        top, ids = jax.lax.top_k(probs, k)
+    k: int
+    renormalize: bool = True  # the k weights divided by their sum (softmax: Mixtral's; sigmoid: when k > 1)
+    score: str = "softmax"  # or "sigmoid" (DeepSeek-V3)
+    groups: int = 1  # group-limited routing: the experts in this many groups ..
+    group_k: int = 1  # .. of which each token takes its experts from this many
+    scale: float = 1.0  # the weights times this (DeepSeek's routed_scaling_factor)
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> "Routing":
+        sigmoid = cfg.moe_router_score_function == "sigmoid"
+        return cls(cfg.experts_per_token, (cfg.experts_per_token > 1) if sigmoid else not cfg.moe_router_pre_softmax,
+                   cfg.moe_router_score_function, cfg.moe_router_num_groups or 1, cfg.moe_router_group_topk or 1,
+                   cfg.moe_router_topk_scaling_factor or 1.0)
+
+
+def route(logits_te: jax.Array, how: Routing, bias_e: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """fp32 logits [t, e] -> (weights [t, k], expert ids [t, k], probabilities [t, e] for the balancing loss).
+
+    Scores are the softmax over the experts (Mixtral) or each expert's sigmoid (DeepSeek-V3). The weights are the
+    k largest scores, renormalised to sum to 1 (Mixtral; Megatron's default, a softmax over the k logits; with
+    sigmoid scores when k > 1, as Megatron and DeepSeek-V3) or with `renormalize` off as they are (Qwen-MoE;
+    Megatron's moe_router_pre_softmax), times `scale`. With `bias_e` (DeepSeek-V3's auxiliary-loss-free
+    balancing) the k experts are chosen by score + bias, and weighted by their scores alone: the bias steers the
+    choice and gets no gradient. Group-limited (DeepSeek's node-limited routing, Megatron's
+    --moe-router-num-groups): a group's merit is the sum of its best k / group_k choice scores, and the k experts
+    are chosen within the group_k best groups. The balancing loss sees the sigmoid scores normalised over the
+    experts, as Megatron's."""
+    if how.score == "sigmoid":
+        scores = jax.nn.sigmoid(logits_te)
+        probs = scores / (jnp.sum(scores, axis=-1, keepdims=True) + 1e-20)
     else:
-        _, ids = jax.lax.top_k(probs + jax.lax.stop_gradient(bias_e), k)
-        top = jnp.take_along_axis(probs, ids, axis=-1)
-    return (top / jnp.sum(top, axis=-1, keepdims=True) if renormalize else top), ids, probs
+        scores = probs = jax.nn.softmax(logits_te, axis=-1)
+    choice = scores if bias_e is None else scores + jax.lax.stop_gradient(bias_e)
+    if how.groups > 1:
+        t, e = choice.shape
+        per_group = choice.reshape(t, how.groups, e // how.groups)
+        merit = jnp.sum(jax.lax.top_k(per_group, how.k // how.group_k)[0], axis=-1)  # [t, groups]
+        _, best = jax.lax.top_k(merit, how.group_k)
+        kept = jnp.any(best[:, :, None] == jnp.arange(how.groups), axis=1)  # [t, groups]
+        choice = jnp.where(jnp.repeat(kept, e // how.groups, axis=1), choice, -jnp.inf)
+    _, ids = jax.lax.top_k(jax.lax.stop_gradient(choice), how.k)
+    top = jnp.take_along_axis(scores, ids, axis=-1)
+    if how.renormalize:
+        top = top / (jnp.sum(top, axis=-1, keepdims=True) + (1e-20 if how.score == "sigmoid" else 0.0))
+    return top * how.scale if how.scale != 1.0 else top, ids, probs
 
 
 def load_balancing_loss(probs_te: jax.Array, ids_tk: jax.Array) -> jax.Array:
@@ -633,7 +666,7 @@ class MoE(nn.Module):
         logits = jnp.einsum("gtd,de->gte", x_gtd.astype(jnp.float32), w_router.astype(jnp.float32)).reshape(-1, e)
         bias = (param(self, ROUTER_BIAS, (e,), (None,), 0, jnp.float32)
                 if cfg.moe_router_bias_update_rate else None)
-        weights, ids, probs = route(logits, k, bias, renormalize=not cfg.moe_router_pre_softmax)
+        weights, ids, probs = route(logits, Routing.of(cfg), bias)
 
         # The expert weights: [e, ...], or inside the train step with expert parallelism this rank's e / ep.
         ep = expert_parallel_size()
