@@ -61,11 +61,15 @@ class ModelConfig:
     fp8_margin: int = 0  # FP8 scales are divided by 2^margin (headroom against growing values)
     norm_eps: float = 1e-5  # LayerNorm / RMSNorm epsilon
     rope_theta: float = 10000.0  # RoPE base (llama)
-    rope_scaling: Literal["none", "llama3"] = "none"  # llama3: Llama 3.1's frequency scaling for long context
+    rope_scaling: Literal["none", "llama3", "yarn"] = "none"  # llama3: Llama 3.1's frequency scaling; yarn: YaRN's
     rope_scaling_factor: float = 8.0  # llama3 scaling: low frequencies are divided by this
     rope_low_freq_factor: float = 1.0  # llama3 scaling: wavelengths above original / this are scaled fully
     rope_high_freq_factor: float = 4.0  # llama3 scaling: wavelengths below original / this are kept
     rope_original_max_positions: int = 8192  # llama3 scaling: the context length the model was trained at
+    rope_yarn_beta_fast: float = 32.0  # yarn: dimensions rotating more than this often over the original are kept
+    rope_yarn_beta_slow: float = 1.0  # yarn: those rotating less often than this are interpolated fully
+    rope_yarn_mscale: float = 0.0  # yarn: the RoPE amplitude ratio's numerator mscale (0: sqrt of the plain ratio)
+    rope_yarn_mscale_all_dim: float = 0.0  # yarn: its denominator; with MLA also the softmax scale's (DeepSeek)
     tie_embeddings: bool | None = None  # output layer = embedding table; null: tied for gpt2, not for llama
     add_qkv_bias: bool = False  # llama: biases on the Q, K and V projections (Qwen; gpt2 always has them)
     init_std: float = 0.02  # standard deviation of the weights' normal init
@@ -92,6 +96,7 @@ class ModelConfig:
     moe_shared_expert_gate: bool = False  # the shared experts' output times sigmoid(x w) (Qwen-MoE)
     moe_router_pre_softmax: bool = False  # top k of the softmax over all experts, not renormalised (Qwen-MoE)
     moe_layer_freq: int = 1  # 1: every layer is MoE; n: layers 0, n, 2n, .. are MoE, the rest dense (Megatron's)
+    moe_first_dense_layers: int = 0  # DeepSeek's first_k_dense_replace: the first k layers dense, the pattern after
     moe_router_bias_update_rate: float = 0.0  # DeepSeek-V3's auxiliary-loss-free balancing (0: off)
     moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"  # sigmoid: DeepSeek-V3's expert scores
     moe_router_num_groups: int | None = None  # group-limited routing (DeepSeek): experts in this many groups
@@ -123,10 +128,13 @@ class ModelConfig:
             _check(self.moe_capacity_factor is None or self.moe_capacity_factor > 0,
                    f"model.moe_capacity_factor must be positive or null (dropless), got {self.moe_capacity_factor}")
             _check(self.moe_layer_freq >= 1, f"model.moe_layer_freq must be >= 1, got {self.moe_layer_freq}")
-            _check(self.num_layers % self.moe_layer_freq == 0,
-                   f"model.num_layers={self.num_layers} is not a multiple of model.moe_layer_freq="
-                   f"{self.moe_layer_freq}: the layers repeat in groups of one MoE layer and moe_layer_freq - 1 dense "
-                   f"ones; choose a frequency from {_divisors(self.num_layers)}")
+            _check(0 <= self.moe_first_dense_layers < self.num_layers,
+                   f"model.moe_first_dense_layers={self.moe_first_dense_layers} must be >= 0 and leave MoE layers: "
+                   f"below model.num_layers={self.num_layers}")
+            _check(self.stacked_layers % self.moe_layer_freq == 0,
+                   f"the {self.stacked_layers} layers after the model.moe_first_dense_layers are not a multiple of "
+                   f"model.moe_layer_freq={self.moe_layer_freq}: they repeat in groups of one MoE layer and "
+                   f"moe_layer_freq - 1 dense ones; choose a frequency from {_divisors(self.stacked_layers)}")
             _check(self.moe_shared_experts >= 0, "model.moe_shared_experts must be >= 0")
             _check(not self.moe_shared_expert_gate or self.moe_shared_experts > 0,
                    "model.moe_shared_expert_gate gates the shared experts: set model.moe_shared_experts >= 1")
@@ -150,6 +158,8 @@ class ModelConfig:
                    and self.rope_high_freq_factor > self.rope_low_freq_factor > 0,
                    "model.rope_scaling=llama3 needs rope_scaling_factor >= 1, rope_original_max_positions > 0 and "
                    "rope_high_freq_factor > rope_low_freq_factor > 0 (Llama 3.1: 8, 8192, 4 and 1)")
+            _check(self.rope_scaling != "yarn" or self.rope_yarn_beta_fast > self.rope_yarn_beta_slow > 0,
+                   "model.rope_scaling=yarn needs rope_yarn_beta_fast > rope_yarn_beta_slow > 0 (YaRN: 32 and 1)")
 
     def _check_group_routing(self) -> None:
         groups, best = self.moe_router_num_groups, self.moe_router_group_topk
@@ -218,9 +228,20 @@ class ModelConfig:
         return self.moe_layer_freq if self.num_experts else 1
 
     @property
+    def first_dense_layers(self) -> int:
+        """The dense layers before the layer stack (model.moe_first_dense_layers in an MoE model, else none)."""
+        return self.moe_first_dense_layers if self.num_experts else 0
+
+    @property
+    def stacked_layers(self) -> int:
+        """The layers of the scanned stack (the pipeline splits these): all but the first dense ones."""
+        return self.num_layers - self.first_dense_layers
+
+    @property
     def moe_layers(self) -> int:
-        """How many layers are MoE (layers 0, n, 2n, .. with moe_layer_freq n)."""
-        return self.num_layers // self.moe_layer_freq if self.num_experts else 0
+        """How many layers are MoE (after the first dense ones, layers 0, n, 2n, .. of the stack with
+        moe_layer_freq n)."""
+        return self.stacked_layers // self.moe_layer_freq if self.num_experts else 0
 
     @property
     def tied(self) -> bool:
@@ -501,21 +522,24 @@ class Config:
             "make the sequence length a multiple of the tensor size",
         )
         chunks = p.pipeline * p.virtual_stages
+        stack = m.stacked_layers
+        what = (f"model.num_layers={m.num_layers}" if stack == m.num_layers else
+                f"the {stack} layers after model.moe_first_dense_layers={m.moe_first_dense_layers}")
         _check(
-            chunks <= m.num_layers,
-            f"parallel.pipeline * parallel.virtual_stages = {chunks} is more than model.num_layers={m.num_layers}: "
+            chunks <= stack,
+            f"parallel.pipeline * parallel.virtual_stages = {chunks} is more than {what}: "
             "every pipeline chunk needs at least one layer",
         )
         _check(
-            m.num_layers % chunks == 0,
-            f"model.num_layers={m.num_layers} is not divisible by parallel.pipeline * parallel.virtual_stages = "
+            stack % chunks == 0,
+            f"{what} is not divisible by parallel.pipeline * parallel.virtual_stages = "
             f"{chunks}: choose layers that split evenly into {chunks} chunks",
         )
         period = m.layer_period
         _check(
-            (m.num_layers // period) % chunks == 0,
-            f"model.moe_layer_freq={period} groups the {m.num_layers} layers by {period} (one MoE layer, then dense "
-            f"ones) and a pipeline chunk holds whole groups, but {m.num_layers // period} groups do not split into "
+            (stack // period) % chunks == 0,
+            f"model.moe_layer_freq={period} groups {what} by {period} (one MoE layer, then dense "
+            f"ones) and a pipeline chunk holds whole groups, but {stack // period} groups do not split into "
             f"parallel.pipeline * parallel.virtual_stages = {chunks} chunks: change the layers, the frequency or the "
             "pipeline",
         )

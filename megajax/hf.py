@@ -111,16 +111,7 @@ def _llama_config(hf: dict) -> ModelConfig:
     _require(not hf.get("attention_bias", False), "Llama attention_bias=true is not supported (megajax's Llama "
                                                   "attention has no biases)")
     _require(not hf.get("mlp_bias", False), "Llama mlp_bias=true is not supported")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    _require(rope_type in ("default", "llama3"), f"Llama rope type {rope_type!r} is not supported: only plain "
-                                                 "RoPE (rope_type 'default') and Llama 3.1's 'llama3' scaling")
-    scaling = {}
-    if rope_type == "llama3":
-        scaling = dict(rope_scaling="llama3", rope_scaling_factor=float(rope["factor"]),
-                       rope_low_freq_factor=float(rope["low_freq_factor"]),
-                       rope_high_freq_factor=float(rope["high_freq_factor"]),
-                       rope_original_max_positions=int(rope["original_max_position_embeddings"]))
+    rope, scaling = _rope_config(hf, "Llama")
     d, h = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or d // h
     _require(head_dim * h == d, f"Llama head_dim={head_dim} with num_attention_heads={h} does not give "
@@ -132,6 +123,44 @@ def _llama_config(hf: dict) -> ModelConfig:
         norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 1e4))),
         attention_dropout=hf.get("attention_dropout", 0.0),
         tie_embeddings=hf.get("tie_word_embeddings", False), init_std=hf.get("initializer_range", 0.02), **scaling)
+
+
+def _rope_config(hf: dict, family: str) -> tuple[dict, dict]:
+    """(config.json's RoPE parameters, the megajax model fields of their scaling): none, Llama 3.1's or YaRN's."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    _require(rope_type in ("default", "llama3", "yarn"), f"{family} rope type {rope_type!r} is not supported: only "
+             "plain RoPE (rope_type 'default'), Llama 3.1's 'llama3' scaling and 'yarn'")
+    if rope_type == "llama3":
+        return rope, dict(rope_scaling="llama3", rope_scaling_factor=float(rope["factor"]),
+                          rope_low_freq_factor=float(rope["low_freq_factor"]),
+                          rope_high_freq_factor=float(rope["high_freq_factor"]),
+                          rope_original_max_positions=int(rope["original_max_position_embeddings"]))
+    if rope_type == "yarn":
+        _require(rope.get("attention_factor") is None and rope.get("truncate", True) and rope.get("factor"),
+                 "YaRN RoPE with an explicit attention_factor, truncate=false or no factor is not supported")
+        return rope, dict(rope_scaling="yarn", rope_scaling_factor=float(rope["factor"]),
+                          rope_original_max_positions=int(rope["original_max_position_embeddings"]),
+                          rope_yarn_beta_fast=float(rope.get("beta_fast") or 32),
+                          rope_yarn_beta_slow=float(rope.get("beta_slow") or 1),
+                          rope_yarn_mscale=float(rope.get("mscale") or 0),
+                          rope_yarn_mscale_all_dim=float(rope.get("mscale_all_dim") or 0))
+    return rope, {}
+
+
+def _rope_parameters(cfg: ModelConfig) -> dict:
+    """config.json's rope_parameters for `cfg` (the inverse of `_rope_config`)."""
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling == "llama3":
+        rope.update(rope_type="llama3", factor=cfg.rope_scaling_factor, low_freq_factor=cfg.rope_low_freq_factor,
+                    high_freq_factor=cfg.rope_high_freq_factor,
+                    original_max_position_embeddings=cfg.rope_original_max_positions)
+    if cfg.rope_scaling == "yarn":
+        rope.update(rope_type="yarn", factor=cfg.rope_scaling_factor, beta_fast=cfg.rope_yarn_beta_fast,
+                    beta_slow=cfg.rope_yarn_beta_slow, mscale=cfg.rope_yarn_mscale,
+                    mscale_all_dim=cfg.rope_yarn_mscale_all_dim,
+                    original_max_position_embeddings=cfg.rope_original_max_positions)
+    return rope
 
 
 def _mixtral_config(hf: dict) -> ModelConfig:
@@ -179,19 +208,14 @@ DEEPSEEK_BIAS_RATE = 1e-3  # DeepSeek-V3's bias update speed (gamma) for most of
 def _deepseek_v3_config(hf: dict) -> ModelConfig:
     """DeepSeek-V3: multi-latent attention, sigmoid routing with a correction bias (imported as the
     auxiliary-loss-free balancing bias, updated at DEEPSEEK_BIAS_RATE when trained on), group-limited top k, the
-    weights scaled by routed_scaling_factor, shared experts; first_k_dense_replace = num_hidden_layers is a dense
-    model with multi-latent attention."""
+    weights scaled by routed_scaling_factor, shared experts, the first first_k_dense_replace layers dense
+    (model.moe_first_dense_layers; all of them: a dense model with multi-latent attention)."""
     layers, dense = hf["num_hidden_layers"], hf.get("first_k_dense_replace", 0)
-    _require(dense in (0, layers), f"DeepSeek-V3 first_k_dense_replace={dense}: megajax converts models with experts "
-             f"in every layer (0) or in none ({layers}); dense first layers are not built yet")
     _require(hf.get("rms_norm_eps", 1e-6) == 1e-6, "DeepSeek-V3 rms_norm_eps must be 1e-6 here: Hugging Face's "
              "latent norms always use 1e-6 and megajax uses one epsilon for every norm")
     _require(hf.get("hidden_act", "silu") == "silu", "DeepSeek-V3 hidden_act must be silu (megajax's SwiGLU)")
     _require(not hf.get("attention_bias", False), "DeepSeek-V3 attention_bias=true is not supported")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    _require(rope_type == "default", f"DeepSeek-V3 rope type {rope_type!r} is not supported: only plain RoPE "
-             "(YaRN scaling is not built yet)")
+    rope, scaling = _rope_config(hf, "DeepSeek-V3")
     _require(hf.get("norm_topk_prob", True), "DeepSeek-V3 norm_topk_prob=false is not supported: megajax "
              "normalises the k sigmoid scores (as Megatron)")
     groups, best, k = hf.get("n_group") or 1, hf.get("topk_group") or 1, hf["num_experts_per_tok"]
@@ -206,11 +230,11 @@ def _deepseek_v3_config(hf: dict) -> ModelConfig:
         attention_dropout=hf.get("attention_dropout", 0.0), tie_embeddings=hf.get("tie_word_embeddings", False),
         init_std=hf.get("initializer_range", 0.02), multi_latent_attention=True, q_lora_rank=hf.get("q_lora_rank"),
         kv_lora_rank=hf["kv_lora_rank"], qk_head_dim=hf["qk_nope_head_dim"],
-        qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"])
-    if dense:
+        qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"], **scaling)
+    if dense >= layers:
         return cfg
     return dataclasses.replace(
-        cfg, num_experts=hf["n_routed_experts"], experts_per_token=k, moe_ffn_hidden_size=hf["moe_intermediate_size"],
+        cfg, moe_first_dense_layers=dense, num_experts=hf["n_routed_experts"], experts_per_token=k, moe_ffn_hidden_size=hf["moe_intermediate_size"],
         moe_shared_experts=hf.get("n_shared_experts") or 0, moe_router_score_function="sigmoid",
         moe_router_num_groups=groups if groups > 1 else None, moe_router_group_topk=best if groups > 1 else None,
         moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
@@ -296,11 +320,7 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", base: dict | 
                    activation_function="gelu_new", resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
                    attn_pdrop=cfg.attention_dropout, scale_attn_weights=True)
     else:
-        rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-        if cfg.rope_scaling == "llama3":
-            rope.update(rope_type="llama3", factor=cfg.rope_scaling_factor, low_freq_factor=cfg.rope_low_freq_factor,
-                        high_freq_factor=cfg.rope_high_freq_factor,
-                        original_max_position_embeddings=cfg.rope_original_max_positions)
+        rope = _rope_parameters(cfg)
         out.update(num_hidden_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
                    num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim,
                    intermediate_size=cfg.ffn_size, max_position_embeddings=cfg.seq_length,
@@ -333,7 +353,7 @@ def _deepseek_v3_fields(cfg: ModelConfig) -> dict:
                qk_rope_head_dim=cfg.qk_pos_emb_head_dim, v_head_dim=cfg.v_head_dim,
                qk_head_dim=cfg.qk_head_dim + cfg.qk_pos_emb_head_dim, head_dim=cfg.qk_pos_emb_head_dim,
                rope_interleave=True, attention_bias=False, num_nextn_predict_layers=0,
-               first_k_dense_replace=0 if cfg.num_experts else cfg.num_layers)
+               first_k_dense_replace=cfg.first_dense_layers if cfg.num_experts else cfg.num_layers)
     if cfg.num_experts:
         out.update(n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
                    moe_intermediate_size=cfg.moe_ffn_size, n_shared_experts=cfg.moe_shared_experts,
@@ -431,11 +451,11 @@ def _llama_rules(cfg: ModelConfig, rope_interleave: bool = True) -> list[Rule]:
 
     attn = p + "self_attn."
     if cfg.multi_latent_attention:
-        return [*_vocab_rules(cfg, "model.embed_tokens.weight"),
-                _same(blk + ("attn_norm", "scale"), p + "input_layernorm.weight", (d,)),
-                *_latent_attention_rules(cfg, attn, rope_interleave),
-                _same(blk + ("mlp_norm", "scale"), p + "post_attention_layernorm.weight", (d,)),
-                *(_deepseek_moe_rules(cfg) if cfg.num_experts else _swiglu_rules(blk + ("mlp",), p + "mlp.", d, f)),
+        first = [rule for j in range(cfg.first_dense_layers)
+                 for rule in _deepseek_layer_rules(cfg, f"model.layers.{j}.", ("first_dense", f"layer_{j}"), False,
+                                                   rope_interleave)]
+        return [*_vocab_rules(cfg, "model.embed_tokens.weight"), *first,
+                *_deepseek_layer_rules(cfg, p, blk, cfg.num_experts > 0, rope_interleave),
                 _same(("head", "final_norm", "scale"), "model.norm.weight", (d,))]
     wqkv = Rule(blk + ("attn", "wqkv"), (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
                 ((h * k, d), (g * k, d), (g * k, d)), fuse_qkv, split_qkv)
@@ -500,14 +520,23 @@ def _qwen2_moe_rules(cfg: ModelConfig) -> list[Rule]:
                  lambda x: (x[None],))]
 
 
-def _latent_attention_rules(cfg: ModelConfig, attn: str, interleaved: bool) -> list[Rule]:
+def _deepseek_layer_rules(cfg: ModelConfig, p: str, blk: tuple[str, ...], moe: bool, interleaved: bool) -> list[Rule]:
+    """One DeepSeek-V3 layer (`p`: its HF prefix; `blk`: its megajax path), with experts or a dense MLP."""
+    d = cfg.hidden_size
+    mlp = _deepseek_moe_rules(cfg) if moe else _swiglu_rules(blk + ("mlp",), p + "mlp.", d, cfg.ffn_size)
+    return [_same(blk + ("attn_norm", "scale"), p + "input_layernorm.weight", (d,)),
+            *_latent_attention_rules(cfg, p + "self_attn.", blk + ("attn",), interleaved),
+            _same(blk + ("mlp_norm", "scale"), p + "post_attention_layernorm.weight", (d,)), *mlp]
+
+
+def _latent_attention_rules(cfg: ModelConfig, attn: str, blk: tuple[str, ...], interleaved: bool) -> list[Rule]:
     """DeepSeek's MLA projections (nn.Linear [out, in]) as megajax's [in, .., out] weights. Hugging Face keeps the
     RoPE dimensions of q_b_proj (or q_proj) and kv_a_proj_with_mqa interleaved, each pair (2i, 2i + 1) rotated by
     frequency i (rope_interleave); megajax rotates halves (i, i + r / 2), so those output rows are reordered evens
     first on import, and back on export (kept as they are from a source without rope_interleave). The attention
     scores are the same."""
     d, h, n, r, v = cfg.hidden_size, cfg.num_heads, cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim
-    c, blk = cfg.kv_lora_rank, ("layers", "block", "attn")
+    c = cfg.kv_lora_rank
     halves = np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)]) if interleaved else np.arange(r)
     pairs = np.argsort(halves)  # halves -> interleaved
 
@@ -587,7 +616,8 @@ def params_from_hf(cfg: ModelConfig, get: Callable[[str], np.ndarray | None], na
             ws = [fetch(n.format(i=i), s) for n, s in zip(rule.names, rule.shapes)]
             return np.ascontiguousarray(rule.to_megajax(*ws))
 
-        value = np.stack([one(i) for i in range(cfg.num_layers)]) if rule.per_layer else one(None)
+        value = (np.stack([one(i) for i in range(cfg.first_dense_layers, cfg.num_layers)]) if rule.per_layer
+                 else one(None))
         node = params
         for key in rule.path[:-1]:
             node = node.setdefault(key, {})
@@ -595,7 +625,7 @@ def params_from_hf(cfg: ModelConfig, get: Callable[[str], np.ndarray | None], na
     if cfg.num_experts:  # the routing statistics' zero parameter (megajax.model.moe.STATS) has no HF tensor
         from megajax.model.moe import STATS
 
-        params["layers"]["block"]["mlp"][STATS] = np.zeros((cfg.num_layers, cfg.num_experts + 3), dtype)
+        params["layers"]["block"]["mlp"][STATS] = np.zeros((cfg.stacked_layers, cfg.num_experts + 3), dtype)
     ignorable = _BUFFERS[cfg.arch]
     for name in sorted(set(names) - used):
         if ignorable.search(name) or (cfg.tied and name == "lm_head.weight"):
@@ -623,9 +653,10 @@ def params_to_hf(cfg: ModelConfig, params: dict, dtype: str | None = None,
     out: dict[str, np.ndarray] = {}
     for rule in rules(cfg):
         value = _leaf(params, rule.path, where)
-        layers = range(cfg.num_layers) if rule.per_layer else [None]
+        first = cfg.first_dense_layers  # the stack's layer j is HF's first + j
+        layers = range(first, cfg.num_layers) if rule.per_layer else [None]
         for i in layers:
-            ws = rule.to_hf(value[i] if i is not None else value)
+            ws = rule.to_hf(value[i - first] if i is not None else value)
             for name, shape, w in zip(rule.names, rule.shapes, ws):
                 name = name.format(i=i)
                 if tuple(w.shape) != shape:

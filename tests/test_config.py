@@ -52,6 +52,12 @@ def test_defaults_and_overrides_are_typed():
      "padded vocabulary 258 is not divisible by parallel.tensor=4"),
     (["model.hidden_size=130"], "not divisible by model.num_heads"),
     (["data.split=90,abc"], "data.split"),
+    (["model.multi_latent_attention=true"], "set model.arch=llama"),
+    (["model.multi_latent_attention=true", "model.arch=llama", "model.num_kv_heads=2"], "unset model.num_kv_heads"),
+    (["model.multi_latent_attention=true", "model.arch=llama", "model.add_qkv_bias=true"], "add_qkv_bias=false"),
+    (["model.multi_latent_attention=true", "model.arch=llama", "model.qk_pos_emb_head_dim=3"], "positive and even"),
+    (["model.multi_latent_attention=true", "model.arch=llama", "model.v_head_dim=256"], "wider than a query head"),
+    (["model.multi_latent_attention=true", "model.arch=llama", "model.q_lora_rank=0"], "q_lora_rank must be"),
 ])
 def test_bad_configs_name_the_fix(sets, needle):
     with pytest.raises(ConfigError, match=None) as err:

@@ -39,11 +39,17 @@ CASES = {
     "qwen2-gqa": dict(arch="qwen2", num_key_value_heads=2),  # Llama with QKV biases
     # experts weighted by their probabilities without renormalising, a gated shared expert twice an expert's width
     "qwen2-moe": dict(arch="qwen2_moe", num_key_value_heads=2),
-    # multi-latent attention with a query latent, sigmoid routing with a (nonzero) correction bias, 4 groups of 2
-    # experts of which each token's 4 come from its best 2, scaled weights, a shared expert, interleaved RoPE
-    "deepseek-v3": dict(arch="deepseek_v3"),
-    # MLA without a query latent, dense MLPs only (first_k_dense_replace = the layers), RoPE dims in halves
-    "deepseek-v3-dense": dict(arch="deepseek_v3", q_lora_rank=None, first_k_dense_replace=2, rope_interleave=False),
+    # multi-latent attention with a query latent, a dense first layer, then sigmoid routing with a (nonzero)
+    # correction bias, 4 groups of 2 experts of which each token's 4 come from its best 2, scaled weights, a shared
+    # expert; interleaved RoPE
+    "deepseek-v3": dict(arch="deepseek_v3", num_hidden_layers=3, first_k_dense_replace=1),
+    # MLA without a query latent, dense MLPs only (first_k_dense_replace = the layers), RoPE dims in halves, YaRN
+    # with DeepSeek's mscales (amplitude and softmax scale both changed; original 16 positions: its ramp is partial)
+    "deepseek-v3-dense": dict(arch="deepseek_v3", q_lora_rank=None, first_k_dense_replace=2, rope_interleave=False,
+                              rope_parameters=dict(rope_type="yarn", rope_theta=500.0, factor=4.0, mscale=1.0,
+                                                   mscale_all_dim=0.8, original_max_position_embeddings=16)),
+    "llama-yarn": dict(arch="llama", num_key_value_heads=2, rope_parameters=dict(
+        rope_type="yarn", rope_theta=500.0, factor=4.0, original_max_position_embeddings=16)),
 }
 SHARDED_SOURCE = {"gpt2-untied", "llama-gqa-untied"}  # saved as model-0000i-of-0000n + index json
 
@@ -207,9 +213,9 @@ def test_conversion_errors_name_the_problem(models, tmp_path, capsys):
     extra = {"model.layers.2.input_layernorm.weight": np.ones(64, np.float32)}
     err = _convert_error(capsys, folder("extra", add=extra))
     assert "unexpected tensor 'model.layers.2.input_layernorm.weight'" in err
-    rope = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}
+    rope = {"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0}
     err = _convert_error(capsys, folder("rope", {**config, "rope_parameters": rope}))
-    assert "'yarn' is not supported" in err
+    assert "'longrope' is not supported" in err
     err = _convert_error(capsys, ["to-hf", "--checkpoint", str(tmp_path), "--output", str(tmp_path / "x")])
     assert "is not a megajax checkpoint" in err
 

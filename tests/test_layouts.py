@@ -1,8 +1,9 @@
 """Every layout the config accepts trains and equals one device.
 
 The space: every (data, pipeline, tensor) with data x pipeline x tensor in {1, 2, 4, 6, 8} devices (data = 1
-included), sequence parallelism on and off (t > 1), the distributed optimizer on and off (d > 1), GPT-2 and
-Llama with grouped-query attention, every schedule (p > 1), and the model dense or mixture-of-experts (8
+included), sequence parallelism on and off (t > 1), the distributed optimizer on and off (d > 1), GPT-2,
+Llama with grouped-query attention and DeepSeek-V3's kind (multi-latent attention, sigmoid group-limited routing),
+every schedule (p > 1), and the model dense or mixture-of-experts (8
 dropless experts, top 2) with every expert-parallel size dividing data, and with sequence parallelism the
 collective matmuls of parallel.tp_comm_overlap (rings; chunks on a pipeline) on and off,
 and with data > 1 the gradient reduction overlapped with the backward (parallel.overlap_grad_reduce: without a
@@ -34,6 +35,13 @@ SIZE = {"model.num_layers": 24, "model.hidden_size": 96, "model.seq_length": 24,
 ARCHS = {
     "gpt2": {**SIZE, "model.num_heads": 24},
     "llama": {**SIZE, "model.num_heads": 48, "model.num_kv_heads": 24, "model.arch": "llama"},
+    # DeepSeek-V3's kind: multi-latent attention, and in an MoE model sigmoid routing within the best of 2 groups,
+    # scaled weights and a shared expert
+    "deepseek": {**SIZE, "model.num_heads": 24, "model.arch": "llama", "model.multi_latent_attention": True,
+                 "model.q_lora_rank": 32, "model.kv_lora_rank": 16, "model.qk_head_dim": 4,
+                 "model.qk_pos_emb_head_dim": 4, "model.v_head_dim": 4, "model.moe_router_score_function": "sigmoid",
+                 "model.moe_router_num_groups": 2, "model.moe_router_group_topk": 1,
+                 "model.moe_router_topk_scaling_factor": 2.5, "model.moe_shared_experts": 1},
 }
 BATCH = 24
 MOE = {"model.num_experts": 8, "model.experts_per_token": 2, "model.moe_ffn_hidden_size": 48}
@@ -140,7 +148,8 @@ def default_cases() -> list[dict]:
         zero = d > 1 and i % 3 != 1
         levels = overlaps(d, p, schedule, zero)
         ring = sp and i % 2 == 0
-        out.append(case(("gpt2", "llama")[i % 2], d, p, t, sp, zero, schedule, v, ep, ring=ring,
+        arch = tuple(ARCHS)[(i if not ep else sum(k < (d, p, t) for k in DEFAULT_MOE)) % len(ARCHS)]
+        out.append(case(arch, d, p, t, sp, zero, schedule, v, ep, ring=ring,
                         overlap=0 if i % 3 == 2 or len(levels) == 1 else levels[1 + (i // 7) % (len(levels) - 1)],
                         fold=folds(ep, t, sp)[:2][-1], ragged=(d, p, t) in DEFAULT_RAGGED))
     return out

@@ -137,6 +137,15 @@ def test_auxiliary_losses_join_the_gradient_at_the_objective_scale():
     ({"model.num_experts": 4, "parallel.data": 2, "parallel.expert_all_to_all": "ragged"},
      "parallel.expert > 1 or parallel.expert_tensor=1"),
     ({"parallel.expert_all_to_all": "sparse"}, "expert_all_to_all"),
+    ({"model.num_experts": 8, "model.moe_router_num_groups": 4}, "needs both"),
+    ({"model.num_experts": 8, "model.moe_router_num_groups": 3, "model.moe_router_group_topk": 1}, "must divide"),
+    ({"model.num_experts": 8, "model.experts_per_token": 4, "model.moe_router_num_groups": 4,
+      "model.moe_router_group_topk": 1}, "must hold"),
+    ({"model.num_experts": 8, "model.experts_per_token": 3, "model.moe_router_num_groups": 4,
+      "model.moe_router_group_topk": 2}, "must be a multiple of"),
+    ({"model.num_experts": 4, "model.moe_router_score_function": "sigmoid", "model.moe_router_pre_softmax": True},
+     "unset one of them"),
+    ({"model.num_experts": 4, "model.moe_router_topk_scaling_factor": 0.0}, "must be positive or null"),
     ({"model.num_experts": 4, "parallel.data": 2, "parallel.expert": 2, "parallel.expert_buffer_factor": 1.0},
      "set parallel.expert_all_to_all=ragged"),
     ({"model.num_experts": 4, "parallel.data": 2, "parallel.expert": 2, "parallel.expert_all_to_all": "ragged",
@@ -467,6 +476,39 @@ def test_router_bias_steers_the_choice_and_follows_the_load():
     got = moe.update_router_bias(params, loads, 0.1)
     np.testing.assert_allclose(got["layers"]["mlp"][moe.ROUTER_BIAS], [[-0.1, 0.1, 0, 0], [0, 0, 0, 0]])
     np.testing.assert_array_equal(got["layers"]["mlp"]["w"], 1.0)
+
+
+@pytest.mark.parametrize("groups,best,k,bias", [(1, 1, 2, False), (4, 2, 4, True), (2, 1, 2, True), (4, 4, 4, False)])
+def test_sigmoid_group_limited_routing_is_deepseek_v3s(groups, best, k, bias):
+    """DeepSeek-V3's router, written out in NumPy as its reference code runs it: sigmoid scores, choice = score +
+    correction bias, each group's merit the sum of its top k / group_topk choices, the experts chosen among the
+    best groups only, weighted by their scores (no bias) normalised over the k and times the scaling factor; the
+    balancing loss sees the scores normalised over the experts."""
+    import jax.numpy as jnp
+
+    from megajax.model import moe
+
+    rng = np.random.default_rng(groups + k)
+    logits = rng.normal(size=(64, 8)).astype(np.float32)
+    b = rng.normal(scale=0.3, size=8).astype(np.float32) if bias else np.zeros(8, np.float32)
+    how = moe.Routing(k, k > 1, "sigmoid", groups, best, 2.5)
+    weights, ids, probs = moe.route(jnp.asarray(logits), how, jnp.asarray(b) if bias else None)
+    scores = 1 / (1 + np.exp(-logits))
+    choice = scores + b
+    merit = np.sort(choice.reshape(64, groups, -1), axis=-1)[..., ::-1][..., :k // best].sum(-1)
+    keep = np.argsort(-merit, axis=1, kind="stable")[:, :best]
+    masked = np.full_like(choice, -np.inf)
+    for t in range(64):
+        for g in keep[t]:
+            lo = g * (8 // groups)
+            masked[t, lo:lo + 8 // groups] = choice[t, lo:lo + 8 // groups]
+    want_ids = np.argsort(-masked, axis=1, kind="stable")[:, :k]
+    np.testing.assert_array_equal(np.sort(ids, axis=1), np.sort(want_ids, axis=1))
+    top = np.take_along_axis(scores, np.asarray(ids), axis=1)
+    np.testing.assert_allclose(weights, 2.5 * top / top.sum(1, keepdims=True), rtol=1e-6)
+    np.testing.assert_allclose(probs, scores / scores.sum(1, keepdims=True), rtol=1e-6)
+    if groups > best:  # every chosen expert lies in one of the token's best groups
+        assert all(set(np.asarray(ids)[t] // (8 // groups)) <= set(keep[t]) for t in range(64))
 
 
 def jax_key(name):

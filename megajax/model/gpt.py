@@ -67,6 +67,28 @@ class Period(nn.Module):
         return x, tuple(jnp.stack([c[i] for c in new]) for i in range(2))
 
 
+class FirstDense(nn.Module):
+    """model.moe_first_dense_layers dense blocks before the layer stack (DeepSeek's first_k_dense_replace), not
+    scanned (a few), run with the embedding (`embed_apply`: under a pipeline, on the first stage). Their layer
+    indices, which salt the dropout masks, come after the stack's."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_bsd: jax.Array, side: Side | None, cache: KVCache | None = None,
+                 offset: jax.Array | int = 0):
+        """As Block's; `cache` holds these layers' keys and values ([k, b, t, g, k] each)."""
+        k, stack = self.cfg.first_dense_layers, self.cfg.stacked_layers // self.cfg.layer_period
+        x, new = x_bsd, []
+        for j in range(k):
+            x, c = Block(self.cfg, dense=True, name=f"layer_{j}")(
+                x, stack + j, side, None if cache is None else (cache[0][j], cache[1][j]), offset)
+            new.append(c)
+        if cache is None:
+            return x, None
+        return x, tuple(jnp.stack([c[i] for c in new]) for i in range(2))
+
+
 def unit_module(cfg: ModelConfig) -> type[nn.Module]:
     """What the layer stack scans: one Block, or a Period of model.moe_layer_freq blocks in an MoE model."""
     return Period if cfg.layer_period > 1 else Block
@@ -154,12 +176,17 @@ class GPT(nn.Module):
 
     def setup(self):
         self.embed = Embed(self.cfg)
-        self.layers = LayerStack(self.cfg, self.cfg.num_layers // self.cfg.layer_period)
+        if self.cfg.first_dense_layers:
+            self.first_dense = FirstDense(self.cfg)
+        self.layers = LayerStack(self.cfg, self.cfg.stacked_layers // self.cfg.layer_period)
         self.head = Head(self.cfg)
 
     def __call__(self, tokens_bs: jax.Array, side: Side | None = None) -> jax.Array:
         """tokens [b, s] -> fp32 logits [b, s, v_padded]."""
-        x = self.layers(self.embed(tokens_bs, side), side)
+        x = self.embed(tokens_bs, side)
+        if self.cfg.first_dense_layers:
+            x = self.first_dense(x, side)[0]
+        x = self.layers(x, side)
         return self.head(x, self.embed.embedding if self.cfg.tied else None)
 
 
@@ -182,7 +209,11 @@ def logical_axes(boxed_params) -> dict:
 
 
 def embed_apply(cfg: ModelConfig, params: dict, tokens_bs: jax.Array, side: Side | None) -> jax.Array:
-    return Embed(cfg).apply({"params": params["embed"]}, tokens_bs, side)
+    """The embedding, and the first dense layers of a model with model.moe_first_dense_layers: [b, s] -> [b, s, d]."""
+    x = Embed(cfg).apply({"params": params["embed"]}, tokens_bs, side)
+    if cfg.first_dense_layers:
+        x = FirstDense(cfg).apply({"params": params["first_dense"]}, x, side)[0]
+    return x
 
 
 def layers_apply(cfg: ModelConfig, stack_params: dict, x_bsd: jax.Array, side: Side | None,
@@ -295,8 +326,14 @@ def decode_apply(cfg: ModelConfig, params: dict, tokens_bs: jax.Array,
     returns the fp32 logits of the last one [b, v_padded] and the cache with the s positions added."""
     offset = state.length
     x = Embed(cfg).apply({"params": params["embed"]}, tokens_bs, None, offset)
-    x, (k, v) = LayerStack(cfg, cfg.num_layers // cfg.layer_period).apply({"params": params["layers"]}, x, None, 0,
-                                                      (state.k, state.v), offset)
+    f = cfg.first_dense_layers  # the cache holds their layers first, then the stack's
+    if f:
+        x, first = FirstDense(cfg).apply({"params": params["first_dense"]}, x, None, (state.k[:f], state.v[:f]),
+                                         offset)
+    x, (k, v) = LayerStack(cfg, cfg.stacked_layers // cfg.layer_period).apply(
+        {"params": params["layers"]}, x, None, 0, (state.k[f:], state.v[f:]), offset)
+    if f:
+        k, v = jnp.concatenate([first[0], k]), jnp.concatenate([first[1], v])
     table = params["embed"]["embedding"] if cfg.tied else None
     logits = Head(cfg).apply({"params": params["head"]}, x[:, -1:], table)[:, 0]
     return logits, DecodeState(k=k, v=v, length=offset + tokens_bs.shape[1])

@@ -251,6 +251,8 @@ def rope_inv_freq(cfg: ModelConfig, head_dim: int) -> jax.Array:
     inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     if cfg.rope_scaling == "none":
         return inv_freq
+    if cfg.rope_scaling == "yarn":
+        return yarn_inv_freq(cfg, inv_freq, head_dim)
     factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
     original = cfg.rope_original_max_positions
     wavelen = 2 * jnp.pi / inv_freq
@@ -268,13 +270,50 @@ def token_positions(side: Side, s: int, offset: jax.Array | int = 0) -> jax.Arra
     return context.positions(s) + offset
 
 
-def rope(x_bshk: jax.Array, inv_freq: jax.Array, positions: jax.Array) -> jax.Array:
+def yarn_inv_freq(cfg: ModelConfig, inv_freq: jax.Array, head_dim: int) -> jax.Array:
+    """YaRN's inverse frequencies (Peng et al., 2023, as Hugging Face's rope_type 'yarn'): the dimensions that turn
+    more than beta_fast times over the original context keep their frequency, those turning fewer than beta_slow
+    times are divided by the factor, and a linear ramp blends the ones between."""
+    def turning_dim(turns):  # the dimension that turns `turns` times over the original context
+        return head_dim * math.log(cfg.rope_original_max_positions / (turns * 2 * math.pi)) / (2 * math.log(
+            cfg.rope_theta))
+
+    low = max(math.floor(turning_dim(cfg.rope_yarn_beta_fast)), 0)
+    high = min(math.ceil(turning_dim(cfg.rope_yarn_beta_slow)), head_dim - 1)
+    ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / max(high - low, 0.001), 0, 1)
+    return inv_freq / cfg.rope_scaling_factor * ramp + inv_freq * (1 - ramp)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_amplitude(cfg: ModelConfig) -> float:
+    """What YaRN multiplies the rotated dimensions by (its attention temperature, on q and k both): mscale(factor,
+    mscale) / mscale(factor, mscale_all_dim) where both are set (DeepSeek's), else mscale(factor); 1 otherwise."""
+    if cfg.rope_scaling != "yarn":
+        return 1.0
+    factor, mscale, all_dim = cfg.rope_scaling_factor, cfg.rope_yarn_mscale, cfg.rope_yarn_mscale_all_dim
+    if mscale and all_dim:
+        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, all_dim)
+    return _yarn_mscale(factor)
+
+
+def softmax_scale(cfg: ModelConfig, qk_dim: int) -> float | None:
+    """The attention softmax scale: None (1 / sqrt(qk_dim), the kernels' default), but with multi-latent attention
+    and YaRN's mscale_all_dim that times mscale(factor, mscale_all_dim)^2 (DeepSeek-V2/V3's)."""
+    if cfg.multi_latent_attention and cfg.rope_scaling == "yarn" and cfg.rope_yarn_mscale_all_dim:
+        return _yarn_mscale(cfg.rope_scaling_factor, cfg.rope_yarn_mscale_all_dim) ** 2 / math.sqrt(qk_dim)
+    return None
+
+
+def rope(x_bshk: jax.Array, inv_freq: jax.Array, positions: jax.Array, amplitude: float = 1.0) -> jax.Array:
     """Rotary position embedding, "rotate half" convention (as Hugging Face's Llama), at positions [s] or
-    [b, s] (`token_positions`)."""
+    [b, s] (`token_positions`); `amplitude` scales the result (`rope_amplitude`)."""
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [(b,) s, k/2]
     angles = angles if angles.ndim == 3 else angles[None]
-    cos = jnp.concatenate([jnp.cos(angles)] * 2, -1)[:, :, None, :]
-    sin = jnp.concatenate([jnp.sin(angles)] * 2, -1)[:, :, None, :]
+    cos = amplitude * jnp.concatenate([jnp.cos(angles)] * 2, -1)[:, :, None, :]
+    sin = amplitude * jnp.concatenate([jnp.sin(angles)] * 2, -1)[:, :, None, :]
     xf = x_bshk.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
@@ -285,7 +324,7 @@ KVCache = tuple[jax.Array, jax.Array]  # one layer's keys and values, each [b, t
 
 
 def cached_attention(q_bshk: jax.Array, k_bsgk: jax.Array, v_bsgk: jax.Array, cache: KVCache,
-                     offset: jax.Array | int) -> tuple[jax.Array, KVCache]:
+                     offset: jax.Array | int, scale: float | None = None) -> tuple[jax.Array, KVCache]:
     """Attention of s new positions (starting at `offset`) over a KV cache of t >= offset + s positions.
 
     Writes the new keys and values into the cache at [offset, offset + s), then each query attends to
@@ -300,7 +339,7 @@ def cached_attention(q_bshk: jax.Array, k_bsgk: jax.Array, v_bsgk: jax.Array, ca
     visible_st = jnp.arange(t)[None, :] <= offset + jnp.arange(s)[:, None]
     # XLA's fused attention takes the grouped-query layout as is (query head i reads kv head i // r).
     o = jax.nn.dot_product_attention(q_bshk, k_cache.astype(q_bshk.dtype), v_cache.astype(q_bshk.dtype),
-                                     mask=visible_st[None, None], implementation="xla")
+                                     mask=visible_st[None, None], scale=scale, implementation="xla")
     return o, (k_cache, v_cache)
 
 
@@ -333,11 +372,13 @@ class Attention(nn.Module):
             probs_dropout = functools.partial(dropout, rate=cfg.attention_dropout, keys=side.keys, salt=1 + 4 * layer)
         segments = side.segment_ids  # packed documents attend within their own
 
+        scale = softmax_scale(cfg, q.shape[-1])
+
         def core(q, kk, v):
             if context.size() > 1:  # the keys and values of the whole sequence come around the context ring
-                return context.ring_attention(q, kk, v, segment_ids=segments, impl=cfg.attention_impl)
+                return context.ring_attention(q, kk, v, segment_ids=segments, impl=cfg.attention_impl, scale=scale)
             return kernels.attention(q, kk, v, causal=True, segment_ids=segments, impl=cfg.attention_impl,
-                                     probs_dropout=probs_dropout)
+                                     probs_dropout=probs_dropout, scale=scale)
 
         if cfg.recompute == "selective":
             # Megatron's selective recomputation: keep q, k, v; recompute softmax(qk^T) v in the backward.
@@ -345,7 +386,7 @@ class Attention(nn.Module):
         if cache is None:
             o = core(q, kk, v)
         else:  # decoding: the new positions attend over the cache (no dropout, nothing to recompute)
-            o, cache = cached_attention(q, kk, v, cache, offset)
+            o, cache = cached_attention(q, kk, v, cache, offset, scale)
         o = constrain(o[..., :cfg.value_dim], ("batch", None, "heads", "head_dim"))
 
         wo = param(self, "wo", (h, cfg.value_dim, d), WEIGHT_NAMES["wo"], out_std, pdt)
@@ -375,7 +416,8 @@ def fused_qkv(module: nn.Module, x_bsd: jax.Array, side: Side, offset: jax.Array
     if cfg.arch == "llama":
         inv_freq = rope_inv_freq(cfg, q.shape[-1])
         at = token_positions(side, s, offset)
-        q, kk = rope(q, inv_freq, at), rope(kk, inv_freq, at)
+        amplitude = rope_amplitude(cfg)
+        q, kk = rope(q, inv_freq, at, amplitude), rope(kk, inv_freq, at, amplitude)
     return q, kk, v
 
 
@@ -414,8 +456,9 @@ def latent_qkv(module: nn.Module, x_bsd: jax.Array, side: Side, offset: jax.Arra
     k_pe = gather_sequence(ckv[..., cfg.kv_lora_rank:])[:, :, None, :]  # [b, s, 1, r]
     b, s = q.shape[:2]
     inv_freq, at = rope_inv_freq(cfg, r), token_positions(side, s, offset)
-    q = jnp.concatenate([q[..., :n], rope(q[..., n:], inv_freq, at)], axis=-1)
-    k_pe = jnp.broadcast_to(rope(k_pe, inv_freq, at), (b, s, h, r))
+    amplitude = rope_amplitude(cfg)
+    q = jnp.concatenate([q[..., :n], rope(q[..., n:], inv_freq, at, amplitude)], axis=-1)
+    k_pe = jnp.broadcast_to(rope(k_pe, inv_freq, at, amplitude), (b, s, h, r))
     kk = jnp.concatenate([kv[..., :n], k_pe], axis=-1)
     values = jnp.pad(kv[..., n:], ((0, 0), (0, 0), (0, 0), (0, n + r - v)))
     return q, kk, values

@@ -227,7 +227,7 @@ def reduce_layers(cfg: Config) -> int:
 def chunk_layers(cfg: Config) -> int:
     """The layers (scanned units) of a pipeline chunk."""
     par, m = cfg.parallel, cfg.model
-    return m.num_layers // m.layer_period // (par.pipeline * par.virtual_stages)
+    return m.stacked_layers // m.layer_period // (par.pipeline * par.virtual_stages)
 
 
 def gather_layers(cfg: Config) -> int:
