@@ -58,12 +58,22 @@ def test_tensor_parallel_all_reduces_on_cpu():
     _check_data_reduction(colls)
 
 
-def test_program_gemm_flops_equal_megatrons_formula_on_cpu():
+# DeepSeek's multi-latent attention at small sizes: query latent 32, key-value latent 24, 16 + 8 query/key dims
+MLA = ["model.arch=llama", "model.num_heads=8", "model.multi_latent_attention=true", "model.q_lora_rank=32",
+       "model.kv_lora_rank=24", "model.qk_head_dim=16", "model.qk_pos_emb_head_dim=8", "model.v_head_dim=16"]
+
+
+@pytest.mark.parametrize("model", ["gpt2", "mla"])
+def test_program_gemm_flops_equal_megatrons_formula_on_cpu(model):
     """The GEMM FLOPs read from the compiled program (2 x output x contracted size over every dot, times loop
-    trip counts) equal Megatron's analytic hardware FLOPs per device for a dense step."""
+    trip counts) equal Megatron's analytic hardware FLOPs per device for a dense step; and for multi-latent
+    attention the latent projections' (values as wide as the query heads: nothing padded; sequence parallel, which
+    splits the down-projections over the tensor ranks: without it every tensor rank computes them whole, as
+    Megatron's duplicated ones)."""
     from megajax import metrics
 
-    cfg = config_lib.load(f"{REPO}/configs/tiny.yaml", LAYOUT)
+    sets = LAYOUT + (MLA + ["model.v_head_dim=24", "parallel.sequence_parallel=true"] if model == "mla" else [])
+    cfg = config_lib.load(f"{REPO}/configs/tiny.yaml", sets)
     cfg, _, compiled, _ = audit.compile_step(cfg, jax.devices()[:8])
     got = hlo.gemm_flops(compiled.as_text())
     want = metrics.step_flops(cfg.model, cfg.train.global_batch_size * cfg.model.seq_length)["hardware_flops"] / 8
@@ -112,6 +122,25 @@ def test_sequence_parallel_on_h100_target_is_all_gather_plus_reduce_scatter():
             for k in ("all-gather", "reduce-scatter")}
     # the same bytes on the wire as the 16 all-reduces they replace
     assert ring["all-gather"] + ring["reduce-scatter"] == pytest.approx(16 * 2 * 3 / 4 * size)
+
+
+@gpu
+def test_latent_attention_gathers_the_latents_on_h100():
+    """Sequence-parallel multi-latent attention gathers its latents, not the residual stream: per layer the forward
+    all-gathers one [b, s, q_lora + kv_lora + rope] (XLA merges the three) where standard attention gathers
+    [b, s, d], and the backward reduce-scatters the same; the MLP's and the row-parallel collectives are as
+    Megatron's (3 all-gathers and 3 reduce-scatters of [b, s, d] a layer instead of 4 + 4)."""
+    cfg, colls = _collectives(["parallel.data=1", "parallel.tensor=4", "parallel.sequence_parallel=true",
+                               "model.compute_dtype=bfloat16", "train.global_batch_size=4", "train.micro_batch_size=4",
+                               *MLA], target="h100", n=4, options={"xla_gpu_enable_pipelined_all_reduce": False})
+    m, layers = cfg.model, cfg.model.num_layers
+    size = _act_bytes(cfg)
+    latent = size // m.hidden_size * (m.q_lora_rank + m.kv_lora_rank + m.qk_pos_emb_head_dim)
+    assert latent < size
+    for kind in ("all-gather", "reduce-scatter"):
+        assert _in_layer_loop(colls, kind, size) == 3 * layers, kind
+        assert _in_layer_loop(colls, kind, latent) == layers, kind
+    assert not [c for c in colls if c.kind == "all-reduce" and "tensor" in c.axes and c.bytes >= latent]
 
 
 # Sequence parallelism on the GPU compiler, for every tensor size, data 1 and > 1, both dtypes, every

@@ -35,8 +35,8 @@ SIZE = {"model.num_layers": 24, "model.hidden_size": 96, "model.seq_length": 24,
 ARCHS = {
     "gpt2": {**SIZE, "model.num_heads": 24},
     "llama": {**SIZE, "model.num_heads": 48, "model.num_kv_heads": 24, "model.arch": "llama"},
-    # DeepSeek-V3's kind: multi-latent attention, and in an MoE model sigmoid routing within the best of 2 groups,
-    # scaled weights and a shared expert
+    # DeepSeek-V3's kind: multi-latent attention, and in an MoE model a dense first layer (MOE_EXTRA), then sigmoid
+    # routing within the best of 2 groups, scaled weights and a shared expert
     "deepseek": {**SIZE, "model.num_heads": 24, "model.arch": "llama", "model.multi_latent_attention": True,
                  "model.q_lora_rank": 32, "model.kv_lora_rank": 16, "model.qk_head_dim": 4,
                  "model.qk_pos_emb_head_dim": 4, "model.v_head_dim": 4, "model.moe_router_score_function": "sigmoid",
@@ -45,6 +45,8 @@ ARCHS = {
 }
 BATCH = 24
 MOE = {"model.num_experts": 8, "model.experts_per_token": 2, "model.moe_ffn_hidden_size": 48}
+# DeepSeek's MoE model has a dense first layer before the 24 the pipeline splits
+MOE_EXTRA = {"deepseek": {"model.num_layers": 25, "model.moe_first_dense_layers": 1}}
 
 
 def triples() -> list[tuple[int, int, int]]:
@@ -92,7 +94,7 @@ def case(arch, d, p, t, sp, zero, schedule, v, ep=0, ring=False, overlap=0, fold
     # rank, so gradient accumulation runs on every layout too
     mb = BATCH // (d * p) if p > 1 else max(1, BATCH // (2 * d))
     return {"arch": arch, "moe": ep > 0, "n": d * p * t, "sets": {
-        **ARCHS[arch], **(MOE if ep else {}), **FOLD.get(fold, {}),
+        **ARCHS[arch], **(MOE if ep else {}), **(MOE_EXTRA.get(arch, {}) if ep else {}), **FOLD.get(fold, {}),
         **({"parallel.expert_all_to_all": "ragged"} if ragged else {}),
         "train.global_batch_size": BATCH, "train.micro_batch_size": mb,
         "parallel.data": d, "parallel.pipeline": p, "parallel.tensor": t, "parallel.expert": max(ep, 1),
@@ -124,13 +126,14 @@ def space() -> list[dict]:
 
 
 # The default run's MoE layouts, (d, p, t) -> expert-parallel size: without expert parallelism on a 1F1B pipeline
-# (suite time: MoE on zero_bubble compiled for 56 s, test_moe runs it with -m slow);
+# folded over 'tensor' (suite time: MoE on zero_bubble compiled for 56 s, test_moe runs it with -m slow; and the
+# unfolded one on a 6-stage 1F1B pipeline, 61 s, runs with -m slow);
 # experts over all data ranks (alone, with tensor, with a GPipe pipeline, sequence parallelism and the distributed
 # optimizer; there folded over 'expert' x 'tensor', dropless) and over some of them (d 4, e 2, with an interleaved
 # pipeline). Suite time: the experts over 2 data ranks alone, not 8 (d 8 e 8 runs with -m slow). The rows cross
 # the expert ranks by exact counts (parallel.expert_all_to_all=ragged) with tensor parallelism, on an interleaved
 # pipeline, and folded over 'tensor' alone on a 1F1B pipeline (its counts' cumulative sums once deadlocked there).
-DEFAULT_MOE = {(1, 2, 2): 1, (1, 6, 1): 1, (2, 1, 1): 2, (2, 1, 2): 2, (2, 2, 2): 2, (4, 2, 1): 2}
+DEFAULT_MOE = {(1, 2, 2): 1, (2, 1, 1): 2, (2, 1, 2): 2, (2, 2, 2): 2, (4, 2, 1): 2}
 DEFAULT_RAGGED = {(1, 2, 2), (2, 1, 2), (4, 2, 1)}
 
 
@@ -148,7 +151,7 @@ def default_cases() -> list[dict]:
         zero = d > 1 and i % 3 != 1
         levels = overlaps(d, p, schedule, zero)
         ring = sp and i % 2 == 0
-        arch = tuple(ARCHS)[(i if not ep else sum(k < (d, p, t) for k in DEFAULT_MOE)) % len(ARCHS)]
+        arch = tuple(ARCHS)[(i if not ep else 2 + sum(k < (d, p, t) for k in DEFAULT_MOE)) % len(ARCHS)]
         out.append(case(arch, d, p, t, sp, zero, schedule, v, ep, ring=ring,
                         overlap=0 if i % 3 == 2 or len(levels) == 1 else levels[1 + (i // 7) % (len(levels) - 1)],
                         fold=folds(ep, t, sp)[:2][-1], ragged=(d, p, t) in DEFAULT_RAGGED))
@@ -223,7 +226,7 @@ def reference(arch: str, moe_micro_batch: int | None) -> tuple[tuple[float, ...]
     loss is a function of each micro batch, so one device splits the batch as the layout does)."""
     sets = {**ARCHS[arch], "train.global_batch_size": BATCH}
     if moe_micro_batch:
-        sets.update(MOE, **{"train.micro_batch_size": moe_micro_batch})
+        sets.update(MOE, **MOE_EXTRA.get(arch, {}), **{"train.micro_batch_size": moe_micro_batch})
     norms = []
     losses = run_steps(small_config(**sets), 1, STEPS, grad_norms=norms)
     return tuple(losses), tuple(norms)
