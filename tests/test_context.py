@@ -27,7 +27,14 @@ from megajax.model import context
 STEPS = 2
 SIZE = {"model.num_layers": 4, "model.hidden_size": 64, "model.seq_length": 32, "train.global_batch_size": 8}
 ARCHS = {"gpt2": {"model.num_heads": 4},
-         "llama": {"model.arch": "llama", "model.num_heads": 4, "model.num_kv_heads": 2}}
+         "llama": {"model.arch": "llama", "model.num_heads": 4, "model.num_kv_heads": 2},
+         # DeepSeek's multi-latent attention (values padded to the query width around the ring) with YaRN and its
+         # softmax scale
+         "deepseek": {"model.arch": "llama", "model.num_heads": 4, "model.multi_latent_attention": True,
+                      "model.q_lora_rank": 16, "model.kv_lora_rank": 16, "model.qk_head_dim": 8,
+                      "model.qk_pos_emb_head_dim": 8, "model.v_head_dim": 8, "model.rope_scaling": "yarn",
+                      "model.rope_scaling_factor": 4.0, "model.rope_original_max_positions": 16,
+                      "model.rope_yarn_mscale": 1.0, "model.rope_yarn_mscale_all_dim": 0.8}}
 
 
 def test_chunks_balance_the_causal_work():
@@ -191,6 +198,9 @@ SLOW_LAYOUTS = {
                                                     "parallel.distributed_optimizer": True,
                                                     "train.micro_batch_size": 1}),
     "gpt2-c2": ("gpt2", 2, {"parallel.context": 2}),
+    "deepseek-d2c2t2-sp": ("deepseek", 8, {"parallel.data": 2, "parallel.context": 2, "parallel.tensor": 2,
+                                          "parallel.sequence_parallel": True}),
+    "deepseek-c2-pallas": ("deepseek", 2, {"parallel.context": 2, "model.attention_impl": "pallas"}),
     "gpt2-p2c2t2-1f1b": ("gpt2", 8, {"parallel.pipeline": 2, "parallel.context": 2, "parallel.tensor": 2,
                                      "train.micro_batch_size": 2}),
     "llama-c4-dropout": ("llama", 4, {"parallel.context": 4, "model.dropout": 0.1}),
