@@ -446,7 +446,8 @@ def _with_fresh_fp8_state(params: dict, fresh: dict) -> dict:
 
 # Model fields that change what the parameters compute (most without changing their shapes).
 _SAME_MODEL_FIELDS = ("arch", "num_layers", "hidden_size", "num_heads", "kv_heads", "ffn_size", "vocab_size",
-                      "padded_vocab_size", "tied", "norm_eps", "rope_theta", "num_experts")
+                      "padded_vocab_size", "tied", "norm_eps", "rope_theta", "num_experts", "multi_latent_attention",
+                      "moe_router_score_function")
 
 
 def check_same_model(stored: ModelConfig, wanted: ModelConfig, where: str) -> None:
@@ -455,6 +456,9 @@ def check_same_model(stored: ModelConfig, wanted: ModelConfig, where: str) -> No
              for f in _SAME_MODEL_FIELDS if getattr(stored, f) != getattr(wanted, f)]
     if stored.layer_period != wanted.layer_period:
         diffs.append(f"model.moe_layer_freq: {stored.layer_period} in the checkpoint, {wanted.layer_period} here")
+    if stored.first_dense_layers != wanted.first_dense_layers:
+        diffs.append(f"model.moe_first_dense_layers: {stored.first_dense_layers} in the checkpoint, "
+                     f"{wanted.first_dense_layers} here")
     if stored.arch == "gpt2" and stored.seq_length != wanted.seq_length:
         diffs.append(f"model.seq_length (GPT-2's position embedding): {stored.seq_length} in the checkpoint, "
                      f"{wanted.seq_length} here")

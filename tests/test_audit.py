@@ -358,6 +358,7 @@ def test_data_parallel_reduction_runs_under_the_backward_on_h100(mode):
 
 
 @gpu
+@pytest.mark.slow  # suite time: a GPU-target compile of gpt2-1.3b's 8 layers on a pipeline (98 s)
 def test_pipelined_reduction_and_gather_run_inside_the_schedule_on_h100():
     """gpt2-1.3b cut to 8 layers, data 2 x pipeline 2 (1F1B) x tensor 2 with the preset's sequence parallelism
     and distributed optimizer, 8 micro batches, parallel.overlap_grad_reduce and overlap_param_gather: the layers'
