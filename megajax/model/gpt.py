@@ -4,7 +4,8 @@ The model is three stages that the trainer (and the pipeline) calls separately:
   embed:  tokens [b, s] -> residual stream [b, s, d]
   layers: [b, s, d] -> [b, s, d], a scan over stacked blocks (compile time flat in depth)
   head:   [b, s, d] -> summed token losses, vocab-parallel: the full logits are never gathered
-`GPT` composes them for `init` (its parameter tree is {embed, layers, head}); `embed_apply`,
+`GPT` composes them for `init` (its parameter tree is {embed, layers, head}, and first_dense with
+model.moe_first_dense_layers: those run inside embed); `embed_apply`,
 `layers_apply` and `head_apply` run one stage on its slice of that tree, so a pipeline chunk is
 `layers_apply` on a slice of the stacked layers.
 """

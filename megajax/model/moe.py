@@ -2,8 +2,9 @@
 
 Dimension letters as in layers.py, plus t tokens (b x s flattened), e experts, a routed assignments (t k).
 
-Routing runs in fp32: softmax over the experts, then the top k, renormalised (Mixtral; kept as they are with
-model.moe_router_pre_softmax, Qwen-MoE). The t k assignments are sorted by expert (within an expert in token
+Routing runs in fp32 (`route`): softmax over the experts, then the top k, renormalised (Mixtral; kept as they are
+with model.moe_router_pre_softmax, Qwen-MoE), or DeepSeek-V3's sigmoid scores, group-limited top k and scaled
+weights. The t k assignments are sorted by expert (within an expert in token
 order, or by descending weight for the "probs" drop policy). Dropless (no capacity factor), each expert's matmuls
 run on its rows only (`jax.lax.ragged_dot` over the groups, or with `moe_grouped_gemm` the Pallas grouped GEMM of
 kernels/grouped_matmul.py). With `moe_capacity_factor`, each expert takes at most `capacity` rows into an [e, c,
