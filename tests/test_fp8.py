@@ -198,7 +198,8 @@ LAYOUTS = {
 }
 # the default run: pure tensor parallelism, and folded dropless experts (FP8 ragged matmuls scaled by expert inside
 # the step's manual 'expert' region)
-DEFAULT = {"t4-sp-llama-e4m3", "moe-dropless-fold-d2-e2-t2"}
+# suite time: the folded MoE layout (40 s) runs with -m slow; the default run checks FP8 experts by unit tests
+DEFAULT = {"t4-sp-llama-e4m3"}
 
 
 @pytest.mark.parametrize("name", [n if n in DEFAULT else pytest.param(n, marks=pytest.mark.slow) for n in LAYOUTS])

@@ -79,7 +79,7 @@ class FirstDense(nn.Module):
     def __call__(self, x_bsd: jax.Array, side: Side | None, cache: KVCache | None = None,
                  offset: jax.Array | int = 0):
         """As Block's; `cache` holds these layers' keys and values ([k, b, t, g, k] each)."""
-        k, stack = self.cfg.first_dense_layers, self.cfg.stacked_layers // self.cfg.layer_period
+        k, stack = self.cfg.first_dense_layers, self.cfg.stacked_layers  # the stack's blocks are 0 .. stack - 1
         x, new = x_bsd, []
         for j in range(k):
             x, c = Block(self.cfg, dense=True, name=f"layer_{j}")(
