@@ -1,22 +1,26 @@
-"""Hugging Face <-> megajax: configs, tensor names and layouts, and safetensors files.
+"""Hugging Face <-> megajax: configs, tensor names and layouts.
 
 Supported: GPT2LMHeadModel, LlamaForCausalLM (grouped-query attention, tied or untied embeddings),
 MixtralForCausalLM (a Llama with a mixture-of-experts MLP: megajax's llama arch with model.num_experts),
 Qwen2ForCausalLM (a Llama with QKV biases: model.add_qkv_bias) and Qwen2MoeForCausalLM (QKV biases, experts
 weighted by their probabilities without renormalising: model.moe_router_pre_softmax, and a shared expert behind
-a sigmoid gate: model.moe_shared_experts with model.moe_shared_expert_gate).
+a sigmoid gate: model.moe_shared_experts with model.moe_shared_expert_gate), and DeepseekV3ForCausalLM
+(model.multi_latent_attention, sigmoid group-limited routing with its correction bias as the router bias, dense
+first layers: model.moe_first_dense_layers, YaRN RoPE).
 Everything here is NumPy (ml_dtypes for bfloat16); torch is never imported. Reading and writing the folders'
 safetensors files is megajax/hf_folder.py.
 
 One table per architecture (`rules`) says, for every megajax parameter, which HF tensors it is made of
-and how to go each way. The layouts differ in four places:
+and how to go each way. The layouts differ in five places:
   - QKV: megajax fuses it grouped by kv head, [d, g, r + 2, k] (each kv head's r query heads, then its
     key, then its value: Megatron's layout); GPT-2 fuses it as [d, q | k | v] (Conv1D, in x out), Llama
     keeps q_proj [h k, d], k_proj and v_proj [g k, d] apart (nn.Linear, out x in).
   - Llama's gate and up projections are fused as [d, 2, f]; Mixtral's experts (w1 gate, w3 up, w2 down, one
     tensor per expert; Qwen2-MoE's gate_proj, up_proj, down_proj) are stacked as [e, d, f, 2] and [e, f, d], the
     router (gate) is [d, e]; Qwen's QKV biases are fused as the weights are, [g, r + 2, k].
-  - Layers are stacked on a leading axis ('layers') instead of one tensor per layer.
+  - Layers are stacked on a leading axis ('layers') instead of one tensor per layer (DeepSeek's dense first
+    layers are not: 'first_dense/layer_j').
+  - DeepSeek's RoPE dimensions are interleaved pairs in HF, halves in megajax (`_latent_attention_rules`).
   - The vocabulary is padded to model.padded_vocab_size: zero rows on import, dropped on export.
 """
 

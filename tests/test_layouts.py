@@ -134,6 +134,10 @@ def space() -> list[dict]:
 # the expert ranks by exact counts (parallel.expert_all_to_all=ragged) with tensor parallelism, on an interleaved
 # pipeline, and folded over 'tensor' alone on a 1F1B pipeline (its counts' cumulative sums once deadlocked there).
 DEFAULT_MOE = {(1, 2, 2): 1, (2, 1, 1): 2, (2, 1, 2): 2, (2, 2, 2): 2, (4, 2, 1): 2}
+# and their models: DeepSeek's twice (its dense first layer on a pipeline's first stage in one), with one micro
+# batch size so that one reference serves both (suite time)
+DEFAULT_MOE_ARCH = {(1, 2, 2): "gpt2", (2, 1, 1): "deepseek", (2, 1, 2): "llama", (2, 2, 2): "deepseek",
+                    (4, 2, 1): "gpt2"}
 DEFAULT_RAGGED = {(1, 2, 2), (2, 1, 2), (4, 2, 1)}
 
 
@@ -151,7 +155,7 @@ def default_cases() -> list[dict]:
         zero = d > 1 and i % 3 != 1
         levels = overlaps(d, p, schedule, zero)
         ring = sp and i % 2 == 0
-        arch = tuple(ARCHS)[(i if not ep else 2 + sum(k < (d, p, t) for k in DEFAULT_MOE)) % len(ARCHS)]
+        arch = DEFAULT_MOE_ARCH[(d, p, t)] if ep else tuple(ARCHS)[i % len(ARCHS)]
         out.append(case(arch, d, p, t, sp, zero, schedule, v, ep, ring=ring,
                         overlap=0 if i % 3 == 2 or len(levels) == 1 else levels[1 + (i // 7) % (len(levels) - 1)],
                         fold=folds(ep, t, sp)[:2][-1], ragged=(d, p, t) in DEFAULT_RAGGED))
