@@ -162,6 +162,18 @@ def test_collective_matmuls_equal_gather_then_matmul(mode, t, spec, x_shape, w_s
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
 
 
+def test_chunked_collectives_train_in_bf16_on_cpu():
+    """A pipeline with parallel.tp_comm_overlap in bf16 (the chunks' reduce-scatters in bf16) once aborted XLA's CPU
+    compiler ("Invalid binary instruction opcode copy"); on CPU they sum in fp32 now. The losses equal one device's
+    to bf16 precision."""
+    sets = {"model.arch": "llama", "model.num_layers": 4, "model.compute_dtype": "bfloat16"}
+    want = run_steps(small_config(**sets), 1, 2)
+    got = run_steps(small_config(**sets, **{"parallel.pipeline": 2, "parallel.tensor": 2, "train.micro_batch_size": 2,
+                                            "parallel.sequence_parallel": True, "parallel.tp_comm_overlap": True,
+                                            "parallel.schedule": "gpipe"}), 4, 2)
+    np.testing.assert_allclose(got, want, rtol=2e-3)
+
+
 @pytest.mark.parametrize("mode", ["ring", "chunks"])
 @pytest.mark.parametrize("recipe", ["current", "delayed"])
 @pytest.mark.parametrize("kind", ["gather", "scatter"])

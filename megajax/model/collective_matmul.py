@@ -214,9 +214,23 @@ def _scatter_chunks(a, part, n: int) -> jax.Array:
             term, out[-1] = jax.lax.optimization_barrier((term, out[-1]))
         blocks = term.reshape(term.shape[0], t - 1, -1, *term.shape[2:])
         blocks = _rotate(jnp.concatenate([jnp.zeros_like(blocks[:, :1]), blocks], axis=1), back=True)
-        out.append(jax.lax.psum_scatter(blocks, "tensor", scatter_dimension=1, tiled=True)[:, 0])
+        out.append(_reduce_scatter(blocks)[:, 0])
     own = part(lambda whole: _block(whole, r, n), a)
     return jnp.concatenate(out, axis=1) + own
+
+
+def _reduce_scatter(blocks: jax.Array) -> jax.Array:
+    """psum_scatter of blocks [b, t, ...] over 'tensor' along dim 1. On CPU a bf16 or fp16 one is summed in fp32:
+    XLA's CPU compiler aborts on a half-precision reduce-scatter issued here ("Invalid binary instruction opcode
+    copy": its reducer's root is left a copy, which the pass after dot_decomposer cannot clone as a binary op).
+    Other platforms reduce in the dtype given."""
+    def scatter(x):
+        return jax.lax.psum_scatter(x, "tensor", scatter_dimension=1, tiled=True)
+
+    if blocks.dtype == jnp.float32:
+        return scatter(blocks)
+    return jax.lax.platform_dependent(blocks, cpu=lambda x: scatter(x.astype(jnp.float32)).astype(x.dtype),
+                                      default=scatter)
 
 
 def _gather_plan(a: jax.Array):
