@@ -40,7 +40,8 @@ from megajax.config import ConfigError, InputError, ModelConfig
 
 # HF model_type -> architecture (megajax arch: gpt2, or llama for the others)
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                 "deepseek_v3": "DeepseekV3ForCausalLM"}
 # Buffers some checkpoints carry that are not weights (GPT-2's causal mask, old Llama's RoPE frequencies).
 _BUFFERS = {"gpt2": re.compile(r"(^|\.)attn\.(bias|masked_bias)$"), "llama": re.compile(r"rotary_emb\.inv_freq$")}
 
@@ -236,7 +237,8 @@ def _deepseek_v3_config(hf: dict) -> ModelConfig:
     if dense >= layers:
         return cfg
     return dataclasses.replace(
-        cfg, moe_first_dense_layers=dense, num_experts=hf["n_routed_experts"], experts_per_token=k, moe_ffn_hidden_size=hf["moe_intermediate_size"],
+        cfg, moe_first_dense_layers=dense, num_experts=hf["n_routed_experts"], experts_per_token=k,
+        moe_ffn_hidden_size=hf["moe_intermediate_size"],
         moe_shared_experts=hf.get("n_shared_experts") or 0, moe_router_score_function="sigmoid",
         moe_router_num_groups=groups if groups > 1 else None, moe_router_group_topk=best if groups > 1 else None,
         moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
@@ -542,17 +544,16 @@ def _latent_attention_rules(cfg: ModelConfig, attn: str, blk: tuple[str, ...], i
     halves = np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)]) if interleaved else np.arange(r)
     pairs = np.argsort(halves)  # halves -> interleaved
 
-    def heads(name, hf_name, rank):  # [h (n + r), rank] -> [rank, h, n + r], RoPE dims in halves; and back
-        def to_megajax(w):
-            w = w.T.reshape(rank, h, n + r)
-            return np.concatenate([w[..., :n], w[..., n:][..., halves]], axis=-1)
+    def reorder(x, order):  # the last axis's RoPE dimensions (its last r) in `order`
+        return np.concatenate([x[..., :-r], x[..., -r:][..., order]], axis=-1)
 
-        return Rule(blk + (name,), (attn + hf_name,), ((h * (n + r), rank),), to_megajax,
-                    lambda x: (np.concatenate([x[..., :n], x[..., n:][..., pairs]], axis=-1).reshape(rank, -1).T,))
+    def heads(name, hf_name, rank):  # [h (n + r), rank] -> [rank, h, n + r], RoPE dims in halves; and back
+        return Rule(blk + (name,), (attn + hf_name,), ((h * (n + r), rank),),
+                    lambda w: reorder(w.T.reshape(rank, h, n + r), halves),
+                    lambda x: (reorder(x, pairs).reshape(rank, -1).T,))
 
     out = [Rule(blk + ("wkv_down",), (attn + "kv_a_proj_with_mqa.weight",), ((c + r, d),),
-                lambda w: np.concatenate([w.T[:, :c], w.T[:, c:][:, halves]], axis=1),
-                lambda x: (np.concatenate([x[:, :c], x[:, c:][:, pairs]], axis=1).T,)),
+                lambda w: reorder(w.T, halves), lambda x: (reorder(x, pairs).T,)),
            _same(blk + ("kv_norm", "scale"), attn + "kv_a_layernorm.weight", (c,)),
            Rule(blk + ("wkv_up",), (attn + "kv_b_proj.weight",), ((h * (n + v), c),),
                 lambda w: w.T.reshape(c, h, n + v), lambda x: (x.reshape(c, -1).T,)),

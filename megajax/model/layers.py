@@ -307,6 +307,13 @@ def softmax_scale(cfg: ModelConfig, qk_dim: int) -> float | None:
     return None
 
 
+def rotary(cfg: ModelConfig, side: Side, s: int, offset: jax.Array | int, width: int):
+    """`rope` of `width` dimensions at these s tokens' positions (`token_positions`), with the config's frequencies
+    and amplitude: x [b, s, heads, width] -> the same, rotated."""
+    inv_freq, at, amplitude = rope_inv_freq(cfg, width), token_positions(side, s, offset), rope_amplitude(cfg)
+    return lambda x: rope(x, inv_freq, at, amplitude)
+
+
 def rope(x_bshk: jax.Array, inv_freq: jax.Array, positions: jax.Array, amplitude: float = 1.0) -> jax.Array:
     """Rotary position embedding, "rotate half" convention (as Hugging Face's Llama), at positions [s] or
     [b, s] (`token_positions`); `amplitude` scales the result (`rope_amplitude`)."""
@@ -414,20 +421,18 @@ def fused_qkv(module: nn.Module, x_bsd: jax.Array, side: Side, offset: jax.Array
     q = qkv[:, :, :, :r].reshape(b, s, h, k)  # query head i uses kv head i // r
     kk, v = qkv[:, :, :, r], qkv[:, :, :, r + 1]
     if cfg.arch == "llama":
-        inv_freq = rope_inv_freq(cfg, q.shape[-1])
-        at = token_positions(side, s, offset)
-        amplitude = rope_amplitude(cfg)
-        q, kk = rope(q, inv_freq, at, amplitude), rope(kk, inv_freq, at, amplitude)
+        rotate = rotary(cfg, side, s, offset, k)
+        q, kk = rotate(q), rotate(kk)
     return q, kk, v
 
 
-def latent_matmul(module: nn.Module, name: str, x_bsr: jax.Array, shape: tuple) -> jax.Array:
+def latent_matmul(module: nn.Module, name: str, x: jax.Array, shape: tuple) -> jax.Array:
     """One of multi-latent attention's projections (`weight_einsum`): a down-projection of the residual stream
     x [b, s, d] to a latent [b, s, r] (the weight whole on every tensor rank, the output left on the residual's
     sequence shards), or an up-projection of a gathered latent to heads [b, s, h, k] (column-parallel)."""
     cfg = module.cfg
     w = param(module, name, shape, WEIGHT_NAMES[name], cfg.init_std, dtype_of(cfg.param_dtype))
-    y = weight_einsum(module, name, x_bsr, w.astype(dtype_of(cfg.compute_dtype)))
+    y = weight_einsum(module, name, x, w.astype(dtype_of(cfg.compute_dtype)))
     return constrain(y, RESIDUAL) if y.ndim == 3 else y
 
 
@@ -455,10 +460,9 @@ def latent_qkv(module: nn.Module, x_bsd: jax.Array, side: Side, offset: jax.Arra
     kv = latent_matmul(module, "wkv_up", gather_sequence(c), (cfg.kv_lora_rank, h, n + v))
     k_pe = gather_sequence(ckv[..., cfg.kv_lora_rank:])[:, :, None, :]  # [b, s, 1, r]
     b, s = q.shape[:2]
-    inv_freq, at = rope_inv_freq(cfg, r), token_positions(side, s, offset)
-    amplitude = rope_amplitude(cfg)
-    q = jnp.concatenate([q[..., :n], rope(q[..., n:], inv_freq, at, amplitude)], axis=-1)
-    k_pe = jnp.broadcast_to(rope(k_pe, inv_freq, at, amplitude), (b, s, h, r))
+    rotate = rotary(cfg, side, s, offset, r)
+    q = jnp.concatenate([q[..., :n], rotate(q[..., n:])], axis=-1)
+    k_pe = jnp.broadcast_to(rotate(k_pe), (b, s, h, r))
     kk = jnp.concatenate([kv[..., :n], k_pe], axis=-1)
     values = jnp.pad(kv[..., n:], ((0, 0), (0, 0), (0, 0), (0, n + r - v)))
     return q, kk, values

@@ -196,7 +196,8 @@ class Routing(NamedTuple):
                    cfg.moe_router_topk_scaling_factor or 1.0)
 
 
-def route(logits_te: jax.Array, how: Routing, bias_e: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+def route(logits_te: jax.Array, how: Routing,
+          bias_e: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """fp32 logits [t, e] -> (weights [t, k], expert ids [t, k], probabilities [t, e] for the balancing loss).
 
     Scores are the softmax over the experts (Mixtral) or each expert's sigmoid (DeepSeek-V3). The weights are the
