@@ -12,7 +12,7 @@ COMMANDS = {
     "train": ("megajax.train", "train a model (the main job); --help lists every config key"),
     "audit": ("megajax.audit", "memory, FLOPs and collectives of a layout's compiled step, for CPU or GPU targets"),
     "generate": ("megajax.generate", "generate text from a checkpoint"),
-    "convert": ("megajax.convert", "Hugging Face GPT-2 / Llama weights to and from megajax checkpoints"),
+    "convert": ("megajax.convert", "Hugging Face weights (GPT-2, Llama, Mixtral, Qwen2, Qwen2-MoE, DeepSeek-V3) to and from megajax checkpoints"),
     "checkpoint": ("megajax.checkpoint", "list a checkpoint's steps and arrays, export its parameters"),
     "preprocess": ("megajax.data.preprocess", "tokenize a corpus into Megatron's .bin/.idx format"),
     "schedule": ("megajax.pipeline.schedule", "print, check or draw a pipeline schedule"),

@@ -89,7 +89,10 @@ class ModelConfig:
     moe_ffn_hidden_size: int | None = None  # each expert's MLP width; null: ffn_hidden_size
     moe_capacity_factor: float | None = None  # tokens over factor x fair share are dropped; null: dropless
     moe_token_drop_policy: Literal["probs", "position"] = "probs"  # capacity: keep top weights or first tokens
-    moe_grouped_gemm: bool = False  # dropless expert matmuls as a Pallas grouped GEMM, not jax.lax.ragged_dot
+    # Dropless expert matmuls: true = the Pallas grouped GEMM (only the routed rows multiplied; interpreted on CPU),
+    # false = jax.lax.ragged_dot (XLA's GPU compiler lowers it to dense GEMMs over every expert), null = the grouped
+    # GEMM where the step is compiled for a GPU and ragged_dot on CPU (picked per lowering platform).
+    moe_grouped_gemm: bool | None = None
     moe_aux_loss_coef: float = 0.01  # weight of the Switch / GShard load-balancing loss
     moe_z_loss_coef: float = 0.0  # weight of the router z-loss
     moe_shared_experts: int = 0  # DeepSeek's always-on shared experts
@@ -298,7 +301,7 @@ class ParallelConfig:
     # Reduce the data-parallel gradients layer by layer under the last micro batch's backward (Megatron's
     # --overlap-grad-reduce). megajax/overlap.py: an all-reduce per layer, or with the distributed optimizer a
     # reduce-scatter. Off by default: with several micro batches it holds one to three times the gradients' bytes
-    # more (README, "Communication overlap"). With a pipeline (1f1b, interleaved): in each rank's idle cool-down
+    # more (docs/features/communication-overlap.md). With a pipeline (1f1b, interleaved): in each rank's idle cool-down
     # ticks, or rank 0's last backwards (across nodes set overlap_comm_ratio, below).
     overlap_grad_reduce: bool = False
     # Keep the weights as their optimizer shards between steps and all-gather them under the next forward
@@ -366,6 +369,12 @@ class ParallelConfig:
         _check(
             self.virtual_stages == 1 or self.schedule in ("interleaved", "zero_bubble"),
             f"parallel.virtual_stages={self.virtual_stages} needs parallel.schedule=interleaved (or zero_bubble)",
+        )
+        _check(
+            self.pipeline > 1 or (self.schedule in ("1f1b", "gpipe") and self.virtual_stages == 1),
+            f"parallel.schedule={self.schedule} with parallel.virtual_stages={self.virtual_stages} schedules pipeline "
+            f"stages, but parallel.pipeline=1: set parallel.pipeline > 1 (e.g. parallel.pipeline=2), or drop "
+            f"parallel.schedule and parallel.virtual_stages",
         )
 
 
@@ -662,6 +671,16 @@ class Config:
         return _to_dict(self)
 
 
+def _unknown_key(path: str, key: str, known: list[str], what: str) -> str:
+    """'unknown config key 'parallel.tensr': did you mean 'parallel.tensor'? known keys here: ...'."""
+    import difflib
+
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    hint = f": did you mean {path[: len(path) - len(key)] + close[0]!r}?" if close else ""
+    kind = "section" if what == "sections" else "key"
+    return f"unknown config {kind} {path!r}{hint} ({what}: {', '.join(known)})"
+
+
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
@@ -731,7 +750,7 @@ def _build(cls, data: dict, where: str):
         path = f"{where}.{key}" if where else key
         if name not in names:
             known = sorted({k for k, a in _KEY_ALIASES.items() if a in names} | names - set(_KEY_ALIASES.values()))
-            raise ConfigError(f"unknown config key {path!r}; known keys here: {', '.join(known)}")
+            raise ConfigError(_unknown_key(path, key, known, "sections" if not where else "keys here"))
         tp = hints[name]
         if dataclasses.is_dataclass(tp):
             kwargs[name] = _build(tp, value, path)
@@ -766,10 +785,16 @@ def override(cfg: Config, flat: dict) -> Config:
         node = data
         for i, part in enumerate(parts[:-1]):
             if not isinstance(node.get(part), dict):
-                raise ConfigError(f"unknown config key {'.'.join(parts[: i + 1])!r} in override {key!r}")
+                known = sorted(k for k, v in node.items() if isinstance(v, dict))
+                if not known:  # a value, not a section (model.num_layers.x)
+                    raise ConfigError(f"config key {'.'.join(parts[: i + 1])!r} is a value, not a section: "
+                                      f"override {key!r} names a key inside it")
+                raise ConfigError(_unknown_key('.'.join(parts[: i + 1]), part, known,
+                                               "sections" if i == 0 else "keys here"))
             node = node[part]
         if parts[-1] not in node:
-            raise ConfigError(f"unknown config key {key!r}; known keys here: {', '.join(sorted(node))}")
+            known = sorted(node)
+            raise ConfigError(_unknown_key(key, parts[-1], known, "sections" if len(parts) == 1 else "keys here"))
         node[parts[-1]] = value
     return from_dict(data)
 
@@ -827,7 +852,7 @@ def keys_help() -> list[tuple[str, str, str, str]]:
             meaning = comments.get(f.name, "")
             rows.append((f"{section.name}.{aliases.get(f.name, f.name)}", kind.replace("typing.", ""),
                          yaml.safe_dump(default, default_flow_style=True).removesuffix("\n...\n").strip(),
-                         meaning.split(". ")[0].rstrip(".")))
+                         meaning))
     return rows
 
 
@@ -840,8 +865,10 @@ def add_cli_arguments(parser) -> None:
     parser.add_argument("--config", help="YAML preset (configs/*.yaml); without it, the defaults below")
     parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                         help="override config keys, e.g. --set model.num_layers=4 parallel.tensor=2 (repeatable)")
-    rows = keys_help()
-    width = max(len(k) for k, *_ in rows)
-    lines = [f"  {k:<{width}}  {kind} = {default}" + (f"\n  {'':<{width}}    {meaning}" if meaning else "")
-             for k, kind, default, meaning in rows]
+    import textwrap
+
+    lines = []
+    for key, kind, default, meaning in keys_help():
+        lines.append(f"  {key}  ({kind}, default {default})")
+        lines += textwrap.wrap(meaning, width=100, initial_indent="      ", subsequent_indent="      ")
     parser.epilog = "config keys (--set KEY=VALUE, or in the YAML preset):\n" + "\n".join(lines)

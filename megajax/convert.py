@@ -1,12 +1,17 @@
-"""`python -m megajax.convert from-hf | to-hf`: Hugging Face GPT-2 and Llama weights <-> megajax.
+"""`python -m megajax.convert from-hf | to-hf`: Hugging Face weights <-> megajax checkpoints.
+
+Six architectures convert both ways: GPT-2, Llama (Llama 2/3/3.1/3.2), Mixtral, Qwen2, Qwen2-MoE and DeepSeek-V3.
+
 
     python -m megajax.convert from-hf --model HF_DIR --output CKPT_DIR [--config-out configs/x.yaml]
     python -m megajax.convert to-hf --checkpoint CKPT_DIR --output HF_DIR [--dtype bfloat16]
 
 from-hf reads config.json and model.safetensors (or the shards listed in model.safetensors.index.json) and
 writes a params-only checkpoint (megajax.checkpoint.save_params) with its config.yaml; the HF config and
-tokenizer files are kept in CKPT_DIR/hf/ so that to-hf gives them back. --config-out writes a preset
-that fine-tunes from the checkpoint (checkpoint.load_from). to-hf takes a converted checkpoint or a
+tokenizer files are kept in CKPT_DIR/hf/ so that to-hf gives them back. --config-out writes a complete
+fine-tuning preset that starts from the checkpoint (checkpoint.load_from): bf16, a fine-tuning learning rate
+and schedule, a sequence length a GPU holds, the tokenizer, a layout for one node of 8 GPUs, comments on what to
+change. to-hf takes a converted checkpoint or a
 training checkpoint (its newest step, pipeline-staged or not) and writes a folder that
 transformers.AutoModelForCausalLM.from_pretrained loads. Neither direction needs torch.
 """
@@ -31,7 +36,7 @@ import jax
 import yaml
 
 from megajax import checkpoint, hf, hf_folder
-from megajax.config import Config, ConfigError, DataConfig
+from megajax.config import Config, ConfigError, DataConfig, ModelConfig
 from megajax.data.tokenizers import get_tokenizer
 
 HF_SUBDIR = "hf"  # inside a converted checkpoint: the source's config.json and tokenizer files
@@ -87,15 +92,80 @@ def from_hf(model_dir: str | Path, output: str | Path, config_out: str | Path | 
     return cfg
 
 
+FINE_TUNE_SEQ_LENGTH = 4096  # the preset's sequence length when the model's context is longer (Llama 3.1: 131072)
+SHAPE_KEYS = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size")
+NODE_GPUS = 8  # the preset's tensor-parallel size is picked for one node of this many 80 GB GPUs
+
+
+def _node_tensor_size(cfg: Config) -> int:
+    """The smallest tensor-parallel size (a power of 2 up to NODE_GPUS that divides the heads) whose fp32 weights
+    and gradients (8 bytes a parameter over t) and ZeRO-1 optimizer state (8 bytes over the node) take at most 48 GB
+    of an 80 GB GPU, leaving the rest to activations; NODE_GPUS when none does (the model needs a pipeline too)."""
+    from megajax import model
+
+    n = sum(math.prod(a.shape) for a in jax.tree.leaves(model.abstract_params(cfg.model)))
+    m = cfg.model
+    for t in (1, 2, 4, 8):
+        if m.num_heads % t == 0 and m.kv_heads % t == 0 and m.ffn_size % t == 0 and (8 / t + 8 / NODE_GPUS) * n <= 48e9:
+            return t
+    return NODE_GPUS
+
+
 def write_preset(cfg: Config, ckpt: Path, path: Path) -> None:
-    """A small YAML preset: the model, its tokenizer, and checkpoint.load_from pointing at the weights."""
-    data = {"model": cfg.to_dict()["model"], "data": {"tokenizer": cfg.data.tokenizer},
-            "checkpoint": {"load_from": str(ckpt)}}
-    header = (f"# Converted from Hugging Face by megajax.convert; weights in {ckpt}\n"
-              f"#   python -m megajax.train --config {path}\n"
-              f"#   python -m megajax.generate --checkpoint {ckpt} --prompt \"...\"\n")
+    """A complete fine-tuning preset for the converted model: bf16, a fine-tuning learning rate and schedule, a
+    sequence length a GPU holds, its tokenizer, a layout for one node, and comments saying what to change."""
+    m = cfg.model
+    seq = min(m.seq_length, FINE_TUNE_SEQ_LENGTH)
+    t = _node_tensor_size(cfg)
+    name = ckpt.name.removesuffix("-megajax") or "model"
+    defaults = ModelConfig().__dict__
+    model = {k: v for k, v in cfg.to_dict()["model"].items() if k in SHAPE_KEYS or v != defaults[k]}
+    model.update(seq_length=seq, compute_dtype="bfloat16", recompute="selective")
+    sections = {
+        "model": model,
+        "parallel": {"tensor": t, "sequence_parallel": t > 1, "distributed_optimizer": True},
+        "train": {"steps": 1000, "global_batch_size": 64, "micro_batch_size": 1, "log_every": 10, "eval_every": 200,
+                  "output_dir": f"runs/{name}-finetune"},
+        "optim": {"lr": 2.0e-5, "min_lr": 2.0e-6, "warmup_steps": 50, "decay": "cosine", "weight_decay": 0.1,
+                  "clip_grad": 1.0},
+        "data": {"paths": [], "tokenizer": cfg.data.tokenizer},
+        "checkpoint": {"load_from": str(ckpt), "every": 200},
+    }
+    notes = {
+        "model": [f"the converted architecture; seq_length {seq} (the model reads up to {m.seq_length}: raise it if "
+                  "memory allows), bf16 compute over fp32 master weights, selective recompute. On H100s set "
+                  "model.attention_impl=cudnn (or pallas) for the fused attention kernel."],
+        "parallel": [f"for one node of {NODE_GPUS} GPUs (parallel.data takes the rest): tensor {t} keeps the weights, "
+                     "gradients and optimizer state under 48 GB of an 80 GB GPU. Check the layout before a run: python -m megajax.audit "
+                     f"--config {path} --target h100 --devices {NODE_GPUS}"
+                     + ("; this model needs a pipeline as well (parallel.pipeline)" if t == NODE_GPUS else "")],
+        "train": ["global batch 64 sequences of seq_length tokens; steps: your data's tokens / (64 x seq_length) "
+                  "per epoch"],
+        "optim": ["a fine-tuning schedule: peak 2e-5, cosine to 2e-6 after 50 warm-up steps"],
+        "data": ["paths: your data, preprocessed with this tokenizer (python -m megajax.data.preprocess); empty: "
+                 "the bundled sample corpus"],
+        "checkpoint": ["load_from: the converted weights (params only; the optimizer starts fresh)"],
+    }
+    lines = [f"# Fine-tune {m.arch} ({m.num_layers} layers, hidden {m.hidden_size}) converted from Hugging Face by "
+             "megajax.convert; the weights are in",
+             f"# {ckpt}. Train, then export back to Hugging Face:",
+             f"#   python -m megajax.train --config {path}",
+             f"#   python -m megajax.convert to-hf --checkpoint {sections['train']['output_dir']} --output "
+             f"{name}-finetuned-hf"]
+    if cfg.data.tokenizer == NO_TOKENIZER:
+        lines.append("# data.tokenizer: no tokenizer.json came with the weights: set it to the model's tokenizer "
+                     "folder before training")
+    for section, values in sections.items():
+        lines += ["", *(f"# {line}" for note in notes[section] for line in _wrap(note)),
+                  yaml.safe_dump({section: values}, sort_keys=False).rstrip()]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(header + yaml.safe_dump(data, sort_keys=False))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _wrap(text: str) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width=110)
 
 
 def _side_dir(source: checkpoint.ParamsSource) -> Path | None:
@@ -146,10 +216,12 @@ def to_hf(checkpoint_dir: str | Path, output: str | Path, dtype: str | None = No
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m megajax.convert", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    a = sub.add_parser("from-hf", help="HF GPT-2 / Llama folder -> megajax params checkpoint")
+    a = sub.add_parser("from-hf", help="HF folder (GPT-2, Llama, Mixtral, Qwen2, Qwen2-MoE, DeepSeek-V3) -> megajax "
+                       "params checkpoint")
     a.add_argument("--model", required=True, help="local HF folder (config.json + *.safetensors)")
     a.add_argument("--output", required=True, help="checkpoint directory to create")
-    a.add_argument("--config-out", help="also write a training preset (YAML) that starts from the checkpoint")
+    a.add_argument("--config-out", help="also write a fine-tuning preset (YAML) that starts from the checkpoint and "
+                   "trains as it is (bf16, fine-tuning schedule, a layout for one node)")
     a.add_argument("--force", action="store_true", help="replace an existing output checkpoint")
     b = sub.add_parser("to-hf", help="megajax checkpoint (converted or training) -> HF folder")
     b.add_argument("--checkpoint", required=True, help="converted checkpoint, training checkpoint dir or output dir")

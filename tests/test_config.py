@@ -24,7 +24,7 @@ def test_defaults_and_overrides_are_typed():
 
 @pytest.mark.parametrize("sets, needle", [
     (["model.num_layer=4"], "unknown config key 'model.num_layer'"),
-    (["nosuch.key=1"], "unknown config key 'nosuch"),
+    (["nosuch.key=1"], "unknown config section 'nosuch' (sections: checkpoint, data, model, optim, parallel, train)"),
     (["model.num_layers=four"], "model.num_layers must be an integer"),
     (["parallel.sequence_parallel=maybe"], "must be true or false"),
     (["model.arch=bert"], "model.arch='bert' is not one of gpt2, llama"),
@@ -58,6 +58,13 @@ def test_defaults_and_overrides_are_typed():
     (["model.multi_latent_attention=true", "model.arch=llama", "model.qk_pos_emb_head_dim=3"], "positive and even"),
     (["model.multi_latent_attention=true", "model.arch=llama", "model.v_head_dim=256"], "wider than a query head"),
     (["model.multi_latent_attention=true", "model.arch=llama", "model.q_lora_rank=0"], "q_lora_rank must be"),
+    (["parallel.schedule=interleaved"], "but parallel.pipeline=1: set parallel.pipeline > 1"),
+    (["parallel.schedule=zero_bubble"], "but parallel.pipeline=1: set parallel.pipeline > 1"),
+    (["parallel.tensr=2"], "unknown config key 'parallel.tensr': did you mean 'parallel.tensor'?"),
+    (["model.num_layer=2"], "did you mean 'model.num_layers'?"),
+    (["optimizer.lr=1e-3"], "unknown config section 'optimizer': did you mean 'optim'? (sections: checkpoint, data, "
+                            "model, optim, parallel, train)"),
+    (["model.num_layers.x=1"], "config key 'model.num_layers' is a value, not a section"),
 ])
 def test_bad_configs_name_the_fix(sets, needle):
     with pytest.raises(ConfigError, match=None) as err:
@@ -103,8 +110,8 @@ def test_derived_sizes():
 
 
 def test_the_cli_lists_every_key_and_applies_every_set(capsys):
-    """`--help` lists every config key with its type, default and one line of meaning (from config.py, so a
-    new key without a description fails here), and repeated --set flags all apply."""
+    """`--help` lists every config key with its type, default and whole meaning (from config.py, so a new key
+    without a description fails here), and repeated --set flags all apply."""
     import argparse
     import dataclasses
 
@@ -115,7 +122,9 @@ def test_the_cli_lists_every_key_and_applies_every_set(capsys):
     parser = argparse.ArgumentParser()
     config_lib.add_cli_arguments(parser)
     helptext = parser.format_help()
-    assert all(key in helptext for key, *_ in rows) and "gpipe|1f1b|interleaved|zero_bubble = 1f1b" in helptext
+    assert all(key in helptext for key, *_ in rows) and "(gpipe|1f1b|interleaved|zero_bubble, default 1f1b)" in helptext
+    flat = " ".join(helptext.split())
+    assert "1: every layer is MoE; n: layers 0, n, 2n, .. are MoE, the rest dense (Megatron's)" in flat  # whole text
     args = parser.parse_args(["--set", "model.num_layers=3", "--set", "optim.lr=1e-3", "train.steps=7"])
     cfg = config_lib.load(args.config, args.set)
     assert (cfg.model.num_layers, cfg.optim.lr, cfg.train.steps) == (3, 1e-3, 7)

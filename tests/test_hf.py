@@ -318,7 +318,7 @@ def _train_one_step_from_import(tmp_path):
     convert.from_hf(tmp_path / "src", tmp_path / "ckpt", config_out=tmp_path / "ft.yaml")
     cfg = config_lib.load(tmp_path / "ft.yaml", [
         "train.steps=1", "train.global_batch_size=8", "train.log_every=1", f"train.output_dir={tmp_path / 'run'}",
-        "model.dropout=0.0", "model.attention_dropout=0.0", "checkpoint.async=false"])
+        "model.dropout=0.0", "model.attention_dropout=0.0", "checkpoint.async=false", "model.compute_dtype=float32"])
     assert cfg.checkpoint.load_from == str(tmp_path / "ckpt")
     return cfg, train.run(cfg)
 
@@ -455,3 +455,39 @@ def test_llama_3_2_1b_config_json_gives_the_preset():
     assert differ <= set(training), differ
     assert got.tied and got.rope_scaling == "llama3" and got.head_dim == 64
     assert hf.hf_config_from_model(got)["rope_parameters"] == {**released["rope_scaling"], "rope_theta": 500000.0}
+
+
+def test_written_preset_fine_tunes_as_it_is(tmp_path):
+    """`from-hf --config-out`: a complete fine-tuning preset (bf16, fine-tuning schedule, a sequence length a GPU
+    holds, the tokenizer, a layout) that `python -m megajax.train` runs with nothing but steps and the output
+    changed, loss finite and checkpoint written."""
+    from megajax import config as config_lib
+
+    build_hf_model("llama", seed=4, vocab_size=257, max_position_embeddings=131072).save_pretrained(tmp_path / "big")
+    convert.from_hf(tmp_path / "big", tmp_path / "big-megajax", config_out=tmp_path / "big.yaml")
+    big = config_lib.load(tmp_path / "big.yaml")
+    assert big.model.seq_length == convert.FINE_TUNE_SEQ_LENGTH and big.model.compute_dtype == "bfloat16"
+    assert big.optim.lr <= 3e-5 and big.optim.decay == "cosine" and big.parallel.distributed_optimizer
+    assert big.checkpoint.load_from == str(tmp_path / "big-megajax") and "megajax.audit" in (tmp_path / "big.yaml"
+                                                                                            ).read_text()
+
+    build_hf_model("gpt2", seed=5, vocab_size=257, n_positions=32).save_pretrained(tmp_path / "src")
+    convert.main(["from-hf", "--model", str(tmp_path / "src"), "--output", str(tmp_path / "ckpt"),
+                  "--config-out", str(tmp_path / "ft.yaml")])
+    run = subprocess.run([sys.executable, "-m", "megajax.train", "--config", str(tmp_path / "ft.yaml"), "--set",
+                          "train.steps=2", f"train.output_dir={tmp_path / 'run'}"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows and all(np.isfinite(r["loss"]) for r in rows if "loss" in r)
+    assert (tmp_path / "run" / "checkpoints").is_dir()
+
+
+@pytest.mark.parametrize("preset, tensor", [("llama3-8b", 2), ("llama3-70b", 8)])
+def test_written_preset_picks_a_node_layout_by_size(preset, tensor):
+    """The preset's tensor size keeps weights, gradients and optimizer state under 48 GB of an 80 GB GPU on one
+    node: Llama 3 8B at tensor 2 (ZeRO-1 over the node), 70B at the node's 8 (and the comment asks for a pipeline)."""
+    from megajax import config as config_lib
+
+    cfg = config_lib.load(f"{REPO}/configs/{preset}.yaml")
+    assert convert._node_tensor_size(cfg) == tensor

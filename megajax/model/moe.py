@@ -6,8 +6,8 @@ Routing runs in fp32 (`route`): softmax over the experts, then the top k, renorm
 with model.moe_router_pre_softmax, Qwen-MoE), or DeepSeek-V3's sigmoid scores, group-limited top k and scaled
 weights. The t k assignments are sorted by expert (within an expert in token
 order, or by descending weight for the "probs" drop policy). Dropless (no capacity factor), each expert's matmuls
-run on its rows only (`jax.lax.ragged_dot` over the groups, or with `moe_grouped_gemm` the Pallas grouped GEMM of
-kernels/grouped_matmul.py). With `moe_capacity_factor`, each expert takes at most `capacity` rows into an [e, c,
+run on its rows only: the Pallas grouped GEMM of kernels/grouped_matmul.py where the step is compiled for a GPU,
+`jax.lax.ragged_dot` over the groups on CPU (`model.moe_grouped_gemm` forces one of them). With `moe_capacity_factor`, each expert takes at most `capacity` rows into an [e, c,
 d] buffer for batched matmuls, per rank and micro batch, as Megatron's `--moe-token-drop-policy`
 (`model.moe_token_drop_policy`): "probs" keeps the assignments with the largest routing weights (ties in token
 order), "position" the first ones in token order; a dropped assignment contributes nothing (the token keeps its
@@ -580,14 +580,20 @@ def expert_mlps(cfg: ModelConfig, w: dict, meta, lead: str | None, xs: jax.Array
             # the Pallas grouped GEMM, run per tensor shard (these names), or jax.lax.ragged_dot
             names = ((lead, None, a), (lead, None, a, z), (lead, None, z)) if blocks else (
                 (None, a), ("expert", a, z), (None, z))
-            grouped = names if cfg.moe_grouped_gemm else None
-            if fmt != "none":  # (the delayed-scaling histories [el, ...] cut into blocks as the weights are)
-                m = meta(name)
-                m = None if m is None else m.reshape(*sizes.shape, -1)
-                return fp8.ragged_dot(fmt, cfg.fp8_margin, x, w, sizes, m, grouped)
-            if grouped:
-                return grouped_matmul(x, w, sizes, grouped)
-            return jax.vmap(jax.lax.ragged_dot)(x, w, sizes) if blocks else jax.lax.ragged_dot(x, w, sizes)
+            m = meta(name) if fmt != "none" else None
+            m = None if m is None else m.reshape(*sizes.shape, -1)  # delayed-scaling histories cut as the weights
+
+            def product(grouped, x, w, sizes, m):
+                if fmt != "none":
+                    return fp8.ragged_dot(fmt, cfg.fp8_margin, x, w, sizes, m, grouped)
+                if grouped:
+                    return grouped_matmul(x, w, sizes, grouped)
+                return jax.vmap(jax.lax.ragged_dot)(x, w, sizes) if blocks else jax.lax.ragged_dot(x, w, sizes)
+
+            if cfg.moe_grouped_gemm is None:  # the grouped GEMM where XLA would lower ragged_dot to dense GEMMs
+                return jax.lax.platform_dependent(x, w, sizes, m, cpu=functools.partial(product, None),
+                                                  default=functools.partial(product, names))
+            return product(names if cfg.moe_grouped_gemm else None, x, w, sizes, m)
 
         def bias(b_ef):  # folded: block by block (a gather from all [el, f] would gather every block's rows)
             return jax.vmap(pick)(b_ef.reshape(*sizes.shape, -1), sizes) if blocks else pick(b_ef, sizes)
