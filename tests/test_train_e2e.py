@@ -30,7 +30,7 @@ def test_tiny_trains_logs_and_evaluates(tmp_path):
 
 @pytest.mark.slow  # suite time (69 s): the layout matrix runs d2 x t4 (and every triple) by default
 def test_eight_devices_match_one_device_for_10_steps(tmp_path):
-    """The README's multi-device command: data 2 x tensor 4 with sequence parallelism, tiny preset, fp32."""
+    """The documented multi-device command (docs/features/parallelism.md): data 2 x tensor 4 with sequence parallelism, tiny preset, fp32."""
     full = ["train.steps=10", "train.log_every=1", "train.eval_every=0", "checkpoint.every=0"]
 
     def run(out, devices, *sets):

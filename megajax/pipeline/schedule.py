@@ -482,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--costs", metavar="F,R,B,W,BI",
                         help="action costs for the bubble: forward, recompute, fused backward, weight gradient, "
                              "and (optional) the split backward's input gradient, e.g. 1,1,2.6,0.94,1.86 "
-                             "(scripts/bench_split_backward.py measures them); the summary adds bubble_at_costs")
+                             "(scripts/bench_split_backward.py measures them); the summary adds at_costs")
     parser.add_argument("--png", help="also draw the timeline into this PNG file")
     args = parser.parse_args(argv)
     try:
