@@ -136,14 +136,19 @@ def _check(cmd: list[str], where: str) -> None:
     if head in ("python", "python3") and args[:1] == ["-m"]:
         module, args = args[1], args[2:]
         if module == "megajax":
+            if args[0] in ("-h", "--help"):
+                return
             module, args = MODULES[args[0]], args[1:]
         if module.startswith("megajax"):
             _check_megajax(module, args, where)
         elif module == "pytest":
-            assert all(a.startswith("-") or (ROOT / a.split("::")[0]).exists() for a in args), where
+            paths = [a for i, a in enumerate(args) if not a.startswith("-") and args[i - 1] not in ("-m", "-k", "-n")]
+            assert all((ROOT / a.split("::")[0]).exists() for a in paths), f"{where}: no test file {paths}"
     elif head in ("python", "python3") and args and args[0].endswith(".py"):
         assert (ROOT / args[0]).exists(), f"{where}: no {args[0]}"
     elif head == "megajax":
+        if args[0] in ("-h", "--help"):
+            return
         assert args[0] in MODULES, f"{where}: megajax has no command {args[0]}"
         _check_megajax(MODULES[args[0]], args[1:], where)
     elif head in ("bash", "sh") or head.startswith("scripts/") or head.startswith("./scripts/"):
@@ -182,7 +187,7 @@ def test_the_checker_catches_a_typo():
                 "python -m megajax.audit --config configs/tiny.yaml --devices 8 --target-gpu h100",
                 "python -m megajax.train --config configs/no-such.yaml",
                 "sbatch --nodes=2 scripts/slurm.sbatch configs/tiny.yaml model.num_layer=4",
-                "pip install -e '.[gpus]'"):
+                "pip install -e '.[gpus]'", "python -m pytest -q -m slow tests/test_nothing.py"):
         with pytest.raises((AssertionError, config_lib.ConfigError)):
             for cmd in _commands(bad):
                 _check(cmd, bad)
