@@ -1,0 +1,114 @@
+"""The GPU presets run as they are: configs/llama3-8b.yaml on one node of 8 H100s and configs/llama3-70b.yaml on 8
+nodes (64 H100s). Each has Meta's Llama 3 shapes, a layout that uses exactly its GPUs (tensor parallel inside a
+node), bf16 compute on fp32 master weights with the fused Pallas kernels, sequence parallelism with the rings of
+parallel.tp_comm_overlap, the distributed optimizer with its overlapped reduction and gather, and a placeholder
+tokenizer the user must replace. XLA's GPU compiler compiles each train step for compile-only H100s (the 70B's with
+-m slow): its memory estimate fits an 80 GB H100 with margin, and the tensor-parallel rings run under the GEMMs."""
+
+import os
+
+import pytest
+
+from megajax import audit, config as config_lib
+from megajax.config import ConfigError
+
+from conftest import REPO
+
+# name: (GPUs, Meta's config.json shapes, the layout as (data, pipeline, tensor, virtual stages), peak lr)
+PRESETS = {
+    "llama3-8b": (8, {"num_layers": 32, "hidden_size": 4096, "num_heads": 32, "num_kv_heads": 8,
+                      "ffn_hidden_size": 14336}, (2, 1, 4, 1), 3e-4),
+    "llama3-70b": (64, {"num_layers": 80, "hidden_size": 8192, "num_heads": 64, "num_kv_heads": 8,
+                        "ffn_hidden_size": 28672}, (2, 4, 8, 5), 1.5e-4),
+}
+# XLA's estimate leaves out NCCL's and cuBLAS's workspaces: a preset keeps this much of an 80 GB H100's 79.1 GiB
+MAX_GIB = 72.0
+
+
+def _load(name: str) -> config_lib.Config:
+    return config_lib.load(os.path.join(REPO, "configs", f"{name}.yaml"))
+
+
+def _gpu_available():
+    try:
+        audit._gpu_devices("h100", 8)
+        return True
+    except Exception:
+        return False
+
+
+gpu = pytest.mark.skipif(not _gpu_available(), reason="jax-cuda12-plugin (the gpu-audit extra) is not installed")
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_is_llama3_at_8192_tokens(name):
+    m = _load(name).model
+    for key, value in PRESETS[name][1].items():
+        assert getattr(m, key) == value, key
+    assert m.arch == "llama" and m.vocab_size == m.padded_vocab_size == 128256 and not m.tied
+    assert m.rope_theta == 500000.0 and m.rope_scaling == "none" and m.norm_eps == 1e-5
+    assert m.seq_length == 8192
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_layout_uses_exactly_its_gpus(name):
+    gpus, _, (data, pipe, tensor, virtual), _ = PRESETS[name]
+    cfg = _load(name)
+    p = cfg.parallel
+    assert (p.data, p.pipeline, p.tensor, p.virtual_stages, p.context, p.expert) == (data, pipe, tensor, virtual, 1, 1)
+    resolved = cfg.for_devices(gpus)
+    assert resolved.parallel.data * p.pipeline * p.tensor == gpus
+    for other in (gpus // 2, 2 * gpus):
+        with pytest.raises(ConfigError, match="devices"):
+            cfg.for_devices(other)
+    # tensor parallelism inside a node, everything else across nodes; micro batch 1
+    assert p.tensor <= audit.GPUS_PER_HOST
+    assert resolved.train.micro_batch_size == 1
+    assert resolved.num_micro_batches * data == cfg.train.global_batch_size
+    if p.virtual_stages > 1:
+        assert p.schedule == "interleaved" and resolved.num_micro_batches >= p.pipeline
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_trains_in_bf16_with_fused_kernels_and_overlap(name):
+    cfg = _load(name)
+    m, p, o = cfg.model, cfg.parallel, cfg.optim
+    assert m.compute_dtype == "bfloat16" and m.param_dtype == "float32" and m.fp8 == "none"
+    # cuDNN's attention is faster on one H100, but JAX's partitioning rule for it fails on a multi-device mesh
+    assert m.attention_impl == "pallas" and m.norm_impl == "pallas"
+    assert m.recompute == "selective"
+    assert p.sequence_parallel and p.tp_comm_overlap
+    assert p.distributed_optimizer and p.overlap_grad_reduce and p.overlap_param_gather
+    # across nodes with a pipeline the idle ticks' reductions are capped by the audit's comm_ratio
+    assert (p.overlap_comm_ratio > 0) == (p.pipeline > 1)
+    # Meta's schedule: cosine from the peak to a tenth of it after 2000 warm-up steps
+    assert o.lr == PRESETS[name][3] and o.min_lr == pytest.approx(o.lr / 10)
+    assert o.decay == "cosine" and o.warmup_steps == 2000 and o.decay_steps is None
+    # the data and Meta's tokenizer are the user's to give: a placeholder folder that does not exist
+    assert cfg.data.paths == [] and cfg.data.tokenizer.startswith("/path/to/Meta-Llama-3-")
+    assert not os.path.exists(cfg.data.tokenizer)
+    assert cfg.train.output_dir == f"runs/{name}" and cfg.checkpoint.every > 0
+
+
+@gpu
+# suite time: compiling the whole train step for compile-only H100s takes 30 s for the 8B, 170 s for the 70B (80 layers
+# on an interleaved pipeline; 2 cores): the 70B's with -m slow
+@pytest.mark.parametrize("name", ["llama3-8b", pytest.param("llama3-70b", marks=pytest.mark.slow)])
+def test_preset_fits_an_h100_with_the_rings_under_the_gemms(name):
+    gpus, _, (data, pipe, tensor, virtual), _ = PRESETS[name]
+    cfg = _load(name)
+    report = audit.audit(cfg, "h100", gpus)
+    layout = report["layout"]
+    assert report["devices"] == gpus
+    assert (layout["data"], layout["pipeline"], layout["tensor"], layout["virtual_stages"]) == (data, pipe, tensor,
+                                                                                               virtual)
+    memory = report["memory_per_device"]
+    assert memory["fits"] and memory["peak_estimate_gib"] <= MAX_GIB, memory
+    comm = report["communication"]
+    # over its memory budget XLA's scheduler stops overlapping: the rings' ppermutes (or, in a pipeline, their chunked
+    # all-gathers) then run with no GEMM under them
+    rings = comm["groups"]["collective-permute over tensor" if pipe == 1 else "all-gather over tensor"]
+    assert rings["overlapped_fraction"] > 0.95, rings
+    assert comm["exposed_comm_s"] < 0.25 * comm["gemm_s_at_peak"], comm
+    if pipe > 1:  # the preset's cap is the audit's ratio (one layer's reduce-scatter over its forward)
+        assert cfg.parallel.overlap_comm_ratio == pytest.approx(comm["in_schedule"]["comm_ratio"], rel=0.05)
