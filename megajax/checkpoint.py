@@ -55,7 +55,8 @@ def manager(directory: str, keep: int = 3, use_async: bool = True, read_only: bo
             ) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=None if read_only else keep, save_interval_steps=0 if read_only else 1,
-        enable_async_checkpointing=use_async, create=not read_only, read_only=read_only)
+        enable_async_checkpointing=use_async, create=not read_only, read_only=read_only,
+        cleanup_tmp_directories=not read_only)  # an interrupted or failed save's temporary directory
     handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
     return ocp.CheckpointManager(os.path.abspath(directory), options=options, item_handlers=handlers)
 
@@ -102,6 +103,28 @@ def save(mgr: ocp.CheckpointManager, step: int, state, meta: dict) -> None:
     meta = {**meta, "checksums": checksums(state)}
     mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
              force=True)
+
+
+WRITE_ERRORS = ("No space left on device", "Disk quota exceeded", "Permission denied", "Read-only file system")
+
+
+def write_failure(error: BaseException) -> str | None:
+    """What the filesystem said when a save failed (no space, quota, permission, read-only), found in the error's
+    chain (Orbax wraps the OSError, TensorStore reports it as text); None for any other error."""
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno and e.strerror:
+            return f"{e.strerror} ({e.filename})" if e.filename else e.strerror
+        text = str(e)
+        for known in WRITE_ERRORS:
+            if known in text:
+                return known
+        todo += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
+    return None
 
 
 def read_meta(mgr: ocp.CheckpointManager, step: int) -> dict:
@@ -238,6 +261,8 @@ def restore_newest_readable(mgr: ocp.CheckpointManager, abstract_state, sharding
     if wanted is not None and wanted not in steps:
         raise CheckpointError(f"checkpoint.resume_step={wanted} is not in {mgr.directory} (steps: {steps}): "
                               "pick one of those, or null for the newest")
+    if wanted is not None and steps[0] > wanted:
+        _abandon_later_steps(mgr, [s for s in steps if s > wanted], wanted, log)
     for i, step in enumerate([wanted] if wanted is not None else steps):
         try:
             return restore(mgr, step, abstract_state, shardings, cfg)
@@ -247,14 +272,46 @@ def restore_newest_readable(mgr: ocp.CheckpointManager, abstract_state, sharding
             reason = unreadable_reason(e)
             if wanted is not None:
                 raise CheckpointError(f"checkpoint step {step} in {mgr.directory} cannot be read: {reason}") from e
-            aside = os.path.join(str(mgr.directory), f"{step}.unreadable")
             rest = steps[i + 1:]
+            aside = _move_aside(mgr, step, "unreadable")
             log.info(f"warning: checkpoint step {step} cannot be read ({reason}); moved aside to {aside}, "
                      + (f"resuming from step {rest[0]}" if rest else "no older step: starting from scratch"))
-            if jax.process_index() == 0:
-                os.replace(os.path.join(str(mgr.directory), str(step)), aside)
             mgr.reload()
     return None
+
+
+def _aside_name(directory: str, step: int, why: str) -> str:
+    """`<step>.<why>`, or `<step>.<why>.2`, .3, .. when an earlier one is there (never overwritten)."""
+    base = os.path.join(directory, f"{step}.{why}")
+    path, n = base, 1
+    while os.path.exists(path):
+        n += 1
+        path = f"{base}.{n}"
+    return path
+
+
+def _move_aside(mgr: ocp.CheckpointManager, step: int, why: str) -> str:
+    """Renames checkpoint `step` to a fresh `<step>.<why>[.n]` beside it (process 0; the others wait for it), kept
+    for inspection and never deleted. Returns the new path."""
+    directory = str(mgr.directory)
+    aside = _aside_name(directory, step, why)
+    if jax.process_index() == 0:
+        os.replace(os.path.join(directory, str(step)), aside)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"megajax checkpoint {step} moved aside")
+    return aside
+
+
+def _abandon_later_steps(mgr: ocp.CheckpointManager, later: list[int], wanted: int, log) -> None:
+    """checkpoint.resume_step rolls the run back: the abandoned timeline's later steps move aside (as
+    `<step>.abandoned`), so the new timeline's saves of those step numbers neither collide with them nor
+    are mixed with them on a later resume."""
+    moved = [_move_aside(mgr, step, "abandoned") for step in sorted(later)]
+    log.info(f"checkpoint.resume_step={wanted}: the later steps {sorted(later)} of the timeline it leaves moved "
+             f"aside ({', '.join(os.path.basename(m) for m in moved)} in {mgr.directory})")
+    mgr.reload()
 
 
 def _fits(saved: tuple, want: tuple, lead_saved: int, lead_want: int, padded: bool) -> bool:

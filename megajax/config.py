@@ -27,12 +27,23 @@ class ConfigError(InputError):
     """A configuration that cannot run; the message says what to change."""
 
 
+def _short(value: Any) -> str:
+    """A bounded repr for messages: a preset's hostile or huge value (YAML aliases nested many levels deep expand
+    to gigabytes) must not be printed whole."""
+    import reprlib
+
+    r = reprlib.Repr()
+    r.maxlevel, r.maxlist, r.maxdict, r.maxstring, r.maxother = 2, 4, 4, 60, 60
+    return r.repr(value)
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+FP16_MAX = 65504.0  # float16's largest finite value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -439,6 +450,12 @@ class OptimConfig:
         _check(self.clip_grad >= 0, f"optim.clip_grad must be >= 0 (0 disables), got {self.clip_grad}")
         _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
         _check(self.initial_loss_scale >= 1, "optim.initial_loss_scale must be >= 1")
+        _check(1 <= self.min_loss_scale <= self.initial_loss_scale,
+               f"optim.min_loss_scale={self.min_loss_scale:g} must be between 1 and optim.initial_loss_scale="
+               f"{self.initial_loss_scale:g}")
+        _check(self.min_loss_scale <= FP16_MAX,
+               f"optim.min_loss_scale={self.min_loss_scale:g} is beyond float16's range (largest {FP16_MAX:g}): "
+               "fp16 gradients scaled by it overflow whenever a gradient passes 1; lower it (default 1)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -465,16 +482,16 @@ class DataConfig:
         _check(sum(float(p) for p in parts) > 0, f"data.split={self.split!r} must have a positive weight")
         _check(self.prefetch >= 0, f"data.prefetch must be >= 0 (0: no background reading), got {self.prefetch}")
         if all(isinstance(p, str) for p in self.paths):
-            _check(all(p for p in self.paths), f"data.paths={self.paths} has an empty prefix")
+            _check(all(p for p in self.paths), f"data.paths={_short(self.paths)} has an empty prefix")
             return
         _check(
             len(self.paths) % 2 == 0
             and all(isinstance(p, str) and p for p in self.paths[1::2]),
-            f"data.paths={self.paths} must be prefixes [a, b] or weight/prefix pairs like [0.3, a, 0.7, b]",
+            f"data.paths={_short(self.paths)} must be prefixes [a, b] or weight/prefix pairs like [0.3, a, 0.7, b]",
         )
         for w in self.paths[::2]:
             _check(isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0,
-                   f"data.paths weight {w!r} must be a positive number")
+                   f"data.paths weight {_short(w)} must be a positive number")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -709,21 +726,21 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 return _coerce(value, a, where)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r}")
+        raise ConfigError(errors[0] if errors else f"{where}: bad value {_short(value)}")
     if origin is Literal:
         choices = typing.get_args(tp)
-        _check(value in choices, f"{where}={value!r} is not one of {', '.join(map(str, choices))}")
+        _check(value in choices, f"{where}={_short(value)} is not one of {', '.join(map(str, choices))}")
         return value
     if origin is list:
-        _check(isinstance(value, (list, tuple)), f"{where} must be a list, got {value!r}")
+        _check(isinstance(value, (list, tuple)), f"{where} must be a list, got {_short(value)}")
         return list(value)
     if tp is Any:
         return value
     if tp is bool:
-        _check(isinstance(value, bool), f"{where} must be true or false, got {value!r}")
+        _check(isinstance(value, bool), f"{where} must be true or false, got {_short(value)}")
         return value
     if tp is int:
-        _check(isinstance(value, int) and not isinstance(value, bool), f"{where} must be an integer, got {value!r}")
+        _check(isinstance(value, int) and not isinstance(value, bool), f"{where} must be an integer, got {_short(value)}")
         return value
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
@@ -731,17 +748,17 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 return float(value)
             except ValueError:
                 pass
-        _check(isinstance(value, (int, float)) and not isinstance(value, bool), f"{where} must be a number, got {value!r}")
+        _check(isinstance(value, (int, float)) and not isinstance(value, bool), f"{where} must be a number, got {_short(value)}")
         return float(value)
     if tp is str:
-        _check(isinstance(value, str), f"{where} must be a string, got {value!r}")
+        _check(isinstance(value, str), f"{where} must be a string, got {_short(value)}")
         return value
     raise ConfigError(f"{where}: unsupported type {tp}")
 
 
 def _build(cls, data: dict, where: str):
     if not isinstance(data, dict):
-        raise ConfigError(f"{where or 'the config'} must be a mapping, got {data!r}")
+        raise ConfigError(f"{where or 'the config'} must be a mapping, got {_short(data)}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -809,8 +826,13 @@ def load(path: str | Path | None = None, overrides: list[str] | None = None) -> 
         try:
             data = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
-    cfg = from_dict(data)
+            raise ConfigError(f"config file {path} is not valid YAML: {str(e)[:300]}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config file {path} cannot be read: {str(e)[:200]}") from None
+    try:
+        cfg = from_dict(data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}" if path is not None else str(e)) from None
     return override(cfg, parse_overrides(overrides or []))
 
 

@@ -65,7 +65,10 @@ def from_hf(model_dir: str | Path, output: str | Path, config_out: str | Path | 
     """Converts an HF folder into a params-only megajax checkpoint; returns the megajax config."""
     model_dir, output = Path(model_dir), Path(output).absolute()
     hf_cfg = hf.read_hf_config(model_dir)
-    model_cfg = hf.model_config_from_hf(hf_cfg)
+    try:
+        model_cfg = hf.model_config_from_hf(hf_cfg)
+    except hf.ConversionError as e:
+        raise hf.ConversionError(f"{model_dir / 'config.json'}: {e}") from None
     reader = hf_folder.SafetensorsReader(model_dir, model_cfg.arch)
     params = hf.params_from_hf(model_cfg, reader.get, reader.names(), source=str(model_dir),
                                rope_interleave=hf_cfg.get("rope_interleave", True))

@@ -58,7 +58,18 @@ def read_hf_config(model_dir: str | Path) -> dict:
     path = Path(model_dir) / "config.json"
     if not path.exists():
         raise ConversionError(f"{model_dir} has no config.json: is it a Hugging Face model folder?")
-    return json.loads(path.read_text())
+    return read_json(path)
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from `path`; a file that is not one is a ConversionError naming it."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConversionError(f"{path}: not valid JSON ({str(e)[:200]})") from None
+    if not isinstance(data, dict):
+        raise ConversionError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def hf_arch(hf: dict) -> str:

@@ -5,6 +5,7 @@ registers); the layouts and names are megajax/hf.py's."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from megajax.hf import ConversionError
+from megajax.hf import ConversionError, read_json
 
 # Tokenizer and generation files copied along with the weights in both directions.
 SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -32,10 +33,16 @@ class SafetensorsReader:
         index = self.dir / "model.safetensors.index.json"
         single = self.dir / "model.safetensors"
         if index.exists():
-            files = json.loads(index.read_text())["weight_map"]
+            files = read_json(index).get("weight_map")
+            if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+                raise ConversionError(f"{index}: no weight_map of tensor name -> file name (a damaged or hand-written "
+                                      "index: save the model again with save_pretrained)")
+            if any(Path(f).name != f for f in files.values()):
+                raise ConversionError(f"{index}: weight_map names files outside the model folder")
         elif single.exists():
-            with safe_open(single, framework="numpy") as f:
-                files = {name: single.name for name in f.keys()}
+            with self._safe(single):
+                with safe_open(single, framework="numpy") as f:
+                    files = {name: single.name for name in f.keys()}
         else:
             raise ConversionError(f"{self.dir} has no model.safetensors or model.safetensors.index.json "
                                   "(PyTorch .bin weights are not read: save them with safe_serialization=True)")
@@ -62,8 +69,24 @@ class SafetensorsReader:
             if not path.exists():
                 raise ConversionError(f"tensor {name!r} is listed in model.safetensors.index.json in {file}, "
                                       f"but {path} does not exist")
-            self._handles[file] = self._open(path, framework="numpy")
-        return self._handles[file].get_tensor(stored)
+            with self._safe(path):
+                self._handles[file] = self._open(path, framework="numpy")
+        with self._safe(self.dir / file):
+            return self._handles[file].get_tensor(stored)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _safe(path: Path):
+        """safetensors' own errors (a header claiming more bytes than the file has, offsets past the end, shapes
+        that disagree with the bytes, bad JSON, an unknown dtype) as one line naming the file."""
+        try:
+            yield
+        except ConversionError:
+            raise
+        except Exception as e:  # noqa: BLE001  (safetensors_rust.SafetensorError has no importable base)
+            what = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise ConversionError(f"{path}: not a readable safetensors file ({what}): download or save it again") \
+                from None
 
 
 def parse_size(text: str) -> int:

@@ -407,10 +407,11 @@ def train_step(setup: StepSetup, state: TrainState, batch: dict) -> tuple[TrainS
         params = fp8.update_meta(params, fp8_seen, cfg.model.fp8_amax_history)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
     if cfg.model.compute_dtype == "float16":
-        # An overflowing gradient is routine with fp16: skip the step and back off the loss scale. Only a
-        # non-finite loss counts towards train.max_bad_steps.
+        # An overflowing gradient is routine with fp16: skip the step and back off the loss scale. A non-finite
+        # loss, or an overflow at the smallest scale (nothing left to back off), counts towards
+        # train.max_bad_steps.
         loss_scale, good = optim.update_loss_scale(state.loss_scale, state.good_steps, finite, cfg.optim)
-        healthy = jnp.isfinite(loss)
+        healthy = jnp.isfinite(loss) & (finite | (state.loss_scale > cfg.optim.min_loss_scale))
     else:
         loss_scale, good, healthy = state.loss_scale, state.good_steps + 1, finite
     new_state = TrainState(
@@ -530,12 +531,20 @@ def _meta(cfg: Config, step: int, consumed: int) -> dict:
 def run(cfg: Config) -> dict:
     """Trains for cfg.train.steps (resuming from the newest checkpoint if there is one).
 
-    Returns a summary: last logged metrics, eval loss, steps run in this process.
+    Returns a summary: last logged metrics, eval loss, steps run in this process. The run holds its output and
+    checkpoint directories (megajax.runlock): a second run on them exits naming this one.
     """
+    from megajax import checkpoint, runlock
+
+    setup = setup_for(cfg)
+    with runlock.hold(setup.cfg.train.output_dir, checkpoint.checkpoint_dir(setup.cfg)):
+        return _run(setup)
+
+
+def _run(setup: StepSetup) -> dict:
     from megajax import checkpoint
     from megajax.data.loader import BatchLoader, batch_shapes, build_datasets
 
-    setup = setup_for(cfg)
     cfg, mesh = setup.cfg, setup.mesh
     gbs, steps = cfg.train.global_batch_size, cfg.train.steps
     is_main = jax.process_index() == 0
@@ -589,9 +598,12 @@ def run(cfg: Config) -> dict:
         try:
             return _loop(cfg, setup, compiled, eval_fn, state, datasets, start, consumed, loader, mgr, log, peak)
         finally:  # a checkpoint started in the background completes even when the loop stops on an error
-            mgr.wait_until_finished()
-            mgr.close()
-            log.close()
+            try:
+                with _saving(mgr):
+                    mgr.wait_until_finished()
+            finally:
+                mgr.close()
+                log.close()
 
 
 def _any_process(flag: bool) -> bool:
@@ -691,10 +703,20 @@ def _save(mgr, step: int, state: TrainState, cfg: Config, consumed: int, log) ->
     """Starts a checkpoint save; returns the seconds the loop was blocked (the async part is not counted)."""
     from megajax import checkpoint
 
-    if step in (mgr.all_steps() or []):
+    saved = mgr.all_steps() or []
+    if step in saved:  # this timeline's own (a rollback moves the abandoned one's later steps aside)
+        log.info(f"checkpoint step {step} is already in {mgr.directory}: kept as it is")
+        return 0.0
+    bad = int(jax.device_get(state.bad_steps))
+    if bad and saved and max(saved) >= step - bad:
+        # a skipped step leaves the weights as they were: a checkpoint at or after the last good step holds them,
+        # and more saves would only rotate the good ones out of checkpoint.keep
+        log.info(f"checkpoint at step {step} not written: the last {bad} steps were skipped as non-finite, and step "
+                 f"{max(saved)} holds the same weights")
         return 0.0
     t0 = time.perf_counter()
-    checkpoint.save(mgr, step, state, _meta(cfg, step, consumed))
+    with _saving(mgr):  # a background save's failure surfaces at the next save
+        checkpoint.save(mgr, step, state, _meta(cfg, step, consumed))
     blocked = time.perf_counter() - t0
     log.info(f"checkpoint at step {step} -> {mgr.directory} ({blocked * 1e3:.0f} ms blocking"
              f"{', writing in the background' if cfg.checkpoint.async_ else ''})")
@@ -705,16 +727,41 @@ class NonFiniteError(RuntimeError):
     pass
 
 
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint the filesystem refused (full, over quota, not writable): the run stops with one line."""
+
+
+@contextlib.contextmanager
+def _saving(mgr):
+    """Turns a save that the filesystem refused into CheckpointSaveError (one line: the directory and the cause);
+    any other error passes as it is."""
+    from megajax import checkpoint
+
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001  (Orbax and TensorStore wrap the OSError in their own types)
+        cause = checkpoint.write_failure(e)
+        if cause is None:
+            raise
+        raise CheckpointSaveError(f"a checkpoint could not be written to {mgr.directory}: {cause}. The earlier "
+                                  "checkpoints are intact and a rerun resumes from the newest; free space or set "
+                                  "checkpoint.dir") from None
+
+
 def _check_health(cfg: Config, step: int, stats: dict, log, on_fatal=None) -> None:
     """Logs a skipped (non-finite) step; after train.max_bad_steps in a row saves the (last good) weights
     and stops with an error."""
     finite, bad, scale = jax.device_get((stats["finite"], stats["bad_steps"], stats["loss_scale"]))
     if not finite:
+        scale, floor = float(scale), cfg.optim.min_loss_scale
         if int(bad) == 0:  # fp16: the loss was fine, the scaled gradient overflowed
-            log.info(f"step {step + 1}: gradient overflow at loss scale {float(scale):g}: skipped, scale halved")
+            log.info(f"step {step + 1}: gradient overflow at loss scale {scale:g}: skipped, loss scale now "
+                     f"{max(scale / 2, floor):g}")
             return
-        log.info(f"warning: step {step + 1} had a non-finite loss or gradient: skipped "
-                 f"(weights unchanged; {int(bad)} in a row)")
+        at_floor = cfg.model.compute_dtype == "float16" and scale <= floor
+        why = (f"the gradient overflowed at the smallest loss scale {scale:g} (optim.min_loss_scale)" if at_floor
+               else "a non-finite loss or gradient")
+        log.info(f"warning: step {step + 1} had {why}: skipped (weights unchanged; {int(bad)} in a row)")
         if int(bad) >= cfg.train.max_bad_steps:
             if on_fatal is not None:
                 on_fatal()
@@ -723,10 +770,44 @@ def _check_health(cfg: Config, step: int, stats: dict, log, on_fatal=None) -> No
                 "Lower optim.lr, check the data, or use bfloat16; the last checkpoint is intact.")
 
 
+def _quiet_save_failures() -> None:
+    """A save the filesystem refuses ends the run with one line (CheckpointSaveError). Orbax's writer threads and
+    TensorStore's callbacks would print hundreds of lines of tracebacks about the same failure around it: Orbax's
+    and asyncio's ERROR records naming a write error, and 'Event loop is closed' from callbacks of writes still in
+    flight when Orbax closed its event loop. Those are dropped; every other record and exception prints as
+    before."""
+    import logging
+
+    from megajax import checkpoint
+
+    def keep(record) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (any(known in record.getMessage() for known in checkpoint.WRITE_ERRORS)
+                    or (error is not None and checkpoint.write_failure(error) is not None))
+
+    for name in ("absl", "asyncio"):  # Orbax's records, and its write tasks' "exception was never retrieved"
+        logging.getLogger(name).addFilter(keep)
+    default = sys.excepthook
+
+    def hook(kind, value, tb):
+        if not (kind is RuntimeError and str(value) == "Event loop is closed"):
+            default(kind, value, tb)
+
+    sys.excepthook = hook
+    unraisable = sys.unraisablehook
+
+    def quiet(arg):
+        if not (arg.exc_type is RuntimeError and str(arg.exc_value) == "Event loop is closed"):
+            unraisable(arg)
+
+    sys.unraisablehook = quiet
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megajax.train", description=__doc__.split("\n\n")[0])
     config_lib.add_cli_arguments(parser)
     args = parser.parse_args(argv)
+    _quiet_save_failures()
     xla_flags.install()  # before the first backend starts
     distributed.prefer_cpu_without_gpu()
     if args.config is None:
@@ -740,7 +821,7 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except NonFiniteError as e:
+    except (NonFiniteError, CheckpointSaveError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -224,3 +224,82 @@ def test_distributed_optimizer_state_moves_between_data_sizes(tmp_path):
                                                                                 target.abstract_state.opt_state)
         jax.tree.map(np.testing.assert_array_equal, unpadded(got, got.params), want)
     mgr.close()
+
+
+def _cut_largest(ckpt, step):
+    path = max(glob.glob(str(ckpt / str(step) / "state" / "ocdbt.process_0" / "d" / "*")), key=os.path.getsize)
+    os.truncate(path, os.path.getsize(path) // 2)
+
+
+def test_a_step_damaged_again_is_moved_aside_beside_the_first(tmp_path):
+    """The same step damaged twice (a rerun rewrote it): the second aside gets its own name, nothing is
+    overwritten, and the run resumes each time."""
+    ckpt = tmp_path / "checkpoints"
+    train_cli(tmp_path, "train.steps=4", "checkpoint.every=2", "checkpoint.async=false")
+    for attempt in range(2):
+        _cut_largest(ckpt, 4)
+        proc = train_cli(tmp_path, "train.steps=4", "checkpoint.every=2", "checkpoint.async=false")
+        assert "checkpoint step 4 cannot be read" in proc.stdout and "resumed from" in proc.stdout
+    assert sorted(p.name for p in ckpt.iterdir() if not p.name.startswith(".")) == [
+        "2", "4", "4.unreadable", "4.unreadable.2"]
+
+
+def test_a_rollback_moves_the_abandoned_timeline_aside(tmp_path):
+    """checkpoint.resume_step=2 with steps 4 and 6 saved: those move aside as <step>.abandoned (said in the log),
+    the new timeline writes its own 4 and 6, and a later resume reads the new timeline only."""
+    ckpt = tmp_path / "checkpoints"
+    train_cli(tmp_path, "train.steps=6", "checkpoint.every=2", "checkpoint.async=false")
+    old6 = checkpoint.read_meta(checkpoint.manager(str(ckpt), read_only=True), 6)["checksums"]
+    proc = train_cli(tmp_path, "train.steps=6", "checkpoint.every=2", "checkpoint.async=false",
+                     "checkpoint.resume_step=2", "optim.lr=1e-4")
+    assert "later steps [4, 6] of the timeline it leaves moved aside" in proc.stdout
+    assert "already in" not in proc.stdout, "the new timeline's saves are written, not skipped"
+    names = sorted(p.name for p in ckpt.iterdir() if not p.name.startswith("."))
+    assert names == ["2", "4", "4.abandoned", "6", "6.abandoned"]
+    new6 = checkpoint.read_meta(checkpoint.manager(str(ckpt), read_only=True), 6)["checksums"]
+    assert new6 != old6, "step 6 holds the new timeline's weights"
+
+
+def test_a_bad_streak_never_rotates_the_last_good_checkpoint_out(tmp_path):
+    """Saving every step with checkpoint.keep=2 while the run diverges: the skipped steps' weights are the last
+    good ones, so no checkpoint is written during the streak and the last good steps stay."""
+    proc = train_cli(tmp_path, "train.steps=30", "checkpoint.every=1", "checkpoint.keep=2", "checkpoint.async=false",
+                     "optim.lr=1e30", "optim.warmup_steps=1", "train.max_bad_steps=4", check=False)
+    assert proc.returncode == 1
+    kept = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    rows = read_metrics(tmp_path)
+    good = max(step for step, row in rows.items() if np.isfinite(row["loss"]) and row["grad_norm"] < 1e30)
+    assert kept and max(kept) <= good + 1, (kept, good)
+    assert "not written: the last" in proc.stdout
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MB tmpfs (as root; skipped elsewhere): a real filesystem that fills up."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+@pytest.mark.parametrize("async_", ["true", "false"])
+def test_a_full_disk_ends_the_run_in_one_line_and_loses_nothing(small_disk, async_):
+    """The disk fills up during a save: the run exits 1 with one line naming the directory and the cause, the
+    earlier checkpoint reads, and with more room the rerun cleans the failed save's temporary directory and
+    resumes from it."""
+    out = small_disk / "run"
+    proc = train_cli(out, "train.steps=40", "checkpoint.every=2", "checkpoint.keep=10", f"checkpoint.async={async_}",
+                     check=False)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert err[-1].startswith("error: a checkpoint could not be written to") and "No space left on device" in err[-1]
+    assert len([line for line in err if "Traceback" in line]) == 0, proc.stderr[-3000:]
+    saved = checkpoint.manager(str(out / "checkpoints"), read_only=True).all_steps()
+    assert saved, "the steps saved before the disk filled are there"
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    again = train_cli(out, f"train.steps={max(saved) + 2}", "checkpoint.every=2", "checkpoint.keep=10")
+    assert f"resumed from {out / 'checkpoints'} step {max(saved)}" in again.stdout
+    assert not [p for p in (out / "checkpoints").iterdir() if "tmp" in p.name]

@@ -66,3 +66,75 @@ def test_cli_stops_after_max_bad_steps_with_a_checkpoint(tmp_path):
     assert "skipped (weights unchanged" in proc.stdout
     assert (tmp_path / "checkpoints").exists() and any(p.name.isdigit() for p in (tmp_path / "checkpoints").iterdir())
     assert len(read_metrics(tmp_path)) < 30
+
+
+def test_fp16_overflow_at_the_smallest_loss_scale_counts_as_a_bad_step():
+    """An overflow with no loss scale left to back off to is a bad step (train.max_bad_steps stops the run),
+    where an overflow above it is routine (skipped, scale halved, not counted)."""
+    cfg, mesh, setup, data = _setup(small_config(**{"model.compute_dtype": "float16",
+                                                    "optim.initial_loss_scale": 2.0**40}), steps=2)
+    object.__setattr__(cfg.optim, "min_loss_scale", 2.0**40)  # a floor fp16 cannot hold (the config refuses it)
+    state = train.init_state(setup)
+    with jax.set_mesh(mesh):
+        batch = global_batch(data, 0, cfg.train.global_batch_size, setup.batch_shardings)
+        state, stats = train.jit_train_step(setup)(state, batch)
+    assert not bool(stats["finite"]) and int(stats["bad_steps"]) == 1 and float(state.loss_scale) == 2.0**40
+
+
+def test_fp16_loss_scale_beyond_float16_is_refused():
+    import pytest
+
+    from megajax.config import ConfigError
+
+    with pytest.raises(ConfigError, match="beyond float16's range"):
+        small_config(**{"model.compute_dtype": "float16", "optim.initial_loss_scale": 1e6,
+                        "optim.min_loss_scale": 1e6})
+    with pytest.raises(ConfigError, match="must be between 1 and optim.initial_loss_scale"):
+        small_config(**{"optim.min_loss_scale": 1e3, "optim.initial_loss_scale": 1e2})
+
+
+def test_health_log_names_the_loss_scale():
+    """The log says what the loss scale is after an overflow, and why a step at the floor is bad."""
+    lines = []
+
+    class Log:
+        def info(self, text):
+            lines.append(text)
+
+    cfg = small_config(**{"model.compute_dtype": "float16", "optim.min_loss_scale": 4.0,
+                          "optim.initial_loss_scale": 64.0})
+    train._check_health(cfg, 0, {"finite": False, "bad_steps": 0, "loss_scale": 64.0}, Log())
+    train._check_health(cfg, 1, {"finite": False, "bad_steps": 1, "loss_scale": 4.0}, Log())
+    assert lines[0] == "step 1: gradient overflow at loss scale 64: skipped, loss scale now 32"
+    assert "smallest loss scale 4 (optim.min_loss_scale)" in lines[1] and "1 in a row" in lines[1]
+
+
+def test_a_second_run_on_the_same_directory_is_refused_while_the_first_runs(tmp_path):
+    """Two launches on one output directory: the second exits 2 naming the first (host, pid), writes nothing, and
+    the first trains on; once it is gone (even killed -9) the directory is free again."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import CLI_SMALL, REPO, cli_env
+
+    cmd = [sys.executable, "-m", "megajax.train", "--config", "configs/tiny.yaml", "--set", *CLI_SMALL,
+           f"train.output_dir={tmp_path}", "train.steps=100000"]
+    first = subprocess.Popen(cmd, cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in first.stdout:
+            if line.startswith("step 2/"):
+                break
+        rows = (tmp_path / "metrics.jsonl").read_text()
+        second = train_cli(tmp_path, "train.steps=4", check=False)
+        assert second.returncode == 2, second.stderr[-2000:]
+        last = second.stderr.strip().splitlines()[-1]
+        assert last.startswith("error: ") and "in use by another run" in last and f"pid {first.pid}" in last
+        assert not list(tmp_path.glob("checkpoints/*")) and (tmp_path / "metrics.jsonl").read_text().startswith(rows)
+        assert first.poll() is None, "the first run trains on"
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    again = train_cli(tmp_path, "train.steps=2")  # the kernel dropped the dead run's lock
+    assert again.returncode == 0 and os.path.exists(tmp_path / ".megajax.lock")

@@ -491,3 +491,47 @@ def test_written_preset_picks_a_node_layout_by_size(preset, tensor):
 
     cfg = config_lib.load(f"{REPO}/configs/{preset}.yaml")
     assert convert._node_tensor_size(cfg) == tensor
+
+
+def _safetensors(header: dict | bytes, data: bytes, claimed: int | None = None) -> bytes:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return (claimed if claimed is not None else len(raw)).to_bytes(8, "little") + raw + data
+
+
+GOOD_TENSOR = {"transformer.wte.weight": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}
+HOSTILE_FOLDERS = {
+    "header claims 2^62 bytes": {"model.safetensors": _safetensors(GOOD_TENSOR, bytes(16), claimed=2**62)},
+    "header past the end": {"model.safetensors": _safetensors(GOOD_TENSOR, bytes(16), claimed=10_000)},
+    "header not JSON": {"model.safetensors": _safetensors(b"{not json", bytes(16))},
+    "shape disagrees with the bytes": {"model.safetensors": _safetensors(
+        {"transformer.wte.weight": {"dtype": "F32", "shape": [3, 3], "data_offsets": [0, 16]}}, bytes(16))},
+    "offsets past the end": {"model.safetensors": _safetensors(
+        {"transformer.wte.weight": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 1 << 40]}}, bytes(16))},
+    "unknown dtype": {"model.safetensors": _safetensors(
+        {"transformer.wte.weight": {"dtype": "X9", "shape": [2, 2], "data_offsets": [0, 16]}}, bytes(16))},
+    "index without weight_map": {"model.safetensors.index.json": b'{"metadata": {}}'},
+    "index not JSON": {"model.safetensors.index.json": b'{"weight_map": '},
+    "index names a file outside": {"model.safetensors.index.json": json.dumps(
+        {"weight_map": {"transformer.wte.weight": "../../etc/passwd"}}).encode()},
+    "config.json not JSON": {"config.json": b"{'model_type': 'gpt2'"},
+    "config.json a list": {"config.json": b"[1, 2]"},
+    "config.json without vocab_size": {"config.json": json.dumps({"model_type": "gpt2", "n_layer": 1}).encode()},
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_FOLDERS))
+def test_a_damaged_or_hostile_hf_folder_is_one_line_and_exit_2(tmp_path, capsys, case):
+    """Each reader of a Hugging Face folder (config.json, the index, the safetensors header and offsets) refuses a
+    damaged or hostile file fast, with `error: <file>: <what>` (bounded) and exit 2, and writes nothing."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+                                                 "n_layer": 1, "n_embd": 4, "n_head": 2, "vocab_size": 2,
+                                                 "n_positions": 8}))
+    for name, data in HOSTILE_FOLDERS[case].items():
+        (src / name).write_bytes(data)
+    code = convert.main(["from-hf", "--model", str(src), "--output", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and len(err[0]) < 500, err
+    assert str(src) in err[0]
+    assert not (tmp_path / "out").exists()

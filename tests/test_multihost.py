@@ -94,10 +94,37 @@ def test_launcher_kills_the_rest_when_one_fails(tmp_path):
     os.kill(max(victims), signal.SIGKILL)
     start = time.time()
     try:
+        rest = proc.stdout.read()
         code = proc.wait(timeout=60)
     finally:
         os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
-    assert code != 0 and time.time() - start < 60
+    assert code == 128 + signal.SIGKILL and time.time() - start < 30, (code, rest[-2000:])
+    assert "exited with 137: stopping the others" in rest
+    left = subprocess.run(["pgrep", "-f", f"output_dir={tmp_path}"], capture_output=True, text=True).stdout.split()
+    assert not [pid for pid in left if int(pid) != os.getpid()], "no process left behind"
+
+
+def test_sigterm_to_the_launcher_saves_one_checkpoint_and_keeps_the_output(tmp_path):
+    """SIGTERM to scripts/launch_local.sh (as SLURM or a terminal sends it): passed on to both processes, which
+    agree on a step, save one checkpoint and exit 0; the launcher waits for them, keeps their output, exits 0."""
+    cmd = ["bash", "scripts/launch_local.sh", "-n", "2", "-d", "2", "--", sys.executable, "-m", "megajax.train",
+           "--config", "configs/tiny.yaml", "--set", *CLI_SMALL, f"train.output_dir={tmp_path}",
+           "train.steps=100000", "parallel.data=4", "train.log_every=2"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("[0] step 4/"):
+                proc.send_signal(signal.SIGTERM)
+                break
+        rest = proc.stdout.read()
+        code = proc.wait(timeout=120)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+    assert code == 0, rest[-3000:]
+    assert "[launcher] SIGTERM: passing it on" in rest and "[0] stopping after step" in rest
+    step = int(rest.split("[0] stopping after step ")[1].split()[0])
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == [str(step)]
 
 
 @pytest.mark.slow  # two processes until a signal (about 30 s)

@@ -100,9 +100,10 @@ def open_checked(prefix: str, vocab_size: int, cache: IndexCache) -> IndexedData
     if lo < 0:
         raise DataError(f"{ds.bin_path}: negative token id {lo}: the file is corrupt or not token data")
     if hi >= vocab_size:
-        raise DataError(f"{ds.bin_path}: token id {hi} >= model.vocab_size={vocab_size}: the data was "
-                        f"tokenized with a larger vocabulary; set model.vocab_size to at least {hi + 1} "
-                        "(the tokenizer's vocabulary size)")
+        raise DataError(f"{ds.bin_path}: token id {hi} >= model.vocab_size={vocab_size}: the file is damaged, or "
+                        "it was tokenized with another tokenizer than the model's (preprocess it again with "
+                        "data.tokenizer's); only if that tokenizer really has more tokens, raise model.vocab_size "
+                        "to its vocabulary size")
     return ds
 
 
