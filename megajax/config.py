@@ -693,8 +693,10 @@ def _unknown_key(path: str, key: str, known: list[str], what: str) -> str:
     import difflib
 
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-    hint = f": did you mean {path[: len(path) - len(key)] + close[0]!r}?" if close else ""
     kind = "section" if what == "sections" else "key"
+    if close and what != "sections":  # the suggestion; `--help` lists the rest
+        return f"unknown config {kind} {path!r}: did you mean {path[: len(path) - len(key)] + close[0]!r}?"
+    hint = f": did you mean {close[0]!r}?" if close else ""
     return f"unknown config {kind} {path!r}{hint} ({what}: {', '.join(known)})"
 
 
@@ -826,7 +828,10 @@ def load(path: str | Path | None = None, overrides: list[str] | None = None) -> 
         try:
             data = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {str(e)[:300]}") from None
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            what = " ".join(str(getattr(e, "problem", None) or e).split())[:200]
+            raise ConfigError(f"config file {path} is not valid YAML{where}: {what}") from None
         except (OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"config file {path} cannot be read: {str(e)[:200]}") from None
     try:

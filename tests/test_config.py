@@ -170,3 +170,40 @@ def test_a_visible_gpu_with_a_cpu_backend_stops_training_unless_asked(monkeypatc
         distributed.check_backend()
     monkeypatch.setenv("MEGAJAX_ALLOW_CPU", "1")
     distributed.check_backend()
+
+
+def _laughs(levels: int) -> str:
+    """A "billion laughs" preset: data.paths of nested YAML aliases, 10^levels strings once expanded."""
+    items = ['&l0 ["x","x","x","x","x","x","x","x","x","x"]']
+    items += [f"&l{i} [" + ",".join([f"*l{i - 1}"] * 10) + "]" for i in range(1, levels + 1)]
+    return "data:\n  paths: [" + ", ".join(items) + "]\n"
+
+
+HOSTILE_PRESETS = {
+    "billion laughs": _laughs(8),
+    "a python tag": "model: !!python/object/apply:os.system ['true']\n",
+    "not YAML": "model: [unclosed\n",
+    "a list": "- model\n- parallel\n",
+    "binary": "\x00\x01\x02\xff",
+    "a mistyped key": "model:\n  num_layer: 4\n",
+    "a wrong type": "parallel:\n  tensor: two\n",
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_PRESETS))
+def test_a_damaged_or_hostile_preset_is_one_bounded_line_and_exit_2(tmp_path, capsys, case):
+    """`python -m megajax.train --config BAD`: `error: <file>: <what>`, one line under 1,000 characters, exit 2,
+    fast (the aliases are never expanded), nothing written."""
+    import time
+
+    from megajax import train
+
+    preset = tmp_path / "bad.yaml"
+    preset.write_bytes(HOSTILE_PRESETS[case].encode("utf-8", "surrogateescape")
+                       if case != "binary" else HOSTILE_PRESETS[case].encode("latin-1"))
+    start = time.time()
+    code = train.main(["--config", str(preset), "--set", f"train.output_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"error: ") and str(preset) in err[0], err
+    assert len(err[0]) < 1000 and time.time() - start < 10
+    assert not (tmp_path / "run").exists()
