@@ -32,6 +32,20 @@ from megajax import config as config_lib  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _gpu_available() -> bool:
+    from megajax import audit
+
+    try:
+        audit._gpu_devices("h100", 8)
+        return True
+    except Exception:
+        return False
+
+
+# compile-only H100s need the gpu-audit extra (jax-cuda12-plugin); without it the GPU-target tests skip
+gpu = pytest.mark.skipif(not _gpu_available(), reason="jax-cuda12-plugin (the gpu-audit extra) is not installed")
+
+
 def small_config(**overrides) -> config_lib.Config:
     """A 2-layer model small enough to compile and step in seconds on CPU."""
     base = {

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from megajax import audit, config as config_lib, hlo, metrics, pipeline
 from megajax.model.layers import WEIGHT_EINSUMS
 
-from conftest import REPO, cli_env
+from conftest import REPO, cli_env, gpu
 
 LAYOUT = ["parallel.data=2", "parallel.tensor=4"]
 
@@ -87,17 +87,6 @@ def test_full_recompute_all_reduces_one_less_than_megatron():
     cfg, colls = _collectives(LAYOUT + ["model.recompute=full"])
     assert audit.megatron_expected(cfg)["all-reduce"]["count"] == 6 * cfg.model.num_layers
     assert _in_layer_loop(colls, "all-reduce", _act_bytes(cfg)) == 5 * cfg.model.num_layers
-
-
-def _gpu_available():
-    try:
-        audit._gpu_devices("h100", 8)
-        return True
-    except Exception:
-        return False
-
-
-gpu = pytest.mark.skipif(not _gpu_available(), reason="jax-cuda12-plugin (the gpu-audit extra) is not installed")
 
 
 @gpu

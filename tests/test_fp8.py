@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import REPO, run_steps, small_config
+from conftest import REPO, gpu, run_steps, small_config
 from megajax import config as config_lib
 from megajax.config import ConfigError
 from megajax.model import fp8
@@ -285,17 +285,7 @@ def test_fp8_space_is_accepted():
                                         "model.compute_dtype": dtype, "model.arch": arch})
 
 
-def _gpu_audit_available() -> bool:
-    try:
-        from megajax import audit
-
-        audit._gpu_devices("h100", 8)
-        return True
-    except Exception:  # noqa: BLE001 - no GPU compiler plugin: the GPU-target tests skip
-        return False
-
-
-@pytest.mark.skipif(not _gpu_audit_available(), reason="needs the gpu-audit extra (compile-only H100 devices)")
+@gpu
 def test_h100_program_multiplies_in_fp8_and_a100_refuses():
     from megajax import audit
 
@@ -312,7 +302,7 @@ def test_h100_program_multiplies_in_fp8_and_a100_refuses():
 
 
 @pytest.mark.slow  # a compile-only H100 build of the MoE step (about 20 s)
-@pytest.mark.skipif(not _gpu_audit_available(), reason="needs the gpu-audit extra (compile-only H100 devices)")
+@gpu
 def test_h100_grouped_expert_gemms_multiply_in_fp8():
     from megajax import audit
 

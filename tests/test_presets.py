@@ -12,7 +12,7 @@ import pytest
 from megajax import audit, config as config_lib
 from megajax.config import ConfigError
 
-from conftest import REPO
+from conftest import REPO, gpu
 
 # name: (GPUs, Meta's config.json shapes, the layout as (data, pipeline, tensor, virtual stages), peak lr)
 PRESETS = {
@@ -27,17 +27,6 @@ MAX_GIB = 72.0
 
 def _load(name: str) -> config_lib.Config:
     return config_lib.load(os.path.join(REPO, "configs", f"{name}.yaml"))
-
-
-def _gpu_available():
-    try:
-        audit._gpu_devices("h100", 8)
-        return True
-    except Exception:
-        return False
-
-
-gpu = pytest.mark.skipif(not _gpu_available(), reason="jax-cuda12-plugin (the gpu-audit extra) is not installed")
 
 
 @pytest.mark.parametrize("name", PRESETS)
