@@ -538,6 +538,12 @@ class Config:
             f"the MLP width {m.ffn_size} is not divisible by parallel.tensor={p.tensor}: set model.ffn_hidden_size",
         )
         _check(
+            not m.num_experts or p.folded_experts or m.moe_ffn_size % p.tensor == 0,
+            f"each expert's width {m.moe_ffn_size} is split over parallel.tensor={p.tensor} and does not divide by "
+            f"it: set model.moe_ffn_hidden_size to a multiple of {p.tensor} (or parallel.expert_tensor=1: whole "
+            "experts)",
+        )
+        _check(
             m.padded_vocab_size % p.tensor == 0,
             f"the padded vocabulary {m.padded_vocab_size} is not divisible by parallel.tensor={p.tensor}: "
             f"set model.make_vocab_size_divisible_by to a multiple of {p.tensor}",

@@ -59,6 +59,8 @@ def test_defaults_and_overrides_are_typed():
     (["model.multi_latent_attention=true", "model.arch=llama", "model.v_head_dim=256"], "wider than a query head"),
     (["model.multi_latent_attention=true", "model.arch=llama", "model.q_lora_rank=0"], "q_lora_rank must be"),
     (["parallel.schedule=interleaved"], "but parallel.pipeline=1: set parallel.pipeline > 1"),
+    (["model.num_experts=4", "model.moe_ffn_hidden_size=30", "parallel.tensor=4"],
+     "each expert's width 30 is split over parallel.tensor=4"),
     (["parallel.schedule=zero_bubble"], "but parallel.pipeline=1: set parallel.pipeline > 1"),
     (["parallel.tensr=2"], "unknown config key 'parallel.tensr': did you mean 'parallel.tensor'?"),
     (["model.num_layer=2"], "did you mean 'model.num_layers'?"),
