@@ -165,10 +165,27 @@ class MetricsLogger:
         scalars = {k: v for k, v in record.items()
                    if k != "step" and isinstance(v, (int, float)) and math.isfinite(v)}
         if self._tb is not None:
+            self._check_tensorboard()
             for key, value in scalars.items():
                 self._tb.add_scalar(key, value, step)
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
+
+    def _check_tensorboard(self) -> None:
+        """tensorboardX writes from a thread of its own: a thread that died on a write error (a full disk) would
+        leave its bounded queue full and the next add_scalar blocked forever. Raise the failure here instead."""
+        import errno
+
+        worker = getattr(getattr(getattr(self._tb, "file_writer", None), "event_writer", None), "_worker", None)
+        if worker is None or worker.is_alive():
+            return
+        where = self._tb.logdir
+        try:
+            full = os.statvfs(where).f_bavail == 0
+        except OSError:
+            full = False
+        code = errno.ENOSPC if full else errno.EIO
+        raise OSError(code, os.strerror(code) + " (TensorBoard's event writer stopped)", where)
 
     def info(self, message: str) -> None:
         if self.enabled:

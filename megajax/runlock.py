@@ -36,9 +36,13 @@ def _holder(path: Path) -> str:
 
 def _take(directory: Path) -> int:
     """Opens and flocks `directory/.megajax.lock` (exclusive, non-blocking); returns the open descriptor."""
-    directory.mkdir(parents=True, exist_ok=True)
     path = directory / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise InputError(f"{directory}: the run cannot write there ({e.strerror}): choose a writable "
+                         "train.output_dir (and checkpoint.dir)") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

@@ -596,14 +596,16 @@ def _run(setup: StepSetup) -> dict:
         compiled = step_fn.lower(state, abstract_batch).compile()
         log.info(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
         try:
-            return _loop(cfg, setup, compiled, eval_fn, state, datasets, start, consumed, loader, mgr, log, peak)
+            with _saving(cfg.train.output_dir, "the run's output"):  # metrics.jsonl, TensorBoard
+                return _loop(cfg, setup, compiled, eval_fn, state, datasets, start, consumed, loader, mgr, log, peak)
         finally:  # a checkpoint started in the background completes even when the loop stops on an error
             try:
-                with _saving(mgr):
+                with _saving(mgr.directory):
                     mgr.wait_until_finished()
             finally:
                 mgr.close()
-                log.close()
+                with _saving(cfg.train.output_dir, "the run's output"):  # TensorBoard's last flush
+                    log.close()
 
 
 def _any_process(flag: bool) -> bool:
@@ -715,7 +717,7 @@ def _save(mgr, step: int, state: TrainState, cfg: Config, consumed: int, log) ->
                  f"{max(saved)} holds the same weights")
         return 0.0
     t0 = time.perf_counter()
-    with _saving(mgr):  # a background save's failure surfaces at the next save
+    with _saving(mgr.directory):  # a background save's failure surfaces at the next save
         checkpoint.save(mgr, step, state, _meta(cfg, step, consumed))
     blocked = time.perf_counter() - t0
     log.info(f"checkpoint at step {step} -> {mgr.directory} ({blocked * 1e3:.0f} ms blocking"
@@ -732,20 +734,22 @@ class CheckpointSaveError(RuntimeError):
 
 
 @contextlib.contextmanager
-def _saving(mgr):
-    """Turns a save that the filesystem refused into CheckpointSaveError (one line: the directory and the cause);
-    any other error passes as it is."""
+def _saving(directory, what: str = "a checkpoint"):
+    """Turns a write that the filesystem refused into CheckpointSaveError (one line: what, the directory and the
+    cause); any other error passes as it is."""
     from megajax import checkpoint
 
     try:
         yield
+    except CheckpointSaveError:
+        raise
     except Exception as e:  # noqa: BLE001  (Orbax and TensorStore wrap the OSError in their own types)
         cause = checkpoint.write_failure(e)
         if cause is None:
             raise
-        raise CheckpointSaveError(f"a checkpoint could not be written to {mgr.directory}: {cause}. The earlier "
+        raise CheckpointSaveError(f"{what} could not be written to {directory}: {cause}. The earlier "
                                   "checkpoints are intact and a rerun resumes from the newest; free space or set "
-                                  "checkpoint.dir") from None
+                                  "train.output_dir / checkpoint.dir") from None
 
 
 def _check_health(cfg: Config, step: int, stats: dict, log, on_fatal=None) -> None:
@@ -770,44 +774,13 @@ def _check_health(cfg: Config, step: int, stats: dict, log, on_fatal=None) -> No
                 "Lower optim.lr, check the data, or use bfloat16; the last checkpoint is intact.")
 
 
-def _quiet_save_failures() -> None:
-    """A save the filesystem refuses ends the run with one line (CheckpointSaveError). Orbax's writer threads and
-    TensorStore's callbacks would print hundreds of lines of tracebacks about the same failure around it: Orbax's
-    and asyncio's ERROR records naming a write error, and 'Event loop is closed' from callbacks of writes still in
-    flight when Orbax closed its event loop. Those are dropped; every other record and exception prints as
-    before."""
-    import logging
-
-    from megajax import checkpoint
-
-    def keep(record) -> bool:
-        error = record.exc_info[1] if record.exc_info else None
-        return not (any(known in record.getMessage() for known in checkpoint.WRITE_ERRORS)
-                    or (error is not None and checkpoint.write_failure(error) is not None))
-
-    for name in ("absl", "asyncio"):  # Orbax's records, and its write tasks' "exception was never retrieved"
-        logging.getLogger(name).addFilter(keep)
-    default = sys.excepthook
-
-    def hook(kind, value, tb):
-        if not (kind is RuntimeError and str(value) == "Event loop is closed"):
-            default(kind, value, tb)
-
-    sys.excepthook = hook
-    unraisable = sys.unraisablehook
-
-    def quiet(arg):
-        if not (arg.exc_type is RuntimeError and str(arg.exc_value) == "Event loop is closed"):
-            unraisable(arg)
-
-    sys.unraisablehook = quiet
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megajax.train", description=__doc__.split("\n\n")[0])
     config_lib.add_cli_arguments(parser)
     args = parser.parse_args(argv)
-    _quiet_save_failures()
+    from megajax import checkpoint
+
+    checkpoint.quiet_write_failures()  # a refused save: one line, not Orbax's and TensorStore's tracebacks
     xla_flags.install()  # before the first backend starts
     distributed.prefer_cpu_without_gpu()
     if args.config is None:

@@ -215,7 +215,8 @@ def test_replica_group_formats():
                                          pytest.param(1.0, "p2", marks=pytest.mark.slow),
                                          pytest.param(1.0, "fold", marks=pytest.mark.slow),
                                          pytest.param(None, "fold", marks=pytest.mark.slow),
-                                         (None, "ragged"), pytest.param(None, "fold-ragged", marks=pytest.mark.slow)])
+                                         pytest.param(None, "ragged", marks=pytest.mark.slow),
+                                         pytest.param(None, "fold-ragged", marks=pytest.mark.slow)])
 def test_expert_parallel_all_to_alls_on_h100_target(factor, freq):
     """Per MoE layer and micro batch: dispatch + combine all-to-all over 'expert', forward and backward, each of
     audit.expected_all_to_all's buffer; with a capacity factor of 1 that is the analytic tokens x k x hidden. With

@@ -105,11 +105,16 @@ def test_inspect_lists_steps_and_arrays(tmp_path):
     assert out.returncode == 0 and json.loads(out.stdout)["latest"] == 4
 
 
+def _cut_largest(ckpt, step):
+    path = max(glob.glob(str(ckpt / str(step) / "state" / "ocdbt.process_0" / "d" / "*")), key=os.path.getsize)
+    os.truncate(path, os.path.getsize(path) // 2)
+
+
 def test_a_damaged_checkpoint_is_set_aside_and_the_run_resumes_from_the_newest_readable_one(tmp_path):
     """Step 6 with an array file cut in half (TensorStore cannot read it) and step 4 with bytes flipped inside
     one (it reads, but not as written: the checksum saved with it differs): the rerun names each in one line,
     moves it aside untouched and resumes from step 2; naming an unreadable step with checkpoint.resume_step is
-    an error that says so."""
+    an error that says so; a step damaged a second time goes aside beside the first."""
     train_cli(tmp_path, "train.steps=6", "checkpoint.every=2", "checkpoint.async=false")
     ckpt = tmp_path / "checkpoints"
 
@@ -138,6 +143,13 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_run_resumes_from_the_newest_r
             f"{os.sep}4{os.sep}", f"{os.sep}4.unreadable{os.sep}")
         assert open(moved, "rb").read() == data
     assert read_metrics(tmp_path)[8]["loss"] < 10  # trained on from step 2: finite, sane
+    # the same step damaged again (the rerun wrote a new step 6): set aside beside the first, never over it
+    _cut_largest(ckpt, 8)
+    _cut_largest(ckpt, 6)
+    proc = train_cli(tmp_path, "train.steps=8", "checkpoint.every=2", "checkpoint.async=false")
+    assert "checkpoint step 6 cannot be read" in proc.stdout and "step 4 (32 samples consumed" in proc.stdout
+    assert sorted(p.name for p in ckpt.iterdir() if not p.name.startswith(".")) == [  # checkpoint.keep=3
+        "4", "4.unreadable", "6", "6.unreadable", "6.unreadable.2", "8", "8.unreadable"]
 
 
 def test_a_crash_mid_save_never_damages_earlier_steps(tmp_path):
@@ -226,24 +238,6 @@ def test_distributed_optimizer_state_moves_between_data_sizes(tmp_path):
     mgr.close()
 
 
-def _cut_largest(ckpt, step):
-    path = max(glob.glob(str(ckpt / str(step) / "state" / "ocdbt.process_0" / "d" / "*")), key=os.path.getsize)
-    os.truncate(path, os.path.getsize(path) // 2)
-
-
-def test_a_step_damaged_again_is_moved_aside_beside_the_first(tmp_path):
-    """The same step damaged twice (a rerun rewrote it): the second aside gets its own name, nothing is
-    overwritten, and the run resumes each time."""
-    ckpt = tmp_path / "checkpoints"
-    train_cli(tmp_path, "train.steps=4", "checkpoint.every=2", "checkpoint.async=false")
-    for attempt in range(2):
-        _cut_largest(ckpt, 4)
-        proc = train_cli(tmp_path, "train.steps=4", "checkpoint.every=2", "checkpoint.async=false")
-        assert "checkpoint step 4 cannot be read" in proc.stdout and "resumed from" in proc.stdout
-    assert sorted(p.name for p in ckpt.iterdir() if not p.name.startswith(".")) == [
-        "2", "4", "4.unreadable", "4.unreadable.2"]
-
-
 def test_a_rollback_moves_the_abandoned_timeline_aside(tmp_path):
     """checkpoint.resume_step=2 with steps 4 and 6 saved: those move aside as <step>.abandoned (said in the log),
     the new timeline writes its own 4 and 6, and a later resume reads the new timeline only."""
@@ -285,7 +279,7 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
-@pytest.mark.parametrize("async_", ["true", "false"])
+@pytest.mark.parametrize("async_", ["true", pytest.param("false", marks=pytest.mark.slow)])  # suite time
 def test_a_full_disk_ends_the_run_in_one_line_and_loses_nothing(small_disk, async_):
     """The disk fills up during a save: the run exits 1 with one line naming the directory and the cause, the
     earlier checkpoint reads, and with more room the rerun cleans the failed save's temporary directory and
@@ -295,7 +289,8 @@ def test_a_full_disk_ends_the_run_in_one_line_and_loses_nothing(small_disk, asyn
                      check=False)
     err = proc.stderr.strip().splitlines()
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert err[-1].startswith("error: a checkpoint could not be written to") and "No space left on device" in err[-1]
+    assert err[-1].startswith("error: ") and "could not be written to" in err[-1], err[-1]  # a checkpoint or a log
+    assert "No space left on device" in err[-1]
     assert len([line for line in err if "Traceback" in line]) == 0, proc.stderr[-3000:]
     saved = checkpoint.manager(str(out / "checkpoints"), read_only=True).all_steps()
     assert saved, "the steps saved before the disk filled are there"
@@ -303,3 +298,7 @@ def test_a_full_disk_ends_the_run_in_one_line_and_loses_nothing(small_disk, asyn
     again = train_cli(out, f"train.steps={max(saved) + 2}", "checkpoint.every=2", "checkpoint.keep=10")
     assert f"resumed from {out / 'checkpoints'} step {max(saved)}" in again.stdout
     assert not [p for p in (out / "checkpoints").iterdir() if "tmp" in p.name]
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)  # a read-only filesystem
+    refused = train_cli(out, f"train.steps={max(saved) + 4}", check=False)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].startswith(f"error: {out}: the run "
+                                                                                          "cannot write there")

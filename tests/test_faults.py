@@ -136,5 +136,7 @@ def test_a_second_run_on_the_same_directory_is_refused_while_the_first_runs(tmp_
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()
-    again = train_cli(tmp_path, "train.steps=2")  # the kernel dropped the dead run's lock
-    assert again.returncode == 0 and os.path.exists(tmp_path / ".megajax.lock")
+    from megajax import runlock
+
+    with runlock.hold(tmp_path):  # the kernel dropped the dead run's lock
+        assert f"pid {os.getpid()}" in (tmp_path / runlock.LOCK_FILE).read_text()

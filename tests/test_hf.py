@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO, small_config
+from conftest import REPO, cli_env, small_config
 
 torch = pytest.importorskip("torch", reason="the parity tests need torch (pip install -e '.[test]': CPU wheel)")
 transformers = pytest.importorskip("transformers", reason="the parity tests need transformers (the test extra)")
@@ -475,8 +475,8 @@ def test_written_preset_fine_tunes_as_it_is(tmp_path):
     convert.main(["from-hf", "--model", str(tmp_path / "src"), "--output", str(tmp_path / "ckpt"),
                   "--config-out", str(tmp_path / "ft.yaml")])
     run = subprocess.run([sys.executable, "-m", "megajax.train", "--config", str(tmp_path / "ft.yaml"), "--set",
-                          "train.steps=2", f"train.output_dir={tmp_path / 'run'}"],
-                         capture_output=True, text=True, timeout=600)
+                          "train.steps=2", f"train.output_dir={tmp_path / 'run'}"], capture_output=True, text=True,
+                         timeout=600, env=cli_env(XLA_FLAGS="--xla_force_host_platform_device_count=1"))
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows and all(np.isfinite(r["loss"]) for r in rows if "loss" in r)

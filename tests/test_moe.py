@@ -156,8 +156,9 @@ def test_bad_moe_configs_name_the_fix(sets, fix):
         small_config(**sets)
 
 
-@pytest.mark.parametrize("factor,grouped,ragged", [
-    (0.5, False, False), (None, False, False), (None, True, False), (None, False, True)])
+@pytest.mark.parametrize("factor,grouped,ragged", [  # with a capacity: -m slow (suite time)
+    pytest.param(0.5, False, False, marks=pytest.mark.slow), (None, False, False), (None, True, False),
+    (None, False, True)])
 def test_folded_experts_route_and_drop_per_sequence_shard(factor, grouped, ragged):
     """parallel.expert_tensor=1: each tensor rank routes its own sequence shard, so with a capacity every shard
     drops on its own tokens (Megatron's per-rank dropping). On t 2 with sequence parallelism (GSPMD, experts
@@ -422,6 +423,7 @@ def test_routing_metrics_are_the_same_on_every_layout():
     assert runs[0]["moe_aux_loss"] == pytest.approx(1.0, abs=0.1)  # near-uniform routing at initialisation
 
 
+@pytest.mark.slow  # suite time (21 s); the drop rule itself is checked against NumPy by default
 def test_ragged_buffer_factor_trains_and_reports_its_drops():
     """d 2 e 2, the ragged exchange into buffers of 0.6 x a rank's routed rows: training runs (the exchange's VJP
     sends the kept rows' gradients back; the dropped ones get none), moe_dropped_fraction reports the rows left out

@@ -83,8 +83,8 @@ def test_launcher_kills_the_rest_when_one_fails(tmp_path):
     cmd = ["bash", "scripts/launch_local.sh", "-n", "2", "-d", "2", "--", sys.executable, "-m", "megajax.train",
            "--config", "configs/tiny.yaml", "--set", *CLI_SMALL, f"train.output_dir={tmp_path}",
            "train.steps=100000", "parallel.data=4"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(MEGAJAX_LAUNCH_GRACE="3"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     for line in proc.stdout:
         if line.startswith("[0] step 3/"):
             break

@@ -81,8 +81,9 @@ def test_preset_trains_in_bf16_with_fused_kernels_and_overlap(name):
 
 @gpu
 # suite time: compiling the whole train step for compile-only H100s takes 30 s for the 8B, 170 s for the 70B (80 layers
-# on an interleaved pipeline; 2 cores): the 70B's with -m slow
-@pytest.mark.parametrize("name", ["llama3-8b", pytest.param("llama3-70b", marks=pytest.mark.slow)])
+# on an interleaved pipeline; 2 cores): both with -m slow; the default run checks each preset's layout and settings
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama3-8b", "llama3-70b"])
 def test_preset_fits_an_h100_with_the_rings_under_the_gemms(name):
     gpus, _, (data, pipe, tensor, virtual), _ = PRESETS[name]
     cfg = _load(name)
