@@ -114,7 +114,8 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_run_resumes_from_the_newest_r
     """Step 6 with an array file cut in half (TensorStore cannot read it) and step 4 with bytes flipped inside
     one (it reads, but not as written: the checksum saved with it differs): the rerun names each in one line,
     moves it aside untouched and resumes from step 2; naming an unreadable step with checkpoint.resume_step is
-    an error that says so; a step damaged a second time goes aside beside the first."""
+    an error that says so; a step damaged a second time goes aside beside the first; a rollback
+    (checkpoint.resume_step) moves the abandoned timeline's later steps aside as <step>.abandoned."""
     train_cli(tmp_path, "train.steps=6", "checkpoint.every=2", "checkpoint.async=false")
     ckpt = tmp_path / "checkpoints"
 
@@ -150,6 +151,15 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_run_resumes_from_the_newest_r
     assert "checkpoint step 6 cannot be read" in proc.stdout and "step 4 (32 samples consumed" in proc.stdout
     assert sorted(p.name for p in ckpt.iterdir() if not p.name.startswith(".")) == [  # checkpoint.keep=3
         "4", "4.unreadable", "6", "6.unreadable", "6.unreadable.2", "8", "8.unreadable"]
+    # a rollback: the abandoned timeline's later steps move aside (said in the log) and the new one writes its own
+    old8 = checkpoint.read_meta(checkpoint.manager(str(ckpt), read_only=True), 8)["checksums"]
+    proc = train_cli(tmp_path, "train.steps=8", "checkpoint.every=2", "checkpoint.async=false",
+                     "checkpoint.resume_step=4", "optim.lr=1e-4")
+    assert "later steps [6, 8] of the timeline it leaves moved aside" in proc.stdout
+    assert "already in" not in proc.stdout, "the new timeline's saves are written, not skipped"
+    names = sorted(p.name for p in ckpt.iterdir() if not p.name.startswith("."))
+    assert {"6", "6.abandoned", "8", "8.abandoned", "6.unreadable.2", "8.unreadable"} <= set(names), names
+    assert checkpoint.read_meta(checkpoint.manager(str(ckpt), read_only=True), 8)["checksums"] != old8
 
 
 def test_a_crash_mid_save_never_damages_earlier_steps(tmp_path):
@@ -236,22 +246,6 @@ def test_distributed_optimizer_state_moves_between_data_sizes(tmp_path):
                                                                                 target.abstract_state.opt_state)
         jax.tree.map(np.testing.assert_array_equal, unpadded(got, got.params), want)
     mgr.close()
-
-
-def test_a_rollback_moves_the_abandoned_timeline_aside(tmp_path):
-    """checkpoint.resume_step=2 with steps 4 and 6 saved: those move aside as <step>.abandoned (said in the log),
-    the new timeline writes its own 4 and 6, and a later resume reads the new timeline only."""
-    ckpt = tmp_path / "checkpoints"
-    train_cli(tmp_path, "train.steps=6", "checkpoint.every=2", "checkpoint.async=false")
-    old6 = checkpoint.read_meta(checkpoint.manager(str(ckpt), read_only=True), 6)["checksums"]
-    proc = train_cli(tmp_path, "train.steps=6", "checkpoint.every=2", "checkpoint.async=false",
-                     "checkpoint.resume_step=2", "optim.lr=1e-4")
-    assert "later steps [4, 6] of the timeline it leaves moved aside" in proc.stdout
-    assert "already in" not in proc.stdout, "the new timeline's saves are written, not skipped"
-    names = sorted(p.name for p in ckpt.iterdir() if not p.name.startswith("."))
-    assert names == ["2", "4", "4.abandoned", "6", "6.abandoned"]
-    new6 = checkpoint.read_meta(checkpoint.manager(str(ckpt), read_only=True), 6)["checksums"]
-    assert new6 != old6, "step 6 holds the new timeline's weights"
 
 
 def test_a_bad_streak_never_rotates_the_last_good_checkpoint_out(tmp_path):

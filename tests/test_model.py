@@ -90,6 +90,7 @@ def _compile_seconds(layers: int) -> float:
     return time.perf_counter() - start
 
 
+@pytest.mark.slow  # suite time (13 s): a structural property of the layer scan
 def test_scan_keeps_compile_time_flat_in_depth():
     _compile_seconds(2)  # warm up JAX's own caches
     shallow, deep = _compile_seconds(4), _compile_seconds(48)
