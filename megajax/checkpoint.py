@@ -297,17 +297,16 @@ def restore_newest_readable(mgr: ocp.CheckpointManager, abstract_state, sharding
     A step that cannot be read (a truncated or damaged array file) is reported in one line and moved aside
     to `<step>.unreadable` (process 0 renames it: kept for inspection, never deleted or overwritten), and the
     next older step is tried. A checkpoint of another model is a CheckpointError at once, as is an unreadable
-    checkpoint.resume_step."""
+    checkpoint.resume_step. Rolling back to an older checkpoint.resume_step moves the later steps aside
+    (`<step>.abandoned`)."""
     steps = sorted(mgr.all_steps(), reverse=True)
     wanted = cfg.checkpoint.resume_step
     if wanted is not None and wanted not in steps:
         raise CheckpointError(f"checkpoint.resume_step={wanted} is not in {mgr.directory} (steps: {steps}): "
                               "pick one of those, or null for the newest")
-    if wanted is not None and steps[0] > wanted:
-        _abandon_later_steps(mgr, [s for s in steps if s > wanted], wanted, log)
     for i, step in enumerate([wanted] if wanted is not None else steps):
         try:
-            return restore(mgr, step, abstract_state, shardings, cfg)
+            restored = restore(mgr, step, abstract_state, shardings, cfg)
         except CheckpointError:
             raise
         except Exception as e:  # noqa: BLE001  (TensorStore's and Orbax's read errors have no common type)
@@ -319,6 +318,10 @@ def restore_newest_readable(mgr: ocp.CheckpointManager, abstract_state, sharding
             log.info(f"warning: checkpoint step {step} cannot be read ({reason}); moved aside to {aside}, "
                      + (f"resuming from step {rest[0]}" if rest else "no older step: starting from scratch"))
             mgr.reload()
+            continue
+        if wanted is not None and steps[0] > wanted:  # once the step it rolls back to has read completely
+            _abandon_later_steps(mgr, [s for s in steps if s > wanted], wanted, log)
+        return restored
     return None
 
 
