@@ -373,3 +373,18 @@ def test_config_paths_validation():
     for bad in ("data.paths=[0.3,a,b]", "data.paths=[a,0.5]", "data.paths=[-1,a]", "data.prefetch=-1"):
         with pytest.raises(ConfigError):
             config_lib.load(None, [bad])
+
+
+@pytest.mark.parametrize("name, data", [("tokenizer.json", b'{"version": "1.0", "model": '),
+                                        ("tokenizer.json", b"\x00\xff" * 64),
+                                        ("tokenizer.model", bytes(range(256)) * 2)])
+def test_a_damaged_tokenizer_file_is_one_line_naming_it(tmp_path, name, data):
+    """A tokenizer.json that is not JSON, or a SentencePiece model that does not parse: a DataError (exit 2 from
+    every entry point) naming the file, one bounded line."""
+    from megajax.data.tokenizers import get_tokenizer
+
+    (tmp_path / name).write_bytes(data)
+    with pytest.raises(DataError) as err:
+        get_tokenizer(str(tmp_path / name))
+    text = str(err.value)
+    assert text.startswith(str(tmp_path / name)) and "\n" not in text and len(text) < 500, text
