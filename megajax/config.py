@@ -748,7 +748,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         _check(isinstance(value, bool), f"{where} must be true or false, got {_short(value)}")
         return value
     if tp is int:
-        _check(isinstance(value, int) and not isinstance(value, bool), f"{where} must be an integer, got {_short(value)}")
+        _check(isinstance(value, int) and not isinstance(value, bool),
+               f"{where} must be an integer, got {_short(value)}")
         return value
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
@@ -756,7 +757,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 return float(value)
             except ValueError:
                 pass
-        _check(isinstance(value, (int, float)) and not isinstance(value, bool), f"{where} must be a number, got {_short(value)}")
+        _check(isinstance(value, (int, float)) and not isinstance(value, bool),
+               f"{where} must be a number, got {_short(value)}")
         return float(value)
     if tp is str:
         _check(isinstance(value, str), f"{where} must be a string, got {_short(value)}")

@@ -50,6 +50,10 @@ def _expected_shapes(cfg) -> dict:
     return model.abstract_params(cfg)
 
 
+def _parameters(model_cfg) -> int:
+    return sum(math.prod(a.shape) for a in jax.tree.leaves(_expected_shapes(model_cfg)))
+
+
 def _prepare_output(path: Path, force: bool) -> None:
     if path.exists() and any(path.iterdir()):
         ours = (path / checkpoint.CONFIG_FILE).exists() or (path / "config.json").exists()
@@ -104,10 +108,7 @@ def _node_tensor_size(cfg: Config) -> int:
     """The smallest tensor-parallel size (a power of 2 up to NODE_GPUS that divides the heads) whose fp32 weights
     and gradients (8 bytes a parameter over t) and ZeRO-1 optimizer state (8 bytes over the node) take at most 48 GB
     of an 80 GB GPU, leaving the rest to activations; NODE_GPUS when none does (the model needs a pipeline too)."""
-    from megajax import model
-
-    n = sum(math.prod(a.shape) for a in jax.tree.leaves(model.abstract_params(cfg.model)))
-    m = cfg.model
+    n, m = _parameters(cfg.model), cfg.model
     for t in (1, 2, 4, 8):
         if m.num_heads % t == 0 and m.kv_heads % t == 0 and m.ffn_size % t == 0 and (8 / t + 8 / NODE_GPUS) * n <= 48e9:
             return t
@@ -136,11 +137,12 @@ def write_preset(cfg: Config, ckpt: Path, path: Path) -> None:
     }
     notes = {
         "model": [f"the converted architecture; seq_length {seq} (the model reads up to {m.seq_length}: raise it if "
-                  "memory allows), bf16 compute over fp32 master weights, selective recompute. On H100s set "
-                  "model.attention_impl=cudnn (or pallas) for the fused attention kernel."],
+                  "memory allows), bf16 compute over fp32 master weights, selective recompute. On GPUs set "
+                  "model.attention_impl=pallas and model.norm_impl=pallas for the fused kernels (cuDNN attention "
+                  "compiles on one device only)."],
         "parallel": [f"for one node of {NODE_GPUS} GPUs (parallel.data takes the rest): tensor {t} keeps the weights, "
-                     "gradients and optimizer state under 48 GB of an 80 GB GPU. Check the layout before a run: python -m megajax.audit "
-                     f"--config {path} --target h100 --devices {NODE_GPUS}"
+                     "gradients and optimizer state under 48 GB of an 80 GB GPU. Check the layout before a run: "
+                     f"python -m megajax.audit --config {path} --target h100 --devices {NODE_GPUS}"
                      + ("; this model needs a pipeline as well (parallel.pipeline)" if t == NODE_GPUS else "")],
         "train": ["global batch 64 sequences of seq_length tokens; steps: your data's tokens / (64 x seq_length) "
                   "per epoch"],
@@ -243,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "from-hf":
             cfg = from_hf(args.model, args.output, args.config_out, args.force)
             m = cfg.model
-            n = sum(math.prod(a.shape) for a in jax.tree.leaves(_expected_shapes(m)))
+            n = _parameters(m)
             print(f"wrote {args.output}: {m.arch}, {n / 1e6:.2f}M parameters ({m.num_layers} layers, "
                   f"d={m.hidden_size}, {m.num_heads} heads / {m.kv_heads} kv heads, vocab {m.vocab_size} padded to "
                   f"{m.padded_vocab_size}, {'tied' if m.tied else 'untied'}) in {time.perf_counter() - t0:.1f} s"
