@@ -4,6 +4,9 @@
 #   bash scripts/gpu_check.sh kernels   # scripts/bench_kernels.py, tiny preset with xla and pallas kernels
 #   bash scripts/gpu_check.sh small     # step timings: gpt2-124m and llama-1b (bf16, one GPU)
 #   bash scripts/gpu_check.sh large     # step timings: gpt2-1.3b on one GPU
+#   bash scripts/gpu_check.sh fp8       # step timings: llama-1b and gpt2-1.3b, bf16 against FP8 (hybrid)
+#   bash scripts/gpu_check.sh moe       # one MoE layer: Pallas grouped GEMM against ragged_dot (errors, speed),
+#                                       # FP8, capacity buffers; Mixtral's and DeepSeek-V2-Lite's expert shapes
 # Each part fits in ten minutes on one H100 (compilation included).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -57,8 +60,30 @@ large)
             model.attention_impl=$impl model.norm_impl=$norm
     done
     ;;
+fp8)
+    base="parallel.tensor=1 parallel.sequence_parallel=false parallel.distributed_optimizer=false"
+    for fp8 in none hybrid; do
+        bench "llama-1b mb4 pallas fp8=$fp8" 120 --config configs/llama-1b.yaml --steps 5 \
+            --set train.global_batch_size=8 train.micro_batch_size=4 model.attention_impl=pallas \
+            model.norm_impl=pallas model.fp8=$fp8 $base
+    done
+    bench "llama-1b mb4 pallas fp8=hybrid delayed" 120 --config configs/llama-1b.yaml --steps 5 \
+        --set train.global_batch_size=8 train.micro_batch_size=4 model.attention_impl=pallas model.norm_impl=pallas \
+        model.fp8=hybrid model.fp8_recipe=delayed $base
+    for fp8 in none hybrid; do
+        bench "gpt2-1.3b mb4 pallas fp8=$fp8" 120 --config configs/gpt2-1.3b.yaml --steps 5 \
+            --set train.global_batch_size=8 model.attention_impl=pallas model.norm_impl=pallas model.fp8=$fp8 $base
+    done
+    ;;
+moe)
+    echo "== MoE layer, Mixtral 8x7B experts (8 of 4096 x 14336, top 2)"
+    timeout 150 $PY scripts/bench_moe.py --fp8 --json "$OUT/moe_mixtral.json" 2>&1 | grep -E '^mode'
+    echo "== MoE layer, DeepSeek-V2-Lite experts (64 of 2048 x 1408, top 6)"
+    timeout 150 $PY scripts/bench_moe.py --tokens 8192 --hidden 2048 --ffn 1408 --experts 64 --k 6 --factors 1.25 \
+        --json "$OUT/moe_deepseek.json" 2>&1 | grep -E '^mode'
+    ;;
 *)
-    echo "usage: $0 kernels|small|large" >&2
+    echo "usage: $0 kernels|small|large|fp8|moe" >&2
     exit 2
     ;;
 esac
