@@ -199,7 +199,7 @@ def expected_context_exchange(cfg) -> dict:
     sends its c - 1 ring hops again, except the first, which is the backward's own first hop (the same collective
     on the same keys: XLA merges them), and its all-gather is the backward's. Exact for the H100 program without
     a pipeline (tests/test_context.py); under a pipeline the program's counts are per tick for every branch."""
-    from megajax.model import context
+    from megajax.step_plan import StepPlan
 
     m, p = cfg.model, cfg.parallel
     c = p.context
@@ -208,7 +208,7 @@ def expected_context_exchange(cfg) -> dict:
     kv = (2 * cfg.train.micro_batch_size * (m.seq_length // c) * (m.kv_heads // p.tensor) * m.head_dim
           * (2 if m.compute_dtype != "float32" else 4))
     layers = m.num_layers // p.pipeline * cfg.num_micro_batches
-    comm = context.resolve(p.context_comm, p.pipeline > 1)
+    comm = StepPlan.resolve(cfg).context_comm
     if comm == "ring":
         again = c - 2 if m.recompute != "none" else 0
         per_layer = {"collective-permute": kv * (2 * (c - 1) + again + c)}

@@ -187,7 +187,7 @@ def reducing_loss(sink, cfg: Config, params, acc, reductions, mb: dict, seed_sca
     arrive as their optimizer shard (Reduction.gather) are all-gathered layer by layer, each layer's gather
     issued one layer ahead, under the forward of the layer before it."""
     mcfg = cfg.model
-    side = model.side_inputs(mcfg, cfg.train.seed, mb)
+    side = model.side_inputs(mcfg, cfg.train.seed, mb, objective_scale=seed_scale)
     top = {k: v for k, v in params.items() if k != "layers"}
     pick = lambda tree: None if tree is None else {k: tree[k] for k in top}  # noqa: E731
     top = jax.tree.map(lambda r, w: r.gathered(w), pick(reductions), top)

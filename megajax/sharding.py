@@ -15,15 +15,15 @@ Parameters and activations have separate rules: the sequence axis of the residua
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from collections.abc import Sequence
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
+from megajax import step_plan
 from megajax.config import ConfigError, ParallelConfig
+from megajax.step_plan import MANUAL
 
 AXES = ("data", "expert", "pipeline", "context", "tensor")
 DATA = ("data", "expert")  # the data-parallel ranks: the batch is split over both
@@ -61,27 +61,9 @@ def activation_rules(sequence_parallel: bool) -> dict[str, Axis]:
     }
 
 
-_ACTIVATION_RULES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("megajax_rules", default=None)
-
-
-@contextlib.contextmanager
-def setting(var: contextvars.ContextVar, value):
-    """Within this context `var` holds `value` (a trace-time setting the step's modules read), then its old one."""
-    token = var.set(value)
-    try:
-        yield
-    finally:
-        var.reset(token)
-
-
-def activation_sharding(sequence_parallel: bool):
-    """Within this context `constrain` pins activations to the mesh; outside it, `constrain` is a no-op."""
-    return setting(_ACTIVATION_RULES, activation_rules(sequence_parallel))
-
-
 def current_activation_rules() -> dict[str, Axis]:
-    """The activation rules in force (inside `activation_sharding`), else those without sequence parallelism."""
-    return _ACTIVATION_RULES.get() or activation_rules(False)
+    """The activation rules of the step plan in force (step_plan.use), else those without sequence parallelism."""
+    return activation_rules(step_plan.in_force().sequence_parallel)
 
 
 def make_mesh(parallel: ParallelConfig, devices: Sequence | None = None) -> Mesh:
@@ -136,14 +118,15 @@ def param_spec(names: Sequence[str | None], folded_experts: bool = False) -> P:
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-    """Pins an activation's sharding by logical names (inside `activation_sharding`; else a no-op).
+    """Pins an activation's sharding by logical names (while a step plan is in force, step_plan.use; else a no-op).
 
     Mesh axes that are manual in the surrounding shard_map (data and pipeline inside the pipeline) or
     absent from the mesh are dropped, so the same model code runs under GSPMD and inside shard_map.
     """
-    rules = _ACTIVATION_RULES.get()
-    if rules is None:
+    plan = step_plan.current()
+    if plan is None:
         return x
+    rules = activation_rules(plan.sequence_parallel)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
@@ -155,9 +138,7 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
 
 # ----------------------------------------------------------------------------------------------------
 # The train step's manual region (shard_map over 'data', 'expert', 'pipeline' and 'context', 'tensor' left to
-# GSPMD)
-
-MANUAL = ("data", "expert", "pipeline", "context")
+# GSPMD; step_plan.MANUAL)
 
 
 def manual_axes_of(mesh: Mesh) -> tuple[str, ...]:

@@ -32,8 +32,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from megajax import config as config_lib
 from megajax import metrics as metrics_lib
-from megajax import model, optim, overlap, pipeline, sharding, xla_flags
-from megajax.model import collective_matmul, context, fp8, moe
+from megajax import model, optim, overlap, pipeline, sharding, step_plan, xla_flags
+from megajax.model import context, fp8, moe
+from megajax.step_plan import StepPlan
 from megajax.pipeline import layout
 from megajax.config import Config, InputError
 from megajax import distributed
@@ -56,6 +57,7 @@ class StepSetup:
 
     cfg: Config
     mesh: jax.sharding.Mesh
+    plan: StepPlan  # every parallel decision of the step (megajax/step_plan.py)
     logical: Any  # logical axis names per parameter (canonical layout)
     tx: optax.GradientTransformation
     abstract_state: TrainState
@@ -92,12 +94,12 @@ class StepSetup:
     def compute_param_specs(self):
         """The PartitionSpec of every parameter as the model computes with it: the train state's, except for the
         weights the state keeps as their optimizer shard (`gathered_params`)."""
-        return jax.tree.map(lambda n: _layout_spec(self.cfg, n), self.logical, is_leaf=lambda x: isinstance(x, tuple))
+        return jax.tree.map(lambda n: _layout_spec(self.plan, n), self.logical, is_leaf=lambda x: isinstance(x, tuple))
 
     def gathered_params(self):
         """Per parameter: True where the train state keeps only its distributed-optimizer shard and the step
         all-gathers it in its first forward (parallel.overlap_param_gather)."""
-        return _gathered(self.cfg, self.abstract_state.params, self.zero_dims)
+        return _gathered(self.cfg, self.plan, self.abstract_state.params, self.zero_dims)
 
     def optimizer_bytes_per_device(self) -> int:
         """Bytes of optimizer state one device holds (the distributed optimizer divides it by data)."""
@@ -105,12 +107,12 @@ class StepSetup:
             jax.tree.leaves(self.abstract_state.opt_state), jax.tree.leaves(self.state_shardings.opt_state)))
 
 
-def _layout_spec(cfg: Config, names: tuple) -> P:
+def _layout_spec(plan: StepPlan, names: tuple) -> P:
     """The parameter's PartitionSpec as the model computes with it (staged layer layout under a pipeline)."""
-    return sharding.param_spec(layout.layout_names(names, cfg.parallel.pipeline > 1), cfg.parallel.folded_experts)
+    return sharding.param_spec(layout.layout_names(names, plan.pipelined), plan.moe_folds > 1)
 
 
-def _gathered(cfg: Config, params, zero_dims):
+def _gathered(cfg: Config, plan: StepPlan, params, zero_dims):
     """StepSetup.gathered_params: with parallel.overlap_param_gather, every weight whose optimizer shard is an
     unpadded slice over the data ranks alone (not a tensor-sharded dim split further); with a pipeline, of the
     layers only (the schedule gathers those in its ticks; the embedding and head are read by the first and last
@@ -118,7 +120,7 @@ def _gathered(cfg: Config, params, zero_dims):
     gathered = jax.tree.map(lambda a, z: bool(cfg.parallel.overlap_param_gather and z is not None and z.data_only
                                               and z.size == a.shape[z.dim]),
                             params, zero_dims, is_leaf=lambda x: x is None)
-    if cfg.parallel.pipeline > 1:
+    if plan.pipelined:
         gathered = {k: g if k == "layers" else jax.tree.map(lambda _: False, g) for k, g in gathered.items()}
     return gathered
 
@@ -140,6 +142,7 @@ def _gather_dtypes(cfg: Config, params):
 
 def build(cfg: Config, mesh: jax.sharding.Mesh) -> StepSetup:
     """Derives shapes and shardings of the state and batch (with jax.eval_shape: nothing is allocated)."""
+    plan = StepPlan.resolve(cfg)
     boxed = jax.eval_shape(lambda: model.init_params(cfg.model, jax.random.key(0)))
     logical = model.logical_axes(boxed)
     tx = optim.make_optimizer(cfg.optim, cfg.train.steps, logical)
@@ -149,10 +152,10 @@ def build(cfg: Config, mesh: jax.sharding.Mesh) -> StepSetup:
 
     is_names = lambda x: isinstance(x, tuple)  # noqa: E731
     is_none = lambda x: x is None  # noqa: E731
-    param_specs = jax.tree.map(lambda n: _layout_spec(cfg, n), logical, is_leaf=is_names)
+    param_specs = jax.tree.map(lambda n: _layout_spec(plan, n), logical, is_leaf=is_names)
     params = jax.eval_shape(lambda b: _staged(cfg, nn.unbox(b)), boxed)  # the train state's param shapes
     if cfg.parallel.distributed_optimizer and cfg.parallel.data * cfg.parallel.context > 1:
-        lead = layout.lead_dims(cfg.parallel.pipeline > 1)  # stacked-layer dims: never the one padded
+        lead = layout.lead_dims(plan.pipelined)  # stacked-layer dims: never the one padded
         zero_dims = jax.tree.map(lambda a, s, n: optim.zero_dim(a.shape, s, lead if n[:1] == ("layers",) else 0,
                                                                 dict(mesh.shape)), params, param_specs, logical,
                                  is_leaf=is_names)
@@ -166,7 +169,7 @@ def build(cfg: Config, mesh: jax.sharding.Mesh) -> StepSetup:
         transform_non_params=lambda _: named(P()), is_leaf=lambda x: isinstance(x, P))
     # parallel.overlap_param_gather: those weights live in the state as their optimizer shard
     state_param_specs = jax.tree.map(lambda z, s, g: optim.zero_spec(s, z, z.dim + 1) if g else s, zero_dims,
-                                     param_specs, _gathered(cfg, params, zero_dims), is_leaf=is_none)
+                                     param_specs, _gathered(cfg, plan, params, zero_dims), is_leaf=is_none)
     state_shardings = TrainState(
         step=named(P()), params=jax.tree.map(named, state_param_specs, is_leaf=lambda x: isinstance(x, P)),
         opt_state=opt_shardings, loss_scale=named(P()), good_steps=named(P()), bad_steps=named(P()))
@@ -176,7 +179,7 @@ def build(cfg: Config, mesh: jax.sharding.Mesh) -> StepSetup:
         from megajax.data.tokenizers import resolve
 
         eod = resolve(cfg.data.tokenizer).build().eod
-    return StepSetup(cfg, mesh, logical, tx, abstract_state, state_shardings, batch_shardings, zero_dims, eod)
+    return StepSetup(cfg, mesh, plan, logical, tx, abstract_state, state_shardings, batch_shardings, zero_dims, eod)
 
 
 def setup_for(cfg: Config, devices=None) -> StepSetup:
@@ -255,7 +258,8 @@ def accumulate_grads(cfg: Config, params, batch: dict, seed_scale: jax.Array, re
     m = cfg.num_micro_batches
 
     def micro_loss(p, mb):
-        raw = model.loss_sum(cfg.model, p, mb, model.side_inputs(cfg.model, cfg.train.seed, mb))
+        raw = model.loss_sum(cfg.model, p, mb, model.side_inputs(cfg.model, cfg.train.seed, mb,
+                                                                 objective_scale=seed_scale))
         return raw * seed_scale, raw
 
     grad_fn = jax.grad(micro_loss, has_aux=True)
@@ -289,11 +293,11 @@ def accumulate_grads(cfg: Config, params, batch: dict, seed_scale: jax.Array, re
     return loss + raw, grads
 
 
-def _in_manual_region(mesh, fn, in_specs, out_specs):
-    """fn under shard_map with 'data' and 'pipeline' manual ('tensor' left to GSPMD); specs may name any
-    mesh axis (those that stay automatic are dropped). With neither axis split (pure tensor parallelism,
-    or one device) there is nothing to make manual and fn runs under GSPMD as it is."""
-    manual = sharding.manual_axes_of(mesh)
+def _in_manual_region(setup: StepSetup, fn, in_specs, out_specs):
+    """fn under shard_map with the plan's manual axes ('tensor' left to GSPMD); specs may name any mesh axis
+    (those that stay automatic are dropped). With none (pure tensor parallelism, or one device) there is nothing
+    to make manual and fn runs under GSPMD as it is."""
+    manual, mesh = setup.plan.manual, setup.mesh
     if not manual:
         return fn
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
@@ -310,27 +314,27 @@ def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
     the optimizer's sharding keeps the 'tensor' sharding of the gradients. With parallel.overlap_grad_reduce
     both are issued layer by layer in the last micro batch's backward instead (`overlap`).
     """
-    cfg = setup.cfg
+    cfg, plan = setup.cfg, setup.plan
     zero = setup.zero_dims
     is_none = lambda x: x is None  # noqa: E731
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    overlapped = plan.reduce_in_backward
 
     def local(params, batch, seed_scale):
         batch = setup.local_batch(batch)  # packed documents; context parallelism: this rank's tokens
-        with moe.objective_scale(seed_scale):  # MoE layers' auxiliary losses join the gradient at this scale
-            if cfg.parallel.pipeline > 1 and overlapped:
-                # the layers' gradients reduced in each chunk's last backward; the embedding's and head's here
-                loss, grads = pipeline.pipeline_grads(cfg, params, batch, seed_scale, reductions["layers"])
-                grads = {k: g if k == "layers" else jax.tree.map(lambda r, x: r(x), reductions[k], g)
-                         for k, g in grads.items()}
-                return sharding.psum(loss, sharding.GRAD), grads
-            if cfg.parallel.pipeline > 1:
-                loss, grads = pipeline.pipeline_grads(cfg, params, batch, seed_scale)
-            elif overlapped:
-                loss, grads = accumulate_grads(cfg, params, batch, seed_scale, reductions)
-                return sharding.psum(loss, sharding.GRAD), grads
-            else:
-                loss, grads = accumulate_grads(cfg, params, batch, seed_scale)
+        if plan.pipelined and overlapped:
+            # the layers' gradients reduced in each chunk's last backward; the embedding's and head's here
+            loss, grads = pipeline.pipeline_grads(cfg, params, batch, seed_scale, reductions["layers"])
+            grads = {k: g if k == "layers" else jax.tree.map(lambda r, x: r(x), reductions[k], g)
+                     for k, g in grads.items()}
+            return sharding.psum(loss, sharding.GRAD), grads
+        if plan.pipelined:
+            loss, grads = pipeline.pipeline_grads(cfg, params, batch, seed_scale)
+        elif overlapped:
+            loss, grads = accumulate_grads(cfg, params, batch, seed_scale, reductions)
+            return sharding.psum(loss, sharding.GRAD), grads
+        else:
+            loss, grads = accumulate_grads(cfg, params, batch, seed_scale)
         # Each gradient is summed over the data ranks that replicate its weight (an expert's: 'data' only).
         # Distributed optimizer: the partial sums, padded to the optimizer's layout, on a leading axis over
         # those ranks.
@@ -341,8 +345,6 @@ def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
     p_specs = setup.compute_param_specs()
     # per weight, the data-parallel axes its gradient is summed over
     reduce_axes = jax.tree.map(sharding.unsplit_data_axes, p_specs, is_leaf=is_spec)
-    manual = sharding.manual_axes_of(setup.mesh)
-    overlapped = cfg.parallel.overlap_grad_reduce and any(a in manual for a in sharding.DATA)
     if overlapped:
         # In the backward, the distributed optimizer's gradients are scattered onto their optimizer shards,
         # except where the sharded dim is also tensor-sharded (a column-parallel bias): those few bytes are
@@ -356,8 +358,8 @@ def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
     else:
         g_specs = jax.tree.map(lambda s, z: s if z is None else P(sharding.unsplit_data_axes(s), *s), p_specs, zero,
                                is_leaf=is_none)
-    loss, grads = _in_manual_region(setup.mesh, local, (setup.param_specs(), {k: P(sharding.DATA) for k in batch},
-                                                        P()), (P(), g_specs))(params, batch, seed_scale)
+    loss, grads = _in_manual_region(setup, local, (setup.param_specs(), {k: P(sharding.DATA) for k in batch}, P()),
+                                    (P(), g_specs))(params, batch, seed_scale)
 
     def scatter(g, z, spec):
         if z is None:
@@ -371,24 +373,12 @@ def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
     return loss, jax.tree.map(scatter, grads, zero, p_specs, is_leaf=is_none)
 
 
-@contextlib.contextmanager
-def _model_context(cfg: Config):
-    """What the model reads while a step is traced: the activation sharding rules, the context-parallel exchange
-    the tensor-parallel collective matmuls (parallel.tp_comm_overlap: rings, or chunks in a pipeline's branches)
-    and the experts' exchange (parallel.expert_tensor=1, parallel.expert_all_to_all)."""
-    with (sharding.activation_sharding(cfg.parallel.sequence_parallel), context.exchange(cfg.parallel.context_comm),
-          collective_matmul.enable(cfg.parallel.tp_comm_overlap, ring=cfg.parallel.pipeline == 1),
-          moe.exchange(cfg.parallel.folded_experts, cfg.parallel.expert_all_to_all == "ragged",
-                       cfg.parallel.expert_buffer_factor)):
-        yield
-
-
 def train_step(setup: StepSetup, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     """One optimizer step on one global batch. Non-finite loss or gradients leave the weights and the
     optimizer state untouched (the step is counted as skipped)."""
     cfg = setup.cfg
     total = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
-    with _model_context(cfg):
+    with step_plan.use(setup.plan):  # what the model reads while the step is traced
         loss_sum, grads = compute_grads(setup, state.params, batch, state.loss_scale / total)
     grads, moe_stats, moe_loads = moe.step_stats(grads, cfg.model.num_experts, drops=cfg.drops_tokens)
     grads, fp8_seen = fp8.take_meta_grads(grads)
@@ -432,13 +422,13 @@ def eval_loss(setup: StepSetup, params, batch: dict) -> tuple[jax.Array, jax.Arr
     the train step's manual region with a pipeline (through it, never gathering the layers), context parallelism
     or expert parallelism (the experts' rows exchanged as in training, not every expert's partial outputs
     all-reduced)."""
-    cfg = setup.cfg
-    m = cfg.num_micro_batches
-    with _model_context(cfg):
-        if cfg.parallel.pipeline > 1 or cfg.parallel.context > 1 or cfg.parallel.expert > 1:
+    cfg, plan = setup.cfg, setup.plan
+    m = plan.micro_batches
+    with step_plan.use(plan):
+        if plan.pipelined or plan.context > 1 or plan.expert > 1:
             def local(params, batch):
                 batch = setup.local_batch(batch)
-                if cfg.parallel.pipeline > 1:
+                if plan.pipelined:
                     return sharding.psum(pipeline.pipeline_loss(cfg, params, batch), sharding.GRAD)
                 loss, _ = jax.lax.scan(lambda total, mb: (total + model.loss_sum(
                     cfg.model, params, mb, model.side_inputs(cfg.model, 0, mb, False)), None),
@@ -447,7 +437,7 @@ def eval_loss(setup: StepSetup, params, batch: dict) -> tuple[jax.Array, jax.Arr
 
             # (the weights as the model computes with them: whole where the state keeps their optimizer shard)
             specs = (setup.compute_param_specs(), {k: P(sharding.DATA) for k in batch})
-            loss = _in_manual_region(setup.mesh, local, specs, P())(params, batch)
+            loss = _in_manual_region(setup, local, specs, P())(params, batch)
         else:
             def body(total, mb):
                 return total + model.loss_sum(cfg.model, params, mb, model.side_inputs(cfg.model, 0, mb, False)), None

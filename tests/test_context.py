@@ -37,14 +37,19 @@ ARCHS = {"gpt2": {"model.num_heads": 4},
                       "model.rope_yarn_mscale": 1.0, "model.rope_yarn_mscale_all_dim": 0.8}}
 
 
+def _chunk_ids(rank: int, c: int) -> tuple[int, int]:
+    """The two sequence chunks (of 2c) context rank `rank` holds (context.split's layout)."""
+    return rank, 2 * c - 1 - rank
+
+
 def test_chunks_balance_the_causal_work():
     """Rank i holds chunks i and 2c - 1 - i; every rank's queries see the same number of (query, key) pairs."""
     for c in (2, 4, 8):
         s = 2 * c * 3
         h = s // (2 * c)
-        held = sorted(ch for i in range(c) for ch in context.chunk_ids(i, c))
+        held = sorted(ch for i in range(c) for ch in _chunk_ids(i, c))
         assert held == list(range(2 * c))
-        work = [sum(sum(q + 1 for q in range(ch * h, (ch + 1) * h)) for ch in context.chunk_ids(i, c))
+        work = [sum(sum(q + 1 for q in range(ch * h, (ch + 1) * h)) for ch in _chunk_ids(i, c))
                 for i in range(c)]
         assert len(set(work)) == 1, work
 

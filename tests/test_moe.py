@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from megajax import config as config_lib
+from megajax import step_plan
+from megajax.step_plan import StepPlan
 
 from conftest import evaluate, run_steps, small_config
 
@@ -100,8 +102,7 @@ def test_auxiliary_losses_join_the_gradient_at_the_objective_scale():
     g = jax.random.normal(jax.random.key(3), (2, 8, 32))
 
     def attached(p):
-        with moe.objective_scale(jnp.float32(0.5)):
-            return jnp.sum(layer.apply({"params": p}, x) * g)
+        return jnp.sum(layer.apply({"params": p}, x, jnp.float32(0.5)) * g)
 
     def explicit(p):
         logits = x.reshape(16, 32) @ p["router"]
@@ -187,7 +188,8 @@ def test_folded_experts_route_and_drop_per_sequence_shard(factor, grouped, ragge
         "w_out": ("expert", "mlp", "embed"), moe.STATS: (None,)}.items()}
     assert specs["w_gate_up"] == jax.sharding.PartitionSpec(("expert", "tensor"), None, None, None)
     q = {k: jax.device_put(v, jax.sharding.NamedSharding(mesh, specs[k])) for k, v in p.items()}
-    with jax.set_mesh(mesh), sharding.activation_sharding(True), moe.exchange(True, ragged):
+    plan = StepPlan(tensor=2, sequence_parallel=True, moe_folds=2, moe_ragged=ragged)
+    with jax.set_mesh(mesh), step_plan.use(plan):
         assert moe.folds() == 2
         got = jax.jit(lambda q, x: folded.apply({"params": q}, x))(q, x)
         stats = jax.jit(functools.partial(stats_of, folded))(q, x)
@@ -229,7 +231,8 @@ def test_ragged_receiving_buffer_drops_what_does_not_fit(factor):
              "w_out": ("expert", "mlp", "embed"), moe.STATS: (None,)}
     q = {k: jax.device_put(v, jax.sharding.NamedSharding(mesh, sharding.param_spec(names[k], folded_experts=True)))
          for k, v in p.items()}
-    with jax.set_mesh(mesh), sharding.activation_sharding(True), moe.exchange(True, True, factor):
+    plan = StepPlan(tensor=2, sequence_parallel=True, moe_folds=2, moe_ragged=True, moe_buffer_factor=factor)
+    with jax.set_mesh(mesh), step_plan.use(plan):
         got = jax.jit(lambda q, x: layer.apply({"params": q}, x))(q, x)
         dropped = jax.jit(jax.grad(lambda q, x: jnp.sum(layer.apply({"params": q}, x))))(q, x)[moe.STATS][-1]
 

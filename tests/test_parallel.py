@@ -7,6 +7,13 @@ import numpy as np
 import pytest
 
 from conftest import run_steps, small_config
+from megajax import step_plan
+from megajax.step_plan import StepPlan
+
+
+def _overlap_plan(mode: str) -> StepPlan:
+    """A step plan with only the tensor-parallel collectives decomposed as `mode` says ("ring" or "chunks")."""
+    return StepPlan(tp_overlap=mode)
 
 STEPS = 4
 ARCHS = {"gpt2": {}}
@@ -152,7 +159,7 @@ def test_collective_matmuls_equal_gather_then_matmul(mode, t, spec, x_shape, w_s
         return jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P(), P("data")), out_specs=P(),
                              axis_names={"data"})(x, w, g)
 
-    with jax.set_mesh(mesh), cm.enable(True, ring=mode == "ring"):
+    with jax.set_mesh(mesh), step_plan.use(_overlap_plan(mode)):
         x_in = jax.device_put(x, NamedSharding(mesh, P("data", "tensor") if kind == "gather" else P("data")))
         got = jax.jit(jax.value_and_grad(lambda x, w: loss(lambda a, b: ring(spec, a, b, w_names), x, w),
                                          argnums=(0, 1)))(x_in, w)
@@ -207,7 +214,7 @@ def test_fp8_collective_matmuls_equal_the_fp8_matmul(mode, recipe, kind):
                              axis_names={"data"})(x, w, g, meta)
 
     def run(f, x_spec, on):
-        with jax.set_mesh(mesh), cm.enable(on, ring=mode == "ring"):
+        with jax.set_mesh(mesh), step_plan.use(_overlap_plan(mode) if on else None):
             x_in = jax.device_put(x, NamedSharding(mesh, x_spec))
             return jax.jit(jax.value_and_grad(lambda x, w, m: loss(f, x, w, m), argnums=(0, 1, 2)))(x_in, w, meta)
 

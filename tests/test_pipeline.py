@@ -77,7 +77,7 @@ def test_evaluation_runs_through_the_pipeline_without_gathering_layers():
 def _grads(cfg, n):
     import jax
 
-    from megajax import sharding, train
+    from megajax import step_plan, train
     from megajax.pipeline import from_stages
 
     setup, state, batch = first_batch(cfg, n)
@@ -85,7 +85,7 @@ def _grads(cfg, n):
     with jax.set_mesh(mesh):
         @jax.jit
         def grads(params, batch):
-            with sharding.activation_sharding(cfg.parallel.sequence_parallel):
+            with step_plan.use(setup.plan):
                 return train.compute_grads(setup, params, batch, jax.numpy.float32(1.0))[1]
 
         g = jax.device_get(grads(state.params, batch))

@@ -21,7 +21,7 @@ the ring).
 
 Inside a pipeline the layers run in per-rank conditionals, where a ppermute waits for every device of the mesh
 (deadlock on the CPU runtime: its peers are every device, not the ranks of one 'tensor' group). There the
-collectives are split into chunks instead (`enable(..., ring=False)`), which wait only for their own group, as
+collectives are split into chunks instead (the step plan's tp_overlap="chunks"), which wait only for their own group, as
 GSPMD's do in the branches: each rank's sequence block is cut into t chunks;
   gather_matmul multiplies its own block while chunk 0 of the other blocks is all-gathered, then chunk c of the
     others while chunk c + 1 comes;
@@ -38,36 +38,26 @@ schedule the backward is split: B's VJP leaves the weight gradients out and W (`
 
 from __future__ import annotations
 
-import contextvars
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from megajax import sharding
+from megajax import sharding, step_plan
 from megajax.sharding import tensor_manual
 from megajax.model import fp8
 
-# None: off; "ring" or "chunks": the decomposition the matmuls use
-_ON: contextvars.ContextVar[str | None] = contextvars.ContextVar("megajax_tp_comm_overlap", default=None)
-
-
-def enable(on: bool, ring: bool = True):
-    """Within this context (and `sharding.activation_sharding` with sequence parallelism) the model's tensor-
-    parallel matmuls run with their collectives decomposed: as rings, or with `ring` off (inside a pipeline's
-    per-rank branches) as chunked all-gathers and reduce-scatters."""
-    return sharding.setting(_ON, ("ring" if ring else "chunks") if on else None)
+def _mode() -> str | None:
+    """The step plan's tp_overlap: "ring", "chunks" (inside a pipeline's per-rank branches) or None."""
+    return step_plan.in_force().tp_overlap
 
 
 def active() -> bool:
-    """Whether the decomposition runs here: asked for, sequence-parallel rules in force, 'tensor' > 1 and not
-    manual."""
-    if not _ON.get() or sharding.current_activation_rules().get("seq") != "tensor":
-        return False
-    mesh = jax.sharding.get_abstract_mesh()
-    return (not mesh.empty and mesh.shape.get("tensor", 1) > 1
-            and "tensor" not in getattr(mesh, "manual_axes", ()))
+    """Whether the model's tensor-parallel matmuls run with their collectives decomposed here: the step plan's
+    tp_overlap (parallel.tp_comm_overlap with sequence parallelism and 'tensor' > 1), outside a region that
+    makes 'tensor' manual."""
+    return _mode() is not None and "tensor" not in sharding.current_manual_axes()
 
 
 def _letters(spec: str, w_names) -> tuple[str, str, str, set[str]]:
@@ -238,7 +228,7 @@ def _gather_plan(a: jax.Array):
     for its t blocks (the ring) or this rank's block and the others' chunks; rows(whole, j), a whole-sequence
     array's rows that go with piece j; in_order(pieces), whole-sequence pieces joined in sequence order)."""
     n = a.shape[1]
-    if _ON.get() == "ring":
+    if _mode() == "ring":
         return (lambda step: _gather_ring(a, step)), (lambda whole, j: _block(whole, j, n)), _in_order
     m = _chunks(n)
 
@@ -252,7 +242,7 @@ def _scattered(a, part, s: int) -> jax.Array:
     """The reduce-scatter over the sequence (s rows) of the terms part(rows, a), rows(whole) giving a
     whole-sequence array's rows of one block (the ring) or chunk."""
     n = s // jax.lax.axis_size("tensor")
-    if _ON.get() == "ring":
+    if _mode() == "ring":
         return _scatter_ring(a, lambda j, a: part(lambda whole: _block(whole, j, n), a))
     return _scatter_chunks(a, part, n)
 

@@ -28,7 +28,6 @@ keys at once instead (and reduce-scatters their gradients): the exchange that ru
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
 import math
@@ -38,42 +37,15 @@ import jax.numpy as jnp
 
 from megajax import kernels
 from megajax.kernels.launch import match_varying
-from megajax.sharding import current_manual_axes, setting, varying_axes, vary
+from megajax import step_plan
+from megajax.sharding import varying_axes, vary
 
 AXIS = "context"
 
 
 def size() -> int:
-    """The context-parallel size in force: parallel.context inside the train step's manual region, else 1."""
-    if AXIS not in current_manual_axes():
-        return 1
-    return jax.sharding.get_abstract_mesh().shape[AXIS]
-
-
-_COMM: contextvars.ContextVar[str] = contextvars.ContextVar("megajax_context_comm", default="auto")
-
-
-def exchange(comm: str):
-    """Within this context ring attention exchanges keys and values as parallel.context_comm says."""
-    return setting(_COMM, comm)
-
-
-def resolve(choice: str, pipelined: bool) -> str:
-    """parallel.context_comm as it runs: 'auto' is all_gather with a pipeline (a collective-permute inside the
-    pipeline's per-rank branches waits for every device), else ring."""
-    if choice == "auto":
-        return "all_gather" if pipelined else "ring"
-    return choice
-
-
-def comm() -> str:
-    """The exchange in force: `resolve` of the `exchange` context's choice inside this region."""
-    return resolve(_COMM.get(), "pipeline" in current_manual_axes())
-
-
-def chunk_ids(rank: int, c: int) -> tuple[int, int]:
-    """The two sequence chunks (of 2c) context rank `rank` holds."""
-    return rank, 2 * c - 1 - rank
+    """The context-parallel size of the step plan in force (step_plan.use; 1 outside a step)."""
+    return step_plan.in_force().context
 
 
 def positions(s_local: int) -> jax.Array:
@@ -301,7 +273,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax
     """Causal attention of this rank's queries over the keys of the whole sequence, the keys and values passed
     around the 'context' ring (see the module docstring). q [b, 2h, h_q, k], k and v [b, 2h, g, k] and
     segment_ids [b, 2h] in the layout of `split`; returns [b, 2h, h_q, k]. exchange: 'ring' or 'all_gather'
-    (None: `comm()`). Inside the train step's manual region only (size() > 1)."""
+    (None: the step plan's context_comm). Inside the train step's manual region only (size() > 1)."""
     c = size()
     if c == 1:
         raise ValueError("ring_attention runs inside the train step's region with parallel.context > 1")
@@ -310,7 +282,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if segment_ids is not None:
         segment_ids = segment_ids.astype(jnp.int32)
-    exchange = comm() if exchange is None else exchange
+    exchange = step_plan.in_force().context_comm if exchange is None else exchange
     if exchange not in ("ring", "all_gather"):
         raise ValueError(f"the context exchange is 'ring' or 'all_gather', got {exchange!r}")
     return _ring(_Static(impl, scale, c, exchange), q, k, v, segment_ids)

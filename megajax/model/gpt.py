@@ -42,48 +42,36 @@ class Block(nn.Module):
         if cache is not None:
             a, cache = a
         x = constrain(x_bsd + dropout(a, cfg.dropout, side.keys, salt=2 + 4 * layer), RESIDUAL)
-        m = (MoE if cfg.num_experts and not self.dense else MLP)(cfg, name="mlp")(Norm(cfg, name="mlp_norm")(x))
+        h = Norm(cfg, name="mlp_norm")(x)
+        m = MoE(cfg, name="mlp")(h, side.objective_scale) if cfg.num_experts and not self.dense else \
+            MLP(cfg, name="mlp")(h)
         x = constrain(x + dropout(m, cfg.dropout, side.keys, salt=3 + 4 * layer), RESIDUAL)
         return x, cache
 
 
-class Period(nn.Module):
-    """model.moe_layer_freq = n consecutive blocks, scanned as one unit: `layer_0` with experts, `layer_1` ..
-    `layer_{n-1}` dense (Megatron's pattern: layer i is MoE when i % n == 0). Unit u runs layers u n .. u n + n - 1."""
+class Blocks(nn.Module):
+    """Consecutive blocks run as one module (`layer_0`, `layer_1`, ...): with `period`, the layer stack's unit of
+    model.moe_layer_freq blocks (Megatron's pattern: layer i is MoE when i % n == 0, so `layer_0` has experts and
+    the rest are dense; unit u runs layers u n .. u n + n - 1); else the model.moe_first_dense_layers dense blocks
+    before the stack (DeepSeek's first_k_dense_replace), not scanned (a few), run with the embedding
+    (`embed_apply`: under a pipeline, on the first stage), their layer indices, which salt the dropout masks,
+    after the stack's."""
 
     cfg: ModelConfig
+    period: bool = True
 
     @nn.compact
-    def __call__(self, x_bsd: jax.Array, unit: jax.Array, side: Side | None,
+    def __call__(self, x_bsd: jax.Array, unit: jax.Array | int, side: Side | None,
                  cache: KVCache | None = None, offset: jax.Array | int = 0):
-        """As Block's; `cache` holds the n layers' keys and values ([n, b, t, g, k] each)."""
-        n = self.cfg.layer_period
+        """As Block's (`unit`: the stack's unit index; 0 for the first dense layers); `cache` holds these
+        blocks' keys and values ([n, b, t, g, k] each)."""
+        cfg = self.cfg
+        n = cfg.layer_period if self.period else cfg.first_dense_layers
+        first = unit * n if self.period else cfg.stacked_layers  # the stack's blocks are 0 .. stacked_layers - 1
         x, new = x_bsd, []
         for j in range(n):
-            x, c = Block(self.cfg, dense=j > 0, name=f"layer_{j}")(
-                x, unit * n + j, side, None if cache is None else (cache[0][j], cache[1][j]), offset)
-            new.append(c)
-        if cache is None:
-            return x, None
-        return x, tuple(jnp.stack([c[i] for c in new]) for i in range(2))
-
-
-class FirstDense(nn.Module):
-    """model.moe_first_dense_layers dense blocks before the layer stack (DeepSeek's first_k_dense_replace), not
-    scanned (a few), run with the embedding (`embed_apply`: under a pipeline, on the first stage). Their layer
-    indices, which salt the dropout masks, come after the stack's."""
-
-    cfg: ModelConfig
-
-    @nn.compact
-    def __call__(self, x_bsd: jax.Array, side: Side | None, cache: KVCache | None = None,
-                 offset: jax.Array | int = 0):
-        """As Block's; `cache` holds these layers' keys and values ([k, b, t, g, k] each)."""
-        k, stack = self.cfg.first_dense_layers, self.cfg.stacked_layers  # the stack's blocks are 0 .. stack - 1
-        x, new = x_bsd, []
-        for j in range(k):
-            x, c = Block(self.cfg, dense=True, name=f"layer_{j}")(
-                x, stack + j, side, None if cache is None else (cache[0][j], cache[1][j]), offset)
+            x, c = Block(cfg, dense=j > 0 or not self.period, name=f"layer_{j}")(
+                x, first + j, side, None if cache is None else (cache[0][j], cache[1][j]), offset)
             new.append(c)
         if cache is None:
             return x, None
@@ -91,8 +79,8 @@ class FirstDense(nn.Module):
 
 
 def unit_module(cfg: ModelConfig) -> type[nn.Module]:
-    """What the layer stack scans: one Block, or a Period of model.moe_layer_freq blocks in an MoE model."""
-    return Period if cfg.layer_period > 1 else Block
+    """What the layer stack scans: one Block, or Blocks of model.moe_layer_freq blocks in an MoE model."""
+    return Blocks if cfg.layer_period > 1 else Block
 
 
 class LayerStack(nn.Module):
@@ -178,7 +166,7 @@ class GPT(nn.Module):
     def setup(self):
         self.embed = Embed(self.cfg)
         if self.cfg.first_dense_layers:
-            self.first_dense = FirstDense(self.cfg)
+            self.first_dense = Blocks(self.cfg, period=False)
         self.layers = LayerStack(self.cfg, self.cfg.stacked_layers // self.cfg.layer_period)
         self.head = Head(self.cfg)
 
@@ -186,7 +174,7 @@ class GPT(nn.Module):
         """tokens [b, s] -> fp32 logits [b, s, v_padded]."""
         x = self.embed(tokens_bs, side)
         if self.cfg.first_dense_layers:
-            x = self.first_dense(x, side)[0]
+            x = self.first_dense(x, 0, side)[0]
         x = self.layers(x, side)
         return self.head(x, self.embed.embedding if self.cfg.tied else None)
 
@@ -213,7 +201,7 @@ def embed_apply(cfg: ModelConfig, params: dict, tokens_bs: jax.Array, side: Side
     """The embedding, and the first dense layers of a model with model.moe_first_dense_layers: [b, s] -> [b, s, d]."""
     x = Embed(cfg).apply({"params": params["embed"]}, tokens_bs, side)
     if cfg.first_dense_layers:
-        x = FirstDense(cfg).apply({"params": params["first_dense"]}, x, side)[0]
+        x = Blocks(cfg, period=False).apply({"params": params["first_dense"]}, x, 0, side)[0]
     return x
 
 
@@ -269,11 +257,14 @@ def dropout_keys(cfg: ModelConfig, seed: int, sample_ids: jax.Array) -> jax.Arra
     return jax.vmap(lambda i: jax.random.fold_in(root, i))(sample_ids)
 
 
-def side_inputs(cfg: ModelConfig, seed: int, mb: dict, dropout: bool = True) -> Side:
-    """A micro batch's `Side`: dropout keys (with `dropout` and a model that has dropout), and the segment ids and
-    positions of packed documents where the batch carries them (`documents`)."""
+def side_inputs(cfg: ModelConfig, seed: int, mb: dict, dropout: bool = True,
+                objective_scale: jax.Array | None = None) -> Side:
+    """A micro batch's `Side`: dropout keys (with `dropout` and a model that has dropout), the segment ids and
+    positions of packed documents where the batch carries them (`documents`), and the cotangent seed of the loss
+    being differentiated (`objective_scale`: the MoE layers' auxiliary losses join the gradient at that scale)."""
     return Side(keys=dropout_keys(cfg, seed, mb["sample_ids"]) if dropout else None,
-                segment_ids=mb.get("segment_ids"), positions=mb.get("positions"))
+                segment_ids=mb.get("segment_ids"), positions=mb.get("positions"),
+                objective_scale=objective_scale if cfg.num_experts else None)
 
 
 def documents(batch: dict, eod: int, reset_positions: bool) -> dict:
@@ -329,7 +320,7 @@ def decode_apply(cfg: ModelConfig, params: dict, tokens_bs: jax.Array,
     x = Embed(cfg).apply({"params": params["embed"]}, tokens_bs, None, offset)
     f = cfg.first_dense_layers  # the cache holds their layers first, then the stack's
     if f:
-        x, first = FirstDense(cfg).apply({"params": params["first_dense"]}, x, None, (state.k[:f], state.v[:f]),
+        x, first = Blocks(cfg, period=False).apply({"params": params["first_dense"]}, x, 0, None, (state.k[:f], state.v[:f]),
                                          offset)
     x, (k, v) = LayerStack(cfg, cfg.stacked_layers // cfg.layer_period).apply(
         {"params": params["layers"]}, x, None, 0, (state.k[f:], state.v[f:]), offset)

@@ -29,11 +29,14 @@ from megajax.sharding import constrain
 class Side:
     """What a micro batch brings besides its tokens (`gpt.side_inputs`): one dropout key per sample [b] (None
     without dropout), the packed documents' segment ids [b, s] (None: every sample is one document) and the
-    tokens' positions [b, s] (None: 0 .. s - 1, or this context rank's `context.positions`)."""
+    tokens' positions [b, s] (None: 0 .. s - 1, or this context rank's `context.positions`), and the scalar
+    cotangent seed of the loss being differentiated (the train step's seed_scale: MoE layers add their
+    auxiliary losses' gradients at that scale; None: a forward that is not differentiated, or no MoE)."""
 
     keys: jax.Array | None = None
     segment_ids: jax.Array | None = None
     positions: jax.Array | None = None
+    objective_scale: jax.Array | None = None
 
 
 NO_SIDE = Side()

@@ -31,12 +31,11 @@ threading a second loss through the layer scan and the pipeline (Megatron's MoEA
 `attach_loss` is the identity on the layer output whose backward gives the loss the gradient it would get as a
 term of the training objective. The objective is seed x (summed token losses), so a micro batch of T tokens
 adds coef x T x loss: the token-weighted mean over micro batches, times coef, on top of the mean token loss.
-The seed is set around the loss function by `objective_scale` (trace-time context).
+The seed reaches the layer with the micro batch's side inputs (`Side.objective_scale`).
 """
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
 import math
@@ -51,9 +50,8 @@ from megajax.config import ModelConfig
 from megajax.kernels.grouped_matmul import group_of_rows, grouped_matmul
 from megajax.model import fp8
 from megajax.model.layers import MLP, RESIDUAL, dtype_of, fp8_state, gather_sequence, param
-from megajax.sharding import FOLDED, constrain, current_manual_axes, setting, tensor_manual, vary, varying_axes
-
-_SEED: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("megajax_moe_seed", default=None)
+from megajax import step_plan
+from megajax.sharding import FOLDED, constrain, current_manual_axes, tensor_manual, vary, varying_axes
 
 
 class Exchange(NamedTuple):
@@ -64,28 +62,16 @@ class Exchange(NamedTuple):
     buffer_factor: float | None = None  # ragged: receive at most this times a rank's routed rows (null: the most)
 
 
-_EXCHANGE: contextvars.ContextVar[Exchange] = contextvars.ContextVar("megajax_moe_exchange", default=Exchange())
-
-
-def objective_scale(seed: jax.Array):
-    """While tracing a loss function whose gradient is taken with cotangent seed (the train step's
-    seed_scale), MoE layers add their auxiliary losses' gradients at that scale."""
-    return setting(_SEED, seed)
-
-
-def exchange(folded: bool, ragged: bool = False, buffer_factor: float | None = None):
-    """While a step is traced: parallel.expert_tensor=1 (`folded`: whole experts spread over 'expert' x 'tensor'),
-    parallel.expert_all_to_all=ragged and parallel.expert_buffer_factor."""
-    return setting(_EXCHANGE, Exchange(folded, ragged, buffer_factor))
+def _exchange() -> Exchange:
+    """The experts' exchange of the step plan in force (step_plan.use; none outside a step)."""
+    plan = step_plan.in_force()
+    return Exchange(plan.moe_folds > 1, plan.moe_ragged, plan.moe_buffer_factor)
 
 
 def folds() -> int:
     """The tensor ranks that route their own sequence shards and hold whole experts (parallel.expert_tensor=1):
-    the size of 'tensor' where folding is on and 'tensor' is left to GSPMD, else 1."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if not _EXCHANGE.get().folded or mesh.empty or "tensor" in current_manual_axes():
-        return 1
-    return mesh.shape["tensor"]
+    the step plan's moe_folds, outside a region that makes 'tensor' manual, else 1."""
+    return 1 if "tensor" in current_manual_axes() else step_plan.in_force().moe_folds
 
 
 @jax.custom_vjp
@@ -269,10 +255,9 @@ def combine(y_ad: jax.Array, order: jax.Array, weights_tk: jax.Array) -> jax.Arr
 
 
 def expert_parallel_size() -> int:
-    """The expert-parallel ranks this layer exchanges tokens with: the size of 'expert' where it is manual (the
-    train step's region), else 1 (under GSPMD the expert-sharded weights are used as global arrays)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return mesh.shape["expert"] if "expert" in current_manual_axes() else 1
+    """The expert-parallel ranks this layer exchanges tokens with: the step plan's 'expert' size (manual in the
+    step's region), 1 outside a step (under GSPMD the expert-sharded weights are used as global arrays)."""
+    return step_plan.in_force().expert
 
 
 def _all_to_all(x: jax.Array, axes="expert") -> jax.Array:
@@ -629,9 +614,9 @@ def run_experts(x_gtd: jax.Array, ids_gtk: jax.Array, weights_gtk: jax.Array, cf
     if cfg.moe_capacity_factor is None:  # dropless: each expert's rows, as many as were routed to it (or as fit
         # the ragged exchange's receiving buffer with parallel.expert_buffer_factor)
         if g > 1:
-            out, dropped = exchange_folded_dropless(rows, sizes, k, ep, experts, _EXCHANGE.get())
+            out, dropped = exchange_folded_dropless(rows, sizes, k, ep, experts, _exchange())
         elif ep > 1:
-            out, dropped = exchange_dropless(rows[0], sizes[0], k, ep, experts, _EXCHANGE.get())
+            out, dropped = exchange_dropless(rows[0], sizes[0], k, ep, experts, _exchange())
             out = out[None]
         else:
             out, dropped = experts(rows[0], sizes[0])[None], jnp.float32(0)
@@ -655,7 +640,9 @@ class MoE(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x_bsd: jax.Array) -> jax.Array:
+    def __call__(self, x_bsd: jax.Array, objective_scale: jax.Array | None = None) -> jax.Array:
+        """x [b, s, d] -> [b, s, d]. objective_scale (Side.objective_scale): in a loss whose gradient is taken
+        with that cotangent seed, the auxiliary losses join the gradient at that scale; None: they do not."""
         cfg = self.cfg
         d, f, e, k = cfg.hidden_size, cfg.moe_ffn_size, cfg.num_experts, cfg.experts_per_token
         pdt, cdt = dtype_of(cfg.param_dtype), dtype_of(cfg.compute_dtype)
@@ -706,9 +693,9 @@ class MoE(nn.Module):
                 shared = shared * gate[..., None].astype(shared.dtype)
             y = y + shared
         balance = load_balancing_loss(probs, ids)
-        seed = _SEED.get()
-        if seed is not None:
-            y = attach_loss(y, cfg.moe_aux_loss_coef * balance + cfg.moe_z_loss_coef * z_loss(logits), seed * (b * s))
+        if objective_scale is not None:
+            y = attach_loss(y, cfg.moe_aux_loss_coef * balance + cfg.moe_z_loss_coef * z_loss(logits),
+                            objective_scale * (b * s))
         probe = param(self, STATS, (e + 3,), (None,), 0, jnp.float32)
         tokens = jnp.float32(b * s)
         stats = jnp.concatenate([sizes.astype(jnp.float32), jnp.stack([balance * tokens, tokens, dropped])])

@@ -260,7 +260,7 @@ class _ChunkActions:
     def micro(self, row, prefix):
         mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, row[prefix + "micro"], keepdims=False),
                           self.mbs)
-        return mb, model.side_inputs(self.mcfg, self.cfg.train.seed, mb)
+        return mb, model.side_inputs(self.mcfg, self.cfg.train.seed, mb, objective_scale=self.seed_scale)
 
     # -- the chunk's layers, forward with its residuals -----------------------------------------------------
 
@@ -616,7 +616,7 @@ def _gpipe_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array):
     mbs = vary(micro_batches(batch, cfg.num_micro_batches))
 
     def loss_fn(layers, shared):
-        loss = _forward_rounds(cfg, local_chunks(layers), shared, mbs, train=True)
+        loss = _forward_rounds(cfg, local_chunks(layers), shared, mbs, train=True, objective_scale=seed_scale)
         return loss * seed_scale, loss
 
     layers = vary(params["layers"])
@@ -636,11 +636,12 @@ def pipeline_loss(cfg: Config, params: dict, batch: dict) -> jax.Array:
     return jax.lax.psum(loss, "pipeline")
 
 
-def _forward_rounds(cfg: Config, layers, shared, mbs, train: bool) -> jax.Array:
+def _forward_rounds(cfg: Config, layers, shared, mbs, train: bool, objective_scale=None) -> jax.Array:
     """The forward pipeline: for each local chunk i in turn (a "round"), the micro batches flow GPipe-style
     through the p ranks, one tick per hop; rank 0 keeps what comes back around the ring from rank p - 1 as
     the input of the next round. Returns this rank's part of the summed token loss (rank p - 1 holds it).
-    layers: this rank's chunks [v, Lc, ...]; mbs: micro batches [m, mb, ...]; train: dropout on."""
+    layers: this rank's chunks [v, Lc, ...]; mbs: micro batches [m, mb, ...]; train: dropout on; objective_scale:
+    the seed of the loss being differentiated (Side.objective_scale)."""
     par, mcfg = cfg.parallel, cfg.model
     p, v, m = par.pipeline, par.virtual_stages, cfg.num_micro_batches
     rank = jax.lax.axis_index("pipeline")
@@ -657,7 +658,7 @@ def _forward_rounds(cfg: Config, layers, shared, mbs, train: bool) -> jax.Array:
             k = t - rank  # the micro batch this rank works on
             active = (k >= 0) & (k < m)
             mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, jnp.clip(k, 0, m - 1), keepdims=False), mbs)
-            side = model.side_inputs(mcfg, cfg.train.seed, mb, dropout=train)
+            side = model.side_inputs(mcfg, cfg.train.seed, mb, dropout=train, objective_scale=objective_scale)
             if i == 0:
                 first = lambda: vary(model.embed_apply(mcfg, shared, mb["tokens"], side).astype(dtype))  # noqa: E731
             else:

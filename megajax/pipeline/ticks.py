@@ -16,6 +16,7 @@ import functools
 import numpy as np
 
 from megajax.config import Config
+from megajax.step_plan import StepPlan
 from megajax.pipeline import schedule as schedule_lib
 
 # what an action does depends on where its chunk sits in the model: 0 none, 1 first, 2 middle, 3 last chunk;
@@ -210,7 +211,7 @@ def tick_caps(cfg: Config) -> tuple[int | None, int | None]:
 
 
 def plan_of(cfg: Config):
-    """`plan` for a run (its overlapped reductions and gathers as train.compute_grads decides)."""
+    """`plan` for a run (its overlapped reductions and gathers as its StepPlan says)."""
     par = cfg.parallel
     return plan(par.schedule, par.pipeline, par.virtual_stages, cfg.num_micro_batches, reduce_layers(cfg),
                 gather_layers(cfg), tick_caps(cfg))
@@ -218,10 +219,8 @@ def plan_of(cfg: Config):
 
 def reduce_layers(cfg: Config) -> int:
     """`plan`'s reduce_layers for a run: the layers (scanned units) of a chunk when the step reduces the
-    gradients inside the schedule (parallel.overlap_grad_reduce with data > 1, as train.compute_grads decides),
-    else 0."""
-    par = cfg.parallel
-    return chunk_layers(cfg) if par.overlap_grad_reduce and (par.data or 1) > 1 else 0
+    gradients inside the schedule (StepPlan.reduce_in_backward), else 0."""
+    return chunk_layers(cfg) if StepPlan.resolve(cfg).reduce_in_backward else 0
 
 
 def chunk_layers(cfg: Config) -> int:
@@ -232,8 +231,8 @@ def chunk_layers(cfg: Config) -> int:
 
 def gather_layers(cfg: Config) -> int:
     """`plan`'s gather_layers for a run: the layers of a chunk when the step gathers the weights from their
-    optimizer shards inside the schedule (parallel.overlap_param_gather), else 0."""
-    return reduce_layers(cfg) if cfg.parallel.overlap_param_gather and cfg.parallel.distributed_optimizer else 0
+    optimizer shards inside the schedule (StepPlan.gather_in_forward), else 0."""
+    return chunk_layers(cfg) if StepPlan.resolve(cfg).gather_in_forward else 0
 
 
 def branch_runs(cfg: Config) -> dict[str, list[float]]:

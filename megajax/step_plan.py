@@ -1,0 +1,112 @@
+"""Every parallel decision of one train step, made once: `StepPlan.resolve(cfg)`.
+
+The step reads its layout from this one frozen value and nothing else: train.py's gradient engine (pipelined or
+not, which reductions and gathers run inside the backward), the pipeline executor and its tick tables, the overlap
+code, the audit, and the model. The model reads the plan in force while a step is traced (`use`, `current`):
+the one context variable of megajax, kept because passing the plan explicitly would thread it through every
+layer of every architecture. Outside a step (generation, a test that applies a module) no plan is in force and
+the model runs on one device's terms: no constraint, no exchange, whole sequences.
+
+What the plan holds, and who reads it:
+
+| field | the decision | read by |
+|---|---|---|
+| data, expert, pipeline, context, tensor | the mesh's sizes | everything below |
+| manual | the axes the step's shard_map region makes manual (each of MANUAL with more than one device) | train, sharding |
+| pipelined, schedule, virtual_stages, micro_batches | the gradient engine: a schedule, or a scan over micro batches | train, executor, ticks |
+| sequence_parallel | the residual stream sharded over 'tensor' (the activation rules) | sharding.constrain |
+| context_comm | how attention's keys and values cross the context ranks: ring or all_gather | model/context.py |
+| tp_overlap | sequence parallelism's collectives as rings ("ring"), chunks ("chunks", in a pipeline) or plain (None) | model/collective_matmul.py |
+| moe_folds, moe_ragged, moe_buffer_factor | the experts' exchange (parallel folding, ragged all-to-all) | model/moe.py |
+| reduce_in_backward | the data-parallel gradient reductions issued layer by layer in the backward | train, ticks, overlap |
+| gather_in_forward | the weights kept as optimizer shards, gathered under the next forward | train, ticks |
+
+A mesh axis of size 1 is never manual (XLA rejects a reduction over a manual axis of size 1 when every manual axis
+has size 1), so "is 'context' manual" and "context > 1" are the same question; the plan answers both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+
+from megajax.config import Config
+
+MANUAL = ("data", "expert", "pipeline", "context")  # the axes the step may make manual ('tensor' stays with GSPMD)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """The resolved layout of one train step (see the module docstring for who reads which field)."""
+
+    data: int = 1  # the mesh's 'data' axis: data-parallel ranks / expert
+    expert: int = 1
+    pipeline: int = 1
+    context: int = 1
+    tensor: int = 1
+    manual: tuple[str, ...] = ()
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    micro_batches: int = 1
+    sequence_parallel: bool = False
+    context_comm: str = "ring"  # "ring" or "all_gather" (parallel.context_comm's auto resolved)
+    tp_overlap: str | None = None  # "ring", "chunks" or None
+    moe_folds: int = 1  # tensor ranks that route their own sequence shard and hold whole experts (expert_tensor=1)
+    moe_ragged: bool = False  # dropless rows exchanged by exact counts (parallel.expert_all_to_all=ragged)
+    moe_buffer_factor: float | None = None  # ragged: a rank receives at most this times one rank's routed rows
+    reduce_in_backward: bool = False  # parallel.overlap_grad_reduce, where there are data ranks to reduce over
+    gather_in_forward: bool = False  # parallel.overlap_param_gather (with the distributed optimizer)
+
+    @property
+    def pipelined(self) -> bool:
+        return self.pipeline > 1
+
+    @classmethod
+    def resolve(cls, cfg: Config) -> StepPlan:
+        """The plan of `cfg`, resolved for its devices (Config.for_devices), on the mesh sharding.make_mesh builds
+        from it."""
+        par = cfg.parallel
+        if par.data is None:
+            raise ValueError("StepPlan.resolve needs the layout resolved for the devices: call Config.for_devices")
+        shape = {"data": par.data // par.expert, "expert": par.expert, "pipeline": par.pipeline,
+                 "context": par.context, "tensor": par.tensor}
+        pipelined = shape["pipeline"] > 1
+        comm = par.context_comm if par.context_comm != "auto" else "all_gather" if pipelined else "ring"
+        reduce = par.overlap_grad_reduce and shape["data"] * shape["expert"] > 1
+        return cls(
+            data=shape["data"], expert=shape["expert"], pipeline=shape["pipeline"], context=shape["context"],
+            tensor=shape["tensor"], manual=tuple(a for a in MANUAL if shape[a] > 1), schedule=par.schedule,
+            virtual_stages=par.virtual_stages, micro_batches=cfg.num_micro_batches,
+            sequence_parallel=par.sequence_parallel, context_comm=comm,
+            # a ppermute inside the pipeline's per-rank branches deadlocks: chunked collectives there
+            tp_overlap=("chunks" if pipelined else "ring") if par.tp_comm_overlap and shape["tensor"] > 1 else None,
+            moe_folds=shape["tensor"] if par.folded_experts else 1, moe_ragged=par.expert_all_to_all == "ragged",
+            moe_buffer_factor=par.expert_buffer_factor, reduce_in_backward=reduce,
+            gather_in_forward=reduce and par.overlap_param_gather and par.distributed_optimizer)
+
+
+_PLAN: contextvars.ContextVar[StepPlan | None] = contextvars.ContextVar("megajax_step_plan", default=None)
+
+
+@contextlib.contextmanager
+def use(plan: StepPlan | None):
+    """While a step (or its eval) is traced, the model reads `plan` (`current`); then the plan in force before."""
+    token = _PLAN.set(plan)
+    try:
+        yield
+    finally:
+        _PLAN.reset(token)
+
+
+def current() -> StepPlan | None:
+    """The plan of the step being traced (inside `use`), else None: one device's terms."""
+    return _PLAN.get()
+
+
+ONE_DEVICE = StepPlan()  # what the model reads where no plan is in force
+
+
+def in_force() -> StepPlan:
+    """`current()`, or ONE_DEVICE outside a step."""
+    return _PLAN.get() or ONE_DEVICE
