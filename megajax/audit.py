@@ -251,7 +251,8 @@ def compile_step(cfg, devices, compiler_options: dict | None = None):
 def audit(cfg, target: str = "cpu", devices: int | None = None, dump_hlo: str | None = None) -> dict:
     import jax
 
-    from megajax import hlo, metrics, pipeline
+    from megajax import hlo, metrics
+    from megajax.pipeline import ticks
 
     if target == "cpu":
         devs = jax.devices()
@@ -272,7 +273,7 @@ def audit(cfg, target: str = "cpu", devices: int | None = None, dump_hlo: str | 
     cost = compiled.cost_analysis()
     if isinstance(cost, list):
         cost = cost[0] if cost else None
-    runs = pipeline.branch_runs(cfg)  # how often the schedule runs each branch of its switches
+    runs = ticks.branch_runs(cfg)  # how often the schedule runs each branch of its switches
     colls = hlo.parse(text, dict(mesh.shape), None if target == "cpu" else GPUS_PER_HOST, runs)
     gemm = hlo.gemm_flops(text, runs)
     flops = metrics.step_flops(cfg.model, cfg.train.global_batch_size * cfg.model.seq_length,

@@ -79,13 +79,6 @@ def step_rates(flops: dict[str, float], tokens: int, step_s: float, devices: int
             "mfu": flops["model_flops"] / step_s / devices / peak}
 
 
-def megatron_gpt_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int, recompute: bool) -> float:
-    """The closed forms from the papers (for checking `step_flops` on GPT-2 style models)."""
-    if recompute:
-        return 96 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
-    return 72 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
-
-
 def measure_cpu_peak(seconds: float = 0.5, n: int = 1024) -> float:
     """FLOP/s of fp32 n x n matmuls on this host's CPU, one per local device at once (fake CPU devices
     share the cores, so the machine's rate is what they split), measured once."""

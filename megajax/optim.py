@@ -46,11 +46,11 @@ def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
 
 
 def decay_mask(logical_axes) -> dict:
-    """Weight decay only on matrices: a parameter with at least two axes besides the stacked 'layers'
-    (and pipeline 'stage') axes. Norm scales and biases are left alone, as in Megatron, and so is the FP8
+    """Weight decay only on matrices: a parameter with at least two axes besides the stacked 'layers' axis
+    (the canonical layout's names). Norm scales and biases are left alone, as in Megatron, and so is the FP8
     delayed-scaling state (counters, [experts, ...] for an MoE layer's)."""
     def is_matrix(path, names):
-        return not is_meta(path) and sum(n not in ("layers", "stage") for n in names) >= 2
+        return not is_meta(path) and sum(n != "layers" for n in names) >= 2
 
     return jax.tree_util.tree_map_with_path(is_matrix, logical_axes, is_leaf=lambda x: isinstance(x, tuple))
 

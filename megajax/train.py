@@ -32,10 +32,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from megajax import config as config_lib
 from megajax import metrics as metrics_lib
-from megajax import model, optim, overlap, pipeline, sharding, step_plan, xla_flags
+from megajax import model, optim, overlap, sharding, step_plan, xla_flags
 from megajax.model import context, fp8, moe
 from megajax.step_plan import StepPlan
-from megajax.pipeline import layout
+from megajax.pipeline import executor, layout
 from megajax.config import Config, InputError
 from megajax import distributed
 from megajax.data.loader import micro_batches
@@ -197,7 +197,7 @@ def _fresh_params(cfg: Config, rng: jax.Array):
 def _staged(cfg: Config, params):
     """Canonical params ([L, ...] layers) in the train state's layout."""
     if cfg.parallel.pipeline > 1:
-        params = pipeline.to_stages(params, cfg.parallel.pipeline, cfg.parallel.virtual_stages)
+        params = layout.to_stages(params, cfg.parallel.pipeline, cfg.parallel.virtual_stages)
     return params
 
 
@@ -245,7 +245,7 @@ def load_initial_params(setup: StepSetup, directory: str):
     params = checkpoint.load_params(source, target)
     if cfg.parallel.pipeline > 1:
         p, v = cfg.parallel.pipeline, cfg.parallel.virtual_stages
-        params = jax.jit(lambda x: pipeline.to_stages(x, p, v), out_shardings=setup.state_shardings.params)(params)
+        params = jax.jit(lambda x: layout.to_stages(x, p, v), out_shardings=setup.state_shardings.params)(params)
     return params
 
 
@@ -324,12 +324,12 @@ def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
         batch = setup.local_batch(batch)  # packed documents; context parallelism: this rank's tokens
         if plan.pipelined and overlapped:
             # the layers' gradients reduced in each chunk's last backward; the embedding's and head's here
-            loss, grads = pipeline.pipeline_grads(cfg, params, batch, seed_scale, reductions["layers"])
+            loss, grads = executor.pipeline_grads(cfg, params, batch, seed_scale, reductions["layers"])
             grads = {k: g if k == "layers" else jax.tree.map(lambda r, x: r(x), reductions[k], g)
                      for k, g in grads.items()}
             return sharding.psum(loss, sharding.GRAD), grads
         if plan.pipelined:
-            loss, grads = pipeline.pipeline_grads(cfg, params, batch, seed_scale)
+            loss, grads = executor.pipeline_grads(cfg, params, batch, seed_scale)
         elif overlapped:
             loss, grads = accumulate_grads(cfg, params, batch, seed_scale, reductions)
             return sharding.psum(loss, sharding.GRAD), grads
@@ -429,7 +429,7 @@ def eval_loss(setup: StepSetup, params, batch: dict) -> tuple[jax.Array, jax.Arr
             def local(params, batch):
                 batch = setup.local_batch(batch)
                 if plan.pipelined:
-                    return sharding.psum(pipeline.pipeline_loss(cfg, params, batch), sharding.GRAD)
+                    return sharding.psum(executor.pipeline_loss(cfg, params, batch), sharding.GRAD)
                 loss, _ = jax.lax.scan(lambda total, mb: (total + model.loss_sum(
                     cfg.model, params, mb, model.side_inputs(cfg.model, 0, mb, False)), None),
                     sharding.vary(jnp.zeros((), jnp.float32), sharding.GRAD), micro_batches(batch, m))

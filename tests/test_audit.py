@@ -11,7 +11,8 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from megajax import audit, config as config_lib, hlo, metrics, pipeline
+from megajax import audit, config as config_lib, hlo, metrics
+from megajax.pipeline import ticks
 from megajax.model.layers import WEIGHT_EINSUMS
 
 from conftest import REPO, cli_env, gpu
@@ -240,7 +241,7 @@ def test_expert_parallel_all_to_alls_on_h100_target(factor, freq):
             f"model.moe_capacity_factor={'null' if factor is None else factor}", f"model.moe_layer_freq={freq}"]
     cfg = config_lib.load(f"{REPO}/configs/tiny-moe.yaml", sets)
     cfg, mesh, compiled, _ = audit.compile_step(cfg, audit._gpu_devices("h100", 8))
-    colls = hlo.parse(compiled.as_text(), dict(mesh.shape), branch_runs=pipeline.branch_runs(cfg))
+    colls = hlo.parse(compiled.as_text(), dict(mesh.shape), branch_runs=ticks.branch_runs(cfg))
     want = audit.expected_all_to_all(cfg)
     if pipe:
         a2a = [c for c in colls if c.kind == "all-to-all" and c.bytes == want["buffer_bytes_each"]]
@@ -365,7 +366,7 @@ def test_pipelined_reduction_and_gather_run_inside_the_schedule_on_h100():
     gradients are reduce-scattered inside the schedule's ticks (rank 1 in its idle cool-down tick, rank 0 in the
     backward branch that ends its chunk) and their weights all-gathered from the shards (rank 1 in its idle warm-up
     tick, rank 0 in its first forward; the matmul weights in bf16), each exactly once a step, as the audit counts
-    the branches the schedule runs (`pipeline.branch_runs`: the program's GEMM FLOPs then match Megatron's formula,
+    the branches the schedule runs (`ticks.branch_runs`: the program's GEMM FLOPs then match Megatron's formula,
     where counting every branch as taken gave 3.3x); GEMMs run under part of rank 0's (measured 33% of the
     reductions: four layers a chunk, of which XLA peels the first and the last out of its loop)."""
     cfg = config_lib.load(f"{REPO}/configs/gpt2-1.3b.yaml", [
@@ -375,7 +376,7 @@ def test_pipelined_reduction_and_gather_run_inside_the_schedule_on_h100():
     devices = audit._gpu_devices("h100", 8)
     cfg, mesh, compiled, setup = audit.compile_step(cfg, devices)
     text = compiled.as_text()
-    runs = pipeline.branch_runs(cfg)
+    runs = ticks.branch_runs(cfg)
     colls = hlo.parse(text, dict(mesh.shape), audit.GPUS_PER_HOST, runs)
     gemm = hlo.gemm_flops(text, runs)["total"]
     megatron = metrics.step_flops(cfg.model, cfg.train.global_batch_size * cfg.model.seq_length,

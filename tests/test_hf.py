@@ -278,7 +278,8 @@ def test_gpt2_generation_longer_than_positions_is_an_error(models, capsys):
 def test_pipeline_staged_training_checkpoint_exports(tmp_path):
     """A training state with pipeline (and interleaved) stages stores layers as [v, p, L/(p v), ...];
     export and load_params give the canonical [L, ...] layers back."""
-    from megajax import config as config_lib, pipeline, train
+    from megajax import config as config_lib, train
+    from megajax.pipeline.layout import from_stages
 
     setup = train.setup_for(small_config(**{
         "model.num_layers": 4, "parallel.pipeline": 2, "parallel.virtual_stages": 2, "parallel.schedule": "interleaved",
@@ -291,7 +292,7 @@ def test_pipeline_staged_training_checkpoint_exports(tmp_path):
     checkpoint.save(mgr, 7, state, train._meta(cfg, 7, 28))
     mgr.wait_until_finished()
     mgr.close()
-    want = pipeline.from_stages(jax.tree.map(np.asarray, state.params))
+    want = from_stages(jax.tree.map(np.asarray, state.params))
     got = checkpoint.load_params(tmp_path / "run")  # the output dir: its checkpoints/, newest step
     jax.tree.map(np.testing.assert_array_equal, got, want)
     convert.to_hf(tmp_path / "run", tmp_path / "hf")
@@ -306,7 +307,7 @@ def test_pipeline_staged_training_checkpoint_exports(tmp_path):
         other = train.setup_for(config_lib.override(cfg, layout), jax.devices()[:layout["parallel.pipeline"]])
         loaded = train.load_initial_params(other, str(tmp_path / "run"))
         if layout["parallel.pipeline"] > 1:
-            loaded = pipeline.from_stages(loaded)
+            loaded = from_stages(loaded)
         jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), loaded, want)
 
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from megajax import config as config_lib, hlo
-from megajax.pipeline import permute_bytes_per_step
+from megajax.pipeline import ticks
+from megajax.pipeline.schedule import perm_pairs
 
 from conftest import evaluate, first_batch, run_steps, small_config
 
@@ -24,6 +25,26 @@ def reference(arch: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
     norms = []
     losses = run_steps(small_config(**ARCHS[arch]), 1, STEPS, grad_norms=norms)
     return tuple(losses), tuple(norms)
+
+
+def permute_bytes_per_step(cfg) -> dict:
+    """What the executor should send per step over 'pipeline', per device: each tick's ppermutes of one
+    [micro batch, seq / context, hidden] activation (the oracle for the compiled program's collective-permutes)."""
+    par = cfg.parallel
+    m = cfg.num_micro_batches
+    mb = cfg.train.micro_batch_size
+    tokens = mb * (cfg.model.seq_length // par.context)
+    act = tokens * cfg.model.hidden_size * np.dtype(cfg.model.compute_dtype).itemsize
+    if par.schedule == "gpipe":
+        n = m + par.pipeline - 1  # ticks
+        return {"ppermutes": 2 * n, "bytes": 2 * n * act}  # forward scan and its transpose
+    p, v = par.pipeline, par.virtual_stages
+    sched, _, _, segments = ticks.plan(par.schedule, p, v, m)
+    n = 0
+    for seg in segments:
+        for j in range(seg.stop - seg.start):
+            n += len(perm_pairs(p, v, seg.roles, (seg.parity + j) % 2))
+    return {"ppermutes": n, "bytes": n * act}
 
 
 def layout(schedule, p, v, d, t, sp, mb=1):
@@ -78,7 +99,7 @@ def _grads(cfg, n):
     import jax
 
     from megajax import step_plan, train
-    from megajax.pipeline import from_stages
+    from megajax.pipeline.layout import from_stages
 
     setup, state, batch = first_batch(cfg, n)
     cfg, mesh = setup.cfg, setup.mesh

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from megajax.config import ModelConfig
 from megajax.model.layers import (MLP, NO_SIDE, RESIDUAL, TAP_GRADS, TAP_INPUTS, Attention, Embed, KVCache, Norm,
-                                  Side, dropout, dtype_of, gather_sequence)
+                                  Side, dropout, gather_sequence)
 from megajax.model.moe import MoE
 from megajax.sharding import constrain
 
@@ -138,12 +138,12 @@ class Head(nn.Module):
         cfg = self.cfg
         x = gather_sequence(Norm(cfg, name="final_norm")(x_bsd))
         if cfg.tied:
-            logits = jnp.einsum("bsd,vd->bsv", x, tied_table_vd.astype(dtype_of(cfg.compute_dtype)))
+            logits = jnp.einsum("bsd,vd->bsv", x, tied_table_vd.astype(jnp.dtype(cfg.compute_dtype)))
         else:
             w = self.param("output", nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std),
                                                                   ("embed", "vocab")),
-                           (cfg.hidden_size, cfg.padded_vocab_size), dtype_of(cfg.param_dtype))
-            logits = jnp.einsum("bsd,dv->bsv", x, w.astype(dtype_of(cfg.compute_dtype)))
+                           (cfg.hidden_size, cfg.padded_vocab_size), jnp.dtype(cfg.param_dtype))
+            logits = jnp.einsum("bsd,dv->bsv", x, w.astype(jnp.dtype(cfg.compute_dtype)))
         return constrain(logits.astype(jnp.float32), ("batch", None, "vocab"))
 
 
@@ -308,7 +308,7 @@ class DecodeState:
 def init_decode_state(cfg: ModelConfig, batch: int, max_length: int) -> DecodeState:
     """An empty cache for `batch` sequences of up to `max_length` tokens, in the compute dtype."""
     shape = (cfg.num_layers, batch, max_length, cfg.kv_heads, cfg.head_dim)
-    zeros = jnp.zeros(shape, dtype_of(cfg.compute_dtype))
+    zeros = jnp.zeros(shape, jnp.dtype(cfg.compute_dtype))
     return DecodeState(k=zeros, v=zeros, length=jnp.zeros((), jnp.int32))
 
 

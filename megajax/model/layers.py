@@ -163,10 +163,6 @@ def weight_grad(name: str, cfg: ModelConfig, x: jax.Array, dy: jax.Array, w: jax
     return jax.vjp(lambda w: jnp.einsum(WEIGHT_EINSUMS[name], x, w.astype(x.dtype)), w)[1](dy)[0]
 
 
-def dtype_of(name: str):
-    return jnp.dtype(name)
-
-
 def param(module: nn.Module, name: str, shape, names, std: float | None, dtype):
     """A parameter with logical axis names; std=None means ones (norm scales), 0 means zeros (biases)."""
     if std is None:
@@ -205,7 +201,7 @@ class Norm(nn.Module):
     def __call__(self, x_bsd: jax.Array) -> jax.Array:
         cfg = self.cfg
         d = x_bsd.shape[-1]
-        pdt, cdt = dtype_of(cfg.param_dtype), dtype_of(cfg.compute_dtype)
+        pdt, cdt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
         scale = param(self, "scale", (d,), ("embed",), None, pdt)
         # out_dtype: the fused kernel writes the compute dtype directly instead of an fp32 copy to cast.
         if cfg.arch == "llama":
@@ -224,7 +220,7 @@ class Embed(nn.Module):
 
     def setup(self):
         cfg = self.cfg
-        pdt = dtype_of(cfg.param_dtype)
+        pdt = jnp.dtype(cfg.param_dtype)
         self.embedding = param(self, "embedding", (cfg.padded_vocab_size, cfg.hidden_size), ("vocab", "embed"),
                                 cfg.init_std, pdt)
         if cfg.arch == "gpt2":
@@ -235,7 +231,7 @@ class Embed(nn.Module):
         """tokens [b, s] at positions offset .. offset + s - 1 (or side.positions) -> [b, s, d]."""
         side = NO_SIDE if side is None else side
         cfg = self.cfg
-        cdt = dtype_of(cfg.compute_dtype)
+        cdt = jnp.dtype(cfg.compute_dtype)
         # With the table sharded over 'vocab', XLA looks up locally with out-of-range ids masked and
         # all-reduces over 'tensor': Megatron's VocabParallelEmbedding.
         x = jnp.take(self.embedding.astype(cdt), tokens_bs, axis=0)
@@ -370,7 +366,7 @@ class Attention(nn.Module):
         cfg = self.cfg
         side = NO_SIDE if side is None else side
         h, d = cfg.num_heads, cfg.hidden_size
-        pdt, cdt = dtype_of(cfg.param_dtype), dtype_of(cfg.compute_dtype)
+        pdt, cdt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         q, kk, v = (latent_qkv if cfg.multi_latent_attention else fused_qkv)(self, x_bsd, side, offset)
         q = constrain(q, ("batch", None, "heads", "head_dim"))
@@ -410,7 +406,7 @@ def fused_qkv(module: nn.Module, x_bsd: jax.Array, side: Side, offset: jax.Array
     """Queries [b, s, h, k], keys and values [b, s, g, k] from one fused matmul (RoPE applied for llama)."""
     cfg = module.cfg
     h, g, k, d = cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.hidden_size
-    pdt, cdt = dtype_of(cfg.param_dtype), dtype_of(cfg.compute_dtype)
+    pdt, cdt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
     # One fused QKV matrix, grouped by kv head as Megatron lays it out: [d, g, r + 2, k] holds, for each kv head,
     # its r = h / g query heads, then its key, then its value. Sharding g over 'tensor' keeps every group on one
     # rank, and the backward has a single partial dX to all-reduce (three separate q/k/v matmuls would all-reduce
@@ -434,8 +430,8 @@ def latent_matmul(module: nn.Module, name: str, x: jax.Array, shape: tuple) -> j
     x [b, s, d] to a latent [b, s, r] (the weight whole on every tensor rank, the output left on the residual's
     sequence shards), or an up-projection of a gathered latent to heads [b, s, h, k] (column-parallel)."""
     cfg = module.cfg
-    w = param(module, name, shape, WEIGHT_NAMES[name], cfg.init_std, dtype_of(cfg.param_dtype))
-    y = weight_einsum(module, name, x, w.astype(dtype_of(cfg.compute_dtype)))
+    w = param(module, name, shape, WEIGHT_NAMES[name], cfg.init_std, jnp.dtype(cfg.param_dtype))
+    y = weight_einsum(module, name, x, w.astype(jnp.dtype(cfg.compute_dtype)))
     return constrain(y, RESIDUAL) if y.ndim == 3 else y
 
 
@@ -453,8 +449,8 @@ def latent_qkv(module: nn.Module, x_bsd: jax.Array, side: Side, offset: jax.Arra
     cfg = module.cfg
     h, n, r, v, d = cfg.num_heads, cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim, cfg.hidden_size
     if cfg.q_lora_rank is None:
-        w = param(module, "wq", (d, h, n + r), WEIGHT_NAMES["wq"], cfg.init_std, dtype_of(cfg.param_dtype))
-        q = column_matmul(module, "wq", x_bsd, w.astype(dtype_of(cfg.compute_dtype)))
+        w = param(module, "wq", (d, h, n + r), WEIGHT_NAMES["wq"], cfg.init_std, jnp.dtype(cfg.param_dtype))
+        q = column_matmul(module, "wq", x_bsd, w.astype(jnp.dtype(cfg.compute_dtype)))
     else:
         cq = Norm(cfg, name="q_norm")(latent_matmul(module, "wq_down", x_bsd, (d, cfg.q_lora_rank)))
         q = latent_matmul(module, "wq_up", gather_sequence(cq), (cfg.q_lora_rank, h, n + r))
@@ -480,7 +476,7 @@ class MLP(nn.Module):
     def __call__(self, x_bsd: jax.Array) -> jax.Array:
         cfg = self.cfg
         d, f = cfg.hidden_size, cfg.ffn_size
-        pdt, cdt = dtype_of(cfg.param_dtype), dtype_of(cfg.compute_dtype)
+        pdt, cdt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         if cfg.arch == "llama":
             # gate and up fused as [d, 2, f] (one partial dX to all-reduce in the backward, as for QKV)

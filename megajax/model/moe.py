@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 from megajax.config import ModelConfig
 from megajax.kernels.grouped_matmul import group_of_rows, grouped_matmul
 from megajax.model import fp8
-from megajax.model.layers import MLP, RESIDUAL, dtype_of, fp8_state, gather_sequence, param
+from megajax.model.layers import MLP, RESIDUAL, fp8_state, gather_sequence, param
 from megajax import step_plan
 from megajax.sharding import FOLDED, constrain, current_manual_axes, tensor_manual, vary, varying_axes
 
@@ -540,7 +540,7 @@ def expert_mlps(cfg: ModelConfig, w: dict, meta, lead: str | None, xs: jax.Array
     or with `sizes` [el] rows [n, d] grouped by expert (ragged matmuls; rows past the groups are padding). Folded
     experts (lead "folded_expert") take ragged rows in blocks, one per tensor rank: [g, n, d] with sizes
     [g, el / g], block r for the experts r el / g ... `meta(name)`: an FP8 operand's delayed-scaling state."""
-    cdt = dtype_of(cfg.compute_dtype)
+    cdt = jnp.dtype(cfg.compute_dtype)
     el = next(iter(w.values())).shape[0]
     fmt = cfg.fp8
     meta = meta or (lambda name: None)
@@ -645,7 +645,7 @@ class MoE(nn.Module):
         with that cotangent seed, the auxiliary losses join the gradient at that scale; None: they do not."""
         cfg = self.cfg
         d, f, e, k = cfg.hidden_size, cfg.moe_ffn_size, cfg.num_experts, cfg.experts_per_token
-        pdt, cdt = dtype_of(cfg.param_dtype), dtype_of(cfg.compute_dtype)
+        pdt, cdt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         # With folded experts each tensor rank routes its own sequence shard (group r: rank r's tokens), else the
         # sequence is gathered and every tensor rank routes all of it (one group).

@@ -65,26 +65,6 @@ from megajax.pipeline.layout import local_chunks
 from megajax.pipeline.schedule import perm_pairs
 from megajax.sharding import vary
 
-def permute_bytes_per_step(cfg: Config) -> dict:
-    """What the executor sends per step over 'pipeline', per device: each tick's ppermutes of one
-    [micro batch, seq / context, hidden] activation (for the audit to check against the compiled program)."""
-    par = cfg.parallel
-    m = cfg.num_micro_batches
-    mb = cfg.train.micro_batch_size
-    tokens = mb * (cfg.model.seq_length // par.context)
-    act = tokens * cfg.model.hidden_size * jnp.dtype(cfg.model.compute_dtype).itemsize
-    if par.schedule == "gpipe":
-        n = m + par.pipeline - 1  # ticks
-        return {"ppermutes": 2 * n, "bytes": 2 * n * act}  # forward scan and its transpose
-    p, v = par.pipeline, par.virtual_stages
-    sched, _, _, segments = ticks.plan(par.schedule, p, v, m)
-    n = 0
-    for seg in segments:
-        for j in range(seg.stop - seg.start):
-            n += len(perm_pairs(p, v, seg.roles, (seg.parity + j) % 2))
-    return {"ppermutes": n, "bytes": n * act}
-
-
 def _local_kinds(present: tuple[int, ...], kinds: np.ndarray) -> jax.Array:
     """Kind codes -> indices into the segment's list of branches."""
     index = np.zeros(max(2 * FINAL, max(present) + 1), np.int32)
@@ -201,17 +181,15 @@ def _tick(acts: _ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, 
     carry["act"] = carry["act"].at[row["f_slot"]].set(stash)  # (the trash slot when no forward)
     carry["grad"] = carry["grad"].at[row["f_grad_slot"]].set(g_self)
     carry["loss"] = carry["loss"] + loss
-    perms = perm_pairs(p, v, parity is not None, parity or 0)
-    if not perms:  # (p = 2 without a ring: nothing moves in the tick after a swap)
-        pass
-    elif parity is None:
+    perms = perm_pairs(p, v, parity is not None, parity or 0)  # none: p = 2 without a ring, after a swap
+    if perms and parity is None:
         carry["act"] = carry["act"].at[row["recv_act"]].set(jax.lax.ppermute(send_act, "pipeline", perms[0]))
-    elif len(perms) == 1:
+    elif perms and len(perms) == 1:
         forward_role = (rank + parity) % 2 == 0
         recv = jax.lax.ppermute(jnp.where(forward_role, send_act, send_grad), "pipeline", perms[0])
         carry["act"] = carry["act"].at[row["recv_act"]].set(recv)
         carry["grad"] = carry["grad"].at[row["recv_grad"]].set(recv)
-    else:
+    elif perms:
         carry["act"] = carry["act"].at[row["recv_act"]].set(jax.lax.ppermute(send_act, "pipeline", perms[0]))
         carry["grad"] = carry["grad"].at[row["recv_grad"]].set(jax.lax.ppermute(send_grad, "pipeline", perms[1]))
     if "g_final" in carry:  # an idle tick's data-parallel reduction, after the sends (nothing waits for it)

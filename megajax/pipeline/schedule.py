@@ -258,18 +258,6 @@ def interleaved_depth(p: int, v: int, m: int, r: int) -> int:
     return max(1, min(depth, (p - r - 1) * 2 + (v - 1) * p + 1, m * v))
 
 
-def rank_order(name: str, p: int, v: int, m: int, r: int) -> list[tuple[int, int, int]]:
-    """Rank r's actions [(FWD|BWD, local chunk, micro batch), ...] in the order the lock step runs them."""
-    s = build(name, p, v, m)
-    out = []
-    for t in range(s.ticks):
-        if s.f_chunk[t, r] >= 0:
-            out.append((FWD, int(s.f_chunk[t, r]), int(s.f_micro[t, r])))
-        if s.b_chunk[t, r] >= 0:
-            out.append((BWD, int(s.b_chunk[t, r]), int(s.b_micro[t, r])))
-    return out
-
-
 def _check_layout(name: str, p: int, v: int, m: int) -> None:
     if p < 1 or v < 1 or m < 1:
         raise ValueError(f"pipeline sizes must be positive, got p={p} v={v} m={m}")
