@@ -176,9 +176,9 @@ def build(cfg: Config, mesh: jax.sharding.Mesh) -> StepSetup:
     batch_shardings = {k: named(P(sharding.DATA)) for k in ("tokens", "targets", "loss_mask", "sample_ids")}
     eod = None
     if cfg.data.reset_attention_mask or cfg.data.reset_position_ids:
-        from megajax.data.tokenizers import resolve
+        from megajax.data.tokenizers import eod_of
 
-        eod = resolve(cfg.data.tokenizer).build().eod
+        eod = eod_of(cfg.data.tokenizer)
     return StepSetup(cfg, mesh, plan, logical, tx, abstract_state, state_shardings, batch_shardings, zero_dims, eod)
 
 

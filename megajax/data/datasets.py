@@ -13,7 +13,6 @@ Everything that can be wrong with the data fails here, before anything compiles.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 from collections.abc import Sequence
@@ -27,7 +26,7 @@ from megajax.data.corpus import bundled_prefix, default_cache_dir
 from megajax.data.gpt_dataset import GPTDataset
 from megajax.data.index_cache import IndexCache, describe, digest
 from megajax.data.indexed import DataError, IndexedDataset, strip_suffix
-from megajax.data.tokenizers import resolve
+from megajax.data.tokenizers import eod_of, resolve
 
 SPLITS = ("train", "valid", "test")
 SURPLUS = 0.005  # Megatron's mid_level_dataset_surplus: extra samples built per blended dataset
@@ -107,11 +106,6 @@ def open_checked(prefix: str, vocab_size: int, cache: IndexCache) -> IndexedData
     return ds
 
 
-@functools.lru_cache(maxsize=8)
-def _tokenizer(name: str):
-    return resolve(name).build()
-
-
 def build_datasets(cfg: Config, num_samples: dict[str, int]) -> dict[str, Split]:
     """The splits named in `num_samples` ({"train": n, "valid": m}) that data.split gives data to.
 
@@ -125,7 +119,7 @@ def build_datasets(cfg: Config, num_samples: dict[str, int]) -> dict[str, Split]
     matrix = split_matrix(cfg.data.split)
     if "train" in num_samples and matrix[0] is None:
         raise DataError(f"data.split={cfg.data.split!r} gives the train split no data")
-    eod = _tokenizer(cfg.data.tokenizer).eod if cfg.data.eod_mask_loss else None
+    eod = eod_of(cfg.data.tokenizer) if cfg.data.eod_mask_loss else None
     out = {}
     for i, name in enumerate(SPLITS):
         if name not in num_samples or matrix[i] is None:

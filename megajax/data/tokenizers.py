@@ -14,6 +14,7 @@ tokenizers do); the end-of-document id `eod` is appended by the preprocessor whe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -250,3 +251,10 @@ def _resolve_file(path: Path) -> TokenizerSpec:
 def get_tokenizer(name: str, vocab_file: str | None = None, merge_file: str | None = None) -> Tokenizer:
     """A tokenizer by name ("byte", "gpt2") or path (see the module docstring)."""
     return resolve(name, vocab_file, merge_file).build()
+
+
+@functools.lru_cache(maxsize=8)
+def eod_of(name: str) -> int:
+    """The end-of-document id of data.tokenizer `name` (built once per name and process): what the loss mask
+    (data.eod_mask_loss) and the packed documents' boundaries (data.reset_*) read."""
+    return get_tokenizer(name).eod
