@@ -35,7 +35,7 @@ import absl.logging
 import jax
 import yaml
 
-from megajax import checkpoint, hf, hf_folder
+from megajax import checkpoint, hf
 from megajax.config import Config, ConfigError, DataConfig, ModelConfig
 from megajax.data.tokenizers import get_tokenizer
 
@@ -73,7 +73,7 @@ def from_hf(model_dir: str | Path, output: str | Path, config_out: str | Path | 
         model_cfg = hf.model_config_from_hf(hf_cfg)
     except hf.ConversionError as e:
         raise hf.ConversionError(f"{model_dir / 'config.json'}: {e}") from None
-    reader = hf_folder.SafetensorsReader(model_dir, model_cfg.arch)
+    reader = hf.SafetensorsReader(model_dir, model_cfg.arch)
     params = hf.params_from_hf(model_cfg, reader.get, reader.names(), source=str(model_dir),
                                rope_interleave=hf_cfg.get("rope_interleave", True))
     checkpoint.check_params_fit(params, _expected_shapes(model_cfg), str(model_dir))
@@ -82,7 +82,7 @@ def from_hf(model_dir: str | Path, output: str | Path, config_out: str | Path | 
     side = output / HF_SUBDIR
     side.mkdir()
     (side / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
-    for name in hf_folder.SIDE_FILES:
+    for name in hf.SIDE_FILES:
         if (model_dir / name).exists():
             shutil.copy2(model_dir / name, side / name)
     # A tokenizer.json beside the weights becomes the data tokenizer (for training and generation). Without
@@ -205,10 +205,10 @@ def to_hf(checkpoint_dir: str | Path, output: str | Path, dtype: str | None = No
 
     output = Path(output).absolute()
     _prepare_output(output, force)
-    files = hf_folder.write_safetensors(tensors, output, hf_folder.parse_size(max_shard_size))
+    files = hf.write_safetensors(tensors, output, hf.parse_size(max_shard_size))
     (output / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
     files.append("config.json")
-    extra = [side / n for n in hf_folder.SIDE_FILES] if side else []
+    extra = [side / n for n in hf.SIDE_FILES] if side else []
     if Path(source.config.data.tokenizer).name == "tokenizer.json":
         extra.append(Path(source.config.data.tokenizer))
     for path in extra:

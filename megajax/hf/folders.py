@@ -1,7 +1,7 @@
 """Hugging Face model folders on disk: the safetensors weights (one file, or shards listed by
 model.safetensors.index.json), read tensor by tensor and written in shards, and the tokenizer and generation
-files that travel with them. NumPy only (safetensors' NumPy API; bfloat16 through ml_dtypes, which megajax.hf
-registers); the layouts and names are megajax/hf.py's."""
+files that travel with them. NumPy only (safetensors' NumPy API; bfloat16 through ml_dtypes, registered by the
+import below); the layouts and names are megajax/hf/weights.py's."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ import re
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy, so safetensors' NumPy API reads and writes it)
 import numpy as np
 
-from megajax.hf import ConversionError, read_json
+from megajax.hf.errors import ConversionError, read_json
 
 # Tokenizer and generation files copied along with the weights in both directions.
 SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
               "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
-
 
 
 class SafetensorsReader:
