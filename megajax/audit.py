@@ -353,9 +353,9 @@ def lower_for(cfg, platform: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megajax.audit", description=__doc__.split("\n\n")[0])
-    from megajax import config as config_lib
+    from megajax import config_io
 
-    config_lib.add_cli_arguments(parser)
+    config_io.add_cli_arguments(parser)
     parser.add_argument("--target", choices=TARGETS, default="cpu",
                         help="cpu: this host's devices; a100/h100/h200: compile for those GPUs without one "
                              "(XLA's GPU compiler from the gpu-audit extra), memory and collectives as they would run")
@@ -377,10 +377,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.target == "cpu" and args.devices:
         jax.config.update("jax_num_cpu_devices", args.devices)
-    from megajax import config as config_lib
+    from megajax import config as config_lib, config_io
 
     try:
-        cfg = config_lib.load(args.config, args.set)
+        cfg = config_io.load(args.config, args.set)
         if args.lower_for:
             report = lower_for(cfg, args.lower_for)
         else:

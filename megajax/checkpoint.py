@@ -36,7 +36,7 @@ import orbax.checkpoint as ocp
 import yaml
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from megajax import config as config_lib
+from megajax import config as config_lib, config_io
 from megajax.config import Config, ModelConfig
 from megajax.pipeline.layout import from_stages, lead_dims
 
@@ -416,7 +416,7 @@ def find_params(directory: str | os.PathLike) -> ParamsSource:
     it (<dir>/<step>), or a train.output_dir (its checkpoints/)."""
     root = Path(directory).absolute()
     if (root / PARAMS_ITEM).is_dir() and (root / CONFIG_FILE).exists():
-        cfg = config_lib.from_dict(yaml.safe_load((root / CONFIG_FILE).read_text()))
+        cfg = config_io.from_dict(yaml.safe_load((root / CONFIG_FILE).read_text()))
         return ParamsSource(root, root / PARAMS_ITEM, cfg, None)
     ckpt_dir, step = root, None
     if (root / "state").is_dir() and root.name.isdigit():
@@ -433,7 +433,7 @@ def find_params(directory: str | os.PathLike) -> ParamsSource:
         meta = mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     finally:
         mgr.close()
-    return ParamsSource(root, ckpt_dir / str(step) / "state", config_lib.from_dict(meta["config"]), step)
+    return ParamsSource(root, ckpt_dir / str(step) / "state", config_io.from_dict(meta["config"]), step)
 
 
 def _has_steps(path: Path) -> bool:
@@ -546,21 +546,14 @@ def _with_fresh_fp8_state(params: dict, fresh: dict) -> dict:
     return traverse_util.unflatten_dict(flat)
 
 
-# Model fields that change what the parameters compute (most without changing their shapes).
-_SAME_MODEL_FIELDS = ("arch", "num_layers", "hidden_size", "num_heads", "kv_heads", "ffn_size", "vocab_size",
-                      "padded_vocab_size", "tied", "norm_eps", "rope_theta", "num_experts", "multi_latent_attention",
-                      "moe_router_score_function")
-
-
 def check_same_model(stored: ModelConfig, wanted: ModelConfig, where: str) -> None:
-    """The architecture a checkpoint was written for must be the one being built; names each difference."""
-    diffs = [f"model.{f}: {getattr(stored, f)!r} in the checkpoint, {getattr(wanted, f)!r} here"
-             for f in _SAME_MODEL_FIELDS if getattr(stored, f) != getattr(wanted, f)]
-    if stored.layer_period != wanted.layer_period:
-        diffs.append(f"model.moe_layer_freq: {stored.layer_period} in the checkpoint, {wanted.layer_period} here")
-    if stored.first_dense_layers != wanted.first_dense_layers:
-        diffs.append(f"model.moe_first_dense_layers: {stored.first_dense_layers} in the checkpoint, "
-                     f"{wanted.first_dense_layers} here")
+    """The architecture a checkpoint was written for must be the one being built (the keys megajax/model_config.py marks
+    `_defines_model`, compared by their resolved values); names each differing key as config.yaml spells it."""
+    # A resolved value can differ while its key does not (num_kv_heads null on both sides, num_heads not): the
+    # difference is then named under the key it comes from, which is compared too.
+    diffs = [f"model.{key}: {getattr(stored, key)!r} in the checkpoint, {getattr(wanted, key)!r} here"
+             for key, value in config_lib.model_defining_fields().items()
+             if getattr(stored, value) != getattr(wanted, value) and getattr(stored, key) != getattr(wanted, key)]
     if stored.arch == "gpt2" and stored.seq_length != wanted.seq_length:
         diffs.append(f"model.seq_length (GPT-2's position embedding): {stored.seq_length} in the checkpoint, "
                      f"{wanted.seq_length} here")

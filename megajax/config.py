@@ -1,270 +1,28 @@
-"""The configuration tree: frozen dataclasses, YAML presets and `--set a.b=c` overrides.
+"""The configuration tree: frozen dataclasses whose checks name the fix.
 
 Every section checks itself in `__post_init__`; `Config.__post_init__` checks what needs two sections
 (heads vs tensor parallelism, layers vs pipeline stages, batch vs data parallelism). Checks that need the
-device count run in `Config.for_devices`, before anything is compiled. Every error names the fix.
+device count run in `Config.for_devices`, which returns the resolved config every step is built from. Every
+error names the fix.
+
+A key's meaning is the comment on its line (`--help` and docs/reference/config.md print it). Two facts about a
+key are field metadata, read by `may_change_on_resume` and `model_defining_fields` at the end of this file:
+whether it may change when a run resumes without the run becoming another one, and whether it defines the model
+a checkpoint holds. The model's section is megajax/model_config.py, the errors and field helpers
+megajax/config_base.py; YAML presets, `--set` overrides and `--help` are megajax/config_io.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import types
-import typing
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
+# InputError, ConfigError and ModelConfig are imported from here as the tree's own names.
+from megajax.config_base import (_MODEL, _RESUME, ConfigError, InputError, _check, _divisors,  # noqa: F401
+                                 _may_change_on_resume, _short)
+from megajax.model_config import ModelConfig
 
-
-class InputError(ValueError):
-    """Bad input from the user (a config, a layout, a data file, a checkpoint, a flag) whose message names
-    the fix. Entry points print it as one line and exit 2; any other exception is a bug and keeps its
-    traceback."""
-
-
-class ConfigError(InputError):
-    """A configuration that cannot run; the message says what to change."""
-
-
-def _short(value: Any) -> str:
-    """A bounded repr for messages: a preset's hostile or huge value (YAML aliases nested many levels deep expand
-    to gigabytes) must not be printed whole."""
-    import reprlib
-
-    r = reprlib.Repr()
-    r.maxlevel, r.maxlist, r.maxdict, r.maxstring, r.maxother = 2, 4, 4, 60, 60
-    return r.repr(value)
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
-DTYPES = ("float32", "bfloat16", "float16")
 FP16_MAX = 65504.0  # float16's largest finite value
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """Architecture. `arch` picks the family defaults; every field can still be set by hand."""
-
-    arch: Literal["gpt2", "llama"] = "gpt2"  # gpt2: LayerNorm, GELU, learned positions; llama: RMSNorm, SwiGLU, RoPE
-    num_layers: int = 2  # transformer blocks
-    hidden_size: int = 128  # model width
-    num_heads: int = 4  # attention heads
-    num_kv_heads: int | None = None  # key/value heads (grouped-query attention); null: num_heads
-    ffn_hidden_size: int | None = None  # MLP width; null: 4h (gpt2) or 2/3 * 4h rounded up to 256 (llama)
-    vocab_size: int = 257  # tokens the model embeds; the byte tokenizer (data.tokenizer=byte) needs 257
-    make_vocab_size_divisible_by: int = 128  # Megatron pads the vocabulary to a multiple of this
-    seq_length: int = 128  # tokens per training sample
-    dropout: float = 0.0  # on the embeddings and each block's residual branches
-    attention_dropout: float = 0.0  # on the attention probabilities
-    compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # matmuls and activations
-    param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # the stored (master) weights
-    recompute: Literal["none", "selective", "full"] = "none"  # activation recomputation in the backward
-    attention_impl: Literal["xla", "pallas", "cudnn"] = "xla"  # pallas: the fused flash-attention kernel
-    norm_impl: Literal["xla", "pallas"] = "xla"  # pallas: the fused normalization kernel
-    fp8: Literal["none", "hybrid", "e4m3"] = "none"  # FP8 linear layers: hybrid = e4m3 forward, e5m2 gradients
-    fp8_recipe: Literal["current", "delayed"] = "current"  # FP8 scales: each tensor's own, or from an amax history
-    fp8_amax_history: int = 16  # delayed scaling: steps of amax history (the scale uses their max)
-    fp8_margin: int = 0  # FP8 scales are divided by 2^margin (headroom against growing values)
-    norm_eps: float = 1e-5  # LayerNorm / RMSNorm epsilon
-    rope_theta: float = 10000.0  # RoPE base (llama)
-    rope_scaling: Literal["none", "llama3", "yarn"] = "none"  # llama3: Llama 3.1's frequency scaling; yarn: YaRN's
-    rope_scaling_factor: float = 8.0  # llama3 scaling: low frequencies are divided by this
-    rope_low_freq_factor: float = 1.0  # llama3 scaling: wavelengths above original / this are scaled fully
-    rope_high_freq_factor: float = 4.0  # llama3 scaling: wavelengths below original / this are kept
-    rope_original_max_positions: int = 8192  # llama3 scaling: the context length the model was trained at
-    rope_yarn_beta_fast: float = 32.0  # yarn: dimensions rotating more than this often over the original are kept
-    rope_yarn_beta_slow: float = 1.0  # yarn: those rotating less often than this are interpolated fully
-    rope_yarn_mscale: float = 0.0  # yarn: the RoPE amplitude ratio's numerator mscale (0: sqrt of the plain ratio)
-    rope_yarn_mscale_all_dim: float = 0.0  # yarn: its denominator; with MLA also the softmax scale's (DeepSeek)
-    tie_embeddings: bool | None = None  # output layer = embedding table; null: tied for gpt2, not for llama
-    add_qkv_bias: bool = False  # llama: biases on the Q, K and V projections (Qwen; gpt2 always has them)
-    init_std: float = 0.02  # standard deviation of the weights' normal init
-    # Multi-latent attention (DeepSeek-V2/V3; Megatron's --multi-latent-attention), llama only: keys and values
-    # from one compressed latent of kv_lora_rank per token, queries through a q_lora_rank one (null: a plain
-    # projection), each head's query and key = a qk_head_dim part without position and a qk_pos_emb_head_dim part
-    # with RoPE (the key's shared by all heads), values of v_head_dim.
-    multi_latent_attention: bool = False
-    q_lora_rank: int | None = None  # the query's latent width; null: queries projected from the residual directly
-    kv_lora_rank: int = 512  # the keys' and values' latent width
-    qk_head_dim: int = 128  # each head's query/key dimensions without RoPE
-    qk_pos_emb_head_dim: int = 64  # each head's query/key dimensions with RoPE (the key's shared by the heads)
-    v_head_dim: int = 128  # each head's value dimensions
-    # Mixture of experts (Mixtral / DeepSeek style): 0 experts = the dense MLP
-    num_experts: int = 0  # experts per MoE layer (0: the dense MLP)
-    experts_per_token: int = 2  # experts each token is routed to (top-k)
-    moe_ffn_hidden_size: int | None = None  # each expert's MLP width; null: ffn_hidden_size
-    moe_capacity_factor: float | None = None  # tokens over factor x fair share are dropped; null: dropless
-    moe_token_drop_policy: Literal["probs", "position"] = "probs"  # capacity: keep top weights or first tokens
-    # Dropless expert matmuls: true = the Pallas grouped GEMM (only the routed rows multiplied; interpreted on CPU),
-    # false = jax.lax.ragged_dot (XLA's GPU compiler lowers it to dense GEMMs over every expert), null = the grouped
-    # GEMM where the step is compiled for a GPU and ragged_dot on CPU (picked per lowering platform).
-    moe_grouped_gemm: bool | None = None
-    moe_aux_loss_coef: float = 0.01  # weight of the Switch / GShard load-balancing loss
-    moe_z_loss_coef: float = 0.0  # weight of the router z-loss
-    moe_shared_experts: int = 0  # DeepSeek's always-on shared experts
-    moe_shared_expert_gate: bool = False  # the shared experts' output times sigmoid(x w) (Qwen-MoE)
-    moe_router_pre_softmax: bool = False  # top k of the softmax over all experts, not renormalised (Qwen-MoE)
-    moe_layer_freq: int = 1  # 1: every layer is MoE; n: layers 0, n, 2n, .. are MoE, the rest dense (Megatron's)
-    moe_first_dense_layers: int = 0  # DeepSeek's first_k_dense_replace: the first k layers dense, the pattern after
-    moe_router_bias_update_rate: float = 0.0  # DeepSeek-V3's auxiliary-loss-free balancing (0: off)
-    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"  # sigmoid: DeepSeek-V3's expert scores
-    moe_router_num_groups: int | None = None  # group-limited routing (DeepSeek): experts in this many groups
-    moe_router_group_topk: int | None = None  # group-limited routing: each token's experts from its best groups
-    moe_router_topk_scaling_factor: float | None = None  # the k weights times this (DeepSeek's routed_scaling_factor)
-
-    def __post_init__(self):
-        for name in ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_length"):
-            _check(getattr(self, name) > 0, f"model.{name} must be positive, got {getattr(self, name)}")
-        _check(
-            self.hidden_size % self.num_heads == 0,
-            f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads={self.num_heads}: "
-            "pick a head count that divides the hidden size",
-        )
-        _check(
-            self.kv_heads > 0 and self.num_heads % self.kv_heads == 0,
-            f"model.num_heads={self.num_heads} must be a multiple of model.num_kv_heads={self.kv_heads}",
-        )
-        for name in ("dropout", "attention_dropout"):
-            _check(0.0 <= getattr(self, name) < 1.0, f"model.{name} must be in [0, 1), got {getattr(self, name)}")
-        _check(self.make_vocab_size_divisible_by > 0, "model.make_vocab_size_divisible_by must be positive")
-        if self.num_experts:
-            _check(self.num_experts > 0, f"model.num_experts must be >= 0 (0: dense), got {self.num_experts}")
-            _check(
-                1 <= self.experts_per_token <= self.num_experts,
-                f"model.experts_per_token={self.experts_per_token} must be between 1 and model.num_experts="
-                f"{self.num_experts}: lower model.experts_per_token or add experts",
-            )
-            _check(self.moe_capacity_factor is None or self.moe_capacity_factor > 0,
-                   f"model.moe_capacity_factor must be positive or null (dropless), got {self.moe_capacity_factor}")
-            _check(self.moe_layer_freq >= 1, f"model.moe_layer_freq must be >= 1, got {self.moe_layer_freq}")
-            _check(0 <= self.moe_first_dense_layers < self.num_layers,
-                   f"model.moe_first_dense_layers={self.moe_first_dense_layers} must be >= 0 and leave MoE layers: "
-                   f"below model.num_layers={self.num_layers}")
-            _check(self.stacked_layers % self.moe_layer_freq == 0,
-                   f"the {self.stacked_layers} layers after the model.moe_first_dense_layers are not a multiple of "
-                   f"model.moe_layer_freq={self.moe_layer_freq}: they repeat in groups of one MoE layer and "
-                   f"moe_layer_freq - 1 dense ones; choose a frequency from {_divisors(self.stacked_layers)}")
-            _check(self.moe_shared_experts >= 0, "model.moe_shared_experts must be >= 0")
-            _check(not self.moe_shared_expert_gate or self.moe_shared_experts > 0,
-                   "model.moe_shared_expert_gate gates the shared experts: set model.moe_shared_experts >= 1")
-            _check(self.moe_aux_loss_coef >= 0 and self.moe_z_loss_coef >= 0, "MoE loss coefficients must be >= 0")
-            _check(self.moe_router_bias_update_rate >= 0, "model.moe_router_bias_update_rate must be >= 0 (0: off)")
-            self._check_group_routing()
-            _check(not (self.moe_router_pre_softmax and self.moe_router_score_function == "sigmoid"),
-                   "model.moe_router_pre_softmax takes the top k of a softmax: with "
-                   "model.moe_router_score_function=sigmoid the k scores are always normalised, unset one of them")
-            _check(self.moe_router_topk_scaling_factor is None or self.moe_router_topk_scaling_factor > 0,
-                   "model.moe_router_topk_scaling_factor must be positive or null")
-        if self.multi_latent_attention:
-            self._check_latent_attention()
-        _check(self.param_dtype != "float16", "model.param_dtype=float16 is not supported: keep float32 master "
-               "weights and set model.compute_dtype=float16")
-        _check(self.fp8_amax_history >= 1 and self.fp8_margin >= 0,
-               "model.fp8_amax_history must be >= 1 and model.fp8_margin >= 0")
-        if self.rope_scaling != "none":
-            _check(self.arch == "llama", f"model.rope_scaling={self.rope_scaling} needs RoPE: set model.arch=llama")
-            _check(self.rope_scaling_factor >= 1 and self.rope_original_max_positions > 0
-                   and self.rope_high_freq_factor > self.rope_low_freq_factor > 0,
-                   "model.rope_scaling=llama3 needs rope_scaling_factor >= 1, rope_original_max_positions > 0 and "
-                   "rope_high_freq_factor > rope_low_freq_factor > 0 (Llama 3.1: 8, 8192, 4 and 1)")
-            _check(self.rope_scaling != "yarn" or self.rope_yarn_beta_fast > self.rope_yarn_beta_slow > 0,
-                   "model.rope_scaling=yarn needs rope_yarn_beta_fast > rope_yarn_beta_slow > 0 (YaRN: 32 and 1)")
-
-    def _check_group_routing(self) -> None:
-        groups, best = self.moe_router_num_groups, self.moe_router_group_topk
-        _check((groups is None) == (best is None), "group-limited routing needs both model.moe_router_num_groups "
-               "and model.moe_router_group_topk (DeepSeek-V3: 8 and 4), or neither")
-        if groups is None:
-            return
-        _check(groups >= 1 and self.num_experts % groups == 0,
-               f"model.moe_router_num_groups={groups} must divide model.num_experts={self.num_experts}: choose from "
-               f"{_divisors(self.num_experts)}")
-        _check(1 <= best <= groups and best * (self.num_experts // groups) >= self.experts_per_token,
-               f"model.moe_router_group_topk={best} groups of {self.num_experts // groups} experts must hold "
-               f"model.experts_per_token={self.experts_per_token} experts, with 1 <= group_topk <= {groups}")
-        _check(self.experts_per_token % best == 0,
-               f"group-limited routing scores a group by its top experts_per_token / group_topk experts: "
-               f"model.experts_per_token={self.experts_per_token} must be a multiple of "
-               f"model.moe_router_group_topk={best}")
-
-    def _check_latent_attention(self) -> None:
-        _check(self.arch == "llama", "model.multi_latent_attention needs RoPE and RMSNorm: set model.arch=llama")
-        _check(self.num_kv_heads is None, "multi-latent attention gives every head its own keys and values: "
-               "unset model.num_kv_heads")
-        _check(not self.add_qkv_bias, "multi-latent attention has no Q, K, V biases: set model.add_qkv_bias=false")
-        _check(self.qk_pos_emb_head_dim % 2 == 0 and self.qk_pos_emb_head_dim > 0,
-               f"model.qk_pos_emb_head_dim={self.qk_pos_emb_head_dim} must be positive and even (RoPE rotates pairs)")
-        for name in ("kv_lora_rank", "qk_head_dim", "v_head_dim"):
-            _check(getattr(self, name) > 0, f"model.{name} must be positive, got {getattr(self, name)}")
-        _check(self.q_lora_rank is None or self.q_lora_rank > 0, "model.q_lora_rank must be positive or null")
-        _check(self.v_head_dim <= self.qk_head_dim + self.qk_pos_emb_head_dim,
-               f"model.v_head_dim={self.v_head_dim} is wider than a query head (qk_head_dim + qk_pos_emb_head_dim = "
-               f"{self.qk_head_dim + self.qk_pos_emb_head_dim}): the values are padded to the query width, so lower "
-               "it (DeepSeek-V3: 128 of 192)")
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
-
-    @property
-    def head_dim(self) -> int:
-        """Each head's query/key width (with multi-latent attention qk_head_dim + qk_pos_emb_head_dim), also the
-        width of the cached values (MLA pads its values to it)."""
-        if self.multi_latent_attention:
-            return self.qk_head_dim + self.qk_pos_emb_head_dim
-        return self.hidden_size // self.num_heads
-
-    @property
-    def value_dim(self) -> int:
-        """Each head's value (and attention output) width."""
-        return self.v_head_dim if self.multi_latent_attention else self.head_dim
-
-    @property
-    def ffn_size(self) -> int:
-        if self.ffn_hidden_size is not None:
-            return self.ffn_hidden_size
-        if self.arch == "llama":
-            return 256 * math.ceil(int(2 * 4 * self.hidden_size / 3) / 256)
-        return 4 * self.hidden_size
-
-    @property
-    def moe_ffn_size(self) -> int:
-        return self.ffn_size if self.moe_ffn_hidden_size is None else self.moe_ffn_hidden_size
-
-    @property
-    def layer_period(self) -> int:
-        """Layers per scanned unit: moe_layer_freq in an MoE model (one MoE layer, then dense ones), else 1."""
-        return self.moe_layer_freq if self.num_experts else 1
-
-    @property
-    def first_dense_layers(self) -> int:
-        """The dense layers before the layer stack (model.moe_first_dense_layers in an MoE model, else none)."""
-        return self.moe_first_dense_layers if self.num_experts else 0
-
-    @property
-    def stacked_layers(self) -> int:
-        """The layers of the scanned stack (the pipeline splits these): all but the first dense ones."""
-        return self.num_layers - self.first_dense_layers
-
-    @property
-    def moe_layers(self) -> int:
-        """How many layers are MoE (after the first dense ones, layers 0, n, 2n, .. of the stack with
-        moe_layer_freq n)."""
-        return self.stacked_layers // self.moe_layer_freq if self.num_experts else 0
-
-    @property
-    def tied(self) -> bool:
-        return self.arch == "gpt2" if self.tie_embeddings is None else self.tie_embeddings
-
-    @property
-    def padded_vocab_size(self) -> int:
-        m = self.make_vocab_size_divisible_by
-        return m * math.ceil(self.vocab_size / m)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -401,16 +159,20 @@ class TrainConfig:
     global_batch_size: int = 8  # samples per optimizer step, over all data ranks
     micro_batch_size: int | None = None  # samples per micro batch; null: the whole per-data-rank batch
     seed: int = 0  # weights, data order and dropout
-    log_every: int = 10  # steps between log lines and metrics.jsonl rows
-    eval_every: int = 0  # steps between evaluations on the validation split (0: none)
-    eval_batches: int = 4  # global batches of the validation split per evaluation
-    output_dir: str = "runs/default"  # metrics.jsonl, TensorBoard events, checkpoints
-    max_bad_steps: int = 5  # stop after this many non-finite steps in a row
-    exit_after_minutes: float | None = None  # save and exit cleanly after this much wall time
-    profile_start: int = 0  # the first step (0-based) traced with jax.profiler when profile_steps > 0
-    profile_steps: int = 0  # steps traced into <train.output_dir>/profile (TensorBoard / Perfetto; 0: none)
-    wandb_project: str | None = None  # also log to this Weights & Biases project (pip install -e '.[wandb]')
-    wandb_exp_name: str | None = None  # the W&B run's name; null: the last part of train.output_dir
+    log_every: int = _may_change_on_resume(10)  # steps between log lines and metrics.jsonl rows
+    eval_every: int = _may_change_on_resume(0)  # steps between evaluations on the validation split (0: none)
+    eval_batches: int = _may_change_on_resume(4)  # global batches of the validation split per evaluation
+    output_dir: str = _may_change_on_resume("runs/default")  # metrics.jsonl, TensorBoard events, checkpoints
+    max_bad_steps: int = _may_change_on_resume(5)  # stop after this many non-finite steps in a row
+    exit_after_minutes: float | None = _may_change_on_resume(None)  # save and exit cleanly after this much wall time
+    # the first step (0-based) traced with jax.profiler when profile_steps > 0
+    profile_start: int = _may_change_on_resume(0)
+    # steps traced into <train.output_dir>/profile (TensorBoard / Perfetto; 0: none)
+    profile_steps: int = _may_change_on_resume(0)
+    # also log to this Weights & Biases project (pip install -e '.[wandb]')
+    wandb_project: str | None = _may_change_on_resume(None)
+    # the W&B run's name; null: the last part of train.output_dir
+    wandb_exp_name: str | None = _may_change_on_resume(None)
 
     def __post_init__(self):
         _check(self.steps >= 1, f"train.steps must be >= 1, got {self.steps}")
@@ -466,9 +228,11 @@ class DataConfig:
     paths: list[Any] = dataclasses.field(default_factory=list)
     split: str = "949,50,1"  # train, valid, test weights over each dataset's sequences
     tokenizer: str = "byte"  # byte, gpt2, or a path (tokenizer.json, SentencePiece .model, or their directory)
-    cache_dir: str | None = None  # the tokenized bundled corpus; null: $XDG_CACHE_HOME/megajax or ~/.cache/megajax
-    index_cache_dir: str | None = None  # sample indices; null: <data dir>/cache/megajax_indices or cache_dir/indices
-    prefetch: int = 2  # batches read ahead by a background thread (0: read in the step loop)
+    # the tokenized bundled corpus; null: $XDG_CACHE_HOME/megajax or ~/.cache/megajax
+    cache_dir: str | None = _may_change_on_resume(None)
+    # sample indices; null: <data dir>/cache/megajax_indices or cache_dir/indices
+    index_cache_dir: str | None = _may_change_on_resume(None)
+    prefetch: int = _may_change_on_resume(2)  # batches read ahead by a background thread (0: read in the step loop)
     eod_mask_loss: bool = False  # no loss on targets that follow an end-of-document token (Megatron's flag)
     reset_attention_mask: bool = False  # packed documents: tokens attend only within their document (Megatron's flag)
     reset_position_ids: bool = False  # packed documents: positions restart at 0 in each document (Megatron's flag)
@@ -515,11 +279,11 @@ _KEY_ALIASES = {"async": "async_"}
 @dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig = ModelConfig()
-    parallel: ParallelConfig = ParallelConfig()
+    parallel: ParallelConfig = _may_change_on_resume(ParallelConfig())
     train: TrainConfig = TrainConfig()
     optim: OptimConfig = OptimConfig()
     data: DataConfig = DataConfig()
-    checkpoint: CheckpointConfig = CheckpointConfig()
+    checkpoint: CheckpointConfig = _may_change_on_resume(CheckpointConfig())
 
     def __post_init__(self):
         m, p = self.model, self.parallel
@@ -542,6 +306,15 @@ class Config:
             f"each expert's width {m.moe_ffn_size} is split over parallel.tensor={p.tensor} and does not divide by "
             f"it: set model.moe_ffn_hidden_size to a multiple of {p.tensor} (or parallel.expert_tensor=1: whole "
             "experts)",
+        )
+        # The shared experts are one dense MLP split over 'tensor' even when the routed experts stay whole
+        # (parallel.expert_tensor=1), where the expert width alone is not checked above.
+        shared = m.moe_shared_experts * m.moe_ffn_size if m.num_experts else 0
+        _check(
+            shared % p.tensor == 0,
+            f"the shared experts' MLP width {shared} (model.moe_shared_experts={m.moe_shared_experts} x the expert "
+            f"width {m.moe_ffn_size}) is split over parallel.tensor={p.tensor} and does not divide by it: set "
+            f"model.moe_ffn_hidden_size to a multiple of {p.tensor} (or change model.moe_shared_experts)",
         )
         _check(
             m.padded_vocab_size % p.tensor == 0,
@@ -660,14 +433,21 @@ class Config:
         return self.model.moe_capacity_factor is not None or self.parallel.expert_buffer_factor is not None
 
     @property
+    def resolved(self) -> bool:
+        """Whether the layout is complete: parallel.data and train.micro_batch_size set (by hand, or filled from
+        the device count by `Config.for_devices`, which every entry point calls before building a step)."""
+        return self.parallel.data is not None and self.train.micro_batch_size is not None
+
+    @property
     def num_micro_batches(self) -> int:
-        d, mb = self.parallel.data, self.train.micro_batch_size
-        assert d is not None and mb is not None, "call Config.for_devices first"
-        return self.train.global_batch_size // (d * mb)
+        """Micro batches per step on each data rank: global batch / (data x micro batch). Needs `resolved`."""
+        _check(self.resolved, "Config.num_micro_batches needs parallel.data and train.micro_batch_size: call "
+               "Config.for_devices(num_devices) first, which fills them from the device count")
+        return self.train.global_batch_size // (self.parallel.data * self.train.micro_batch_size)
 
     def for_devices(self, num_devices: int) -> Config:
-        """Fills parallel.data from the device count (and train.micro_batch_size from the data size) and
-        checks that the layout fits the devices."""
+        """The resolved config for `num_devices`: fills parallel.data from the device count (and
+        train.micro_batch_size from the data size) and checks that the layout fits the devices."""
         p = self.parallel
         mp = p.pipeline * p.context * p.tensor
         if p.data is None:
@@ -677,7 +457,9 @@ class Config:
                 f"tensor={p.tensor} groups: choose parallel.pipeline * parallel.context * parallel.tensor dividing "
                 f"{num_devices}",
             )
-            return override(self, {"parallel.data": num_devices // mp}).for_devices(num_devices)
+            # dataclasses.replace runs every __post_init__ again (the batch checks need parallel.data)
+            parallel = dataclasses.replace(p, data=num_devices // mp)
+            return dataclasses.replace(self, parallel=parallel).for_devices(num_devices)
         _check(
             p.data * mp == num_devices,
             f"parallel.data * parallel.pipeline * parallel.context * parallel.tensor = {p.data} x {p.pipeline} x "
@@ -687,27 +469,12 @@ class Config:
             f"the {num_devices} devices: choose sizes whose product is {num_devices}",
         )
         if self.train.micro_batch_size is None:  # one micro batch per data rank
-            return override(self, {"train.micro_batch_size": self._micro_batch_size(p.data)})
+            train = dataclasses.replace(self.train, micro_batch_size=self._micro_batch_size(p.data))
+            return dataclasses.replace(self, train=train)
         return self
 
     def to_dict(self) -> dict:
         return _to_dict(self)
-
-
-def _unknown_key(path: str, key: str, known: list[str], what: str) -> str:
-    """'unknown config key 'parallel.tensr': did you mean 'parallel.tensor'? known keys here: ...'."""
-    import difflib
-
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-    kind = "section" if what == "sections" else "key"
-    if close and what != "sections":  # the suggestion; `--help` lists the rest
-        return f"unknown config {kind} {path!r}: did you mean {path[: len(path) - len(key)] + close[0]!r}?"
-    hint = f": did you mean {close[0]!r}?" if close else ""
-    return f"unknown config {kind} {path!r}{hint} ({what}: {', '.join(known)})"
-
-
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
 
 
 def _to_dict(obj) -> dict:
@@ -719,191 +486,23 @@ def _to_dict(obj) -> dict:
     return out
 
 
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Checks (and gently converts) `value` to the annotated type `tp`."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(value, a, where)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{where}: bad value {_short(value)}")
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        _check(value in choices, f"{where}={_short(value)} is not one of {', '.join(map(str, choices))}")
-        return value
-    if origin is list:
-        _check(isinstance(value, (list, tuple)), f"{where} must be a list, got {_short(value)}")
-        return list(value)
-    if tp is Any:
-        return value
-    if tp is bool:
-        _check(isinstance(value, bool), f"{where} must be true or false, got {_short(value)}")
-        return value
-    if tp is int:
-        _check(isinstance(value, int) and not isinstance(value, bool),
-               f"{where} must be an integer, got {_short(value)}")
-        return value
-    if tp is float:
-        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        _check(isinstance(value, (int, float)) and not isinstance(value, bool),
-               f"{where} must be a number, got {_short(value)}")
-        return float(value)
-    if tp is str:
-        _check(isinstance(value, str), f"{where} must be a string, got {_short(value)}")
-        return value
-    raise ConfigError(f"{where}: unsupported type {tp}")
+def may_change_on_resume(key: str) -> bool:
+    """Whether a run resumed with `key` ('train.log_every', as YAML spells it) changed goes on as an uninterrupted
+    one would: the key or its section was declared with `_may_change_on_resume`. Any other key, an unknown one
+    too, makes the resumed run differ (train.config_changes flags it; train.steps is decided there)."""
+    section, _, name = key.partition(".")
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    if section not in sections:
+        return False
+    if sections[section].metadata.get(_RESUME):
+        return True
+    fields = {f.name: f for f in dataclasses.fields(type(sections[section].default))}
+    field = fields.get(_KEY_ALIASES.get(name, name))
+    return field is not None and bool(field.metadata.get(_RESUME))
 
 
-def _build(cls, data: dict, where: str):
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where or 'the config'} must be a mapping, got {_short(data)}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in data.items():
-        name = _KEY_ALIASES.get(key, key)
-        path = f"{where}.{key}" if where else key
-        if name not in names:
-            known = sorted({k for k, a in _KEY_ALIASES.items() if a in names} | names - set(_KEY_ALIASES.values()))
-            raise ConfigError(_unknown_key(path, key, known, "sections" if not where else "keys here"))
-        tp = hints[name]
-        if dataclasses.is_dataclass(tp):
-            kwargs[name] = _build(tp, value, path)
-        else:
-            kwargs[name] = _coerce(value, tp, path)
-    return cls(**kwargs)
-
-
-def from_dict(data: dict) -> Config:
-    """Builds a Config from a nested mapping; unknown keys and wrong types raise ConfigError."""
-    return _build(Config, data or {}, "")
-
-
-def parse_overrides(items: list[str]) -> dict:
-    """['model.num_layers=4', 'data.paths=[0.3,a,0.7,b]'] -> {'model.num_layers': 4, ...} (values as YAML)."""
-    out = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        _check(bool(sep) and bool(key), f"override {item!r} must look like section.key=value")
-        try:
-            out[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError as e:
-            raise ConfigError(f"override {item!r}: value is not valid YAML ({e})") from None
-    return out
-
-
-def override(cfg: Config, flat: dict) -> Config:
-    """Applies dotted-key overrides ({'model.num_layers': 4}) and re-validates everything."""
-    data = cfg.to_dict()
-    for key, value in flat.items():
-        parts = key.split(".")
-        node = data
-        for i, part in enumerate(parts[:-1]):
-            if not isinstance(node.get(part), dict):
-                known = sorted(k for k, v in node.items() if isinstance(v, dict))
-                if not known:  # a value, not a section (model.num_layers.x)
-                    raise ConfigError(f"config key {'.'.join(parts[: i + 1])!r} is a value, not a section: "
-                                      f"override {key!r} names a key inside it")
-                raise ConfigError(_unknown_key('.'.join(parts[: i + 1]), part, known,
-                                               "sections" if i == 0 else "keys here"))
-            node = node[part]
-        if parts[-1] not in node:
-            known = sorted(node)
-            raise ConfigError(_unknown_key(key, parts[-1], known, "sections" if len(parts) == 1 else "keys here"))
-        node[parts[-1]] = value
-    return from_dict(data)
-
-
-def load(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Loads a YAML preset (or the defaults) and applies `--set` style overrides."""
-    data = {}
-    if path is not None:
-        path = Path(path)
-        if not path.exists():
-            raise ConfigError(f"config file {path} does not exist (presets live in configs/)")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            what = " ".join(str(getattr(e, "problem", None) or e).split())[:200]
-            raise ConfigError(f"config file {path} is not valid YAML{where}: {what}") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"config file {path} cannot be read: {str(e)[:200]}") from None
-    try:
-        cfg = from_dict(data)
-    except ConfigError as e:
-        raise ConfigError(f"{path}: {e}" if path is not None else str(e)) from None
-    return override(cfg, parse_overrides(overrides or []))
-
-
-SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
-
-
-def _field_comments(cls) -> dict[str, str]:
-    """Field name -> its one line of meaning: the comment on the field's line, else the comment lines just above
-    it (this file is where a key is described)."""
-    import inspect
-    import re
-
-    out, above = {}, []
-    for line in inspect.getsourcelines(cls)[0]:
-        text = line.strip()
-        if text.startswith("#"):
-            above.append(text.lstrip("# ").strip())
-            continue
-        m = re.match(r"(\w+): [^#]+?(?:#\s*(.*))?$", text) if line.startswith("    ") and not line.startswith(" " * 5) \
-            else None
-        if m and m.group(1) in {f.name for f in dataclasses.fields(cls)}:
-            out[m.group(1)] = m.group(2) or " ".join(above)
-        above = []
-    return out
-
-
-def keys_help() -> list[tuple[str, str, str, str]]:
-    """(key, type, default, meaning) of every config key, as `--set` spells it."""
-    aliases = {v: k for k, v in _KEY_ALIASES.items()}
-    rows = []
-    for section in dataclasses.fields(Config):
-        cls = type(section.default)
-        comments = _field_comments(cls)
-        for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-            if kind.startswith("Literal["):
-                kind = "|".join(typing.get_args(typing.get_type_hints(cls)[f.name]))
-            meaning = comments.get(f.name, "")
-            rows.append((f"{section.name}.{aliases.get(f.name, f.name)}", kind.replace("typing.", ""),
-                         yaml.safe_dump(default, default_flow_style=True).removesuffix("\n...\n").strip(),
-                         meaning))
-    return rows
-
-
-def add_cli_arguments(parser) -> None:
-    """--config and --set (repeatable, each taking one or more KEY=VALUE), and every config key listed in the
-    parser's --help (type, default, meaning), for the entry points that take a config."""
-    import argparse
-
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("--config", help="YAML preset (configs/*.yaml); without it, the defaults below")
-    parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
-                        help="override config keys, e.g. --set model.num_layers=4 parallel.tensor=2 (repeatable)")
-    import textwrap
-
-    lines = []
-    for key, kind, default, meaning in keys_help():
-        lines.append(f"  {key}  ({kind}, default {default})")
-        lines += textwrap.wrap(meaning, width=100, initial_indent="      ", subsequent_indent="      ")
-    parser.epilog = "config keys (--set KEY=VALUE, or in the YAML preset):\n" + "\n".join(lines)
+def model_defining_fields() -> dict[str, str]:
+    """ModelConfig field -> the value compared to tell two models apart (the field itself, or the resolved value
+    named in `_defines_model`): parameters written for other values belong to another model. With model.arch=gpt2,
+    model.seq_length is one too (the learned position table; checkpoint.check_same_model)."""
+    return {f.name: f.metadata[_MODEL] or f.name for f in dataclasses.fields(ModelConfig) if _MODEL in f.metadata}

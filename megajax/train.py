@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from megajax import config as config_lib
+from megajax import config as config_lib, config_io
 from megajax import metrics as metrics_lib
 from megajax import model, optim, overlap, sharding, step_plan, xla_flags
 from megajax.model import context, fp8, moe
@@ -476,14 +476,6 @@ class _StopRequest:
         self.signal = signal.Signals(signum).name
 
 
-# Keys that change how a step runs, what is logged or where things go, but not the numbers of the run: a run
-# resumed with them changed continues as an uninterrupted one would (layouts agree to float tolerance).
-_SAME_RUN_KEYS = ("parallel.", "model.attention_impl", "model.norm_impl", "model.recompute", "train.log_every",
-                  "train.eval_every", "train.eval_batches", "train.output_dir", "train.max_bad_steps",
-                  "train.exit_after_minutes", "train.profile_", "train.wandb_", "data.prefetch", "data.cache_dir",
-                  "data.index_cache_dir", "checkpoint.")
-
-
 def config_changes(cfg: Config, meta: dict) -> list[tuple[str, Any, Any, bool]]:
     """(key, in the checkpoint, now, changes the run) for every config key that differs from the checkpoint's
     config; `changes the run`: the resumed run differs from an uninterrupted one (other hyperparameters, other
@@ -495,7 +487,8 @@ def config_changes(cfg: Config, meta: dict) -> list[tuple[str, Any, Any, bool]]:
     out = []
     for key in sorted(old.keys() & new.keys()):
         if old[key] != new[key]:
-            same = key.startswith(_SAME_RUN_KEYS) or (key == "train.steps" and cfg.optim.decay_steps is not None)
+            # train.steps only sets how long the run goes once the decay has its own length
+            same = config_lib.may_change_on_resume(key) or (key == "train.steps" and cfg.optim.decay_steps is not None)
             out.append((key, old[key], new[key], not same))
     return out
 
@@ -766,7 +759,7 @@ def _check_health(cfg: Config, step: int, stats: dict, log, on_fatal=None) -> No
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megajax.train", description=__doc__.split("\n\n")[0])
-    config_lib.add_cli_arguments(parser)
+    config_io.add_cli_arguments(parser)
     args = parser.parse_args(argv)
     from megajax import checkpoint
 
@@ -777,7 +770,7 @@ def main(argv: list[str] | None = None) -> int:
         print("no --config: the built-in defaults (a 2-layer GPT-2 on the bundled corpus; --help lists every key, "
               "configs/tiny.yaml is the tiny preset)")
     try:
-        cfg = config_lib.load(args.config, args.set)
+        cfg = config_io.load(args.config, args.set)
         distributed.initialize()
         distributed.check_backend()
         run(cfg)

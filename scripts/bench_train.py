@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from megajax import config as config_lib  # noqa: E402
+from megajax import config_io  # noqa: E402
 from megajax import distributed, metrics, train  # noqa: E402
 from megajax.data.loader import batch_shapes  # noqa: E402
 
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jsonl", help="append the row to this file")
     args = parser.parse_args(argv)
     distributed.prefer_cpu_without_gpu()
-    cfg = config_lib.load(args.config, args.set)
+    cfg = config_io.load(args.config, args.set)
     row = {"label": args.label, "config": args.config, "set": args.set, **bench(cfg, args.steps, args.warmup)}
     print(json.dumps(row))
     if args.jsonl:

@@ -27,7 +27,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from megajax import config as config_lib  # noqa: E402
+from megajax import config as config_lib, config_io  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -54,7 +54,7 @@ def small_config(**overrides) -> config_lib.Config:
         "optim.lr": 1e-3,
     }
     base.update(overrides)
-    return config_lib.override(config_lib.Config(), base)
+    return config_io.override(config_lib.Config(), base)
 
 
 @functools.lru_cache(maxsize=8)

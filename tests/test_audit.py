@@ -11,7 +11,7 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from megajax import audit, config as config_lib, hlo, metrics
+from megajax import audit, config_io, hlo, metrics
 from megajax.pipeline import ticks
 from megajax.model.layers import WEIGHT_EINSUMS
 
@@ -21,7 +21,7 @@ LAYOUT = ["parallel.data=2", "parallel.tensor=4"]
 
 
 def _collectives(sets, target="cpu", n=8, options=None):
-    cfg = config_lib.load(f"{REPO}/configs/tiny.yaml", sets)
+    cfg = config_io.load(f"{REPO}/configs/tiny.yaml", sets)
     devices = jax.devices()[:n] if target == "cpu" else audit._gpu_devices(target, n)
     cfg, mesh, compiled, setup = audit.compile_step(cfg, devices, options)
     colls = hlo.parse(compiled.as_text(), dict(mesh.shape), None if target == "cpu" else audit.GPUS_PER_HOST)
@@ -74,7 +74,7 @@ def test_program_gemm_flops_equal_megatrons_formula_on_cpu(model):
     from megajax import metrics
 
     sets = LAYOUT + (MLA + ["model.v_head_dim=24", "parallel.sequence_parallel=true"] if model == "mla" else [])
-    cfg = config_lib.load(f"{REPO}/configs/tiny.yaml", sets)
+    cfg = config_io.load(f"{REPO}/configs/tiny.yaml", sets)
     cfg, _, compiled, _ = audit.compile_step(cfg, jax.devices()[:8])
     got = hlo.gemm_flops(compiled.as_text())
     want = metrics.step_flops(cfg.model, cfg.train.global_batch_size * cfg.model.seq_length)["hardware_flops"] / 8
@@ -239,7 +239,7 @@ def test_expert_parallel_all_to_alls_on_h100_target(factor, freq):
     sets = [*layout, "parallel.tensor=2", "model.compute_dtype=bfloat16",
             "train.micro_batch_size=2" if not pipe else "train.micro_batch_size=1",
             f"model.moe_capacity_factor={'null' if factor is None else factor}", f"model.moe_layer_freq={freq}"]
-    cfg = config_lib.load(f"{REPO}/configs/tiny-moe.yaml", sets)
+    cfg = config_io.load(f"{REPO}/configs/tiny-moe.yaml", sets)
     cfg, mesh, compiled, _ = audit.compile_step(cfg, audit._gpu_devices("h100", 8))
     colls = hlo.parse(compiled.as_text(), dict(mesh.shape), branch_runs=ticks.branch_runs(cfg))
     want = audit.expected_all_to_all(cfg)
@@ -288,7 +288,7 @@ def _moe_gemm_ratio(*sets: str) -> float:
     """Dropless tiny-moe on 8 compile-only H100s, d4 x t2, micro batch 8: the program's GEMM FLOPs (the grouped
     kernels counted at their static rows: every routed row plus up to a tile of padding per expert, an upper bound)
     over the active-parameter formula's (the dense model of the same active MLP width)."""
-    cfg = config_lib.load(f"{REPO}/configs/tiny-moe.yaml", [
+    cfg = config_io.load(f"{REPO}/configs/tiny-moe.yaml", [
         "parallel.data=4", "parallel.tensor=2", "model.compute_dtype=bfloat16", "train.micro_batch_size=8",
         "train.global_batch_size=64", *sets])
     cfg, mesh, compiled, _ = audit.compile_step(cfg, audit._gpu_devices("h100", 8))
@@ -316,7 +316,7 @@ def test_grouped_gemm_computes_routed_rows_on_h100_target():
 def _gpt2_1_3b_h100_communication(*sets: str) -> dict:
     """The overlap report (`audit.communication`) of gpt2-1.3b's step on 8 compile-only H100s: data 4 x tensor 2
     (with the preset's sequence parallelism), 4 micro batches of 1, and `sets`."""
-    cfg = config_lib.load(f"{REPO}/configs/gpt2-1.3b.yaml", [
+    cfg = config_io.load(f"{REPO}/configs/gpt2-1.3b.yaml", [
         "parallel.data=4", "parallel.tensor=2", "train.micro_batch_size=1", "train.global_batch_size=16", *sets])
     cfg, mesh, compiled, _ = audit.compile_step(cfg, audit._gpu_devices("h100", 8))
     text = compiled.as_text()
@@ -369,7 +369,7 @@ def test_pipelined_reduction_and_gather_run_inside_the_schedule_on_h100():
     the branches the schedule runs (`ticks.branch_runs`: the program's GEMM FLOPs then match Megatron's formula,
     where counting every branch as taken gave 3.3x); GEMMs run under part of rank 0's (measured 33% of the
     reductions: four layers a chunk, of which XLA peels the first and the last out of its loop)."""
-    cfg = config_lib.load(f"{REPO}/configs/gpt2-1.3b.yaml", [
+    cfg = config_io.load(f"{REPO}/configs/gpt2-1.3b.yaml", [
         "model.num_layers=8", "parallel.data=2", "parallel.pipeline=2", "parallel.tensor=2",
         "train.micro_batch_size=1", "train.global_batch_size=16", "parallel.overlap_grad_reduce=true",
         "parallel.overlap_param_gather=true"])
@@ -420,7 +420,7 @@ def test_tp_comm_overlap_hides_the_tensor_collectives_in_a_pipeline_on_h100():
     XLA schedules the whole collectives, 56% and 20%)."""
     sets = ["parallel.data=2", "parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_parallel=true",
             "parallel.schedule=1f1b", "train.micro_batch_size=1", "train.global_batch_size=16"]
-    groups = {on: audit.audit(config_lib.load(f"{REPO}/configs/gpt2-1.3b.yaml", [
+    groups = {on: audit.audit(config_io.load(f"{REPO}/configs/gpt2-1.3b.yaml", [
         *sets, f"parallel.tp_comm_overlap={str(on).lower()}"]), "h100", 8)["communication"]["groups"]
         for on in (False, True)}
     for kind in ("all-gather", "reduce-scatter"):
@@ -439,7 +439,7 @@ def test_tp_comm_overlap_hides_the_tensor_collectives_under_zero_bubble_on_h100(
     the exposed tensor time more than halved."""
     sets = ["parallel.data=2", "parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_parallel=true",
             "parallel.schedule=zero_bubble", "train.micro_batch_size=1", "train.global_batch_size=16"]
-    groups = {on: audit.audit(config_lib.load(f"{REPO}/configs/gpt2-1.3b.yaml", [
+    groups = {on: audit.audit(config_io.load(f"{REPO}/configs/gpt2-1.3b.yaml", [
         *sets, f"parallel.tp_comm_overlap={str(on).lower()}"]), "h100", 8)["communication"]["groups"]
         for on in (False, True)}
     gathered = {on: g["all-gather over tensor"] for on, g in groups.items()}
@@ -461,7 +461,7 @@ def test_fp8_collective_matmuls_move_fp8_blocks_on_h100():
     batch 14 ring steps' worth of s / t x h bytes against 20 in bf16, all of it with GEMMs under it. Without the
     rings the reduce-scatters of the partial sums are bf16 too (`fp8.dot` writes the compute dtype): 4 per layer and
     micro batch of s x h x 2 bytes (plus the head's)."""
-    reports = {on: audit.audit(config_lib.load(f"{REPO}/configs/gpt2-1.3b.yaml", [
+    reports = {on: audit.audit(config_io.load(f"{REPO}/configs/gpt2-1.3b.yaml", [
         "parallel.data=4", "parallel.tensor=2", "train.micro_batch_size=1", "train.global_batch_size=16",
         "parallel.sequence_parallel=true", "model.fp8=hybrid", "model.compute_dtype=bfloat16",
         f"parallel.tp_comm_overlap={str(on).lower()}"]), "h100", 8) for on in (False, True)}

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from megajax import checkpoint, config as config_lib, train
+from megajax import checkpoint, config_io, train
 
 from conftest import CLI_SMALL, REPO, cli_env, read_metrics, train_cli
 
@@ -40,7 +40,7 @@ def test_resume_after_kill_is_bitwise(tmp_path):
 
 
 def _run(out, steps, layout):
-    cfg = config_lib.load("configs/tiny.yaml", [
+    cfg = config_io.load("configs/tiny.yaml", [
         "model.num_layers=4", "model.hidden_size=64", "model.seq_length=64", "train.global_batch_size=16",
         "train.micro_batch_size=2", "train.log_every=1", "train.eval_every=0", "checkpoint.every=3",
         f"train.output_dir={out}", f"train.steps={steps}", *layout])
@@ -88,6 +88,25 @@ def test_shape_mismatch_names_the_parameters(tmp_path):
     proc = train_cli(tmp_path, "train.steps=4", "model.hidden_size=32", check=False)
     assert proc.returncode == 2
     assert "mismatched parameters" in proc.stderr and "['embed']['embedding']" in proc.stderr
+
+
+def test_check_same_model_names_the_keys_that_differ():
+    """A checkpoint's model is compared by resolved values and each difference named by its key: null key/value
+    heads equal num_heads, and a padded vocabulary that grew with model.vocab_size is named there only."""
+    import dataclasses
+
+    from megajax.config import ConfigError, ModelConfig
+
+    stored = ModelConfig(num_heads=4)
+    checkpoint.check_same_model(stored, dataclasses.replace(stored, num_kv_heads=4, recompute="full"), "ckpt")
+    with pytest.raises(ConfigError, match=r"ckpt holds a different model: model.num_kv_heads: None in the checkpoint, "
+                       r"2 here\. Use the config"):
+        checkpoint.check_same_model(stored, dataclasses.replace(stored, num_kv_heads=2), "ckpt")
+    with pytest.raises(ConfigError, match=r"model: model.vocab_size: 257 in the checkpoint, 50257 here\. Use") as err:
+        checkpoint.check_same_model(stored, dataclasses.replace(stored, vocab_size=50257), "ckpt")
+    assert "make_vocab_size_divisible_by" not in str(err.value)
+    with pytest.raises(ConfigError, match="model.seq_length \\(GPT-2's position embedding\\): 128 in the checkpoint"):
+        checkpoint.check_same_model(stored, dataclasses.replace(stored, seq_length=256), "ckpt")
 
 
 def test_inspect_lists_steps_and_arrays(tmp_path):

@@ -3,14 +3,14 @@ import os
 
 import pytest
 
-from megajax import config as config_lib
+from megajax import config as config_lib, config_io
 from megajax.config import ConfigError
 
 from conftest import REPO
 
 
 def load(*sets, path=None):
-    return config_lib.load(path, list(sets))
+    return config_io.load(path, list(sets))
 
 
 def test_defaults_and_overrides_are_typed():
@@ -61,6 +61,12 @@ def test_defaults_and_overrides_are_typed():
     (["parallel.schedule=interleaved"], "but parallel.pipeline=1: set parallel.pipeline > 1"),
     (["model.num_experts=4", "model.moe_ffn_hidden_size=30", "parallel.tensor=4"],
      "each expert's width 30 is split over parallel.tensor=4"),
+    (["model.num_experts=4", "model.moe_ffn_hidden_size=30", "parallel.tensor=4", "parallel.expert_tensor=4"],
+     "each expert's width 30 is split over parallel.tensor=4"),
+    (["model.num_experts=4", "model.moe_ffn_hidden_size=33", "model.moe_shared_experts=1", "parallel.tensor=2",
+      "parallel.expert_tensor=1", "parallel.sequence_parallel=true"],
+     "the shared experts' MLP width 33 (model.moe_shared_experts=1 x the expert width 33) is split over "
+     "parallel.tensor=2 and does not divide by it: set model.moe_ffn_hidden_size to a multiple of 2"),
     (["parallel.schedule=zero_bubble"], "but parallel.pipeline=1: set parallel.pipeline > 1"),
     (["parallel.tensr=2"], "unknown config key 'parallel.tensr': did you mean 'parallel.tensor'?"),
     (["model.num_layer=2"], "did you mean 'model.num_layers'?"),
@@ -83,6 +89,46 @@ def test_device_count_mismatch():
         load("parallel.tensor=4", "model.num_heads=4").for_devices(6)
 
 
+def test_whole_experts_take_any_width_but_their_shared_experts_are_split():
+    """parallel.expert_tensor=1 keeps each expert whole (no width check); the shared experts stay one MLP split
+    over 'tensor', so their width must divide (33 x 2 does over 2, 33 x 1 does not: the test above)."""
+    sets = ("model.num_experts=4", "model.moe_ffn_hidden_size=33", "parallel.tensor=2", "parallel.expert_tensor=1",
+            "parallel.sequence_parallel=true")
+    assert load(*sets).model.moe_ffn_size == 33
+    assert load(*sets, "model.moe_shared_experts=2").model.moe_shared_experts == 2
+
+
+def test_a_derived_size_before_for_devices_names_it():
+    cfg = load("train.global_batch_size=8")
+    assert not cfg.resolved
+    with pytest.raises(ConfigError, match=r"call Config.for_devices\(num_devices\) first"):
+        _ = cfg.num_micro_batches
+    resolved = cfg.for_devices(8)
+    assert resolved.resolved and (resolved.parallel.data, resolved.train.micro_batch_size) == (8, 1)
+    assert resolved.num_micro_batches == 1 and resolved.for_devices(8) == resolved
+    assert load("parallel.data=2", "train.micro_batch_size=2").num_micro_batches == 2  # set by hand: resolved
+
+
+def test_field_metadata_says_what_may_change_on_resume_and_what_defines_the_model():
+    """Every key, classified: the layout, checkpointing and where output goes may change when a run resumes; the
+    keys of the architecture tie a checkpoint to its model (compared by their resolved values)."""
+    keys = [key for key, *_ in config_io.keys_help()]
+    same_run = {key for key in keys if config_lib.may_change_on_resume(key)}
+    assert same_run == {key for key in keys if key.split(".")[0] in ("parallel", "checkpoint")} | {
+        "model.attention_impl", "model.norm_impl", "model.recompute", "train.log_every", "train.eval_every",
+        "train.eval_batches", "train.output_dir", "train.max_bad_steps", "train.exit_after_minutes",
+        "train.profile_start", "train.profile_steps", "train.wandb_project", "train.wandb_exp_name",
+        "data.prefetch", "data.cache_dir", "data.index_cache_dir"}
+    assert not config_lib.may_change_on_resume("train.steps") and not config_lib.may_change_on_resume("nosuch.key")
+    assert config_lib.model_defining_fields() == {
+        "arch": "arch", "num_layers": "num_layers", "hidden_size": "hidden_size", "num_heads": "num_heads",
+        "num_kv_heads": "kv_heads", "ffn_hidden_size": "ffn_size", "vocab_size": "vocab_size",
+        "make_vocab_size_divisible_by": "padded_vocab_size", "norm_eps": "norm_eps", "rope_theta": "rope_theta",
+        "tie_embeddings": "tied", "multi_latent_attention": "multi_latent_attention", "num_experts": "num_experts",
+        "moe_layer_freq": "layer_period", "moe_first_dense_layers": "first_dense_layers",
+        "moe_router_score_function": "moe_router_score_function"}
+
+
 def test_interleaved_needs_at_least_p_micro_batches():
     """As Megatron: p <= micro batch group <= m, so any m >= p works (3 over p = 2 here), fewer does not."""
     sets = ("model.num_layers=4", "parallel.pipeline=2", "parallel.virtual_stages=2", "parallel.schedule=interleaved")
@@ -93,14 +139,14 @@ def test_interleaved_needs_at_least_p_micro_batches():
 
 def test_missing_file_and_bad_override_syntax():
     with pytest.raises(ConfigError, match="does not exist"):
-        config_lib.load("configs/nope.yaml")
+        config_io.load("configs/nope.yaml")
     with pytest.raises(ConfigError, match="must look like section.key=value"):
         load("model.num_layers")
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO, "configs", "**", "*.yaml"), recursive=True)))
 def test_presets_load(path):
-    cfg = config_lib.load(path)
+    cfg = config_io.load(path)
     assert cfg.model.num_layers > 0
 
 
@@ -117,18 +163,18 @@ def test_the_cli_lists_every_key_and_applies_every_set(capsys):
     import argparse
     import dataclasses
 
-    rows = config_lib.keys_help()
+    rows = config_io.keys_help()
     sections = [type(f.default) for f in dataclasses.fields(config_lib.Config)]
     assert len(rows) == sum(len(dataclasses.fields(s)) for s in sections)
     assert all(meaning for *_, meaning in rows), [k for k, *_, meaning in rows if not meaning]
     parser = argparse.ArgumentParser()
-    config_lib.add_cli_arguments(parser)
+    config_io.add_cli_arguments(parser)
     helptext = parser.format_help()
     assert all(key in helptext for key, *_ in rows) and "(gpipe|1f1b|interleaved|zero_bubble, default 1f1b)" in helptext
     flat = " ".join(helptext.split())
     assert "1: every layer is MoE; n: layers 0, n, 2n, .. are MoE, the rest dense (Megatron's)" in flat  # whole text
     args = parser.parse_args(["--set", "model.num_layers=3", "--set", "optim.lr=1e-3", "train.steps=7"])
-    cfg = config_lib.load(args.config, args.set)
+    cfg = config_io.load(args.config, args.set)
     assert (cfg.model.num_layers, cfg.optim.lr, cfg.train.steps) == (3, 1e-3, 7)
 
 

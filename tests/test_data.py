@@ -8,7 +8,7 @@ import struct
 import numpy as np
 import pytest
 
-from megajax import config as config_lib
+from megajax import config_io
 from megajax.data import blended, gpt_dataset
 from megajax.data.datasets import build_datasets, split_matrix, split_range
 from megajax.data.index_cache import IndexCache
@@ -341,7 +341,7 @@ def test_token_ids_past_the_vocabulary(tmp_path):
     cfg = small_config(**{"data.paths": [prefix], "data.index_cache_dir": str(tmp_path / "ix")})
     with pytest.raises(DataError, match=r"v\.bin: token id 300 >= model.vocab_size=257: the file is damaged, or it was tokenized with another"):
         build_datasets(cfg, {"train": 8})
-    cfg = config_lib.override(cfg, {"model.vocab_size": 301})
+    cfg = config_io.override(cfg, {"model.vocab_size": 301})
     assert len(build_datasets(cfg, {"train": 8})["train"]) >= 8
 
 
@@ -369,10 +369,10 @@ def test_train_entry_point_exits_2_on_bad_data(tmp_path, capsys):
 def test_config_paths_validation():
     from megajax.config import ConfigError
 
-    assert config_lib.load(None, ["data.paths=[a,b]"]).data.paths == ["a", "b"]
+    assert config_io.load(None, ["data.paths=[a,b]"]).data.paths == ["a", "b"]
     for bad in ("data.paths=[0.3,a,b]", "data.paths=[a,0.5]", "data.paths=[-1,a]", "data.prefetch=-1"):
         with pytest.raises(ConfigError):
-            config_lib.load(None, [bad])
+            config_io.load(None, [bad])
 
 
 @pytest.mark.parametrize("name, data", [("tokenizer.json", b'{"version": "1.0", "model": '),

@@ -121,11 +121,11 @@ _WORKER = textwrap.dedent("""
     import numpy as np
     from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from megajax import config, sharding
+    from megajax import config, config_io, sharding
     from megajax.data.loader import BatchLoader, build_datasets, host_rows
     sys.path.insert(0, "tests")
     from test_data_loader import CountingSplit
-    cfg = config.override(config.Config(), {"model.vocab_size": 257, "model.seq_length": 16,
+    cfg = config_io.override(config.Config(), {"model.vocab_size": 257, "model.seq_length": 16,
                                             "data.cache_dir": cache})
     split = CountingSplit(build_datasets(cfg, {"train": 64})["train"])
     mesh = sharding.make_mesh(config.ParallelConfig(data=4, tensor=2), jax.devices())
@@ -172,7 +172,7 @@ def test_resume_on_another_layout_matches_uninterrupted(tmp_path):
     losses."""
     import shutil
 
-    from megajax import config as config_lib, train
+    from megajax import config_io, train
 
     base = {"train.steps": 4, "train.log_every": 1, "checkpoint.every": 2, "checkpoint.async": False,
             "train.output_dir": str(tmp_path / "run"), "data.cache_dir": str(tmp_path / "cache")}
@@ -184,7 +184,7 @@ def test_resume_on_another_layout_matches_uninterrupted(tmp_path):
                if '"loss"' in line)
     shutil.rmtree(tmp_path / "run" / "checkpoints" / "4")
     os.rename(tmp_path / "run" / "metrics.jsonl", tmp_path / "first.jsonl")
-    second = config_lib.override(first, {"parallel.data": 2, "parallel.tensor": 4,
+    second = config_io.override(first, {"parallel.data": 2, "parallel.tensor": 4,
                                          "parallel.sequence_parallel": True})
     summary = train.run(second)
     assert summary["steps_run"] == 2

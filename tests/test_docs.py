@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from megajax import config as config_lib
+from megajax import config as config_lib, config_io
 
 ROOT = Path(REPO)
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -100,11 +100,11 @@ def _check_overrides(config: str | None, sets: list[str], where: str) -> None:
     """The overrides on top of their preset; with a preset the command itself writes (convert's), the keys."""
     preset = ROOT / config if config else None
     if config is None or preset.exists():
-        config_lib.load(preset, sets)  # unknown keys, wrong types and impossible layouts raise ConfigError
+        config_io.load(preset, sets)  # unknown keys, wrong types and impossible layouts raise ConfigError
         return
     assert not config.startswith("configs/"), f"{where}: {config} does not exist"
-    known = {key for key, *_ in config_lib.keys_help()}
-    for key in config_lib.parse_overrides(sets):
+    known = {key for key, *_ in config_io.keys_help()}
+    for key in config_io.parse_overrides(sets):
         assert key in known, f"{where}: unknown config key {key}"
 
 

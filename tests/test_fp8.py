@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, gpu, run_steps, small_config
-from megajax import config as config_lib
+from megajax import config_io
 from megajax.config import ConfigError
 from megajax.model import fp8
 
@@ -291,14 +291,14 @@ def test_h100_program_multiplies_in_fp8_and_a100_refuses():
 
     sets = ["model.fp8=hybrid", "model.compute_dtype=bfloat16", "parallel.data=4", "parallel.tensor=2",
             "parallel.sequence_parallel=true", "model.hidden_size=256", "model.num_heads=4", "model.seq_length=128"]
-    report = audit.audit(config_lib.load(f"{REPO}/configs/tiny.yaml", sets), "h100", 8)
+    report = audit.audit(config_io.load(f"{REPO}/configs/tiny.yaml", sets), "h100", 8)
     # 4 linear layers x (forward, input gradient, weight gradient) in the layer loop, each an FP8 GEMM
     assert report["fp8"]["fp8_gemms"] >= 12, report["fp8"]
     # attention's score and value matmuls and the output layer stay bf16 (the counter tells the two apart; a
     # plain build counting no FP8 GEMM is tests/test_fp8.py's grouped-GEMM audit, -m slow)
     assert 0.5 < report["fp8"]["fp8_flop_share"] < 1 and report["fp8"]["fp8_gemms"] < report["fp8"]["gemms"]
     with pytest.raises(ConfigError, match="no FP8 tensor cores"):
-        audit.audit(config_lib.load(f"{REPO}/configs/tiny.yaml", sets), "a100", 8)
+        audit.audit(config_io.load(f"{REPO}/configs/tiny.yaml", sets), "a100", 8)
 
 
 @pytest.mark.slow  # a compile-only H100 build of the MoE step (about 20 s)
@@ -307,11 +307,11 @@ def test_h100_grouped_expert_gemms_multiply_in_fp8():
     from megajax import audit
 
     sets = ["model.fp8=hybrid", "model.moe_grouped_gemm=true", "parallel.data=2", "parallel.expert=2"]
-    report = audit.audit(config_lib.load(f"{REPO}/configs/tiny-moe.yaml", sets), "h100", 2)
+    report = audit.audit(config_io.load(f"{REPO}/configs/tiny-moe.yaml", sets), "h100", 2)
     # attention's 2 linear layers and the experts' 2 grouped kernels, each forward, input and weight gradient
     assert report["fp8"]["fp8_gemms"] >= 12, report["fp8"]
     assert report["fp8"]["fp8_flop_share"] > 0.8, report["fp8"]  # the expert matmuls are most of the FLOPs
-    plain = audit.audit(config_lib.load(f"{REPO}/configs/tiny-moe.yaml", sets[1:]), "h100", 2)
+    plain = audit.audit(config_io.load(f"{REPO}/configs/tiny-moe.yaml", sets[1:]), "h100", 2)
     assert plain["fp8"]["fp8_gemms"] == 0
 
 

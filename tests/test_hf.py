@@ -278,7 +278,7 @@ def test_gpt2_generation_longer_than_positions_is_an_error(models, capsys):
 def test_pipeline_staged_training_checkpoint_exports(tmp_path):
     """A training state with pipeline (and interleaved) stages stores layers as [v, p, L/(p v), ...];
     export and load_params give the canonical [L, ...] layers back."""
-    from megajax import config as config_lib, train
+    from megajax import config_io, train
     from megajax.pipeline.layout import from_stages
 
     setup = train.setup_for(small_config(**{
@@ -304,7 +304,7 @@ def test_pipeline_staged_training_checkpoint_exports(tmp_path):
     # checkpoint.load_from onto another layout (no pipeline) and onto the staged one.
     for layout in ({"parallel.pipeline": 1, "parallel.virtual_stages": 1, "parallel.schedule": "1f1b"},
                    {"parallel.pipeline": 2, "parallel.virtual_stages": 2, "parallel.schedule": "interleaved"}):
-        other = train.setup_for(config_lib.override(cfg, layout), jax.devices()[:layout["parallel.pipeline"]])
+        other = train.setup_for(config_io.override(cfg, layout), jax.devices()[:layout["parallel.pipeline"]])
         loaded = train.load_initial_params(other, str(tmp_path / "run"))
         if layout["parallel.pipeline"] > 1:
             loaded = from_stages(loaded)
@@ -313,11 +313,11 @@ def test_pipeline_staged_training_checkpoint_exports(tmp_path):
 
 def _train_one_step_from_import(tmp_path):
     """Imports a random GPT-2 (byte vocabulary), trains one step from it with the written preset."""
-    from megajax import config as config_lib, train
+    from megajax import config_io, train
 
     build_hf_model("gpt2", seed=3, vocab_size=257, n_positions=32).save_pretrained(tmp_path / "src")
     convert.from_hf(tmp_path / "src", tmp_path / "ckpt", config_out=tmp_path / "ft.yaml")
-    cfg = config_lib.load(tmp_path / "ft.yaml", [
+    cfg = config_io.load(tmp_path / "ft.yaml", [
         "train.steps=1", "train.global_batch_size=8", "train.log_every=1", f"train.output_dir={tmp_path / 'run'}",
         "model.dropout=0.0", "model.attention_dropout=0.0", "checkpoint.async=false", "model.compute_dtype=float32",
         "model.recompute=none", "parallel.distributed_optimizer=false"])  # the weights, not the preset's layout
@@ -328,7 +328,7 @@ def _train_one_step_from_import(tmp_path):
 def test_training_starts_from_an_imported_checkpoint(tmp_path):
     """checkpoint.load_from: the first step's loss is the imported model's loss on that batch, and a
     checkpoint of another architecture is refused by name."""
-    from megajax import config as config_lib, train
+    from megajax import config as config_lib, config_io, train
     from megajax.data.loader import build_datasets, global_batch
 
     cfg, summary = _train_one_step_from_import(tmp_path)
@@ -342,15 +342,15 @@ def test_training_starts_from_an_imported_checkpoint(tmp_path):
     assert want > np.log(257) + 1, "a random-init model would start near ln(257)"
 
     with pytest.raises(config_lib.ConfigError, match="model.norm_eps"):
-        train.run(config_lib.override(cfg, {"model.norm_eps": 1e-6, "train.output_dir": str(tmp_path / "other")}))
+        train.run(config_io.override(cfg, {"model.norm_eps": 1e-6, "train.output_dir": str(tmp_path / "other")}))
 
 
 @pytest.mark.slow
 def test_resume_takes_precedence_over_load_from(tmp_path):
-    from megajax import config as config_lib, train
+    from megajax import config_io, train
 
     cfg, _ = _train_one_step_from_import(tmp_path)
-    resumed = train.run(config_lib.override(cfg, {"train.steps": 2}))
+    resumed = train.run(config_io.override(cfg, {"train.steps": 2}))
     assert resumed["steps_run"] == 1  # resumed at step 1: load_from was not applied again
 
 
@@ -439,7 +439,7 @@ def test_mixture_of_experts_conversion_errors():
 def test_llama_3_2_1b_config_json_gives_the_preset():
     """The released config.json of meta-llama/Llama-3.2-1B (its fields as published) imports as
     configs/llama3.2-1b.yaml's model, apart from the training choices (sequence length, dtype, recompute)."""
-    from megajax import config as config_lib, hf
+    from megajax import config_io, hf
 
     released = {"architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
                 "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu",
@@ -451,7 +451,7 @@ def test_llama_3_2_1b_config_json_gives_the_preset():
                 "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_cache": True,
                 "vocab_size": 128256}
     got = hf.model_config_from_hf(released)
-    preset = config_lib.load(f"{REPO}/configs/llama3.2-1b.yaml").model
+    preset = config_io.load(f"{REPO}/configs/llama3.2-1b.yaml").model
     training = ("seq_length", "compute_dtype", "recompute")
     differ = {f.name for f in dataclasses.fields(got) if getattr(got, f.name) != getattr(preset, f.name)}
     assert differ <= set(training), differ
@@ -463,11 +463,11 @@ def test_written_preset_fine_tunes_as_it_is(tmp_path):
     """`from-hf --config-out`: a complete fine-tuning preset (bf16, fine-tuning schedule, a sequence length a GPU
     holds, the tokenizer, a layout) that `python -m megajax.train` runs with nothing but steps and the output
     changed, loss finite and checkpoint written."""
-    from megajax import config as config_lib
+    from megajax import config_io
 
     build_hf_model("llama", seed=4, vocab_size=257, max_position_embeddings=131072).save_pretrained(tmp_path / "big")
     convert.from_hf(tmp_path / "big", tmp_path / "big-megajax", config_out=tmp_path / "big.yaml")
-    big = config_lib.load(tmp_path / "big.yaml")
+    big = config_io.load(tmp_path / "big.yaml")
     assert big.model.seq_length == convert.FINE_TUNE_SEQ_LENGTH and big.model.compute_dtype == "bfloat16"
     assert big.optim.lr <= 3e-5 and big.optim.decay == "cosine" and big.parallel.distributed_optimizer
     assert big.checkpoint.load_from == str(tmp_path / "big-megajax") and "megajax.audit" in (tmp_path / "big.yaml"
@@ -489,9 +489,9 @@ def test_written_preset_fine_tunes_as_it_is(tmp_path):
 def test_written_preset_picks_a_node_layout_by_size(preset, tensor):
     """The preset's tensor size keeps weights, gradients and optimizer state under 48 GB of an 80 GB GPU on one
     node: Llama 3 8B at tensor 2 (ZeRO-1 over the node), 70B at the node's 8 (and the comment asks for a pipeline)."""
-    from megajax import config as config_lib
+    from megajax import config_io
 
-    cfg = config_lib.load(f"{REPO}/configs/{preset}.yaml")
+    cfg = config_io.load(f"{REPO}/configs/{preset}.yaml")
     assert convert._node_tensor_size(cfg) == tensor
 
 

@@ -81,10 +81,10 @@ def test_llama_flops_count_gqa_and_swiglu():
 
 
 def _compile_seconds(layers: int) -> float:
-    from megajax import config as config_lib, sharding, train
+    from megajax import config as config_lib, config_io, sharding, train
     from megajax.data.loader import batch_shapes
 
-    cfg = config_lib.override(config_lib.Config(), {
+    cfg = config_io.override(config_lib.Config(), {
         "model.num_layers": layers, "model.hidden_size": 64, "model.num_heads": 4, "model.seq_length": 32,
         "train.global_batch_size": 4}).for_devices(1)
     mesh = sharding.make_mesh(cfg.parallel, jax.devices()[:1])

@@ -659,8 +659,8 @@ def test_moe_layer_freq_decoding_and_checkpoint_checks():
         checkpoint.check_same_model(cfg, dataclasses.replace(cfg, moe_layer_freq=1), "ckpt")
     deepseek = dataclasses.replace(cfg, moe_layer_freq=1, moe_first_dense_layers=1,
                                    moe_router_score_function="sigmoid")
-    with pytest.raises(config_lib.ConfigError, match="moe_router_score_function: 'sigmoid' in the checkpoint, 'softmax' "
-                       "here.*moe_first_dense_layers: 1 in the checkpoint, 0 here"):
+    with pytest.raises(config_lib.ConfigError, match="moe_first_dense_layers: 1 in the checkpoint, 0 here.*"
+                       "moe_router_score_function: 'sigmoid' in the checkpoint, 'softmax' here"):
         checkpoint.check_same_model(deepseek, dataclasses.replace(cfg, moe_layer_freq=1), "ckpt")
 
 

@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from megajax import config as config_lib, hlo
+from megajax import config_io, hlo
 from megajax.pipeline import ticks
 from megajax.pipeline.schedule import perm_pairs
 
@@ -57,7 +57,7 @@ def _compile(schedule, v, gbs):
     from megajax.audit import compile_step
     import jax
 
-    cfg = config_lib.load("configs/tiny.yaml", [
+    cfg = config_io.load("configs/tiny.yaml", [
         "parallel.data=2", "parallel.pipeline=2", "parallel.tensor=2", "train.micro_batch_size=2",
         f"train.global_batch_size={gbs}", f"parallel.schedule={schedule}", f"parallel.virtual_stages={v}"])
     cfg, mesh, compiled, _ = compile_step(cfg, jax.devices())

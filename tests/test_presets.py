@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from megajax import audit, config as config_lib
+from megajax import audit, config as config_lib, config_io
 from megajax.config import ConfigError
 
 from conftest import REPO, gpu
@@ -26,7 +26,7 @@ MAX_GIB = 72.0
 
 
 def _load(name: str) -> config_lib.Config:
-    return config_lib.load(os.path.join(REPO, "configs", f"{name}.yaml"))
+    return config_io.load(os.path.join(REPO, "configs", f"{name}.yaml"))
 
 
 @pytest.mark.parametrize("name", PRESETS)

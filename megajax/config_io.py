@@ -1,0 +1,217 @@
+"""The configuration tree in and out: YAML presets, `--set a.b=c` overrides, and the `--help` list of every key.
+
+megajax/config.py holds the tree and its checks; this module reads and writes it. A preset or an override with an
+unknown key or a wrong type raises ConfigError naming the key (and the closest known one), before any check of
+the tree runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from megajax.config import _KEY_ALIASES, Config, ConfigError, _check, _short
+
+
+def _unknown_key(path: str, key: str, known: list[str], what: str) -> str:
+    """'unknown config key 'parallel.tensr': did you mean 'parallel.tensor'? known keys here: ...'."""
+    import difflib
+
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    kind = "section" if what == "sections" else "key"
+    if close and what != "sections":  # the suggestion; `--help` lists the rest
+        return f"unknown config {kind} {path!r}: did you mean {path[: len(path) - len(key)] + close[0]!r}?"
+    hint = f": did you mean {close[0]!r}?" if close else ""
+    return f"unknown config {kind} {path!r}{hint} ({what}: {', '.join(known)})"
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Checks (and gently converts) `value` to the annotated type `tp`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{where}: bad value {_short(value)}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        _check(value in choices, f"{where}={_short(value)} is not one of {', '.join(map(str, choices))}")
+        return value
+    if origin is list:
+        _check(isinstance(value, (list, tuple)), f"{where} must be a list, got {_short(value)}")
+        return list(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        _check(isinstance(value, bool), f"{where} must be true or false, got {_short(value)}")
+        return value
+    if tp is int:
+        _check(isinstance(value, int) and not isinstance(value, bool),
+               f"{where} must be an integer, got {_short(value)}")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        _check(isinstance(value, (int, float)) and not isinstance(value, bool),
+               f"{where} must be a number, got {_short(value)}")
+        return float(value)
+    if tp is str:
+        _check(isinstance(value, str), f"{where} must be a string, got {_short(value)}")
+        return value
+    raise ConfigError(f"{where}: unsupported type {tp}")
+
+
+def _build(cls, data: dict, where: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'the config'} must be a mapping, got {_short(data)}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        name = _KEY_ALIASES.get(key, key)
+        path = f"{where}.{key}" if where else key
+        if name not in names:
+            known = sorted({k for k, a in _KEY_ALIASES.items() if a in names} | names - set(_KEY_ALIASES.values()))
+            raise ConfigError(_unknown_key(path, key, known, "sections" if not where else "keys here"))
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, value, path)
+        else:
+            kwargs[name] = _coerce(value, tp, path)
+    return cls(**kwargs)
+
+
+def from_dict(data: dict) -> Config:
+    """Builds a Config from a nested mapping; unknown keys and wrong types raise ConfigError."""
+    return _build(Config, data or {}, "")
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """['model.num_layers=4', 'data.paths=[0.3,a,0.7,b]'] -> {'model.num_layers': 4, ...} (values as YAML)."""
+    out = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        _check(bool(sep) and bool(key), f"override {item!r} must look like section.key=value")
+        try:
+            out[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: value is not valid YAML ({e})") from None
+    return out
+
+
+def override(cfg: Config, flat: dict) -> Config:
+    """Applies dotted-key overrides ({'model.num_layers': 4}) and re-validates everything."""
+    data = cfg.to_dict()
+    for key, value in flat.items():
+        parts = key.split(".")
+        node = data
+        for i, part in enumerate(parts[:-1]):
+            if not isinstance(node.get(part), dict):
+                known = sorted(k for k, v in node.items() if isinstance(v, dict))
+                if not known:  # a value, not a section (model.num_layers.x)
+                    raise ConfigError(f"config key {'.'.join(parts[: i + 1])!r} is a value, not a section: "
+                                      f"override {key!r} names a key inside it")
+                raise ConfigError(_unknown_key('.'.join(parts[: i + 1]), part, known,
+                                               "sections" if i == 0 else "keys here"))
+            node = node[part]
+        if parts[-1] not in node:
+            known = sorted(node)
+            raise ConfigError(_unknown_key(key, parts[-1], known, "sections" if len(parts) == 1 else "keys here"))
+        node[parts[-1]] = value
+    return from_dict(data)
+
+
+def load(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Loads a YAML preset (or the defaults) and applies `--set` style overrides."""
+    data = {}
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"config file {path} does not exist (presets live in configs/)")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            what = " ".join(str(getattr(e, "problem", None) or e).split())[:200]
+            raise ConfigError(f"config file {path} is not valid YAML{where}: {what}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config file {path} cannot be read: {str(e)[:200]}") from None
+    try:
+        cfg = from_dict(data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}" if path is not None else str(e)) from None
+    return override(cfg, parse_overrides(overrides or []))
+
+
+def _field_comments(cls) -> dict[str, str]:
+    """Field name -> its one line of meaning: the comment on the field's line, else the comment lines just above
+    it (this file is where a key is described)."""
+    import inspect
+    import re
+
+    out, above = {}, []
+    for line in inspect.getsourcelines(cls)[0]:
+        text = line.strip()
+        if text.startswith("#"):
+            above.append(text.lstrip("# ").strip())
+            continue
+        m = re.match(r"(\w+): [^#]+?(?:#\s*(.*))?$", text) if line.startswith("    ") and not line.startswith(" " * 5) \
+            else None
+        if m and m.group(1) in {f.name for f in dataclasses.fields(cls)}:
+            out[m.group(1)] = m.group(2) or " ".join(above)
+        above = []
+    return out
+
+
+def keys_help() -> list[tuple[str, str, str, str]]:
+    """(key, type, default, meaning) of every config key, as `--set` spells it."""
+    aliases = {v: k for k, v in _KEY_ALIASES.items()}
+    rows = []
+    for section in dataclasses.fields(Config):
+        cls = type(section.default)
+        comments = _field_comments(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+            if kind.startswith("Literal["):
+                kind = "|".join(typing.get_args(typing.get_type_hints(cls)[f.name]))
+            meaning = comments.get(f.name, "")
+            rows.append((f"{section.name}.{aliases.get(f.name, f.name)}", kind.replace("typing.", ""),
+                         yaml.safe_dump(default, default_flow_style=True).removesuffix("\n...\n").strip(),
+                         meaning))
+    return rows
+
+
+def add_cli_arguments(parser) -> None:
+    """--config and --set (repeatable, each taking one or more KEY=VALUE), and every config key listed in the
+    parser's --help (type, default, meaning), for the entry points that take a config."""
+    import argparse
+
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--config", help="YAML preset (configs/*.yaml); without it, the defaults below")
+    parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                        help="override config keys, e.g. --set model.num_layers=4 parallel.tensor=2 (repeatable)")
+    import textwrap
+
+    lines = []
+    for key, kind, default, meaning in keys_help():
+        lines.append(f"  {key}  ({kind}, default {default})")
+        lines += textwrap.wrap(meaning, width=100, initial_indent="      ", subsequent_indent="      ")
+    parser.epilog = "config keys (--set KEY=VALUE, or in the YAML preset):\n" + "\n".join(lines)
