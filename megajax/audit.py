@@ -222,10 +222,10 @@ def abstract_step(cfg, devices):
     (config with the layout resolved, mesh, StepSetup, state, batch). Nothing is allocated."""
     import jax
 
-    from megajax import train
+    from megajax import step as step_lib
     from megajax.data.loader import batch_shapes
 
-    setup = train.setup_for(cfg, devices)
+    setup = step_lib.setup_for(cfg, devices)
     cfg, mesh = setup.cfg, setup.mesh
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                          setup.abstract_state, setup.state_shardings)
@@ -240,11 +240,11 @@ def compile_step(cfg, devices, compiler_options: dict | None = None):
     resolved, the mesh, the compiled step, its StepSetup)."""
     import jax
 
-    from megajax import train
+    from megajax import step as step_lib
 
     cfg, mesh, setup, state, batch = abstract_step(cfg, devices)
     with jax.set_mesh(mesh):
-        compiled = train.jit_train_step(setup).lower(state, batch).compile(compiler_options)
+        compiled = step_lib.jit_train_step(setup).lower(state, batch).compile(compiler_options)
     return cfg, mesh, compiled, setup
 
 
@@ -323,13 +323,13 @@ def lower_for(cfg, platform: str) -> dict:
     """
     import jax
 
-    from megajax import train
+    from megajax import step as step_lib
 
     cfg, mesh, setup, state, batch = abstract_step(cfg, jax.devices())
     # Kernel IR carries no compatibility guarantee: fine for an artifact that is inspected, not shipped.
     unchecked = [jax.export.DisabledSafetyCheck.custom_call(t) for t in KERNEL_CALL_TARGETS]
     with jax.set_mesh(mesh):
-        exported = jax.export.export(train.jit_train_step(setup), platforms=[platform],
+        exported = jax.export.export(step_lib.jit_train_step(setup), platforms=[platform],
                                      disabled_checks=unchecked)(state, batch)
     kernels: dict[str, dict] = {}
     others: dict[str, int] = {}

@@ -96,11 +96,21 @@ def checksums(tree) -> dict[str, list[int]]:
     return {path_name(path): [int(v) for v in s] for (path, _), s in zip(flat, sums)}
 
 
-def save(mgr: ocp.CheckpointManager, step: int, state, meta: dict) -> None:
-    """Starts a save; with async checkpointing it returns once the arrays are copied off the devices. The meta
-    item records each array's checksums, which restore verifies."""
+def metadata(cfg: Config, step: int, consumed: int) -> dict:
+    """The meta item of a training checkpoint (besides the checksums): where the run is, its config (what resume
+    compares, `check_same_model`) and the layout it was written with."""
+    return {"step": step, "consumed_samples": consumed, "seed": cfg.train.seed, "config": cfg.to_dict(),
+            "layout": {"data": cfg.parallel.data, "pipeline": cfg.parallel.pipeline,
+                       "context": cfg.parallel.context, "tensor": cfg.parallel.tensor,
+                       "virtual_stages": cfg.parallel.virtual_stages}}
+
+
+def save(mgr: ocp.CheckpointManager, step: int, state, cfg: Config, consumed: int) -> None:
+    """Starts a save of the train state at `step` (`consumed` samples); with async checkpointing it returns once
+    the arrays are copied off the devices. The meta item (`metadata`) records each array's checksums, which
+    restore verifies."""
     state = state_dict(state)
-    meta = {**meta, "checksums": checksums(state)}
+    meta = {**metadata(cfg, step, consumed), "checksums": checksums(state)}
     mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
              force=True)
 

@@ -1,6 +1,6 @@
 """Every parallel decision of one train step, made once: `StepPlan.resolve(cfg)`.
 
-The step reads its layout from this one frozen value and nothing else: train.py's gradient engine (pipelined or
+The step reads its layout from this one frozen value and nothing else: step.py's gradient engine (pipelined or
 not, which reductions and gathers run inside the backward), the pipeline executor and its tick tables, the overlap
 code, the audit, and the model. The model reads the plan in force while a step is traced (`use`, `current`):
 the one context variable of megajax, kept because passing the plan explicitly would thread it through every
@@ -13,7 +13,7 @@ What the plan holds, and who reads it:
 |---|---|---|
 | data, expert, pipeline, context, tensor | the mesh's sizes | everything below |
 | manual | the axes the step's shard_map region makes manual (each of MANUAL with more than one device) | train, sharding |
-| pipelined, schedule, virtual_stages, micro_batches | the gradient engine: a schedule, or a scan over micro batches | train, executor, ticks |
+| pipelined, engine, schedule, virtual_stages, micro_batches | the gradient engine: a schedule, or a scan over micro batches | step, executor, ticks |
 | sequence_parallel | the residual stream sharded over 'tensor' (the activation rules) | sharding.constrain |
 | context_comm | how attention's keys and values cross the context ranks: ring or all_gather | model/context.py |
 | tp_overlap | sequence parallelism's collectives as rings ("ring"), chunks ("chunks", in a pipeline) or plain (None) | model/collective_matmul.py |
@@ -61,6 +61,13 @@ class StepPlan:
     @property
     def pipelined(self) -> bool:
         return self.pipeline > 1
+
+    @property
+    def engine(self) -> str:
+        """The gradient engine (step.ENGINES): "pipelined" (a schedule), "overlapped" (a scan over micro batches
+        whose last backward issues the data-parallel reductions layer by layer) or "plain" (a scan, reduced
+        after)."""
+        return "pipelined" if self.pipelined else "overlapped" if self.reduce_in_backward else "plain"
 
     @classmethod
     def resolve(cls, cfg: Config) -> StepPlan:

@@ -23,7 +23,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from megajax import config_io  # noqa: E402
-from megajax import distributed, metrics, train  # noqa: E402
+from megajax import distributed, metrics, step as step_lib  # noqa: E402
 from megajax.data.loader import batch_shapes  # noqa: E402
 
 
@@ -43,13 +43,13 @@ def random_batch(cfg, shardings) -> dict:
 
 
 def bench(cfg, steps: int, warmup: int) -> dict:
-    setup = train.setup_for(cfg)
+    setup = step_lib.setup_for(cfg)
     cfg = setup.cfg
-    state = train.init_state(setup)
+    state = step_lib.init_state(setup)
     batch = random_batch(cfg, setup.batch_shardings)
     with jax.set_mesh(setup.mesh):
         t0 = time.perf_counter()
-        step_fn = train.jit_train_step(setup).lower(state, batch).compile()
+        step_fn = step_lib.jit_train_step(setup).lower(state, batch).compile()
         compile_s = time.perf_counter() - t0
         for _ in range(warmup):
             state, stats = step_fn(state, batch)

@@ -59,7 +59,7 @@ def small_config(**overrides) -> config_lib.Config:
 
 @functools.lru_cache(maxsize=8)
 def initial_params(model_cfg: config_lib.ModelConfig, seed: int):
-    """The parameters train.init_state draws from `seed` (canonical layout, NumPy), drawn once per model:
+    """The parameters step_lib.init_state draws from `seed` (canonical layout, NumPy), drawn once per model:
     layouts of one model start from these instead of each compiling its own random init (that init is
     the same on every layout: tests/test_model.py)."""
     import flax.linen as nn
@@ -73,14 +73,14 @@ def run_steps(cfg: config_lib.Config, num_devices: int, steps: int, *, return_st
               grad_norms: list | None = None):
     """Trains `steps` steps on the first `num_devices` devices in this process; returns the losses
     (and appends each step's gradient norm to `grad_norms` if given)."""
-    from megajax import train
+    from megajax import step as step_lib
     from megajax.data.loader import build_datasets, global_batch
 
-    setup = train.setup_for(cfg, jax.devices()[:num_devices])
+    setup = step_lib.setup_for(cfg, jax.devices()[:num_devices])
     cfg, mesh = setup.cfg, setup.mesh
-    state = train.init_state(setup, initial_params(cfg.model, cfg.train.seed))
+    state = step_lib.init_state(setup, initial_params(cfg.model, cfg.train.seed))
     data = build_datasets(cfg, {"train": steps * cfg.train.global_batch_size})["train"]
-    step_fn = train.jit_train_step(setup)
+    step_fn = step_lib.jit_train_step(setup)
     losses = []
     with jax.set_mesh(mesh):
         for i in range(steps):
@@ -96,11 +96,11 @@ def run_steps(cfg: config_lib.Config, num_devices: int, steps: int, *, return_st
 def first_batch(cfg: config_lib.Config, num_devices: int):
     """(the step's setup on `num_devices`, a fresh train state, the first global batch of the bundled data placed
     as the step takes it)."""
-    from megajax import train
+    from megajax import step as step_lib
     from megajax.data.loader import build_datasets, global_batch
 
-    setup = train.setup_for(cfg, jax.devices()[:num_devices])
-    state = train.init_state(setup)
+    setup = step_lib.setup_for(cfg, jax.devices()[:num_devices])
+    state = step_lib.init_state(setup)
     data = build_datasets(setup.cfg, {"train": 16})["train"]
     with jax.set_mesh(setup.mesh):
         return setup, state, global_batch(data, 0, setup.cfg.train.global_batch_size, setup.batch_shardings)
@@ -109,12 +109,12 @@ def first_batch(cfg: config_lib.Config, num_devices: int):
 def evaluate(cfg: config_lib.Config, num_devices: int):
     """The eval step's mean token loss on the first global batch of fresh weights, and its compiled program's
     collectives (megajax.hlo)."""
-    from megajax import hlo, train
+    from megajax import hlo, step as step_lib
 
     setup, state, batch = first_batch(cfg, num_devices)
     mesh = setup.mesh
     with jax.set_mesh(mesh):
-        step = train.jit_eval_step(setup)
+        step = step_lib.jit_eval_step(setup)
         total, count = step(state.params, batch)
         text = step.lower(state.params, batch).compile().as_text()
     return float(total) / float(count), hlo.parse(text, dict(mesh.shape))

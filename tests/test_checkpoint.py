@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from megajax import checkpoint, config_io, train
+from megajax import checkpoint, config_io, step as step_lib, train
 
 from conftest import CLI_SMALL, REPO, cli_env, read_metrics, train_cli
 
@@ -248,7 +248,7 @@ def test_distributed_optimizer_state_moves_between_data_sizes(tmp_path):
     _, state, setup = run_steps(cfg, 6, 2, return_state=True)
     assert setup.zero_sharded_fraction() == 1.0
     mgr = checkpoint.manager(str(tmp_path), use_async=False)
-    checkpoint.save(mgr, 2, state, train._meta(setup.cfg, 2, 24))
+    checkpoint.save(mgr, 2, state, setup.cfg, 24)
     mgr.wait_until_finished()
 
     def unpadded(st, params):
@@ -258,9 +258,9 @@ def test_distributed_optimizer_state_moves_between_data_sizes(tmp_path):
     want = unpadded(state, state.params)
     for n, layout in ((8, {"parallel.data": 4, "parallel.tensor": 2, "parallel.distributed_optimizer": True}),
                       (1, {"parallel.data": 1})):
-        target = train.setup_for(small_config(**layout, **{"train.global_batch_size": 12}), jax.devices()[:n])
+        target = step_lib.setup_for(small_config(**layout, **{"train.global_batch_size": 12}), jax.devices()[:n])
         fields, _ = checkpoint.restore(mgr, 2, target.abstract_state, target.state_shardings, target.cfg)
-        got = train.TrainState(**fields)
+        got = step_lib.TrainState(**fields)
         assert jax.tree.map(lambda a: a.shape, got.opt_state) == jax.tree.map(lambda a: a.shape,
                                                                                 target.abstract_state.opt_state)
         jax.tree.map(np.testing.assert_array_equal, unpadded(got, got.params), want)

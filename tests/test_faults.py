@@ -4,14 +4,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from megajax import train
+from megajax import step as step_lib, train
 from megajax.data.loader import build_datasets, global_batch
 
 from conftest import read_metrics, small_config, train_cli
 
 
 def _setup(cfg, steps=8):
-    setup = train.setup_for(cfg, jax.devices()[:1])
+    setup = step_lib.setup_for(cfg, jax.devices()[:1])
     cfg, mesh = setup.cfg, setup.mesh
     data = build_datasets(cfg, {"train": steps * cfg.train.global_batch_size})["train"]
     return cfg, mesh, setup, data
@@ -19,8 +19,8 @@ def _setup(cfg, steps=8):
 
 def test_non_finite_step_leaves_weights_and_optimizer_untouched():
     cfg, mesh, setup, data = _setup(small_config(**{"optim.warmup_steps": 4}))
-    state = train.init_state(setup)
-    step_fn = train.jit_train_step(setup)
+    state = step_lib.init_state(setup)
+    step_fn = step_lib.jit_train_step(setup)
     with jax.set_mesh(mesh):
         batch = global_batch(data, 0, cfg.train.global_batch_size, setup.batch_shardings)
         bad = {**batch, "loss_mask": batch["loss_mask"].at[0, 0].set(jnp.nan)}
@@ -39,8 +39,8 @@ def test_fp16_loss_scale_backs_off_then_trains():
     cfg, mesh, setup, data = _setup(small_config(**{"model.compute_dtype": "float16",
                                                     "optim.initial_loss_scale": 2.0**40,
                                                     "optim.loss_scale_growth_interval": 3}), steps=30)
-    state = train.init_state(setup)
-    step_fn = train.jit_train_step(setup)
+    state = step_lib.init_state(setup)
+    step_fn = step_lib.jit_train_step(setup)
     scales, losses, finite = [], [], []
     with jax.set_mesh(mesh):
         for i in range(30):
@@ -74,10 +74,10 @@ def test_fp16_overflow_at_the_smallest_loss_scale_counts_as_a_bad_step():
     cfg, mesh, setup, data = _setup(small_config(**{"model.compute_dtype": "float16",
                                                     "optim.initial_loss_scale": 2.0**40}), steps=2)
     object.__setattr__(cfg.optim, "min_loss_scale", 2.0**40)  # a floor fp16 cannot hold (the config refuses it)
-    state = train.init_state(setup)
+    state = step_lib.init_state(setup)
     with jax.set_mesh(mesh):
         batch = global_batch(data, 0, cfg.train.global_batch_size, setup.batch_shardings)
-        state, stats = train.jit_train_step(setup)(state, batch)
+        state, stats = step_lib.jit_train_step(setup)(state, batch)
     assert not bool(stats["finite"]) and int(stats["bad_steps"]) == 1 and float(state.loss_scale) == 2.0**40
 
 

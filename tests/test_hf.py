@@ -278,18 +278,18 @@ def test_gpt2_generation_longer_than_positions_is_an_error(models, capsys):
 def test_pipeline_staged_training_checkpoint_exports(tmp_path):
     """A training state with pipeline (and interleaved) stages stores layers as [v, p, L/(p v), ...];
     export and load_params give the canonical [L, ...] layers back."""
-    from megajax import config_io, train
+    from megajax import config_io, step as step_lib
     from megajax.pipeline.layout import from_stages
 
-    setup = train.setup_for(small_config(**{
+    setup = step_lib.setup_for(small_config(**{
         "model.num_layers": 4, "parallel.pipeline": 2, "parallel.virtual_stages": 2, "parallel.schedule": "interleaved",
         "train.global_batch_size": 4, "train.micro_batch_size": 1, "model.vocab_size": VOCAB,
         "train.output_dir": str(tmp_path / "run")}), jax.devices()[:2])
     cfg = setup.cfg
-    state = train.init_state(setup)
+    state = step_lib.init_state(setup)
     assert state.params["layers"]["block"]["attn"]["wqkv"].shape[:3] == (2, 2, 1)
     mgr = checkpoint.manager_for(cfg)
-    checkpoint.save(mgr, 7, state, train._meta(cfg, 7, 28))
+    checkpoint.save(mgr, 7, state, cfg, 28)
     mgr.wait_until_finished()
     mgr.close()
     want = from_stages(jax.tree.map(np.asarray, state.params))
@@ -304,8 +304,8 @@ def test_pipeline_staged_training_checkpoint_exports(tmp_path):
     # checkpoint.load_from onto another layout (no pipeline) and onto the staged one.
     for layout in ({"parallel.pipeline": 1, "parallel.virtual_stages": 1, "parallel.schedule": "1f1b"},
                    {"parallel.pipeline": 2, "parallel.virtual_stages": 2, "parallel.schedule": "interleaved"}):
-        other = train.setup_for(config_io.override(cfg, layout), jax.devices()[:layout["parallel.pipeline"]])
-        loaded = train.load_initial_params(other, str(tmp_path / "run"))
+        other = step_lib.setup_for(config_io.override(cfg, layout), jax.devices()[:layout["parallel.pipeline"]])
+        loaded = step_lib.load_initial_params(other, str(tmp_path / "run"))
         if layout["parallel.pipeline"] > 1:
             loaded = from_stages(loaded)
         jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), loaded, want)
@@ -328,12 +328,12 @@ def _train_one_step_from_import(tmp_path):
 def test_training_starts_from_an_imported_checkpoint(tmp_path):
     """checkpoint.load_from: the first step's loss is the imported model's loss on that batch, and a
     checkpoint of another architecture is refused by name."""
-    from megajax import config as config_lib, config_io, train
+    from megajax import config as config_lib, config_io, step as step_lib, train
     from megajax.data.loader import build_datasets, global_batch
 
     cfg, summary = _train_one_step_from_import(tmp_path)
     params = checkpoint.load_params(tmp_path / "ckpt")
-    setup = train.setup_for(cfg)
+    setup = step_lib.setup_for(cfg)
     data = build_datasets(setup.cfg, {"train": 8})["train"]
     batch = jax.device_get(global_batch(data, 0, 8, setup.batch_shardings))
     want = float(model.loss_sum(cfg.model, params, batch, None) / batch["loss_mask"].sum())

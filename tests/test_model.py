@@ -81,20 +81,20 @@ def test_llama_flops_count_gqa_and_swiglu():
 
 
 def _compile_seconds(layers: int) -> float:
-    from megajax import config as config_lib, config_io, sharding, train
+    from megajax import config as config_lib, config_io, sharding, step as step_lib
     from megajax.data.loader import batch_shapes
 
     cfg = config_io.override(config_lib.Config(), {
         "model.num_layers": layers, "model.hidden_size": 64, "model.num_heads": 4, "model.seq_length": 32,
         "train.global_batch_size": 4}).for_devices(1)
     mesh = sharding.make_mesh(cfg.parallel, jax.devices()[:1])
-    setup = train.build(cfg, mesh)
+    setup = step_lib.build(cfg, mesh)
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), setup.abstract_state,
                          setup.state_shardings)
     batch = {k: jax.ShapeDtypeStruct(s, d, sharding=setup.batch_shardings[k]) for k, (s, d) in batch_shapes(4, 32).items()}
     start = time.perf_counter()
     with jax.set_mesh(mesh):
-        train.jit_train_step(setup).lower(state, batch).compile()
+        step_lib.jit_train_step(setup).lower(state, batch).compile()
     return time.perf_counter() - start
 
 
@@ -106,16 +106,16 @@ def test_scan_keeps_compile_time_flat_in_depth():
 
 
 def test_random_init_is_the_same_on_every_layout():
-    """train.init_state draws the same parameters from the seed on any mesh (so tests may start every
+    """step_lib.init_state draws the same parameters from the seed on any mesh (so tests may start every
     layout of a model from one draw: conftest.initial_params), and its optimizer state starts at zero."""
-    from megajax import train
+    from megajax import step as step_lib
     from megajax.pipeline.layout import from_stages
 
     from conftest import initial_params, small_config
 
     cfg = small_config(**{"model.num_layers": 4, "parallel.data": 2, "parallel.pipeline": 2, "parallel.tensor": 2,
                           "parallel.distributed_optimizer": True, "train.micro_batch_size": 1})
-    state = train.init_state(train.setup_for(cfg, jax.devices()))
+    state = step_lib.init_state(step_lib.setup_for(cfg, jax.devices()))
     want = initial_params(cfg.model, cfg.train.seed)
     jax.tree.map(np.testing.assert_array_equal, from_stages(jax.device_get(state.params)), want)
     assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(state.opt_state[1].mu))

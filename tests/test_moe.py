@@ -354,13 +354,13 @@ def test_checkpoint_moves_between_expert_parallel_sizes(tmp_path):
     optimizer."""
     import jax
 
-    from megajax import checkpoint, optim, train
+    from megajax import checkpoint, optim, step as step_lib
 
     sets = {**MOE, "model.arch": "llama", "train.global_batch_size": 8}
     cfg = small_config(**sets, **{"parallel.data": 4, "parallel.expert": 2, "parallel.distributed_optimizer": True})
     _, state, setup = run_steps(cfg, 4, 2, return_state=True)
     mgr = checkpoint.manager(str(tmp_path), use_async=False)
-    checkpoint.save(mgr, 2, state, train._meta(setup.cfg, 2, 16))
+    checkpoint.save(mgr, 2, state, setup.cfg, 16)
     mgr.wait_until_finished()
 
     def unpadded(st):
@@ -371,9 +371,9 @@ def test_checkpoint_moves_between_expert_parallel_sizes(tmp_path):
     for n, layout in ((4, {"parallel.data": 4, "parallel.expert": 4, "parallel.distributed_optimizer": True}),
                       (4, {**FOLD, "parallel.distributed_optimizer": True}),  # experts over 'expert' x 'tensor'
                       (1, {"parallel.data": 1})):
-        target = train.setup_for(small_config(**sets, **layout), jax.devices()[:n])
+        target = step_lib.setup_for(small_config(**sets, **layout), jax.devices()[:n])
         fields, _ = checkpoint.restore(mgr, 2, target.abstract_state, target.state_shardings, target.cfg)
-        got = train.TrainState(**fields)
+        got = step_lib.TrainState(**fields)
         jax.tree.map(np.testing.assert_array_equal, unpadded(got), want)
     mgr.close()
 
@@ -443,13 +443,13 @@ def test_ragged_buffer_factor_trains_and_reports_its_drops():
 def _one_step_stats(setup, state):
     import jax
 
-    from megajax import train
+    from megajax import step as step_lib
     from megajax.data.loader import build_datasets, global_batch
 
     data = build_datasets(setup.cfg, {"train": 16})["train"]
     with jax.set_mesh(setup.mesh):
         batch = global_batch(data, 8, 8, setup.batch_shardings)
-        state, stats = train.jit_train_step(setup)(state, batch)
+        state, stats = step_lib.jit_train_step(setup)(state, batch)
     return {k: float(v) for k, v in stats.items() if k.startswith("moe_")}, state
 
 

@@ -98,7 +98,7 @@ def test_evaluation_runs_through_the_pipeline_without_gathering_layers():
 def _grads(cfg, n):
     import jax
 
-    from megajax import step_plan, train
+    from megajax import step_plan, step as step_lib
     from megajax.pipeline.layout import from_stages
 
     setup, state, batch = first_batch(cfg, n)
@@ -107,7 +107,7 @@ def _grads(cfg, n):
         @jax.jit
         def grads(params, batch):
             with step_plan.use(setup.plan):
-                return train.compute_grads(setup, params, batch, jax.numpy.float32(1.0))[1]
+                return step_lib.compute_grads(setup, params, batch, jax.numpy.float32(1.0))[1]
 
         g = jax.device_get(grads(state.params, batch))
     return from_stages(g) if cfg.parallel.pipeline > 1 else g

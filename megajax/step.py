@@ -1,0 +1,456 @@
+"""The train step: its state, its setup (shapes, shardings and the step plan, derived once from the config and the
+mesh), the gradient engine the plan chooses, and the jitted train and eval steps. The step is
+
+    shard_map(the plan's manual axes: data, expert, pipeline and context where split; tensor left to GSPMD):
+        the gradient engine: a scan over micro batches, or a pipeline schedule -> this data rank's gradients
+        one reduction over the data ranks (all-reduce, or reduce-scatter with the distributed optimizer),
+        after the engine or, overlapped, layer by layer inside its last backward
+    GSPMD: unscale, global norm, AdamW update, non-finite steps skipped
+
+The micro-batch loop runs with 'data' manual even without a pipeline: with 'data' left to GSPMD, XLA
+reduces the gradient over 'data' once per micro batch instead of once per step. The loop that runs the step
+(resume, logging, checkpoints, signals, the CLI) is megajax/train.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from megajax import model, optim, overlap, sharding, step_plan
+from megajax.config import Config
+from megajax.data.loader import micro_batches
+from megajax.model import context, fp8, moe
+from megajax.pipeline import executor, layout
+from megajax.step_plan import StepPlan
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: optimizer steps taken (skipped steps count too)
+    params: Any
+    opt_state: Any
+    loss_scale: jax.Array  # f32 scalar; 1.0 unless compute_dtype is float16
+    good_steps: jax.Array  # int32: finite steps since the loss scale last changed
+    bad_steps: jax.Array  # int32: non-finite steps in a row
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSetup:
+    """Everything the step needs that follows from (config, mesh); no arrays."""
+
+    cfg: Config
+    mesh: jax.sharding.Mesh
+    plan: StepPlan  # every parallel decision of the step (megajax/step_plan.py)
+    logical: Any  # logical axis names per parameter (canonical layout)
+    tx: optax.GradientTransformation
+    abstract_state: TrainState
+    state_shardings: TrainState
+    batch_shardings: dict[str, NamedSharding]
+    zero_dims: Any  # per parameter: where the distributed optimizer shards its state (optim.ZeroDim or None)
+    eod: int | None = None  # the end-of-document token, where packed documents are separated (data.reset_*)
+
+    def whole_batch(self, batch: dict) -> dict:
+        """A batch of whole sequences with what the model reads besides tokens: the packed documents' segment ids
+        and positions (data.reset_attention_mask, data.reset_position_ids)."""
+        d = self.cfg.data
+        if not (d.reset_attention_mask or d.reset_position_ids):
+            return batch
+        out = model.documents(batch, self.eod, d.reset_position_ids)
+        return out if d.reset_attention_mask else {k: v for k, v in out.items() if k != "segment_ids"}
+
+    def local_batch(self, batch: dict) -> dict:
+        """Inside the step's manual region: `whole_batch`, cut to this context rank's tokens of every sequence."""
+        return context.split_batch(self.whole_batch(batch))
+
+    def zero_sharded_fraction(self) -> float:
+        """Fraction of the parameters whose optimizer state the distributed optimizer shards over 'data'."""
+        sizes = jax.tree.map(lambda a, z: (math.prod(a.shape), z is not None), self.abstract_state.params,
+                             self.zero_dims, is_leaf=lambda x: x is None)
+        pairs = jax.tree.leaves(sizes, is_leaf=lambda x: isinstance(x, tuple))
+        total = sum(n for n, _ in pairs)
+        return sum(n for n, sharded in pairs if sharded) / max(total, 1)
+
+    def param_specs(self):
+        """The PartitionSpec of every parameter in the train state."""
+        return jax.tree.map(lambda s: s.spec, self.state_shardings.params)
+
+    def compute_param_specs(self):
+        """The PartitionSpec of every parameter as the model computes with it: the train state's, except for the
+        weights the state keeps as their optimizer shard (`gathered_params`)."""
+        return jax.tree.map(lambda n: _layout_spec(self.plan, n), self.logical, is_leaf=lambda x: isinstance(x, tuple))
+
+    def gathered_params(self):
+        """Per parameter: True where the train state keeps only its distributed-optimizer shard and the step
+        all-gathers it in its first forward (parallel.overlap_param_gather)."""
+        return _gathered(self.cfg, self.plan, self.abstract_state.params, self.zero_dims)
+
+    def optimizer_bytes_per_device(self) -> int:
+        """Bytes of optimizer state one device holds (the distributed optimizer divides it by data)."""
+        return sum(math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize for a, s in zip(
+            jax.tree.leaves(self.abstract_state.opt_state), jax.tree.leaves(self.state_shardings.opt_state)))
+
+
+def _layout_spec(plan: StepPlan, names: tuple) -> P:
+    """The parameter's PartitionSpec as the model computes with it (staged layer layout under a pipeline)."""
+    return sharding.param_spec(layout.layout_names(names, plan.pipelined), plan.moe_folds > 1)
+
+
+def _gathered(cfg: Config, plan: StepPlan, params, zero_dims):
+    """StepSetup.gathered_params: with parallel.overlap_param_gather, every weight whose optimizer shard is an
+    unpadded slice over the data ranks alone (not a tensor-sharded dim split further); with a pipeline, of the
+    layers only (the schedule gathers those in its ticks; the embedding and head are read by the first and last
+    ranks' first ticks, with nothing to hide a gather under)."""
+    gathered = jax.tree.map(lambda a, z: bool(cfg.parallel.overlap_param_gather and z is not None and z.data_only
+                                              and z.size == a.shape[z.dim]),
+                            params, zero_dims, is_leaf=lambda x: x is None)
+    if plan.pipelined:
+        gathered = {k: g if k == "layers" else jax.tree.map(lambda _: False, g) for k, g in gathered.items()}
+    return gathered
+
+
+def _gather_dtypes(cfg: Config, params):
+    """Per parameter, the Reduction's gather_dtype and grad_dtype: a matmul weight (the model casts it to the compute
+    dtype wherever it reads it) is gathered in the compute dtype, as Megatron gathers its bf16 parameters; the rest
+    in its own."""
+    mcfg = cfg.model
+    low = mcfg.compute_dtype != mcfg.param_dtype
+
+    def one(path, a):
+        if low and getattr(path[-1], "key", None) in model.layers.WEIGHT_EINSUMS:
+            return {"gather_dtype": mcfg.compute_dtype, "grad_dtype": mcfg.param_dtype}
+        return {}
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def build(cfg: Config, mesh: jax.sharding.Mesh) -> StepSetup:
+    """Derives shapes and shardings of the state and batch (with jax.eval_shape: nothing is allocated)."""
+    plan = StepPlan.resolve(cfg)
+    boxed = jax.eval_shape(lambda: model.init_params(cfg.model, jax.random.key(0)))
+    logical = model.logical_axes(boxed)
+    tx = optim.make_optimizer(cfg.optim, cfg.train.steps, logical)
+
+    def named(spec):
+        return NamedSharding(mesh, spec)
+
+    is_names = lambda x: isinstance(x, tuple)  # noqa: E731
+    is_none = lambda x: x is None  # noqa: E731
+    param_specs = jax.tree.map(lambda n: _layout_spec(plan, n), logical, is_leaf=is_names)
+    params = jax.eval_shape(lambda b: _staged(cfg, nn.unbox(b)), boxed)  # the train state's param shapes
+    if cfg.parallel.distributed_optimizer and cfg.parallel.data * cfg.parallel.context > 1:
+        lead = layout.lead_dims(plan.pipelined)  # stacked-layer dims: never the one padded
+        zero_dims = jax.tree.map(lambda a, s, n: optim.zero_dim(a.shape, s, lead if n[:1] == ("layers",) else 0,
+                                                                dict(mesh.shape)), params, param_specs, logical,
+                                 is_leaf=is_names)
+    else:
+        zero_dims = jax.tree.map(lambda _: None, params)
+    abstract_state = jax.eval_shape(lambda: _fresh_state(cfg, tx, zero_dims, jax.random.key(0)))
+    opt_specs = jax.tree.map(lambda a, s, z: optim.zero_spec(s, z, a.ndim), params, param_specs, zero_dims,
+                             is_leaf=is_none)
+    opt_shardings = optax.tree_map_params(
+        tx, lambda _, s: named(s), abstract_state.opt_state, opt_specs,
+        transform_non_params=lambda _: named(P()), is_leaf=lambda x: isinstance(x, P))
+    # parallel.overlap_param_gather: those weights live in the state as their optimizer shard
+    state_param_specs = jax.tree.map(lambda z, s, g: optim.zero_spec(s, z, z.dim + 1) if g else s, zero_dims,
+                                     param_specs, _gathered(cfg, plan, params, zero_dims), is_leaf=is_none)
+    state_shardings = TrainState(
+        step=named(P()), params=jax.tree.map(named, state_param_specs, is_leaf=lambda x: isinstance(x, P)),
+        opt_state=opt_shardings, loss_scale=named(P()), good_steps=named(P()), bad_steps=named(P()))
+    batch_shardings = {k: named(P(sharding.DATA)) for k in ("tokens", "targets", "loss_mask", "sample_ids")}
+    eod = None
+    if cfg.data.reset_attention_mask or cfg.data.reset_position_ids:
+        from megajax.data.tokenizers import eod_of
+
+        eod = eod_of(cfg.data.tokenizer)
+    return StepSetup(cfg, mesh, plan, logical, tx, abstract_state, state_shardings, batch_shardings, zero_dims, eod)
+
+
+def setup_for(cfg: Config, devices=None) -> StepSetup:
+    """The step's setup on `devices` (default: every device of every process): the layout resolved for
+    their number (Config.for_devices), the mesh, and build()."""
+    devices = jax.devices() if devices is None else list(devices)
+    cfg = cfg.for_devices(len(devices))
+    return build(cfg, sharding.make_mesh(cfg.parallel, devices))
+
+
+def _fresh_params(cfg: Config, rng: jax.Array):
+    return _staged(cfg, nn.unbox(model.init_params(cfg.model, rng)))
+
+
+def _staged(cfg: Config, params):
+    """Canonical params ([L, ...] layers) in the train state's layout."""
+    if cfg.parallel.pipeline > 1:
+        params = layout.to_stages(params, cfg.parallel.pipeline, cfg.parallel.virtual_stages)
+    return params
+
+
+def _zero_layout(tree, zero_dims):
+    """Parameter-shaped values in the optimizer's layout (padded where the distributed optimizer pads)."""
+    return jax.tree.map(lambda x, z: optim.zero_pad(x, z), tree, zero_dims, is_leaf=lambda x: x is None)
+
+
+def _fresh_state(cfg: Config, tx: optax.GradientTransformation, zero_dims, rng: jax.Array) -> TrainState:
+    return _state_from(cfg, tx, zero_dims, _fresh_params(cfg, rng))
+
+
+def _state_from(cfg: Config, tx: optax.GradientTransformation, zero_dims, params) -> TrainState:
+    """Step 0 with these (staged) params and a fresh optimizer state."""
+    scale = cfg.optim.initial_loss_scale if cfg.model.compute_dtype == "float16" else 1.0
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(_zero_layout(params, zero_dims)),
+                      loss_scale=jnp.asarray(scale, jnp.float32), good_steps=jnp.zeros((), jnp.int32),
+                      bad_steps=jnp.zeros((), jnp.int32))
+
+
+def init_state(setup: StepSetup, params=None) -> TrainState:
+    """A fresh state, created directly in its shardings (no host copy of the full model), with parameters
+    drawn from train.seed; or from `params` (canonical layout, e.g. NumPy arrays: compiles no random init)."""
+    cfg = setup.cfg
+    with jax.set_mesh(setup.mesh):
+        if params is None:
+            return jax.jit(lambda key: _fresh_state(cfg, setup.tx, setup.zero_dims, key),
+                           out_shardings=setup.state_shardings)(jax.random.key(cfg.train.seed))
+        return jax.jit(lambda p: _state_from(cfg, setup.tx, setup.zero_dims, _staged(cfg, p)),
+                       out_shardings=setup.state_shardings)(params)
+
+
+def load_initial_params(setup: StepSetup, directory: str):
+    """Params from a params-only or training checkpoint (megajax.checkpoint.find_params), restored onto
+    the train state's shardings: canonical [L, ...] layers, staged to [v, p, L / (p v), ...] under a pipeline."""
+    from megajax import checkpoint
+
+    cfg, mesh = setup.cfg, setup.mesh
+    source = checkpoint.find_params(directory)
+    checkpoint.check_same_model(source.config.model, cfg.model, directory)
+    canonical = model.abstract_params(cfg.model)
+    target = jax.tree.map(lambda names, a: jax.ShapeDtypeStruct(
+        a.shape, a.dtype, sharding=NamedSharding(mesh, sharding.param_spec(names, cfg.parallel.folded_experts))),
+        setup.logical, canonical, is_leaf=lambda x: isinstance(x, tuple))
+    params = checkpoint.load_params(source, target)
+    if cfg.parallel.pipeline > 1:
+        p, v = cfg.parallel.pipeline, cfg.parallel.virtual_stages
+        params = jax.jit(lambda x: layout.to_stages(x, p, v), out_shardings=setup.state_shardings.params)(params)
+    return params
+
+
+def accumulate_grads(cfg: Config, params, batch: dict, seed_scale: jax.Array, reductions=None):
+    """Per data rank (inside shard_map): summed loss and gradients of `seed_scale * loss` over the
+    micro batches, with no cross-rank communication; or with `reductions` (per weight, an
+    `overlap.Reduction`) the gradients already reduced as they say, layer by layer in the last micro batch's
+    backward (`overlap.reducing_loss`), and the weights that arrive as their optimizer shard all-gathered layer
+    by layer in the first micro batch's forward."""
+    m = cfg.num_micro_batches
+
+    def micro_loss(p, mb):
+        raw = model.loss_sum(cfg.model, p, mb, model.side_inputs(cfg.model, cfg.train.seed, mb,
+                                                                 objective_scale=seed_scale))
+        return raw * seed_scale, raw
+
+    grad_fn = jax.grad(micro_loss, has_aux=True)
+
+    def body(carry, mb):
+        loss, grads = carry
+        # The weights marked varying over the data axes keep the transpose from reducing per micro batch.
+        g, raw = grad_fn(sharding.vary(weights, sharding.GRAD), mb)
+        return (loss + raw, jax.tree.map(jnp.add, grads, g)), None
+
+    mbs = micro_batches(batch, m)
+    loss = sharding.vary(jnp.zeros((), jnp.float32), sharding.GRAD)
+    weights, acc = params, None
+    if reductions is None:
+        (loss, grads), _ = jax.lax.scan(body, (loss, jax.tree.map(jnp.zeros_like, sharding.vary(params))), mbs)
+        return loss, grads
+    differentiate = jax.grad(overlap.reducing_loss, has_aux=True)
+    at = lambda idx: jax.tree.map(lambda x: x[idx], mbs)  # noqa: E731
+    if m > 1 and any(r.gather for r in jax.tree.leaves(reductions)):
+        # the first micro batch gathers the weights (and keeps them whole for the rest); its gradient stays local
+        local = jax.tree.map(lambda r: dataclasses.replace(r, local=True), reductions)
+        acc, (raw, weights) = differentiate(overlap.sinks(params, local), cfg, params, None, local, at(0), seed_scale)
+        loss, mbs = loss + raw, jax.tree.map(lambda x: x[1:], mbs)
+        reductions = jax.tree.map(lambda r: dataclasses.replace(r, gather=False), reductions)
+    if jax.tree.leaves(mbs)[0].shape[0] > 1:
+        if acc is None:
+            acc = jax.tree.map(jnp.zeros_like, sharding.vary(weights))
+        (loss, acc), _ = jax.lax.scan(body, (loss, sharding.vary(acc)), jax.tree.map(lambda x: x[:-1], mbs))
+    grads, (raw, _) = differentiate(overlap.sinks(weights, reductions), cfg, weights, acc, reductions, at(-1),
+                                    seed_scale)
+    return loss + raw, grads
+
+
+def _pipelined(cfg: Config, params, batch: dict, seed_scale: jax.Array, reductions=None):
+    """The pipeline schedule's gradients (megajax/pipeline/executor.py). With `reductions` the layers' gradients
+    come back reduced in each chunk's last backward, and the embedding's and head's are reduced here."""
+    if reductions is None:
+        return executor.pipeline_grads(cfg, params, batch, seed_scale)
+    loss, grads = executor.pipeline_grads(cfg, params, batch, seed_scale, reductions["layers"])
+    return loss, {k: g if k == "layers" else jax.tree.map(lambda r, x: r(x), reductions[k], g)
+                  for k, g in grads.items()}
+
+
+# The gradient engines, one chosen by the step plan (StepPlan.engine): inside the step's manual region, each
+# gives (this data rank's summed token loss, the gradients of seed_scale x that loss), the gradients already
+# reduced where `reductions` (per weight, an overlap.Reduction) are given, else this rank's partial sums.
+ENGINES = {"plain": accumulate_grads, "overlapped": accumulate_grads, "pipelined": _pipelined}
+
+
+def _in_manual_region(setup: StepSetup, fn, in_specs, out_specs):
+    """fn under shard_map with the plan's manual axes ('tensor' left to GSPMD); specs may name any mesh axis
+    (those that stay automatic are dropped). With none (pure tensor parallelism, or one device) there is nothing
+    to make manual and fn runs under GSPMD as it is."""
+    manual, mesh = setup.plan.manual, setup.mesh
+    if not manual:
+        return fn
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    only = lambda specs: jax.tree.map(lambda s: sharding.manual_spec(s, manual), specs, is_leaf=is_spec)  # noqa: E731
+    return jax.shard_map(fn, mesh=mesh, in_specs=only(in_specs), out_specs=only(out_specs), axis_names=set(manual))
+
+
+def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
+    """(summed token loss, gradients of seed_scale * summed loss), reduced over data and pipeline.
+
+    The step's one gradient reduction over 'data' is an all-reduce (psum inside the shard_map), or with
+    the distributed optimizer a reduce-scatter onto each parameter's optimizer shard. The latter is left
+    to GSPMD: each data rank returns its partial sum on a leading 'data' axis, and summing that axis into
+    the optimizer's sharding keeps the 'tensor' sharding of the gradients. With parallel.overlap_grad_reduce
+    both are issued layer by layer in the last micro batch's backward instead (`overlap`).
+    """
+    cfg, plan = setup.cfg, setup.plan
+    zero = setup.zero_dims
+    is_none = lambda x: x is None  # noqa: E731
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    overlapped = plan.reduce_in_backward
+    engine = ENGINES[plan.engine]
+
+    def local(params, batch, seed_scale):
+        batch = setup.local_batch(batch)  # packed documents; context parallelism: this rank's tokens
+        loss, grads = engine(cfg, params, batch, seed_scale, reductions if overlapped else None)
+        if not overlapped:
+            # Each gradient is summed over the data ranks that replicate its weight (an expert's: 'data' only).
+            # Distributed optimizer: the partial sums, padded to the optimizer's layout, on a leading axis over
+            # those ranks.
+            grads = jax.tree.map(lambda g, z, a: sharding.psum(g, a) if z is None else optim.zero_pad(g, z)[None],
+                                 grads, zero, reduce_axes, is_leaf=is_none)
+        return sharding.psum(loss, sharding.GRAD), grads
+
+    p_specs = setup.compute_param_specs()
+    # per weight, the data-parallel axes its gradient is summed over
+    reduce_axes = jax.tree.map(sharding.unsplit_data_axes, p_specs, is_leaf=is_spec)
+    if overlapped:
+        # In the backward, the distributed optimizer's gradients are scattered onto their optimizer shards,
+        # except where the sharded dim is also tensor-sharded (a column-parallel bias): those few bytes are
+        # all-reduced there and sliced after.
+        scattered = jax.tree.map(lambda z: z is not None and z.data_only, zero, is_leaf=is_none)
+        reductions = jax.tree.map(lambda z, sc, a, s, g, low: overlap.Reduction(a, z, s, gather=g, **low) if sc
+                                  else overlap.Reduction(a), zero, scattered, reduce_axes, p_specs,
+                                  setup.gathered_params(), _gather_dtypes(cfg, params), is_leaf=is_none)
+        g_specs = jax.tree.map(lambda s, z, sc: optim.zero_spec(s, z, z.dim + 1) if sc else s, p_specs, zero,
+                               scattered, is_leaf=is_none)
+    else:
+        g_specs = jax.tree.map(lambda s, z: s if z is None else P(sharding.unsplit_data_axes(s), *s), p_specs, zero,
+                               is_leaf=is_none)
+    loss, grads = _in_manual_region(setup, local, (setup.param_specs(), {k: P(sharding.DATA) for k in batch}, P()),
+                                    (P(), g_specs))(params, batch, seed_scale)
+
+    def scatter(g, z, spec):
+        if z is None:
+            return g
+        if not overlapped:
+            g = jnp.sum(g, axis=0)
+        target = NamedSharding(setup.mesh, optim.zero_spec(spec, z, g.ndim))
+        # overlapped: reduced already, scattered (a no-op here) or whole (a local slice)
+        return jax.lax.with_sharding_constraint(optim.zero_pad(g, z), target)
+
+    return loss, jax.tree.map(scatter, grads, zero, p_specs, is_leaf=is_none)
+
+
+def train_step(setup: StepSetup, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+    """One optimizer step on one global batch. Non-finite loss or gradients leave the weights and the
+    optimizer state untouched (the step is counted as skipped)."""
+    cfg = setup.cfg
+    total = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
+    with step_plan.use(setup.plan):  # what the model reads while the step is traced
+        loss_sum, grads = compute_grads(setup, state.params, batch, state.loss_scale / total)
+    grads, moe_stats, moe_loads = moe.step_stats(grads, cfg.model.num_experts, drops=cfg.drops_tokens)
+    grads, fp8_seen = fp8.take_meta_grads(grads)
+    grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
+    loss = loss_sum / total
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    # With the distributed optimizer, grads are already in its layout (padded, sharded over 'data'); the
+    # params follow (a local slice), and the updates come back to the params' shape (the all-gather).
+    updates, opt_state = setup.tx.update(grads, state.opt_state, _zero_layout(state.params, setup.zero_dims))
+    updates = jax.tree.map(lambda u, p: optim.zero_unpad(u, p.shape), updates, state.params)
+    params = optax.apply_updates(state.params, updates)
+    if cfg.model.moe_router_bias_update_rate:
+        params = moe.update_router_bias(params, moe_loads, cfg.model.moe_router_bias_update_rate)
+    if fp8_seen:
+        params = fp8.update_meta(params, fp8_seen, cfg.model.fp8_amax_history)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+    if cfg.model.compute_dtype == "float16":
+        # An overflowing gradient is routine with fp16: skip the step and back off the loss scale. A non-finite
+        # loss, or an overflow at the smallest scale (nothing left to back off), counts towards
+        # train.max_bad_steps.
+        loss_scale, good = optim.update_loss_scale(state.loss_scale, state.good_steps, finite, cfg.optim)
+        healthy = jnp.isfinite(loss) & (finite | (state.loss_scale > cfg.optim.min_loss_scale))
+    else:
+        loss_scale, good, healthy = state.loss_scale, state.good_steps + 1, finite
+    new_state = TrainState(
+        step=state.step + 1, params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state),
+        loss_scale=loss_scale, good_steps=good, bad_steps=jnp.where(healthy, 0, state.bad_steps + 1))
+    stats = {
+        "loss": loss, "lr": optim.applied_lr(cfg.optim, cfg.train.steps, state.opt_state),
+        "grad_norm": grad_norm, "update_norm": optax.tree.norm(updates),
+        "param_norm": optax.tree.norm(fp8.without_meta(new_state.params)), "finite": finite,
+        "loss_scale": state.loss_scale,
+        "bad_steps": new_state.bad_steps, **moe_stats,
+    }
+    return new_state, stats
+
+
+def eval_loss(setup: StepSetup, params, batch: dict) -> tuple[jax.Array, jax.Array]:
+    """(summed token loss, token count) of a batch, forward only: micro batch by micro batch under GSPMD, or in
+    the train step's manual region with a pipeline (through it, never gathering the layers), context parallelism
+    or expert parallelism (the experts' rows exchanged as in training, not every expert's partial outputs
+    all-reduced)."""
+    cfg, plan = setup.cfg, setup.plan
+    m = plan.micro_batches
+    with step_plan.use(plan):
+        if plan.pipelined or plan.context > 1 or plan.expert > 1:
+            def local(params, batch):
+                batch = setup.local_batch(batch)
+                if plan.pipelined:
+                    return sharding.psum(executor.pipeline_loss(cfg, params, batch), sharding.GRAD)
+                loss, _ = jax.lax.scan(lambda total, mb: (total + model.loss_sum(
+                    cfg.model, params, mb, model.side_inputs(cfg.model, 0, mb, False)), None),
+                    sharding.vary(jnp.zeros((), jnp.float32), sharding.GRAD), micro_batches(batch, m))
+                return sharding.psum(loss, sharding.GRAD)
+
+            # (the weights as the model computes with them: whole where the state keeps their optimizer shard)
+            specs = (setup.compute_param_specs(), {k: P(sharding.DATA) for k in batch})
+            loss = _in_manual_region(setup, local, specs, P())(params, batch)
+        else:
+            def body(total, mb):
+                return total + model.loss_sum(cfg.model, params, mb, model.side_inputs(cfg.model, 0, mb, False)), None
+
+            loss, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
+                                   micro_batches(setup.whole_batch(batch), m, cfg.parallel.data))
+    return loss, jnp.sum(batch["loss_mask"])
+
+
+def jit_train_step(setup: StepSetup):
+    return jax.jit(lambda s, b: train_step(setup, s, b),
+                   in_shardings=(setup.state_shardings, setup.batch_shardings),
+                   out_shardings=(setup.state_shardings, None), donate_argnums=0)
+
+
+def jit_eval_step(setup: StepSetup):
+    return jax.jit(lambda p, b: eval_loss(setup, p, b),
+                   in_shardings=(setup.state_shardings.params, setup.batch_shardings))
