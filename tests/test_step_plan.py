@@ -1,0 +1,111 @@
+"""The step plan (megajax/step_plan.py): every parallel decision resolved once from the config, over the whole
+layout space (no compilation: each case builds a config and its plan), and megajax's one context variable."""
+
+import itertools
+import pathlib
+import re
+
+import jax
+import pytest
+
+from conftest import REPO, small_config
+from megajax import sharding, step_plan
+from megajax.config import ConfigError
+from megajax.pipeline import ticks
+from megajax.step_plan import MANUAL, StepPlan
+
+# The layout space: every mesh shape of up to 16 devices below, each with every setting that decides something
+# (alone, and the combinations that need each other); a layout the config refuses is skipped.
+SIZES = {"parallel.data": [1, 2, 4], "parallel.expert": [1, 2], "parallel.pipeline": [1, 2],
+         "parallel.context": [1, 2], "parallel.tensor": [1, 2]}
+SETTINGS = [
+    {},
+    {"parallel.sequence_parallel": True},
+    {"parallel.sequence_parallel": True, "parallel.tp_comm_overlap": True},
+    {"parallel.sequence_parallel": True, "parallel.expert_tensor": 1},
+    {"parallel.sequence_parallel": True, "parallel.expert_tensor": 1, "parallel.expert_all_to_all": "ragged"},
+    {"parallel.expert_all_to_all": "ragged"},
+    {"parallel.context_comm": "ring"},
+    {"parallel.context_comm": "all_gather"},
+    {"parallel.distributed_optimizer": True},
+    {"parallel.overlap_grad_reduce": True},
+    {"parallel.distributed_optimizer": True, "parallel.overlap_grad_reduce": True},
+    {"parallel.distributed_optimizer": True, "parallel.overlap_grad_reduce": True,
+     "parallel.overlap_param_gather": True},
+    {"parallel.schedule": "interleaved", "parallel.virtual_stages": 2, "parallel.distributed_optimizer": True,
+     "parallel.overlap_grad_reduce": True, "parallel.overlap_param_gather": True},
+    {"parallel.schedule": "zero_bubble", "parallel.virtual_stages": 2},
+]
+
+
+def _layouts():
+    keys = list(SIZES)
+    for values, settings in itertools.product(itertools.product(*SIZES.values()), SETTINGS):
+        overrides = {**dict(zip(keys, values)), **settings}
+        devices = (overrides["parallel.data"] * overrides["parallel.pipeline"] * overrides["parallel.context"]
+                   * overrides["parallel.tensor"])
+        try:
+            cfg = small_config(**overrides, **{"model.num_layers": 4, "model.num_experts": 4,
+                                               "model.experts_per_token": 2, "train.global_batch_size": 16})
+            cfg = cfg.for_devices(devices)
+        except ConfigError:
+            continue
+        yield cfg, devices
+
+
+def test_every_layout_resolves_to_one_consistent_plan():
+    """Each valid layout of the space: the plan's sizes are the mesh's, its manual axes those with more than one
+    device, and each decision follows its rule (the table in docs/design/step-plan.md)."""
+    seen = 0
+    engines, comms, overlaps = set(), set(), set()
+    for cfg, devices in _layouts():
+        par, plan = cfg.parallel, StepPlan.resolve(cfg)
+        seen += 1
+        if devices <= len(jax.devices()):
+            mesh = sharding.make_mesh(par, jax.devices()[:devices])
+            assert dict(mesh.shape) == {a: getattr(plan, a) for a in sharding.AXES}
+        sizes = {a: getattr(plan, a) for a in MANUAL}
+        assert plan.manual == tuple(a for a in MANUAL if sizes[a] > 1)
+        assert plan.data * plan.expert == par.data and plan.pipelined == (par.pipeline > 1)
+        assert plan.engine == ("pipelined" if par.pipeline > 1 else "overlapped"
+                               if par.overlap_grad_reduce and par.data > 1 else "plain")
+        assert plan.context_comm == (par.context_comm if par.context_comm != "auto"
+                                     else "all_gather" if par.pipeline > 1 else "ring")
+        assert plan.tp_overlap == (None if not par.tp_comm_overlap else "chunks" if par.pipeline > 1 else "ring")
+        assert plan.moe_folds == (par.tensor if par.expert_tensor == 1 else 1)
+        assert plan.gather_in_forward <= plan.reduce_in_backward
+        assert plan.micro_batches == cfg.num_micro_batches
+        if plan.pipelined and par.schedule in ("1f1b", "interleaved"):  # the ticks read the same decisions
+            assert (ticks.reduce_layers(cfg) > 0) == plan.reduce_in_backward
+            assert (ticks.gather_layers(cfg) > 0) == plan.gather_in_forward
+        engines.add(plan.engine)
+        comms.add(plan.context_comm)
+        overlaps.add(plan.tp_overlap)
+    assert seen > 150, seen  # the space is really covered (188 layouts), not refused wholesale
+    assert engines == {"plain", "overlapped", "pipelined"}
+    assert comms == {"ring", "all_gather"} and overlaps == {None, "ring", "chunks"}
+
+
+def test_an_unresolved_config_is_refused():
+    with pytest.raises(ValueError, match="Config.for_devices"):
+        StepPlan.resolve(small_config())
+
+
+def test_the_plan_in_force_is_the_innermost_and_outside_a_step_one_device():
+    assert step_plan.current() is None and step_plan.in_force() is step_plan.ONE_DEVICE
+    outer, inner = StepPlan(tensor=2), StepPlan(context=2)
+    with step_plan.use(outer):
+        with step_plan.use(inner):
+            assert step_plan.current() is inner
+        assert step_plan.current() is outer
+    assert step_plan.current() is None
+
+
+def test_megajax_has_one_context_variable_and_the_model_reads_no_mesh():
+    """The step plan is megajax's one trace-time context; model code asks the plan, never the mesh, for a
+    decision (sharding.current_manual_axes answers only "is this axis manual in the current region")."""
+    sources = {p: p.read_text() for p in (pathlib.Path(REPO) / "megajax").rglob("*.py")}
+    holders = [p.name for p, text in sources.items() if re.search(r"ContextVar\(", text)]
+    assert holders == ["step_plan.py"]
+    readers = [p.name for p, text in sources.items() if "model" in p.parts and "get_abstract_mesh" in text]
+    assert readers == []
