@@ -44,7 +44,7 @@ class ParallelConfig:
     # The experts' tensor-parallel size (Megatron's --expert-tensor-parallel-size): null = parallel.tensor, each
     # expert's width split over 'tensor' as the dense MLP's. 1 = every expert whole on one device, the experts
     # spread over 'expert' x 'tensor' (Megatron's MoE parallel folding): each tensor rank routes its own sequence
-    # shard and one all-to-all over 'expert' x 'tensor' sends the rows (megajax/model/moe.py). Needs
+    # shard and one all-to-all over 'expert' x 'tensor' sends the rows (megajax/model/moe/exchange.py). Needs
     # sequence_parallel.
     expert_tensor: int | None = None
     # How the dropless experts' rows cross the expert ranks: padded = fixed-size blocks of the most a rank can get

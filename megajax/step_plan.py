@@ -17,7 +17,7 @@ What the plan holds, and who reads it:
 | sequence_parallel | the residual stream sharded over 'tensor' (the activation rules) | sharding.constrain |
 | context_comm | how attention's keys and values cross the context ranks: ring or all_gather | model/context.py |
 | tp_overlap | sequence parallelism's collectives as rings ("ring"), chunks ("chunks", in a pipeline) or plain (None) | model/collective_matmul.py |
-| moe_folds, moe_ragged, moe_buffer_factor | the experts' exchange (parallel folding, ragged all-to-all) | model/moe.py |
+| moe_folds, moe_ragged, moe_buffer_factor | the experts' exchange (parallel folding, ragged all-to-all) | model/moe/exchange.py |
 | reduce_in_backward | the data-parallel gradient reductions issued layer by layer in the backward | train, ticks, overlap |
 | gather_in_forward | the weights kept as optimizer shards, gathered under the next forward | train, ticks |
 

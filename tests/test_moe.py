@@ -577,7 +577,6 @@ def test_moe_layer_freq_space(freq):
     import jax
 
     from megajax import metrics, model
-    from megajax.config import ModelConfig
 
     sets = {"model.num_layers": 12, "model.num_experts": 4, "model.moe_layer_freq": freq,
             "model.moe_ffn_hidden_size": 32, "model.ffn_hidden_size": 128}
