@@ -29,7 +29,7 @@ from megajax import model, optim, overlap, sharding, step_plan
 from megajax.config import Config
 from megajax.data.loader import micro_batches
 from megajax.model import context, fp8, moe
-from megajax.pipeline import executor, layout
+from megajax.pipeline import executor, gpipe, layout
 from megajax.step_plan import StepPlan
 
 
@@ -427,7 +427,7 @@ def eval_loss(setup: StepSetup, params, batch: dict) -> tuple[jax.Array, jax.Arr
             def local(params, batch):
                 batch = setup.local_batch(batch)
                 if plan.pipelined:
-                    return sharding.psum(executor.pipeline_loss(cfg, params, batch), sharding.GRAD)
+                    return sharding.psum(gpipe.pipeline_loss(cfg, params, batch), sharding.GRAD)
                 loss, _ = jax.lax.scan(lambda total, mb: (total + model.loss_sum(
                     cfg.model, params, mb, model.side_inputs(cfg.model, 0, mb, False)), None),
                     sharding.vary(jnp.zeros((), jnp.float32), sharding.GRAD), micro_batches(batch, m))

@@ -1,0 +1,303 @@
+"""One rank's actions on one (local chunk, micro batch): the branches of the pipeline executor's forward,
+recompute, backward, reduce and gather switches, chosen by the chunk's kind (ticks.py: NONE / FIRST / MID / LAST,
+LAST_KEEP, and the flags FINAL and GATHER). executor.py runs them tick by tick; its module docstring says what
+each action does and in which order.
+
+The forward keeps the chunk's residuals (jax.vjp's pullback) as a flat list of arrays (`forward_keeping`), so
+that the scan carries them to the backward's tick. With parallel.overlap_grad_reduce the layers run behind
+overlap.tapped_identity, so that a chunk's last backward (FINAL) reduces its gradients into `g_final`; with
+parallel.overlap_param_gather a chunk's first forward (GATHER) gathers its weights into `whole`, one layer ahead.
+zero_bubble's split backward subclasses these actions (zero_bubble.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from megajax import model, overlap
+from megajax.config import Config
+from megajax.pipeline import layout
+from megajax.pipeline import ticks
+from megajax.pipeline.ticks import FINAL, FIRST, LAST_KEEP, MID, NONE
+from megajax.sharding import vary
+
+
+def _shared(params: dict) -> dict:
+    """The parameters every stage may use (embedding and head), marked varying over the manual axes."""
+    return vary({k: val for k, val in params.items() if k != "layers"})
+
+
+class _ChunkActions:
+    """What one rank can do with one (local chunk, micro batch) in a tick: the branches of the forward,
+    recompute and backward switches, by where the chunk sits in the model (NONE / FIRST / MID / LAST)."""
+
+    def __init__(self, cfg: Config, layers, shared, mbs, seed_scale, act_shape, act_dtype, reductions=None):
+        self.cfg, self.mcfg = cfg, cfg.model
+        self.layers, self.shared, self.mbs, self.seed_scale = layers, shared, mbs, seed_scale
+        self.act_shape, self.act_dtype = act_shape, act_dtype
+        self.lc = jax.tree.leaves(layers)[0].shape[1]
+        # parallel.overlap_grad_reduce: per weight ({"block": ...}'s leaves), its overlap.Reduction for one layer,
+        # and for a run of layers [n, ...] (from the staged [v, p, Lc, ...] weight's)
+        staged = len(layout.STAGED)
+        self.reductions = None if reductions is None else jax.tree.map(lambda r: r.per_layer(staged), reductions)
+        self.run_reductions = None if reductions is None else jax.tree.map(lambda r: r.per_layer(staged - 1),
+                                                                           reductions)
+        self.shards = layers  # parallel.overlap_param_gather: where the gathers read (self.layers: the whole weights)
+        self._res_tree = None
+        self._res_tree_final = None  # the same residuals, unflattened into the backward that reduces
+        self._res_avals = None
+
+    # -- what an action reads: the chunk's weights and the micro batch ------------------------------------
+
+    def chunk(self, row, prefix):
+        """(this local chunk's stacked weights, the global index of its first layer)."""
+        p = self.cfg.parallel.pipeline
+        first_layer = (row[prefix + "chunk"] * p + jax.lax.axis_index("pipeline")) * self.lc
+        if jax.tree.leaves(self.layers)[0].shape[0] == 1:  # one chunk per rank: a static slice, no copy
+            return jax.tree.map(lambda x: x[0], self.layers), first_layer
+        params = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, row[prefix + "chunk"], keepdims=False),
+                              self.layers)
+        return params, first_layer
+
+    def micro(self, row, prefix):
+        mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, row[prefix + "micro"], keepdims=False),
+                          self.mbs)
+        return mb, model.side_inputs(self.mcfg, self.cfg.train.seed, mb, objective_scale=self.seed_scale)
+
+    # -- the chunk's layers, forward with its residuals -----------------------------------------------------
+
+    def _layers(self, w, x, side, first_layer):
+        def body(x, wl):
+            w_l, l = wl
+            return model.block_apply(self.mcfg, w_l, x, l, side).astype(x.dtype), None
+
+        return jax.lax.scan(body, x, (w["block"], first_layer + jnp.arange(self.lc)))[0]
+
+    def _hooked_layers(self, w, x, sinks, side, first_layer, reduce):
+        """(chunk output, taps): `_layers` with each layer's weights behind overlap.tapped_identity."""
+        def body(x, wl):
+            w_l, l, s_l = wl
+            hooked = jax.tree.map(lambda r, w, s: overlap.tapped_identity(r, reduce)(w, s), self.reductions, w_l, s_l)
+            w_l = jax.tree.map(lambda r, h: h[0], self.reductions, hooked)
+            taps = jax.tree.map(lambda r, h: h[1], self.reductions, hooked)
+            return model.block_apply(self.mcfg, w_l, x, l, side).astype(x.dtype), taps
+
+        return jax.lax.scan(body, x, (w["block"], first_layer + jnp.arange(self.lc), sinks))
+
+    def _sinks(self, w, lead=()):
+        """Per weight, fp32 zeros [*lead, Lc, ...] shaped (and varying) as its reduction leaves each layer's
+        gradient."""
+        def stacked(r, x):
+            shape = r.sink(x[0]).shape  # (one layer's)
+            return vary(jnp.zeros((*lead, x.shape[0], *shape), jnp.float32), r.result_axes())
+
+        return jax.tree.map(stacked, self.reductions, w["block"])
+
+    def whole_zeros(self):
+        """Zeros [v, Lc, ...] shaped like the whole weights (a gathered weight's zero dim at its full size, in the
+        dtype it is gathered in), the rest as they are: what the gathers fill (parallel.overlap_param_gather)."""
+        def whole(r, x):
+            if not r.gather:
+                return x
+            shape = list(x.shape)
+            shape[r.zero.dim + 2] = r.zero.size  # (r: one layer's; x: [v, Lc, ...])
+            return vary(jnp.zeros(shape, r.gather_dtype or x.dtype))
+
+        return {"block": jax.tree.map(whole, self.reductions, self.shards["block"])}
+
+    def _gathered(self, shards):
+        """One layer's whole weights from their shards (`overlap.Reduction.gathered`)."""
+        return jax.tree.map(lambda r, w: vary(r.gathered(w)), self.reductions, shards)
+
+    def _gathering_layers(self, shards, x, side, first_layer):
+        """(`_layers`' output, the chunk's whole weights [Lc, ...]) from the chunk's optimizer shards: each
+        layer's all-gather issued one layer ahead, under the compute of the layer before."""
+        at = lambda tree, idx: jax.tree.map(lambda a: a[idx], tree)  # noqa: E731
+        block = lambda x, w, l: model.block_apply(self.mcfg, w, x, l, side).astype(x.dtype)  # noqa: E731
+
+        def body(carry, inputs):
+            x, w = carry
+            ahead, l = inputs
+            return (block(x, w, l), self._gathered(ahead)), w
+
+        (x, w_last), ws = jax.lax.scan(body, (x, self._gathered(at(shards, 0))),
+                                       (at(shards, slice(1, None)), first_layer + jnp.arange(self.lc - 1)))
+        x = block(x, w_last, first_layer + self.lc - 1)
+        return x, jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), ws, w_last)
+
+    def zero_final(self):
+        """g_final: per weight, its reduced gradients [v, Lc, ...]: replicated over the data ranks (all-reduced;
+        the carry g_layers, which sums the micro batches, varies over them) or the optimizer shards."""
+        v = jax.tree.leaves(self.layers)[0].shape[0]
+        return self._sinks(jax.tree.map(lambda x: x[0], self.layers), lead=(v,))
+
+    def linearize(self, w, x, side, first, reduce=False):
+        """(chunk output, what its backward needs: jax.vjp's pullback; with reductions, in (output, taps)
+        giving (weights, input, sinks), the backward that reduces with `reduce`)."""
+        if self.reductions is None:
+            return jax.vjp(lambda w, x: self._layers(w, x, side, first), w, x)
+        (y, _), pullback = jax.vjp(lambda w, x, s: self._hooked_layers(w, x, s, side, first, reduce), w, x,
+                                   self._sinks(w))
+        return y, pullback
+
+    def forward_keeping(self, row, prefix, x):
+        """(chunk output, its residuals as a list of arrays): `linearize`'s, flattened so that the scan can
+        carry them to the backward's tick."""
+        (w, first), (_, side) = self.chunk(row, prefix), self.micro(row, prefix)
+        y, residuals = self.linearize(w, x, side, first)
+        leaves, tree = jax.tree.flatten(residuals)
+        avals = [(leaf.shape, leaf.dtype) for leaf in leaves]
+        if self._res_avals is None:
+            self._res_avals = avals
+        elif avals != self._res_avals:
+            raise AssertionError("the chunk's residuals differ between the forward and the recompute")
+        self._res_tree = tree  # the backward unflattens with the latest trace's (the same function)
+        if self.reductions is not None and self._res_tree_final is None:
+            def final_leaves():
+                leaves, self._res_tree_final = jax.tree.flatten(self.linearize(w, x, side, first, reduce=True)[1])
+                return leaves
+
+            if [(a.shape, a.dtype) for a in jax.eval_shape(final_leaves)] != avals:
+                raise AssertionError("the reducing backward's residuals differ from the chunk's")
+        return y, leaves
+
+    def zero_res(self) -> list:
+        """Zeros shaped like the residuals (traced once, abstractly, to learn them)."""
+        if self._res_avals is None:
+            row = {k: jnp.zeros((), jnp.int32) for k in ("f_chunk", "f_micro")}
+            jax.eval_shape(lambda x: self.forward_keeping(row, "f_", vary(x))[1],
+                           jax.ShapeDtypeStruct(self.act_shape, self.act_dtype))
+        return [jnp.zeros(shape, dtype) for shape, dtype in self._res_avals]
+
+    # -- the branches --------------------------------------------------------------------------------------
+
+    def forward_branch(self, kind):
+        """(x, res, g_shared[, whole], row) -> (activation to send, the slot's new content, loss, output gradient
+        of the last chunk, residuals (the last chunk's own, else res unchanged), g_shared[, whole]); whole with
+        a GATHER kind in the segment: a GATHER kind (the chunk's first forward) gathers the chunk's weights into
+        it, layer by layer (the others pass it on)."""
+        def run(x, res, g_shared, *rest):
+            *whole, row = rest
+            zeros = jnp.zeros(self.act_shape, self.act_dtype)
+            loss, g_self = jnp.zeros((), jnp.float32), zeros
+            if kind == NONE:
+                return (*vary((zeros, x, loss, g_self, res, g_shared)), *whole)
+            (w, first), (mb, side) = self.chunk(row, "f_"), self.micro(row, "f_")
+            position = kind & ~ticks.GATHER
+            if position == FIRST:
+                x = model.embed_apply(self.mcfg, self.shared, mb["tokens"], side).astype(x.dtype)
+            if kind & ticks.GATHER:
+                assert position in (FIRST, MID), "a rank with the last chunk gathers in idle ticks"
+                c = row["f_chunk"]
+                y, gathered = self._gathering_layers(jax.tree.map(lambda a: a[c], self.shards["block"]), x, side,
+                                                     first)
+                whole = [{"block": jax.tree.map(lambda r, f, g: f.at[c].set(g) if r.gather else f, self.reductions,
+                                                whole[0]["block"], gathered)}]
+                return (*vary((y.astype(x.dtype), x, loss, g_self, res, g_shared)), *whole)
+            if position in (FIRST, MID):
+                return (*vary((self._layers(w, x, side, first).astype(x.dtype), x, loss, g_self, res, g_shared)),
+                        *whole)
+            if kind == LAST_KEEP:
+                y, res = self.forward_keeping(row, "f_", x)
+            else:  # its backward comes later, after a recompute
+                y = self._layers(w, x, side, first).astype(x.dtype)
+            loss, g_y, g_shared = self.head(y, mb, g_shared)
+            return (*vary((zeros, x, loss, g_y.astype(x.dtype), res, g_shared)), *whole)
+
+        return run
+
+    def head(self, y, mb, g_shared):
+        """(loss, its gradient in y, g_shared plus the head's gradients) of the micro batch's last chunk output."""
+        loss, pullback = jax.vjp(lambda sh, y: model.head_apply(self.mcfg, sh, y, mb["targets"], mb["loss_mask"]),
+                                 self.shared, y)
+        dsh, g_y = pullback(self.seed_scale)
+        return loss, g_y, jax.tree.map(lambda a, d: a + d.astype(jnp.float32), g_shared, dsh)
+
+    def recompute_branch(self, kind):
+        """(stash, res, row) -> the residuals of the chunk's forward from its stashed input (res unchanged
+        when there is no recompute)."""
+        def run(x, res, row):
+            if kind == NONE:
+                return vary(res)
+            return vary(self.forward_keeping(row, "r_", x)[1])
+
+        return run
+
+    def backward_branch(self, kind):
+        """(residuals, g, g_layers, g_shared[, g_final], row) -> (gradient to send, g_layers, g_shared[,
+        g_final]); g_final with reductions: a FINAL kind (the chunk's last backward) reduces the chunk's
+        gradients into it (the others add theirs to g_layers)."""
+        def run(res, g, g_layers, g_shared, *rest):
+            *g_final, row = rest
+            if kind == NONE:
+                return (*vary((jnp.zeros_like(g), g_layers, g_shared)), *g_final)
+            c = row["b_chunk"]
+            if self.reductions is None:
+                dw, dx = jax.tree.unflatten(self._res_tree, res)(g)
+                g_layers = jax.tree.map(lambda acc, d: acc.at[c].add(d.astype(jnp.float32)), g_layers, dw)
+            else:
+                g_final, = g_final
+                pullback = jax.tree.unflatten(self._res_tree_final if kind & FINAL else self._res_tree, res)
+                acc = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, c, keepdims=False), g_layers["block"])
+                if not kind & FINAL:  # (the earlier micro batches' sum is read only by the reducing backward)
+                    acc = jax.tree.map(jnp.zeros_like, acc)
+                dw, dx, reduced = pullback((g, acc))
+                if kind & FINAL:
+                    g_final = jax.tree.map(lambda f, d: f.at[c].set(d), g_final, reduced)
+                else:
+                    g_layers = jax.tree.map(lambda a, d: a.at[c].add(d.astype(jnp.float32)), g_layers, dw)
+                g_final = (g_final,)
+            send = jnp.zeros_like(g)
+            if (kind & ~FINAL) == FIRST:  # the embedding's backward ends the pipeline: nothing to send
+                g_shared = self.embedding_backward(dx.astype(g.dtype), row, g_shared)
+            else:
+                send = dx.astype(g.dtype)
+            return (*vary((send, g_layers, g_shared)), *g_final)  # (g_final as the reductions leave it)
+
+        return run
+
+    def reduce_branch(self, k):
+        """(g_layers, g_final, row) -> g_final with the k layers from row["x_first"] (counted over the rank's
+        chunks, chunk-major) reduced from g_layers (the x action: an idle tick after the rank's last backward)."""
+        def run(g_layers, g_final, row):
+            if k == NONE:
+                return g_final
+            first = row["x_first"]
+
+            def one(r, g, f):
+                flat = lambda a: a.reshape(-1, *a.shape[2:])  # noqa: E731  [v Lc, ...]
+                red = r(jax.lax.dynamic_slice_in_dim(flat(g), first, k))
+                red = vary(red, r.result_axes())
+                return jax.lax.dynamic_update_slice_in_dim(flat(f), red, first, 0).reshape(f.shape)
+
+            return jax.tree.map(one, self.run_reductions, g_layers["block"], g_final)
+
+        return run
+
+    def gather_branch(self, k):
+        """(whole, row) -> whole with the k layers from row["g_first"] (counted over the rank's chunks,
+        chunk-major) all-gathered from their optimizer shards (the g action: an idle tick before the rank's first
+        forward)."""
+        def run(whole, row):
+            if k == NONE:
+                return whole
+            first = row["g_first"]
+
+            def one(r, shard, f):
+                if not r.gather:
+                    return f
+                flat = lambda a: a.reshape(-1, *a.shape[2:])  # noqa: E731  [v Lc, ...]
+                got = r.gathered(jax.lax.dynamic_slice_in_dim(flat(shard), first, k))
+                return jax.lax.dynamic_update_slice_in_dim(flat(f), vary(got), first, 0).reshape(f.shape)
+
+            return {"block": jax.tree.map(one, self.run_reductions, self.shards["block"], whole["block"])}
+
+        return run
+
+    def embedding_backward(self, dx, row, g_shared):
+        """g_shared plus the embedding's gradients from the first chunk's input gradient dx."""
+        mb, side = self.micro(row, "b_")
+        _, vjp = jax.vjp(lambda sh: model.embed_apply(self.mcfg, sh, mb["tokens"], side), self.shared)
+        (dsh,) = vjp(dx)
+        return jax.tree.map(lambda a, d: a + d.astype(jnp.float32), g_shared, dsh)

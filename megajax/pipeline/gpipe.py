@@ -1,0 +1,92 @@
+"""GPipe and evaluation: the forward-only pipeline `_forward_rounds`, in which each local chunk's round streams
+the micro batches through the p ranks, one tick per hop. GPipe's gradients (`_gpipe_grads`, which
+executor.pipeline_grads calls for the "gpipe" schedule) are autodiff of it, stashing every tick's residuals: memory
+grows with m, the simple baseline. Evaluation (`pipeline_loss`) runs the same rounds without gradients. Both run
+inside the train step's shard_map, like executor.pipeline_grads.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from megajax import model
+from megajax.config import Config
+from megajax.data.loader import micro_batches
+from megajax.pipeline.chunks import _shared
+from megajax.pipeline.layout import local_chunks
+from megajax.pipeline.schedule import perm_pairs
+from megajax.sharding import vary
+
+
+def _gpipe_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array):
+    """GPipe: every forward (`_forward_rounds`), then autodiff runs the backward, stashing every tick's
+    residuals (memory grows with m: the simple baseline)."""
+    mbs = vary(micro_batches(batch, cfg.num_micro_batches))
+
+    def loss_fn(layers, shared):
+        loss = _forward_rounds(cfg, local_chunks(layers), shared, mbs, train=True, objective_scale=seed_scale)
+        return loss * seed_scale, loss
+
+    layers = vary(params["layers"])
+    shared = _shared(params)
+    (g_layers, g_shared), loss = jax.grad(loss_fn, argnums=(0, 1), has_aux=True)(layers, shared)
+    grads = {k: jax.lax.psum(g, "pipeline") for k, g in g_shared.items()}
+    grads["layers"] = g_layers
+    return jax.lax.psum(loss, "pipeline"), grads
+
+
+def pipeline_loss(cfg: Config, params: dict, batch: dict) -> jax.Array:
+    """Forward only (evaluation): the summed token loss of this data rank's rows, run through the
+    pipeline without gathering the layers. Inside the train step's shard_map, like `executor.pipeline_grads`."""
+    layers = vary(local_chunks(params["layers"]))
+    shared = _shared(params)
+    loss = _forward_rounds(cfg, layers, shared, vary(micro_batches(batch, cfg.num_micro_batches)), train=False)
+    return jax.lax.psum(loss, "pipeline")
+
+
+def _forward_rounds(cfg: Config, layers, shared, mbs, train: bool, objective_scale=None) -> jax.Array:
+    """The forward pipeline: for each local chunk i in turn (a "round"), the micro batches flow GPipe-style
+    through the p ranks, one tick per hop; rank 0 keeps what comes back around the ring from rank p - 1 as
+    the input of the next round. Returns this rank's part of the summed token loss (rank p - 1 holds it).
+    layers: this rank's chunks [v, Lc, ...]; mbs: micro batches [m, mb, ...]; train: dropout on; objective_scale:
+    the seed of the loss being differentiated (Side.objective_scale)."""
+    par, mcfg = cfg.parallel, cfg.model
+    p, v, m = par.pipeline, par.virtual_stages, cfg.num_micro_batches
+    rank = jax.lax.axis_index("pipeline")
+    lc = jax.tree.leaves(layers)[0].shape[1]
+    shape = (*mbs["tokens"].shape[1:], mcfg.hidden_size)
+    dtype = jnp.dtype(mcfg.compute_dtype)
+    returned = vary(jnp.zeros((m, *shape), dtype)) if v > 1 else None  # rank 0: the last round's outputs
+    loss = vary(jnp.zeros((), jnp.float32))
+    for i in range(v):
+        w = jax.tree.map(lambda x: x[i], layers)
+
+        def tick(carry, t, w=w, i=i):
+            x_in, returned, loss = carry
+            k = t - rank  # the micro batch this rank works on
+            active = (k >= 0) & (k < m)
+            mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, jnp.clip(k, 0, m - 1), keepdims=False), mbs)
+            side = model.side_inputs(mcfg, cfg.train.seed, mb, dropout=train, objective_scale=objective_scale)
+            if i == 0:
+                first = lambda: vary(model.embed_apply(mcfg, shared, mb["tokens"], side).astype(dtype))  # noqa: E731
+            else:
+                first = lambda: jax.lax.dynamic_index_in_dim(returned, jnp.clip(k, 0, m - 1), keepdims=False)  # noqa: E731
+            x = jax.lax.cond(rank == 0, first, lambda: x_in)
+            y = jax.lax.cond(active, lambda: model.layers_apply(mcfg, w, x, side, (i * p + rank) * lc).astype(dtype),
+                             lambda: x)
+            if i == v - 1:
+                loss = loss + jax.lax.cond(active & (rank == p - 1),
+                                           lambda: vary(model.head_apply(mcfg, shared, y, mb["targets"],
+                                                                         mb["loss_mask"])),
+                                           lambda: vary(jnp.zeros((), jnp.float32)))
+            recv = jax.lax.ppermute(y, "pipeline", perm_pairs(p, v, roles=False, parity=0)[0])
+            if returned is not None:  # the micro batch rank p - 1 just finished reaches rank 0 around the ring
+                back = t - (p - 1)
+                keep = (rank == 0) & (back >= 0) & (back < m)
+                returned = jnp.where(keep, returned.at[jnp.clip(back, 0, m - 1)].set(recv), returned)
+            return (recv, returned, loss), None
+
+        init = (vary(jnp.zeros(shape, dtype)), returned, loss)
+        (_, returned, loss), _ = jax.lax.scan(tick, init, jnp.arange(m + p - 1))
+    return loss

@@ -1,0 +1,127 @@
+"""zero_bubble's split backward: 1F1B's (or interleaved's) table run with the backward split. B is the input
+gradient only (and the norms' and biases' gradients), sent at once, and W the weight gradients from each weight
+matmul's kept input and the output gradient B found for it (model.layers.weight_einsum's taps), run in the rank's
+next tick, first in it (executor._tick). `_SplitChunkActions` changes the chunk actions' (chunks.py) backward and
+the linearization its recompute keeps, and adds W. `split_linearize`, `split_weight_grads` and `zero_taps` are
+also what scripts/bench_split_backward.py times.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.traverse_util
+import jax
+import jax.numpy as jnp
+
+from megajax import model
+from megajax.model import fp8
+from megajax.model import layers as layers_lib
+from megajax.pipeline.chunks import _ChunkActions
+from megajax.pipeline.ticks import FIRST, NONE
+from megajax.sharding import vary
+
+
+def split_weights(w: dict, taps: dict) -> tuple[dict, dict]:
+    """A chunk's parameters {"block": ...} as (the weights of a tapped matmul, at the taps' paths; the rest),
+    flat {path: [Lc, ...]}. (An MoE layer's expert weights are not tapped: their gradients come with B.)"""
+    flat = flax.traverse_util.flatten_dict(w["block"])
+    tapped = set(flax.traverse_util.flatten_dict(taps))
+    big = {k: val for k, val in flat.items() if k in tapped}
+    return big, {k: val for k, val in flat.items() if k not in big}
+
+
+def zero_taps(mcfg, w: dict, x: jax.Array, side) -> dict:
+    """Zeros [Lc, ...] shaped like the taps of the chunk's layers (`split_linearize`'s, and their gradients)."""
+    lc = jax.tree.leaves(w)[0].shape[0]
+    shapes = model.block_tap_shapes(mcfg, jax.tree.map(lambda a: a[0], w["block"]), x, side)
+    return jax.tree.map(lambda t: jnp.zeros((lc, *t.shape), t.dtype), shapes)
+
+
+def split_linearize(mcfg, w: dict, x: jax.Array, taps: dict, side, first):
+    """The chunk's layers linearized for the split backward: (output, the pullback in (x, taps, the small
+    parameters), each weight matmul's input). taps: `zero_taps`."""
+    big, small = split_weights(w, taps)
+    lc = jax.tree.leaves(w)[0].shape[0]
+
+    def run(x, taps, small):
+        def body(x, layer):
+            w_l, l, taps_l = layer
+            y, inputs = model.block_apply_split(mcfg, w_l, taps_l, x, l, side)
+            return y.astype(x.dtype), inputs
+
+        stacked = flax.traverse_util.unflatten_dict({**big, **small})
+        return jax.lax.scan(body, x, (stacked, first + jnp.arange(lc), taps))
+
+    return jax.vjp(run, x, taps, small, has_aux=True)
+
+
+def split_weight_grads(w: dict, inputs: dict, dys: dict, mcfg) -> dict:
+    """W: the gradients of the chunk's tapped weights, flat {path: [Lc, ...]}, from each matmul's input and
+    output gradient (one matmul per weight and layer; in FP8 with model.fp8, with the weight's delayed-scaling
+    state where it has one)."""
+    big, rest = split_weights(w, dys)
+    x, dy = flax.traverse_util.flatten_dict(inputs), flax.traverse_util.flatten_dict(dys)
+
+    def one(k, val):
+        meta = rest.get(k[:-1] + (fp8.META_PREFIX + k[-1],))
+        args = (x[k], dy[k], val) + (() if meta is None else (meta,))
+        return jax.vmap(functools.partial(layers_lib.weight_grad, k[-1], mcfg))(*args)
+
+    return {k: one(k, val) for k, val in big.items()}
+
+
+class _SplitChunkActions(_ChunkActions):
+    """zero_bubble's chunk actions: the backward is split at every weight matmul (model.layers.weight_einsum).
+    The recompute linearizes the chunk in its input, the matmuls' output taps and the small parameters (norms,
+    biases) and keeps each weight matmul's input; B computes the input gradient, the small parameters'
+    gradients and the taps' gradients (each weight matmul's output gradient, kept in `dys`); W turns those and
+    the kept matmul inputs into the weight gradients, one matmul per weight."""
+
+    def zero_dys(self):
+        """Zeros shaped like the chunk's taps [Lc, ...] (their gradients, kept between B and W)."""
+        row = {"f_chunk": jnp.zeros((), jnp.int32), "f_micro": jnp.zeros((), jnp.int32)}
+        (w, _), (_, side) = self.chunk(row, "f_"), self.micro(row, "f_")
+        return zero_taps(self.mcfg, w, jnp.zeros(self.act_shape, self.act_dtype), side)
+
+    def linearize(self, w, x, side, first):
+        """(chunk output, (the pullback in (x, taps, small parameters), each weight matmul's input))."""
+        # varying over the manual axes like everything else, or their gradients would be summed over them
+        taps = vary(zero_taps(self.mcfg, w, x, side))
+        y, pullback, inputs = split_linearize(self.mcfg, w, x, taps, side, first)
+        return y, (pullback, inputs)
+
+    def backward_branch(self, kind):
+        """(residuals, g, g_layers, g_shared, dys, row) -> (gradient to send, g_layers, g_shared, dys): the
+        input gradient, the small parameters' gradients and the taps' gradients (the new dys)."""
+        def run(res, g, g_layers, g_shared, dys, row):
+            if kind == NONE:
+                return vary((jnp.zeros_like(g), g_layers, g_shared, dys))
+            pullback, _ = jax.tree.unflatten(self._res_tree, res)
+            dx, dys, dsmall = pullback(g)
+            g_layers = self._accumulate(g_layers, dsmall, row["b_chunk"])
+            if kind == FIRST:  # the embedding's backward ends the pipeline: nothing to send
+                g_shared = self.embedding_backward(dx.astype(g.dtype), row, g_shared)
+                return vary((jnp.zeros_like(g), g_layers, g_shared, dys))
+            return vary((dx.astype(g.dtype), g_layers, g_shared, dys))
+
+        return run
+
+    def weight_branch(self, kind):
+        """(residuals, dys, g_layers, row) -> g_layers plus the weight gradients of the last backward."""
+        def run(res, dys, g_layers, row):
+            if kind == NONE:
+                return vary(g_layers)
+            _, inputs = jax.tree.unflatten(self._res_tree, res)
+            dw = split_weight_grads(self.chunk(row, "w_")[0], inputs, dys, self.mcfg)
+            return vary(self._accumulate(g_layers, dw, row["w_chunk"]))
+
+        return run
+
+    @staticmethod
+    def _accumulate(g_layers, flat_grads, c):
+        """g_layers (fp32 [v, Lc, ...]) with the flat {path: [Lc, ...]} gradients added at local chunk c."""
+        flat = flax.traverse_util.flatten_dict(g_layers["block"])
+        for k, d in flat_grads.items():
+            flat[k] = flat[k].at[c].add(d.astype(jnp.float32))
+        return {"block": flax.traverse_util.unflatten_dict(flat)}
