@@ -22,7 +22,9 @@ from jax.sharding import AxisType, PartitionSpec as P
 from conftest import run_steps, small_config
 from megajax import config as config_lib
 from megajax import kernels, model
+from megajax import step_plan
 from megajax.model import context
+from megajax.step_plan import StepPlan
 
 STEPS = 2
 SIZE = {"model.num_layers": 4, "model.hidden_size": 64, "model.seq_length": 32, "train.global_batch_size": 8}
@@ -96,7 +98,8 @@ def test_ring_attention_equals_whole_sequence_attention(c, impl, exchange):
         out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, seg), q, k, v)
         return (out, *vjp(do))
 
-    with jax.set_mesh(_mesh(c)):  # as in the train step: jitted, under the mesh the kernels' region reads
+    # as in the train step: jitted, under the mesh the kernels' region reads and a step plan with 'context' manual
+    with jax.set_mesh(_mesh(c)), step_plan.use(StepPlan(context=c, manual=("context",), context_comm=exchange)):
         got = jax.jit(lambda *a: value_and_grads(ring, *a))(q, k, v, do)
     want = value_and_grads(reference, q, k, v, do)
     for name, a, w in zip(("o", "dq", "dk", "dv"), got, want):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, cli_env
 from megajax import config as config_lib, config_io
 
 ROOT = Path(REPO)
@@ -47,7 +47,7 @@ def test_docs_site_builds_strictly(tmp_path):
 def test_config_reference_is_current():
     """docs/reference/config.md is what scripts/config_reference.py writes from megajax/config.py."""
     run = subprocess.run([sys.executable, "scripts/config_reference.py", "--check"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
+                         text=True, timeout=120, env=cli_env())
     assert run.returncode == 0, run.stderr
 
 
