@@ -265,6 +265,9 @@ def accumulate_grads(cfg: Config, params, batch: dict, seed_scale: jax.Array, re
     mbs = micro_batches(batch, m)
     loss = sharding.vary(jnp.zeros((), jnp.float32), sharding.GRAD)
     weights, acc = params, None
+    if reductions is None and m == 1:  # one micro batch: its gradient, without a scan and a zero accumulator
+        grads, raw = grad_fn(sharding.vary(weights, sharding.GRAD), jax.tree.map(lambda x: x[0], mbs))
+        return loss + raw, grads
     if reductions is None:
         (loss, grads), _ = jax.lax.scan(body, (loss, jax.tree.map(jnp.zeros_like, sharding.vary(params))), mbs)
         return loss, grads
@@ -380,7 +383,8 @@ def train_step(setup: StepSetup, state: TrainState, batch: dict) -> tuple[TrainS
         loss_sum, grads = compute_grads(setup, state.params, batch, state.loss_scale / total)
     grads, moe_stats, moe_loads = moe.step_stats(grads, cfg.model.num_experts, drops=cfg.drops_tokens)
     grads, fp8_seen = fp8.take_meta_grads(grads)
-    grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
+    if cfg.model.compute_dtype == "float16":  # (else the scale is 1: no pass over the gradients)
+        grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
     loss = loss_sum / total
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)

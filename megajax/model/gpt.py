@@ -18,6 +18,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from megajax import step_plan
 from megajax.config import ModelConfig
 from megajax.model.layers import (MLP, NO_SIDE, RESIDUAL, TAP_GRADS, TAP_INPUTS, Attention, Embed, KVCache, Norm,
                                   Side, dropout, gather_sequence)
@@ -150,11 +151,19 @@ class Head(nn.Module):
 def cross_entropy(logits_bsv: jax.Array, targets_bs: jax.Array, vocab_size: int) -> jax.Array:
     """Per-token loss [b, s] from vocab-sharded logits, without gathering them (Megatron's
     vocab-parallel cross entropy: a max, a sum of exponentials and the target logit, each reduced over
-    the vocab shards). Padded vocabulary entries are masked out of the softmax."""
+    the vocab shards). Padded vocabulary entries are masked out of the softmax.
+
+    Each pass over the logits costs as much as a layer's matmul on a CPU: the mask is applied only where the
+    vocabulary is padded, and without tensor parallelism (the step plan's) the target logit is gathered rather
+    than picked by a compare over every vocabulary entry (a gather along a sharded vocabulary would make
+    GSPMD gather the logits)."""
     ids = jax.lax.broadcasted_iota(jnp.int32, logits_bsv.shape, 2)
-    logits = jnp.where(ids < vocab_size, logits_bsv, -jnp.inf)
+    logits = logits_bsv if logits_bsv.shape[-1] == vocab_size else jnp.where(ids < vocab_size, logits_bsv, -jnp.inf)
     lse = jax.nn.logsumexp(logits, axis=-1)
-    target = jnp.sum(jnp.where(ids == targets_bs[..., None], logits, 0.0), axis=-1)
+    if step_plan.in_force().tensor == 1:
+        target = jnp.take_along_axis(logits, targets_bs[..., None], axis=-1)[..., 0]
+    else:
+        target = jnp.sum(jnp.where(ids == targets_bs[..., None], logits, 0.0), axis=-1)
     return lse - target
 
 
