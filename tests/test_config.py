@@ -189,10 +189,10 @@ def test_the_defaults_fit_the_default_data():
 
 
 def test_resume_reports_every_changed_key_and_flags_those_that_change_the_run():
-    from megajax import train
+    from megajax import checkpoint, train
 
     saved = load("optim.lr=1e-3", "parallel.data=2", "train.steps=10")
-    meta = train._meta(saved, 5, 40)
+    meta = checkpoint.metadata(saved, 5, 40)
     now = load("optim.lr=2e-3", "parallel.data=4", "train.steps=20", "train.log_every=1")
     changes = {key: (before, after, flagged) for key, before, after, flagged in train.config_changes(now, meta)}
     assert changes == {"optim.lr": (1e-3, 2e-3, True), "parallel.data": (2, 4, False),

@@ -111,13 +111,13 @@ def test_overlapped_gradient_reduction_matches_one_device(case):
 def test_weights_gathered_in_bf16_train_as_gathered_in_fp32(sets, monkeypatch):
     import jax
 
-    from megajax import train
+    from megajax import step as step_lib
 
     cfg = small_config(**sets, **GATHER, **{"parallel.overlap_grad_reduce": True, "model.compute_dtype": "bfloat16"})
     n = sets["parallel.data"] * sets.get("parallel.tensor", 1) * sets.get("parallel.pipeline", 1)
     norms_low, norms = [], []
     low = run_steps(cfg, n, 2, grad_norms=norms_low)
-    monkeypatch.setattr(train, "_gather_dtypes", lambda cfg, params: jax.tree.map(lambda _: {}, params))
+    monkeypatch.setattr(step_lib, "_gather_dtypes", lambda cfg, params: jax.tree.map(lambda _: {}, params))
     whole = run_steps(cfg, n, 2, grad_norms=norms)
     np.testing.assert_allclose(low, whole, rtol=1e-6)
     np.testing.assert_allclose(norms_low, norms, rtol=1e-5)
