@@ -23,7 +23,6 @@ from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 from megajax import step_plan
 from megajax.config import ConfigError, ParallelConfig
-from megajax.step_plan import MANUAL
 
 AXES = ("data", "expert", "pipeline", "context", "tensor")
 DATA = ("data", "expert")  # the data-parallel ranks: the batch is split over both
@@ -141,14 +140,6 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
 # GSPMD; step_plan.MANUAL)
 
 
-def manual_axes_of(mesh: Mesh) -> tuple[str, ...]:
-    """The axes the train step makes manual: 'data', 'expert', 'pipeline' and 'context', each only if it has more
-    than one device. XLA rejects a reduction over a manual axis of size 1 when every manual axis has size 1
-    (jax 0.10.2: "Cross-partition allreduce must be in (partial) manual partitioning mode"), and a size-1
-    axis has nothing to reduce: such an axis stays automatic, and `psum` skips it."""
-    return tuple(a for a in MANUAL if mesh.shape[a] > 1)
-
-
 def manual_spec(spec: P, manual: Sequence[str]) -> P:
     """`spec` with only the manual axes kept (shard_map's specs may name nothing else)."""
     return P(*[keep_axes(a, lambda x: x in manual) for a in spec])
@@ -191,7 +182,7 @@ def tensor_manual(fn, args, in_specs, out_spec):
 
 def psum(x, axis: Axis):
     """psum over the mesh axes `axis` inside the train step's region, skipping those that are not manual
-    (they have one device, see manual_axes_of); the identity when none is."""
+    (they have one device: StepPlan.manual); the identity when none is."""
     axes = tuple(a for a in axes_of(axis) if a in current_manual_axes())
     return jax.lax.psum(x, axes) if axes else x
 

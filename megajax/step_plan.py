@@ -21,8 +21,10 @@ What the plan holds, and who reads it:
 | reduce_in_backward | the data-parallel gradient reductions issued layer by layer in the backward | train, ticks, overlap |
 | gather_in_forward | the weights kept as optimizer shards, gathered under the next forward | train, ticks |
 
-A mesh axis of size 1 is never manual (XLA rejects a reduction over a manual axis of size 1 when every manual axis
-has size 1), so "is 'context' manual" and "context > 1" are the same question; the plan answers both.
+A mesh axis of size 1 is never manual: XLA rejects a reduction over a manual axis of size 1 when every manual axis
+has size 1 (jax 0.10.2: "Cross-partition allreduce must be in (partial) manual partitioning mode"), and such an
+axis has nothing to reduce. So "is 'context' manual" and "context > 1" are the same question; the plan answers
+both, and `sharding.psum` skips an axis that is not manual.
 """
 
 from __future__ import annotations
