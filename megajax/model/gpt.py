@@ -335,8 +335,8 @@ def decode_apply(cfg: ModelConfig, params: dict, tokens_bs: jax.Array,
     x = Embed(cfg).apply({"params": params["embed"]}, tokens_bs, None, offset)
     f = cfg.first_dense_layers  # the cache holds their layers first, then the stack's
     if f:
-        x, first = Blocks(cfg, period=False).apply({"params": params["first_dense"]}, x, 0, None, (state.k[:f], state.v[:f]),
-                                         offset)
+        x, first = Blocks(cfg, period=False).apply({"params": params["first_dense"]}, x, 0, None,
+                                                   (state.k[:f], state.v[:f]), offset)
     x, (k, v) = LayerStack(cfg, cfg.stacked_layers // cfg.layer_period).apply(
         {"params": params["layers"]}, x, None, 0, (state.k[f:], state.v[f:]), offset)
     if f:
