@@ -1,8 +1,9 @@
 """Orbax checkpoints: async save, keep-N, resume from the newest complete step, reshard on restore.
 
 A checkpoint step holds two items:
-  state  the TrainState (params, optimizer state, step, loss scale, counters) as sharded arrays, in the
-         layout it was trained with (stacked layers [L, ...], or [v, p, L/(p v), ...] under a pipeline)
+  state  the TrainState (params, the model's non-trainable state, optimizer state, step, loss scale, counters)
+         as sharded arrays, in the layout it was trained with (stacked layers [L, ...], or [v, p, L/(p v), ...]
+         under a pipeline)
   meta   JSON: step, consumed samples, seed, the config used and its layout
 Orbax writes each step into a temporary directory and renames it when complete, so a crash mid-save
 never damages earlier steps and `latest_step` only ever sees complete ones.
@@ -12,6 +13,10 @@ distributed optimizer only change shardings, which Orbax applies while reading. 
 layout also changes the shape of the stacked layers: those leaves are read in their saved shape (split
 over the new 'pipeline' axis where it divides) and reshaped in one jitted step; both layouts list the
 layers in the same order, so that is a reshape, never a permutation of the data.
+
+Checkpoints written before the model's non-trainable state had its own entry (megajax/model/model_state.py:
+FP8 amax counters, MoE statistics and routing bias inside "params", with optimizer moments of their own)
+restore as they are: those arrays are read from "params" into "model_state", and their moments are left unread.
 
 Params-only checkpoints (converted or exported models, `checkpoint.load_from`) are in the second half.
 
@@ -38,9 +43,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from megajax import config as config_lib, config_io
 from megajax.config import Config, ModelConfig
+from megajax.model import model_state
 from megajax.pipeline.layout import from_stages, lead_dims
 
-STATE_FIELDS = ("step", "params", "opt_state", "loss_scale", "good_steps", "bad_steps")
+STATE_FIELDS = ("step", "params", "model_state", "opt_state", "loss_scale", "good_steps", "bad_steps")
 
 
 class CheckpointError(config_lib.InputError):
@@ -244,10 +250,17 @@ def restore(mgr: ocp.CheckpointManager, step: int, abstract_state, shardings, cf
     meta = read_meta(mgr, step)
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           state_dict(abstract_state), state_dict(shardings))
+    # written before the model state had its own entry: read it from params (the module docstring)
+    legacy = "model_state" not in mgr.item_metadata(step)["state"].tree
+    if legacy:
+        target = {k: v for k, v in target.items() if k != "model_state"} | {
+            "params": model_state.merge(target["params"], target["model_state"])}
     saved = {name: shape for name, shape, _ in saved_shapes(mgr, step)}
     flat, treedef = jax.tree_util.tree_flatten_with_path(target)
     names = [path_name(path) for path, _ in flat]
     missing, extra = sorted(set(names) - set(saved)), sorted(set(saved) - set(names))
+    if legacy:  # the optimizer moments of the state, which the optimizer no longer holds
+        extra = [n for n in extra if not (n.startswith("opt_state.") and model_state.is_state_key(n.split(".")[-1]))]
     if missing or extra:
         raise CheckpointError(
             f"checkpoint step {step} in {mgr.directory} was written for a different model or optimizer: "
@@ -274,8 +287,12 @@ def restore(mgr: ocp.CheckpointManager, step: int, abstract_state, shardings, cf
             f"checkpoint step {step} in {mgr.directory} does not fit this config; mismatched parameters:\n  "
             + "\n  ".join(mismatched[:20]) + "\nRestore with the model settings it was trained with "
             "(see `python -m megajax.checkpoint inspect DIR`), or start a new run elsewhere (checkpoint.dir).")
-    out = mgr.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(jax.tree_util.tree_unflatten(treedef, read))))["state"]
+    item = jax.tree_util.tree_unflatten(treedef, read)
+    if legacy:  # a partial read: not the state's optimizer moments
+        out = ocp.PyTreeCheckpointer().restore(os.path.join(mgr.directory, str(step), "state"), args=ocp.args.PyTreeRestore(
+            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
+    else:
+        out = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(item)))["state"]
     if any(plan is not None for plan in plans):
         wants = [w for _, w in flat]
         convert = jax.jit(lambda xs: [x if plan is None else _convert(x, w.shape, *plan)
@@ -287,6 +304,8 @@ def restore(mgr: ocp.CheckpointManager, step: int, abstract_state, shardings, cf
         if bad:
             raise UnreadableCheckpoint(f'Error reading "{bad[0]}": it does not match the checksum saved with it'
                                        + (f" ({len(bad) - 1} more arrays do not either)" if len(bad) > 1 else ""))
+    if legacy:
+        out["params"], out["model_state"] = model_state.split(out["params"])
     return out, meta
 
 
@@ -455,9 +474,10 @@ def _is_meta(x) -> bool:
 
 
 def _stored_metadata(source: ParamsSource):
-    """Orbax's per-array metadata (shape, dtype) of the stored params, as stored."""
+    """Orbax's per-array metadata (shape, dtype) of the stored model variables (a train state's params and model
+    state), as stored."""
     tree = ocp.PyTreeCheckpointer().metadata(source.tree).item_metadata.tree
-    return tree["params"] if source.in_state else tree
+    return model_state.merge(tree["params"], tree.get("model_state", {})) if source.in_state else tree
 
 
 def stored_shapes(source: ParamsSource) -> dict:
@@ -474,12 +494,16 @@ def _is_shape(x) -> bool:
 
 
 def _restore(source: ParamsSource, item, restore_args):
-    if source.in_state:  # only the params of the saved TrainState, not the optimizer state
-        item, restore_args = {"params": item}, {"params": restore_args}
-    out = ocp.PyTreeCheckpointer().restore(
-        source.tree, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args,
-                                                 partial_restore=source.in_state))
-    return out["params"] if source.in_state else out
+    ckptr = ocp.PyTreeCheckpointer()
+    if source.in_state:  # the model's variables of the saved TrainState, not the optimizer state
+        if "model_state" in ckptr.metadata(source.tree).item_metadata.tree:
+            (params, state), (p_args, s_args) = model_state.split(item), model_state.split(restore_args)
+            item, restore_args = {"params": params, "model_state": state}, {"params": p_args, "model_state": s_args}
+        else:  # (written before the model state had its own entry: it is in params)
+            item, restore_args = {"params": item}, {"params": restore_args}
+    out = ckptr.restore(source.tree, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args,
+                                                                 partial_restore=source.in_state))
+    return model_state.merge(out["params"], out.get("model_state", {})) if source.in_state else out
 
 
 def check_params_fit(stored: dict, expected: dict, where: str) -> None:

@@ -22,7 +22,6 @@ from jax.sharding import PartitionSpec as P
 
 from megajax import sharding
 from megajax.config import OptimConfig
-from megajax.model.fp8 import is_meta
 
 
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
@@ -47,12 +46,9 @@ def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
 
 def decay_mask(logical_axes) -> dict:
     """Weight decay only on matrices: a parameter with at least two axes besides the stacked 'layers' axis
-    (the canonical layout's names). Norm scales and biases are left alone, as in Megatron, and so is the FP8
-    delayed-scaling state (counters, [experts, ...] for an MoE layer's)."""
-    def is_matrix(path, names):
-        return not is_meta(path) and sum(n != "layers" for n in names) >= 2
-
-    return jax.tree_util.tree_map_with_path(is_matrix, logical_axes, is_leaf=lambda x: isinstance(x, tuple))
+    (the canonical layout's names). Norm scales and biases are left alone, as in Megatron."""
+    return jax.tree.map(lambda names: sum(n != "layers" for n in names) >= 2, logical_axes,
+                        is_leaf=lambda x: isinstance(x, tuple))
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int, logical_axes) -> optax.GradientTransformation:

@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from megajax import model, optim, overlap, sharding, step_plan
 from megajax.config import Config
 from megajax.data.loader import micro_batches
-from megajax.model import context, fp8, moe
+from megajax.model import context, model_state
 from megajax.pipeline import executor, gpipe, layout
 from megajax.step_plan import StepPlan
 
@@ -36,7 +36,8 @@ from megajax.step_plan import StepPlan
 @flax.struct.dataclass
 class TrainState:
     step: jax.Array  # int32 scalar: optimizer steps taken (skipped steps count too)
-    params: Any
+    params: Any  # the weights: what the optimizer updates
+    model_state: Any  # the model's non-trainable state, moved by its own rules (megajax/model/model_state.py)
     opt_state: Any
     loss_scale: jax.Array  # f32 scalar; 1.0 unless compute_dtype is float16
     good_steps: jax.Array  # int32: finite steps since the loss scale last changed
@@ -50,7 +51,7 @@ class StepSetup:
     cfg: Config
     mesh: jax.sharding.Mesh
     plan: StepPlan  # every parallel decision of the step (megajax/step_plan.py)
-    logical: Any  # logical axis names per parameter (canonical layout)
+    logical: Any  # logical axis names per model variable, weights and state (canonical layout)
     tx: optax.GradientTransformation
     abstract_state: TrainState
     state_shardings: TrainState
@@ -79,13 +80,21 @@ class StepSetup:
         total = sum(n for n, _ in pairs)
         return sum(n for n, sharded in pairs if sharded) / max(total, 1)
 
-    def param_specs(self):
-        """The PartitionSpec of every parameter in the train state."""
-        return jax.tree.map(lambda s: s.spec, self.state_shardings.params)
+    def variables(self, state: TrainState):
+        """The model's variables (weights and state, as the model reads them) of a train state."""
+        return model_state.merge(state.params, state.model_state)
+
+    def _per_variable(self, per_param, state_value):
+        """A per-parameter tree extended to every model variable, with `state_value` at the state's."""
+        return model_state.merge(per_param, jax.tree.map(lambda _: state_value, self.abstract_state.model_state))
+
+    def variable_specs(self):
+        """The PartitionSpec of every model variable in the train state."""
+        return jax.tree.map(lambda s: s.spec, self.variables(self.state_shardings))
 
     def compute_param_specs(self):
-        """The PartitionSpec of every parameter as the model computes with it: the train state's, except for the
-        weights the state keeps as their optimizer shard (`gathered_params`)."""
+        """The PartitionSpec of every model variable as the model computes with it: the train state's, except for
+        the weights the state keeps as their optimizer shard (`gathered_params`)."""
         return jax.tree.map(lambda n: _layout_spec(self.plan, n), self.logical, is_leaf=lambda x: isinstance(x, tuple))
 
     def gathered_params(self):
@@ -137,20 +146,23 @@ def build(cfg: Config, mesh: jax.sharding.Mesh) -> StepSetup:
     plan = StepPlan.resolve(cfg)
     boxed = jax.eval_shape(lambda: model.init_params(cfg.model, jax.random.key(0)))
     logical = model.logical_axes(boxed)
-    tx = optim.make_optimizer(cfg.optim, cfg.train.steps, logical)
+    param_logical, _ = model_state.split(logical)
+    tx = optim.make_optimizer(cfg.optim, cfg.train.steps, param_logical)
 
     def named(spec):
         return NamedSharding(mesh, spec)
 
     is_names = lambda x: isinstance(x, tuple)  # noqa: E731
     is_none = lambda x: x is None  # noqa: E731
-    param_specs = jax.tree.map(lambda n: _layout_spec(plan, n), logical, is_leaf=is_names)
-    params = jax.eval_shape(lambda b: _staged(cfg, nn.unbox(b)), boxed)  # the train state's param shapes
+    param_specs, state_specs = model_state.split(jax.tree.map(lambda n: _layout_spec(plan, n), logical,
+                                                              is_leaf=is_names))
+    # the train state's param shapes
+    params, _ = model_state.split(jax.eval_shape(lambda b: _staged(cfg, nn.unbox(b)), boxed))
     if cfg.parallel.distributed_optimizer and cfg.parallel.data * cfg.parallel.context > 1:
         lead = layout.lead_dims(plan.pipelined)  # stacked-layer dims: never the one padded
         zero_dims = jax.tree.map(lambda a, s, n: optim.zero_dim(a.shape, s, lead if n[:1] == ("layers",) else 0,
-                                                                dict(mesh.shape)), params, param_specs, logical,
-                                 is_leaf=is_names)
+                                                                dict(mesh.shape)), params, param_specs,
+                                 param_logical, is_leaf=is_names)
     else:
         zero_dims = jax.tree.map(lambda _: None, params)
     abstract_state = jax.eval_shape(lambda: _fresh_state(cfg, tx, zero_dims, jax.random.key(0)))
@@ -162,9 +174,10 @@ def build(cfg: Config, mesh: jax.sharding.Mesh) -> StepSetup:
     # parallel.overlap_param_gather: those weights live in the state as their optimizer shard
     state_param_specs = jax.tree.map(lambda z, s, g: optim.zero_spec(s, z, z.dim + 1) if g else s, zero_dims,
                                      param_specs, _gathered(cfg, plan, params, zero_dims), is_leaf=is_none)
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
     state_shardings = TrainState(
-        step=named(P()), params=jax.tree.map(named, state_param_specs, is_leaf=lambda x: isinstance(x, P)),
-        opt_state=opt_shardings, loss_scale=named(P()), good_steps=named(P()), bad_steps=named(P()))
+        step=named(P()), params=jax.tree.map(named, state_param_specs, is_leaf=is_spec),
+        model_state=jax.tree.map(named, state_specs, is_leaf=is_spec), opt_state=opt_shardings, loss_scale=named(P()), good_steps=named(P()), bad_steps=named(P()))
     batch_shardings = {k: named(P(sharding.DATA)) for k in ("tokens", "targets", "loss_mask", "sample_ids")}
     eod = None
     if cfg.data.reset_attention_mask or cfg.data.reset_position_ids:
@@ -202,17 +215,20 @@ def _fresh_state(cfg: Config, tx: optax.GradientTransformation, zero_dims, rng: 
     return _state_from(cfg, tx, zero_dims, _fresh_params(cfg, rng))
 
 
-def _state_from(cfg: Config, tx: optax.GradientTransformation, zero_dims, params) -> TrainState:
-    """Step 0 with these (staged) params and a fresh optimizer state."""
+def _state_from(cfg: Config, tx: optax.GradientTransformation, zero_dims, variables) -> TrainState:
+    """Step 0 with these (staged) model variables and a fresh optimizer state."""
     scale = cfg.optim.initial_loss_scale if cfg.model.compute_dtype == "float16" else 1.0
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(_zero_layout(params, zero_dims)),
+    params, state = model_state.split(variables)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=state,
+                      opt_state=tx.init(_zero_layout(params, zero_dims)),
                       loss_scale=jnp.asarray(scale, jnp.float32), good_steps=jnp.zeros((), jnp.int32),
                       bad_steps=jnp.zeros((), jnp.int32))
 
 
 def init_state(setup: StepSetup, params=None) -> TrainState:
     """A fresh state, created directly in its shardings (no host copy of the full model), with parameters
-    drawn from train.seed; or from `params` (canonical layout, e.g. NumPy arrays: compiles no random init)."""
+    drawn from train.seed; or from `params`, the model's variables (canonical layout, e.g. NumPy arrays or
+    `load_initial_params`: compiles no random init)."""
     cfg = setup.cfg
     with jax.set_mesh(setup.mesh):
         if params is None:
@@ -223,8 +239,8 @@ def init_state(setup: StepSetup, params=None) -> TrainState:
 
 
 def load_initial_params(setup: StepSetup, directory: str):
-    """Params from a params-only or training checkpoint (megajax.checkpoint.find_params), restored onto
-    the train state's shardings: canonical [L, ...] layers, staged to [v, p, L / (p v), ...] under a pipeline."""
+    """The model's variables from a params-only or training checkpoint (megajax.checkpoint.find_params), restored
+    in the canonical layout ([L, ...] layers) onto this mesh, for `init_state`."""
     from megajax import checkpoint
 
     cfg, mesh = setup.cfg, setup.mesh
@@ -234,11 +250,7 @@ def load_initial_params(setup: StepSetup, directory: str):
     target = jax.tree.map(lambda names, a: jax.ShapeDtypeStruct(
         a.shape, a.dtype, sharding=NamedSharding(mesh, sharding.param_spec(names, cfg.parallel.folded_experts))),
         setup.logical, canonical, is_leaf=lambda x: isinstance(x, tuple))
-    params = checkpoint.load_params(source, target)
-    if cfg.parallel.pipeline > 1:
-        p, v = cfg.parallel.pipeline, cfg.parallel.virtual_stages
-        params = jax.jit(lambda x: layout.to_stages(x, p, v), out_shardings=setup.state_shardings.params)(params)
-    return params
+    return checkpoint.load_params(source, target)
 
 
 def accumulate_grads(cfg: Config, params, batch: dict, seed_scale: jax.Array, reductions=None):
@@ -317,7 +329,9 @@ def _in_manual_region(setup: StepSetup, fn, in_specs, out_specs):
 
 
 def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
-    """(summed token loss, gradients of seed_scale * summed loss), reduced over data and pipeline.
+    """(summed token loss, gradients of seed_scale * summed loss), reduced over data and pipeline. `params` are
+    the model's variables (`StepSetup.variables`): the state's gradients carry the step's statistics out of the
+    layers (megajax/model/model_state.py), reduced as the weights' are.
 
     The step's one gradient reduction over 'data' is an all-reduce (psum inside the shard_map), or with
     the distributed optimizer a reduce-scatter onto each parameter's optimizer shard. The latter is left
@@ -326,7 +340,7 @@ def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
     both are issued layer by layer in the last micro batch's backward instead (`overlap`).
     """
     cfg, plan = setup.cfg, setup.plan
-    zero = setup.zero_dims
+    zero = setup._per_variable(setup.zero_dims, None)  # the state is never sharded by the optimizer
     is_none = lambda x: x is None  # noqa: E731
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     overlapped = plan.reduce_in_backward
@@ -353,13 +367,14 @@ def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
         scattered = jax.tree.map(lambda z: z is not None and z.data_only, zero, is_leaf=is_none)
         reductions = jax.tree.map(lambda z, sc, a, s, g, low: overlap.Reduction(a, z, s, gather=g, **low) if sc
                                   else overlap.Reduction(a), zero, scattered, reduce_axes, p_specs,
-                                  setup.gathered_params(), _gather_dtypes(cfg, params), is_leaf=is_none)
+                                  setup._per_variable(setup.gathered_params(), False), _gather_dtypes(cfg, params),
+                                  is_leaf=is_none)
         g_specs = jax.tree.map(lambda s, z, sc: optim.zero_spec(s, z, z.dim + 1) if sc else s, p_specs, zero,
                                scattered, is_leaf=is_none)
     else:
         g_specs = jax.tree.map(lambda s, z: s if z is None else P(sharding.unsplit_data_axes(s), *s), p_specs, zero,
                                is_leaf=is_none)
-    loss, grads = _in_manual_region(setup, local, (setup.param_specs(), {k: P(sharding.DATA) for k in batch}, P()),
+    loss, grads = _in_manual_region(setup, local, (setup.variable_specs(), {k: P(sharding.DATA) for k in batch}, P()),
                                     (P(), g_specs))(params, batch, seed_scale)
 
     def scatter(g, z, spec):
@@ -380,9 +395,11 @@ def train_step(setup: StepSetup, state: TrainState, batch: dict) -> tuple[TrainS
     cfg = setup.cfg
     total = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
     with step_plan.use(setup.plan):  # what the model reads while the step is traced
-        loss_sum, grads = compute_grads(setup, state.params, batch, state.loss_scale / total)
-    grads, moe_stats, moe_loads = moe.step_stats(grads, cfg.model.num_experts, drops=cfg.drops_tokens)
-    grads, fp8_seen = fp8.take_meta_grads(grads)
+        loss_sum, grads = compute_grads(setup, setup.variables(state), batch, state.loss_scale / total)
+    grads, state_grads = model_state.split(grads)
+    mcfg = cfg.model
+    moved, moe_stats = model_state.step_update(state.model_state, state_grads, mcfg.num_experts, cfg.drops_tokens,
+                                               mcfg.moe_router_bias_update_rate, mcfg.fp8_amax_history)
     if cfg.model.compute_dtype == "float16":  # (else the scale is 1: no pass over the gradients)
         grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
     loss = loss_sum / total
@@ -393,10 +410,6 @@ def train_step(setup: StepSetup, state: TrainState, batch: dict) -> tuple[TrainS
     updates, opt_state = setup.tx.update(grads, state.opt_state, _zero_layout(state.params, setup.zero_dims))
     updates = jax.tree.map(lambda u, p: optim.zero_unpad(u, p.shape), updates, state.params)
     params = optax.apply_updates(state.params, updates)
-    if cfg.model.moe_router_bias_update_rate:
-        params = moe.update_router_bias(params, moe_loads, cfg.model.moe_router_bias_update_rate)
-    if fp8_seen:
-        params = fp8.update_meta(params, fp8_seen, cfg.model.fp8_amax_history)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
     if cfg.model.compute_dtype == "float16":
         # An overflowing gradient is routine with fp16: skip the step and back off the loss scale. A non-finite
@@ -407,12 +420,13 @@ def train_step(setup: StepSetup, state: TrainState, batch: dict) -> tuple[TrainS
     else:
         loss_scale, good, healthy = state.loss_scale, state.good_steps + 1, finite
     new_state = TrainState(
-        step=state.step + 1, params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state),
+        step=state.step + 1, params=keep(params, state.params), model_state=keep(moved, state.model_state),
+        opt_state=keep(opt_state, state.opt_state),
         loss_scale=loss_scale, good_steps=good, bad_steps=jnp.where(healthy, 0, state.bad_steps + 1))
     stats = {
         "loss": loss, "lr": optim.applied_lr(cfg.optim, cfg.train.steps, state.opt_state),
         "grad_norm": grad_norm, "update_norm": optax.tree.norm(updates),
-        "param_norm": optax.tree.norm(fp8.without_meta(new_state.params)), "finite": finite,
+        "param_norm": optax.tree.norm(new_state.params), "finite": finite,
         "loss_scale": state.loss_scale,
         "bad_steps": new_state.bad_steps, **moe_stats,
     }
@@ -420,7 +434,7 @@ def train_step(setup: StepSetup, state: TrainState, batch: dict) -> tuple[TrainS
 
 
 def eval_loss(setup: StepSetup, params, batch: dict) -> tuple[jax.Array, jax.Array]:
-    """(summed token loss, token count) of a batch, forward only: micro batch by micro batch under GSPMD, or in
+    """(summed token loss, token count) of a batch with the model's variables `params`, forward only: micro batch by micro batch under GSPMD, or in
     the train step's manual region with a pipeline (through it, never gathering the layers), context parallelism
     or expert parallelism (the experts' rows exchanged as in training, not every expert's partial outputs
     all-reduced)."""
@@ -456,5 +470,6 @@ def jit_train_step(setup: StepSetup):
 
 
 def jit_eval_step(setup: StepSetup):
-    return jax.jit(lambda p, b: eval_loss(setup, p, b),
-                   in_shardings=(setup.state_shardings.params, setup.batch_shardings))
+    """eval_loss of a train state's variables on a batch: fn(state, batch) (the optimizer state goes unused)."""
+    return jax.jit(lambda s, b: eval_loss(setup, setup.variables(s), b),
+                   in_shardings=(setup.state_shardings, setup.batch_shardings))

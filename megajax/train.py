@@ -106,11 +106,11 @@ def _run(setup: StepSetup) -> dict:
         log.info(f"resumed from {checkpoint.checkpoint_dir(cfg)} step {start} ({consumed} samples consumed, "
                  f"written with layout {meta.get('layout')})")
         _report_config_changes(cfg, meta, log)
+    elif cfg.checkpoint.load_from:  # a converted or exported model: its params, a fresh optimizer
+        state = init_state(setup, load_initial_params(setup, cfg.checkpoint.load_from))
+        log.info(f"loaded params from {cfg.checkpoint.load_from} (checkpoint.load_from; fresh optimizer state)")
     else:
         state = init_state(setup)
-        if cfg.checkpoint.load_from:  # a converted or exported model: its params, a fresh optimizer
-            state = state.replace(params=load_initial_params(setup, cfg.checkpoint.load_from))
-            log.info(f"loaded params from {cfg.checkpoint.load_from} (checkpoint.load_from; fresh optimizer state)")
 
     n_params = sum(math.prod(a.shape) for a in jax.tree.leaves(setup.abstract_state.params))
     p = cfg.parallel
@@ -155,14 +155,14 @@ def _any_process(flag: bool) -> bool:
     return bool(np.any(multihost_utils.process_allgather(np.asarray([flag], np.int32))))
 
 
-def _evaluate(cfg, setup, eval_fn, params, dataset) -> float:
+def _evaluate(cfg, setup, eval_fn, state, dataset) -> float:
     from megajax.data.loader import global_batch
 
     gbs = cfg.train.global_batch_size
     total, count = 0.0, 0.0
     for i in range(cfg.train.eval_batches):
         batch = global_batch(dataset, i * gbs, gbs, setup.batch_shardings)
-        s, c = eval_fn(params, batch)
+        s, c = eval_fn(state, batch)
         total, count = total + float(s), count + float(c)
     return total / max(count, 1.0)
 
@@ -221,7 +221,7 @@ def _loop(cfg, setup, step_fn, eval_fn, state, datasets, start, consumed, loader
                             f"{record['tflops_per_device']:.4f} TFLOP/s/dev | MFU {record['mfu']:.1%} | "
                             f"eta {eta}")
         if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == steps) and "valid" in datasets:
-            eval_loss_value = _evaluate(cfg, setup, eval_fn, state.params, datasets["valid"])
+            eval_loss_value = _evaluate(cfg, setup, eval_fn, state, datasets["valid"])
             log.log({"step": done, "eval_loss": eval_loss_value, "eval_ppl": math.exp(min(eval_loss_value, 50))},
                     f"eval at step {done}: loss {eval_loss_value:.4f} | ppl {math.exp(min(eval_loss_value, 50)):.2f}")
         timed_out = deadline is not None and time.time() > deadline

@@ -115,8 +115,8 @@ def evaluate(cfg: config_lib.Config, num_devices: int):
     mesh = setup.mesh
     with jax.set_mesh(mesh):
         step = step_lib.jit_eval_step(setup)
-        total, count = step(state.params, batch)
-        text = step.lower(state.params, batch).compile().as_text()
+        total, count = step(state, batch)
+        text = step.lower(state, batch).compile().as_text()
     return float(total) / float(count), hlo.parse(text, dict(mesh.shape))
 
 

@@ -315,3 +315,33 @@ def test_a_full_disk_ends_the_run_in_one_line_and_loses_nothing(small_disk, asyn
     refused = train_cli(out, f"train.steps={max(saved) + 4}", check=False)
     assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].startswith(f"error: {out}: the run "
                                                                                           "cannot write there")
+
+
+BEFORE_MODEL_STATE = os.path.join(REPO, "tests", "data", "checkpoint-before-model-state")
+
+
+def test_a_checkpoint_from_before_the_model_state_split_resumes(tmp_path):
+    """A checkpoint written when the FP8 counters, the MoE statistics and the routing bias lived in params (with
+    optimizer moments of their own) resumes on another layout: they are read into the model state, and steps 3
+    and 4 give the losses the run that wrote it logged. Exporting its params gives the state back beside them."""
+    import shutil
+
+    shutil.copytree(os.path.join(BEFORE_MODEL_STATE, "checkpoints"), tmp_path / "checkpoints")
+    sets = ["model.arch=llama", "model.num_layers=2", "model.hidden_size=32", "model.num_heads=2",
+            "model.seq_length=32", "model.num_experts=4", "model.experts_per_token=2", "model.moe_ffn_hidden_size=32",
+            "model.moe_router_bias_update_rate=0.01", "model.fp8=hybrid", "model.fp8_recipe=delayed",
+            "train.global_batch_size=4", "train.micro_batch_size=1", "optim.warmup_steps=1", "checkpoint.async=false",
+            "checkpoint.every=2", "train.steps=4"]
+    proc = train_cli(tmp_path, *sets)  # one device: data 1, no distributed optimizer
+    assert "resumed from" in proc.stdout
+    with open(os.path.join(BEFORE_MODEL_STATE, "metrics.jsonl")) as f:
+        want = {r["step"]: r for r in map(json.loads, f)}
+    got = read_metrics(tmp_path)
+    assert sorted(got) == [3, 4]
+    for s in (3, 4):
+        for key in ("loss", "grad_norm", "moe_aux_loss", "moe_load_imbalance"):
+            np.testing.assert_allclose(got[s][key], want[s][key], rtol=1e-5, err_msg=f"step {s} {key}")
+    exported = checkpoint.load_params(os.path.join(BEFORE_MODEL_STATE, "checkpoints"))
+    moe_vars = exported["layers"]["block"]["mlp"]
+    assert {"router_bias", "moe_stats", "fp8_w_gate_up", "w_gate_up"} <= moe_vars.keys()
+    assert np.any(moe_vars["router_bias"]) and np.max(moe_vars["fp8_w_gate_up"]) == 16

@@ -244,7 +244,7 @@ def test_fp8_delayed_scaling_layout_matches_one_device(name):
     # after 3 steps each operand's counters hold the history left for the exponents it had (16, 15, 14)
     import flax
 
-    metas = {k: np.asarray(v) for k, v in flax.traverse_util.flatten_dict(jax.device_get(state.params)).items()
+    metas = {k: np.asarray(v) for k, v in flax.traverse_util.flatten_dict(jax.device_get(state.model_state)).items()
              if k[-1].startswith(fp8.META_PREFIX)}
     assert {k[-1] for k in metas} >= {"fp8_wqkv", "fp8_wo"} | ({"fp8_w_in", "fp8_w_out"} if "moe" in name else set())
     for path, counters in metas.items():

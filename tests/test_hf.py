@@ -305,9 +305,8 @@ def test_pipeline_staged_training_checkpoint_exports(tmp_path):
     for layout in ({"parallel.pipeline": 1, "parallel.virtual_stages": 1, "parallel.schedule": "1f1b"},
                    {"parallel.pipeline": 2, "parallel.virtual_stages": 2, "parallel.schedule": "interleaved"}):
         other = step_lib.setup_for(config_io.override(cfg, layout), jax.devices()[:layout["parallel.pipeline"]])
-        loaded = step_lib.load_initial_params(other, str(tmp_path / "run"))
-        if layout["parallel.pipeline"] > 1:
-            loaded = from_stages(loaded)
+        state = step_lib.init_state(other, step_lib.load_initial_params(other, str(tmp_path / "run")))
+        loaded = from_stages(state.params) if layout["parallel.pipeline"] > 1 else state.params
         jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), loaded, want)
 
 

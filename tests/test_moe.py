@@ -404,7 +404,7 @@ def test_layer_reports_its_routing_statistics_through_the_stats_gradient(factor)
 def test_routing_metrics_are_the_same_on_every_layout():
     """moe_aux_loss, moe_load_imbalance and moe_dropped_fraction sum over layers, micro batches and ranks as
     gradients do: one device and d 4 e 2 x p 2 (distributed optimizer) report the same; the stats parameter
-    stays zero and takes no part in the gradient norm."""
+    stays zero, in the model state, not in the params."""
     import jax
 
     from megajax.model import moe
@@ -416,9 +416,11 @@ def test_routing_metrics_are_the_same_on_every_layout():
         _, state, setup = run_steps(small_config(**sets, **layout), n, 1, return_state=True)
         metrics, state = _one_step_stats(setup, state)
         runs.append(metrics)
-        flat = jax.tree_util.tree_flatten_with_path(jax.device_get(state.params))[0]
+        flat = jax.tree_util.tree_flatten_with_path(jax.device_get(state.model_state))[0]
         stats = [v for path, v in flat if getattr(path[-1], "key", None) == moe.STATS]
         assert stats and not any(np.any(np.asarray(v)) for v in stats)
+        assert not any(getattr(path[-1], "key", None) == moe.STATS
+                       for path, _ in jax.tree_util.tree_flatten_with_path(state.params)[0])
     assert runs[0].keys() == {"moe_aux_loss", "moe_load_imbalance", "moe_dropped_fraction"}
     for key in runs[0]:
         np.testing.assert_allclose(runs[1][key], runs[0][key], rtol=1e-5)
@@ -537,7 +539,7 @@ def test_router_bias_training_is_the_same_on_every_layout():
                                      "parallel.distributed_optimizer": True})):
         norms = []
         losses, state, setup = run_steps(small_config(**sets, **layout), n, 3, return_state=True, grad_norms=norms)
-        params = jax.device_get(setup_canonical(setup, state.params))
+        params = jax.device_get(setup_canonical(setup, state.model_state))
         flat = jax.tree_util.tree_flatten_with_path(params)[0]
         bias = np.concatenate([v.reshape(-1, 4) for p, v in flat if getattr(p[-1], "key", None) == moe.ROUTER_BIAS])
         runs.append((losses, norms, bias))

@@ -109,7 +109,7 @@ def _grads(cfg, n):
             with step_plan.use(setup.plan):
                 return step_lib.compute_grads(setup, params, batch, jax.numpy.float32(1.0))[1]
 
-        g = jax.device_get(grads(state.params, batch))
+        g = jax.device_get(grads(setup.variables(state), batch))
     return from_stages(g) if cfg.parallel.pipeline > 1 else g
 
 

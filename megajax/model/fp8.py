@@ -91,13 +91,13 @@ def dot(spec: str, a: jax.Array, b: jax.Array, inv_scale: jax.Array, dtype) -> j
 # Delayed scaling (model.fp8_recipe=delayed, Transformer Engine's default recipe): each matmul's scales come from
 # the largest absolute maxima of its operands over the last model.fp8_amax_history steps, recorded as they are
 # used. As the scales are powers of two, an amax matters only by its binary exponent: each linear layer has a
-# state parameter `fp8_<weight>` of 3 x BINS counters (x, w, dy by amax exponent bin: the steps for which a
-# step whose amax had that exponent stays in the history). The backward hands the parameter, as its gradient, a
-# one-hot of each operand's exponent: summed over micro batches, data ranks and pipeline ticks by the ordinary gradient
-# reduction, the nonzero bins are exactly the exponents seen in the step, whose max is the step's amax. The
-# train step takes these gradients out before the optimizer (`take_meta_grads`) and sets the counters
-# (`update_meta`); the state is checkpointed and restored onto any layout as the parameters are. Until an
-# operand has a history (the first step), its scale is its own (current scaling).
+# state variable `fp8_<weight>` of 3 x BINS counters (x, w, dy by amax exponent bin: the steps for which a
+# step whose amax had that exponent stays in the history; non-trainable: megajax/model/model_state.py). The
+# backward hands the variable, as its gradient, a one-hot of each operand's exponent: summed over micro batches,
+# data ranks and pipeline ticks by the ordinary gradient reduction, the nonzero bins are exactly the exponents seen
+# in the step, whose max is the step's amax. After the step, `seen_of` reads these gradients and `update_meta` sets
+# the counters; the state is checkpointed and restored onto any layout as the weights are. Until an operand has a
+# history (the first step), its scale is its own (current scaling).
 BINS = 256
 META_PREFIX = "fp8_"
 
@@ -305,41 +305,29 @@ def _ragged_backward(fmt, margin, grouped, residuals, dy):
 ragged_dot.defvjp(_ragged_forward, _ragged_backward)
 
 
-def is_meta(path) -> bool:
-    key = path[-1]
-    return str(getattr(key, "key", key)).startswith(META_PREFIX)
-
-
-def take_meta_grads(grads) -> tuple[object, dict]:
-    """(grads with every FP8 state gradient zeroed, those gradients by path): the optimizer leaves the state
-    parameters alone (zero gradient, no weight decay on vectors); `update_meta` sets them."""
+def seen_of(grads) -> dict:
+    """The FP8 state's gradients by path (from a tree of the model state's gradients): per operand, the amax
+    exponent bins the step saw."""
     seen = {}
 
     def take(path, g):
-        if not is_meta(path):
-            return g
-        seen[path] = g
-        return jnp.zeros_like(g)
+        if str(getattr(path[-1], "key", path[-1])).startswith(META_PREFIX):
+            seen[path] = g
 
-    return jax.tree_util.tree_map_with_path(take, grads), seen
+    jax.tree_util.tree_map_with_path(take, grads)
+    return seen
 
 
-def update_meta(params, seen: dict, history: int):
+def update_meta(state, seen: dict, history: int):
     """Each operand's counters: `history` at the step's amax exponent (the largest one seen: the max over
     every micro batch and rank, so the same on every layout), the others one less (down to 0)."""
 
     def one(path, p):
         if path not in seen:
             return p
-        g = seen[path][tuple(slice(0, n) for n in p.shape)]  # the distributed optimizer pads the last dim
-        rows = g.reshape(*g.shape[:-1], 3, BINS)
+        rows = seen[path].reshape(*p.shape[:-1], 3, BINS)
         top = jnp.max(jnp.where(rows > 0, jnp.arange(BINS), -1), axis=-1, keepdims=True)
-        hit = (jnp.arange(BINS) == top).reshape(g.shape)
+        hit = (jnp.arange(BINS) == top).reshape(p.shape)
         return jnp.where(hit, jnp.float32(history), jnp.maximum(p - 1, 0)).astype(p.dtype)
 
-    return jax.tree_util.tree_map_with_path(one, params)
-
-
-def without_meta(tree):
-    """The tree with every FP8 state leaf zeroed (for norms of the weights)."""
-    return jax.tree_util.tree_map_with_path(lambda path, x: jnp.zeros_like(x) if is_meta(path) else x, tree)
+    return jax.tree_util.tree_map_with_path(one, state)

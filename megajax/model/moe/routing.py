@@ -114,10 +114,10 @@ attach_loss.defvjp(_attach_fwd, _attach_bwd)
 
 
 # The step's routing statistics leave the layer the same way, through the backward: each MoE layer has a zero
-# parameter STATS that its forward never reads, and `report` gives it the gradient `stats` (not scaled by the
-# seed). The layer scan, the pipeline and the data reduction sum these over layers' micro batches and ranks
-# as they sum every gradient; the train step takes them out (`step_stats`) before the optimizer, so the
-# parameter stays zero. Per layer: routed assignments per expert [e], then balancing loss x tokens, tokens,
+# state variable STATS (megajax/model/model_state.py) that its forward never reads, and `report` gives it the
+# gradient `stats` (not scaled by the seed). The layer scan, the pipeline and the data reduction sum these over
+# layers' micro batches and ranks as they sum every gradient; after the step `step_stats` reads them, and the
+# variable stays zero. Per layer: routed assignments per expert [e], then balancing loss x tokens, tokens,
 # dropped assignments.
 STATS = "moe_stats"
 ROUTER_BIAS = "router_bias"  # with model.moe_router_bias_update_rate: moved by the load, not by the optimizer
@@ -145,34 +145,31 @@ def _named(path, name: str) -> bool:
     return getattr(path[-1], "key", None) == name
 
 
-def step_stats(grads, num_experts: int, drops: bool) -> tuple[object, dict, dict]:
-    """(grads with every STATS gradient zeroed, the step's metrics, each MoE module's assignments per expert
-    [..., e] by its path): `moe_aux_loss` (the balancing loss, token mean, unscaled), `moe_load_imbalance` (per
-    layer, max over mean assignments per expert over the whole step, averaged over layers) and, where the layout
-    `drops` assignments (Config.drops_tokens), `moe_dropped_fraction` (of all assignments)."""
+def step_stats(grads, num_experts: int, drops: bool) -> tuple[dict, dict]:
+    """(the step's metrics, each MoE module's assignments per expert [..., e] by its path) from the gradients of
+    the STATS variables (any tree holding them): `moe_aux_loss` (the balancing loss, token mean, unscaled),
+    `moe_load_imbalance` (per layer, max over mean assignments per expert over the whole step, averaged over layers)
+    and, where the layout `drops` assignments (Config.drops_tokens), `moe_dropped_fraction` (of all assignments)."""
     found, loads = [], {}
 
     def take(path, g):
-        if not _named(path, STATS):
-            return g
-        g_stats = g[..., :num_experts + 3]  # the distributed optimizer pads this dim
-        loads[path[:-1]] = g_stats[..., :num_experts]
-        found.append(g_stats.reshape(-1, num_experts + 3))
-        return jnp.zeros_like(g)
+        if _named(path, STATS):
+            loads[path[:-1]] = g[..., :num_experts]
+            found.append(g.reshape(-1, num_experts + 3))
 
-    grads = jax.tree_util.tree_map_with_path(take, grads)
+    jax.tree_util.tree_map_with_path(take, grads)
     if not found:
-        return grads, {}, loads
+        return {}, loads
     rows = jnp.concatenate(found)
     counts = rows[:, :num_experts]
     out = {"moe_aux_loss": jnp.sum(rows[:, num_experts]) / jnp.maximum(jnp.sum(rows[:, num_experts + 1]), 1.0),
            "moe_load_imbalance": jnp.mean(jnp.max(counts, axis=1) / jnp.maximum(jnp.mean(counts, axis=1), 1e-9))}
     if drops:
         out["moe_dropped_fraction"] = jnp.sum(rows[:, num_experts + 2]) / jnp.maximum(jnp.sum(counts), 1.0)
-    return grads, out, loads
+    return out, loads
 
 
-def update_router_bias(params, loads: dict, rate: float):
+def update_router_bias(state, loads: dict, rate: float):
     """DeepSeek-V3's auxiliary-loss-free balancing: after each step every layer's routing bias moves by `rate`
     towards the experts that got fewer assignments than the mean in that step, away from those that got more."""
 
@@ -182,4 +179,4 @@ def update_router_bias(params, loads: dict, rate: float):
         load = loads[path[:-1]]
         return p + rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
 
-    return jax.tree_util.tree_map_with_path(move, params)
+    return jax.tree_util.tree_map_with_path(move, state)
