@@ -370,10 +370,10 @@ def test_an_expert_history_of_another_shape_starts_empty(monkeypatch):
 
     sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
     stored = {"moe": {"fp8_w_in": (4, 3 * fp8.BINS), "w_in": (4, 8, 32, 64)}, "attn": {"fp8_wqkv": (4, 3 * fp8.BINS)}}
-    monkeypatch.setattr(checkpoint, "stored_shapes", lambda source: stored)
+    monkeypatch.setattr(checkpoint.params, "stored_shapes", lambda source: stored)
     target = {"moe": {"fp8_w_in": sds(4, 8, 3 * fp8.BINS), "w_in": sds(4, 8, 32, 64)},
               "attn": {"fp8_wqkv": sds(4, 3 * fp8.BINS)}}
-    kept, fresh = checkpoint._without_fresh_fp8_state(None, target)
+    kept, fresh = checkpoint.params._without_fresh_fp8_state(None, target)
     assert list(fresh) == [("moe", "fp8_w_in")] and kept == {"moe": {"w_in": target["moe"]["w_in"]},
                                                               "attn": target["attn"]}
 
