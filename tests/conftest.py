@@ -57,6 +57,41 @@ def small_config(**overrides) -> config_lib.Config:
     return config_io.override(config_lib.Config(), base)
 
 
+def shared_across_workers(fn):
+    """Memoizes a test helper that returns JSON data (one-device reference losses) for the whole test session:
+    per process, and with pytest-xdist across its workers, through a file per argument tuple under a directory of
+    the run (the first worker to ask computes while the others wait on its lock), so no reference runs twice."""
+    import fcntl
+    import hashlib
+    import json
+
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    root = os.path.join(tempfile.gettempdir(), f"megajax-test-shared-{run}") if run else None
+
+    def freeze(x):
+        return tuple(freeze(v) for v in x) if isinstance(x, list) else x
+
+    @functools.lru_cache(maxsize=None)
+    def memo(*args):
+        if root is None:
+            return fn(*args)
+        os.makedirs(root, exist_ok=True)
+        key = hashlib.sha256(repr((fn.__module__, fn.__qualname__, args)).encode()).hexdigest()[:24]
+        path = os.path.join(root, key + ".json")
+        with open(path + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if os.path.exists(path):
+                with open(path) as f:
+                    return freeze(json.load(f))
+            out = fn(*args)
+            with open(path + ".tmp", "w") as f:
+                json.dump(out, f, default=float)  # (NumPy scalars)
+            os.replace(path + ".tmp", path)
+            return out
+
+    return functools.wraps(fn)(memo)
+
+
 @functools.lru_cache(maxsize=8)
 def initial_params(model_cfg: config_lib.ModelConfig, seed: int):
     """The parameters step_lib.init_state draws from `seed` (canonical layout, NumPy), drawn once per model:

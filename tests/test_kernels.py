@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import run_steps, small_config
+from conftest import run_steps, shared_across_workers, small_config
 from megajax import kernels
 from megajax.kernels import flash_attention as fa
 from megajax.kernels import fused_norm
@@ -200,7 +200,7 @@ SHARDED = {"parallel.data": 2, "parallel.tensor": 4, "parallel.sequence_parallel
 STEPS = 3
 
 
-@functools.lru_cache(maxsize=None)
+@shared_across_workers
 def xla_losses(arch: str) -> tuple[float, ...]:
     return tuple(run_steps(small_config(**(LLAMA if arch == "llama" else GQA)), 1, STEPS))
 

@@ -17,13 +17,12 @@ tensor > 1 with and without sequence parallelism, and with a pipeline, among the
 
 from __future__ import annotations
 
-import functools
 import itertools
 
 import numpy as np
 import pytest
 
-from conftest import run_steps, small_config
+from conftest import run_steps, shared_across_workers, small_config
 
 STEPS = 2
 DEVICE_COUNTS = (1, 2, 4, 6, 8)
@@ -224,7 +223,7 @@ def test_the_space_is_accepted():
                                                                                 for s in ragged), "ragged exchange"
 
 
-@functools.lru_cache(maxsize=None)
+@shared_across_workers
 def reference(arch: str, moe_micro_batch: int | None) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """One device's losses and gradient norms: dense, or MoE with the layout's micro batch size (the balancing
     loss is a function of each micro batch, so one device splits the batch as the layout does)."""

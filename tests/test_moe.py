@@ -14,7 +14,7 @@ from megajax import config as config_lib
 from megajax import step_plan
 from megajax.step_plan import StepPlan
 
-from conftest import evaluate, run_steps, small_config
+from conftest import evaluate, run_steps, shared_across_workers, small_config
 
 MOE = {"model.num_experts": 4, "model.experts_per_token": 2, "model.moe_ffn_hidden_size": 96,
        "model.moe_aux_loss_coef": 0.01, "model.moe_z_loss_coef": 0.001, "train.micro_batch_size": 2}
@@ -265,7 +265,7 @@ def test_ragged_receiving_buffer_drops_what_does_not_fit(factor):
         assert float(dropped) > 0, "the case drops something"
 
 
-@functools.lru_cache(maxsize=None)
+@shared_across_workers
 def reference(arch, model_sets=()):
     """One device's losses and gradient norms for the MoE model with `model_sets` ((key, value) pairs)."""
     norms = []
@@ -613,7 +613,7 @@ def test_moe_layer_freq_space(freq):
 FREQ = {**MOE, "model.arch": "llama", "model.num_layers": 4, "model.moe_layer_freq": 2}
 
 
-@functools.lru_cache(maxsize=None)
+@shared_across_workers
 def freq_reference():
     norms = []
     return tuple(run_steps(small_config(**FREQ), 1, 2, grad_norms=norms)), tuple(norms)

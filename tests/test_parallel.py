@@ -1,12 +1,11 @@
 """Gradient accumulation and dropout are layout independent (every layout against one device: test_layouts)."""
 
-import functools
 import math
 
 import numpy as np
 import pytest
 
-from conftest import run_steps, small_config
+from conftest import run_steps, shared_across_workers, small_config
 from megajax import step_plan
 from megajax.step_plan import StepPlan
 
@@ -19,7 +18,7 @@ STEPS = 4
 ARCHS = {"gpt2": {}}
 
 
-@functools.lru_cache(maxsize=None)
+@shared_across_workers
 def reference(arch: str) -> tuple[float, ...]:
     return tuple(run_steps(small_config(**ARCHS[arch]), 1, STEPS))
 

@@ -1,7 +1,6 @@
 """The pipeline executor: gradients equal plain jax.grad; memory flat in m; collectives as planned; evaluation
 through the stages. (Losses and gradient norms of every schedule and layout against one device: test_layouts.)"""
 
-import functools
 import itertools
 
 import numpy as np
@@ -11,7 +10,7 @@ from megajax import config_io, hlo
 from megajax.pipeline import ticks
 from megajax.pipeline.schedule import perm_pairs
 
-from conftest import evaluate, first_batch, run_steps, small_config
+from conftest import evaluate, first_batch, run_steps, shared_across_workers, small_config
 
 STEPS = 3
 ARCHS = {
@@ -20,7 +19,7 @@ ARCHS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@shared_across_workers
 def reference(arch: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
     norms = []
     losses = run_steps(small_config(**ARCHS[arch]), 1, STEPS, grad_norms=norms)
