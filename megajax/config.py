@@ -160,6 +160,8 @@ class TrainConfig:
     micro_batch_size: int | None = None  # samples per micro batch; null: the whole per-data-rank batch
     seed: int = 0  # weights, data order and dropout
     log_every: int = _may_change_on_resume(10)  # steps between log lines and metrics.jsonl rows
+    # also log update_norm, the optimizer update's global norm (costs a pass over the updates every step)
+    log_update_norm: bool = _may_change_on_resume(False)
     eval_every: int = _may_change_on_resume(0)  # steps between evaluations on the validation split (0: none)
     eval_batches: int = _may_change_on_resume(4)  # global batches of the validation split per evaluation
     output_dir: str = _may_change_on_resume("runs/default")  # metrics.jsonl, TensorBoard events, checkpoints

@@ -208,7 +208,8 @@ def _loop(cfg, setup, step_fn, eval_fn, state, datasets, start, consumed, loader
             record = {
                 "step": done, "loss": float(host["loss"]), "lr": float(host["lr"]),
                 "grad_norm": float(host["grad_norm"]), "param_norm": float(host["param_norm"]),
-                "update_norm": float(host["update_norm"]), "loss_scale": float(host["loss_scale"]),
+                **({"update_norm": float(host["update_norm"])} if "update_norm" in host else {}),
+                "loss_scale": float(host["loss_scale"]),
                 "step_time_s": dt, **metrics_lib.step_rates(flops, gbs * seq, dt, n_dev, peak),
                 "consumed_samples": consumed,
                 "data_wait_s": data_wait,

@@ -14,12 +14,13 @@ KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", 
 
 def test_tiny_trains_logs_and_evaluates(tmp_path):
     proc = train_cli(tmp_path, "train.steps=40", "train.log_every=5", "train.eval_every=20", "train.eval_batches=2",
-                     "optim.lr=3e-3")
+                     "optim.lr=3e-3", "train.log_update_norm=true")
     lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert len(lines) == 8 and "eta" in lines[0] and "MFU" in lines[0] and "TFLOP/s/dev" in lines[0]
     assert "eval at step 20: loss" in proc.stdout and "ppl" in proc.stdout
     records = read_metrics(tmp_path)
-    assert KEYS <= set(records[5]) and records[40]["consumed_samples"] == 40 * 8
+    assert KEYS | {"param_norm", "update_norm"} <= set(records[5]) and records[40]["consumed_samples"] == 40 * 8
+    assert 0 < records[5]["update_norm"] < records[5]["param_norm"]
     assert records[40]["loss"] < records[5]["loss"] - 1.0, "the loss goes down"
     assert all(0 < r["mfu"] < 1 for r in records.values())
     evals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "eval_loss" in line]
