@@ -177,7 +177,8 @@ def build(cfg: Config, mesh: jax.sharding.Mesh) -> StepSetup:
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     state_shardings = TrainState(
         step=named(P()), params=jax.tree.map(named, state_param_specs, is_leaf=is_spec),
-        model_state=jax.tree.map(named, state_specs, is_leaf=is_spec), opt_state=opt_shardings, loss_scale=named(P()), good_steps=named(P()), bad_steps=named(P()))
+        model_state=jax.tree.map(named, state_specs, is_leaf=is_spec), opt_state=opt_shardings,
+        loss_scale=named(P()), good_steps=named(P()), bad_steps=named(P()))
     batch_shardings = {k: named(P(sharding.DATA)) for k in ("tokens", "targets", "loss_mask", "sample_ids")}
     eod = None
     if cfg.data.reset_attention_mask or cfg.data.reset_position_ids:

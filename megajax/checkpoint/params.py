@@ -137,7 +137,8 @@ def check_params_fit(stored: dict, expected: dict, where: str) -> None:
     have, want = flat(stored), flat(expected)
     for name in sorted(set(want) | set(have)):
         if name not in have:
-            raise CheckpointError(f"parameter {name} is missing from {where} (was it written for another model config?)")
+            raise CheckpointError(f"parameter {name} is missing from {where} (was it written for another model "
+                                  "config?)")
         if name not in want:
             raise CheckpointError(f"{where} has parameter {name}, which this model config does not have")
         if have[name] != want[name]:

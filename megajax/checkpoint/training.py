@@ -279,8 +279,9 @@ def restore(mgr: ocp.CheckpointManager, step: int, abstract_state, shardings, cf
             "(see `python -m megajax.checkpoint inspect DIR`), or start a new run elsewhere (checkpoint.dir).")
     item = jax.tree_util.tree_unflatten(treedef, read)
     if legacy:  # a partial read: not the state's optimizer moments
-        out = ocp.PyTreeCheckpointer().restore(os.path.join(mgr.directory, str(step), "state"), args=ocp.args.PyTreeRestore(
-            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
+        args = ocp.args.PyTreeRestore(item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                                      partial_restore=True)
+        out = ocp.PyTreeCheckpointer().restore(os.path.join(mgr.directory, str(step), "state"), args=args)
     else:
         out = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(item)))["state"]
     if any(plan is not None for plan in plans):
