@@ -211,7 +211,8 @@ def test_kill_during_async_saves_then_resume(tmp_path):
     assert checkpoint.inspect(str(tmp_path / "checkpoints"))["latest"] == 40
 
 
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT"])
+# (one handler for both: suite time)
+@pytest.mark.parametrize("how", ["SIGTERM", pytest.param("SIGINT", marks=pytest.mark.slow)])
 def test_signal_saves_and_exits_zero(tmp_path, how):
     cmd = [sys.executable, "-m", "megajax.train", "--config", "configs/tiny.yaml", "--set", *CLI_SMALL,
            f"train.output_dir={tmp_path}", "train.steps=100000"]

@@ -92,7 +92,10 @@ def _help(module: str, sub: str | None) -> str:
     """The --help text of `python -m module [sub]`, from its own argument parser (in this process)."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
-        importlib.import_module(module).main([sub, "--help"] if sub else ["--help"])
+        mod = importlib.import_module(module)
+        if hasattr(mod, "__path__"):  # a package: `python -m` runs its __main__
+            mod = importlib.import_module(module + ".__main__")
+        mod.main([sub, "--help"] if sub else ["--help"])
     return out.getvalue()
 
 
