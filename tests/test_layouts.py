@@ -127,16 +127,15 @@ def space() -> list[dict]:
 # The default run's MoE layouts, (d, p, t) -> expert-parallel size: without expert parallelism on a 1F1B pipeline
 # folded over 'tensor' (suite time: MoE on zero_bubble compiled for 56 s, test_moe runs it with -m slow; and the
 # unfolded one on a 6-stage 1F1B pipeline, 61 s, runs with -m slow);
-# experts over all data ranks (alone, with tensor, with a GPipe pipeline, sequence parallelism and the distributed
+# experts over all data ranks (with tensor, and with a GPipe pipeline, sequence parallelism and the distributed
 # optimizer; there folded over 'expert' x 'tensor', dropless) and over some of them (d 4, e 2, with an interleaved
-# pipeline). Suite time: the experts over 2 data ranks alone, not 8 (d 8 e 8 runs with -m slow). The rows cross
-# the expert ranks by exact counts (parallel.expert_all_to_all=ragged) with tensor parallelism, on an interleaved
-# pipeline, and folded over 'tensor' alone on a 1F1B pipeline (its counts' cumulative sums once deadlocked there).
-DEFAULT_MOE = {(1, 2, 2): 1, (2, 1, 1): 2, (2, 1, 2): 2, (2, 2, 2): 2, (4, 2, 1): 2}
-# and their models: DeepSeek's twice (its dense first layer on a pipeline's first stage in one), with one micro
-# batch size so that one reference serves both (suite time)
-DEFAULT_MOE_ARCH = {(1, 2, 2): "gpt2", (2, 1, 1): "deepseek", (2, 1, 2): "llama", (2, 2, 2): "deepseek",
-                    (4, 2, 1): "gpt2"}
+# pipeline). Suite time: the experts over 2 data ranks alone (d 2 e 2, t 1, p 1) and over 8 run with -m slow. The
+# rows cross the expert ranks by exact counts (parallel.expert_all_to_all=ragged) with tensor parallelism, on an
+# interleaved pipeline, and folded over 'tensor' alone on a 1F1B pipeline (its counts' cumulative sums once
+# deadlocked there).
+DEFAULT_MOE = {(1, 2, 2): 1, (2, 1, 2): 2, (2, 2, 2): 2, (4, 2, 1): 2}
+# and their models: DeepSeek's with its dense first layer on a pipeline's first stage
+DEFAULT_MOE_ARCH = {(1, 2, 2): "gpt2", (2, 1, 2): "llama", (2, 2, 2): "deepseek", (4, 2, 1): "gpt2"}
 DEFAULT_RAGGED = {(1, 2, 2), (2, 1, 2), (4, 2, 1)}
 
 
