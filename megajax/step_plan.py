@@ -12,14 +12,14 @@ What the plan holds, and who reads it:
 | field | the decision | read by |
 |---|---|---|
 | data, expert, pipeline, context, tensor | the mesh's sizes | everything below |
-| manual | the axes the step's shard_map region makes manual (each of MANUAL with more than one device) | train, sharding |
+| manual | the axes the step's shard_map region makes manual (each of MANUAL with more than one device) | step, sharding |
 | pipelined, engine, schedule, virtual_stages, micro_batches | the gradient engine: a schedule, or a scan over micro batches | step, executor, ticks |
 | sequence_parallel | the residual stream sharded over 'tensor' (the activation rules) | sharding.constrain |
 | context_comm | how attention's keys and values cross the context ranks: ring or all_gather | model/context.py |
 | tp_overlap | sequence parallelism's collectives as rings ("ring"), chunks ("chunks", in a pipeline) or plain (None) | model/collective_matmul.py |
 | moe_folds, moe_ragged, moe_buffer_factor | the experts' exchange (parallel folding, ragged all-to-all) | model/moe/exchange.py |
-| reduce_in_backward | the data-parallel gradient reductions issued layer by layer in the backward | train, ticks, overlap |
-| gather_in_forward | the weights kept as optimizer shards, gathered under the next forward | train, ticks |
+| reduce_in_backward | the data-parallel gradient reductions issued layer by layer in the backward | step, ticks, overlap |
+| gather_in_forward | the weights kept as optimizer shards, gathered under the next forward | step, ticks |
 
 A mesh axis of size 1 is never manual: XLA rejects a reduction over a manual axis of size 1 when every manual axis
 has size 1 (jax 0.10.2: "Cross-partition allreduce must be in (partial) manual partitioning mode"), and such an

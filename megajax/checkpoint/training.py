@@ -179,10 +179,10 @@ def read_meta(mgr: ocp.CheckpointManager, step: int) -> dict:
     return mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
 
-def saved_shapes(mgr: ocp.CheckpointManager, step: int) -> list[tuple[str, tuple, str]]:
+def saved_shapes(mgr: ocp.CheckpointManager, step: int, tree=None) -> list[tuple[str, tuple, str]]:
     """(name, shape, dtype) of every saved state array; names are dotted tree paths
-    ("opt_state.1.mu.embed.embedding")."""
-    tree = mgr.item_metadata(step)["state"].tree
+    ("opt_state.1.mu.embed.embedding"). `tree`: the state item's metadata tree, where the caller has read it."""
+    tree = mgr.item_metadata(step)["state"].tree if tree is None else tree
     leaves = jax.tree.leaves(tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
     return [(getattr(a, "name", "?"), tuple(a.shape), str(a.dtype)) for a in leaves]
 
@@ -241,11 +241,12 @@ def restore(mgr: ocp.CheckpointManager, step: int, abstract_state, shardings, cf
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           state_dict(abstract_state), state_dict(shardings))
     # written before the model state had its own entry: read it from params (the module docstring)
-    legacy = "model_state" not in mgr.item_metadata(step)["state"].tree
+    stored = mgr.item_metadata(step)["state"].tree
+    legacy = "model_state" not in stored
     if legacy:
         target = {k: v for k, v in target.items() if k != "model_state"} | {
             "params": model_state.merge(target["params"], target["model_state"])}
-    saved = {name: shape for name, shape, _ in saved_shapes(mgr, step)}
+    saved = {name: shape for name, shape, _ in saved_shapes(mgr, step, stored)}
     flat, treedef = jax.tree_util.tree_flatten_with_path(target)
     names = [path_name(path) for path, _ in flat]
     missing, extra = sorted(set(names) - set(saved)), sorted(set(saved) - set(names))
