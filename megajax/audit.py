@@ -122,7 +122,7 @@ def _in_schedule(cfg, colls, peak: float, nvlink: float, network: float) -> dict
     exposed_f, wire_g, layer_g, delay_g = placed(
         [c for c in gathers if c.scope.endswith("_f")], [c for c in gathers if c.scope.endswith("_g")], kinds["g"],
         (kinds["f"] & ticks.GATHER) > 0, forward)
-    scatter = layer_x / (1 if par.distributed_optimizer else 2)  # one layer's reduce-scatter of its fp32 gradient
+    scatter = layer_x / (1 if par.shards_optimizer else 2)  # one layer's reduce-scatter of its fp32 gradient
     return {"data_parallel_bytes": sum(c.bytes * c.count for c in dp), "in_backward_exposed_s": exposed_b,
             "idle_ticks_s": wire_x, "cooldown_tick_s": 3 * forward, "cooldown_delay_s": delay_x,
             "gather_bytes": sum(c.bytes * c.count for c in gathers), "in_forward_exposed_s": exposed_f,
@@ -296,10 +296,11 @@ def audit(cfg, target: str = "cpu", devices: int | None = None, dump_hlo: str | 
         "layout": {"data": p.data, "pipeline": p.pipeline, "context": p.context, "tensor": p.tensor,
                    "expert": p.expert, "context_comm": p.context_comm,
                    "sequence_parallel": p.sequence_parallel, "virtual_stages": p.virtual_stages,
-                   "schedule": p.schedule, "distributed_optimizer": p.distributed_optimizer,
+                   "schedule": p.schedule, "distributed_optimizer": p.shards_optimizer,
+                   "sharding_strategy": p.sharding_strategy,
                    "micro_batches": cfg.num_micro_batches, "micro_batch_size": cfg.train.micro_batch_size},
         "memory_per_device": memory,
-        "distributed_optimizer_sharded_fraction": (setup.zero_sharded_fraction() if p.distributed_optimizer else None),
+        "distributed_optimizer_sharded_fraction": (setup.zero_sharded_fraction() if p.shards_optimizer else None),
         "optimizer_state_bytes_per_device": setup.optimizer_bytes_per_device(),
         "collectives": hlo.summarize(colls),
         "xla_flops_per_device": (cost or {}).get("flops"),

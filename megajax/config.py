@@ -67,6 +67,13 @@ class ParallelConfig:
     virtual_stages: int = 1  # model chunks per pipeline stage (the interleaved or zero_bubble schedule)
     schedule: Literal["gpipe", "1f1b", "interleaved", "zero_bubble"] = "1f1b"  # the pipeline schedule
     distributed_optimizer: bool = False  # shard the optimizer state over the data ranks (ZeRO-1)
+    # How far the data-parallel ranks (x context) shard the training state (Megatron's
+    # --data-parallel-sharding-strategy; docs/features/fsdp.md): no_shard = every rank holds it all; optim = the
+    # optimizer state (ZeRO-1: distributed_optimizer=true); optim_grads = also the gradients, reduce-scattered
+    # layer by layer in every micro batch's backward (ZeRO-2); optim_grads_params = also the weights, each layer's
+    # all-gathered before its forward and again for its backward (ZeRO-3, fully sharded data parallelism). Null:
+    # optim with distributed_optimizer=true, else no_shard.
+    data_parallel_sharding_strategy: Literal["no_shard", "optim", "optim_grads", "optim_grads_params"] | None = None
     # Reduce the data-parallel gradients layer by layer under the last micro batch's backward (Megatron's
     # --overlap-grad-reduce). megajax/overlap.py: an all-reduce per layer, or with the distributed optimizer a
     # reduce-scatter. Off by default: with several micro batches it holds one to three times the gradients' bytes
@@ -125,10 +132,25 @@ class ParallelConfig:
             f"parallel.overlap_grad_reduce=false",
         )
         _check(
-            not self.overlap_param_gather or (self.distributed_optimizer and self.overlap_grad_reduce),
+            not (self.data_parallel_sharding_strategy == "no_shard" and self.distributed_optimizer),
+            "parallel.data_parallel_sharding_strategy=no_shard keeps the optimizer state whole on every data rank, "
+            "but parallel.distributed_optimizer=true shards it: drop one of the two (distributed_optimizer=true is "
+            "the strategy optim)",
+        )
+        _check(
+            not self.overlap_param_gather or (self.shards_optimizer and self.overlap_grad_reduce)
+            or self.shards_grads,
             "parallel.overlap_param_gather=true gathers the distributed optimizer's shards in the step that reduces "
             "the gradients under the backward: set parallel.distributed_optimizer=true and "
             "parallel.overlap_grad_reduce=true (or parallel.overlap_param_gather=false)",
+        )
+        _check(
+            not self.shards_grads or self.pipeline == 1,
+            f"parallel.data_parallel_sharding_strategy={self.data_parallel_sharding_strategy} reduce-scatters the "
+            f"gradients in every micro batch's backward, which the pipeline schedules (gpipe, 1f1b, interleaved, "
+            f"zero_bubble) do not run yet: with parallel.pipeline={self.pipeline} use the strategy optim "
+            f"(parallel.distributed_optimizer=true, with overlap_grad_reduce and overlap_param_gather), or "
+            f"parallel.pipeline=1",
         )
         _check(
             not self.tp_comm_overlap or self.sequence_parallel,
@@ -146,6 +168,30 @@ class ParallelConfig:
             f"parallel.schedule and parallel.virtual_stages",
         )
 
+
+    @property
+    def sharding_strategy(self) -> str:
+        """data_parallel_sharding_strategy resolved: what the data ranks shard (no_shard, optim, optim_grads or
+        optim_grads_params)."""
+        if self.data_parallel_sharding_strategy is not None:
+            return self.data_parallel_sharding_strategy
+        return "optim" if self.distributed_optimizer else "no_shard"
+
+    @property
+    def shards_optimizer(self) -> bool:
+        """The distributed optimizer: the optimizer state sharded over the data ranks (every strategy but
+        no_shard)."""
+        return self.sharding_strategy != "no_shard"
+
+    @property
+    def shards_grads(self) -> bool:
+        """ZeRO-2 and ZeRO-3: the gradients reduce-scattered in every micro batch's backward."""
+        return self.sharding_strategy in ("optim_grads", "optim_grads_params")
+
+    @property
+    def shards_params(self) -> bool:
+        """ZeRO-3 (fully sharded data parallelism): the weights kept as their shards, gathered layer by layer."""
+        return self.sharding_strategy == "optim_grads_params"
 
     @property
     def folded_experts(self) -> bool:

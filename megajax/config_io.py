@@ -190,8 +190,11 @@ def keys_help() -> list[tuple[str, str, str, str]]:
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-            if kind.startswith("Literal["):
-                kind = "|".join(typing.get_args(typing.get_type_hints(cls)[f.name]))
+            if kind.startswith("Literal["):  # (Literal[...] | None: the literal's values, then null)
+                hint = typing.get_type_hints(cls)[f.name]
+                parts = [a for a in typing.get_args(hint) if a is not type(None)]
+                literal = parts[0] if len(parts) == 1 and typing.get_origin(parts[0]) is typing.Literal else hint
+                kind = "|".join(typing.get_args(literal)) + ("|null" if literal is not hint else "")
             meaning = comments.get(f.name, "")
             rows.append((f"{section.name}.{aliases.get(f.name, f.name)}", kind.replace("typing.", ""),
                          yaml.safe_dump(default, default_flow_style=True).removesuffix("\n...\n").strip(),

@@ -53,7 +53,9 @@ class Reduction:
     (parallel.overlap_param_gather) and is all-gathered where it is first used; `gather_dtype`: in that dtype (a
     matmul weight, which the model casts to the compute dtype anyway: half the bytes in bf16, as Megatron gathers
     its bf16 parameters), its gradient then cast back to `grad_dtype` (the parameter's) before the reduction.
-    `local`: a micro batch before the last, whose gradient stays on its rank (not reduced)."""
+    `local`: a micro batch before the last, whose gradient stays on its rank (not reduced). `length`: the
+    weight's own size along zero.dim (its shard may hold the distributed optimizer's zero padding past it: ZeRO-3
+    keeps padded shards), which a gather slices back to."""
 
     axes: tuple[str, ...]
     zero: optim.ZeroDim | None = None
@@ -62,6 +64,7 @@ class Reduction:
     local: bool = False
     gather_dtype: str | None = None
     grad_dtype: str | None = None
+    length: int | None = None
 
     def per_layer(self, lead: int = 1) -> "Reduction":
         """The reduction of a stacked weight's slice with its first `lead` dims dropped: one layer of [layers, ...]
@@ -101,15 +104,18 @@ class Reduction:
             return w
         if self.gather_dtype is not None:
             w = w.astype(self.gather_dtype)
-        return _tensor_manual(functools.partial(jax.lax.all_gather, axis_name=axes, axis=self.zero.dim, tiled=True),
-                              w, self.spec)
+        w = _tensor_manual(functools.partial(jax.lax.all_gather, axis_name=axes, axis=self.zero.dim, tiled=True),
+                           w, self.spec)
+        if self.length is not None and self.length < w.shape[self.zero.dim]:  # (the padding of a ZeRO-3 shard)
+            w = jax.lax.slice_in_dim(w, 0, self.length, axis=self.zero.dim)
+        return w
 
     def sink(self, w: jax.Array) -> jax.Array:
         """Zeros shaped (and varying) as this reduction leaves the gradient of w (the weight as it arrives)
         inside the step's shard_map."""
         shape, axes = list(w.shape), tuple(sharding.varying_axes(w))
         if self.zero is not None and self.local and self.gather:  # the whole weight, gathered from its shard
-            shape[self.zero.dim] = self.zero.size
+            shape[self.zero.dim] = self.length or self.zero.size
         elif self.zero is not None and not self.local:  # the optimizer shard
             mesh = jax.sharding.get_abstract_mesh()
             shape[self.zero.dim] = self.zero.size // math.prod(mesh.shape[a] for a in self._manual())
@@ -180,12 +186,85 @@ def sinks(params, reductions):
     return out
 
 
-def reducing_loss(sink, cfg: Config, params, acc, reductions, mb: dict, seed_scale: jax.Array):
+@functools.lru_cache(maxsize=None)
+def gathering_identity(r: Reduction):
+    """ZeRO-3's hook on one layer's weight shard: gather(w, sink) -> the whole weight (`Reduction.gathered`),
+    marked varying over r.axes; backward: r(cotangent), the reduce-scatter onto the shard, as the cotangent of
+    `sink`. One custom_vjp whose primal all-gathers: what `_leaves_gathers_out` keeps out of the residuals."""
+    def primal(w):
+        return sharding.vary(r.gathered(w), r.axes)
+
+    @jax.custom_vjp
+    def hook(w, sink):
+        return primal(w)
+
+    hook.defvjp(lambda w, sink: (primal(w), None), lambda _, ct: (None, r(ct)))
+    return hook
+
+
+def _all_gathers(jaxpr) -> bool:
+    """Whether a jaxpr (or one nested in it: a shard_map over 'tensor') all-gathers."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "all_gather":
+            return True
+        for value in eqn.params.values():
+            inner = getattr(value, "jaxpr", value)  # (a ClosedJaxpr's jaxpr, or a Jaxpr)
+            if hasattr(inner, "eqns") and _all_gathers(inner):
+                return True
+    return False
+
+
+def _leaves_gathers_out(axes: tuple[str, ...]):
+    """A remat policy for ZeRO-3's layers: every value is saveable but the whole weights, so that the backward
+    gathers them again. A whole weight is an all-gather over the data-parallel `axes` (whether the gather shows
+    as itself or as the `gathering_identity` around it depends on when jax linearizes), or a value computed from
+    values all of which are the same on every data rank (a slice, cast or marking of a gathered weight; the
+    activations vary over the data ranks)."""
+    def saveable(prim, *avals, **params) -> bool:
+        if prim.name == "all_gather":
+            return not set(sharding.axes_of(params["axis_name"])) & set(axes)
+        if prim.name == "custom_vjp_call" and _all_gathers(params["call_jaxpr"].jaxpr):
+            return False
+        arrays = [a for a in avals if getattr(a, "ndim", 0)]
+        return not arrays or any(set(axes) & _varying(a) for a in arrays)
+
+    return saveable
+
+
+def _varying(aval) -> frozenset:
+    """The manual mesh axes an abstract value varies over."""
+    vma = getattr(aval, "vma", None)
+    return frozenset(vma if vma is not None else aval.manual_axis_type.varying)
+
+
+def _regathered_layers(mcfg, side, x, stack, stack_sink, stack_r):
+    """ZeRO-3's layers: each one's weights all-gathered from their shards inside the layer, which runs under a
+    jax.checkpoint that saves every residual but those gathered weights (with recompute=full, none but the
+    layer's input), so that the backward gathers them again instead of keeping every layer's whole weights
+    alive between the forward and the backward."""
+    def layer(x, w, s, i):
+        whole = jax.tree.map(lambda r, v, sink: gathering_identity(r)(v, sink) if r.gather
+                             else reducing_identity(r)(v, None, sink), stack_r, w, s)
+        return model.block_apply(mcfg, whole, x, i, side).astype(x.dtype)
+
+    axes = tuple(a for a in sharding.GRAD if a in sharding.current_manual_axes())
+    policy = (jax.checkpoint_policies.nothing_saveable if mcfg.recompute == "full"
+              else _leaves_gathers_out(axes))
+    layer = jax.checkpoint(layer, prevent_cse=False, policy=policy)
+    n = jax.tree.leaves(stack)[0].shape[0]
+    x, _ = jax.lax.scan(lambda x, inputs: (layer(x, *inputs), None), x, (stack, stack_sink, jnp.arange(n)))
+    return x
+
+
+def reducing_loss(sink, cfg: Config, params, acc, reductions, mb: dict, seed_scale: jax.Array,
+                  regather: bool = False):
     """(seed_scale * summed token loss, (summed token loss, the whole weights)) of one micro batch, whose
     gradient w.r.t. `sink` (`sinks(params, reductions)`) is, per weight, (that micro batch's gradient + `acc`)
     reduced as its `Reduction` says, issued per layer in the backward (`acc` None: nothing to add). Weights that
     arrive as their optimizer shard (Reduction.gather) are all-gathered layer by layer, each layer's gather
-    issued one layer ahead, under the forward of the layer before it."""
+    issued one layer ahead, under the forward of the layer before it; with `regather` (ZeRO-3: `acc` None),
+    inside each layer and again in its backward (`_regathered_layers`), and "the whole weights" returned are
+    the layers' shards."""
     mcfg = cfg.model
     side = model.side_inputs(mcfg, cfg.train.seed, mb, objective_scale=seed_scale)
     top = {k: v for k, v in params.items() if k != "layers"}
@@ -195,7 +274,7 @@ def reducing_loss(sink, cfg: Config, params, acc, reductions, mb: dict, seed_sca
     top = _hooked(top, pick(acc), pick(sink), pick(reductions))
     x = model.embed_apply(mcfg, top, mb["tokens"], side)
     stack = params["layers"]["block"]
-    stack_acc = None if acc is None else acc["layers"]["block"]
+    stack_acc = None if acc is None or acc.get("layers") is None else acc["layers"]["block"]
     stack_sink = sink["layers"]["block"]
     stack_r = jax.tree.map(Reduction.per_layer, reductions["layers"]["block"])
 
@@ -205,7 +284,10 @@ def reducing_loss(sink, cfg: Config, params, acc, reductions, mb: dict, seed_sca
     if mcfg.recompute == "full":  # keep only each block's input, as the model's LayerStack does
         layer = jax.checkpoint(layer, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
     n = jax.tree.leaves(stack)[0].shape[0]
-    if not any(r.gather for r in jax.tree.leaves(stack_r)):
+    if regather:
+        x = _regathered_layers(mcfg, side, x, stack, stack_sink, stack_r)
+        whole["layers"] = params["layers"]
+    elif not any(r.gather for r in jax.tree.leaves(stack_r)):
         x, _ = jax.lax.scan(lambda x, inputs: (layer(x, *inputs), None), x,
                             (stack, stack_acc, stack_sink, jnp.arange(n)))
         whole["layers"] = params["layers"]

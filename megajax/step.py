@@ -57,6 +57,7 @@ class StepSetup:
     state_shardings: TrainState
     batch_shardings: dict[str, NamedSharding]
     zero_dims: Any  # per parameter: where the distributed optimizer shards its state (optim.ZeroDim or None)
+    param_shapes: Any  # per parameter, its jax.ShapeDtypeStruct as the model computes with it (no ZeRO-3 padding)
     eod: int | None = None  # the end-of-document token, where packed documents are separated (data.reset_*)
 
     def whole_batch(self, batch: dict) -> dict:
@@ -81,8 +82,15 @@ class StepSetup:
         return sum(n for n, sharded in pairs if sharded) / max(total, 1)
 
     def variables(self, state: TrainState):
-        """The model's variables (weights and state, as the model reads them) of a train state."""
+        """The model's variables (weights and state) of a train state, as the step reads them: a weight the state
+        keeps as its shard (`gathered_params`) as that shard, with ZeRO-3's padding."""
         return model_state.merge(state.params, state.model_state)
+
+    def model_variables(self, state: TrainState):
+        """`variables` as the model computes with them: ZeRO-3's zero padding sliced off (under jit, GSPMD
+        gathers the shards where the model reads them)."""
+        params = jax.tree.map(lambda p, a: optim.zero_unpad(p, a.shape), state.params, self.param_shapes)
+        return model_state.merge(params, state.model_state)
 
     def _per_variable(self, per_param, state_value):
         """A per-parameter tree extended to every model variable, with `state_value` at the state's."""
@@ -97,10 +105,15 @@ class StepSetup:
         the weights the state keeps as their optimizer shard (`gathered_params`)."""
         return jax.tree.map(lambda n: _layout_spec(self.plan, n), self.logical, is_leaf=lambda x: isinstance(x, tuple))
 
+    def kept_zero_dims(self):
+        """Per parameter, its optim.ZeroDim where the train state keeps it as its (padded) shard, else None."""
+        return jax.tree.map(lambda z, g: z if g else None, self.zero_dims, self.gathered_params(),
+                            is_leaf=lambda x: x is None)
+
     def gathered_params(self):
         """Per parameter: True where the train state keeps only its distributed-optimizer shard and the step
         all-gathers it in its first forward (parallel.overlap_param_gather)."""
-        return _gathered(self.cfg, self.plan, self.abstract_state.params, self.zero_dims)
+        return _gathered(self.cfg, self.plan, self.param_shapes, self.zero_dims)
 
     def optimizer_bytes_per_device(self) -> int:
         """Bytes of optimizer state one device holds (the distributed optimizer divides it by data)."""
@@ -114,16 +127,23 @@ def _layout_spec(plan: StepPlan, names: tuple) -> P:
 
 
 def _gathered(cfg: Config, plan: StepPlan, params, zero_dims):
-    """StepSetup.gathered_params: with parallel.overlap_param_gather, every weight whose optimizer shard is an
-    unpadded slice over the data ranks alone (not a tensor-sharded dim split further); with a pipeline, of the
-    layers only (the schedule gathers those in its ticks; the embedding and head are read by the first and last
-    ranks' first ticks, with nothing to hide a gather under)."""
-    gathered = jax.tree.map(lambda a, z: bool(cfg.parallel.overlap_param_gather and z is not None and z.data_only
-                                              and z.size == a.shape[z.dim]),
-                            params, zero_dims, is_leaf=lambda x: x is None)
+    """StepSetup.gathered_params: with ZeRO-3 (plan.shard_params), every weight whose optimizer shard is a slice
+    over the data ranks alone (not of a tensor-sharded dim split further), kept with its padding; with
+    parallel.overlap_param_gather, those whose shard is unpadded; with a pipeline, of the layers only (the
+    schedule gathers those in its ticks; the embedding and head are read by the first and last ranks' first
+    ticks, with nothing to hide a gather under)."""
+    def one(a, z):
+        if z is None or not z.data_only:
+            return False
+        return plan.shard_params or bool(cfg.parallel.overlap_param_gather and z.size == a.shape[z.dim])
+
+    gathered = jax.tree.map(one, params, zero_dims, is_leaf=lambda x: x is None)
     if plan.pipelined:
         gathered = {k: g if k == "layers" else jax.tree.map(lambda _: False, g) for k, g in gathered.items()}
     return gathered
+
+
+_MATMUL_WEIGHTS = {*model.layers.WEIGHT_EINSUMS, "output"}  # (the untied output layer's, which the head casts too)
 
 
 def _gather_dtypes(cfg: Config, params):
@@ -134,7 +154,7 @@ def _gather_dtypes(cfg: Config, params):
     low = mcfg.compute_dtype != mcfg.param_dtype
 
     def one(path, a):
-        if low and getattr(path[-1], "key", None) in model.layers.WEIGHT_EINSUMS:
+        if low and getattr(path[-1], "key", None) in _MATMUL_WEIGHTS:
             return {"gather_dtype": mcfg.compute_dtype, "grad_dtype": mcfg.param_dtype}
         return {}
 
@@ -158,14 +178,17 @@ def build(cfg: Config, mesh: jax.sharding.Mesh) -> StepSetup:
                                                               is_leaf=is_names))
     # the train state's param shapes
     params, _ = model_state.split(jax.eval_shape(lambda b: _staged(cfg, nn.unbox(b)), boxed))
-    if cfg.parallel.distributed_optimizer and cfg.parallel.data * cfg.parallel.context > 1:
+    if cfg.parallel.shards_optimizer and cfg.parallel.data * cfg.parallel.context > 1:
         lead = layout.lead_dims(plan.pipelined)  # stacked-layer dims: never the one padded
         zero_dims = jax.tree.map(lambda a, s, n: optim.zero_dim(a.shape, s, lead if n[:1] == ("layers",) else 0,
                                                                 dict(mesh.shape)), params, param_specs,
                                  param_logical, is_leaf=is_names)
     else:
         zero_dims = jax.tree.map(lambda _: None, params)
-    abstract_state = jax.eval_shape(lambda: _fresh_state(cfg, tx, zero_dims, jax.random.key(0)))
+    gathered = _gathered(cfg, plan, params, zero_dims)
+    # the zero dims of the weights the state keeps as (padded) shards
+    kept = jax.tree.map(lambda z, g: z if g else None, zero_dims, gathered, is_leaf=is_none)
+    abstract_state = jax.eval_shape(lambda: _fresh_state(cfg, tx, zero_dims, kept, jax.random.key(0)))
     opt_specs = jax.tree.map(lambda a, s, z: optim.zero_spec(s, z, a.ndim), params, param_specs, zero_dims,
                              is_leaf=is_none)
     opt_shardings = optax.tree_map_params(
@@ -173,7 +196,7 @@ def build(cfg: Config, mesh: jax.sharding.Mesh) -> StepSetup:
         transform_non_params=lambda _: named(P()), is_leaf=lambda x: isinstance(x, P))
     # parallel.overlap_param_gather: those weights live in the state as their optimizer shard
     state_param_specs = jax.tree.map(lambda z, s, g: optim.zero_spec(s, z, z.dim + 1) if g else s, zero_dims,
-                                     param_specs, _gathered(cfg, plan, params, zero_dims), is_leaf=is_none)
+                                     param_specs, gathered, is_leaf=is_none)
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     state_shardings = TrainState(
         step=named(P()), params=jax.tree.map(named, state_param_specs, is_leaf=is_spec),
@@ -185,7 +208,8 @@ def build(cfg: Config, mesh: jax.sharding.Mesh) -> StepSetup:
         from megajax.data.tokenizers import eod_of
 
         eod = eod_of(cfg.data.tokenizer)
-    return StepSetup(cfg, mesh, plan, logical, tx, abstract_state, state_shardings, batch_shardings, zero_dims, eod)
+    return StepSetup(cfg, mesh, plan, logical, tx, abstract_state, state_shardings, batch_shardings, zero_dims,
+                     params, eod)
 
 
 def setup_for(cfg: Config, devices=None) -> StepSetup:
@@ -212,14 +236,16 @@ def _zero_layout(tree, zero_dims):
     return jax.tree.map(lambda x, z: optim.zero_pad(x, z), tree, zero_dims, is_leaf=lambda x: x is None)
 
 
-def _fresh_state(cfg: Config, tx: optax.GradientTransformation, zero_dims, rng: jax.Array) -> TrainState:
-    return _state_from(cfg, tx, zero_dims, _fresh_params(cfg, rng))
+def _fresh_state(cfg: Config, tx: optax.GradientTransformation, zero_dims, kept, rng: jax.Array) -> TrainState:
+    return _state_from(cfg, tx, zero_dims, kept, _fresh_params(cfg, rng))
 
 
-def _state_from(cfg: Config, tx: optax.GradientTransformation, zero_dims, variables) -> TrainState:
-    """Step 0 with these (staged) model variables and a fresh optimizer state."""
+def _state_from(cfg: Config, tx: optax.GradientTransformation, zero_dims, kept, variables) -> TrainState:
+    """Step 0 with these (staged) model variables and a fresh optimizer state; the weights the state keeps as
+    their shards (`kept`: their zero dims) zero-padded as the optimizer pads them."""
     scale = cfg.optim.initial_loss_scale if cfg.model.compute_dtype == "float16" else 1.0
     params, state = model_state.split(variables)
+    params = _zero_layout(params, kept)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=state,
                       opt_state=tx.init(_zero_layout(params, zero_dims)),
                       loss_scale=jnp.asarray(scale, jnp.float32), good_steps=jnp.zeros((), jnp.int32),
@@ -233,9 +259,9 @@ def init_state(setup: StepSetup, params=None) -> TrainState:
     cfg = setup.cfg
     with jax.set_mesh(setup.mesh):
         if params is None:
-            return jax.jit(lambda key: _fresh_state(cfg, setup.tx, setup.zero_dims, key),
+            return jax.jit(lambda key: _fresh_state(cfg, setup.tx, setup.zero_dims, setup.kept_zero_dims(), key),
                            out_shardings=setup.state_shardings)(jax.random.key(cfg.train.seed))
-        return jax.jit(lambda p: _state_from(cfg, setup.tx, setup.zero_dims, _staged(cfg, p)),
+        return jax.jit(lambda p: _state_from(cfg, setup.tx, setup.zero_dims, setup.kept_zero_dims(), _staged(cfg, p)),
                        out_shardings=setup.state_shardings)(params)
 
 
@@ -301,6 +327,60 @@ def accumulate_grads(cfg: Config, params, batch: dict, seed_scale: jax.Array, re
     return loss + raw, grads
 
 
+def sharded_grads(cfg: Config, params, batch: dict, seed_scale: jax.Array, reductions):
+    """ZeRO-2 and ZeRO-3 (StepPlan.shard_grads): per data rank (inside shard_map), the summed loss and the gradients
+    reduce-scattered onto the optimizer shards, each micro batch's layer by layer in its own backward
+    (`overlap.reducing_loss`) and summed as shards, so that no whole gradient of a layer outlives a micro batch
+    (Megatron-FSDP reduces per micro batch too). ZeRO-3 (StepPlan.shard_params) gathers each layer's weights in
+    every forward and again in its backward; ZeRO-2 with parallel.overlap_param_gather gathers them in the first
+    micro batch's forward and keeps them whole for the rest.
+
+    The embedding, the final norm and the output layer are gathered once, in the first micro batch, and kept whole;
+    their gradients are summed locally and reduced in the last micro batch's backward, as ZeRO-1 does: per micro
+    batch their gathers and reductions would be exposed (they sit before and after the layers' loop, with nothing
+    to run beside them), and their whole weights and gradients are two layers' worth of memory."""
+    plan = step_plan.in_force()
+    differentiate = jax.grad(overlap.reducing_loss, has_aux=True)
+    mbs = micro_batches(batch, cfg.num_micro_batches)
+    at = lambda idx: jax.tree.map(lambda x: x[idx], mbs)  # noqa: E731
+    loss = sharding.vary(jnp.zeros((), jnp.float32), sharding.GRAD)
+
+    def run(mb, reductions, weights):
+        return differentiate(overlap.sinks(weights, reductions), cfg, weights, None, reductions, mb, seed_scale,
+                             plan.shard_params)
+
+    if cfg.num_micro_batches == 1:
+        grads, (raw, _) = run(at(0), reductions, params)
+        return loss + raw, grads
+
+    def changed(tree, layers: bool = False, **change):
+        """`reductions` with `change` on the embedding's and head's (and with `layers`, on the layers' too)."""
+        return {k: jax.tree.map(lambda r: dataclasses.replace(r, **change), v) if k != "layers" or layers else v
+                for k, v in tree.items()}
+
+    top = [k for k in params if k != "layers"]
+    weights, grads = dict(params), None
+    if not plan.shard_params and any(r.gather for r in jax.tree.leaves(reductions["layers"])):
+        # ZeRO-2 with overlap_param_gather: the first micro batch gathers every weight, the layers' under its forward
+        grads, (raw, weights) = run(at(0), changed(reductions, local=True), params)
+        loss, mbs = loss + raw, jax.tree.map(lambda x: x[1:], mbs)
+        rest = changed(changed(reductions, layers=True, gather=False), local=True)
+    else:  # the embedding's and head's gathered here, the rest (ZeRO-3's layers) in every micro batch
+        weights.update({k: jax.tree.map(lambda r, w: r.gathered(w), reductions[k], params[k]) for k in top})
+        rest = changed(reductions, local=True, gather=False)
+
+    def body(carry, mb):
+        loss, grads = carry
+        g, (raw, _) = run(mb, rest, weights)
+        return (loss + raw, jax.tree.map(jnp.add, grads, g)), None
+
+    (loss, grads), _ = jax.lax.scan(body, (loss, overlap.sinks(weights, rest) if grads is None else grads), mbs)
+    # the embedding's and head's summed gradients, reduced once
+    grads.update({k: jax.tree.map(lambda r, g: dataclasses.replace(r, local=False)(g), rest[k], grads[k])
+                  for k in top})
+    return loss, grads
+
+
 def _pipelined(cfg: Config, params, batch: dict, seed_scale: jax.Array, reductions=None):
     """The pipeline schedule's gradients (megajax/pipeline/executor.py). With `reductions` the layers' gradients
     come back reduced in each chunk's last backward, and the embedding's and head's are reduced here."""
@@ -314,7 +394,8 @@ def _pipelined(cfg: Config, params, batch: dict, seed_scale: jax.Array, reductio
 # The gradient engines, one chosen by the step plan (StepPlan.engine): inside the step's manual region, each
 # gives (this data rank's summed token loss, the gradients of seed_scale x that loss), the gradients already
 # reduced where `reductions` (per weight, an overlap.Reduction) are given, else this rank's partial sums.
-ENGINES = {"plain": accumulate_grads, "overlapped": accumulate_grads, "pipelined": _pipelined}
+ENGINES = {"plain": accumulate_grads, "overlapped": accumulate_grads, "sharded": sharded_grads,
+           "pipelined": _pipelined}
 
 
 def _in_manual_region(setup: StepSetup, fn, in_specs, out_specs):
@@ -366,10 +447,12 @@ def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
         # except where the sharded dim is also tensor-sharded (a column-parallel bias): those few bytes are
         # all-reduced there and sliced after.
         scattered = jax.tree.map(lambda z: z is not None and z.data_only, zero, is_leaf=is_none)
-        reductions = jax.tree.map(lambda z, sc, a, s, g, low: overlap.Reduction(a, z, s, gather=g, **low) if sc
-                                  else overlap.Reduction(a), zero, scattered, reduce_axes, p_specs,
-                                  setup._per_variable(setup.gathered_params(), False), _gather_dtypes(cfg, params),
-                                  is_leaf=is_none)
+        lengths = setup._per_variable(jax.tree.map(lambda a, z: None if z is None else a.shape[z.dim],
+                                                   setup.param_shapes, setup.zero_dims, is_leaf=is_none), None)
+        reductions = jax.tree.map(lambda z, sc, a, s, g, n, low: overlap.Reduction(a, z, s, gather=g, length=n, **low)
+                                  if sc else overlap.Reduction(a), zero, scattered, reduce_axes, p_specs,
+                                  setup._per_variable(setup.gathered_params(), False), lengths,
+                                  _gather_dtypes(cfg, params), is_leaf=is_none)
         g_specs = jax.tree.map(lambda s, z, sc: optim.zero_spec(s, z, z.dim + 1) if sc else s, p_specs, zero,
                                scattered, is_leaf=is_none)
     else:
@@ -473,5 +556,5 @@ def jit_train_step(setup: StepSetup):
 
 def jit_eval_step(setup: StepSetup):
     """eval_loss of a train state's variables on a batch: fn(state, batch) (the optimizer state goes unused)."""
-    return jax.jit(lambda s, b: eval_loss(setup, setup.variables(s), b),
+    return jax.jit(lambda s, b: eval_loss(setup, setup.model_variables(s), b),
                    in_shardings=(setup.state_shardings, setup.batch_shardings))

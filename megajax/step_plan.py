@@ -20,6 +20,8 @@ What the plan holds, and who reads it:
 | moe_folds, moe_ragged, moe_buffer_factor | the experts' exchange (parallel folding, ragged all-to-all) | model/moe/exchange.py |
 | reduce_in_backward | the data-parallel gradient reductions issued layer by layer in the backward | step, ticks, overlap |
 | gather_in_forward | the weights kept as optimizer shards, gathered under the next forward | step, ticks |
+| shard_grads | ZeRO-2/3: every micro batch's gradients reduce-scattered in its backward, summed as shards | step |
+| shard_params | ZeRO-3: every weight kept as its shard, gathered layer by layer in every forward and backward | step, overlap |
 
 A mesh axis of size 1 is never manual: XLA rejects a reduction over a manual axis of size 1 when every manual axis
 has size 1 (jax 0.10.2: "Cross-partition allreduce must be in (partial) manual partitioning mode"), and such an
@@ -58,7 +60,9 @@ class StepPlan:
     moe_ragged: bool = False  # dropless rows exchanged by exact counts (parallel.expert_all_to_all=ragged)
     moe_buffer_factor: float | None = None  # ragged: a rank receives at most this times one rank's routed rows
     reduce_in_backward: bool = False  # parallel.overlap_grad_reduce, where there are data ranks to reduce over
-    gather_in_forward: bool = False  # parallel.overlap_param_gather (with the distributed optimizer)
+    gather_in_forward: bool = False  # parallel.overlap_param_gather (with the distributed optimizer), or ZeRO-3
+    shard_grads: bool = False  # data_parallel_sharding_strategy optim_grads or optim_grads_params, with data ranks
+    shard_params: bool = False  # data_parallel_sharding_strategy optim_grads_params, with data ranks
 
     @property
     def pipelined(self) -> bool:
@@ -66,10 +70,13 @@ class StepPlan:
 
     @property
     def engine(self) -> str:
-        """The gradient engine (step.ENGINES): "pipelined" (a schedule), "overlapped" (a scan over micro batches
-        whose last backward issues the data-parallel reductions layer by layer) or "plain" (a scan, reduced
-        after)."""
-        return "pipelined" if self.pipelined else "overlapped" if self.reduce_in_backward else "plain"
+        """The gradient engine (step.ENGINES): "pipelined" (a schedule), "sharded" (ZeRO-2/3: a scan over micro
+        batches each of whose backwards reduce-scatters its gradients layer by layer), "overlapped" (a scan over
+        micro batches whose last backward issues the data-parallel reductions layer by layer) or "plain" (a scan,
+        reduced after)."""
+        if self.pipelined:
+            return "pipelined"
+        return "sharded" if self.shard_grads else "overlapped" if self.reduce_in_backward else "plain"
 
     @classmethod
     def resolve(cls, cfg: Config) -> StepPlan:
@@ -82,7 +89,9 @@ class StepPlan:
                  "context": par.context, "tensor": par.tensor}
         pipelined = shape["pipeline"] > 1
         comm = par.context_comm if par.context_comm != "auto" else "all_gather" if pipelined else "ring"
-        reduce = par.overlap_grad_reduce and shape["data"] * shape["expert"] > 1
+        # the ranks the optimizer state is sharded over ('data' x 'expert' x 'context'): ZeRO-2/3 need some
+        shards = par.shards_grads and par.data * par.context > 1
+        reduce = (par.overlap_grad_reduce and shape["data"] * shape["expert"] > 1) or shards
         return cls(
             data=shape["data"], expert=shape["expert"], pipeline=shape["pipeline"], context=shape["context"],
             tensor=shape["tensor"], manual=tuple(a for a in MANUAL if shape[a] > 1), schedule=par.schedule,
@@ -92,7 +101,8 @@ class StepPlan:
             tp_overlap=("chunks" if pipelined else "ring") if par.tp_comm_overlap and shape["tensor"] > 1 else None,
             moe_folds=shape["tensor"] if par.folded_experts else 1, moe_ragged=par.expert_all_to_all == "ragged",
             moe_buffer_factor=par.expert_buffer_factor, reduce_in_backward=reduce,
-            gather_in_forward=reduce and par.overlap_param_gather and par.distributed_optimizer)
+            gather_in_forward=reduce and par.overlap_param_gather and par.shards_optimizer or shards and par.shards_params,
+            shard_grads=shards, shard_params=shards and par.shards_params)
 
 
 _PLAN: contextvars.ContextVar[StepPlan | None] = contextvars.ContextVar("megajax_step_plan", default=None)

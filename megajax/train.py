@@ -120,7 +120,7 @@ def _run(setup: StepSetup) -> dict:
              f"{' sp' if p.sequence_parallel else ''}), {cfg.num_micro_batches} micro batches of "
              f"{cfg.train.micro_batch_size}, global batch {gbs} x {cfg.model.seq_length} tokens")
 
-    if p.distributed_optimizer and p.data > 1 and setup.zero_sharded_fraction() < 1:
+    if p.shards_optimizer and p.data > 1 and setup.zero_sharded_fraction() < 1:
         log.info(f"warning: the distributed optimizer shards {setup.zero_sharded_fraction():.0%} of the optimizer "
                  f"state over data={p.data}; the rest has no dimension divisible by {p.data} and stays replicated")
     step_fn, eval_fn = jit_train_step(setup), jit_eval_step(setup)

@@ -205,7 +205,7 @@ def tick_caps(cfg: Config) -> tuple[int | None, int | None]:
     ratio = par.overlap_comm_ratio
     if not ratio:
         return None, None
-    reduce_bytes = 1 if par.distributed_optimizer else 2
+    reduce_bytes = 1 if par.shards_optimizer else 2
     gather_bytes = _ITEMSIZE[m.compute_dtype] / _ITEMSIZE[m.param_dtype]
     return int(3 * chunk_layers(cfg) / (ratio * reduce_bytes)), int(chunk_layers(cfg) / (ratio * gather_bytes))
 
