@@ -112,7 +112,7 @@ def _run(setup: StepSetup) -> dict:
     else:
         state = init_state(setup)
 
-    n_params = sum(math.prod(a.shape) for a in jax.tree.leaves(setup.abstract_state.params))
+    n_params = sum(math.prod(a.shape) for a in jax.tree.leaves(setup.param_shapes))
     p = cfg.parallel
     log.info(f"megajax: {n_params / 1e6:.2f}M parameters, {jax.device_count()} devices "
              f"(data={p.data} pipeline={p.pipeline}{f' context={p.context}' if p.context > 1 else ''} "

@@ -1,7 +1,8 @@
 """Every layout the config accepts trains and equals one device.
 
 The space: every (data, pipeline, tensor) with data x pipeline x tensor in {1, 2, 4, 6, 8} devices (data = 1
-included), sequence parallelism on and off (t > 1), the distributed optimizer on and off (d > 1), GPT-2,
+included), sequence parallelism on and off (t > 1), what the data ranks shard (d > 1: nothing, the optimizer state
+(the distributed optimizer, ZeRO-1) and without a pipeline also the gradients (ZeRO-2) and the weights (ZeRO-3)), GPT-2,
 Llama with grouped-query attention and DeepSeek-V3's kind (multi-latent attention, sigmoid group-limited routing),
 every schedule (p > 1), and the model dense or mixture-of-experts (8
 dropless experts, top 2) with every expert-parallel size dividing data, and with sequence parallelism the
@@ -88,6 +89,14 @@ FOLD = {1: {"parallel.expert_tensor": 1},
             "model.moe_capacity_factor": MOE["model.num_experts"] / MOE["model.experts_per_token"]}}
 
 
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")  # zero = the index: ZeRO-0 to ZeRO-3
+
+
+def zeros(d: int, p: int) -> tuple[int, ...]:
+    """The ZeRO levels (STRATEGIES' indices) at data size d: ZeRO-2 and ZeRO-3 without a pipeline."""
+    return (0,) if d == 1 else (0, 1) if p > 1 else (0, 1, 2, 3)
+
+
 def case(arch, d, p, t, sp, zero, schedule, v, ep=0, ring=False, overlap=0, fold=0, ragged=False) -> dict:
     # p micro batches through a pipeline (the fewest every schedule takes); without one, 2 or 3 per data
     # rank, so gradient accumulation runs on every layout too
@@ -97,17 +106,19 @@ def case(arch, d, p, t, sp, zero, schedule, v, ep=0, ring=False, overlap=0, fold
         **({"parallel.expert_all_to_all": "ragged"} if ragged else {}),
         "train.global_batch_size": BATCH, "train.micro_batch_size": mb,
         "parallel.data": d, "parallel.pipeline": p, "parallel.tensor": t, "parallel.expert": max(ep, 1),
-        "parallel.sequence_parallel": sp, "parallel.distributed_optimizer": zero, "parallel.tp_comm_overlap": ring,
+        "parallel.sequence_parallel": sp, "parallel.data_parallel_sharding_strategy": STRATEGIES[zero],
+        "parallel.tp_comm_overlap": ring,
         "parallel.overlap_grad_reduce": overlap > 0, "parallel.overlap_param_gather": overlap == 2,
         "parallel.schedule": schedule, "parallel.virtual_stages": v}}
 
 
-def overlaps(d: int, p: int, schedule: str, zero: bool) -> tuple[int, ...]:
+def overlaps(d: int, p: int, schedule: str, zero: int) -> tuple[int, ...]:
     """The overlap levels: 0 off, 1 parallel.overlap_grad_reduce (with data > 1 and a schedule that runs it), 2
-    with parallel.overlap_param_gather too (with the distributed optimizer)."""
+    with parallel.overlap_param_gather too (with the distributed optimizer). ZeRO-2 always reduces in the backward
+    (gathering or not); ZeRO-3 always gathers too."""
     if not (d > 1 and (p == 1 or schedule in ("1f1b", "interleaved"))):
         return (0,)
-    return (0, 1, 2) if zero else (0, 1)
+    return {0: (0, 1), 1: (0, 1, 2), 2: (0, 2), 3: (0,)}[zero]
 
 
 def space() -> list[dict]:
@@ -115,8 +126,9 @@ def space() -> list[dict]:
     out = []
     for d, p, t in triples():
         for arch, sp, zero, (schedule, v), ep in itertools.product(
-                ARCHS, (False, True) if t > 1 else (False,), (False, True) if d > 1 else (False,), schedules(p),
-                experts(d)):
+                ARCHS, (False, True) if t > 1 else (False,), range(4), schedules(p), experts(d)):
+            if zero not in zeros(d, p):
+                continue
             for ring, overlap, fold in itertools.product((False, True) if sp else (False,),
                                                          overlaps(d, p, schedule, zero), folds(ep, t, sp)):
                 for ragged in exchanges(ep, fold, ring):
@@ -137,6 +149,11 @@ DEFAULT_MOE = {(1, 2, 2): 1, (2, 1, 2): 2, (2, 2, 2): 2, (4, 2, 1): 2}
 # and their models: DeepSeek's with its dense first layer on a pipeline's first stage
 DEFAULT_MOE_ARCH = {(1, 2, 2): "gpt2", (2, 1, 2): "llama", (2, 2, 2): "deepseek", (4, 2, 1): "gpt2"}
 DEFAULT_RAGGED = {(1, 2, 2), (2, 1, 2), (4, 2, 1)}
+# Without a pipeline, what the data ranks shard (STRATEGIES' index): ZeRO-3 with experts over all data ranks and
+# tensor parallelism, and with sequence parallelism's rings; ZeRO-2 gathering its weights once and not, with tensor
+# parallelism; ZeRO-1 gathering and not; and nothing sharded, reduced in the backward.
+DEFAULT_ZERO = {(2, 1, 1): 2, (2, 1, 2): 3, (4, 1, 1): 1, (2, 1, 3): 2, (3, 1, 2): 3, (6, 1, 1): 1, (2, 1, 4): 2,
+                (4, 1, 2): 3, (8, 1, 1): 0, (2, 2, 2): 0}
 
 
 def default_cases() -> list[dict]:
@@ -150,7 +167,7 @@ def default_cases() -> list[dict]:
         schedule, v = options[i % len(options)]
         ep = DEFAULT_MOE.get((d, p, t), 0)
         sp = t > 1 and (i // 2) % 2 == 0
-        zero = d > 1 and i % 3 != 1
+        zero = DEFAULT_ZERO.get((d, p, t), int(d > 1 and i % 3 != 1))
         levels = overlaps(d, p, schedule, zero)
         ring = sp and i % 2 == 0
         arch = DEFAULT_MOE_ARCH[(d, p, t)] if ep else tuple(ARCHS)[i % len(ARCHS)]
@@ -166,7 +183,8 @@ def name(c: dict) -> str:
     experts = f"e{s['parallel.expert']}" if c["moe"] else ""
     return (f"{c['arch']}{'-moe' if c['moe'] else ''}-d{d}{experts}p{p}t{t}"
             f"{'-sp' if s['parallel.sequence_parallel'] else ''}"
-            f"{'-zero1' if s['parallel.distributed_optimizer'] else ''}"
+            + (f"-zero{STRATEGIES.index(s['parallel.data_parallel_sharding_strategy'])}"
+               if s["parallel.data_parallel_sharding_strategy"] != "no_shard" else "") +
             f"{'-ring' if s['parallel.tp_comm_overlap'] else ''}"
             f"{'-overlap' if s['parallel.overlap_grad_reduce'] else ''}"
             f"{'-gather' if s['parallel.overlap_param_gather'] else ''}"
@@ -181,6 +199,10 @@ _DEFAULT_NAMES = {name(c) for c in DEFAULT}
 CASES = DEFAULT + [c for c in space() if name(c) not in _DEFAULT_NAMES]
 
 
+def zero_of(sets: dict) -> int:
+    return STRATEGIES.index(sets["parallel.data_parallel_sharding_strategy"])
+
+
 def test_the_space_is_accepted():
     """Every layout of the space passes the config's checks, and the default run covers what it must."""
     for c in space():
@@ -191,19 +213,24 @@ def test_the_space_is_accepted():
     data1 = [c["sets"] for c in DEFAULT if c["sets"]["parallel.data"] == 1 and c["sets"]["parallel.tensor"] > 1]
     assert {s["parallel.sequence_parallel"] for s in data1} == {False, True}
     assert any(s["parallel.pipeline"] > 1 for s in data1)
-    for key in ("parallel.sequence_parallel", "parallel.distributed_optimizer"):
-        assert {c["sets"][key] for c in DEFAULT} == {False, True}
+    assert {c["sets"]["parallel.sequence_parallel"] for c in DEFAULT} == {False, True}
+    assert {zero_of(c["sets"]) for c in DEFAULT} == {0, 1, 2, 3}
+    fsdp = [c["sets"] for c in DEFAULT if zero_of(c["sets"]) >= 2]
+    assert {zero_of(s) for s in fsdp if s["parallel.tensor"] > 1} == {2, 3}, "ZeRO-2 and ZeRO-3 with tensor"
+    assert any(zero_of(s) == 3 and s["parallel.sequence_parallel"] for s in fsdp), "ZeRO-3 with sequence parallelism"
+    assert {s["parallel.overlap_param_gather"] for s in fsdp if zero_of(s) == 2} == {False, True}
+    assert any(zero_of(c["sets"]) == 3 and c["moe"] and c["sets"]["parallel.expert"] > 1 for c in DEFAULT)
     sp = [c["sets"] for c in DEFAULT if c["sets"]["parallel.sequence_parallel"]]
     assert {(s["parallel.pipeline"] > 1, s["parallel.tp_comm_overlap"]) for s in sp} == {
         (False, False), (False, True), (True, False), (True, True)}, "SP with and without the collective matmuls"
-    overlapped = [(s["parallel.pipeline"], s["parallel.schedule"], s["parallel.distributed_optimizer"])
+    overlapped = [(s["parallel.pipeline"], s["parallel.schedule"], zero_of(s) > 0)
                   for s in (c["sets"] for c in DEFAULT) if s["parallel.overlap_grad_reduce"]]
     assert {p > 1 for p, _, _ in overlapped} == {False, True}, "the overlapped reduction with and without a pipeline"
     assert {sched for p, sched, _ in overlapped if p > 1} == {"1f1b", "interleaved"}
     assert {zero for p, _, zero in overlapped if p > 1} == {False, True}, "all-reduced and scattered on a pipeline"
     zero_overlapped = [(s["parallel.pipeline"] > 1, s["parallel.overlap_param_gather"])
                        for s in (c["sets"] for c in DEFAULT)
-                       if s["parallel.overlap_grad_reduce"] and s["parallel.distributed_optimizer"]]
+                       if s["parallel.overlap_grad_reduce"] and zero_of(s) == 1]
     assert set(zero_overlapped) == {(False, False), (False, True), (True, False), (True, True)}, \
         "the distributed optimizer's shards gathered under the forward and not, with and without a pipeline"
     assert {c["sets"]["parallel.schedule"] for c in DEFAULT} == {"gpipe", "1f1b", "interleaved", "zero_bubble"}
@@ -212,8 +239,8 @@ def test_the_space_is_accepted():
     ep = lambda s: s["parallel.expert"]  # noqa: E731
     assert {ep(s) == 1 for s in moe} == {True, False}, "MoE with and without expert parallelism"
     assert any(1 < ep(s) == s["parallel.data"] for s in moe) and any(1 < ep(s) < s["parallel.data"] for s in moe)
-    for key in ("parallel.sequence_parallel", "parallel.distributed_optimizer"):
-        assert {s[key] for s in moe if ep(s) > 1} == {False, True}, f"expert parallelism with {key} on and off"
+    assert {s["parallel.sequence_parallel"] for s in moe if ep(s) > 1} == {False, True}
+    assert {zero_of(s) > 0 for s in moe if ep(s) > 1} == {False, True}, "expert parallelism with ZeRO and without"
     assert {s["parallel.pipeline"] > 1 for s in moe if ep(s) > 1} == {False, True}
     assert {s["parallel.data"] == ep(s) for s in moe} >= {True}
     assert any(s.get("parallel.expert_tensor") == 1 and s["parallel.pipeline"] > 1 for s in moe), "folded experts"

@@ -107,7 +107,27 @@ def stored_shapes(source: ParamsSource) -> dict:
                           _stored_metadata(source), is_leaf=_is_meta)
     if source.staged:
         stored = jax.eval_shape(from_stages, stored)
+    own = _own_shapes(source)
+    if own is not None:  # (ZeRO-3's padding is not part of the model)
+        stored = own
     return jax.tree.map(lambda a: (a.shape, np.dtype(a.dtype)), stored)
+
+
+def _own_shapes(source: ParamsSource):
+    """For a training checkpoint whose weights carry the distributed optimizer's zero padding (ZeRO-3 keeps its
+    weights padded; never under a pipeline), the model's own shapes (jax.ShapeDtypeStructs); else None."""
+    if not source.in_state or source.staged:
+        return None
+    from megajax import model
+
+    stored = jax.tree.map(lambda m: tuple(m.shape), _stored_metadata(source), is_leaf=_is_meta)
+    own = model.abstract_params(source.config.model)
+    if jax.tree.structure(stored, is_leaf=lambda x: isinstance(x, tuple)) != jax.tree.structure(own):
+        return None
+    pairs = list(zip(jax.tree.leaves(stored, is_leaf=lambda x: isinstance(x, tuple)), jax.tree.leaves(own)))
+    padded = [s != o.shape for s, o in pairs]
+    fits = all(len(s) == o.ndim and all(a >= b for a, b in zip(s, o.shape)) for s, o in pairs)
+    return own if any(padded) and fits else None
 
 
 def _is_shape(x) -> bool:
@@ -158,7 +178,8 @@ def load_params(source: ParamsSource | str | os.PathLike, target=None):
         if fresh:
             return _with_fresh_fp8_state(load_params(source, target), fresh)
         check_params_fit(stored_shapes(source), target, str(source.root))
-    if target is not None and not source.staged:
+    own = _own_shapes(source)
+    if target is not None and not source.staged and own is None:
         args = jax.tree.map(lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding, dtype=t.dtype), target)
         return _restore(source, target, args)
     stored = _stored_metadata(source)
@@ -167,6 +188,8 @@ def load_params(source: ParamsSource | str | os.PathLike, target=None):
                                                is_leaf=_is_meta))
     if source.staged:
         host = from_stages(host)
+    if own is not None:  # ZeRO-3's zero padding sliced off
+        host = jax.tree.map(lambda a, o: a[tuple(slice(0, n) for n in o.shape)], host, own)
     if target is None:
         return host
     # Staged on disk: reassemble on the host, then place each canonical shard where the target wants it.

@@ -235,7 +235,8 @@ def restore(mgr: ocp.CheckpointManager, step: int, abstract_state, shardings, cf
     """Restores `step` onto `shardings` (any mesh, any layout): returns (state fields, meta).
 
     Arrays are matched by their tree path. Parameters must have the wanted shape up to the pipeline
-    layout of stacked layers; optimizer state may also differ by the distributed optimizer's padding.
+    layout of stacked layers; optimizer state, and the weights of a checkpoint of the same model (ZeRO-3 keeps
+    them padded), may also differ by the distributed optimizer's padding.
     """
     meta = read_meta(mgr, step)
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -259,6 +260,9 @@ def restore(mgr: ocp.CheckpointManager, step: int, abstract_state, shardings, cf
                else "") + (f"the checkpoint has {', '.join(extra[:8])}, which this config lacks; " if extra else "")
             + f"its model config: {meta.get('config', {}).get('model')}")
     saved_pipeline = int(meta.get("layout", {}).get("pipeline", 1))
+    # ZeRO-3 keeps weights with the distributed optimizer's zero padding (a size that depends on the data size):
+    # a weight may then differ from the wanted one by padding alone, where both were written for the same model
+    same_model = _same_model(meta, cfg)
     read, plans, mismatched = [], [], []
     for (path, want), name in zip(flat, names):
         shape = saved[name]
@@ -267,7 +271,7 @@ def restore(mgr: ocp.CheckpointManager, step: int, abstract_state, shardings, cf
         if shape == want.shape:
             read.append(want)
             plans.append(None)
-        elif _fits(shape, want.shape, *leads, padded=_is_opt_leaf(path)):
+        elif _fits(shape, want.shape, *leads, padded=_is_opt_leaf(path) or same_model):
             read.append(jax.ShapeDtypeStruct(shape, want.dtype, sharding=NamedSharding(
                 want.sharding.mesh, _read_spec(shape, want, *leads))))
             plans.append(leads)
@@ -380,9 +384,23 @@ def _abandon_later_steps(mgr: ocp.CheckpointManager, later: list[int], wanted: i
     mgr.reload()
 
 
+def _same_model(meta: dict, cfg: Config) -> bool:
+    """Whether the checkpoint's saved config defines the model `cfg` does (megajax/model_config.py's
+    `_defines_model` keys)."""
+    from megajax import config_io
+    from megajax.checkpoint.params import check_same_model
+
+    try:
+        check_same_model(config_io.from_dict(meta["config"]).model, cfg.model, "")
+    except (KeyError, config_lib.ConfigError, ValueError, TypeError):
+        return False
+    return True
+
+
 def _fits(saved: tuple, want: tuple, lead_saved: int, lead_want: int, padded: bool) -> bool:
     """Whether a saved leaf converts into the wanted shape: the same layers in another pipeline layout,
-    and (optimizer state) trailing dims that differ only by the distributed optimizer's padding."""
+    and (optimizer state, or ZeRO-3's weights: `padded`) trailing dims that differ only by the distributed
+    optimizer's padding."""
     if len(saved) - lead_saved != len(want) - lead_want or math.prod(saved[:lead_saved]) != math.prod(want[:lead_want]):
         return False
     differ = [i for i, (a, b) in enumerate(zip(saved[lead_saved:], want[lead_want:])) if a != b]
