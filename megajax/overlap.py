@@ -248,7 +248,9 @@ def _regathered_layers(mcfg, side, x, stack, stack_sink, stack_r):
         return model.block_apply(mcfg, whole, x, i, side).astype(x.dtype)
 
     axes = tuple(a for a in sharding.GRAD if a in sharding.current_manual_axes())
-    policy = (jax.checkpoint_policies.nothing_saveable if mcfg.recompute == "full"
+    # FP8 recomputes the whole layer: with FP8's custom_vjp matmuls under a policy that saves anything, the step's
+    # losses came out NaN (jax 0.10.2; without the checkpoint, or saving nothing, they equal one device's)
+    policy = (jax.checkpoint_policies.nothing_saveable if mcfg.recompute == "full" or mcfg.fp8 != "none"
               else _leaves_gathers_out(axes))
     layer = jax.checkpoint(layer, prevent_cse=False, policy=policy)
     n = jax.tree.leaves(stack)[0].shape[0]

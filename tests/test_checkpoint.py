@@ -235,6 +235,7 @@ def test_exit_after_minutes(tmp_path):
     assert checkpoint.inspect(str(tmp_path / "checkpoints"))["latest"] >= 1
 
 
+@pytest.mark.slow  # (suite time: test_fsdp_weights_move_between_layouts_and_data_sizes restores padded state across data sizes)
 def test_distributed_optimizer_state_moves_between_data_sizes(tmp_path):
     """The distributed optimizer pads each parameter's state to a multiple of the data size (64 -> 66 at
     data 3): a checkpoint written at data 3 x tensor 2 restores exactly onto data 4 x tensor 2 (other
@@ -346,3 +347,50 @@ def test_a_checkpoint_from_before_the_model_state_split_resumes(tmp_path):
     moe_vars = exported["layers"]["block"]["mlp"]
     assert {"router_bias", "moe_stats", "fp8_w_gate_up", "w_gate_up"} <= moe_vars.keys()
     assert np.any(moe_vars["router_bias"]) and np.max(moe_vars["fp8_w_gate_up"]) == 16
+
+
+def test_fsdp_weights_move_between_layouts_and_data_sizes(tmp_path):
+    """ZeRO-3 keeps each weight as its shard, zero-padded as the distributed optimizer pads (64 -> 66 at data 3):
+    its checkpoint restores exactly onto ZeRO-3 at data 4 (other padding), ZeRO-1 and one device; a one-device
+    checkpoint restores onto ZeRO-3; and the params export of a ZeRO-3 checkpoint holds the model's own shapes."""
+    import jax
+
+    from megajax import optim
+    from conftest import run_steps, small_config
+
+    fsdp = {"parallel.data_parallel_sharding_strategy": "optim_grads_params", "train.global_batch_size": 12}
+    _, state, setup = run_steps(small_config(**{"parallel.data": 3, "parallel.tensor": 2, **fsdp}), 6, 2,
+                                return_state=True)
+    assert any(a.shape != b.shape for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(setup.param_shapes)))
+    mgr = checkpoint.manager(str(tmp_path / "fsdp"), use_async=False)
+    checkpoint.save(mgr, 2, state, setup.cfg, 24)
+    mgr.wait_until_finished()
+
+    def own(st, target):  # (weights, Adam's first moment) without any padding
+        mu = st.opt_state[1].mu
+        return jax.device_get(jax.tree.map(lambda p, m, a: (optim.zero_unpad(p, a.shape), optim.zero_unpad(m, a.shape)),
+                                           st.params, mu, target.param_shapes))
+
+    want = own(state, setup)
+    one = None
+    for n, layout in ((8, {"parallel.data": 4, "parallel.tensor": 2, **fsdp}),
+                      (4, {"parallel.data": 4, "parallel.distributed_optimizer": True, "train.global_batch_size": 12}),
+                      (1, {"parallel.data": 1, "train.global_batch_size": 12})):
+        target = step_lib.setup_for(small_config(**layout), jax.devices()[:n])
+        fields, _ = checkpoint.restore(mgr, 2, target.abstract_state, target.state_shardings, target.cfg)
+        got = step_lib.TrainState(**fields)
+        assert jax.tree.map(lambda a: a.shape, got.params) == jax.tree.map(lambda a: a.shape,
+                                                                            target.abstract_state.params)
+        jax.tree.map(np.testing.assert_array_equal, own(got, target), want)
+        one = (got, target) if n == 1 else one
+    exported = checkpoint.load_params(str(tmp_path / "fsdp"))
+    jax.tree.map(lambda a, w: np.testing.assert_array_equal(a, w[0]), exported["layers"], want["layers"],
+                 is_leaf=lambda x: isinstance(x, tuple))
+    mgr.close()
+    # and back: one device's checkpoint onto ZeRO-3 at data 3
+    mgr = checkpoint.manager(str(tmp_path / "one"), use_async=False)
+    checkpoint.save(mgr, 2, one[0], one[1].cfg, 24)
+    mgr.wait_until_finished()
+    fields, _ = checkpoint.restore(mgr, 2, setup.abstract_state, setup.state_shardings, setup.cfg)
+    jax.tree.map(np.testing.assert_array_equal, own(step_lib.TrainState(**fields), setup), want)
+    mgr.close()

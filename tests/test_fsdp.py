@@ -1,0 +1,56 @@
+"""Fully sharded data parallelism (parallel.data_parallel_sharding_strategy optim_grads and optim_grads_params)
+beyond tests/test_layouts.py's matrix (which has ZeRO-2 and ZeRO-3 with tensor and sequence parallelism and experts):
+with context parallelism, FP8, full recomputation and padded shards, each equal to one device; and the config's
+refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import run_steps, shared_across_workers, small_config
+from megajax.config import ConfigError
+
+BASE = {"model.num_layers": 3, "model.hidden_size": 64, "model.num_heads": 4, "model.seq_length": 32,
+        "model.ffn_hidden_size": 136, "model.arch": "llama", "train.global_batch_size": 12}
+ZERO3 = {"parallel.data_parallel_sharding_strategy": "optim_grads_params"}
+CASES = {
+    # the weights sharded over data x context; 136 and the vocabulary padded to a multiple of 6 (and 4)
+    "context2-data3": ({"parallel.data": 3, "parallel.context": 2, "train.micro_batch_size": 2}, {}),
+    "fp8-delayed": ({"parallel.data": 4, "train.micro_batch_size": 1},
+                    {"model.fp8": "hybrid", "model.fp8_recipe": "delayed"}),
+    "recompute-full-zero2": ({"parallel.data": 2, "parallel.tensor": 2, "parallel.sequence_parallel": True,
+                              "parallel.data_parallel_sharding_strategy": "optim_grads", "train.micro_batch_size": 2},
+                             {"model.recompute": "full"}),
+}
+
+
+@shared_across_workers
+def reference(model: tuple) -> list:
+    norms = []
+    losses = run_steps(small_config(**BASE, **dict(model)), 1, 2, grad_norms=norms)
+    return [losses, norms]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_fsdp_matches_one_device(name):
+    layout, model = CASES[name]
+    norms = []
+    cfg = small_config(**BASE, **{**ZERO3, **model, **layout})
+    n = cfg.parallel.data * cfg.parallel.context * cfg.parallel.tensor
+    losses = run_steps(cfg, n, 2, grad_norms=norms)
+    ref_losses, ref_norms = reference(tuple(sorted(model.items())))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-4)
+
+
+def test_the_strategy_resolves_and_refuses_what_it_cannot_run():
+    par = small_config().parallel
+    assert par.sharding_strategy == "no_shard" and not par.shards_optimizer
+    assert small_config(**{"parallel.distributed_optimizer": True}).parallel.sharding_strategy == "optim"
+    zero3 = small_config(**ZERO3).parallel
+    assert zero3.shards_optimizer and zero3.shards_grads and zero3.shards_params
+    with pytest.raises(ConfigError, match="pipeline schedules"):
+        small_config(**ZERO3, **{"parallel.pipeline": 2})
+    with pytest.raises(ConfigError, match="distributed_optimizer=true is the strategy optim"):
+        small_config(**{"parallel.data_parallel_sharding_strategy": "no_shard", "parallel.distributed_optimizer": True})
