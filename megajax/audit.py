@@ -302,6 +302,8 @@ def audit(cfg, target: str = "cpu", devices: int | None = None, dump_hlo: str | 
         "memory_per_device": memory,
         "distributed_optimizer_sharded_fraction": (setup.zero_sharded_fraction() if p.shards_optimizer else None),
         "optimizer_state_bytes_per_device": setup.optimizer_bytes_per_device(),
+        "parameter_bytes_per_device": setup.parameter_bytes_per_device(),
+        "gradient_bytes_per_device": setup.gradient_bytes_per_device(),
         "collectives": hlo.summarize(colls),
         "xla_flops_per_device": (cost or {}).get("flops"),
         "megatron_flops_per_step": flops,

@@ -71,8 +71,8 @@ class ParallelConfig:
     # --data-parallel-sharding-strategy; docs/features/fsdp.md): no_shard = every rank holds it all; optim = the
     # optimizer state (ZeRO-1: distributed_optimizer=true); optim_grads = also the gradients, reduce-scattered
     # layer by layer in every micro batch's backward (ZeRO-2); optim_grads_params = also the weights, each layer's
-    # all-gathered before its forward and again for its backward (ZeRO-3, fully sharded data parallelism). Null:
-    # optim with distributed_optimizer=true, else no_shard.
+    # all-gathered before its forward and again for its backward (ZeRO-3, fully sharded data parallelism). Set, it
+    # decides (distributed_optimizer is then not read); null: optim with distributed_optimizer=true, else no_shard.
     data_parallel_sharding_strategy: Literal["no_shard", "optim", "optim_grads", "optim_grads_params"] | None = None
     # Reduce the data-parallel gradients layer by layer under the last micro batch's backward (Megatron's
     # --overlap-grad-reduce). megajax/overlap.py: an all-reduce per layer, or with the distributed optimizer a
@@ -132,12 +132,6 @@ class ParallelConfig:
             f"parallel.overlap_grad_reduce=false",
         )
         _check(
-            not (self.data_parallel_sharding_strategy == "no_shard" and self.distributed_optimizer),
-            "parallel.data_parallel_sharding_strategy=no_shard keeps the optimizer state whole on every data rank, "
-            "but parallel.distributed_optimizer=true shards it: drop one of the two (distributed_optimizer=true is "
-            "the strategy optim)",
-        )
-        _check(
             not self.overlap_param_gather or (self.shards_optimizer and self.overlap_grad_reduce)
             or self.shards_grads,
             "parallel.overlap_param_gather=true gathers the distributed optimizer's shards in the step that reduces "
@@ -145,12 +139,18 @@ class ParallelConfig:
             "parallel.overlap_grad_reduce=true (or parallel.overlap_param_gather=false)",
         )
         _check(
-            not self.shards_grads or self.pipeline == 1,
-            f"parallel.data_parallel_sharding_strategy={self.data_parallel_sharding_strategy} reduce-scatters the "
-            f"gradients in every micro batch's backward, which the pipeline schedules (gpipe, 1f1b, interleaved, "
-            f"zero_bubble) do not run yet: with parallel.pipeline={self.pipeline} use the strategy optim "
-            f"(parallel.distributed_optimizer=true, with overlap_grad_reduce and overlap_param_gather), or "
+            not self.shards_params or self.pipeline == 1,
+            f"parallel.data_parallel_sharding_strategy=optim_grads_params (ZeRO-3) gathers each layer's weights in "
+            f"every forward and backward, which no pipeline schedule runs yet: with parallel.pipeline="
+            f"{self.pipeline} use optim_grads (ZeRO-2, with parallel.schedule=1f1b or interleaved), or "
             f"parallel.pipeline=1",
+        )
+        _check(
+            not self.shards_grads or self.pipeline == 1 or self.schedule in ("1f1b", "interleaved"),
+            f"parallel.data_parallel_sharding_strategy={self.data_parallel_sharding_strategy} reduce-scatters the "
+            f"gradients in every backward of a chunk, which the {self.schedule} schedule does not run as one step "
+            f"(GPipe differentiates its whole forward, zero_bubble splits off the weight gradients): use "
+            f"parallel.schedule=1f1b or interleaved",
         )
         _check(
             not self.tp_comm_overlap or self.sequence_parallel,

@@ -115,6 +115,35 @@ class StepSetup:
         all-gathers it in its first forward (parallel.overlap_param_gather)."""
         return _gathered(self.cfg, self.plan, self.param_shapes, self.zero_dims)
 
+    def parameter_bytes_per_device(self) -> int:
+        """Bytes of weights one device keeps in the train state (ZeRO-3, and overlap_param_gather, keep shards)."""
+        return sum(math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize for a, s in zip(
+            jax.tree.leaves(self.abstract_state.params), jax.tree.leaves(self.state_shardings.params)))
+
+    def gradient_bytes_per_device(self) -> int:
+        """Bytes of the gradient one device accumulates over a step's micro batches (in the weights' dtype): the
+        whole gradient of the weights it computes with, or with ZeRO-2 and ZeRO-3 (StepPlan.shard_grads) the
+        layers' optimizer shards and the embedding's and head's whole gradients."""
+        mesh = dict(self.mesh.shape)
+        is_none = lambda x: x is None  # noqa: E731
+
+        def one(path, a, z, names):
+            spec = _layout_spec(self.plan, names)
+            if self.plan.shard_grads and z is not None and z.data_only and getattr(path[0], "key", "") == "layers":
+                spec = optim.zero_spec(spec, z, a.ndim)
+                shape = list(a.shape)
+                shape[z.dim] = z.size
+            else:
+                shape = list(a.shape)
+            for i, axis in enumerate(list(spec) + [None] * (len(shape) - len(spec))):
+                shape[i] //= math.prod(mesh[x] for x in sharding.axes_of(axis))
+            return math.prod(shape) * a.dtype.itemsize
+
+        param_logical, _ = model_state.split(self.logical)
+        sizes = jax.tree_util.tree_map_with_path(one, self.param_shapes, self.zero_dims, param_logical,
+                                                 is_leaf=is_none)
+        return sum(jax.tree.leaves(sizes))
+
     def optimizer_bytes_per_device(self) -> int:
         """Bytes of optimizer state one device holds (the distributed optimizer divides it by data)."""
         return sum(math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize for a, s in zip(

@@ -50,7 +50,12 @@ def test_the_strategy_resolves_and_refuses_what_it_cannot_run():
     assert small_config(**{"parallel.distributed_optimizer": True}).parallel.sharding_strategy == "optim"
     zero3 = small_config(**ZERO3).parallel
     assert zero3.shards_optimizer and zero3.shards_grads and zero3.shards_params
-    with pytest.raises(ConfigError, match="pipeline schedules"):
+    with pytest.raises(ConfigError, match="no pipeline schedule runs yet"):
         small_config(**ZERO3, **{"parallel.pipeline": 2})
-    with pytest.raises(ConfigError, match="distributed_optimizer=true is the strategy optim"):
-        small_config(**{"parallel.data_parallel_sharding_strategy": "no_shard", "parallel.distributed_optimizer": True})
+    for schedule in ("gpipe", "zero_bubble"):
+        with pytest.raises(ConfigError, match="parallel.schedule=1f1b or interleaved"):
+            small_config(**{"parallel.data_parallel_sharding_strategy": "optim_grads", "parallel.pipeline": 2,
+                            "parallel.schedule": schedule})
+    # set, the strategy decides (a preset's distributed_optimizer=true overridden with --set ...=no_shard)
+    assert not small_config(**{"parallel.distributed_optimizer": True,
+                                "parallel.data_parallel_sharding_strategy": "no_shard"}).parallel.shards_optimizer

@@ -2,7 +2,8 @@
 
 The space: every (data, pipeline, tensor) with data x pipeline x tensor in {1, 2, 4, 6, 8} devices (data = 1
 included), sequence parallelism on and off (t > 1), what the data ranks shard (d > 1: nothing, the optimizer state
-(the distributed optimizer, ZeRO-1) and without a pipeline also the gradients (ZeRO-2) and the weights (ZeRO-3)), GPT-2,
+(the distributed optimizer, ZeRO-1), also the gradients (ZeRO-2; with a pipeline, on 1f1b and interleaved) and
+without a pipeline also the weights (ZeRO-3)), GPT-2,
 Llama with grouped-query attention and DeepSeek-V3's kind (multi-latent attention, sigmoid group-limited routing),
 every schedule (p > 1), and the model dense or mixture-of-experts (8
 dropless experts, top 2) with every expert-parallel size dividing data, and with sequence parallelism the
@@ -92,9 +93,12 @@ FOLD = {1: {"parallel.expert_tensor": 1},
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")  # zero = the index: ZeRO-0 to ZeRO-3
 
 
-def zeros(d: int, p: int) -> tuple[int, ...]:
-    """The ZeRO levels (STRATEGIES' indices) at data size d: ZeRO-2 and ZeRO-3 without a pipeline."""
-    return (0,) if d == 1 else (0, 1) if p > 1 else (0, 1, 2, 3)
+def zeros(d: int, p: int, schedule: str) -> tuple[int, ...]:
+    """The ZeRO levels (STRATEGIES' indices) at data size d: ZeRO-3 without a pipeline, ZeRO-2 also on the
+    schedules that reduce inside their backwards (1f1b, interleaved)."""
+    if d == 1:
+        return (0,)
+    return (0, 1, 2, 3) if p == 1 else (0, 1, 2) if schedule in ("1f1b", "interleaved") else (0, 1)
 
 
 def case(arch, d, p, t, sp, zero, schedule, v, ep=0, ring=False, overlap=0, fold=0, ragged=False) -> dict:
@@ -127,7 +131,7 @@ def space() -> list[dict]:
     for d, p, t in triples():
         for arch, sp, zero, (schedule, v), ep in itertools.product(
                 ARCHS, (False, True) if t > 1 else (False,), range(4), schedules(p), experts(d)):
-            if zero not in zeros(d, p):
+            if zero not in zeros(d, p, schedule):
                 continue
             for ring, overlap, fold in itertools.product((False, True) if sp else (False,),
                                                          overlaps(d, p, schedule, zero), folds(ep, t, sp)):
@@ -149,11 +153,11 @@ DEFAULT_MOE = {(1, 2, 2): 1, (2, 1, 2): 2, (2, 2, 2): 2, (4, 2, 1): 2}
 # and their models: DeepSeek's with its dense first layer on a pipeline's first stage
 DEFAULT_MOE_ARCH = {(1, 2, 2): "gpt2", (2, 1, 2): "llama", (2, 2, 2): "deepseek", (4, 2, 1): "gpt2"}
 DEFAULT_RAGGED = {(1, 2, 2), (2, 1, 2), (4, 2, 1)}
-# Without a pipeline, what the data ranks shard (STRATEGIES' index): ZeRO-3 with experts over all data ranks and
+# What the data ranks shard (STRATEGIES' index); ZeRO-2 on a 1F1B pipeline; without a pipeline: ZeRO-3 with experts over all data ranks and
 # tensor parallelism, and with sequence parallelism's rings; ZeRO-2 gathering its weights once and not, with tensor
 # parallelism; ZeRO-1 gathering and not; and nothing sharded, reduced in the backward.
 DEFAULT_ZERO = {(2, 1, 1): 2, (2, 1, 2): 3, (4, 1, 1): 1, (2, 1, 3): 2, (3, 1, 2): 3, (6, 1, 1): 1, (2, 1, 4): 2,
-                (4, 1, 2): 3, (8, 1, 1): 0, (2, 2, 2): 0}
+                (4, 1, 2): 3, (8, 1, 1): 0, (2, 2, 2): 0, (3, 2, 1): 2}
 
 
 def default_cases() -> list[dict]:
@@ -220,6 +224,7 @@ def test_the_space_is_accepted():
     assert any(zero_of(s) == 3 and s["parallel.sequence_parallel"] for s in fsdp), "ZeRO-3 with sequence parallelism"
     assert {s["parallel.overlap_param_gather"] for s in fsdp if zero_of(s) == 2} == {False, True}
     assert any(zero_of(c["sets"]) == 3 and c["moe"] and c["sets"]["parallel.expert"] > 1 for c in DEFAULT)
+    assert any(zero_of(c["sets"]) == 2 and c["sets"]["parallel.pipeline"] > 1 for c in DEFAULT), "ZeRO-2 pipelined"
     sp = [c["sets"] for c in DEFAULT if c["sets"]["parallel.sequence_parallel"]]
     assert {(s["parallel.pipeline"] > 1, s["parallel.tp_comm_overlap"]) for s in sp} == {
         (False, False), (False, True), (True, False), (True, True)}, "SP with and without the collective matmuls"

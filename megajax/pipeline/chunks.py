@@ -239,12 +239,16 @@ class _ChunkActions:
             else:
                 g_final, = g_final
                 pullback = jax.tree.unflatten(self._res_tree_final if kind & FINAL else self._res_tree, res)
-                acc = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, c, keepdims=False), g_layers["block"])
+                if not g_layers:  # ZeRO-2: nothing summed locally, every backward reduces
+                    acc = vary(jax.tree.map(lambda w: jnp.zeros(w.shape[1:], jnp.float32), self.layers["block"]))
+                else:
+                    acc = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, c, keepdims=False),
+                                       g_layers["block"])
                 if not kind & FINAL:  # (the earlier micro batches' sum is read only by the reducing backward)
                     acc = jax.tree.map(jnp.zeros_like, acc)
                 dw, dx, reduced = pullback((g, acc))
-                if kind & FINAL:
-                    g_final = jax.tree.map(lambda f, d: f.at[c].set(d), g_final, reduced)
+                if kind & FINAL:  # (added: ZeRO-2 reduces every micro batch's; else once per chunk, into zeros)
+                    g_final = jax.tree.map(lambda f, d: f.at[c].add(d), g_final, reduced)
                 else:
                     g_layers = jax.tree.map(lambda a, d: a.at[c].add(d.astype(jnp.float32)), g_layers, dw)
                 g_final = (g_final,)

@@ -35,6 +35,8 @@ they are final (`ticks._reductions`): in runs of layers in the idle ticks after 
 sends), or, on a rank with none, in the backward that ends each chunk (kind FINAL), layer by layer inside its loop
 (overlap.tapped_identity; the same residuals, unflattened into the pullback whose hooks reduce). The reduced
 gradients go to `g_final`.
+ZeRO-2 (data_parallel_sharding_strategy=optim_grads): every backward is FINAL, and g_final sums the reduced shards
+of the micro batches (no whole gradient is kept).
 parallel.overlap_param_gather, the mirror: the layers' weights arrive as their optimizer shards, and each rank
 all-gathers them into the carry's `whole` (what every action reads) before their first forward (`ticks._gathers`): in
 runs of layers in the idle ticks before its first forward (G, after the tick's sends), or, on a rank with none (rank
@@ -87,8 +89,9 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
     layers = vary(local_chunks(params["layers"]))  # [v, Lc, ...] (a gathered weight: its optimizer shard)
     lc = jax.tree.leaves(layers)[0].shape[1]
     gathering = reductions is not None and any(r.gather for r in jax.tree.leaves(reductions))
+    every = par.shards_grads  # ZeRO-2: every backward reduce-scatters its chunk's gradients
     sched, table, kinds, segments = ticks.plan(par.schedule, p, v, m, 0 if reductions is None else lc,
-                                               lc if gathering else 0, ticks.tick_caps(cfg))
+                                               lc if gathering else 0, ticks.tick_caps(cfg), every)
     shared = _shared(params)
     mbs = vary(micro_batches(batch, m))
     act_shape = (batch["tokens"].shape[0] // m, batch["tokens"].shape[1], cfg.model.hidden_size)
@@ -106,7 +109,8 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
         "act": jnp.zeros((sched.act_slots, *act_shape), act_dtype),  # chunk inputs: stashes and arrivals
         "grad": jnp.zeros((sched.grad_slots, *act_shape), act_dtype),
         "res": acts.zero_res(),
-        "g_layers": jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), layers),
+        # (ZeRO-2 sums the reduced shards in g_final and keeps no whole gradient)
+        "g_layers": {} if every else jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), layers),
         "g_shared": jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), shared),
         "loss": jnp.zeros((), jnp.float32),
     })

@@ -132,17 +132,20 @@ def _gathers(s, lc: int, cap: int | None = None) -> tuple[np.ndarray, np.ndarray
 
 @functools.lru_cache(maxsize=64)
 def plan(name: str, p: int, v: int, m: int, reduce_layers: int = 0, gather_layers: int = 0,
-         caps: tuple[int | None, int | None] = (None, None)):
+         caps: tuple[int | None, int | None] = (None, None), reduce_every: bool = False):
     """(the schedule, its table padded to whole tick pairs per segment, its forward / recompute / backward
     kinds per (tick, rank), the segments). reduce_layers: the layers a chunk (parallel.overlap_grad_reduce on):
     where each rank reduces its gradients (`_reductions`): FINAL backwards, the x action's idle ticks.
     gather_layers: the same for parallel.overlap_param_gather (`_gathers`): GATHER forwards, the g action's.
-    caps: the most layers an idle tick reduces and gathers (`tick_caps`)."""
+    caps: the most layers an idle tick reduces and gathers (`tick_caps`). reduce_every (ZeRO-2: StepPlan.shard_grads):
+    every backward reduces its chunk's gradients (FINAL), and no idle tick does."""
     s = schedule_lib.build(name, p, v, m)
     chunks = p * v
     nothing = (np.zeros(s.b_chunk.shape, bool), np.full(s.b_chunk.shape, -1, np.int32),
                np.zeros(s.b_chunk.shape, np.int32))
     final, x_first, x_kind = _reductions(s, reduce_layers, caps[0]) if reduce_layers else nothing
+    if reduce_every:
+        final, x_first, x_kind = s.b_chunk >= 0, nothing[1], nothing[2]
     first_fwd, g_first, g_kind = _gathers(s, gather_layers, caps[1]) if gather_layers else nothing
     tables = {**{k: getattr(s, k) for k in FIELDS if k not in ("x_first", "g_first")}, "x_first": x_first,
               "g_first": g_first}
