@@ -2,8 +2,8 @@
 
     python scripts/bench_fsdp.py [--devices 8] [--rounds 3] [--steps 6] [--json out.jsonl]
 
-The model: Llama (RMSNorm, SwiGLU, RoPE), 8 layers of 512 with 8 heads, an MLP of 1536, sequence 256, a
-vocabulary of 8192, fp32, 32 sequences a step in micro batches of 1 per data rank (4 per rank at data 8), on
+The model: Llama (RMSNorm, SwiGLU, RoPE), 4 layers of 256 with 4 heads, an MLP of 768, sequence 128, a
+vocabulary of 4096, fp32, 16 sequences a step in micro batches of 1 per data rank (2 per rank at data 8), on
 `--devices` fake CPU devices, all of them data-parallel. Each strategy is compiled once in this process (XLA's
 memory analysis of the compiled step gives the per-device arguments, temp and peak), then the strategies take
 turns, `--rounds` times, each timing `--steps` steps after one warm-up step; the report gives each one's median
@@ -22,9 +22,9 @@ import time
 
 STRATEGIES = {"zero1": ["parallel.distributed_optimizer=true"],
               "zero3": ["parallel.data_parallel_sharding_strategy=optim_grads_params"]}
-MODEL = ["model.arch=llama", "model.num_layers=8", "model.hidden_size=512", "model.num_heads=8",
-         "model.ffn_hidden_size=1536", "model.seq_length=256", "model.vocab_size=8192",
-         "model.compute_dtype=float32", "train.global_batch_size=32", "train.micro_batch_size=1"]
+MODEL = ["model.arch=llama", "model.num_layers=4", "model.hidden_size=256", "model.num_heads=4",
+         "model.ffn_hidden_size=768", "model.seq_length=128", "model.vocab_size=4096",
+         "model.compute_dtype=float32", "train.global_batch_size=16", "train.micro_batch_size=1"]
 
 
 def main() -> None:
@@ -51,8 +51,8 @@ def main() -> None:
         gbs, s = setup.cfg.train.global_batch_size, setup.cfg.model.seq_length
         tokens = rng.integers(0, setup.cfg.model.vocab_size, (gbs, s + 1)).astype(np.int32)
         batch = jax.device_put({"tokens": tokens[:, :-1], "targets": tokens[:, 1:],
-                                "loss_mask": np.ones((gbs, s), np.float32)},
-                               {k: setup.batch_shardings[k] for k in ("tokens", "targets", "loss_mask")})
+                                "loss_mask": np.ones((gbs, s), np.float32),
+                                "sample_ids": np.arange(gbs, dtype=np.int32)}, setup.batch_shardings)
         with jax.set_mesh(setup.mesh):
             compiled = step.jit_train_step(setup).lower(state, batch).compile()
         mem = compiled.memory_analysis()
