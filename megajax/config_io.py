@@ -8,6 +8,7 @@ the tree runs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from pathlib import Path
@@ -77,10 +78,16 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     raise ConfigError(f"{where}: unsupported type {tp}")
 
 
+@functools.lru_cache(maxsize=None)
+def _hints(cls) -> dict:
+    """typing.get_type_hints of a config section (evaluating the annotations is most of building a config)."""
+    return typing.get_type_hints(cls)
+
+
 def _build(cls, data: dict, where: str):
     if not isinstance(data, dict):
         raise ConfigError(f"{where or 'the config'} must be a mapping, got {_short(data)}")
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in data.items():
@@ -191,7 +198,7 @@ def keys_help() -> list[tuple[str, str, str, str]]:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
             if kind.startswith("Literal["):  # (Literal[...] | None: the literal's values, then null)
-                hint = typing.get_type_hints(cls)[f.name]
+                hint = _hints(cls)[f.name]
                 parts = [a for a in typing.get_args(hint) if a is not type(None)]
                 literal = parts[0] if len(parts) == 1 and typing.get_origin(parts[0]) is typing.Literal else hint
                 kind = "|".join(typing.get_args(literal)) + ("|null" if literal is not hint else "")

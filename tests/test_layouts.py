@@ -157,7 +157,7 @@ DEFAULT_RAGGED = {(1, 2, 2), (2, 1, 2), (4, 2, 1)}
 # tensor parallelism, and with sequence parallelism's rings; ZeRO-2 gathering its weights once and not, with tensor
 # parallelism; ZeRO-1 gathering and not; and nothing sharded, reduced in the backward.
 DEFAULT_ZERO = {(2, 1, 1): 2, (2, 1, 2): 3, (4, 1, 1): 1, (2, 1, 3): 2, (3, 1, 2): 3, (6, 1, 1): 1, (2, 1, 4): 2,
-                (4, 1, 2): 3, (8, 1, 1): 0, (2, 2, 2): 0, (3, 2, 1): 2}
+                (4, 1, 2): 3, (8, 1, 1): 0, (3, 2, 1): 2}
 
 
 def default_cases() -> list[dict]:
@@ -245,7 +245,8 @@ def test_the_space_is_accepted():
     assert {ep(s) == 1 for s in moe} == {True, False}, "MoE with and without expert parallelism"
     assert any(1 < ep(s) == s["parallel.data"] for s in moe) and any(1 < ep(s) < s["parallel.data"] for s in moe)
     assert {s["parallel.sequence_parallel"] for s in moe if ep(s) > 1} == {False, True}
-    assert {zero_of(s) > 0 for s in moe if ep(s) > 1} == {False, True}, "expert parallelism with ZeRO and without"
+    # the experts' weights sharded over their data ranks by ZeRO-1 and ZeRO-3 (all-reduced without ZeRO: test_moe.py)
+    assert {zero_of(s) for s in moe if ep(s) > 1} >= {1, 3}, "expert parallelism with ZeRO-1 and ZeRO-3"
     assert {s["parallel.pipeline"] > 1 for s in moe if ep(s) > 1} == {False, True}
     assert {s["parallel.data"] == ep(s) for s in moe} >= {True}
     assert any(s.get("parallel.expert_tensor") == 1 and s["parallel.pipeline"] > 1 for s in moe), "folded experts"
