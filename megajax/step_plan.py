@@ -21,7 +21,7 @@ What the plan holds, and who reads it:
 | reduce_in_backward | the data-parallel gradient reductions issued layer by layer in the backward | step, ticks, overlap |
 | gather_in_forward | the weights kept as optimizer shards, gathered under the next forward | step, ticks |
 | shard_grads | ZeRO-2/3: every micro batch's gradients reduce-scattered in its backward, summed as shards | step |
-| shard_params | ZeRO-3: every weight kept as its shard, gathered layer by layer in every forward and backward | step, overlap |
+| shard_params | ZeRO-3: the weights kept as shards, gathered by layer in each forward and backward | step, overlap |
 
 A mesh axis of size 1 is never manual: XLA rejects a reduction over a manual axis of size 1 when every manual axis
 has size 1 (jax 0.10.2: "Cross-partition allreduce must be in (partial) manual partitioning mode"), and such an
@@ -101,7 +101,8 @@ class StepPlan:
             tp_overlap=("chunks" if pipelined else "ring") if par.tp_comm_overlap and shape["tensor"] > 1 else None,
             moe_folds=shape["tensor"] if par.folded_experts else 1, moe_ragged=par.expert_all_to_all == "ragged",
             moe_buffer_factor=par.expert_buffer_factor, reduce_in_backward=reduce,
-            gather_in_forward=reduce and par.overlap_param_gather and par.shards_optimizer or shards and par.shards_params,
+            gather_in_forward=(reduce and par.overlap_param_gather and par.shards_optimizer)
+            or (shards and par.shards_params),
             shard_grads=shards, shard_params=shards and par.shards_params)
 
 

@@ -235,7 +235,8 @@ def test_exit_after_minutes(tmp_path):
     assert checkpoint.inspect(str(tmp_path / "checkpoints"))["latest"] >= 1
 
 
-@pytest.mark.slow  # (suite time: test_fsdp_weights_move_between_layouts_and_data_sizes restores padded state across data sizes)
+# (suite time: test_fsdp_weights_move_between_layouts_and_data_sizes restores padded state across data sizes)
+@pytest.mark.slow
 def test_distributed_optimizer_state_moves_between_data_sizes(tmp_path):
     """The distributed optimizer pads each parameter's state to a multiple of the data size (64 -> 66 at
     data 3): a checkpoint written at data 3 x tensor 2 restores exactly onto data 4 x tensor 2 (other
@@ -351,11 +352,13 @@ def test_a_checkpoint_from_before_the_model_state_split_resumes(tmp_path):
 
 def test_fsdp_weights_move_between_layouts_and_data_sizes(tmp_path):
     """ZeRO-3 keeps each weight as its shard, zero-padded as the distributed optimizer pads (64 -> 66 at data 3):
-    its checkpoint restores exactly onto ZeRO-3 at data 4 (other padding), ZeRO-1 and one device; a one-device
-    checkpoint restores onto ZeRO-3; and the params export of a ZeRO-3 checkpoint holds the model's own shapes."""
+    its checkpoint restores exactly onto ZeRO-3 at data 4 (other padding), ZeRO-1, a pipeline and one device; a
+    one-device checkpoint restores onto ZeRO-3; and the params export of a ZeRO-3 checkpoint holds the model's own
+    shapes."""
     import jax
 
     from megajax import optim
+    from megajax.pipeline.layout import from_stages
     from conftest import run_steps, small_config
 
     fsdp = {"parallel.data_parallel_sharding_strategy": "optim_grads_params", "train.global_batch_size": 12}
@@ -366,15 +369,21 @@ def test_fsdp_weights_move_between_layouts_and_data_sizes(tmp_path):
     checkpoint.save(mgr, 2, state, setup.cfg, 24)
     mgr.wait_until_finished()
 
-    def own(st, target):  # (weights, Adam's first moment) without any padding
+    def own(st, target):  # (weights, Adam's first moment) without any padding, in the canonical layout
         mu = st.opt_state[1].mu
-        return jax.device_get(jax.tree.map(lambda p, m, a: (optim.zero_unpad(p, a.shape), optim.zero_unpad(m, a.shape)),
-                                           st.params, mu, target.param_shapes))
+        pairs = jax.device_get(jax.tree.map(lambda p, m, a: (optim.zero_unpad(p, a.shape),
+                                                             optim.zero_unpad(m, a.shape)),
+                                            st.params, mu, target.param_shapes))
+        if target.plan.pipelined:
+            pairs = from_stages(pairs)
+        return pairs
 
     want = own(state, setup)
     one = None
     for n, layout in ((8, {"parallel.data": 4, "parallel.tensor": 2, **fsdp}),
                       (4, {"parallel.data": 4, "parallel.distributed_optimizer": True, "train.global_batch_size": 12}),
+                      (8, {"parallel.data": 2, "parallel.pipeline": 2, "parallel.tensor": 2,
+                           "parallel.distributed_optimizer": True, "train.global_batch_size": 12}),
                       (1, {"parallel.data": 1, "train.global_batch_size": 12})):
         target = step_lib.setup_for(small_config(**layout), jax.devices()[:n])
         fields, _ = checkpoint.restore(mgr, 2, target.abstract_state, target.state_shardings, target.cfg)

@@ -155,9 +155,9 @@ DEFAULT_MOE_ARCH = {(1, 2, 2): "gpt2", (2, 1, 2): "llama", (4, 2, 1): "deepseek"
 # (sequence parallelism, its rings) where the rotation below would not give expert parallelism sequence parallelism
 DEFAULT_SP = {(2, 1, 2): (True, False)}
 DEFAULT_RAGGED = {(1, 2, 2), (2, 1, 2), (4, 2, 1)}
-# What the data ranks shard (STRATEGIES' index); ZeRO-2 on a 1F1B pipeline; without a pipeline: ZeRO-3 with experts over all data ranks and
-# tensor parallelism, and with sequence parallelism's rings; ZeRO-2 gathering its weights once and not, with tensor
-# parallelism; ZeRO-1 gathering and not; and nothing sharded, reduced in the backward.
+# What the data ranks shard (STRATEGIES' index); ZeRO-2 on a 1F1B pipeline; without a pipeline: ZeRO-3 with experts
+# over all data ranks and tensor parallelism, and with sequence parallelism's rings; ZeRO-2 gathering its weights
+# once and not, with tensor parallelism; ZeRO-1 gathering and not; and nothing sharded, reduced in the backward.
 DEFAULT_ZERO = {(2, 1, 1): 2, (2, 1, 2): 3, (4, 1, 1): 1, (2, 1, 3): 2, (3, 1, 2): 3, (6, 1, 1): 1, (2, 1, 4): 2,
                 (4, 1, 2): 3, (8, 1, 1): 0, (3, 2, 1): 2}
 

@@ -10,10 +10,11 @@
     python -m megajax.checkpoint export DIR OUT  # params only, canonical layout, for inference
 """
 
-from megajax.checkpoint.params import (CONFIG_FILE, PARAMS_ITEM, ParamsSource, check_params_fit, check_same_model,
-                                       find_params, load_params, save_params, stored_shapes)
+from megajax.checkpoint.params import (CONFIG_FILE, PARAMS_ITEM, ParamsSource, check_params_fit, find_params,
+                                       load_params, save_params, stored_shapes)
 from megajax.checkpoint.training import (STATE_FIELDS, WRITE_ERRORS, CheckpointError, UnreadableCheckpoint,
-                                         checkpoint_dir, checksums, inspect, manager, manager_for, metadata,
+                                         check_same_model, checkpoint_dir, checksums, inspect, manager, manager_for,
+                                         metadata,
                                          quiet_write_failures, read_meta, restore, restore_newest_readable, save,
                                          saved_shapes, state_dict, unreadable_reason, write_failure)
 

@@ -21,9 +21,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 import yaml
 
-from megajax import config as config_lib, config_io
+from megajax import config_io
 from megajax.checkpoint.training import CheckpointError
-from megajax.config import Config, ModelConfig
+from megajax.config import Config
 from megajax.model import model_state
 from megajax.pipeline.layout import from_stages
 
@@ -223,19 +223,3 @@ def _with_fresh_fp8_state(params: dict, fresh: dict) -> dict:
         flat[path] = jnp.zeros(t.shape, t.dtype, device=t.sharding) if hasattr(t, "sharding") else np.zeros(
             t.shape, t.dtype)
     return traverse_util.unflatten_dict(flat)
-
-
-def check_same_model(stored: ModelConfig, wanted: ModelConfig, where: str) -> None:
-    """The architecture a checkpoint was written for must be the one being built (the keys megajax/model_config.py marks
-    `_defines_model`, compared by their resolved values); names each differing key as config.yaml spells it."""
-    # A resolved value can differ while its key does not (num_kv_heads null on both sides, num_heads not): the
-    # difference is then named under the key it comes from, which is compared too.
-    diffs = [f"model.{key}: {getattr(stored, key)!r} in the checkpoint, {getattr(wanted, key)!r} here"
-             for key, value in config_lib.model_defining_fields().items()
-             if getattr(stored, value) != getattr(wanted, value) and getattr(stored, key) != getattr(wanted, key)]
-    if stored.arch == "gpt2" and stored.seq_length != wanted.seq_length:
-        diffs.append(f"model.seq_length (GPT-2's position embedding): {stored.seq_length} in the checkpoint, "
-                     f"{wanted.seq_length} here")
-    if diffs:
-        raise config_lib.ConfigError(f"{where} holds a different model: {'; '.join(diffs)}. Use the config written "
-                                     "with it (its config.yaml, or megajax.convert --config-out)")

@@ -32,7 +32,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from megajax import config as config_lib
-from megajax.config import Config
+from megajax.config import Config, ModelConfig
 from megajax.model import model_state
 from megajax.pipeline.layout import lead_dims
 
@@ -384,11 +384,26 @@ def _abandon_later_steps(mgr: ocp.CheckpointManager, later: list[int], wanted: i
     mgr.reload()
 
 
+def check_same_model(stored: ModelConfig, wanted: ModelConfig, where: str) -> None:
+    """The architecture a checkpoint was written for must be the one being built (the keys megajax/model_config.py marks
+    `_defines_model`, compared by their resolved values); names each differing key as config.yaml spells it."""
+    # A resolved value can differ while its key does not (num_kv_heads null on both sides, num_heads not): the
+    # difference is then named under the key it comes from, which is compared too.
+    diffs = [f"model.{key}: {getattr(stored, key)!r} in the checkpoint, {getattr(wanted, key)!r} here"
+             for key, value in config_lib.model_defining_fields().items()
+             if getattr(stored, value) != getattr(wanted, value) and getattr(stored, key) != getattr(wanted, key)]
+    if stored.arch == "gpt2" and stored.seq_length != wanted.seq_length:
+        diffs.append(f"model.seq_length (GPT-2's position embedding): {stored.seq_length} in the checkpoint, "
+                     f"{wanted.seq_length} here")
+    if diffs:
+        raise config_lib.ConfigError(f"{where} holds a different model: {'; '.join(diffs)}. Use the config written "
+                                     "with it (its config.yaml, or megajax.convert --config-out)")
+
+
 def _same_model(meta: dict, cfg: Config) -> bool:
     """Whether the checkpoint's saved config defines the model `cfg` does (megajax/model_config.py's
     `_defines_model` keys)."""
     from megajax import config_io
-    from megajax.checkpoint.params import check_same_model
 
     try:
         check_same_model(config_io.from_dict(meta["config"]).model, cfg.model, "")
