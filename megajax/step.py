@@ -364,10 +364,12 @@ def sharded_grads(cfg: Config, params, batch: dict, seed_scale: jax.Array, reduc
     every forward and again in its backward; ZeRO-2 with parallel.overlap_param_gather gathers them in the first
     micro batch's forward and keeps them whole for the rest.
 
-    The embedding, the final norm and the output layer are gathered once, in the first micro batch, and kept whole;
-    their gradients are summed locally and reduced in the last micro batch's backward, as ZeRO-1 does: per micro
-    batch their gathers and reductions would be exposed (they sit before and after the layers' loop, with nothing
-    to run beside them), and their whole weights and gradients are two layers' worth of memory."""
+    The embedding, the final norm and the output layer are gathered once, before the micro batches (with ZeRO-2's
+    gather, in the first one), and kept whole; their gradients are summed locally and reduce-scattered once, after
+    the last, as ZeRO-1 does: per micro batch their gathers and reductions would be exposed (XLA runs nothing beside
+    a collective outside the layers' loop), and their whole weights and gradients are a few layers' worth of
+    memory. All the micro batches (but ZeRO-2's gathering first) run as one scan: one program, whose collectives the
+    scheduler overlaps the same way in every micro batch."""
     plan = step_plan.in_force()
     differentiate = jax.grad(overlap.reducing_loss, has_aux=True)
     mbs = micro_batches(batch, cfg.num_micro_batches)
