@@ -226,15 +226,9 @@ def _leaves_gathers_out(axes: tuple[str, ...]):
         if prim.name == "custom_vjp_call" and _all_gathers(params["call_jaxpr"].jaxpr):
             return False
         arrays = [a for a in avals if getattr(a, "ndim", 0)]
-        return not arrays or any(set(axes) & _varying(a) for a in arrays)
+        return not arrays or any(set(axes) & sharding.varying_axes(a) for a in arrays)
 
     return saveable
-
-
-def _varying(aval) -> frozenset:
-    """The manual mesh axes an abstract value varies over."""
-    vma = getattr(aval, "vma", None)
-    return frozenset(vma if vma is not None else aval.manual_axis_type.varying)
 
 
 def _regathered_layers(mcfg, side, x, stack, stack_sink, stack_r):
@@ -276,7 +270,7 @@ def reducing_loss(sink, cfg: Config, params, acc, reductions, mb: dict, seed_sca
     top = _hooked(top, pick(acc), pick(sink), pick(reductions))
     x = model.embed_apply(mcfg, top, mb["tokens"], side)
     stack = params["layers"]["block"]
-    stack_acc = None if acc is None or acc.get("layers") is None else acc["layers"]["block"]
+    stack_acc = None if acc is None else acc["layers"]["block"]
     stack_sink = sink["layers"]["block"]
     stack_r = jax.tree.map(Reduction.per_layer, reductions["layers"]["block"])
 

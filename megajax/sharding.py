@@ -150,9 +150,10 @@ def current_manual_axes() -> tuple[str, ...]:
     return () if mesh.empty else tuple(getattr(mesh, "manual_axes", ()))
 
 
-def varying_axes(x: jax.Array) -> frozenset:
-    """The manual mesh axes x varies over."""
-    return frozenset(jax.typeof(x).manual_axis_type.varying)
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes x (an array, or its abstract value: a remat policy's arguments) varies over."""
+    aval = x if hasattr(x, "manual_axis_type") else jax.typeof(x)
+    return frozenset(aval.manual_axis_type.varying)
 
 
 def vary(tree, axes: Sequence[str] | None = None):

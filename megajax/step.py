@@ -107,8 +107,7 @@ class StepSetup:
 
     def kept_zero_dims(self):
         """Per parameter, its optim.ZeroDim where the train state keeps it as its (padded) shard, else None."""
-        return jax.tree.map(lambda z, g: z if g else None, self.zero_dims, self.gathered_params(),
-                            is_leaf=lambda x: x is None)
+        return _kept(self.zero_dims, self.gathered_params())
 
     def gathered_params(self):
         """Per parameter: True where the train state keeps only its distributed-optimizer shard and the step
@@ -172,6 +171,11 @@ def _gathered(cfg: Config, plan: StepPlan, params, zero_dims):
     return gathered
 
 
+def _kept(zero_dims, gathered):
+    """The zero dims of the weights the train state keeps as their (padded) shards (`gathered`), else None."""
+    return jax.tree.map(lambda z, g: z if g else None, zero_dims, gathered, is_leaf=lambda x: x is None)
+
+
 _MATMUL_WEIGHTS = {*model.layers.WEIGHT_EINSUMS, "output"}  # (the untied output layer's, which the head casts too)
 
 
@@ -215,9 +219,8 @@ def build(cfg: Config, mesh: jax.sharding.Mesh) -> StepSetup:
     else:
         zero_dims = jax.tree.map(lambda _: None, params)
     gathered = _gathered(cfg, plan, params, zero_dims)
-    # the zero dims of the weights the state keeps as (padded) shards
-    kept = jax.tree.map(lambda z, g: z if g else None, zero_dims, gathered, is_leaf=is_none)
-    abstract_state = jax.eval_shape(lambda: _fresh_state(cfg, tx, zero_dims, kept, jax.random.key(0)))
+    abstract_state = jax.eval_shape(lambda: _fresh_state(cfg, tx, zero_dims, _kept(zero_dims, gathered),
+                                                         jax.random.key(0)))
     opt_specs = jax.tree.map(lambda a, s, z: optim.zero_spec(s, z, a.ndim), params, param_specs, zero_dims,
                              is_leaf=is_none)
     opt_shardings = optax.tree_map_params(

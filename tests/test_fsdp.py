@@ -1,7 +1,7 @@
 """Fully sharded data parallelism (parallel.data_parallel_sharding_strategy optim_grads and optim_grads_params)
 beyond tests/test_layouts.py's matrix (which has ZeRO-2 and ZeRO-3 with tensor and sequence parallelism and experts):
-with context parallelism, FP8, full recomputation and padded shards, each equal to one device; and the config's
-refusals."""
+with context parallelism, FP8, full recomputation, padded shards and data 1 on a pipeline, each equal to one device;
+and the config's refusals."""
 
 from __future__ import annotations
 
@@ -19,6 +19,10 @@ CASES = {
     "context2-data3": ({"parallel.data": 3, "parallel.context": 2, "train.micro_batch_size": 2}, {}),
     "fp8-delayed": ({"parallel.data": 4, "train.micro_batch_size": 1},
                     {"model.fp8": "hybrid", "model.fp8_recipe": "delayed"}),
+    # no data ranks to shard over: nothing sharded, on a pipeline that would otherwise reduce in every backward
+    "pipeline-data1-zero2": ({"parallel.data": 1, "parallel.pipeline": 2, "parallel.tensor": 2,
+                              "parallel.data_parallel_sharding_strategy": "optim_grads", "train.micro_batch_size": 6},
+                             {"model.num_layers": 4}),
     "recompute-full-zero2": ({"parallel.data": 2, "parallel.tensor": 2, "parallel.sequence_parallel": True,
                               "parallel.data_parallel_sharding_strategy": "optim_grads", "train.micro_batch_size": 2},
                              {"model.recompute": "full"}),
@@ -28,7 +32,7 @@ CASES = {
 @shared_across_workers
 def reference(model: tuple) -> list:
     norms = []
-    losses = run_steps(small_config(**BASE, **dict(model)), 1, 2, grad_norms=norms)
+    losses = run_steps(small_config(**{**BASE, **dict(model)}), 1, 2, grad_norms=norms)
     return [losses, norms]
 
 
@@ -37,8 +41,8 @@ def reference(model: tuple) -> list:
 def test_fsdp_matches_one_device(name):
     layout, model = CASES[name]
     norms = []
-    cfg = small_config(**BASE, **{**ZERO3, **model, **layout})
-    n = cfg.parallel.data * cfg.parallel.context * cfg.parallel.tensor
+    cfg = small_config(**{**BASE, **ZERO3, **model, **layout})
+    n = cfg.parallel.data * cfg.parallel.pipeline * cfg.parallel.context * cfg.parallel.tensor
     losses = run_steps(cfg, n, 2, grad_norms=norms)
     ref_losses, ref_norms = reference(tuple(sorted(model.items())))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)

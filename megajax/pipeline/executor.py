@@ -53,6 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from megajax import step_plan
 from megajax.config import Config
 from megajax.data.loader import micro_batches
 from megajax.pipeline import ticks
@@ -89,7 +90,7 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
     layers = vary(local_chunks(params["layers"]))  # [v, Lc, ...] (a gathered weight: its optimizer shard)
     lc = jax.tree.leaves(layers)[0].shape[1]
     gathering = reductions is not None and any(r.gather for r in jax.tree.leaves(reductions))
-    every = par.shards_grads  # ZeRO-2: every backward reduce-scatters its chunk's gradients
+    every = step_plan.in_force().shard_grads  # ZeRO-2: every backward reduce-scatters its chunk's gradients
     sched, table, kinds, segments = ticks.plan(par.schedule, p, v, m, 0 if reductions is None else lc,
                                                lc if gathering else 0, ticks.tick_caps(cfg), every)
     shared = _shared(params)
