@@ -16,6 +16,7 @@ sizes down; the numbers then say nothing about a GPU.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -76,13 +77,27 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     shape = (args.tokens, args.hidden, args.ffn, args.experts, args.k)
     rows = []
+
+    def done(row: dict) -> None:  # each row printed and saved as it finishes: a timeout keeps the rows before it
+        rows.append(row)
+        print_rows([row], None)
+        sys.stdout.flush()
+        if args.json:
+            _save(rows, args.json)
+
+    for f in args.factors:
+        done(measure(*shape, f)[0])
     for fp8 in ["none", "hybrid"] if args.fp8 else ["none"]:
         row, oracle = measure(*shape, None, gemm="ragged", fp8=fp8)
-        rows += [row, measure(*shape, None, gemm="pallas", fp8=fp8, oracle=oracle)[0]]
+        done(row)
+        done(measure(*shape, None, gemm="pallas", fp8=fp8, oracle=oracle)[0])
         del oracle
-    rows += [measure(*shape, f)[0] for f in args.factors]
-    print_rows(rows, args.json)
     return 0
+
+
+def _save(rows: list[dict], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -77,10 +77,10 @@ fp8)
     ;;
 moe)
     echo "== MoE layer, Mixtral 8x7B experts (8 of 4096 x 14336, top 2)"
-    timeout 150 $PY scripts/bench_moe.py --fp8 --json "$OUT/moe_mixtral.json" 2>&1 | grep -E '^mode'
+    timeout 200 $PY scripts/bench_moe.py --fp8 --json "$OUT/moe_mixtral.json" 2>&1 | grep -E '^mode'
     echo "== MoE layer, DeepSeek-V2-Lite experts (64 of 2048 x 1408, top 6)"
-    timeout 150 $PY scripts/bench_moe.py --tokens 8192 --hidden 2048 --ffn 1408 --experts 64 --k 6 --factors 1.25 \
-        --json "$OUT/moe_deepseek.json" 2>&1 | grep -E '^mode'
+    timeout 120 $PY scripts/bench_moe.py --tokens 8192 --hidden 2048 --ffn 1408 --experts 64 --k 6 --factors 1.25 \
+        --fp8 --json "$OUT/moe_deepseek.json" 2>&1 | grep -E '^mode'
     ;;
 *)
     echo "usage: $0 kernels|small|large|fp8|moe" >&2
