@@ -66,6 +66,18 @@ class ParallelConfig:
     sequence_parallel: bool = False  # shard the activations outside attention and the MLP over tensor
     virtual_stages: int = 1  # model chunks per pipeline stage (the interleaved or zero_bubble schedule)
     schedule: Literal["gpipe", "1f1b", "interleaved", "zero_bubble"] = "1f1b"  # the pipeline schedule
+    # Uneven pipeline stages (Megatron's --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers):
+    # the transformer layers on the first and the last pipeline stage (model.moe_first_dense_layers count, on the
+    # first), the rest split evenly over the stages between; with virtual_stages each stage's layers split evenly
+    # over its chunks. null: as many as the other stages. docs/features/pipeline-schedules.md.
+    decoder_first_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = None
+    # Megatron's --account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split: the embedding
+    # (on the first chunk) and the output layer with the loss (on the last) each count as one layer in an even
+    # split, so those chunks hold one transformer layer fewer (Llama 3.1 405B: 126 layers + 2 over 16 stages).
+    # Not with the two keys above.
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
     distributed_optimizer: bool = False  # shard the optimizer state over the data ranks (ZeRO-1)
     # How far the data-parallel ranks (x context) shard the training state (Megatron's
     # --data-parallel-sharding-strategy; docs/features/fsdp.md): no_shard = every rank holds it all; optim = the
@@ -157,6 +169,19 @@ class ParallelConfig:
             "parallel.tp_comm_overlap=true overlaps sequence parallelism's all-gather and reduce-scatter with the "
             "matmuls: set parallel.sequence_parallel=true (with parallel.tensor > 1)",
         )
+        for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+            value = getattr(self, name)
+            _check(value is None or (value >= 0 and self.pipeline > 1),
+                   f"parallel.{name}={value} sets the layers of a pipeline stage: it needs parallel.pipeline > 1 "
+                   "and a value >= 0 (or null: as many as the other stages)")
+        _check(not (self.account_for_embedding_in_pipeline_split or self.account_for_loss_in_pipeline_split)
+               or self.pipeline > 1, "parallel.account_for_*_in_pipeline_split splits a pipeline: it needs "
+               "parallel.pipeline > 1")
+        _check(not ((self.account_for_embedding_in_pipeline_split or self.account_for_loss_in_pipeline_split) and
+                    (self.decoder_first_pipeline_num_layers is not None
+                     or self.decoder_last_pipeline_num_layers is not None)),
+               "parallel.account_for_*_in_pipeline_split and parallel.decoder_first/last_pipeline_num_layers both "
+               "decide the stages' layers (as in Megatron): set one or the other")
         _check(
             self.virtual_stages == 1 or self.schedule in ("interleaved", "zero_bubble"),
             f"parallel.virtual_stages={self.virtual_stages} needs parallel.schedule=interleaved (or zero_bubble)",
@@ -325,6 +350,87 @@ _KEY_ALIASES = {"async": "async_"}
 
 
 @dataclasses.dataclass(frozen=True)
+class StageSplit:
+    """How the pipeline splits the model: per global chunk c (= local chunk x p + rank; layout.py), its
+    transformer layers (`layers`: model.moe_first_dense_layers counted on chunk 0) and its units of the scanned
+    stack (`units`: layers / model.moe_layer_freq, dense first layers not counted). Every chunk has `slots`
+    places for units in the staged layout; a chunk with fewer leaves the rest empty (skipped, zero weights)."""
+
+    layers: tuple[int, ...]
+    units: tuple[int, ...]
+
+    @property
+    def slots(self) -> int:
+        return max(self.units)
+
+    @property
+    def even(self) -> bool:
+        return len(set(self.units)) == 1
+
+    @property
+    def starts(self) -> tuple[int, ...]:
+        """The stack index of each chunk's first unit."""
+        return tuple(sum(self.units[:c]) for c in range(len(self.units)))
+
+
+def pipeline_split(num_layers: int, p: int, v: int = 1, first: int | None = None, last: int | None = None,
+                   embedding: bool = False, loss: bool = False, first_dense: int = 0, period: int = 1) -> StageSplit:
+    """The layers of each of the p x v pipeline chunks, as Megatron's get_num_layers_to_build splits them: the first
+    and the last stage `first` / `last` layers when given, the stages between the rest evenly; or, with `embedding`
+    / `loss`, the embedding and the loss counted as a layer each on the first / last chunk; else the scanned stack
+    (the layers after `first_dense`) evenly over the chunks, the dense first layers on chunk 0. A stage's layers
+    split evenly over its v chunks. Raises ConfigError naming the fix."""
+    chunks = p * v
+    stack = num_layers - first_dense
+    keys = ("parallel.decoder_first_pipeline_num_layers", "parallel.decoder_last_pipeline_num_layers")
+    if first is not None or last is not None:
+        ends = [n for n in (first, last) if n is not None]
+        middle = p - len(ends)
+        rest = num_layers - sum(ends)
+        _check(rest >= 0 and (rest % middle == 0 if middle else rest == 0),
+               f"{' and '.join(f'{k}={n}' for k, n in zip(keys, (first, last)) if n is not None)} leave {rest} of "
+               f"model.num_layers={num_layers} layers for {middle} middle stage(s) of parallel.pipeline={p}, which "
+               f"do not split evenly: choose them so that the rest divides by {middle or 'nothing (no stage left)'}")
+        per = rest // middle if middle else 0
+        stages = [first if first is not None else per] + [per] * (p - 2) + [last if last is not None else per]
+        for name, n in ((keys[0], stages[0]), (keys[1], stages[-1]), ("each middle stage", per)):
+            _check(n % v == 0, f"{name} holds {n} layers, which parallel.virtual_stages={v} chunks do not split "
+                   f"evenly: choose a multiple of {v}")
+        layers = [stages[c % p] // v for c in range(chunks)]
+    elif embedding or loss:
+        total = num_layers + embedding + loss
+        _check(total % chunks == 0,
+               f"model.num_layers={num_layers} plus the embedding and loss counted as layers "
+               f"(parallel.account_for_*_in_pipeline_split) is {total}, not divisible by parallel.pipeline x "
+               f"parallel.virtual_stages = {chunks}: choose a pipeline that divides {total}, or drop the accounting")
+        layers = [total // chunks] * chunks
+        layers[0] -= embedding
+        layers[-1] -= loss
+    else:
+        what = (f"model.num_layers={num_layers}" if stack == num_layers else
+                f"the {stack} layers after model.moe_first_dense_layers={first_dense}")
+        _check(stack % chunks == 0,
+               f"{what} is not divisible by parallel.pipeline * parallel.virtual_stages = {chunks}: choose layers "
+               f"that split evenly into {chunks} chunks, or split unevenly with {keys[0]} and {keys[1]} "
+               "(docs/features/pipeline-schedules.md)")
+        layers = [stack // chunks] * chunks
+        layers[0] += first_dense
+    _check(min(layers) >= 1, f"the pipeline split gives a chunk no layer ({list(layers)} per chunk): every chunk "
+           "needs at least one layer; change parallel.decoder_first/last_pipeline_num_layers or the pipeline")
+    _check(layers[0] >= first_dense,
+           f"the first pipeline chunk holds {layers[0]} layers, fewer than model.moe_first_dense_layers="
+           f"{first_dense}, which run with the embedding on it: give the first stage at least {first_dense * v}")
+    stacked = [n - (first_dense if c == 0 else 0) for c, n in enumerate(layers)]
+    bad = [c for c, n in enumerate(stacked) if n % period]
+    _check(not bad, f"pipeline chunk {bad[0] if bad else 0} holds {stacked[bad[0]] if bad else 0} layers of the "
+           f"stack, but model.moe_layer_freq={period} groups the stack in units of {period} layers: give every "
+           f"chunk a multiple of {period} (after the dense first layers)")
+    _check(sum(stacked) == stack and max(stacked) > 0,
+           f"the pipeline split {layers} does not hold model.num_layers={num_layers}")
+    return StageSplit(tuple(layers), tuple(n // period for n in stacked))
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig = ModelConfig()
     parallel: ParallelConfig = _may_change_on_resume(ParallelConfig())
@@ -375,27 +481,12 @@ class Config:
             "make the sequence length a multiple of the tensor size",
         )
         chunks = p.pipeline * p.virtual_stages
-        stack = m.stacked_layers
-        what = (f"model.num_layers={m.num_layers}" if stack == m.num_layers else
-                f"the {stack} layers after model.moe_first_dense_layers={m.moe_first_dense_layers}")
         _check(
-            chunks <= stack,
-            f"parallel.pipeline * parallel.virtual_stages = {chunks} is more than {what}: "
+            chunks <= m.num_layers,
+            f"parallel.pipeline * parallel.virtual_stages = {chunks} is more than model.num_layers={m.num_layers}: "
             "every pipeline chunk needs at least one layer",
         )
-        _check(
-            stack % chunks == 0,
-            f"{what} is not divisible by parallel.pipeline * parallel.virtual_stages = "
-            f"{chunks}: choose layers that split evenly into {chunks} chunks",
-        )
-        period = m.layer_period
-        _check(
-            (stack // period) % chunks == 0,
-            f"model.moe_layer_freq={period} groups {what} by {period} (one MoE layer, then dense "
-            f"ones) and a pipeline chunk holds whole groups, but {stack // period} groups do not split into "
-            f"parallel.pipeline * parallel.virtual_stages = {chunks} chunks: change the layers, the frequency or the "
-            "pipeline",
-        )
+        self.stage_split  # noqa: B018 - raises ConfigError naming the fix when the layers do not split
         if p.expert > 1:
             _check(m.num_experts > 0, f"parallel.expert={p.expert} needs an MoE model: set model.num_experts "
                    "(a multiple of parallel.expert) or parallel.expert=1")
@@ -485,6 +576,14 @@ class Config:
         """Whether the layout is complete: parallel.data and train.micro_batch_size set (by hand, or filled from
         the device count by `Config.for_devices`, which every entry point calls before building a step)."""
         return self.parallel.data is not None and self.train.micro_batch_size is not None
+
+    @property
+    def stage_split(self) -> StageSplit:
+        """The layers of each pipeline chunk (`pipeline_split` of the model and parallel.decoder_*/account_* keys)."""
+        m, p = self.model, self.parallel
+        return pipeline_split(m.num_layers, p.pipeline, p.virtual_stages, p.decoder_first_pipeline_num_layers,
+                              p.decoder_last_pipeline_num_layers, p.account_for_embedding_in_pipeline_split,
+                              p.account_for_loss_in_pipeline_split, m.first_dense_layers, m.layer_period)
 
     @property
     def num_micro_batches(self) -> int:

@@ -259,7 +259,7 @@ def _fresh_params(cfg: Config, rng: jax.Array):
 def _staged(cfg: Config, params):
     """Canonical params ([L, ...] layers) in the train state's layout."""
     if cfg.parallel.pipeline > 1:
-        params = layout.to_stages(params, cfg.parallel.pipeline, cfg.parallel.virtual_stages)
+        params = layout.to_stages(params, cfg.stage_split, cfg.parallel.pipeline)
     return params
 
 

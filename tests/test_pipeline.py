@@ -109,7 +109,7 @@ def _grads(cfg, n):
                 return step_lib.compute_grads(setup, params, batch, jax.numpy.float32(1.0))[1]
 
         g = jax.device_get(grads(setup.variables(state), batch))
-    return from_stages(g) if cfg.parallel.pipeline > 1 else g
+    return from_stages(g, cfg.stage_split) if cfg.parallel.pipeline > 1 else g
 
 
 @pytest.mark.parametrize("schedule,v", [pytest.param("1f1b", 1, marks=pytest.mark.slow), ("zero_bubble", 2),

@@ -106,7 +106,7 @@ def stored_shapes(source: ParamsSource) -> dict:
     stored = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), np.dtype(m.dtype)),
                           _stored_metadata(source), is_leaf=_is_meta)
     if source.staged:
-        stored = jax.eval_shape(from_stages, stored)
+        stored = jax.eval_shape(lambda t: from_stages(t, source.config.stage_split), stored)
     own = _own_shapes(source)
     if own is not None:  # (ZeRO-3's padding is not part of the model)
         stored = own
@@ -187,7 +187,7 @@ def load_params(source: ParamsSource | str | os.PathLike, target=None):
     host = _restore(source, item, jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), stored,
                                                is_leaf=_is_meta))
     if source.staged:
-        host = from_stages(host)
+        host = from_stages(host, source.config.stage_split)
     if own is not None:  # ZeRO-3's zero padding sliced off
         host = jax.tree.map(lambda a, o: a[tuple(slice(0, n) for n in o.shape)], host, own)
     if target is None:

@@ -32,9 +32,9 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from megajax import config as config_lib
-from megajax.config import Config, ModelConfig
+from megajax.config import Config, ModelConfig, StageSplit
 from megajax.model import model_state
-from megajax.pipeline.layout import lead_dims
+from megajax.pipeline.layout import STAGED, lead_dims, stage, unstage
 
 STATE_FIELDS = ("step", "params", "model_state", "opt_state", "loss_scale", "good_steps", "bad_steps")
 
@@ -98,7 +98,8 @@ def metadata(cfg: Config, step: int, consumed: int) -> dict:
     return {"step": step, "consumed_samples": consumed, "seed": cfg.train.seed, "config": cfg.to_dict(),
             "layout": {"data": cfg.parallel.data, "pipeline": cfg.parallel.pipeline,
                        "context": cfg.parallel.context, "tensor": cfg.parallel.tensor,
-                       "virtual_stages": cfg.parallel.virtual_stages}}
+                       "virtual_stages": cfg.parallel.virtual_stages,
+                       "stage_units": list(cfg.stage_split.units) if cfg.parallel.pipeline > 1 else None}}
 
 
 def save(mgr: ocp.CheckpointManager, step: int, state, cfg: Config, consumed: int) -> None:
@@ -221,12 +222,17 @@ def _read_spec(saved_shape: tuple, want: jax.ShapeDtypeStruct, lead_saved: int, 
     return P(*out)
 
 
-def _convert(x: jax.Array, want_shape: tuple, lead_saved: int, lead_want: int) -> jax.Array:
-    """A saved leaf into the wanted layout: stacked layers reshaped between pipeline layouts (both list the
-    layers in the same order, so a reshape, never a permutation), then the distributed optimizer's
-    zero padding sliced off or added (the padding holds zeros, and both sizes are >= the true size)."""
+def _convert(x: jax.Array, want_shape: tuple, lead_saved: int, lead_want: int, split_saved: StageSplit | None = None,
+             split_want: StageSplit | None = None) -> jax.Array:
+    """A saved leaf into the wanted layout: stacked layers moved between pipeline layouts (unstaged from the saved
+    split, staged into the wanted one: layout.py; even splits list the layers in the same order, so a reshape),
+    then the distributed optimizer's zero padding sliced off or added (the padding holds zeros, and both sizes are
+    >= the true size)."""
     if lead_saved or lead_want:
-        x = x.reshape(*want_shape[:lead_want], *x.shape[lead_saved:])
+        if lead_saved == len(STAGED):
+            x = unstage(x, split_saved)
+        if lead_want == len(STAGED):
+            x = stage(x, split_want, want_shape[1])
     x = x[tuple(slice(0, min(a, b)) for a, b in zip(x.shape, want_shape))]
     return jnp.pad(x, [(0, b - a) for a, b in zip(x.shape, want_shape)])
 
@@ -260,20 +266,21 @@ def restore(mgr: ocp.CheckpointManager, step: int, abstract_state, shardings, cf
                else "") + (f"the checkpoint has {', '.join(extra[:8])}, which this config lacks; " if extra else "")
             + f"its model config: {meta.get('config', {}).get('model')}")
     saved_pipeline = int(meta.get("layout", {}).get("pipeline", 1))
+    splits = (_saved_split(meta, cfg), cfg.stage_split)
     # ZeRO-3 keeps weights with the distributed optimizer's zero padding (a size that depends on the data size):
     # a weight may then differ from the wanted one by padding alone, where both were written for the same model
     same_model = _same_model(meta, cfg)
     read, plans, mismatched = [], [], []
     for (path, want), name in zip(flat, names):
         shape = saved[name]
-        leads = ((lead_dims(saved_pipeline > 1), lead_dims(cfg.parallel.pipeline > 1)) if _is_layer_leaf(path)
-                 else (0, 0))
+        leads = ((lead_dims(saved_pipeline > 1), lead_dims(cfg.parallel.pipeline > 1), *splits)
+                 if _is_layer_leaf(path) else (0, 0))
         if shape == want.shape:
             read.append(want)
             plans.append(None)
         elif _fits(shape, want.shape, *leads, padded=_is_opt_leaf(path) or same_model):
             read.append(jax.ShapeDtypeStruct(shape, want.dtype, sharding=NamedSharding(
-                want.sharding.mesh, _read_spec(shape, want, *leads))))
+                want.sharding.mesh, _read_spec(shape, want, *leads[:2]))))
             plans.append(leads)
         else:
             mismatched.append(f"{jax.tree_util.keystr(path)}: checkpoint {shape}, config {want.shape}")
@@ -412,11 +419,31 @@ def _same_model(meta: dict, cfg: Config) -> bool:
     return True
 
 
-def _fits(saved: tuple, want: tuple, lead_saved: int, lead_want: int, padded: bool) -> bool:
+def _saved_split(meta: dict, cfg: Config) -> StageSplit:
+    """How the checkpoint's pipeline split the stacked layers (restore checks the model is the same): its
+    layout's stage_units, else (written before uneven stages) an even split over its pipeline x virtual stages."""
+    layout = meta.get("layout", {})
+    if layout.get("stage_units"):
+        units = tuple(int(n) for n in layout["stage_units"])
+    else:
+        chunks = int(layout.get("pipeline", 1)) * int(layout.get("virtual_stages", 1))
+        total = cfg.model.stacked_layers // cfg.model.layer_period
+        units = (total // chunks,) * chunks
+    return StageSplit(units, units)
+
+
+def _fits(saved: tuple, want: tuple, lead_saved: int, lead_want: int, split_saved: StageSplit | None = None,
+          split_want: StageSplit | None = None, padded: bool = False) -> bool:
     """Whether a saved leaf converts into the wanted shape: the same layers in another pipeline layout,
     and (optimizer state, or ZeRO-3's weights: `padded`) trailing dims that differ only by the distributed
     optimizer's padding."""
-    if len(saved) - lead_saved != len(want) - lead_want or math.prod(saved[:lead_saved]) != math.prod(want[:lead_want]):
+    def units(shape, lead, split):  # the stacked layers a leaf holds
+        if lead == len(STAGED):
+            return sum(split.units) if math.prod(shape[:lead]) == len(split.units) * split.slots else -1
+        return math.prod(shape[:lead])
+
+    if len(saved) - lead_saved != len(want) - lead_want or \
+            units(saved, lead_saved, split_saved) != units(want, lead_want, split_want):
         return False
     differ = [i for i, (a, b) in enumerate(zip(saved[lead_saved:], want[lead_want:])) if a != b]
     return not differ or (padded and len(differ) == 1)

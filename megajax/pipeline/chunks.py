@@ -28,6 +28,12 @@ def _shared(params: dict) -> dict:
     return vary({k: val for k, val in params.items() if k != "layers"})
 
 
+def unless_empty(on, run, x):
+    """run(), or x where the slot holds no layer (`on` False; None: every slot holds one). An empty slot (uneven
+    stages, layout.py) runs nothing: lax.cond runs one branch, on every rank of the stage alike."""
+    return run() if on is None else jax.lax.cond(on, run, lambda: x)
+
+
 class _ChunkActions:
     """What one rank can do with one (local chunk, micro batch) in a tick: the branches of the forward,
     recompute and backward switches, by where the chunk sits in the model (NONE / FIRST / MID / LAST)."""
@@ -37,6 +43,9 @@ class _ChunkActions:
         self.layers, self.shared, self.mbs, self.seed_scale = layers, shared, mbs, seed_scale
         self.act_shape, self.act_dtype = act_shape, act_dtype
         self.lc = jax.tree.leaves(layers)[0].shape[1]
+        split = cfg.stage_split
+        self.even = split.even  # uneven stages: a chunk's slots past its units are empty, skipped (layout.py)
+        self.starts, self.units = layout.chunk_tables(split, cfg.parallel.pipeline)
         # parallel.overlap_grad_reduce: per weight ({"block": ...}'s leaves), its overlap.Reduction for one layer,
         # and for a run of layers [n, ...] (from the staged [v, p, Lc, ...] weight's)
         staged = len(layout.STAGED)
@@ -51,14 +60,21 @@ class _ChunkActions:
     # -- what an action reads: the chunk's weights and the micro batch ------------------------------------
 
     def chunk(self, row, prefix):
-        """(this local chunk's stacked weights, the global index of its first layer)."""
-        p = self.cfg.parallel.pipeline
-        first_layer = (row[prefix + "chunk"] * p + jax.lax.axis_index("pipeline")) * self.lc
+        """(this local chunk's stacked weights, where it sits: (the global index of its first layer, how many of
+        its slots hold layers)), `at` below."""
+        c, rank = row[prefix + "chunk"], jax.lax.axis_index("pipeline")
+        at = (jnp.asarray(self.starts)[c, rank], jnp.asarray(self.units)[c, rank])
         if jax.tree.leaves(self.layers)[0].shape[0] == 1:  # one chunk per rank: a static slice, no copy
-            return jax.tree.map(lambda x: x[0], self.layers), first_layer
-        params = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, row[prefix + "chunk"], keepdims=False),
-                              self.layers)
-        return params, first_layer
+            return jax.tree.map(lambda x: x[0], self.layers), at
+        params = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, c, keepdims=False), self.layers)
+        return params, at
+
+    def slots(self, at, n=None):
+        """(the global layer index of each of the chunk's first n slots, whether each holds a layer: None with even
+        stages, where all do)."""
+        n = self.lc if n is None else n
+        first, units = at
+        return first + jnp.arange(n), None if self.even else jnp.arange(n) < units
 
     def micro(self, row, prefix):
         mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, row[prefix + "micro"], keepdims=False),
@@ -67,23 +83,23 @@ class _ChunkActions:
 
     # -- the chunk's layers, forward with its residuals -----------------------------------------------------
 
-    def _layers(self, w, x, side, first_layer):
+    def _layers(self, w, x, side, at):
         def body(x, wl):
-            w_l, l = wl
-            return model.block_apply(self.mcfg, w_l, x, l, side).astype(x.dtype), None
+            w_l, l, on = wl
+            return unless_empty(on, lambda: model.block_apply(self.mcfg, w_l, x, l, side).astype(x.dtype), x), None
 
-        return jax.lax.scan(body, x, (w["block"], first_layer + jnp.arange(self.lc)))[0]
+        return jax.lax.scan(body, x, (w["block"], *self.slots(at)))[0]
 
-    def _hooked_layers(self, w, x, sinks, side, first_layer, reduce):
+    def _hooked_layers(self, w, x, sinks, side, at, reduce):
         """(chunk output, taps): `_layers` with each layer's weights behind overlap.tapped_identity."""
         def body(x, wl):
-            w_l, l, s_l = wl
+            w_l, l, on, s_l = wl
             hooked = jax.tree.map(lambda r, w, s: overlap.tapped_identity(r, reduce)(w, s), self.reductions, w_l, s_l)
             w_l = jax.tree.map(lambda r, h: h[0], self.reductions, hooked)
             taps = jax.tree.map(lambda r, h: h[1], self.reductions, hooked)
-            return model.block_apply(self.mcfg, w_l, x, l, side).astype(x.dtype), taps
+            return unless_empty(on, lambda: model.block_apply(self.mcfg, w_l, x, l, side).astype(x.dtype), x), taps
 
-        return jax.lax.scan(body, x, (w["block"], first_layer + jnp.arange(self.lc), sinks))
+        return jax.lax.scan(body, x, (w["block"], *self.slots(at), sinks))
 
     def _sinks(self, w, lead=()):
         """Per weight, fp32 zeros [*lead, Lc, ...] shaped (and varying) as its reduction leaves each layer's
@@ -110,20 +126,23 @@ class _ChunkActions:
         """One layer's whole weights from their shards (`overlap.Reduction.gathered`)."""
         return jax.tree.map(lambda r, w: vary(r.gathered(w)), self.reductions, shards)
 
-    def _gathering_layers(self, shards, x, side, first_layer):
+    def _gathering_layers(self, shards, x, side, at):
         """(`_layers`' output, the chunk's whole weights [Lc, ...]) from the chunk's optimizer shards: each
         layer's all-gather issued one layer ahead, under the compute of the layer before."""
-        at = lambda tree, idx: jax.tree.map(lambda a: a[idx], tree)  # noqa: E731
-        block = lambda x, w, l: model.block_apply(self.mcfg, w, x, l, side).astype(x.dtype)  # noqa: E731
+        pick = lambda tree, idx: jax.tree.map(lambda a: a[idx], tree)  # noqa: E731
+
+        def block(x, w, l, on):
+            return unless_empty(on, lambda: model.block_apply(self.mcfg, w, x, l, side).astype(x.dtype), x)
 
         def body(carry, inputs):
             x, w = carry
-            ahead, l = inputs
-            return (block(x, w, l), self._gathered(ahead)), w
+            ahead, l, on = inputs
+            return (block(x, w, l, on), self._gathered(ahead)), w
 
-        (x, w_last), ws = jax.lax.scan(body, (x, self._gathered(at(shards, 0))),
-                                       (at(shards, slice(1, None)), first_layer + jnp.arange(self.lc - 1)))
-        x = block(x, w_last, first_layer + self.lc - 1)
+        ids, on = self.slots(at)
+        (x, w_last), ws = jax.lax.scan(body, (x, self._gathered(pick(shards, 0))),
+                                       (pick(shards, slice(1, None)), ids[:-1], None if on is None else on[:-1]))
+        x = block(x, w_last, ids[-1], None if on is None else on[-1])
         return x, jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), ws, w_last)
 
     def zero_final(self):
@@ -132,20 +151,20 @@ class _ChunkActions:
         v = jax.tree.leaves(self.layers)[0].shape[0]
         return self._sinks(jax.tree.map(lambda x: x[0], self.layers), lead=(v,))
 
-    def linearize(self, w, x, side, first, reduce=False):
+    def linearize(self, w, x, side, at, reduce=False):
         """(chunk output, what its backward needs: jax.vjp's pullback; with reductions, in (output, taps)
         giving (weights, input, sinks), the backward that reduces with `reduce`)."""
         if self.reductions is None:
-            return jax.vjp(lambda w, x: self._layers(w, x, side, first), w, x)
-        (y, _), pullback = jax.vjp(lambda w, x, s: self._hooked_layers(w, x, s, side, first, reduce), w, x,
+            return jax.vjp(lambda w, x: self._layers(w, x, side, at), w, x)
+        (y, _), pullback = jax.vjp(lambda w, x, s: self._hooked_layers(w, x, s, side, at, reduce), w, x,
                                    self._sinks(w))
         return y, pullback
 
     def forward_keeping(self, row, prefix, x):
         """(chunk output, its residuals as a list of arrays): `linearize`'s, flattened so that the scan can
         carry them to the backward's tick."""
-        (w, first), (_, side) = self.chunk(row, prefix), self.micro(row, prefix)
-        y, residuals = self.linearize(w, x, side, first)
+        (w, at), (_, side) = self.chunk(row, prefix), self.micro(row, prefix)
+        y, residuals = self.linearize(w, x, side, at)
         leaves, tree = jax.tree.flatten(residuals)
         avals = [(leaf.shape, leaf.dtype) for leaf in leaves]
         if self._res_avals is None:
@@ -155,7 +174,7 @@ class _ChunkActions:
         self._res_tree = tree  # the backward unflattens with the latest trace's (the same function)
         if self.reductions is not None and self._res_tree_final is None:
             def final_leaves():
-                leaves, self._res_tree_final = jax.tree.flatten(self.linearize(w, x, side, first, reduce=True)[1])
+                leaves, self._res_tree_final = jax.tree.flatten(self.linearize(w, x, side, at, reduce=True)[1])
                 return leaves
 
             if [(a.shape, a.dtype) for a in jax.eval_shape(final_leaves)] != avals:
@@ -183,7 +202,7 @@ class _ChunkActions:
             loss, g_self = jnp.zeros((), jnp.float32), zeros
             if kind == NONE:
                 return (*vary((zeros, x, loss, g_self, res, g_shared)), *whole)
-            (w, first), (mb, side) = self.chunk(row, "f_"), self.micro(row, "f_")
+            (w, at), (mb, side) = self.chunk(row, "f_"), self.micro(row, "f_")
             position = kind & ~ticks.GATHER
             if position == FIRST:
                 x = model.embed_apply(self.mcfg, self.shared, mb["tokens"], side).astype(x.dtype)
@@ -191,17 +210,17 @@ class _ChunkActions:
                 assert position in (FIRST, MID), "a rank with the last chunk gathers in idle ticks"
                 c = row["f_chunk"]
                 y, gathered = self._gathering_layers(jax.tree.map(lambda a: a[c], self.shards["block"]), x, side,
-                                                     first)
+                                                     at)
                 whole = [{"block": jax.tree.map(lambda r, f, g: f.at[c].set(g) if r.gather else f, self.reductions,
                                                 whole[0]["block"], gathered)}]
                 return (*vary((y.astype(x.dtype), x, loss, g_self, res, g_shared)), *whole)
             if position in (FIRST, MID):
-                return (*vary((self._layers(w, x, side, first).astype(x.dtype), x, loss, g_self, res, g_shared)),
+                return (*vary((self._layers(w, x, side, at).astype(x.dtype), x, loss, g_self, res, g_shared)),
                         *whole)
             if kind == LAST_KEEP:
                 y, res = self.forward_keeping(row, "f_", x)
             else:  # its backward comes later, after a recompute
-                y = self._layers(w, x, side, first).astype(x.dtype)
+                y = self._layers(w, x, side, at).astype(x.dtype)
             loss, g_y, g_shared = self.head(y, mb, g_shared)
             return (*vary((zeros, x, loss, g_y.astype(x.dtype), res, g_shared)), *whole)
 

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 from megajax import model
 from megajax.config import Config
 from megajax.data.loader import micro_batches
-from megajax.pipeline.chunks import _shared
+from megajax.pipeline import layout
+from megajax.pipeline.chunks import _shared, unless_empty
 from megajax.pipeline.layout import local_chunks
 from megajax.pipeline.schedule import perm_pairs
 from megajax.sharding import vary
@@ -55,6 +56,8 @@ def _forward_rounds(cfg: Config, layers, shared, mbs, train: bool, objective_sca
     p, v, m = par.pipeline, par.virtual_stages, cfg.num_micro_batches
     rank = jax.lax.axis_index("pipeline")
     lc = jax.tree.leaves(layers)[0].shape[1]
+    split = cfg.stage_split
+    starts, units = (jnp.asarray(a) for a in layout.chunk_tables(split, p))
     shape = (*mbs["tokens"].shape[1:], mcfg.hidden_size)
     dtype = jnp.dtype(mcfg.compute_dtype)
     returned = vary(jnp.zeros((m, *shape), dtype)) if v > 1 else None  # rank 0: the last round's outputs
@@ -73,8 +76,12 @@ def _forward_rounds(cfg: Config, layers, shared, mbs, train: bool, objective_sca
             else:
                 first = lambda: jax.lax.dynamic_index_in_dim(returned, jnp.clip(k, 0, m - 1), keepdims=False)  # noqa: E731
             x = jax.lax.cond(rank == 0, first, lambda: x_in)
-            y = jax.lax.cond(active, lambda: model.layers_apply(mcfg, w, x, side, (i * p + rank) * lc).astype(dtype),
-                             lambda: x)
+            def run(x=x, side=side, w=w, i=i):
+                if split.even:
+                    return model.layers_apply(mcfg, w, x, side, (i * p + rank) * lc).astype(dtype)
+                return _uneven_layers(mcfg, w, x, side, starts[i, rank], units[i, rank]).astype(dtype)
+
+            y = jax.lax.cond(active, run, lambda: x)
             if i == v - 1:
                 loss = loss + jax.lax.cond(active & (rank == p - 1),
                                            lambda: vary(model.head_apply(mcfg, shared, y, mb["targets"],
@@ -90,3 +97,17 @@ def _forward_rounds(cfg: Config, layers, shared, mbs, train: bool, objective_sca
         init = (vary(jnp.zeros(shape, dtype)), returned, loss)
         (_, returned, loss), _ = jax.lax.scan(tick, init, jnp.arange(m + p - 1))
     return loss
+
+
+def _uneven_layers(mcfg, w, x, side, first, units):
+    """`model.layers_apply` over a chunk's slots of which the first `units` hold layers (uneven stages,
+    layout.py): the empty ones run nothing."""
+    def body(x, wl):
+        w_l, slot = wl
+        run = lambda: model.block_apply(mcfg, w_l, x, first + slot, side).astype(x.dtype)  # noqa: E731
+        if mcfg.recompute == "full":  # as model.LayerStack: only each layer's input kept for the backward
+            run = jax.checkpoint(run, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
+        return unless_empty(slot < units, run, x), None
+
+    n = jax.tree.leaves(w)[0].shape[0]
+    return jax.lax.scan(body, x, (w["block"], jnp.arange(n)))[0]

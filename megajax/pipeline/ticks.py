@@ -227,9 +227,9 @@ def reduce_layers(cfg: Config) -> int:
 
 
 def chunk_layers(cfg: Config) -> int:
-    """The layers (scanned units) of a pipeline chunk."""
-    par, m = cfg.parallel, cfg.model
-    return m.stacked_layers // m.layer_period // (par.pipeline * par.virtual_stages)
+    """The slots for layers (scanned units) of a pipeline chunk: its units, the most of any chunk with uneven stages
+    (layout.py)."""
+    return cfg.stage_split.slots
 
 
 def gather_layers(cfg: Config) -> int:

@@ -19,7 +19,7 @@ from megajax.model import fp8
 from megajax.model import layers as layers_lib
 from megajax.pipeline.chunks import _ChunkActions
 from megajax.pipeline.ticks import FIRST, NONE
-from megajax.sharding import vary
+from megajax.sharding import vary, varying_axes
 
 
 def split_weights(w: dict, taps: dict) -> tuple[dict, dict]:
@@ -38,20 +38,30 @@ def zero_taps(mcfg, w: dict, x: jax.Array, side) -> dict:
     return jax.tree.map(lambda t: jnp.zeros((lc, *t.shape), t.dtype), shapes)
 
 
-def split_linearize(mcfg, w: dict, x: jax.Array, taps: dict, side, first):
+def split_linearize(mcfg, w: dict, x: jax.Array, taps: dict, side, ids, on):
     """The chunk's layers linearized for the split backward: (output, the pullback in (x, taps, the small
-    parameters), each weight matmul's input). taps: `zero_taps`."""
+    parameters), each weight matmul's input). taps: `zero_taps`; ids, on: each slot's global layer index and
+    whether it holds a layer (`_ChunkActions.slots`: an empty slot runs nothing, its matmul inputs are zeros)."""
     big, small = split_weights(w, taps)
-    lc = jax.tree.leaves(w)[0].shape[0]
 
     def run(x, taps, small):
         def body(x, layer):
-            w_l, l, taps_l = layer
-            y, inputs = model.block_apply_split(mcfg, w_l, taps_l, x, l, side)
-            return y.astype(x.dtype), inputs
+            w_l, l, on_l, taps_l = layer
+
+            def block():
+                y, inputs = model.block_apply_split(mcfg, w_l, taps_l, x, l, side)
+                return y.astype(x.dtype), inputs
+
+            if on_l is None:
+                return block()
+            def empty():
+                zero = lambda a: vary(jnp.zeros(a.shape, a.dtype), varying_axes(a))  # noqa: E731
+                return x, jax.tree.map(zero, jax.eval_shape(block)[1])
+
+            return jax.lax.cond(on_l, block, empty)
 
         stacked = flax.traverse_util.unflatten_dict({**big, **small})
-        return jax.lax.scan(body, x, (stacked, first + jnp.arange(lc), taps))
+        return jax.lax.scan(body, x, (stacked, ids, on, taps))
 
     return jax.vjp(run, x, taps, small, has_aux=True)
 
@@ -84,11 +94,11 @@ class _SplitChunkActions(_ChunkActions):
         (w, _), (_, side) = self.chunk(row, "f_"), self.micro(row, "f_")
         return zero_taps(self.mcfg, w, jnp.zeros(self.act_shape, self.act_dtype), side)
 
-    def linearize(self, w, x, side, first):
+    def linearize(self, w, x, side, at):
         """(chunk output, (the pullback in (x, taps, small parameters), each weight matmul's input))."""
         # varying over the manual axes like everything else, or their gradients would be summed over them
         taps = vary(zero_taps(self.mcfg, w, x, side))
-        y, pullback, inputs = split_linearize(self.mcfg, w, x, taps, side, first)
+        y, pullback, inputs = split_linearize(self.mcfg, w, x, taps, side, *self.slots(at))
         return y, (pullback, inputs)
 
     def backward_branch(self, kind):
