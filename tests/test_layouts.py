@@ -24,6 +24,8 @@ import itertools
 import numpy as np
 import pytest
 
+from megajax.config import ConfigError, pipeline_split
+
 from conftest import run_steps, shared_across_workers, small_config
 
 STEPS = 2
@@ -90,6 +92,38 @@ FOLD = {1: {"parallel.expert_tensor": 1},
             "model.moe_capacity_factor": MOE["model.num_experts"] / MOE["model.experts_per_token"]}}
 
 
+def splits(arch: str, p: int, v: int, ep: int) -> tuple[dict, ...]:
+    """The pipeline splits: even ({}), and uneven where the model's layers allow (config.pipeline_split): the first
+    stage lighter by v layers with parallel.decoder_first_pipeline_num_layers (and the last stage's layers where the
+    middle stages must be even too), and Megatron's accounting of the embedding and the loss as a layer each."""
+    if p == 1:
+        return ({},)
+    layers = (MOE_EXTRA.get(arch, {}) if ep else {}).get("model.num_layers", SIZE["model.num_layers"])
+    dense = layers - SIZE["model.num_layers"]
+    stage = SIZE["model.num_layers"] // p + dense
+    keys = ("parallel.decoder_first_pipeline_num_layers", "parallel.decoder_last_pipeline_num_layers")
+    candidates = [dict(zip(keys, pair)) for less in (v, 2 * v) for pair in (
+        (stage - less, None), (stage - less, stage - less), (stage - less, layers - (p - 1) * stage + less))]
+    candidates += [{"parallel.account_for_embedding_in_pipeline_split": True,
+                    "parallel.account_for_loss_in_pipeline_split": True},
+                   {"parallel.account_for_loss_in_pipeline_split": True}]
+    out, first_last = [{}], False
+    for extra in candidates:
+        first, last = extra.get(keys[0]), extra.get(keys[1])
+        if (first_last and keys[0] in extra) or (last is not None and last < 1):
+            continue
+        try:
+            split = pipeline_split(layers, p, v, first, last, extra.get(
+                "parallel.account_for_embedding_in_pipeline_split", False),
+                extra.get("parallel.account_for_loss_in_pipeline_split", False), dense)
+        except ConfigError:
+            continue
+        if not split.even:
+            out.append({k: val for k, val in extra.items() if val is not None})
+            first_last = first_last or keys[0] in extra
+    return tuple(out[:3])
+
+
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")  # zero = the index: ZeRO-0 to ZeRO-3
 
 
@@ -101,13 +135,13 @@ def zeros(d: int, p: int, schedule: str) -> tuple[int, ...]:
     return (0, 1, 2, 3) if p == 1 else (0, 1, 2) if schedule in ("1f1b", "interleaved") else (0, 1)
 
 
-def case(arch, d, p, t, sp, zero, schedule, v, ep=0, ring=False, overlap=0, fold=0, ragged=False) -> dict:
+def case(arch, d, p, t, sp, zero, schedule, v, ep=0, ring=False, overlap=0, fold=0, ragged=False, split=None) -> dict:
     # p micro batches through a pipeline (the fewest every schedule takes); without one, 2 or 3 per data
     # rank, so gradient accumulation runs on every layout too
     mb = BATCH // (d * p) if p > 1 else max(1, BATCH // (2 * d))
     return {"arch": arch, "moe": ep > 0, "n": d * p * t, "sets": {
         **ARCHS[arch], **(MOE if ep else {}), **(MOE_EXTRA.get(arch, {}) if ep else {}), **FOLD.get(fold, {}),
-        **({"parallel.expert_all_to_all": "ragged"} if ragged else {}),
+        **({"parallel.expert_all_to_all": "ragged"} if ragged else {}), **(split or {}),
         "train.global_batch_size": BATCH, "train.micro_batch_size": mb,
         "parallel.data": d, "parallel.pipeline": p, "parallel.tensor": t, "parallel.expert": max(ep, 1),
         "parallel.sequence_parallel": sp, "parallel.data_parallel_sharding_strategy": STRATEGIES[zero],
@@ -135,8 +169,8 @@ def space() -> list[dict]:
                 continue
             for ring, overlap, fold in itertools.product((False, True) if sp else (False,),
                                                          overlaps(d, p, schedule, zero), folds(ep, t, sp)):
-                for ragged in exchanges(ep, fold, ring):
-                    out.append(case(arch, d, p, t, sp, zero, schedule, v, ep, ring, overlap, fold, ragged))
+                for ragged, split in itertools.product(exchanges(ep, fold, ring), splits(arch, p, v, ep)):
+                    out.append(case(arch, d, p, t, sp, zero, schedule, v, ep, ring, overlap, fold, ragged, split))
     return out
 
 
@@ -151,7 +185,7 @@ def space() -> list[dict]:
 # deadlocked there).
 DEFAULT_MOE = {(1, 2, 2): 1, (2, 1, 2): 2, (4, 2, 1): 2}
 # and their models: DeepSeek's with its dense first layer on a pipeline's first stage
-DEFAULT_MOE_ARCH = {(1, 2, 2): "gpt2", (2, 1, 2): "llama", (4, 2, 1): "deepseek"}
+DEFAULT_MOE_ARCH = {(1, 2, 2): "deepseek", (2, 1, 2): "llama", (4, 2, 1): "deepseek"}
 # (sequence parallelism, its rings) where the rotation below would not give expert parallelism sequence parallelism
 DEFAULT_SP = {(2, 1, 2): (True, False)}
 DEFAULT_RAGGED = {(1, 2, 2), (2, 1, 2), (4, 2, 1)}
@@ -160,6 +194,13 @@ DEFAULT_RAGGED = {(1, 2, 2), (2, 1, 2), (4, 2, 1)}
 # once and not, with tensor parallelism; ZeRO-1 gathering and not; and nothing sharded, reduced in the backward.
 DEFAULT_ZERO = {(2, 1, 1): 2, (2, 1, 2): 3, (4, 1, 1): 1, (2, 1, 3): 2, (3, 1, 2): 3, (6, 1, 1): 1, (2, 1, 4): 2,
                 (4, 1, 2): 3, (8, 1, 1): 0, (3, 2, 1): 2}
+
+
+# Uneven pipeline stages (splits' index) where the rotation would not give them: DeepSeek's MoE model with its dense
+# first layer counted on the first stage (on 1F1B: 25 layers do not split into 2 stages of 2 chunks with the
+# first stage lighter), GPipe with data and tensor parallelism, zero_bubble. Megatron's accounting of the embedding
+# and the loss makes the 24 layers uneven nowhere (26 over 2 chunks is 12 and 12): test_checkpoint trains it.
+DEFAULT_SPLIT = {(1, 2, 2): 1, (2, 2, 2): 1, (1, 4, 1): 1}
 
 
 def default_cases() -> list[dict]:
@@ -177,9 +218,11 @@ def default_cases() -> list[dict]:
         zero = DEFAULT_ZERO.get((d, p, t), int(d > 1 and i % 3 != 1))
         levels = overlaps(d, p, schedule, zero)
         arch = DEFAULT_MOE_ARCH[(d, p, t)] if ep else tuple(ARCHS)[i % len(ARCHS)]
+        options = splits(arch, p, v, ep)
+        split = options[DEFAULT_SPLIT.get((d, p, t), i % len(options))] if len(options) > 1 else {}
         out.append(case(arch, d, p, t, sp, zero, schedule, v, ep, ring=ring,
                         overlap=0 if i % 3 == 2 or len(levels) == 1 else levels[1 + (i // 7) % (len(levels) - 1)],
-                        fold=folds(ep, t, sp)[:2][-1], ragged=(d, p, t) in DEFAULT_RAGGED))
+                        fold=folds(ep, t, sp)[:2][-1], ragged=(d, p, t) in DEFAULT_RAGGED, split=split))
     return out
 
 
@@ -197,6 +240,10 @@ def name(c: dict) -> str:
             f"{'-fold' if s.get('parallel.expert_tensor') == 1 else ''}"
             f"{'cap' if s.get('parallel.expert_tensor') == 1 and s.get('model.moe_capacity_factor') else ''}"
             f"{'-ragged' if s.get('parallel.expert_all_to_all') == 'ragged' else ''}"
+            + "".join(f"-{tag}{s[k]}" for tag, k in (("first", "parallel.decoder_first_pipeline_num_layers"),
+                                                     ("last", "parallel.decoder_last_pipeline_num_layers")) if k in s)
+            + ("-embed" if s.get("parallel.account_for_embedding_in_pipeline_split") else "")
+            + ("-loss" if s.get("parallel.account_for_loss_in_pipeline_split") else "")
             + (f"-{s['parallel.schedule']}v{s['parallel.virtual_stages']}" if p > 1 else ""))
 
 
@@ -252,6 +299,13 @@ def test_the_space_is_accepted():
     assert {s["parallel.pipeline"] > 1 for s in moe if ep(s) > 1} == {False, True}
     assert {s["parallel.data"] == ep(s) for s in moe} >= {True}
     assert any(s.get("parallel.expert_tensor") == 1 and s["parallel.pipeline"] > 1 for s in moe), "folded experts"
+    uneven = [c for c in DEFAULT if not small_config(**c["sets"]).stage_split.even]
+    assert {c["sets"]["parallel.schedule"] for c in uneven} == {"gpipe", "1f1b", "interleaved", "zero_bubble"}, \
+        "uneven stages on every schedule"
+    assert {c["sets"]["parallel.pipeline"] for c in uneven} >= {2, 3, 4} and \
+        {c["sets"]["parallel.virtual_stages"] for c in uneven} == {1, 2}
+    assert any(c["moe"] and c["arch"] == "deepseek" for c in uneven), "DeepSeek's dense first layer in the split"
+    assert any(c["sets"]["parallel.data"] > 1 and c["sets"]["parallel.tensor"] > 1 for c in uneven)
     ragged = [s for s in moe if s.get("parallel.expert_all_to_all") == "ragged"]
     assert {s["parallel.pipeline"] > 1 for s in ragged} == {False, True} and any(s["parallel.tensor"] > 1
                                                                                 for s in ragged), "ragged exchange"
