@@ -77,9 +77,8 @@ def test_memory_and_bubble_against_megatron(name, p, v, m):
     """In flight: 1F1B (and zero_bubble) holds p - r on rank r as Megatron, interleaved no more than Megatron.
     Bubble (F 1, R 1, B 2, split into B 1 and W 1; the last chunk needs no recompute; ranks wait for the ranks
     they exchange with): 1F1B at most (p - 1) / m; zero_bubble Qi et al.'s (p - 1) / (2 m) or better;
-    interleaved the paper's (p - 1) / (v m) with two chunks, an even p and whole micro batch groups, else at
-    most 1F1B's (odd p or more chunks cost some: a message can wait a tick for its receiver's role). The
-    global lock step (every tick as long as its slowest rank) is never faster."""
+    interleaved the paper's (p - 1) / (v m) or better with whole micro batch groups (m a multiple of p), else
+    at most 1F1B's. The global lock step (every tick as long as its slowest rank) is never faster."""
     s = sl.build(name, p, v, m)
     in_flight = s.in_flight().tolist()
     assert all(got <= megatron_in_flight(name, p, v, m, r) for r, got in enumerate(in_flight)), in_flight
@@ -87,13 +86,25 @@ def test_memory_and_bubble_against_megatron(name, p, v, m):
         assert in_flight == [min(p - r, m) for r in range(p)]
     bubble = s.bubble_fraction()
     assert bubble <= s.bubble_fraction(sync="ticks") + 1e-9
-    if name == "zero_bubble" and v > 1:  # see test_interleaved_zero_bubble_depends_on_costs
+    if name == "zero_bubble" and v > 1:  # see test_interleaved_zero_bubble_against_interleaved
         return
     assert bubble <= (p - 1) / m + 1e-9
     if name == "zero_bubble":
         assert bubble <= (p - 1) / (2 * m) + 1e-9 and sl.formula(name, p, v, m) == (p - 1) / (2 * m)
-    if name == "interleaved" and v == 2 and p % 2 == 0 and m % p == 0:
-        assert bubble == pytest.approx((p - 1) / (v * m))
+    if name == "interleaved" and m % p == 0:
+        assert bubble <= (p - 1) / (v * m) + 1e-9
+
+
+def test_interleaved_meets_the_paper_over_megatron_layouts():
+    """Every layout Megatron's interleaved schedule accepts (m a multiple of p) over p 2-8, v 2-4, m p-4p:
+    the bubble at most the paper's (p - 1) / (v m), holding exactly Megatron's in-flight micro batches
+    ((p - r - 1) 2 + (v - 1) p warm-up forwards plus one, at most m v)."""
+    for p in range(2, 9):
+        for v in range(2, 5):
+            for m in (p, 2 * p, 3 * p, 4 * p):
+                s = sl.build("interleaved", p, v, m)
+                assert s.bubble_fraction() <= (p - 1) / (v * m) + 1e-9, (p, v, m, s.bubble_fraction())
+                assert s.in_flight().tolist() == [megatron_in_flight("interleaved", p, v, m, r) for r in range(p)]
 
 
 @pytest.mark.parametrize("name,p,v,m", CASES)
@@ -170,7 +181,9 @@ def test_buffers_do_not_grow_with_micro_batches():
 
 
 def test_staggered_roles_in_the_steady_state():
-    """Rank r runs forwards and recomputes on ticks where t + r is even, backwards on odd ticks."""
+    """1F1B: rank r runs forwards and recomputes on ticks where t + r is even, backwards on odd ticks.
+    Interleaved (messages both ways in every tick): a steady tick holds a forward, a backward and the next
+    backward's recompute, Megatron's step of one forward and one backward."""
     s = sl.build("1f1b", 4, 1, 16)
     ticks, ranks = np.nonzero(s.b_chunk >= 0)
     assert np.all((ticks + ranks) % 2 == 1)
@@ -179,6 +192,10 @@ def test_staggered_roles_in_the_steady_state():
     ticks, ranks = np.nonzero(s.f_chunk[s.free_ticks:] >= 0)
     assert np.all((ticks + s.free_ticks + ranks) % 2 == 0)
     assert (s.f_keep[:, 3] > 0).sum() == 16 and (s.r_chunk[:, 3] < 0).all(), "the last stage never recomputes"
+    s = sl.build("interleaved", 4, 2, 16)
+    steady = (s.f_chunk >= 0) & ((s.r_chunk >= 0) | (s.f_keep > 0)) & (s.b_chunk >= 0)
+    assert steady.sum(axis=0).tolist() == [32 - megatron_in_flight("interleaved", 4, 2, 16, r) for r in range(4)]
+    assert sl.perm_pairs(4, 2, True, 0) == [[(0, 1), (1, 2), (2, 3), (3, 0)], [(0, 3), (1, 0), (2, 1), (3, 2)]]
 
 
 def test_megatron_orders():
@@ -202,7 +219,7 @@ def test_cli_prints_timeline_and_summary(capsys, tmp_path):
     png = tmp_path / "t.png"
     assert sl.main(["--schedule", "interleaved", "-p", "4", "-v", "2", "-m", "8", "--png", str(png)]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("rank 0:") and '"bubble_fraction": 0.1875' in out
+    assert out.startswith("rank 0:") and '"bubble_fraction": 0.140625' in out
     assert png.stat().st_size > 1000
     assert sl.timeline(sl.build("1f1b", 2, 1, 2)).splitlines() == ["rank 0: F0 F1 R0 B0 R1 B1",
                                                                    "rank 1:  . F0 B0 F1 B1  ."]
@@ -241,12 +258,14 @@ def test_pairwise_clock_by_hand():
     assert s.step_time(sync="ticks") == 6
 
 
-def test_interleaved_zero_bubble_depends_on_costs():
-    """zero_bubble with v = 2 holds interleaved's in-flight micro batches; its W in the forward's tick shifts
-    work onto the ring's critical path, so with the papers' unit costs it loses to interleaved, and with the
-    H100's (the input gradient near two forwards, W under one) it wins at m = 2 p."""
+def test_interleaved_zero_bubble_against_interleaved():
+    """zero_bubble with v = 2 holds interleaved's in-flight micro batches, but its weight gradient must run in
+    the tick after the input gradient, before the next recompute replaces the residuals it reads: a rank runs
+    a backward every other tick, where interleaved runs one (with the next recompute) every tick. So it loses
+    to interleaved with the papers' unit costs and with the H100's (the input gradient near two forwards, W
+    under one)."""
     zb, il = sl.build("zero_bubble", 4, 2, 8), sl.build("interleaved", 4, 2, 8)
-    assert zb.in_flight().tolist() == il.in_flight().tolist() == [8, 7, 6, 5]
+    assert zb.in_flight().tolist() == il.in_flight().tolist() == [11, 9, 7, 5]
     h100 = sl.Costs(1, 1, 2.61, 0.94, b_input=1.86)
     assert zb.bubble_fraction() > il.bubble_fraction()
-    assert zb.bubble_fraction(h100) < il.bubble_fraction(h100) - 0.05
+    assert zb.bubble_fraction(h100) > il.bubble_fraction(h100)

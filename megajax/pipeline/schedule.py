@@ -12,30 +12,39 @@ A schedule is built in plain NumPy, without JAX. Each pipeline rank gets Megatro
                gradient, sent at once) and W (the weight gradients), W run in the rank's next tick
 Global chunk c = local chunk * p + rank holds layers [c L / (p v), (c + 1) L / (p v)).
 
-The executor runs in lock step, with roles staggered by rank: on ticks where t + r is even rank r may run a
-forward (F) and the recompute (R) of the backward it runs next, on odd ticks that backward (B, input and
-weight gradients from R's residuals). F + R and B each cost about two forwards, so every tick costs the
-same on every rank, and a message needs one tick per hop in either direction: the forward's activation goes
-to rank r + 1 while rank r + 1, in its backward tick, sends a gradient to rank r. So a micro batch's
-gradient is back at rank r 2 (p - r - 1) + 1 ticks after its forward, during which the rank ran p - r - 1
-more forwards: Megatron's p - r in flight. The last chunk's forward keeps its own residuals (no separate
-recompute) and runs the head's forward and backward once; a chunk's stash is its input alone, freed by its
-recompute. Bubble (F 1, R 1, B 2 units): 1F1B below (p - 1) / m (the last stage skips the recompute);
-interleaved (p - 1) / (v m) with v = 2, an even p and m a multiple of p, more with an odd p (a wrap-around
-message waits a tick for its receiver's role) or v >= 3 (warm-up forwards beyond the fill ticks run in
-forward-role ticks only), never more than 1F1B's.
+The executor runs in lock step. 1F1B (and zero_bubble with v = 1) stagger roles by rank: on ticks where t + r
+is even rank r may run a forward (F) and the recompute (R) of the backward it runs next, on odd ticks that
+backward (B, input and weight gradients from R's residuals). F + R and B each cost about two forwards, so every
+tick costs the same on every rank, and a message needs one tick per hop in either direction: the forward's
+activation goes to rank r + 1 while rank r + 1, in its backward tick, sends a gradient to rank r (one ppermute
+of swaps). So a micro batch's gradient is back at rank r 2 (p - r - 1) + 1 ticks after its forward, during
+which the rank ran p - r - 1 more forwards: Megatron's p - r in flight. The last chunk's forward keeps its own
+residuals (no separate recompute) and runs the head's forward and backward once; a chunk's stash is its input
+alone, freed by its recompute.
+With v > 1 (interleaved, and zero_bubble's interleaved orders) every tick ends with messages both ways over the
+ring (two ppermutes: activations to r + 1, gradients to r - 1), so a rank may run any action in any tick; an
+interleaved tick is Megatron's step: B, then the recompute of the rank's next backward (replacing the residuals
+B read), then F. Roles would not do here: Megatron's (v - 1) p + 2 (p - r - 1) warm-up forwards outnumber the
+ticks before the first gradient comes back, and with roles the rest would run every other tick only, as would
+every cool-down backward. The rank holds Megatron's warm-up + 1 in flight.
+Bubble (F 1, R 1, B 2 units): 1F1B below (p - 1) / m (the last stage skips the recompute); interleaved below the
+paper's (p - 1) / (v m) for every p, v and m a multiple of p (the recompute runs while the gradient it waits
+for is on its way, where the paper counts it on the critical path; tests/test_schedule.py checks p 2-8, v 2-4,
+m p-4p); with a short last group of micro batches (m not a multiple of p, which Megatron rejects) above it,
+never above 1F1B's.
 zero_bubble (after Qi et al.) keeps this table and splits each backward: B computes the input gradient
 (and the small parameters' gradients) and sends it, W computes the weight gradients at the start of the
 rank's next tick, before that tick's recompute replaces the residuals it reads. The gradient that goes back
 waits only for B, so in the cool-down the gradients reach the first stage sooner, and each W fills time in
 which the rank waited for a message (bubble (p - 1) / (2 m) or less with unit costs, v = 1). Memory: 1F1B's,
-plus each weight matmul's output gradient of one chunk between B and W. With v > 1 the wrap-around exchange
-closes a ring of ranks that wait on each other, so the forward's tick, which now holds W, sets the pace:
-interleaved zero_bubble wins only where W and B are cheap against F + R (the H100's costs at m <= 2 p).
-A lock-step simulation turns the orders into the table: an action runs in a tick of its role when its
-inputs arrived in an earlier tick; R runs in the F tick right before its B, once the gradient B needs is
-there or on its way. It also gives every message a buffer slot on its receiver (a spare "trash" slot takes
-ticks with nothing to keep), so the executor's writes are unconditional and its buffers have a fixed size.
+plus each weight matmul's output gradient of one chunk between B and W. With v > 1, W between a backward and
+the next recompute leaves a rank one backward every other tick, where interleaved runs one every tick: in this
+accounting interleaved zero_bubble loses to interleaved, at unit costs and at the H100's.
+A lock-step simulation turns the orders into the table: an action runs in a tick it may run in (its role, or
+any with v > 1) when its inputs arrived in an earlier tick; R runs in the tick before its B (with v > 1 after
+the rank's B of that tick, zero_bubble's not in a tick with a B), once the gradient B needs is there or on its
+way. It also gives every message a buffer slot on its receiver (a spare "trash" slot takes ticks with nothing
+to keep), so the executor's writes are unconditional and its buffers have a fixed size.
 
 Time (`Schedule.step_time`): the executor's ticks end with ppermutes between pairs of ranks, and a send /
 receive waits only for its two ranks (NCCL's point-to-point), so a rank's tick ends when it and the ranks it
@@ -80,14 +89,24 @@ class Costs:
             object.__setattr__(self, "b_input", self.b - self.w)
 
 
+def free_sends(name: str, v: int) -> bool:
+    """Whether the schedule's ticks send activations forward and gradients backward on every rank (two
+    ppermutes a tick), so that any rank may run a forward or a backward in any tick: the schedules with a
+    ring of chunks (v > 1). Else the staggered roles, one direction per rank and tick."""
+    return v > 1 and name in ("interleaved", "zero_bubble")
+
+
 def perm_pairs(p: int, v: int, roles: bool, parity: int) -> list[list[tuple[int, int]]]:
     """The ppermutes that end a tick: a list of (source, destination) pair lists. Without roles, activations
-    go to r + 1. With roles, ranks with (parity + r) even send activations forward, the others gradients
-    back; one ppermute when that is a permutation, else one per direction. The wrap-around pair only when
-    v > 1."""
+    go to r + 1. With roles and v > 1 (`free_sends`), every rank sends both ways, activations over the ring to
+    r + 1, then gradients to r - 1. With roles and v = 1, ranks with (parity + r) even send activations
+    forward, the others gradients back; one ppermute when that is a permutation, else one per direction. The
+    wrap-around pair only when v > 1."""
     ring = v > 1
     if not roles:
         return [[(r, (r + 1) % p) for r in range(p) if ring or r + 1 < p]]
+    if ring:
+        return [[(r, (r + 1) % p) for r in range(p)], [(r, (r - 1) % p) for r in range(p)]]
     fwd = [(r, (r + 1) % p) for r in range(p) if (parity + r) % 2 == 0 and (ring or r + 1 < p)]
     bwd = [(r, (r - 1) % p) for r in range(p) if (parity + r) % 2 == 1 and (ring or r > 0)]
     if len({d for _, d in fwd + bwd}) == len(fwd + bwd):
@@ -249,13 +268,9 @@ def rank_queues(name: str, p: int, v: int, m: int, r: int) -> tuple[list, list, 
 
 
 def interleaved_depth(p: int, v: int, m: int, r: int) -> int:
-    """In-flight bound of the interleaved schedule on rank r: its first backward is chunk v - 1's of micro
-    batch 0, which runs (v - 1) p forwards into the rank's order; the gradient is back 2 (p - r - 1) + 1
-    ticks after it, while the rank runs a forward every other tick: v p - r in all (with odd p a wrap-around
-    hop can wait a tick for its role: one more per extra chunk), capped at Megatron's
-    (p - r - 1) 2 + (v - 1) p + 1."""
-    depth = (v - 1) * min(p, m) + p - r + (v - 1) * (p % 2)
-    return max(1, min(depth, (p - r - 1) * 2 + (v - 1) * p + 1, m * v))
+    """In-flight bound of the interleaved schedule on rank r: Megatron's (p - r - 1) 2 + (v - 1) p warm-up
+    forwards plus the steady state's forward before its backward, at most m v."""
+    return max(1, min((p - r - 1) * 2 + (v - 1) * p + 1, m * v))
 
 
 def _check_layout(name: str, p: int, v: int, m: int) -> None:
@@ -287,13 +302,18 @@ class _Slots:
 
 
 class _Simulator:
-    """Staggered lock-step execution of the rank orders: which actions run in which tick, and buffer slots."""
+    """Lock-step execution of the rank orders: which actions run in which tick, and buffer slots. `free`: messages
+    move both ways in every tick, so a rank may run a forward or a backward in any tick (interleaved and v > 1);
+    else in the staggered roles (module docstring). `fused`: a backward and the next backward's recompute may share
+    a tick (not zero_bubble, whose weight gradient reads the backward's residuals in the next tick)."""
 
     FIELDS = ("f_chunk", "f_micro", "f_slot", "f_keep", "f_grad_slot", "r_chunk", "r_micro", "r_slot",
               "b_chunk", "b_micro", "b_grad_slot", "w_chunk", "w_micro", "recv_act", "recv_grad")
 
     def __init__(self, name: str, p: int, v: int, m: int):
         self.p, self.chunks, self.gpipe = p, p * v, name == "gpipe"
+        self.free = free_sends(name, v)
+        self.fused = self.free and name != "zero_bubble"
         queues = [rank_queues(name, p, v, m, r) for r in range(p)]
         self.fwd = [q[0] for q in queues]
         self.bwd = [q[1] for q in queues]
@@ -318,47 +338,18 @@ class _Simulator:
         row = {f: [-1] * self.p for f in self.FIELDS}
         sends = []
         prepared = [None] * self.p
-        # backward ticks first: their gradient sends decide which recomputes the forward ticks may run
-        for r in (r for r in range(self.p) if (t + r) % 2 == 1):
-            nxt = self._head(self.bwd, self.bptr, r)
-            if nxt and self.prepared[r] == nxt[1:]:
-                c, g, mb = nxt
-                self.bptr[r] += 1
-                self.done[(BWD, g, mb)] = t
-                row["b_chunk"][r], row["b_micro"][r] = c, mb
-                row["b_grad_slot"][r] = self.grad_at.pop((g, mb))
-                self.grad_alloc[r].give(row["b_grad_slot"][r])
-                if g > 0:
-                    sends.append((BWD, g - 1, mb))
+        forward_role = [(t + r) % 2 == 0 for r in range(self.p)]
+        # backwards first: their gradient sends decide which recomputes may run
+        for r in range(self.p):
+            if self.free or not forward_role[r]:
+                self._backward(r, t, row, sends)
         # Until the first recompute, nothing goes backwards: every rank may run a forward in every tick
-        # (the pipeline fills at one hop per tick); from then on only in ticks of its forward role.
-        for r in (r for r in range(self.p) if (t + r) % 2 == 0 or not self.roles):
-            nxt = self._head(self.fwd, self.fptr, r)
-            in_flight = self.fptr[r] - self.bptr[r]
-            if nxt and in_flight < self.depth[r] and (nxt[1] == 0 or self.done.get((FWD, nxt[1] - 1, nxt[2]), t) < t):
-                c, g, mb = nxt
-                self.fptr[r] += 1
-                self.done[(FWD, g, mb)] = t
-                row["f_chunk"][r], row["f_micro"][r] = c, mb
-                if g == 0:  # the first chunk's input is computed here (the embedding): a fresh slot
-                    self.act_at[(0, mb)] = self.act_alloc[r].take()
-                row["f_slot"][r] = self.act_at[(g, mb)]
-                if g < self.chunks - 1:
-                    sends.append((FWD, g + 1, mb))
-                else:  # the head's backward starts the gradient here
-                    self.grad_at[(g, mb)] = row["f_grad_slot"][r] = self.grad_alloc[r].take()
-            nxt = self._head(self.bwd, self.bptr, r)
-            if (self.gpipe and self.fptr[r] < len(self.fwd[r])) or (t + r) % 2:
-                nxt = None
-            if nxt and (FWD, nxt[1], nxt[2]) in self.done and self._gradient_ready(nxt[1], nxt[2], sends):
-                c, g, mb = nxt
-                prepared[r] = (g, mb)
-                slot = self.act_at.pop((g, mb))
-                if row["f_chunk"][r] == c and row["f_micro"][r] == mb:  # its own forward keeps the residuals
-                    row["f_keep"][r] = 1
-                else:
-                    row["r_chunk"][r], row["r_micro"][r], row["r_slot"][r] = c, mb, slot
-                self.act_alloc[r].give(slot)
+        # (the pipeline fills at one hop per tick); from then on with roles only in ticks of its forward role.
+        for r in range(self.p):
+            if self.free or forward_role[r] or not self.roles:
+                self._forward(r, t, row, sends)
+            if (self.fused or row["b_chunk"][r] < 0) if self.free else forward_role[r]:
+                prepared[r] = self._recompute(r, row, sends)
         self.free_ticks += not self.roles
         self.roles = self.roles or any(x is not None for x in prepared)
         for kind, g, mb in sends:  # at the end of the tick
@@ -370,9 +361,54 @@ class _Simulator:
         self.prepared = prepared
         return row
 
-    def _gradient_ready(self, g: int, mb: int, sends) -> bool:
-        """The gradient a backward of (g, mb) needs is in a buffer or arrives at the end of this tick."""
-        return (g, mb) in self.grad_at or (BWD, g, mb) in sends
+    def _backward(self, r, t, row, sends) -> None:
+        """Rank r's next backward, if the last tick made its residuals."""
+        nxt = self._head(self.bwd, self.bptr, r)
+        if not nxt or self.prepared[r] != nxt[1:]:
+            return
+        c, g, mb = nxt
+        self.bptr[r] += 1
+        self.done[(BWD, g, mb)] = t
+        row["b_chunk"][r], row["b_micro"][r] = c, mb
+        row["b_grad_slot"][r] = self.grad_at.pop((g, mb))
+        self.grad_alloc[r].give(row["b_grad_slot"][r])
+        if g > 0:
+            sends.append((BWD, g - 1, mb))
+
+    def _forward(self, r, t, row, sends) -> None:
+        """Rank r's next forward, if its input arrived and the rank holds fewer than its depth in flight."""
+        nxt = self._head(self.fwd, self.fptr, r)
+        in_flight = self.fptr[r] - self.bptr[r]
+        if not nxt or in_flight >= self.depth[r] or (nxt[1] > 0 and self.done.get((FWD, nxt[1] - 1, nxt[2]), t) >= t):
+            return
+        c, g, mb = nxt
+        self.fptr[r] += 1
+        self.done[(FWD, g, mb)] = t
+        row["f_chunk"][r], row["f_micro"][r] = c, mb
+        if g == 0:  # the first chunk's input is computed here (the embedding): a fresh slot
+            self.act_at[(0, mb)] = self.act_alloc[r].take()
+        row["f_slot"][r] = self.act_at[(g, mb)]
+        if g < self.chunks - 1:
+            sends.append((FWD, g + 1, mb))
+        else:  # the head's backward starts the gradient here
+            self.grad_at[(g, mb)] = row["f_grad_slot"][r] = self.grad_alloc[r].take()
+
+    def _recompute(self, r, row, sends) -> tuple[int, int] | None:
+        """The recompute of rank r's next backward (its residuals for the next tick), once its forward ran and
+        the gradient it needs is there or on its way: (global chunk, micro), or None."""
+        nxt = self._head(self.bwd, self.bptr, r)
+        if not nxt or (self.gpipe and self.fptr[r] < len(self.fwd[r])):
+            return None
+        c, g, mb = nxt
+        if (FWD, g, mb) not in self.done or not ((g, mb) in self.grad_at or (BWD, g, mb) in sends):
+            return None
+        slot = self.act_at.pop((g, mb))
+        if row["f_chunk"][r] == c and row["f_micro"][r] == mb:  # its own forward keeps the residuals
+            row["f_keep"][r] = 1
+        else:
+            row["r_chunk"][r], row["r_micro"][r], row["r_slot"][r] = c, mb, slot
+        self.act_alloc[r].give(slot)
+        return g, mb
 
     def finished(self) -> bool:
         return all(self.bptr[r] >= len(self.bwd[r]) for r in range(self.p))
