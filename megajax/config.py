@@ -71,13 +71,13 @@ class ParallelConfig:
     # first), the rest split evenly over the stages between; with virtual_stages each stage's layers split evenly
     # over its chunks. null: as many as the other stages. docs/features/pipeline-schedules.md.
     decoder_first_pipeline_num_layers: int | None = None
-    decoder_last_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = None  # the layers on the last stage (null: as the others)
     # Megatron's --account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split: the embedding
     # (on the first chunk) and the output layer with the loss (on the last) each count as one layer in an even
     # split, so those chunks hold one transformer layer fewer (Llama 3.1 405B: 126 layers + 2 over 16 stages).
     # Not with the two keys above.
     account_for_embedding_in_pipeline_split: bool = False
-    account_for_loss_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False  # the output layer and the loss count as a layer
     distributed_optimizer: bool = False  # shard the optimizer state over the data ranks (ZeRO-1)
     # How far the data-parallel ranks (x context) shard the training state (Megatron's
     # --data-parallel-sharding-strategy; docs/features/fsdp.md): no_shard = every rank holds it all; optim = the
@@ -389,8 +389,8 @@ def pipeline_split(num_layers: int, p: int, v: int = 1, first: int | None = None
         rest = num_layers - sum(ends)
         _check(rest >= 0 and (rest % middle == 0 if middle else rest == 0),
                f"{' and '.join(f'{k}={n}' for k, n in zip(keys, (first, last)) if n is not None)} leave {rest} of "
-               f"model.num_layers={num_layers} layers for {middle} middle stage(s) of parallel.pipeline={p}, which "
-               f"do not split evenly: choose them so that the rest divides by {middle or 'nothing (no stage left)'}")
+               f"model.num_layers={num_layers} layers for the other {middle} stage(s) of parallel.pipeline={p}, "
+               f"which do not split evenly: choose them so that the rest divides by {middle or 'nothing (no stage left)'}")
         per = rest // middle if middle else 0
         stages = [first if first is not None else per] + [per] * (p - 2) + [last if last is not None else per]
         for name, n in ((keys[0], stages[0]), (keys[1], stages[-1]), ("each middle stage", per)):

@@ -375,7 +375,7 @@ def test_fsdp_weights_move_between_layouts_and_data_sizes(tmp_path):
                                                              optim.zero_unpad(m, a.shape)),
                                             st.params, mu, target.param_shapes))
         if target.plan.pipelined:
-            pairs = from_stages(pairs)
+            pairs = from_stages(pairs, target.cfg.stage_split)
         return pairs
 
     want = own(state, setup)
@@ -399,6 +399,61 @@ def test_fsdp_weights_move_between_layouts_and_data_sizes(tmp_path):
     # and back: one device's checkpoint onto ZeRO-3 at data 3
     mgr = checkpoint.manager(str(tmp_path / "one"), use_async=False)
     checkpoint.save(mgr, 2, one[0], one[1].cfg, 24)
+    mgr.wait_until_finished()
+    fields, _ = checkpoint.restore(mgr, 2, setup.abstract_state, setup.state_shardings, setup.cfg)
+    jax.tree.map(np.testing.assert_array_equal, own(step_lib.TrainState(**fields), setup), want)
+    mgr.close()
+
+
+def test_uneven_pipeline_stages_move_to_even_stages_and_no_pipeline(tmp_path):
+    """A checkpoint of uneven stages (Megatron's accounting of the embedding and the loss: 6 layers in 2 stages of 2
+    chunks hold 1, 2, 2, 1) restores onto another uneven split, an even one and no pipeline with the same weights and
+    Adam moments; the empty slots stay zero through training; the params export holds the model's layers; and a
+    checkpoint of no pipeline restores onto the uneven split."""
+    import jax
+
+    from megajax.pipeline.layout import from_stages
+    from conftest import run_steps, small_config
+
+    model = {"model.num_layers": 6, "model.arch": "llama", "model.num_heads": 8, "model.num_kv_heads": 4,
+             "train.global_batch_size": 8}
+    uneven = {**model, "parallel.data": 2, "parallel.pipeline": 2, "parallel.tensor": 2, "train.micro_batch_size": 2,
+              "parallel.schedule": "zero_bubble", "parallel.virtual_stages": 2,
+              "parallel.account_for_embedding_in_pipeline_split": True,
+              "parallel.account_for_loss_in_pipeline_split": True}
+    _, state, setup = run_steps(small_config(**uneven), 8, 2, return_state=True)
+    assert setup.cfg.stage_split.units == (1, 2, 2, 1)
+    for leaf in jax.tree.leaves((state.params["layers"], state.opt_state[1].mu["layers"])):
+        empty = np.asarray(jax.device_get(leaf))[[0, 1], [0, 1], -1]  # [v, p, S]: chunks 0 and 3's last slots
+        assert not empty.any(), "an empty slot's weight or moment moved"
+    mgr = checkpoint.manager(str(tmp_path / "uneven"), use_async=False)
+    checkpoint.save(mgr, 2, state, setup.cfg, 16)
+    mgr.wait_until_finished()
+
+    def own(st, target):  # (weights, Adam's first moment) in the canonical layout
+        pairs = jax.device_get(jax.tree.map(lambda p, m: (p, m), st.params, st.opt_state[1].mu))
+        return from_stages(pairs, target.cfg.stage_split) if target.plan.pipelined else pairs
+
+    want = own(state, setup)
+    pipeline = {**model, "parallel.pipeline": 2, "parallel.tensor": 2, "train.micro_batch_size": 2}
+    for n, layout in ((8, {**pipeline, "parallel.data": 2}),
+                      (6, {**pipeline, "parallel.pipeline": 3, "parallel.tensor": 2, "parallel.data": 1,
+                           "parallel.decoder_first_pipeline_num_layers": 2,
+                           "parallel.decoder_last_pipeline_num_layers": 1}),
+                      (1, {**model, "parallel.data": 1})):
+        target = step_lib.setup_for(small_config(**layout), jax.devices()[:n])
+        fields, _ = checkpoint.restore(mgr, 2, target.abstract_state, target.state_shardings, target.cfg)
+        jax.tree.map(np.testing.assert_array_equal, own(step_lib.TrainState(**fields), target), want)
+    exported = checkpoint.load_params(str(tmp_path / "uneven"))
+    jax.tree.map(lambda a, w: np.testing.assert_array_equal(a, w[0]), exported["layers"], want["layers"],
+                 is_leaf=lambda x: isinstance(x, tuple))
+    mgr.close()
+    # and back: one device's state onto the uneven split
+    one = step_lib.setup_for(small_config(**{**model, "parallel.data": 1}), jax.devices()[:1])
+    mgr = checkpoint.manager(str(tmp_path / "one"), use_async=False)
+    checkpoint.save(mgr, 2, step_lib.TrainState(**checkpoint.restore(
+        checkpoint.manager(str(tmp_path / "uneven"), read_only=True), 2, one.abstract_state, one.state_shardings,
+        one.cfg)[0]), one.cfg, 16)
     mgr.wait_until_finished()
     fields, _ = checkpoint.restore(mgr, 2, setup.abstract_state, setup.state_shardings, setup.cfg)
     jax.tree.map(np.testing.assert_array_equal, own(step_lib.TrainState(**fields), setup), want)

@@ -1,12 +1,13 @@
 import glob
 import os
+import itertools
 
 import pytest
 
 from megajax import config as config_lib, config_io
 from megajax.config import ConfigError
 
-from conftest import REPO
+from conftest import REPO, small_config
 
 
 def load(*sets, path=None):
@@ -255,3 +256,57 @@ def test_a_damaged_or_hostile_preset_is_one_bounded_line_and_exit_2(tmp_path, ca
     assert code == 2 and len(err) == 1 and err[0].startswith(f"error: ") and str(preset) in err[0], err
     assert len(err[0]) < 1000 and time.time() - start < 10
     assert not (tmp_path / "run").exists()
+
+
+def test_pipeline_split_is_megatrons_for_every_stage_count_and_chunk_count():
+    """config.pipeline_split over the space of (layers, p, v, first, last, embedding/loss accounting, dense first
+    layers): every accepted split holds every layer once, in stage order, as Megatron's get_num_layers_to_build
+    splits them; every refused one names the keys to change."""
+    from megajax.config import pipeline_split
+
+    accepted = refused = 0
+    for layers, p, v in itertools.product((7, 12, 24, 61, 126), range(2, 17), (1, 2, 3)):
+        for first, last, acc, dense in itertools.product((None, 1, 2, 3, 4, 7, 8), (None, 1, 2, 7), range(4),
+                                                         (0, 3)):
+            if acc and (first is not None or last is not None):
+                continue
+            try:
+                split = pipeline_split(layers, p, v, first, last, bool(acc & 1), bool(acc & 2), dense)
+            except ConfigError as e:
+                refused += 1
+                assert "parallel." in str(e) or "model." in str(e), str(e)
+                continue
+            accepted += 1
+            assert sum(split.layers) == layers and len(split.layers) == p * v and min(split.layers) >= 1
+            assert sum(split.units) == layers - dense and split.layers[0] - split.units[0] == dense
+            stages = [sum(split.layers[r::p]) for r in range(p)]
+            if first is not None or last is not None:
+                assert all(len({split.layers[c] for c in range(r, p * v, p)}) == 1 for r in range(p)), "even chunks"
+                assert first is None or stages[0] == first
+                assert last is None or stages[-1] == last
+                inner = stages[1:-1] + ([stages[0]] if first is None else []) + ([stages[-1]] if last is None else [])
+                assert len(set(inner)) <= 1
+            elif acc:
+                per = (layers + bool(acc & 1) + bool(acc & 2)) // (p * v)
+                assert split.layers[0] == per - bool(acc & 1) and split.layers[-1] == per - bool(acc & 2)
+            else:
+                assert len(set(split.units)) == 1
+    assert accepted > 500 and refused > 500
+    # Meta's split of Llama 3.1 405B, two ways
+    assert pipeline_split(126, 16, 1, 7, 7).layers == (7,) + (8,) * 14 + (7,)
+    assert pipeline_split(126, 16, 1, embedding=True, loss=True).layers == (7,) + (8,) * 14 + (7,)
+
+
+@pytest.mark.parametrize("sets,words", [
+    ({"parallel.decoder_first_pipeline_num_layers": 1}, "parallel.pipeline > 1"),
+    ({"parallel.pipeline": 2, "parallel.decoder_first_pipeline_num_layers": 1,
+      "parallel.account_for_loss_in_pipeline_split": True}, "set one or the other"),
+    ({"parallel.pipeline": 2, "model.num_layers": 3}, "decoder_first_pipeline_num_layers"),
+    ({"parallel.pipeline": 4, "model.num_layers": 8, "parallel.decoder_first_pipeline_num_layers": 3},
+     "divides by 3"),
+    ({"parallel.pipeline": 2, "parallel.schedule": "interleaved", "parallel.virtual_stages": 2, "model.num_layers": 8,
+      "parallel.decoder_first_pipeline_num_layers": 3}, "multiple of 2"),
+])
+def test_uneven_stage_errors_name_the_fix(sets, words):
+    with pytest.raises(ConfigError, match=words):
+        small_config(**{"train.global_batch_size": 8, **sets})
