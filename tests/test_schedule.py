@@ -269,3 +269,55 @@ def test_interleaved_zero_bubble_against_interleaved():
     h100 = sl.Costs(1, 1, 2.61, 0.94, b_input=1.86)
     assert zb.bubble_fraction() > il.bubble_fraction()
     assert zb.bubble_fraction(h100) > il.bubble_fraction(h100)
+
+
+@pytest.mark.parametrize("name,p,v,m", [("gpipe", 2, 1, 3), ("1f1b", 4, 1, 8), ("interleaved", 3, 2, 6),
+                                        ("zero_bubble", 4, 1, 8), ("zero_bubble", 2, 2, 4)])
+def test_per_chunk_costs_with_equal_layers_equal_the_default(name, p, v, m):
+    """Per-layer costs with every chunk alike give the default accounting (work, ideal, bubble in both
+    syncs), at unit costs and at the H100's."""
+    s = sl.build(name, p, v, m)
+    for base in ({}, {"b": 2.61, "w": 0.94, "b_input": 1.86}):
+        flat, chunks = sl.Costs(**base), sl.Costs(**base, layers=[3] * (p * v))
+        np.testing.assert_allclose(s.work(chunks), s.work(flat), rtol=1e-12, atol=1e-12)
+        assert s.ideal(chunks) == pytest.approx(s.ideal(flat), rel=1e-12)
+        for sync in sl.SYNCS:
+            assert s.bubble_fraction(chunks, sync) == pytest.approx(s.bubble_fraction(flat, sync), rel=1e-9)
+
+
+def test_uneven_stages_by_hand():
+    """p 2, m 2, 1F1B, layers (1, 3): the unit is an average stage's forward (2 layers), so rank 0's F and R
+    cost 0.5 and its B 1, rank 1's F 1.5 and B 3 (it keeps its residuals: no recompute). Rank 0 forwards
+    twice (0.5 each; rank 1 waits for the first), rank 1's F0 ends at 2, its B0 at 5 (rank 0's R0 waits for
+    it), rank 0's B0 (to 6) overlaps rank 1's F1 (to 6.5), rank 1's B1 ends at 9.5 and rank 0's B1 at 10.5.
+    The busiest rank (1) works 2 x 4.5 = 9: bubble 10.5 / 9 - 1. The embedding and the head add to the first
+    chunk's F and B and to the last chunk's F (the head's forward and backward)."""
+    s = sl.build("1f1b", 2, 1, 2)
+    c = sl.Costs(layers=(1, 3))
+    clock = s.clock(c)
+    assert clock[:, 0].tolist() == [0, 0.5, 2, 5, 6, 9.5, 10.5]
+    assert clock[:, 1].tolist() == [0, 0.5, 2, 5, 6.5, 9.5, 9.5]
+    assert s.work(c).sum(axis=0).tolist() == [4, 9] and s.ideal(c) == 9
+    assert s.bubble_fraction(c) == pytest.approx(10.5 / 9 - 1)
+    per = sl.Costs(layers=(1, 3), embed=0.5, head=1).per_chunk(2)
+    assert per["f"].tolist() == [0.75, 3] and per["r"].tolist() == [0.5, 1.5] and per["b"].tolist() == [1.5, 3]
+    assert per["b_input"].tolist() == [1, 1.5] and per["w"].tolist() == [0.5, 1.5]
+    with pytest.raises(ValueError, match="layers"):
+        sl.Costs(head=1)
+    with pytest.raises(ValueError, match="chunks"):
+        s.work(sl.Costs(layers=(1, 2, 3)))
+
+
+def test_cli_uneven_stages(capsys):
+    """--layers and Megatron's split flags go through config.pipeline_split; the head's cost is estimated
+    from the model's shape (Llama 3.1 405B: the output layer is about 0.55 of a layer, GQA left out)."""
+    assert sl.head_cost(16384, 53248, 128256, 8192) == pytest.approx(0.5493, abs=1e-4)
+    argv = ["--schedule", "1f1b", "-p", "4", "-m", "8", "--layers", "16", "--first-stage-layers", "3",
+            "--last-stage-layers", "3", "--head-cost", "1"]
+    assert sl.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "work per rank: 24.000 40.000 40.000 24.000; busiest 40.000" in out and '"layers_per_chunk"' in out
+    assert sl.main(["-p", "16", "-m", "32", "--model", "llama3.1-405b", "--account-for-embedding",
+                    "--account-for-loss"]) == 0
+    assert '"layers_per_chunk": [\n    7,\n    8' in capsys.readouterr().out
+    assert sl.main(["-p", "4", "-m", "8", "--layers", "15"]) == 2  # 15 layers do not split over 4 stages

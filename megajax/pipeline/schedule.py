@@ -50,8 +50,13 @@ Time (`Schedule.step_time`): the executor's ticks end with ppermutes between pai
 receive waits only for its two ranks (NCCL's point-to-point), so a rank's tick ends when it and the ranks it
 exchanges with in that tick are done ("pairs", the accounting used for the bubble). "ticks" is the bound of a
 global lock step, every tick as long as its slowest rank.
+Uneven stages (config.pipeline_split: Megatron's decoder_first / last_pipeline_num_layers, or its accounting of
+the embedding and the loss as layers): `Costs` with the layers of each chunk, and the embedding's and head's
+costs in layers, charges each action its chunk's layers. The bubble is then measured against the critical path,
+the busiest rank's work (`Schedule.ideal`): what the schedule adds to the shortest step the split allows.
 
     python -m megajax.pipeline.schedule --schedule interleaved -p 4 -v 2 -m 8 [--png out.png]
+    python -m megajax.pipeline.schedule -p 16 -m 64 --model llama3.1-405b --account-for-embedding --account-for-loss
 """
 
 from __future__ import annotations
@@ -73,20 +78,43 @@ GRAD_SLOT_FIELDS = ("recv_grad", "f_grad_slot", "b_grad_slot")
 
 @dataclasses.dataclass(frozen=True)
 class Costs:
-    """Action costs in units of one chunk forward, for the bubble accounting. The defaults are the papers':
-    a recompute is a forward, the whole backward two, split into an input and a weight gradient of one each.
-    `scripts/bench_split_backward.py` measures them (H100, Llama 4096 wide, cuDNN attention: b 2.61, b_input
-    1.86, w 0.94)."""
+    """Action costs for the time accounting. The defaults are the papers': a recompute is a forward, the whole
+    backward two, split into an input and a weight gradient of one each. `scripts/bench_split_backward.py`
+    measures them (H100, Llama 4096 wide, cuDNN attention: b 2.61, b_input 1.86, w 0.94).
+    Without `layers` they are per chunk, every chunk alike. With `layers` (the transformer layers of each global
+    chunk, `config.pipeline_split(...).layers`) they are per layer and an action on chunk c costs layers[c] of
+    them, plus `embed` and `head` (the embedding, and the output layer with the loss, in layers' forwards) on the
+    first and the last chunk: the embedding's forward in chunk 0's F and its backward in chunk 0's B, the head's
+    forward and backward in the last chunk's F (where the executor runs both); their backwards cost b / f times
+    their forwards, as a layer's."""
 
     f: float = 1.0
     r: float = 1.0
     b: float = 2.0  # the fused backward (input and weight gradients)
     w: float = 1.0
     b_input: float | None = None  # the split backward's input gradient: b - w unless given
+    layers: tuple[float, ...] | None = None  # per global chunk c = local chunk * p + rank
+    embed: float = 0.0
+    head: float = 0.0
 
     def __post_init__(self):
         if self.b_input is None:
             object.__setattr__(self, "b_input", self.b - self.w)
+        if self.layers is not None:
+            object.__setattr__(self, "layers", tuple(self.layers))
+        if self.layers is None and (self.embed or self.head):
+            raise ValueError("embedding and head costs are in layers' forwards: give the layers per chunk too")
+
+    def per_chunk(self, p: int) -> dict[str, np.ndarray]:
+        """Per global chunk, in units of one forward of an average stage (sum(layers) / p layers): each action's
+        cost, "b" the fused backward, "b_input" the split one's input gradient (`layers` required)."""
+        n = np.asarray(self.layers, float)
+        unit = n.sum() / p
+        first, last = np.arange(n.size) == 0, np.arange(n.size) == n.size - 1
+        out = {"f": n * self.f + first * self.embed * self.f + last * self.head * (self.f + self.b), "r": n * self.r,
+               "b": n * self.b + first * self.embed * self.b, "b_input": n * self.b_input + first * self.embed * self.b,
+               "w": n * self.w}
+        return {k: val / unit for k, val in out.items()}
 
 
 def free_sends(name: str, v: int) -> bool:
@@ -177,11 +205,42 @@ class Schedule:
         return self.name == "zero_bubble"
 
     def work(self, costs: Costs | None = None) -> np.ndarray:
-        """[ticks, p] what each rank computes in each tick, in units of one forward of a whole stage."""
+        """[ticks, p] what each rank computes in each tick, in units of one forward of a whole stage (with
+        per-chunk costs an average stage: `Costs.per_chunk`)."""
         c = costs or Costs()
         b = c.b_input if self.split_backward else c.b
-        return ((self.f_chunk >= 0) * c.f + (self.r_chunk >= 0) * c.r + (self.b_chunk >= 0) * b
-                + (self.w_chunk >= 0) * c.w) / self.v
+        if c.layers is None:
+            return ((self.f_chunk >= 0) * c.f + (self.r_chunk >= 0) * c.r + (self.b_chunk >= 0) * b
+                    + (self.w_chunk >= 0) * c.w) / self.v
+        per = self._per_chunk(c)
+        return (self._charge(self.f_chunk, per["f"]) + self._charge(self.r_chunk, per["r"])
+                + self._charge(self.b_chunk, per["b_input" if self.split_backward else "b"])
+                + self._charge(self.w_chunk, per["w"]))
+
+    def _per_chunk(self, c: Costs) -> dict[str, np.ndarray]:
+        if len(c.layers) != self.num_chunks:
+            raise ValueError(f"costs for {len(c.layers)} chunks, but p={self.p} x v={self.v} = {self.num_chunks}")
+        return c.per_chunk(self.p)
+
+    def _charge(self, local: np.ndarray, cost: np.ndarray) -> np.ndarray:
+        """[ticks, p]: cost[global chunk] where a [ticks, p] table of local chunks runs one, else 0."""
+        g = self.global_chunk(local)
+        return np.where(g >= 0, cost[np.maximum(g, 0)], 0.0)
+
+    def ideal(self, costs: Costs | None = None) -> float:
+        """The step with no bubble, m (f + r + b) with every chunk alike: a recompute and a fused backward for
+        every micro batch (full recomputation, as the executor runs). With per-chunk costs, the busiest rank's
+        work as the table runs it (forwards, recomputes, backwards counted fused: zero_bubble's split costs
+        show as bubble), which no schedule can beat: the critical path, as Megatron's uneven splits are
+        judged. Both agree for equal chunks and p > 1 (the busiest rank never holds the last chunk, the one
+        whose recompute the table skips)."""
+        c = costs or Costs()
+        if c.layers is None:
+            return self.m * (c.f + c.r + c.b)
+        per = self._per_chunk(c)
+        busy = self._charge(self.f_chunk, per["f"]) + self._charge(self.r_chunk, per["r"]) + self._charge(
+            self.b_chunk, per["b"])
+        return float(busy.sum(axis=0).max())
 
     def exchanges(self, t: int) -> list[tuple[int, int]]:
         """The (source, destination) pairs of the ppermutes that end tick t."""
@@ -213,11 +272,12 @@ class Schedule:
         return float(self.clock(costs, sync)[-1].max())
 
     def bubble_fraction(self, costs: Costs | None = None, sync: str = "pairs") -> float:
-        """Step time over the ideal (every rank busy), minus one: the paper's bubble time / ideal time,
-        (p - 1) / m for 1F1B, (p - 1) / (v m) interleaved. The ideal counts a recompute and a whole fused
-        backward for every micro batch (full recomputation, as the executor runs)."""
+        """Step time over the ideal (`ideal`: the busiest rank's work), minus one: the paper's bubble time /
+        ideal time, (p - 1) / m for 1F1B, (p - 1) / (v m) interleaved. With uneven stages the ideal is the
+        critical path's: a step can be no shorter than the busiest rank's work, so the bubble is what the
+        schedule adds to that, not the lighter ranks' idle time."""
         c = costs or Costs()
-        return self.step_time(c, sync) / (self.m * (c.f + c.r + c.b)) - 1.0
+        return self.step_time(c, sync) / self.ideal(c) - 1.0
 
     def in_flight(self) -> np.ndarray:
         """Peak number of (chunk, micro batch) pairs whose forward ran and backward has not, per rank."""
@@ -230,13 +290,19 @@ class Schedule:
         return {"activations": int(np.sum((fg >= 0) & (fg < last))), "gradients": int(np.sum(bg > 0))}
 
     def summary(self, costs: Costs | None = None) -> dict:
-        return {
+        out = {
             "schedule": self.name, "p": self.p, "v": self.v, "m": self.m, "ticks": self.ticks,
             "bubble_fraction": self.bubble_fraction(costs), "bubble_lock_step": self.bubble_fraction(costs, "ticks"),
             "formula": formula(self.name, self.p, self.v, self.m),
             "peak_in_flight_per_rank": self.in_flight().tolist(), "sends": self.sends(),
             "act_slots": self.act_slots, "grad_slots": self.grad_slots,
         }
+        if costs is not None and costs.layers is not None:  # uneven stages: the time per rank
+            step = self.step_time(costs)
+            out.update({"layers_per_chunk": list(costs.layers), "embed_cost": costs.embed, "head_cost": costs.head,
+                        "work_per_rank": self.work(costs).sum(axis=0).round(4).tolist(), "ideal": self.ideal(costs),
+                        "step_time": step, "idle_share_of_step": 1.0 - self.ideal(costs) / step})
+        return out
 
 
 def formula(name: str, p: int, v: int, m: int) -> float:
@@ -455,6 +521,14 @@ def timeline(s: Schedule) -> str:
     return "\n".join(f"rank {r}: " + " ".join(c.rjust(width) for c in cells[r]) for r in range(s.p))
 
 
+def _action_cost(s: Schedule, c: Costs, label: str, g: int) -> float:
+    """The time of one action ('F', 'R', 'B' or 'W') on global chunk g, as `Schedule.work` counts it."""
+    kind = {"F": "f", "R": "r", "W": "w", "B": "b_input" if s.split_backward else "b"}[label]
+    if c.layers is None:
+        return getattr(c, kind) / s.v
+    return float(c.per_chunk(s.p)[kind][g])
+
+
 def save_png(s: Schedule, path: str, costs: Costs | None = None) -> None:
     """A Figure-4-like picture in time units (one forward of a whole stage = 1), each rank's ticks where
     `Schedule.clock` starts them (pairwise waits): forwards light, recomputes hatched, backwards dark (zero_bubble:
@@ -474,17 +548,18 @@ def save_png(s: Schedule, path: str, costs: Costs | None = None) -> None:
     for t in range(s.ticks):
         for r in range(s.p):
             x, y = starts[t, r], s.p - 1 - r
-            for label, chunk, micro, width, alpha, hatch in (  # in the executor's order
-                    ("W", s.w_chunk[t, r], s.w_micro[t, r], c.w, 0.7, "xx"),
-                    ("B", s.b_chunk[t, r], s.b_micro[t, r], c.b_input if s.split_backward else c.b, 0.95, None),
-                    ("R", s.r_chunk[t, r], s.r_micro[t, r], c.r, 0.25, "//"),
-                    ("F", s.f_chunk[t, r], s.f_micro[t, r], c.f, 0.45, None)):
+            for label, chunk, micro, alpha, hatch in (  # in the executor's order
+                    ("W", s.w_chunk[t, r], s.w_micro[t, r], 0.7, "xx"),
+                    ("B", s.b_chunk[t, r], s.b_micro[t, r], 0.95, None),
+                    ("R", s.r_chunk[t, r], s.r_micro[t, r], 0.25, "//"),
+                    ("F", s.f_chunk[t, r], s.f_micro[t, r], 0.45, None)):
                 if chunk < 0:
                     continue
-                ax.add_patch(plt.Rectangle((x, y), width / s.v, 1, facecolor=hues(int(chunk) % 10),
+                width = _action_cost(s, c, label, int(chunk) * s.p + r)
+                ax.add_patch(plt.Rectangle((x, y), width, 1, facecolor=hues(int(chunk) % 10),
                                            edgecolor="white", alpha=alpha, hatch=hatch))
-                ax.text(x + width / s.v / 2, y + 0.5, f"{label}{micro}", ha="center", va="center", fontsize=6)
-                x += width / s.v
+                ax.text(x + width / 2, y + 0.5, f"{label}{micro}", ha="center", va="center", fontsize=6)
+                x += width
     ax.set_xlim(0, starts[-1].max())
     ax.set_ylim(0, s.p)
     ax.set_yticks([s.p - 0.5 - r for r in range(s.p)], [f"rank {r}" for r in range(s.p)])
@@ -497,7 +572,21 @@ def save_png(s: Schedule, path: str, costs: Costs | None = None) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+# --model: (layers, hidden, ffn, vocab, seq) of known models, for per-chunk costs
+MODELS = {"llama3.1-405b": {"layers": 126, "hidden": 16384, "ffn": 53248, "vocab": 128256, "seq": 8192}}
+
+
+def head_cost(hidden: int, ffn: int, vocab: int, seq: int) -> float:
+    """The output layer's forward FLOPs over one transformer layer's, for `Costs.head`: 2 s h V over
+    2 s (4 h^2 + 3 h F) (the attention projections as if K and V were as wide as Q: grouped-query attention's
+    narrower ones are left out, as are the norms) + 2 s^2 h (the causal half of attention's scores and values).
+    The loss's softmax (a few s V) is below 1 / h of the output layer and left out; so is the embedding (a
+    gather, no matmul)."""
+    layer = 2 * seq * (4 * hidden**2 + 3 * hidden * ffn) + 2 * seq**2 * hidden
+    return 2 * seq * hidden * vocab / layer
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m megajax.pipeline.schedule", description=__doc__.split("\n\n")[0])
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     parser.add_argument("-p", type=int, required=True, help="pipeline ranks")
@@ -507,24 +596,67 @@ def main(argv: list[str] | None = None) -> int:
                         help="action costs for the bubble: forward, recompute, fused backward, weight gradient, "
                              "and (optional) the split backward's input gradient, e.g. 1,1,2.6,0.94,1.86 "
                              "(scripts/bench_split_backward.py measures them); the summary adds at_costs")
+    stages = parser.add_argument_group(
+        "uneven stages", "per-chunk costs (per layer with --costs) from config.pipeline_split's layers per chunk; "
+        "the summary is then at these costs, with the work per rank")
+    stages.add_argument("--layers", type=int, help="transformer layers (model.num_layers)")
+    stages.add_argument("--first-stage-layers", type=int, help="parallel.decoder_first_pipeline_num_layers")
+    stages.add_argument("--last-stage-layers", type=int, help="parallel.decoder_last_pipeline_num_layers")
+    stages.add_argument("--account-for-embedding", action="store_true",
+                        help="parallel.account_for_embedding_in_pipeline_split")
+    stages.add_argument("--account-for-loss", action="store_true", help="parallel.account_for_loss_in_pipeline_split")
+    stages.add_argument("--embed-cost", type=float, default=0.0, help="the embedding's forward, in layers' forwards")
+    stages.add_argument("--head-cost", type=float,
+                        help="the output layer's and loss's forward, in layers' forwards (default: estimated from "
+                             "--vocab --hidden --ffn --seq when given, else 0)")
+    for name in ("vocab", "hidden", "ffn", "seq"):
+        stages.add_argument(f"--{name}", type=int, help="model shape for the head's cost (`head_cost`)")
+    stages.add_argument("--model", choices=sorted(MODELS), help="the shape flags of a known model (flags win)")
     parser.add_argument("--png", help="also draw the timeline into this PNG file")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _costs(args) -> Costs | None:
+    """The costs the flags ask for: --costs, and per-chunk ones with --layers (or --model)."""
+    for key, val in MODELS.get(args.model, {}).items():
+        if getattr(args, key) is None:
+            setattr(args, key, val)
+    costs = None
+    if args.costs:
+        values = [float(x) for x in args.costs.split(",")]
+        if len(values) not in (4, 5):
+            raise ValueError(f"--costs takes 4 or 5 numbers F,R,B,W[,BI], got {args.costs!r}")
+        costs = Costs(*values[:4], b_input=values[4] if len(values) == 5 else None)
+    if args.layers is None:
+        return costs
+    from megajax.config import pipeline_split  # (no JAX: the config is plain Python)
+
+    split = pipeline_split(args.layers, args.p, args.v, args.first_stage_layers, args.last_stage_layers,
+                           args.account_for_embedding, args.account_for_loss)
+    shape = (args.hidden, args.ffn, args.vocab, args.seq)
+    head = args.head_cost if args.head_cost is not None else head_cost(*shape) if None not in shape else 0.0
+    return dataclasses.replace(costs or Costs(), layers=split.layers, embed=args.embed_cost, head=head)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     try:
         s = build(args.schedule, args.p, args.v, args.m)
-        costs = None
-        if args.costs:
-            values = [float(x) for x in args.costs.split(",")]
-            if len(values) not in (4, 5):
-                raise ValueError(f"--costs takes 4 or 5 numbers F,R,B,W[,BI], got {args.costs!r}")
-            costs = Costs(*values[:4], b_input=values[4] if len(values) == 5 else None)
-    except ValueError as e:
+        costs = _costs(args)
+    except ValueError as e:  # (config.ConfigError is one)
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(timeline(s))
-    summary = s.summary()
-    if costs:
-        summary["at_costs"] = {"bubble_fraction": s.bubble_fraction(costs),
-                               "bubble_lock_step": s.bubble_fraction(costs, "ticks")}
+    if costs is not None and costs.layers is not None:
+        summary = s.summary(costs)
+        print("work per rank: " + " ".join(f"{w:.3f}" for w in summary["work_per_rank"])
+              + f"; busiest {summary['ideal']:.3f}, step {summary['step_time']:.3f}, bubble "
+              f"{summary['bubble_fraction']:.4f} (of the step {summary['idle_share_of_step']:.4f})")
+    else:
+        summary = s.summary()
+        if costs:
+            summary["at_costs"] = {"bubble_fraction": s.bubble_fraction(costs),
+                                   "bubble_lock_step": s.bubble_fraction(costs, "ticks")}
     print(json.dumps(summary, indent=2))
     if args.png:
         save_png(s, args.png, costs)
