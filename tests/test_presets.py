@@ -102,3 +102,52 @@ def test_preset_fits_an_h100_with_the_rings_under_the_gemms(name):
     assert comm["exposed_comm_s"] < 0.25 * comm["gemm_s_at_peak"], comm
     if pipe > 1:  # the preset's cap is the audit's ratio (one layer's reduce-scatter over its forward)
         assert cfg.parallel.overlap_comm_ratio == pytest.approx(comm["in_schedule"]["comm_ratio"], rel=0.05)
+
+
+# The largest open models, split unevenly over 16 pipeline stages on 1024 GPUs: (GPUs, released shapes, layout as
+# (data, pipeline, tensor, virtual stages, expert), each stage's transformer layers)
+LARGE = {
+    "llama3.1-405b": (1024, {"num_layers": 126, "hidden_size": 16384, "num_heads": 128, "num_kv_heads": 8,
+                             "ffn_hidden_size": 53248, "vocab_size": 128256, "seq_length": 8192},
+                      (8, 16, 8, 4, 1), [7] + [8] * 14 + [7]),
+    "deepseek-v3": (1024, {"num_layers": 61, "hidden_size": 7168, "num_heads": 128, "ffn_hidden_size": 18432,
+                           "vocab_size": 129280, "seq_length": 4096, "multi_latent_attention": True,
+                           "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_head_dim": 128, "qk_pos_emb_head_dim": 64,
+                           "v_head_dim": 128, "num_experts": 256, "experts_per_token": 8, "moe_ffn_hidden_size": 2048,
+                           "moe_shared_experts": 1, "moe_first_dense_layers": 3,
+                           "moe_router_score_function": "sigmoid", "moe_router_num_groups": 8,
+                           "moe_router_group_topk": 4, "moe_router_topk_scaling_factor": 2.5},
+                    (8, 16, 8, 1, 8), [4] + [4] * 14 + [1]),
+}
+
+
+@pytest.mark.parametrize("name", LARGE)
+def test_large_preset_has_the_released_shapes_and_an_uneven_split(name):
+    gpus, shapes, (data, pipe, tensor, virtual, expert), stages = LARGE[name]
+    cfg = _load(name)
+    for key, value in shapes.items():
+        assert getattr(cfg.model, key) == value, key
+    p = cfg.parallel
+    assert (p.data, p.pipeline, p.tensor, p.virtual_stages, p.expert) == (data, pipe, tensor, virtual, expert)
+    resolved = cfg.for_devices(gpus)
+    assert resolved.parallel.data * p.pipeline * p.tensor == gpus and p.tensor <= audit.GPUS_PER_HOST
+    split = resolved.stage_split
+    assert [sum(split.layers[r::pipe]) for r in range(pipe)] == stages and not split.even
+    assert cfg.model.compute_dtype == "bfloat16" and cfg.model.param_dtype == "float32"
+    assert cfg.data.paths == [] and not os.path.exists(cfg.data.tokenizer)
+    if name == "deepseek-v3":  # the dense layers on the first stage, the auxiliary-loss-free balancing
+        assert split.layers[0] - split.units[0] == 3 and cfg.model.moe_router_bias_update_rate == 0.001
+
+
+@gpu
+# suite time: about 100 s (405B) and 150 s (DeepSeek-V3) to compile each for 1024 compile-only H100s on 2 cores
+@pytest.mark.slow
+@pytest.mark.parametrize("name", LARGE)
+def test_large_preset_fits_an_h100(name):
+    gpus, _, (data, pipe, tensor, virtual, expert), _ = LARGE[name]
+    report = audit.audit(_load(name), "h100", gpus)
+    layout = report["layout"]
+    assert (layout["data"], layout["pipeline"], layout["tensor"], layout["virtual_stages"], layout["expert"]) == (
+        data, pipe, tensor, virtual, expert)
+    memory = report["memory_per_device"]
+    assert memory["fits"] and memory["peak_estimate_gib"] <= MAX_GIB, memory
