@@ -16,10 +16,10 @@ nothing):
      runs before F in the tick (F may reuse the freed slot)
   W  zero_bubble: the weight gradients of the rank's backward of the previous tick, first in the tick
      (before R or the last chunk's F replace the residuals it reads)
-Sends are at the end of the tick: in the staggered lock step (schedule.py) a rank in its forward role
+Sends are at the end of the tick: in 1F1B's staggered lock step (schedule.py) a rank in its forward role
 sends an activation to rank r + 1 while rank r + 1, in its backward role, sends a gradient to rank r, so
-one ppermute of static swap pairs per tick carries both (two, one per direction, for an odd ring with
-interleaving); while the pipeline fills only activations move. What arrives goes into the buffer slot the
+one ppermute of static swap pairs per tick carries both; with interleaving (v > 1) every tick sends both ways
+over the ring (two ppermutes, one per direction); while the pipeline fills only activations move. What arrives goes into the buffer slot the
 table names (a spare trash slot takes ticks with nothing to keep).
 Memory: the stash is one activation per in-flight micro batch (Megatron's full recomputation of a chunk)
 plus one chunk's residuals. The embedding and head gradients and the loss are summed over 'pipeline' once
