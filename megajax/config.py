@@ -390,7 +390,8 @@ def pipeline_split(num_layers: int, p: int, v: int = 1, first: int | None = None
         _check(rest >= 0 and (rest % middle == 0 if middle else rest == 0),
                f"{' and '.join(f'{k}={n}' for k, n in zip(keys, (first, last)) if n is not None)} leave {rest} of "
                f"model.num_layers={num_layers} layers for the other {middle} stage(s) of parallel.pipeline={p}, "
-               f"which do not split evenly: choose them so that the rest divides by {middle or 'nothing (no stage left)'}")
+               f"which do not split evenly: choose them so that the rest divides by "
+               f"{middle or 'nothing (no stage left)'}")
         per = rest // middle if middle else 0
         stages = [first if first is not None else per] + [per] * (p - 2) + [last if last is not None else per]
         for name, n in ((keys[0], stages[0]), (keys[1], stages[-1]), ("each middle stage", per)):
@@ -422,9 +423,10 @@ def pipeline_split(num_layers: int, p: int, v: int = 1, first: int | None = None
            f"{first_dense}, which run with the embedding on it: give the first stage at least {first_dense * v}")
     stacked = [n - (first_dense if c == 0 else 0) for c, n in enumerate(layers)]
     bad = [c for c, n in enumerate(stacked) if n % period]
-    _check(not bad, f"pipeline chunk {bad[0] if bad else 0} holds {stacked[bad[0]] if bad else 0} layers of the "
-           f"stack, but model.moe_layer_freq={period} groups the stack in units of {period} layers: give every "
-           f"chunk a multiple of {period} (after the dense first layers)")
+    _check(not bad, f"a pipeline chunk holds whole groups of model.moe_layer_freq={period} layers (one MoE layer, "
+           f"then dense ones), but chunk {bad[0] if bad else 0} would hold {stacked[bad[0]] if bad else 0} layers of "
+           f"the stack: change the layers, the frequency or the pipeline so that every chunk holds a multiple of "
+           f"{period} (after the dense first layers)")
     _check(sum(stacked) == stack and max(stacked) > 0,
            f"the pipeline split {layers} does not hold model.num_layers={num_layers}")
     return StageSplit(tuple(layers), tuple(n // period for n in stacked))

@@ -292,7 +292,7 @@ def test_pipeline_staged_training_checkpoint_exports(tmp_path):
     checkpoint.save(mgr, 7, state, cfg, 28)
     mgr.wait_until_finished()
     mgr.close()
-    want = from_stages(jax.tree.map(np.asarray, state.params))
+    want = from_stages(jax.tree.map(np.asarray, state.params), cfg.stage_split)
     got = checkpoint.load_params(tmp_path / "run")  # the output dir: its checkpoints/, newest step
     jax.tree.map(np.testing.assert_array_equal, got, want)
     convert.to_hf(tmp_path / "run", tmp_path / "hf")
@@ -306,7 +306,7 @@ def test_pipeline_staged_training_checkpoint_exports(tmp_path):
                    {"parallel.pipeline": 2, "parallel.virtual_stages": 2, "parallel.schedule": "interleaved"}):
         other = step_lib.setup_for(config_io.override(cfg, layout), jax.devices()[:layout["parallel.pipeline"]])
         state = step_lib.init_state(other, step_lib.load_initial_params(other, str(tmp_path / "run")))
-        loaded = from_stages(state.params) if layout["parallel.pipeline"] > 1 else state.params
+        loaded = from_stages(state.params, other.cfg.stage_split) if layout["parallel.pipeline"] > 1 else state.params
         jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), loaded, want)
 
 

@@ -117,5 +117,6 @@ def test_random_init_is_the_same_on_every_layout():
                           "parallel.distributed_optimizer": True, "train.micro_batch_size": 1})
     state = step_lib.init_state(step_lib.setup_for(cfg, jax.devices()))
     want = initial_params(cfg.model, cfg.train.seed)
-    jax.tree.map(np.testing.assert_array_equal, from_stages(jax.device_get(state.params)), want)
+    jax.tree.map(np.testing.assert_array_equal, from_stages(jax.device_get(state.params), cfg.stage_split),
+                 want)
     assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(state.opt_state[1].mu))

@@ -555,7 +555,7 @@ def setup_canonical(setup, params):
     """Params in the canonical (unstaged) layout: the pipeline stacks layers as [chunk, stage, layers]."""
     from megajax.pipeline import layout
 
-    return layout.from_stages(params) if setup.cfg.parallel.pipeline > 1 else params
+    return layout.from_stages(params, setup.cfg.stage_split) if setup.cfg.parallel.pipeline > 1 else params
 
 
 def test_flops_count_the_active_experts():
