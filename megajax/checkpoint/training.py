@@ -429,7 +429,7 @@ def _saved_split(meta: dict, cfg: Config) -> StageSplit:
         chunks = int(layout.get("pipeline", 1)) * int(layout.get("virtual_stages", 1))
         total = cfg.model.stacked_layers // cfg.model.layer_period
         units = (total // chunks,) * chunks
-    return StageSplit(units, units)
+    return StageSplit(units, units)  # (restore reads the units alone; the meta does not record the layers)
 
 
 def _fits(saved: tuple, want: tuple, lead_saved: int, lead_want: int, split_saved: StageSplit | None = None,

@@ -69,12 +69,11 @@ class _ChunkActions:
         params = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, c, keepdims=False), self.layers)
         return params, at
 
-    def slots(self, at, n=None):
-        """(the global layer index of each of the chunk's first n slots, whether each holds a layer: None with even
-        stages, where all do)."""
-        n = self.lc if n is None else n
+    def slots(self, at):
+        """(the global layer index of each of the chunk's slots, whether each holds a layer: None with even stages,
+        where all do)."""
         first, units = at
-        return first + jnp.arange(n), None if self.even else jnp.arange(n) < units
+        return first + jnp.arange(self.lc), None if self.even else jnp.arange(self.lc) < units
 
     def micro(self, row, prefix):
         mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, row[prefix + "micro"], keepdims=False),
