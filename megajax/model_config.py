@@ -240,3 +240,27 @@ class ModelConfig:
     def padded_vocab_size(self) -> int:
         m = self.make_vocab_size_divisible_by
         return m * math.ceil(self.vocab_size / m)
+
+
+def layer_forward_flops_per_token(cfg: ModelConfig) -> tuple[float, float]:
+    """(matmul FLOPs of one layer's forward per token without the attention core, the core's FLOPs), averaged over
+    the layers.
+
+    An MoE layer counts its active MLP: the k routed experts and the shared ones, plus the router; with
+    model.moe_layer_freq n, one layer in n is MoE and the others count the dense MLP."""
+    d, h, g, k, s = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.seq_length
+    qkv = 2 * d * (h * k + 2 * g * k)
+    v = cfg.value_dim
+    out = 2 * h * v * d
+    if cfg.multi_latent_attention:  # the latent projections (k = qk_head_dim + qk_pos_emb_head_dim here)
+        c, r, n = cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim, cfg.qk_head_dim
+        q = 2 * d * h * k if cfg.q_lora_rank is None else 2 * cfg.q_lora_rank * (d + h * k)
+        qkv = q + 2 * d * (c + r) + 2 * c * h * (n + v)
+    mats = 3 if cfg.arch == "llama" else 2
+    mlp = 2 * d * cfg.ffn_size * mats
+    if cfg.num_experts:
+        active = (cfg.experts_per_token + cfg.moe_shared_experts) * cfg.moe_ffn_size
+        moe = 2 * d * active * mats + 2 * d * cfg.num_experts
+        mlp = (cfg.moe_layers * moe + (cfg.num_layers - cfg.moe_layers) * mlp) / cfg.num_layers
+    core = 2 * s * h * (k + v)  # q k^T and probs v over the full (uncausal) square, as Megatron counts
+    return qkv + out + mlp, core

@@ -321,3 +321,24 @@ def test_cli_uneven_stages(capsys):
                     "--account-for-loss"]) == 0
     assert '"layers_per_chunk": [\n    7,\n    8' in capsys.readouterr().out
     assert sl.main(["-p", "4", "-m", "8", "--layers", "15"]) == 2  # 15 layers do not split over 4 stages
+
+
+def test_cli_reads_a_config(capsys):
+    """--config takes the schedule, p, v, micro batches, the split (DeepSeek-V3's dense layers on the first stage)
+    and the head's cost from a preset, with no JAX; flags beside it win; a config without parallel.data says to
+    set it."""
+    import subprocess
+    import sys
+
+    from megajax import config_io
+
+    flags = sl.config_costs(config_io.load("configs/deepseek-v3.yaml"))
+    assert (flags["schedule"], flags["p"], flags["v"], flags["m"], flags["first_dense"]) == ("1f1b", 16, 1, 384, 3)
+    assert 1.3 < flags["head_cost"] < 1.5  # 7168 x 129280 over MLA and 8 + 1 experts of 2048
+    assert sl.main(["--config", "configs/deepseek-v3.yaml", "-m", "32"]) == 0
+    out = capsys.readouterr().out
+    assert '"layers_per_chunk": [\n    4,' in out and '"m": 32' in out
+    assert sl.main(["--config", "configs/tiny.yaml"]) == 2 and "set parallel.data" in capsys.readouterr().err
+    code = ("import sys; from megajax.pipeline import schedule as s; s.main(['--config', 'configs/llama3.1-405b.yaml']);"
+            " sys.exit('jax' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0, "the CLI imported JAX"

@@ -588,10 +588,13 @@ def head_cost(hidden: int, ffn: int, vocab: int, seq: int) -> float:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m megajax.pipeline.schedule", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
-    parser.add_argument("-p", type=int, required=True, help="pipeline ranks")
-    parser.add_argument("-v", type=int, default=1, help="virtual stages (model chunks) per rank")
-    parser.add_argument("-m", type=int, required=True, help="micro batches")
+    parser.add_argument("--config", help="a megajax config (configs/*.yaml): its schedule, p, v, micro batches, "
+                        "split and head cost (`config_costs`); flags given beside it win")
+    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="overrides for --config")
+    parser.add_argument("--schedule", choices=SCHEDULES)
+    parser.add_argument("-p", type=int, help="pipeline ranks")
+    parser.add_argument("-v", type=int, help="virtual stages (model chunks) per rank")
+    parser.add_argument("-m", type=int, help="micro batches")
     parser.add_argument("--costs", metavar="F,R,B,W,BI",
                         help="action costs for the bubble: forward, recompute, fused backward, weight gradient, "
                              "and (optional) the split backward's input gradient, e.g. 1,1,2.6,0.94,1.86 "
@@ -616,8 +619,47 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def config_costs(cfg) -> dict:
+    """A megajax config's schedule as this CLI's flags: schedule, p, v, m, the layers and split keys, and the head's
+    cost in layers' forwards (its logits' FLOPs over the mean layer's, matmuls as metrics counts them and attention's
+    scores and values causal, halved). parallel.data must be set (it decides m)."""
+    from megajax.config import ConfigError
+    from megajax.model_config import layer_forward_flops_per_token
+
+    par, model = cfg.parallel, cfg.model
+    if par.data is None:
+        raise ConfigError("the schedule needs the micro batches a pipeline runs: set parallel.data (--set "
+                          "parallel.data=N) for the GPUs you plan")
+    dense, core = layer_forward_flops_per_token(model)
+    return {"schedule": par.schedule, "p": par.pipeline, "v": par.virtual_stages, "m": cfg.num_micro_batches,
+            "layers": model.num_layers, "first_stage_layers": par.decoder_first_pipeline_num_layers,
+            "last_stage_layers": par.decoder_last_pipeline_num_layers,
+            "account_for_embedding": par.account_for_embedding_in_pipeline_split,
+            "account_for_loss": par.account_for_loss_in_pipeline_split,
+            "head_cost": 2 * model.hidden_size * model.padded_vocab_size / (dense + core / 2),
+            "first_dense": model.first_dense_layers, "period": model.layer_period}
+
+
+def _from_config(args) -> None:
+    """Fills the flags left unset from --config (`config_costs`); without it, the defaults."""
+    given = {}
+    if args.config:
+        from megajax import config_io  # (no JAX: the config and its YAML are plain Python)
+
+        given = config_costs(config_io.load(args.config, args.set))
+    defaults = {"schedule": "1f1b", "v": 1, "first_dense": 0, "period": 1}
+    for key in ("schedule", "p", "v", "m", "layers", "first_stage_layers", "last_stage_layers", "head_cost",
+                "first_dense", "period"):
+        if getattr(args, key, None) is None:
+            setattr(args, key, given.get(key, defaults.get(key)))
+    for key in ("account_for_embedding", "account_for_loss"):
+        setattr(args, key, getattr(args, key) or given.get(key, False))
+    if args.p is None or args.m is None:
+        raise ValueError("give -p and -m (pipeline ranks and micro batches), or --config")
+
+
 def _costs(args) -> Costs | None:
-    """The costs the flags ask for: --costs, and per-chunk ones with --layers (or --model)."""
+    """The costs the flags ask for: --costs, and per-chunk ones with --layers (or --model, or --config)."""
     for key, val in MODELS.get(args.model, {}).items():
         if getattr(args, key) is None:
             setattr(args, key, val)
@@ -632,7 +674,7 @@ def _costs(args) -> Costs | None:
     from megajax.config import pipeline_split  # (no JAX: the config is plain Python)
 
     split = pipeline_split(args.layers, args.p, args.v, args.first_stage_layers, args.last_stage_layers,
-                           args.account_for_embedding, args.account_for_loss)
+                           args.account_for_embedding, args.account_for_loss, args.first_dense, args.period)
     shape = (args.hidden, args.ffn, args.vocab, args.seq)
     head = args.head_cost if args.head_cost is not None else head_cost(*shape) if None not in shape else 0.0
     return dataclasses.replace(costs or Costs(), layers=split.layers, embed=args.embed_cost, head=head)
@@ -641,6 +683,7 @@ def _costs(args) -> Costs | None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        _from_config(args)
         s = build(args.schedule, args.p, args.v, args.m)
         costs = _costs(args)
     except ValueError as e:  # (config.ConfigError is one)
