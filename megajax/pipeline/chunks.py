@@ -34,6 +34,19 @@ def unless_empty(on, run, x):
     return run() if on is None else jax.lax.cond(on, run, lambda: x)
 
 
+def run_slots(mcfg, w, x, side, ids, on, remat: bool = False):
+    """A chunk's layers in turn: slot j runs layer ids[j] unless it is empty (`unless_empty`; on None: none is);
+    remat: keep only each layer's input for the backward (model.recompute=full, as model.LayerStack does)."""
+    def body(x, wl):
+        w_l, l, on_l = wl
+        run = lambda: model.block_apply(mcfg, w_l, x, l, side).astype(x.dtype)  # noqa: E731
+        if remat:
+            run = jax.checkpoint(run, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
+        return unless_empty(on_l, run, x), None
+
+    return jax.lax.scan(body, x, (w["block"], ids, on))[0]
+
+
 class _ChunkActions:
     """What one rank can do with one (local chunk, micro batch) in a tick: the branches of the forward,
     recompute and backward switches, by where the chunk sits in the model (NONE / FIRST / MID / LAST)."""
@@ -83,11 +96,7 @@ class _ChunkActions:
     # -- the chunk's layers, forward with its residuals -----------------------------------------------------
 
     def _layers(self, w, x, side, at):
-        def body(x, wl):
-            w_l, l, on = wl
-            return unless_empty(on, lambda: model.block_apply(self.mcfg, w_l, x, l, side).astype(x.dtype), x), None
-
-        return jax.lax.scan(body, x, (w["block"], *self.slots(at)))[0]
+        return run_slots(self.mcfg, w, x, side, *self.slots(at))
 
     def _hooked_layers(self, w, x, sinks, side, at, reduce):
         """(chunk output, taps): `_layers` with each layer's weights behind overlap.tapped_identity."""

@@ -14,7 +14,7 @@ from megajax import model
 from megajax.config import Config
 from megajax.data.loader import micro_batches
 from megajax.pipeline import layout
-from megajax.pipeline.chunks import _shared, unless_empty
+from megajax.pipeline.chunks import _shared, run_slots
 from megajax.pipeline.layout import local_chunks
 from megajax.pipeline.schedule import perm_pairs
 from megajax.sharding import vary
@@ -79,7 +79,9 @@ def _forward_rounds(cfg: Config, layers, shared, mbs, train: bool, objective_sca
             def run(x=x, side=side, w=w, i=i):
                 if split.even:
                     return model.layers_apply(mcfg, w, x, side, (i * p + rank) * lc).astype(dtype)
-                return _uneven_layers(mcfg, w, x, side, starts[i, rank], units[i, rank]).astype(dtype)
+                slot = jnp.arange(lc)  # the empty slots run nothing; full recompute as model.LayerStack's
+                return run_slots(mcfg, w, x, side, starts[i, rank] + slot, slot < units[i, rank],
+                                 remat=mcfg.recompute == "full").astype(dtype)
 
             y = jax.lax.cond(active, run, lambda: x)
             if i == v - 1:
@@ -98,16 +100,3 @@ def _forward_rounds(cfg: Config, layers, shared, mbs, train: bool, objective_sca
         (_, returned, loss), _ = jax.lax.scan(tick, init, jnp.arange(m + p - 1))
     return loss
 
-
-def _uneven_layers(mcfg, w, x, side, first, units):
-    """`model.layers_apply` over a chunk's slots of which the first `units` hold layers (uneven stages,
-    layout.py): the empty ones run nothing."""
-    def body(x, wl):
-        w_l, slot = wl
-        run = lambda: model.block_apply(mcfg, w_l, x, first + slot, side).astype(x.dtype)  # noqa: E731
-        if mcfg.recompute == "full":  # as model.LayerStack: only each layer's input kept for the backward
-            run = jax.checkpoint(run, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
-        return unless_empty(slot < units, run, x), None
-
-    n = jax.tree.leaves(w)[0].shape[0]
-    return jax.lax.scan(body, x, (w["block"], jnp.arange(n)))[0]

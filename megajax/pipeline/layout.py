@@ -4,9 +4,10 @@ Global chunk c (0 <= c < p v) lives on rank c mod p as local chunk c // p (Megat
 assignment) and holds the stack's units [starts[c], starts[c] + units[c]) of `Config.stage_split`. Every chunk
 has S = max(units) slots: element [i, r, j] of the staged array is unit starts[i p + r] + j, and a chunk with
 fewer units (uneven stages: parallel.decoder_first/last_pipeline_num_layers, parallel.account_for_*) leaves its
-last slots empty: zero weights that the executor skips (`active`), which get zero gradients and stay zero. With an
-even split S = L / (p v) and staging is a plain reshape. The staged dims have logical names ("chunk", "stage",
-"layers"), and the rules table (megajax.sharding) maps "stage" to 'pipeline', so each rank holds its chunks.
+last slots empty: zero weights that the executor skips (chunks.unless_empty), which get zero gradients and stay
+zero. With an even split S = L / (p v) and staging is a plain reshape. The staged dims have logical names
+("chunk", "stage", "layers"), and the rules table (megajax.sharding) maps "stage" to 'pipeline', so each rank
+holds its chunks.
 """
 
 from __future__ import annotations
