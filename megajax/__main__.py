@@ -10,6 +10,7 @@ import sys
 
 COMMANDS = {
     "train": ("megajax.train", "train a model (the main job); --help lists every config key"),
+    "plan": ("megajax.plan", "the layout for a model on N GPUs: predicted step time, memory and why, from a cost model and the compiled program"),
     "audit": ("megajax.audit", "memory, FLOPs and collectives of a layout's compiled step, for CPU or GPU targets"),
     "generate": ("megajax.generate", "generate text from a checkpoint"),
     "convert": ("megajax.convert", "Hugging Face weights (GPT-2, Llama, Mixtral, Qwen2, Qwen2-MoE, DeepSeek-V3) to and from megajax checkpoints"),

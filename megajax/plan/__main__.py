@@ -1,0 +1,251 @@
+"""`python -m megajax.plan --config MODEL --target h100 --gpus 64 [--gpus-per-node 8] [--global-batch 512]
+[--seq-length S] [--set KEY=VALUE ...] [--compile N] [--top K] [--json FILE|-] [--write FILE]`
+
+Picks the layout for a model on a cluster: enumerates every valid layout (tensor, pipeline, context, expert and
+data sizes, schedule and virtual stages, micro batch size, recomputation, sequence parallelism and
+tp_comm_overlap, the distributed optimizer or FSDP, the data-parallel overlaps), prunes those whose memory
+(analytical) does not fit, ranks the rest by a predicted step time, compiles the closest few for the target GPU
+(XLA's memory and the communication its scheduled program leaves exposed), and prints a table and why the winner
+wins. Keys given with --set are held fixed: with every layout key fixed it scores that one layout.
+MODEL is a preset (configs/*.yaml) or a Hugging Face config.json (or its folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+from megajax.config import Config, InputError
+from megajax.plan.hardware import GIB, hardware
+from megajax.plan.search import KEYS, Candidate, compile_candidate, rank, search
+
+TARGETS = ("a100", "h100", "h200")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m megajax.plan", description=__doc__.split("\n\n")[1])
+    parser.add_argument("--config", required=True, help="a preset YAML, or a Hugging Face config.json (or its folder)")
+    parser.add_argument("--target", choices=TARGETS, required=True, help="the GPU kind")
+    parser.add_argument("--gpus", type=int, required=True, help="GPUs in all")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (NVLink inside, network across)")
+    parser.add_argument("--global-batch", type=int, help="sequences per step (default: the config's)")
+    parser.add_argument("--seq-length", type=int, help="tokens per sequence (default: the config's)")
+    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="config overrides; layout keys given here are held fixed (e.g. parallel.tensor=8)")
+    parser.add_argument("--compile", type=int, default=2, metavar="N",
+                        help="compile at most N of the best layouts whose predictions are within --separate of the "
+                             "best, for XLA's memory and overlap (needs the gpu-audit extra; 0: the model alone)")
+    parser.add_argument("--separate", type=float, default=0.03,
+                        help="the predicted step-time margin within which the model cannot separate layouts")
+    parser.add_argument("--top", type=int, default=10, help="rows to print")
+    parser.add_argument("--json", metavar="FILE", help="write the ranked rows as JSON here ('-': stdout, no table)")
+    parser.add_argument("--write", metavar="FILE", help="write the best layout as a ready preset (every key set)")
+    return parser
+
+
+def _base(args) -> tuple[Config, dict, dict]:
+    """(the config with --set applied, the preset's raw YAML (or the HF model as a section), the fixed keys)."""
+    from megajax import config_io
+
+    path = Path(args.config)
+    sets = list(args.set)
+    if args.global_batch:
+        sets.append(f"train.global_batch_size={args.global_batch}")
+    if args.seq_length:
+        sets.append(f"model.seq_length={args.seq_length}")
+    if path.name == "config.json" or (path.is_dir() and (path / "config.json").exists()):
+        from megajax.hf.configs import model_config_from_hf, read_hf_config
+
+        model = model_config_from_hf(read_hf_config(path if path.is_dir() else path.parent))
+        raw = {"model": {k: v for k, v in model.__dict__.items() if v != getattr(type(model)(), k, None)}}
+        base = config_io.override(config_io.from_dict(raw), config_io.parse_overrides(sets))
+    else:
+        base = config_io.load(path, sets)
+        raw = yaml.safe_load(path.read_text()) or {}
+    fixed = {k: v for k, v in config_io.parse_overrides(args.set).items() if k in KEYS}
+    if "parallel.data" not in fixed and base.parallel.data is not None and "parallel.data" in str(args.set):
+        fixed["parallel.data"] = base.parallel.data
+    return base, raw, fixed
+
+
+def _label(s: dict) -> str:
+    parts = [f"d{s['parallel.data']} p{s['parallel.pipeline']} t{s['parallel.tensor']}"]
+    if s["parallel.context"] > 1:
+        parts.append(f"c{s['parallel.context']}")
+    if s["parallel.expert"] > 1:
+        parts.append(f"e{s['parallel.expert']}")
+    if s["parallel.pipeline"] > 1:
+        parts.append(s["parallel.schedule"] + (f" v{s['parallel.virtual_stages']}"
+                                               if s["parallel.virtual_stages"] > 1 else ""))
+    flags = [name for key, name in (("parallel.sequence_parallel", "sp"), ("parallel.tp_comm_overlap", "tpo"),
+                                    ("parallel.overlap_grad_reduce", "ogr")) if s[key]]
+    shard = s["parallel.data_parallel_sharding_strategy"]
+    flags.append({"optim": "zero1", "optim_grads_params": "fsdp"}.get(shard, ""))
+    return " ".join(parts + [f for f in flags if f])
+
+
+def row(c: Candidate, rank: int, peak: float) -> dict:
+    """One ranked layout as --json writes it."""
+    e, s = c.estimate, c.settings
+    out = {"rank": rank, "layout": _label(s), "settings": dict(s),
+           "parallel": {k.split(".")[1]: v for k, v in s.items() if k.startswith("parallel.")},
+           "micro_batch_size": s["train.micro_batch_size"], "recompute": s["model.recompute"],
+           "micro_batches": c.cfg.num_micro_batches, "predicted_step_s": c.step_s,
+           "tflops_per_gpu": e.hardware_flops / c.step_s / 1e12, "mfu": e.model_flops / c.step_s / peak,
+           "memory_gib_per_gpu": c.memory_gib, "fits": c.fits, "bubble_fraction": e.bubble_fraction,
+           "exposed_comm_s": {k: v for k, v in e.exposed_s.items()}, "compute_s": dict(e.compute_s),
+           "memory_gib": {k: v / GIB for k, v in e.memory.items()}, "compiled": c.compiled}
+    return out
+
+
+def _why(ranked: list[Candidate], too_big: list[Candidate]) -> list[str]:
+    """Why the winner wins: against the best layout of each other (tensor, pipeline) pair, the terms that differ
+    most; and the smallest layouts that did not fit."""
+    best = ranked[0]
+    lines = []
+    seen = {(best.settings["parallel.tensor"], best.settings["parallel.pipeline"])}
+    for c in ranked[1:]:
+        key = (c.settings["parallel.tensor"], c.settings["parallel.pipeline"])
+        if key in seen:
+            continue
+        seen.add(key)
+        terms = _terms(c)
+        mine = _terms(best)
+        diffs = sorted(((terms[k] - mine[k], k) for k in terms), reverse=True)
+        big = [(d, k) for d, k in diffs if abs(d) > 0.005 * best.step_s]
+        said = ", ".join(f"{k} {d:+.2f} s" for d, k in [x for x in big if x[0] > 0][:3] + [x for x in big if x[0] < 0][-2:])
+        lines.append(f"  vs t={key[0]} p={key[1]} ({_label(c.settings)}): {c.step_s / best.step_s - 1:+.1%}"
+                     + (f": {said}" if said else ""))
+        if len(lines) == 4:
+            break
+    for c in [c for c in too_big if not c.compiled][:2]:
+        lines.append(f"  {_label(c.settings)} mb {c.settings['train.micro_batch_size']} would need "
+                     f"{c.estimate.memory['total'] / GIB:.1f} GiB")
+    return lines
+
+
+def _terms(c: Candidate) -> dict:
+    e = c.estimate
+    return {"GEMMs": e.compute_s["gemm"], "attention": e.compute_s["attention"], "recompute": e.compute_s["recompute"],
+            "memory-bound": e.compute_s["memory_bound"], "output layer": e.compute_s["head"],
+            "optimizer": e.compute_s["optimizer"], "bubble": e.bubble_s,
+            **{f"{k} comm": v for k, v in e.exposed_s.items()}}
+
+
+def _table(ranked: list[Candidate], peak: float, top: int) -> str:
+    head = (f"{'#':>3} {'layout':<40} {'mb':>3} {'recompute':<9} {'GiB':>6} {'step s':>8} {'TFLOP/s':>7} {'MFU':>5} "
+            f"{'bubble':>6}  exposed s: tensor data pipe expert context")
+    lines = [head]
+    for i, c in enumerate(ranked[:top], 1):
+        r = row(c, i, peak)
+        x = r["exposed_comm_s"]
+        lines.append(f"{i:>3} {r['layout']:<40} {r['micro_batch_size']:>3} {r['recompute']:<9} "
+                     f"{r['memory_gib_per_gpu']:>6.1f} {r['predicted_step_s']:>8.4g} {r['tflops_per_gpu']:>7.1f} "
+                     f"{r['mfu']:>5.1%} {r['bubble_fraction']:>6.1%}  {x['tensor']:.2f} {x['data']:.2f} "
+                     f"{x['pipeline']:.2f} {x['expert']:.2f} {x['context']:.2f}"
+                     + ("  (compiled)" if r["compiled"] else ""))
+    return "\n".join(lines)
+
+
+def write_preset(path: str, raw: dict, best: Candidate, argv: list[str]) -> None:
+    """The preset of the best layout: the input preset's keys with every searched key set, and a header saying
+    how it was planned and what it predicts."""
+    out = json.loads(json.dumps(raw))  # a copy
+    for key, value in best.settings.items():
+        section, name = key.split(".")
+        out.setdefault(section, {})[name] = value
+    out.setdefault("train", {})["global_batch_size"] = best.cfg.train.global_batch_size
+    out.setdefault("model", {})["seq_length"] = best.cfg.model.seq_length
+    head = (f"# Planned by: python -m megajax.plan {' '.join(argv)}\n"
+            f"# {_label(best.settings)}, micro batch {best.settings['train.micro_batch_size']}, recompute "
+            f"{best.settings['model.recompute']}: predicted {best.step_s:.4g} s a step, {best.memory_gib:.1f} GiB a GPU\n")
+    Path(path).write_text(head + yaml.safe_dump(out, sort_keys=False))
+
+
+def _compile(result: dict, target: str, n: int, margin: float) -> list[str]:
+    """Compiles up to `n` layouts, best first, while the best compiled one that fits is not clearly ahead (by
+    `margin`) of the best uncompiled: XLA's memory replaces the model's (a layout XLA finds too big moves to the
+    too-big list) and the communication the program leaves exposed replaces the model's. Returns notes."""
+    ranked = result["ranked"]
+    if not ranked or n <= 0:
+        return []
+    import os
+
+    from megajax import xla_flags
+
+    xla_flags.install()
+    import jax
+
+    if not os.environ.get("JAX_PLATFORMS"):
+        jax.config.update("jax_platforms", "cpu")  # compile-only GPUs; the CPU is the backend
+    notes = []
+    for _ in range(n):
+        done = [c for c in ranked if c.compiled]
+        todo = [c for c in ranked if not c.compiled]
+        if not todo or done and done[0].step_s * (1 - margin) <= todo[0].step_s:
+            break
+        try:
+            todo[0].compiled = compile_candidate(todo[0], target)
+        except InputError as e:  # the plugin is missing: the model's prediction stands
+            notes.append(f"not compiled ({e})")
+            break
+        if not todo[0].fits:
+            ranked.remove(todo[0])
+            result["too_big"].insert(0, todo[0])
+            notes.append(f"  compiled {_label(todo[0].settings)} mb {todo[0].settings['train.micro_batch_size']}: "
+                         f"XLA needs {todo[0].memory_gib:.1f} GiB (the model said "
+                         f"{todo[0].estimate.memory['total'] / GIB:.1f}): too big")
+        rank(ranked)
+        ranked.sort(key=lambda c: c.compiled is None)  # (compiled first: their numbers are the program's)
+    return notes
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _parser().parse_args(argv)
+    try:
+        base, raw, fixed = _base(args)
+        hw = hardware(args.target)
+        result = search(base, hw, args.gpus, args.gpus_per_node, fixed)
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    ranked = result["ranked"]
+    if not ranked:
+        smallest = result["too_big"][:1]
+        need = f" (the smallest needs {smallest[0].estimate.memory['total'] / GIB:.1f} GiB: " \
+               f"{_label(smallest[0].settings)})" if smallest else ""
+        print(f"error: no layout of {result['counted']['layouts']} fits {args.gpus} {hw.name}s{need}; add GPUs, "
+              "shorten model.seq_length or lower train.global_batch_size", file=sys.stderr)
+        return 1
+    notes = _compile(result, args.target, args.compile, args.separate)
+    counted = result["counted"]
+    rows = [row(c, i, hw.peak_flops) for i, c in enumerate(ranked, 1)]
+    if args.json:
+        text = json.dumps({"target": args.target, "hardware": hw.name, "gpus": args.gpus,
+                           "gpus_per_node": args.gpus_per_node, "counted": counted, "rows": rows}, indent=1)
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text)
+    if args.json != "-":
+        best = ranked[0]
+        print(f"{counted['layouts']} layouts for {args.gpus} {hw.name}s ({args.gpus_per_node} a node): "
+              f"{counted['fit']} fit, {counted['too_big']} too big, {counted['invalid']} invalid "
+              f"({result['seconds']:.1f} s)")
+        print(_table(ranked, hw.peak_flops, args.top))
+        print(f"\nbest: {_label(best.settings)}, micro batch {best.settings['train.micro_batch_size']}, recompute "
+              f"{best.settings['model.recompute']}: {best.step_s:.4g} s a step, "
+              f"{rows[0]['tflops_per_gpu']:.0f} TFLOP/s a GPU, {best.memory_gib:.1f} GiB")
+        print("\n".join(_why(ranked, result["too_big"]) + notes))
+    if args.write:
+        write_preset(args.write, raw, ranked[0], argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

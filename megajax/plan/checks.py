@@ -1,0 +1,180 @@
+"""`python -m megajax.plan.checks [--json FILE]`: the planner's predictions against measurements, as the docs show
+them (docs/guides/choosing-a-layout.md, benchmarks/2026-11-26-planner.md) and tests/test_plan.py checks them.
+
+- `h100_steps`: the single-H100 train steps measured by scripts/bench_train.py (benchmarks/h100/train.jsonl and
+  the dated runs beside it), each predicted for its config.
+- `table1`: the ten rows of Narayanan et al. (SC21) Table 1 on A100s (benchmarks/sc21-table1.json), each at the
+  paper's own layout: predicted TFLOP/s per GPU against the measured.
+The paper's runs are predicted with the paper's bubble, (p - 1) / (v m) (`estimate(..., simulate=False)`): they ran
+Megatron's schedules, whose recompute sits on the critical path, not megajax's executor.
+- `choices`: the planner's pick for each row, in the paper's feature space (Megatron of 2021: no sequence
+  parallelism, no distributed optimizer, full recomputation, no overlaps) or in megajax's whole one, against the
+  paper's layout.
+- `takeaways`: at a fixed GPU count, the best predicted throughput per tensor size and per pipeline size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+from pathlib import Path
+
+from megajax import config_io
+from megajax.plan.cost import estimate
+from megajax.plan.hardware import hardware
+from megajax.plan.search import search
+
+ROOT = Path(__file__).resolve().parents[2]
+# The features of the paper's Megatron (2021), held fixed so that the search varies what the paper chose.
+PAPER_SPACE = {"parallel.sequence_parallel": False, "model.recompute": "full",
+               "parallel.data_parallel_sharding_strategy": "no_shard", "parallel.distributed_optimizer": False,
+               "parallel.tp_comm_overlap": False, "parallel.overlap_grad_reduce": False,
+               "parallel.overlap_param_gather": False}
+
+
+def _paper() -> list[dict]:
+    return json.loads((ROOT / "benchmarks" / "sc21-table1.json").read_text())["rows"]
+
+
+def h100_steps() -> list[dict]:
+    """Each measured single-H100 step and its prediction (seconds)."""
+    hw = hardware("h100")
+    files = [ROOT / "benchmarks/h100/train.jsonl", *sorted(Path(p) for p in glob.glob(
+        str(ROOT / "benchmarks/h100/2026-11-26*/train.jsonl")))]
+    out = []
+    for path in files:
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            cfg = config_io.load(ROOT / r["config"], r["set"]).for_devices(r["devices"])
+            e = estimate(cfg, hw, 8)
+            out.append({"file": str(path.relative_to(ROOT)), "label": r["label"], "config": r["config"],
+                        "set": r["set"], "measured_s": r["step_s"], "predicted_s": e.step_s,
+                        "error": e.step_s / r["step_s"] - 1, "predicted_gib": e.memory["total"] / 2**30,
+                        "measured_gib": r["peak_bytes_in_use"] / 2**30})
+    return out
+
+
+def _paper_config(row: dict):
+    return config_io.load(ROOT / row["config"]).for_devices(row["gpus"])
+
+
+def table1() -> list[dict]:
+    """Each Table 1 row at the paper's layout: predicted TFLOP/s per GPU (the paper's FLOPs formula, eq. 3,
+    over the predicted step) against the measured."""
+    hw = hardware("a100")
+    out = []
+    for row in _paper():
+        cfg = _paper_config(row)
+        e = estimate(cfg, hw, 8, simulate=False)
+        tflops = paper_flops(cfg) / e.step_s / row["gpus"] / 1e12
+        out.append({**row, "predicted_tflops_per_gpu": tflops, "error": tflops / row["measured_tflops_per_gpu"] - 1,
+                    "predicted_step_s": e.step_s, "bubble_fraction": e.bubble_fraction,
+                    "memory_gib": e.memory["total"] / 2**30})
+    return out
+
+
+def paper_flops(cfg) -> float:
+    """The paper's FLOPs per step (eq. 3, full recomputation): 96 B s l h^2 (1 + s / 6h + V / 16 l h)."""
+    m = cfg.model
+    B, s, ell, h, V = cfg.train.global_batch_size, m.seq_length, m.num_layers, m.hidden_size, m.vocab_size
+    return 96 * B * s * ell * h**2 * (1 + s / (6 * h) + V / (16 * ell * h))
+
+
+def choices(space: dict | None = None, paper_data: bool = True) -> list[dict]:
+    """The planner's pick for each Table 1 row (in `space`, the fixed keys; the paper's by default) and its
+    predicted throughput against the paper's layout's. `paper_data`: hold the data-parallel size at the paper's
+    (Table 1 is a weak-scaling series: data 32 up to 76B, the model-parallel size growing with the GPUs)."""
+    space = PAPER_SPACE if space is None else space
+    hw = hardware("a100")
+    out = []
+    for row in _paper():
+        base = config_io.load(ROOT / row["config"])
+        fixed = {**space, "parallel.data": row["gpus"] // (row["tensor"] * row["pipeline"])} if paper_data else space
+        result = search(base, hw, row["gpus"], 8, dict(fixed), clock=False)
+        best = result["ranked"][0]
+        paper = estimate(_paper_config(row), hw, 8, simulate=False)
+        out.append({"config": row["config"], "gpus": row["gpus"], "paper": (row["tensor"], row["pipeline"]),
+                    "chosen": (best.settings["parallel.tensor"], best.settings["parallel.pipeline"]),
+                    "chosen_settings": best.settings, "speedup_over_paper": paper.step_s / best.step_s,
+                    "seconds": result["seconds"]})
+    return out
+
+
+def takeaways(config: str, gpus: int, space: dict | None = None) -> dict:
+    """The best predicted step for each tensor size and, at tensor 8, each pipeline size (in the paper's space):
+    {"tensor": {t: (step_s, fits)}, "pipeline": {p: step_s}}."""
+    space = PAPER_SPACE if space is None else space
+    hw = hardware("a100")
+    base = config_io.load(ROOT / config)
+    ranked = search(base, hw, gpus, 8, dict(space), keep=0, clock=False)["ranked"]
+    by_t: dict[int, float] = {}
+    by_p: dict[int, float] = {}
+    for c in ranked:
+        t, p = c.settings["parallel.tensor"], c.settings["parallel.pipeline"]
+        by_t[t] = min(by_t.get(t, float("inf")), c.step_s)
+        if t == 8:
+            by_p[p] = min(by_p.get(p, float("inf")), c.step_s)
+    return {"tensor": dict(sorted(by_t.items())), "pipeline": dict(sorted(by_p.items()))}
+
+
+# The paper's section 5.4-5.5 sweeps on 64 A100s (Megatron-LM examples/sc21/run_figure_1[3-6].sh: micro batch 1
+# unless swept, 1F1B, full recomputation, data 1 unless swept), and what the paper found.
+FIGURES = {
+    "13": {"model": {"num_layers": 32, "hidden_size": 20480, "num_heads": 128}, "batches": (32, 128),
+           "layouts": [{"tensor": t, "pipeline": 64 // t, "data": 1} for t in (32, 16, 8, 4, 2)],
+           "found": "the best (t, p) is (8, 8): tensor parallelism up to the node, pipeline across"},
+    "14": {"model": {"num_layers": 32, "hidden_size": 3840, "num_heads": 32}, "batches": (32, 512),
+           "layouts": [{"tensor": 1, "pipeline": p, "data": 64 // p} for p in (2, 4, 8, 16, 32)],
+           "found": "throughput falls as the pipeline grows (data parallelism shrinks)"},
+    "15": {"model": {"num_layers": 32, "hidden_size": 3840, "num_heads": 32}, "batches": (32, 128, 512),
+           "layouts": [{"tensor": t, "pipeline": 1, "data": 64 // t} for t in (2, 4, 8, 16, 32)],
+           "found": "throughput falls as tensor parallelism grows (data parallelism shrinks)"},
+    "16": {"model": {"num_layers": 32, "hidden_size": 15360, "num_heads": 128}, "batches": (128, 512),
+           "layouts": [{"tensor": 8, "pipeline": 8, "data": 1, "micro_batch_size": b} for b in (1, 2, 4, 8)],
+           "found": "the best micro batch size is 2"},
+}
+
+
+def figures() -> dict:
+    """Each sweep's predicted TFLOP/s per GPU (the paper's FLOPs over the predicted step), per batch and layout."""
+    hw = hardware("a100")
+    out = {}
+    for name, fig in FIGURES.items():
+        rows = []
+        for batch in fig["batches"]:
+            for layout in fig["layouts"]:
+                b = layout.get("micro_batch_size", 1)
+                sets = [f"model.{k}={v}" for k, v in fig["model"].items()] + [
+                    f"parallel.{k}={v}" for k, v in layout.items() if k != "micro_batch_size"] + [
+                    f"train.global_batch_size={batch}", f"train.micro_batch_size={b}", "parallel.schedule=1f1b",
+                    "parallel.virtual_stages=1"]
+                cfg = config_io.load(ROOT / "configs/paper/gpt-1.7b.yaml", sets).for_devices(64)
+                e = estimate(cfg, hw, 8, simulate=False)
+                rows.append({"batch": batch, **layout, "micro_batch_size": b,
+                             "tflops_per_gpu": paper_flops(cfg) / e.step_s / 64 / 1e12})
+        out[name] = {"found": fig["found"], "rows": rows}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megajax.plan.checks", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", metavar="FILE", help="also write every row here")
+    args = parser.parse_args(argv)
+    steps, rows, picks = h100_steps(), table1(), choices()
+    print("| H100 step | measured s | predicted s | error |\n|---|---|---|---|")
+    for r in steps:
+        print(f"| {r['label']} | {r['measured_s']:.3f} | {r['predicted_s']:.3f} | {r['error']:+.1%} |")
+    print("\n| Table 1 model | GPUs | t, p, micro batch, chunks | measured TFLOP/s | predicted | error | "
+          "planner's t, p | predicted gain |\n|---|---|---|---|---|---|---|---|")
+    for r, c in zip(rows, picks):
+        print(f"| {Path(r['config']).stem} | {r['gpus']} | {r['tensor']}, {r['pipeline']}, {r['micro_batch']}, "
+              f"{r['virtual_stages']} | {r['measured_tflops_per_gpu']} | {r['predicted_tflops_per_gpu']:.0f} | "
+              f"{r['error']:+.1%} | {c['chosen'][0]}, {c['chosen'][1]} | {c['speedup_over_paper'] - 1:+.1%} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"h100_steps": steps, "table1": rows, "choices": picks}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

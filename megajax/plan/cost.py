@@ -1,0 +1,427 @@
+"""The planner's analytical model of one layout: memory per GPU and a predicted step time, term by term.
+
+Time, per GPU (docs/guides/choosing-a-layout.md#the-time-model lists every constant):
+- GEMMs: each layer's matmuls at their shapes on this GPU (tokens x the tensor-split widths), at the GPU's
+  large-GEMM rate times the wave efficiency (`Hardware.gemm_seconds`); the backward is two GEMMs of each.
+- Attention's core: fused kernels (pallas, cudnn) at the measured flash rate; xla's unfused attention as its
+  batched GEMMs plus the fusions that write and read the [s, s] scores.
+- Memory-bound work at the fused kernels' measured bandwidth: the norms, residuals and activations (bytes read and
+  written by the fusions between GEMMs, per token), the loss over the vocabulary, gradient accumulation, AdamW.
+- Collectives as bytes over the link they cross at NCCL's bus bandwidth with ring factors, minus what runs under
+  compute (tensor parallelism's rings under the GEMMs with tp_comm_overlap, the data-parallel reductions under the
+  backward with overlap_grad_reduce, ...).
+- The pipeline: the schedule's own clock (`megajax.pipeline.schedule`) with these per-action costs.
+
+Memory, per GPU: fp32 weights, gradients and AdamW moments as the data ranks shard them, the activations the
+schedule keeps (Korthikanti et al.'s per-layer bytes for each recompute mode), the logits, and a reserve for
+workspaces XLA's estimate leaves out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from megajax.config import Config
+from megajax.model_config import layer_forward_flops_per_token
+from megajax.plan.hardware import GIB, Hardware
+
+RESERVE_BYTES = 3 * GIB  # cuBLAS / NCCL workspaces and fragmentation, outside XLA's memory analysis
+B16 = 2  # bytes of a bf16 activation
+# Bytes the fusions between GEMMs read and write per element, forward (the backward: twice that). Per element of
+# the residual stream [tokens, hidden]: first norm (read, write), bias + residual add (read 2, write), second norm,
+# second residual add = 10 reads and writes of 2 bytes. Per element of the MLP's hidden activation: the activation
+# function reads its input(s) and writes its output (gelu 2, swiglu 3 tensors). GEMMs read their operands inside
+# their own time.
+RESIDUAL_BYTES = 10 * B16
+# The unfused (xla) attention's [s, s] scores, per element: the QK^T GEMM writes them in fp32, the softmax reads
+# them and writes bf16 probabilities (4 + 4 + 2 bytes forward); backward: the dP GEMM writes fp32, the softmax's
+# backward reads P and dP and writes bf16 dS (4 + 2 + 4 + 2). (The H100 program's score GEMMs output f32.)
+SCORES_BYTES_FWD, SCORES_BYTES_BWD = 10, 12
+# The share of ZeRO-2/3's per-micro-batch gathers and reduce-scatters that XLA's scheduled program hides under
+# GEMMs at best (benchmarks/2026-11-26-compile-only-fsdp.md: 89% and 82%, Llama 3 8B on 8 H100s): what stays
+# exposed is each forward's first gather and the embedding's and output layer's, which nothing runs under.
+FSDP_HIDDEN = 0.85
+LOGIT_BYTES = 10  # the loss: fp32 logits read twice (log-softmax, its backward), a bf16 gradient written
+ADAMW_BYTES = 28 + 8  # read weight, gradient, two moments, write three (fp32); the gradient norm's read and scale
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """One layout's prediction. Times in seconds per step, memory in bytes per GPU."""
+
+    step_s: float
+    compute_s: dict  # gemm, attention, memory_bound, optimizer: the busiest GPU's own work
+    bubble_s: float
+    bubble_fraction: float
+    exposed_s: dict  # per kind: tensor, context, pipeline, data, expert
+    memory: dict  # weights, gradients, optimizer, activations, logits, reserve, total
+    fits: bool
+    hardware_flops: float  # per GPU per step (with recomputation)
+    model_flops: float
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        return self.hardware_flops / self.step_s / 1e12
+
+    def mfu(self, peak: float) -> float:
+        return self.model_flops / self.step_s / peak
+
+
+def _ring(n: int) -> float:
+    """A ring all-gather's (or reduce-scatter's) bytes on the wire per byte of the whole buffer."""
+    return (n - 1) / n if n > 1 else 0.0
+
+
+def group_bandwidth(hw: Hardware, size: int, stride: int, gpus_per_node: int) -> float:
+    """Bus bandwidth of a collective over `size` ranks `stride` apart (the mesh is data x pipeline x context x
+    tensor, tensor innermost): NVLink when the group fits in a node, else the NICs of the group's members in one
+    node, at most NVLink."""
+    if size <= 1:
+        return float("inf")
+    if size * stride <= gpus_per_node:
+        return hw.nvlink_bus_bytes_per_s
+    per_node = max(1, gpus_per_node // stride)
+    return min(hw.nvlink_bus_bytes_per_s, per_node * hw.network_bytes_per_s)
+
+
+@functools.lru_cache(maxsize=None)
+def parameter_counts(model) -> dict:
+    """Parameters of the model: per layer's attention and dense MLP (their matmuls), the experts of one MoE layer,
+    the shared experts and router, the embedding and output layer. Matmul weights only (norms and biases are
+    below 0.1%)."""
+    dense, _ = layer_forward_flops_per_token(model)
+    h, mats = model.hidden_size, 3 if model.arch == "llama" else 2
+    mlp = h * model.ffn_size * mats
+    moe = model.moe_layers
+    expert = h * model.moe_ffn_size * mats
+    moe_active = (model.experts_per_token + model.moe_shared_experts) * expert + h * model.num_experts if moe else 0
+    attention = dense / 2 - (moe * moe_active + (model.num_layers - moe) * mlp) / model.num_layers
+    vocab = model.padded_vocab_size * h
+    return {"attention": attention, "mlp": mlp, "dense_layers": model.num_layers - moe, "moe_layers": moe,
+            "experts": model.num_experts * expert, "shared": model.moe_shared_experts * expert + h * model.num_experts,
+            "embedding": vocab + (model.seq_length * h if model.arch == "gpt2" else 0),
+            "output": 0 if model.tied else vocab}
+
+
+def _layers_per_rank(cfg: Config) -> int:
+    split, p = cfg.stage_split, cfg.parallel.pipeline
+    return max(sum(split.layers[r::p]) for r in range(p))
+
+
+class _Layout:
+    """The sizes of one resolved config that the terms below use."""
+
+    def __init__(self, cfg: Config, gpus_per_node: int):
+        m, p = cfg.model, cfg.parallel
+        self.cfg, self.model, self.par, self.node = cfg, m, p, gpus_per_node
+        self.t, self.c, self.pp, self.d, self.e = p.tensor, p.context, p.pipeline, p.data, p.expert
+        self.b = cfg.train.micro_batch_size
+        self.m = cfg.num_micro_batches
+        self.tokens = self.b * m.seq_length // self.c  # one micro batch's tokens on this GPU's context shard
+        self.layers = _layers_per_rank(cfg)
+        self.moe_share = m.moe_layers / m.num_layers if m.num_experts else 0.0
+        self.sp = p.sequence_parallel and self.t > 1
+        self.dtype = "float8" if m.fp8 != "none" else "bfloat16"
+        self.unfused = m.attention_impl == "xla"
+
+
+def _layer_gemm_s(hw: Hardware, L: _Layout) -> float:
+    """One layer's forward GEMMs for one micro batch (the MoE share of layers with their experts)."""
+    m, t, T, dt = L.model, L.t, L.tokens, L.dtype
+    h, mats = m.hidden_size, 3 if m.arch == "llama" else 2
+    counts = parameter_counts(m)
+    out_width = m.num_heads * m.value_dim
+    qkv_width = max(counts["attention"] / h - out_width, 0)
+    s = hw.gemm_seconds(T, h, qkv_width // t, dt) + hw.gemm_seconds(T, out_width // t, h, dt)
+    dense_mlp = (hw.gemm_seconds(T, h, (mats - 1) * m.ffn_size // t, dt)
+                 + hw.gemm_seconds(T, m.ffn_size // t, h, dt))
+    if not m.num_experts:
+        return s + dense_mlp
+    f, k, E = m.moe_ffn_size, m.experts_per_token, m.num_experts
+    factor = m.moe_capacity_factor or 1.0
+    ranks = L.e * (t if L.par.folded_experts else 1)  # ranks the experts are spread over
+    split = 1 if L.par.folded_experts else t  # each expert's width split by tensor parallelism
+    per_expert = max(1, int(T * k * factor * L.e / E))  # tokens an expert receives from the pooled ranks
+    local = E / ranks
+    experts = (hw.gemm_seconds(per_expert, h, (mats - 1) * f // split, dt, local)
+               + hw.gemm_seconds(per_expert, f // split, h, dt, local))
+    shared = m.moe_shared_experts * f
+    if shared:
+        experts += hw.gemm_seconds(T, h, (mats - 1) * shared // t, dt) + hw.gemm_seconds(T, shared // t, h, dt)
+    experts += hw.gemm_seconds(T, h, E, "bfloat16")  # the router
+    return s + L.moe_share * experts + (1 - L.moe_share) * dense_mlp
+
+
+def _attention_s(hw: Hardware, L: _Layout) -> tuple[float, float, float]:
+    """(forward, backward, selective recompute) of one layer's attention core for one micro batch. Causal: a
+    fused kernel skips the masked half (forward 2 b s^2 h (k + v) / 2 FLOPs, backward 2.5 forwards) and recomputes
+    its forward; the unfused one computes the whole square: QK^T and PV forward, four GEMMs backward, and its
+    fusions over the scores; recomputed, its two GEMMs run again and XLA fuses the softmax into the backward's."""
+    m = L.model
+    heads = m.num_heads // L.t
+    rows, keys = L.tokens, m.seq_length  # this context shard's queries against every key
+    if not L.unfused:
+        flops = 2 * rows * keys * heads * (m.head_dim + m.value_dim) / 2
+        total = 3.5 * flops / hw.attention_rate(m.head_dim)
+        return total / 3.5, total * 2.5 / 3.5, total / 3.5
+    qk = hw.gemm_seconds(m.seq_length // L.c, m.head_dim, keys, "bfloat16", heads * L.b)
+    pv = hw.gemm_seconds(m.seq_length // L.c, keys, m.value_dim, "bfloat16", heads * L.b)
+    scores = rows * keys * heads
+    return (qk + pv + scores * SCORES_BYTES_FWD / hw.elementwise_bytes_per_s,
+            2 * (qk + pv) + scores * SCORES_BYTES_BWD / hw.elementwise_bytes_per_s, qk + pv)
+
+
+def _layer_memory_bound_s(hw: Hardware, L: _Layout) -> float:
+    """One layer's forward fusions for one micro batch (the backward: twice)."""
+    m = L.model
+    mats = 3 if m.arch == "llama" else 2
+    ffn = (1 - L.moe_share) * m.ffn_size + L.moe_share * (m.experts_per_token + m.moe_shared_experts) * (
+        m.moe_ffn_size if m.num_experts else 0)
+    residual = L.tokens * m.hidden_size / (L.t if L.sp else 1) * RESIDUAL_BYTES
+    hidden = L.tokens * ffn / L.t * mats * B16
+    return (residual + hidden) / hw.elementwise_bytes_per_s
+
+
+def _head_s(hw: Hardware, L: _Layout) -> float:
+    """The output layer and the loss for one micro batch, forward and backward (vocabulary split over tensor)."""
+    m = L.model
+    vocab = m.padded_vocab_size // L.t
+    gemm = 3 * hw.gemm_seconds(L.tokens, m.hidden_size, vocab, L.dtype)
+    return gemm + L.tokens * vocab * LOGIT_BYTES / hw.elementwise_bytes_per_s
+
+
+def local_parameters(L: _Layout) -> dict:
+    """Parameters on the busiest GPU: its layers' matmuls over tensor (experts over expert x tensor), and the
+    embedding and output layer, which every pipeline stage holds (megajax's pipeline is one SPMD program), over
+    tensor. {"dense": what the data ranks all hold, "experts": what data / expert of them hold, "total"}."""
+    counts = parameter_counts(L.model)
+    layers = L.layers
+    moe = round(layers * L.moe_share)
+    dense_layers = layers - moe
+    experts = moe * counts["experts"] / (L.e * L.t)
+    other = (layers * counts["attention"] + dense_layers * counts["mlp"] + moe * counts["shared"]
+             + counts["embedding"] + counts["output"]) / L.t
+    return {"dense": other, "experts": experts, "total": other + experts}
+
+
+def _collective_s(nbytes: float, ring: float, bandwidth: float) -> float:
+    return nbytes * ring / bandwidth if bandwidth != float("inf") else 0.0
+
+
+def _tensor_comm_s(hw: Hardware, L: _Layout) -> float:
+    """One layer's tensor-parallel traffic for one micro batch, forward (the backward moves the same): two
+    all-reduces of [tokens, hidden] (with sequence parallelism an all-gather and a reduce-scatter each, the same
+    bytes) in a ring of t."""
+    if L.t == 1:
+        return 0.0
+    nbytes = L.tokens * L.model.hidden_size * B16
+    bw = group_bandwidth(hw, L.t, 1, L.node)
+    return 2 * _collective_s(nbytes, 2 * _ring(L.t), bw)
+
+
+def _context_comm_s(hw: Hardware, L: _Layout) -> float:
+    """One layer's context-parallel exchange for one micro batch, forward: the ring passes this shard's keys and
+    values c - 1 times (the backward: about twice that)."""
+    if L.c == 1:
+        return 0.0
+    m = L.model
+    kv = 2 * L.tokens * (m.kv_heads // L.t) * m.head_dim * B16
+    return (L.c - 1) * kv / group_bandwidth(hw, L.c, L.t, L.node)
+
+
+def _pipeline_send_s(hw: Hardware, L: _Layout) -> float:
+    """One micro batch's activation (or gradient) sent to the next stage: [tokens, hidden] (split over tensor
+    with sequence parallelism; else each tensor rank sends the whole over its own link) between stages t x c GPUs
+    apart. In the lock step a tick waits for its slowest send: over the network once the stages span nodes."""
+    if L.pp == 1:
+        return 0.0
+    nbytes = L.tokens * L.model.hidden_size * B16 / (L.t if L.sp else 1)
+    stride = L.t * L.c
+    bw = hw.nvlink_bus_bytes_per_s if stride * L.pp <= L.node else hw.network_bytes_per_s
+    return nbytes / bw
+
+
+def _data_comm_s(hw: Hardware, L: _Layout, params: dict) -> tuple[float, float]:
+    """(per step, per micro batch) data-parallel traffic: the fp32 gradients' reduction (an all-reduce, or the
+    distributed optimizer's reduce-scatter and weight all-gather: the same bytes) once a step; ZeRO-2 and 3 reduce
+    every micro batch and ZeRO-3 gathers the weights (bf16) before each forward and backward."""
+    par = L.par
+    ranks = L.d * L.c
+    stride = L.pp * L.c * L.t if L.d > 1 else L.t  # (context ranks, tensor apart, reduce with the data ranks)
+    bw = group_bandwidth(hw, ranks, stride, L.node)
+    bw_e = group_bandwidth(hw, L.d // L.e, stride * L.e, L.node)
+    grads = _collective_s(4 * params["dense"], 2 * _ring(ranks), bw) + _collective_s(
+        4 * params["experts"], 2 * _ring(L.d // L.e), bw_e)
+    if par.shards_grads:
+        per_micro = grads / 2 + (_collective_s(2 * 2 * params["total"], _ring(ranks), bw) if par.shards_params
+                                 else 0.0)
+        return (0.0 if par.shards_params else grads / 2), per_micro
+    return grads, 0.0
+
+
+def _memory(hw: Hardware, L: _Layout, params: dict, in_flight: int) -> dict:
+    """Bytes per GPU: fp32 weights (ZeRO-3: sharded) and their bf16 copy, fp32 gradients (ZeRO-2/3: sharded; with
+    overlap_grad_reduce and several micro batches one more copy), AdamW's two fp32 moments (sharded with the
+    distributed optimizer), the activations (below), the logits, the reserve."""
+    par, m = L.par, L.model
+    ranks = L.d * L.c
+    n = params["total"]
+    shard = lambda x: x / ranks if ranks > 1 else x  # noqa: E731
+    # fp32 weights, and the bf16 copy the step computes with (whole; ZeRO-3 gathers one layer's at a time)
+    weights = 4 * (shard(n) if par.shards_params else n) + (0 if par.shards_params else B16 * n)
+    grads = 4 * (shard(n) if par.shards_grads else n) * (2 if par.overlap_grad_reduce and L.m > 1 else 1)
+    optimizer = 8 * (shard(n) if par.shards_optimizer else n)
+    sbh = L.tokens * m.hidden_size
+    tp = L.t
+    # Korthikanti et al. (2022), bytes per layer: 34 s b h with sequence parallelism split over t (else 10 + 24 / t),
+    # plus 5 a s^2 b for the unfused attention's scores (split over t); a SwiGLU MLP keeps one more [s, b, ffn].
+    mlp_extra = 2 * m.ffn_size / m.hidden_size if m.arch == "llama" else 0.0
+    per_layer = sbh * ((34 + mlp_extra) / tp if L.sp else 10 + (24 + mlp_extra) / tp)
+    if L.unfused:
+        per_layer += 5 * m.num_heads * L.tokens * m.seq_length / tp
+    stash = 2 * sbh / (tp if L.sp else 1)  # a layer's (or a pipeline chunk's) input
+    recompute = "full" if L.pp > 1 else m.recompute
+    if recompute == "full":
+        chunk = L.layers // (L.par.virtual_stages if L.pp > 1 else 1)
+        kept = (in_flight * stash if L.pp > 1 else L.layers * stash) + chunk * stash + per_layer
+    elif recompute == "selective":
+        attn = 5 * m.num_heads * L.tokens * m.seq_length / tp if L.unfused else 0.0
+        kept = L.layers * (per_layer - attn)
+    else:
+        kept = L.layers * per_layer
+    logits = L.tokens * (m.padded_vocab_size // tp) * 10
+    out = {"weights": weights, "gradients": grads, "optimizer": optimizer, "activations": kept, "logits": logits,
+           "reserve": RESERVE_BYTES}
+    out["total"] = sum(out.values())
+    return out
+
+
+def in_flight(cfg: Config) -> int:
+    """Micro batches whose chunk inputs the first pipeline rank keeps at once: p for 1F1B, Megatron's
+    (v - 1) p + 2 (p - 1) + 1 chunks for interleaved (capped at m v)."""
+    p, v, m = cfg.parallel.pipeline, cfg.parallel.virtual_stages, cfg.num_micro_batches
+    if p == 1:
+        return 1
+    if cfg.parallel.schedule == "interleaved" or v > 1:
+        return min(m * v, (v - 1) * p + 2 * (p - 1) + 1)
+    return min(m, p)
+
+
+def _expert_comm_s(hw: Hardware, L: _Layout) -> float:
+    """One MoE layer's all-to-alls for one micro batch, forward (dispatch and combine of tokens x k rows; the
+    backward moves the same), over the ranks that hold the experts."""
+    m = L.model
+    if not m.num_experts:
+        return 0.0
+    ranks = L.e * (L.t if L.par.folded_experts else 1)
+    if ranks == 1:
+        return 0.0
+    tokens = L.tokens // (L.t if L.par.folded_experts else 1)
+    nbytes = tokens * m.experts_per_token * m.hidden_size * B16 * (m.moe_capacity_factor or 1.0)
+    stride = 1 if L.par.folded_experts else L.pp * L.c * L.t
+    # every GPU sends its own rows through its own NIC once the group spans nodes (no ring to share the NICs)
+    bw = hw.nvlink_bus_bytes_per_s if ranks * stride <= L.node else hw.network_bytes_per_s
+    return 2 * _collective_s(nbytes, _ring(ranks), bw)
+
+
+def _overlapped(comm: float, under: float, on: bool, first_step: float = 0.0) -> float:
+    """What of `comm` stays exposed: all of it, or with the overlap on what `under` (the compute it runs beneath)
+    cannot hide, and at least `first_step` (a ring's first step, which nothing precedes)."""
+    return max(comm - under, first_step) if on else comm
+
+
+def estimate(cfg: Config, hw: Hardware, gpus_per_node: int, simulate: bool = True) -> Estimate:
+    """The prediction for a resolved config (`Config.for_devices`). `simulate`: the pipeline's bubble from the
+    schedule's clock (`megajax.pipeline.schedule`), else from the paper's formula (the search's first pass)."""
+    from megajax import metrics
+
+    L = _Layout(cfg, gpus_per_node)
+    m, par = L.model, L.par
+    gemm_f = _layer_gemm_s(hw, L)
+    attn_f, attn_b, attn_r = _attention_s(hw, L)
+    mem_f = _layer_memory_bound_s(hw, L)
+    tp, cp, a2a = _tensor_comm_s(hw, L), _context_comm_s(hw, L), _expert_comm_s(hw, L) * L.moe_share
+    overlap_tp = par.tp_comm_overlap and L.sp
+    if overlap_tp and L.t > L.node:  # the ring's ppermutes: a hop between nodes has one NIC, not all of them
+        tp *= group_bandwidth(hw, L.t, 1, L.node) / hw.network_bytes_per_s
+    tp_f, tp_b = (_overlapped(tp, gemm_f, overlap_tp, tp / L.t if L.t > 1 else 0.0),
+                  _overlapped(tp, 2 * gemm_f, overlap_tp, tp / L.t if L.t > 1 else 0.0))
+    cp_f, cp_b = max(cp - attn_f, 0.0), max(2 * cp - attn_b, 0.0)
+    fwd = gemm_f + attn_f + mem_f + tp_f + cp_f + a2a
+    bwd = 2 * gemm_f + attn_b + 2 * mem_f + tp_b + cp_b + a2a
+    if L.pp > 1:  # the executor recomputes every chunk's forward before its backward (it stashes chunk inputs)
+        again = fwd + (attn_r if m.recompute == "selective" else 0.0)
+    else:
+        again = {"full": fwd, "selective": attn_r, "none": 0.0}[m.recompute]
+    head = _head_s(hw, L)
+    params = local_parameters(L)
+    send = _pipeline_send_s(hw, L)
+    layers = L.layers
+    if L.pp == 1:
+        compute_mb = layers * (fwd + again + bwd) + head
+        step_compute, bubble = L.m * compute_mb, 0.0
+    else:
+        step_compute, bubble = _pipeline(cfg, fwd, again, bwd, head, send, simulate)
+    reduce_s, per_micro = _data_comm_s(hw, L, params)
+    gather_s = reduce_s / 2 if par.shards_optimizer and not par.shards_grads else 0.0
+    reduce_s -= gather_s
+    idle = bubble / 2 if L.pp > 1 else 0.0  # the cool-down's (warm-up's) idle ticks on the busiest rank
+    data = (_overlapped(reduce_s, idle + layers * bwd, par.overlap_grad_reduce)
+            + _overlapped(gather_s, idle + layers * fwd, par.overlap_param_gather)
+            + L.m * max(per_micro - layers * (fwd + bwd), (1 - FSDP_HIDDEN) * per_micro))
+    n_local = params["total"]
+    shard = L.d * L.c if par.shards_optimizer else 1
+    # (accumulating the micro batches' gradients is not counted: XLA fuses the add into the weight-gradient GEMM's
+    # output, as Megatron's gradient_accumulation_fusion does)
+    optimizer = (ADAMW_BYTES * n_local / shard + 6 * n_local) / hw.elementwise_bytes_per_s
+    step = step_compute + data + optimizer
+    micro = L.m * (layers * (fwd + again + bwd) + head) if L.pp == 1 else step_compute - bubble
+    per_layer_exposed = L.m * layers
+    exposed = {"tensor": per_layer_exposed * (tp_f + tp_b + (tp_f if again >= fwd else 0.0)),
+               "context": per_layer_exposed * (cp_f + cp_b), "expert": per_layer_exposed * 2 * a2a,
+               "pipeline": 2 * send * (L.m * par.virtual_stages + L.pp - 1) if L.pp > 1 else 0.0,
+               "data": data}
+    tokens = cfg.train.global_batch_size * m.seq_length
+    flops = metrics.step_flops(m, tokens, pipelined=L.pp > 1)
+    gpus = L.d * L.pp * L.c * L.t
+    mem = _memory(hw, L, params, in_flight(cfg))
+    runs = L.m * layers  # (layer, micro batch) pairs on the busiest GPU
+    return Estimate(
+        step_s=step, bubble_s=bubble, bubble_fraction=bubble / max(micro, 1e-30), exposed_s=exposed,
+        compute_s={"gemm": runs * 3 * gemm_f, "attention": runs * (attn_f + attn_b),
+                   "memory_bound": runs * 3 * mem_f, "recompute": runs * again, "head": L.m * head,
+                   "optimizer": optimizer, "schedule": step_compute},
+        memory=mem, fits=mem["total"] <= hw.memory_bytes, hardware_flops=flops["hardware_flops"] / gpus,
+        model_flops=flops["model_flops"] / gpus)
+
+
+def _pipeline(cfg: Config, fwd: float, again: float, bwd: float, head: float, send: float,
+              simulate: bool) -> tuple[float, float]:
+    """(the busiest rank's schedule time, its bubble) in seconds: per layer f, r, b and the head (its forward and
+    backward, run in the last chunk's forward) on the schedule's clock, each chunk's send added to its forward and
+    backward."""
+    from megajax.pipeline import schedule
+
+    par = cfg.parallel
+    p, v, m = par.pipeline, par.virtual_stages, cfg.num_micro_batches
+    split = cfg.stage_split.layers
+    chunk = sum(split) / (p * v)
+    f, r, b = fwd + send / chunk, again, bwd + send / chunk
+    ideal = m * v * chunk * (f + r + b) + m * head
+    if not simulate:
+        name = "zero_bubble" if par.schedule == "zero_bubble" else "1f1b"
+        bubble = schedule.formula(name, p, v, m) * ideal
+        return ideal + bubble, bubble
+    costs = schedule.Costs(f=1.0, r=r / f, b=b / f, w=b / (2 * f), layers=tuple(split), head=head / (f + b))
+    s = _built(par.schedule, p, v, m)
+    unit = f * sum(split) / p  # one forward of an average stage
+    total = s.step_time(costs) * unit
+    return total, total - s.ideal(costs) * unit
+
+
+@functools.lru_cache(maxsize=256)
+def _built(name: str, p: int, v: int, m: int):
+    from megajax.pipeline import schedule
+
+    return schedule.build(name, p, v, m)

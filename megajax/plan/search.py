@@ -1,0 +1,220 @@
+"""The layout search: every valid layout of a model on a cluster, pruned by the analytical memory model, ranked by
+the predicted step time (`megajax.plan.cost`), the closest few compiled for the target GPU.
+
+The space: tensor, pipeline, context and expert sizes (data takes the rest), the schedule and its virtual stages,
+the micro batch size, recomputation, the data-parallel sharding (the distributed optimizer, or FSDP), sequence
+parallelism with and without tp_comm_overlap, overlap_grad_reduce with overlap_param_gather. Keys the user fixes
+(`--set parallel.tensor=8`) are not varied. Sequence parallelism is on whenever tensor > 1 (it moves the same
+bytes as tensor parallelism alone and needs less memory) and the distributed optimizer whenever data > 1 (the
+same bytes as an all-reduce), unless fixed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+
+from megajax.config import Config, ConfigError, InputError
+from megajax.plan.cost import Estimate, estimate
+from megajax.plan.hardware import GIB, Hardware
+
+# The keys the search varies, as `--set` spells them (the written preset sets every one).
+KEYS = ("parallel.data", "parallel.pipeline", "parallel.tensor", "parallel.context", "parallel.expert",
+        "parallel.schedule", "parallel.virtual_stages", "train.micro_batch_size", "model.recompute",
+        "parallel.sequence_parallel", "parallel.tp_comm_overlap", "parallel.distributed_optimizer",
+        "parallel.data_parallel_sharding_strategy", "parallel.overlap_grad_reduce", "parallel.overlap_param_gather",
+        "parallel.decoder_first_pipeline_num_layers", "parallel.decoder_last_pipeline_num_layers",
+        "parallel.account_for_embedding_in_pipeline_split", "parallel.account_for_loss_in_pipeline_split")
+EVEN = {"parallel.decoder_first_pipeline_num_layers": None, "parallel.decoder_last_pipeline_num_layers": None,
+        "parallel.account_for_embedding_in_pipeline_split": False,
+        "parallel.account_for_loss_in_pipeline_split": False}
+
+
+@dataclasses.dataclass
+class Candidate:
+    settings: dict  # KEYS -> value
+    cfg: Config  # resolved for the GPU count
+    estimate: Estimate
+    compiled: dict | None = None  # from the compile: peak_gib, fits, exposed_s (XLA's program)
+
+    @property
+    def step_s(self) -> float:
+        """The predicted step: the analytical one, with the compiled program's exposed communication in place
+        of the analytical one when compiled."""
+        e = self.estimate
+        if self.compiled is None:
+            return e.step_s
+        analytic = e.exposed_s["tensor"] + e.exposed_s["data"] + e.exposed_s["expert"] + e.exposed_s["context"]
+        return e.step_s - analytic + self.compiled["exposed_s"]
+
+    @property
+    def memory_gib(self) -> float:
+        return self.compiled["peak_gib"] if self.compiled else self.estimate.memory["total"] / GIB
+
+    @property
+    def fits(self) -> bool:
+        return self.compiled["fits"] if self.compiled else self.estimate.fits
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [2**i for i in range(limit.bit_length()) if 2**i <= limit]
+
+
+def layouts(base: Config, gpus: int, gpus_per_node: int, fixed: dict) -> list[dict]:
+    """Every layout's settings (KEYS -> value) for `gpus`, with the `fixed` keys as given. Sizes that divide the
+    model (heads, layers, experts) and the batch; the configs that reject a combination drop it later."""
+    m = base.model
+    gbs = base.train.global_batch_size
+    pick = lambda key, options: [fixed[key]] if key in fixed else options  # noqa: E731
+    out = []
+    tensors = [t for t in _powers_of_two(min(gpus, 4 * gpus_per_node))
+               if m.num_heads % t == 0 and m.kv_heads % t == 0 or t == 1]
+    contexts = _powers_of_two(gpus_per_node) if m.seq_length >= 8192 else [1]
+    for t, c in itertools.product(pick("parallel.tensor", tensors), pick("parallel.context", contexts)):
+        if gpus % (t * c):
+            continue
+        for p in pick("parallel.pipeline", _divisors(gpus // (t * c))):
+            d = gpus // (t * c * p)
+            if p > m.stacked_layers or fixed.get("parallel.data", d) != d or gbs % d:
+                continue
+            experts = [e for e in _divisors(d) if m.num_experts and m.num_experts % e == 0] or [1]
+            for e, split in itertools.product(pick("parallel.expert", experts), splits(m, p, fixed)):
+                out += [{**row, **split} for row in _inner(base, fixed, pick, d, p, t, c, e, split)]
+    return out
+
+
+def splits(model, p: int, fixed: dict) -> list[dict]:
+    """The ways to split the layers over p stages: evenly; else Megatron's accounting (the embedding and the
+    output layer each count as a layer: num_layers + 2 split evenly); else a first and a last stage that take
+    what an even middle leaves (k = ceil(layers / p) on each middle stage). Fixed split keys win."""
+    if any(k in fixed for k in EVEN):
+        return [{k: fixed.get(k, v) for k, v in EVEN.items()}]
+    if p == 1:
+        return [dict(EVEN)]
+    n = model.num_layers
+    if model.stacked_layers % p == 0 and not model.first_dense_layers:
+        return [dict(EVEN)]
+    out = []
+    if (n + 2) % p == 0:
+        out.append({**EVEN, "parallel.account_for_embedding_in_pipeline_split": True,
+                    "parallel.account_for_loss_in_pipeline_split": True})
+    k = -(-n // p)
+    rest = n - (p - 2) * k
+    if p > 2 and 2 <= rest <= 2 * k:
+        first = min(k, rest - 1, max(model.first_dense_layers + 1, -(-rest // 2)))
+        out.append({**EVEN, "parallel.decoder_first_pipeline_num_layers": first,
+                    "parallel.decoder_last_pipeline_num_layers": rest - first})
+    return out
+
+
+def _inner(base: Config, fixed: dict, pick, d: int, p: int, t: int, c: int, e: int, split: dict) -> list[dict]:
+    m = base.model
+    per_rank = base.train.global_batch_size // d
+    schedules = [("1f1b", 1)]
+    uneven = split["parallel.decoder_first_pipeline_num_layers"] is not None
+    if p > 1 and not uneven:
+        total = m.num_layers + 2 * split["parallel.account_for_loss_in_pipeline_split"]
+        schedules += [("interleaved", v) for v in (2, 3, 4, 5, 6, 8) if (total // p) % v == 0]
+    if "parallel.schedule" in fixed or "parallel.virtual_stages" in fixed:
+        schedules = [(fixed.get("parallel.schedule", s), fixed.get("parallel.virtual_stages", v))
+                     for s, v in schedules]
+        schedules = list(dict.fromkeys(schedules))
+    micro = [b for b in _divisors(per_rank) if b <= 32]
+    sharding = ["optim", "optim_grads_params"] if d * c > 1 else ["no_shard"]
+    rows = []
+    for (schedule, v), b, recompute, shard, tpo, ogr in itertools.product(
+            schedules, pick("train.micro_batch_size", micro), pick("model.recompute", ["none", "selective", "full"]),
+            pick("parallel.data_parallel_sharding_strategy", sharding),
+            pick("parallel.tp_comm_overlap", [False, True] if t > 1 else [False]),
+            pick("parallel.overlap_grad_reduce", [False, True] if d * c > 1 else [False])):
+        if p > 1 and recompute == "full" and "model.recompute" not in fixed:
+            continue  # (a pipeline recomputes every chunk anyway: full only repeats selective's layout)
+        if p > 1 and per_rank // b < p:
+            continue  # fewer micro batches than stages
+        row = {"parallel.data": d, "parallel.pipeline": p, "parallel.tensor": t, "parallel.context": c,
+               "parallel.expert": e, "parallel.schedule": schedule, "parallel.virtual_stages": v,
+               "train.micro_batch_size": b, "model.recompute": recompute,
+               "parallel.sequence_parallel": fixed.get("parallel.sequence_parallel", t > 1),
+               "parallel.tp_comm_overlap": tpo, "parallel.data_parallel_sharding_strategy": shard,
+               "parallel.distributed_optimizer": fixed.get("parallel.distributed_optimizer", shard != "no_shard"),
+               "parallel.overlap_grad_reduce": ogr,
+               "parallel.overlap_param_gather": fixed.get("parallel.overlap_param_gather",
+                                                          ogr and shard == "optim")}
+        if row["parallel.tp_comm_overlap"] and not row["parallel.sequence_parallel"]:
+            continue
+        rows.append(row)
+    return rows
+
+
+def configure(base: Config, settings: dict, gpus: int) -> Config:
+    """`base` with `settings` applied, resolved for `gpus` (ConfigError where the combination is invalid)."""
+    sections = {"parallel": {}, "train": {}, "model": {}}
+    for key, value in settings.items():
+        section, name = key.split(".")
+        sections[section][name] = value
+    cfg = dataclasses.replace(base, **{s: dataclasses.replace(getattr(base, s), **kw)
+                                       for s, kw in sections.items() if kw})
+    return cfg.for_devices(gpus)
+
+
+def search(base: Config, hw: Hardware, gpus: int, gpus_per_node: int, fixed: dict, keep: int = 20,
+           clock: bool = True) -> dict:
+    """Scores every layout: the first pass with the bubble formula, the best `keep` again on megajax's schedule
+    clock (`clock`; False keeps the papers' formula, as Megatron's schedules run). Returns {"ranked": [Candidate] (fitting, best first), "too_big": [Candidate] (the smallest few),
+    "counted": {layouts, invalid, too_big}, "seconds"}."""
+    start = time.perf_counter()
+    fits, too_big, invalid = [], [], 0
+    settings = layouts(base, gpus, gpus_per_node, fixed)
+    for row in settings:
+        try:
+            cfg = configure(base, row, gpus)
+            est = estimate(cfg, hw, gpus_per_node, simulate=False)
+        except (ConfigError, InputError, ValueError):
+            invalid += 1
+            continue
+        (fits if est.fits else too_big).append(Candidate(row, cfg, est))
+    fits.sort(key=lambda c: c.step_s)
+    ranked = [Candidate(c.settings, c.cfg, estimate(c.cfg, hw, gpus_per_node, clock)) for c in fits[:keep]]
+    rank(ranked)
+    too_big.sort(key=lambda c: c.estimate.memory["total"])
+    return {"ranked": ranked + fits[keep:], "too_big": too_big[:5],
+            "counted": {"layouts": len(settings), "invalid": invalid, "too_big": len(too_big), "fit": len(fits)},
+            "seconds": time.perf_counter() - start}
+
+
+def _complexity(s: dict) -> int:
+    """Features a layout turns on beyond what it needs: FSDP, the overlaps, virtual stages."""
+    return ((s["parallel.data_parallel_sharding_strategy"] == "optim_grads_params") + s["parallel.tp_comm_overlap"]
+            + s["parallel.overlap_grad_reduce"] + (s["parallel.virtual_stages"] > 1))
+
+
+def rank(candidates: list[Candidate], tie: float = 0.002) -> None:
+    """Sorts by predicted step time; layouts within `tie` of each other (closer than the model can tell apart)
+    by the fewest extra features, then the least memory."""
+    candidates.sort(key=lambda c: c.step_s)
+    if not candidates:
+        return
+    best = candidates[0].step_s
+    buckets = lambda c: int((c.step_s / best - 1) / tie)  # noqa: E731
+    candidates.sort(key=lambda c: (buckets(c), _complexity(c.settings), c.memory_gib))
+
+
+def compile_candidate(c: Candidate, target: str) -> dict:
+    """Compiles the candidate's step for compile-only `target` GPUs (`megajax.audit`): XLA's peak memory and
+    the communication its scheduled program leaves exposed."""
+    from megajax import audit
+
+    report = audit.audit(c.cfg, target, c.cfg.parallel.data * c.cfg.parallel.pipeline * c.cfg.parallel.context
+                         * c.cfg.parallel.tensor)
+    mem, comm = report["memory_per_device"], report["communication"]
+    by_kind: dict[str, float] = {}
+    for name, group in comm["groups"].items():
+        by_kind[name.split(" ")[0]] = by_kind.get(name.split(" ")[0], 0.0) + group["exposed_s"]
+    return {"peak_gib": mem["peak_estimate_gib"] + c.estimate.memory["reserve"] / GIB,
+            "fits": (mem["peak_estimate_gib"] * GIB + c.estimate.memory["reserve"]) <= mem["device_memory_gib"] * GIB,
+            "exposed_s": comm["exposed_comm_s"], "exposed_by_collective": by_kind}

@@ -1,0 +1,268 @@
+"""The layout planner (`megajax plan`): its predictions against measurements (single-H100 steps within 15%, the
+SC21 paper's Table 1 within 20%), its choices against the paper's layouts, the paper's takeaways in its
+predictions, the search's space and speed, the CLI (table, --json, --write, fixed keys, HF config.json), and the
+written preset training as it is on CPU devices."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO
+from megajax import config_io
+from megajax.plan import checks, cost, search as search_lib
+from megajax.plan.__main__ import main as plan_main
+from megajax.plan.hardware import H100_ATTENTION, H100_NORM_BYTES_PER_S, H100_SQUARE_GEMM, hardware
+
+ROOT = Path(REPO)
+
+
+def test_h100_constants_are_the_measured_rows():
+    """The H100's rates in hardware.py are the microbenchmarks' raw rows (benchmarks/h100/), not fitted."""
+    matmul = json.loads((ROOT / "benchmarks/h100/matmul.json").read_text())
+    square = next(r for r in matmul if r["shape"] == "square 8192")
+    assert H100_SQUARE_GEMM["bfloat16"] == pytest.approx(square["bf16_tflops"] * 1e12, rel=1e-4)
+    assert H100_SQUARE_GEMM["float8"] == pytest.approx(square["fp8_tflops"] * 1e12, rel=1e-4)
+    kernels = json.loads((ROOT / "benchmarks/h100/kernels.json").read_text())
+    fused = [r for r in kernels if r.get("op") == "attention" and r.get("impl") in ("pallas", "cudnn")]
+    for dim, shape in ((64, "llama-1b"), (128, "gpt2-1.3b")):
+        assert H100_ATTENTION[dim] == pytest.approx(max(r["tflops"] for r in fused if r["shape"] == shape) * 1e12,
+                                                    rel=1e-4)
+    norms = sorted(r["gb_per_s"] for r in kernels if r.get("op") in ("layer_norm", "rms_norm")
+                   and r.get("shape") in ("gpt2-1.3b", "llama-8b"))
+    assert H100_NORM_BYTES_PER_S == pytest.approx(1e9 * (norms[3] + norms[4]) / 2, rel=1e-3)
+    h100 = hardware("h100")
+    assert 2 * 8192**3 / h100.gemm_seconds(8192, 8192, 8192) == pytest.approx(H100_SQUARE_GEMM["bfloat16"])
+
+
+def test_gemm_waves_and_batching():
+    """A GEMM with one tile more than a wave takes two waves; a batch of GEMMs shares its waves."""
+    hw = hardware("h100")
+    one_wave = hw.gemm_seconds(128 * 132, 4096, 256)
+    assert hw.gemm_seconds(128 * 133, 4096, 256) == pytest.approx(2 * one_wave, rel=0.02)
+    # 32 tiles each: one GEMM fills a quarter of a wave, a batch of four the same one wave
+    assert hw.gemm_seconds(1024, 4096, 1024, batch=4) == pytest.approx(hw.gemm_seconds(1024, 4096, 1024), rel=0.02)
+
+
+def test_single_h100_steps_within_15_percent():
+    """Every single-H100 train step measured on a real H100 (xla, Pallas and cuDNN attention, recompute modes,
+    FP8), predicted within 15%."""
+    rows = checks.h100_steps()
+    assert len(rows) >= 20
+    bad = [(r["label"], round(r["error"], 3)) for r in rows if abs(r["error"]) > 0.15]
+    assert not bad, bad
+
+
+def test_paper_table1_within_20_percent():
+    """Each of the paper's ten Table 1 runs (A100s, the paper's layout, micro batch and interleaving) predicted
+    within 20% of its measured TFLOP/s per GPU."""
+    rows = checks.table1()
+    assert len(rows) == 10
+    bad = [(r["config"], round(r["error"], 3)) for r in rows if abs(r["error"]) > 0.20]
+    assert not bad, bad
+
+
+# The Table 1 rows where the planner, in the paper's feature space and at the paper's data-parallel size, picks
+# another (tensor, pipeline) and predicts more than 5% over the paper's: without sequence parallelism or overlap
+# (Megatron of 2021), tensor 8's six all-reduces per layer and micro batch, and its replicated norms and residuals,
+# cost more than pipeline stages kept inside the node (NVLink sends, an interleaved bubble below 4%). Table 1 grows
+# tensor parallelism first by the paper's own rule; these layouts were never measured.
+DIFFERS = {"configs/paper/gpt-18b.yaml", "configs/paper/gpt-39b.yaml"}
+
+
+def test_planner_choice_against_the_paper():
+    """In the paper's feature space the planner picks the paper's (t, p), or a layout predicted within 5% of the
+    paper's; in the rows of DIFFERS (docs/guides/choosing-a-layout.md says why) a smaller tensor size, more than
+    5% ahead."""
+    for c in checks.choices():
+        gain = c["speedup_over_paper"] - 1
+        assert gain >= -0.003, c  # the paper's layout is in the space: never predicted slower (ties: 0.2%)
+        if c["config"] in DIFFERS:
+            t, p = c["chosen"]
+            assert (t, p) != c["paper"] and gain > 0.05 and t < c["paper"][0], c
+        else:
+            assert c["chosen"] == c["paper"] or gain <= 0.05, c
+
+
+def test_paper_sweeps_hold_in_the_predictions():
+    """The paper's section 5.4-5.5 sweeps on 64 A100s, as the model predicts them: (t, p) = (8, 8) is the best of
+    t x p = 64 (Fig. 13), throughput falls as the pipeline (Fig. 14) or the tensor size (Fig. 15) takes GPUs from
+    data parallelism, and micro batch 2 is the best for the 91B model (Fig. 16, within 1%)."""
+    figs = checks.figures()
+    for batch in (32, 128):
+        rows = [r for r in figs["13"]["rows"] if r["batch"] == batch]
+        assert max(rows, key=lambda r: r["tflops_per_gpu"])["tensor"] == 8
+    for fig, key in (("14", "pipeline"), ("15", "tensor")):
+        for batch in {r["batch"] for r in figs[fig]["rows"]}:
+            rates = [r["tflops_per_gpu"] for r in sorted(figs[fig]["rows"], key=lambda r: r[key]) if r["batch"] == batch]
+            assert all(a > b for a, b in zip(rates, rates[1:])), (fig, batch, rates)
+    for batch in (128, 512):
+        rows = {r["micro_batch_size"]: r["tflops_per_gpu"] for r in figs["16"]["rows"] if r["batch"] == batch}
+        assert rows[2] >= 0.99 * max(rows.values()) and rows[2] > rows[4] > rows[8], rows
+
+
+def test_takeaway_tensor_parallelism_leaves_the_node():
+    """At a fixed GPU count, the best predicted step grows as tensor parallelism goes past the 8 GPUs of a node."""
+    for config, gpus in (("configs/paper/gpt-145b.yaml", 1536), ("configs/paper/gpt-1t.yaml", 3072)):
+        by_t = checks.takeaways(config, gpus)["tensor"]
+        steps = [by_t[t] for t in (8, 16, 32) if t in by_t]
+        assert len(steps) == 3 and steps[0] < steps[1] < steps[2], by_t
+
+
+def test_takeaway_pipeline_past_what_memory_needs():
+    """At tensor 8, pipeline stages beyond the fewest that fit make the predicted step slower."""
+    by_p = checks.takeaways("configs/paper/gpt-1t.yaml", 3072)["pipeline"]
+    fewest = min(by_p)
+    more = [p for p in sorted(by_p) if p >= 2 * fewest]
+    steps = [by_p[p] for p in [fewest, *more]]
+    assert len(steps) >= 3 and all(a < b for a, b in zip(steps[1:], steps[2:])), by_p
+    assert by_p[max(by_p)] > by_p[fewest]
+
+
+def test_search_space_enumerated():
+    """The search holds every tensor size that divides the heads (up to 4 nodes), every pipeline size that splits
+    the layers (evenly, by Megatron's accounting, or with a first and last stage), interleaving, micro batches,
+    recompute modes, ZeRO-1 and FSDP, the overlaps; fixed keys stay fixed."""
+    base = config_io.load(ROOT / "configs/llama3.1-405b.yaml")
+    rows = search_lib.layouts(base, 1024, 8, {})
+    seen = lambda key: {r[key] for r in rows}  # noqa: E731
+    assert seen("parallel.tensor") == {1, 2, 4, 8}  # (8 key-value heads)
+    assert {16, 8, 2}.issubset(seen("parallel.pipeline"))
+    assert seen("model.recompute") == {"none", "selective", "full"}
+    assert seen("parallel.data_parallel_sharding_strategy") >= {"optim", "optim_grads_params"}
+    assert seen("parallel.schedule") == {"1f1b", "interleaved"} and {True, False} <= seen("parallel.tp_comm_overlap")
+    p16 = [r for r in rows if r["parallel.pipeline"] == 16]
+    assert all(r["parallel.account_for_embedding_in_pipeline_split"] or
+               r["parallel.decoder_first_pipeline_num_layers"] for r in p16)  # 126 layers: no even split
+    fixed = search_lib.layouts(base, 1024, 8, {"parallel.tensor": 8, "parallel.pipeline": 16})
+    assert {(r["parallel.tensor"], r["parallel.pipeline"]) for r in fixed} == {(8, 16)}
+
+
+def test_plans_the_1t_model_on_3072_gpus_fast():
+    """The whole search for the paper's 1T model on 3,072 A100s (the model alone) takes seconds."""
+    base = config_io.load(ROOT / "configs/paper/gpt-1t.yaml")
+    result = search_lib.search(base, hardware("a100"), 3072, 8, {})
+    assert result["ranked"] and result["counted"]["layouts"] > 1000
+    assert result["seconds"] < 60
+
+
+@pytest.mark.parametrize("preset,gpus", [("tiny", 8), ("tiny-moe", 8), ("gpt2-124m", 8), ("gpt2-1.3b", 64),
+                                         ("llama-1b", 8), ("llama3.2-1b", 8), ("llama3.2-1b-long", 8),
+                                         ("llama3-8b", 8), ("llama3-70b", 64), ("mixtral-8x7b", 64),
+                                         ("llama3.1-405b", 1024), ("deepseek-v3", 1024)])
+def test_plan_answers_for_every_preset(preset, gpus, capsys):
+    """`megajax plan` ranks layouts for every preset at its GPU count (the model alone)."""
+    assert plan_main(["--config", f"configs/{preset}.yaml", "--target", "h100", "--gpus", str(gpus),
+                      "--compile", "0", "--json", "-"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert rows and all(r["fits"] for r in rows[:5])
+    best = rows[0]
+    s = best["settings"]
+    assert s["parallel.data"] * s["parallel.pipeline"] * s["parallel.tensor"] * s["parallel.context"] == gpus
+    assert best["predicted_step_s"] > 0 and best["memory_gib_per_gpu"] < 80
+
+
+def test_paper_models_answer_on_a100(capsys):
+    for row in json.loads((ROOT / "benchmarks/sc21-table1.json").read_text())["rows"]:
+        assert plan_main(["--config", row["config"], "--target", "a100", "--gpus", str(row["gpus"]),
+                          "--compile", "0", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("best: ") == 10
+
+
+def test_every_key_fixed_scores_that_layout(capsys):
+    """With every layout key fixed the planner scores that one layout: the paper's 1T layout as Table 1 ran it."""
+    sets = ["parallel.tensor=8", "parallel.pipeline=64", "parallel.data=6", "parallel.schedule=1f1b",
+            "parallel.virtual_stages=1", "train.micro_batch_size=1", *[f"{k}={json.dumps(v)}" for k, v in
+                                                                      checks.PAPER_SPACE.items()]]
+    assert plan_main(["--config", "configs/paper/gpt-1t.yaml", "--target", "a100", "--gpus", "3072",
+                      "--compile", "0", "--json", "-", "--set", *sets]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert len(rows) == 1
+    paper = cost.estimate(config_io.load(ROOT / "configs/paper/gpt-1t.yaml").for_devices(3072), hardware("a100"), 8)
+    assert rows[0]["predicted_step_s"] == pytest.approx(paper.step_s)
+    assert rows[0]["fits"] and rows[0]["parallel"]["pipeline"] == 64
+
+
+def test_json_rows_and_nothing_fits(tmp_path, capsys):
+    assert plan_main(["--config", "configs/llama3-8b.yaml", "--target", "h100", "--gpus", "8", "--compile", "0",
+                      "--json", str(tmp_path / "plan.json")]) == 0
+    rows = json.loads((tmp_path / "plan.json").read_text())["rows"]
+    need = {"settings", "parallel", "micro_batch_size", "predicted_step_s", "tflops_per_gpu", "memory_gib_per_gpu",
+            "fits", "mfu", "bubble_fraction", "exposed_comm_s"}
+    assert need <= set(rows[0]) and rows == sorted(rows, key=lambda r: r["rank"])
+    assert "why" not in capsys.readouterr().err
+    assert plan_main(["--config", "configs/llama3.1-405b.yaml", "--target", "h100", "--gpus", "8",
+                      "--compile", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "no layout" in err and "add GPUs" in err
+
+
+def test_hf_config_json(tmp_path, capsys):
+    """A Hugging Face config.json (the folder or the file) plans like the preset it converts to."""
+    from megajax.hf.configs import hf_config_from_model
+
+    model = config_io.load(ROOT / "configs/llama-1b.yaml").model
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_from_model(model)))
+    for path in (tmp_path, tmp_path / "config.json"):
+        assert plan_main(["--config", str(path), "--target", "h100", "--gpus", "8", "--global-batch", "64",
+                          "--seq-length", "2048", "--compile", "0", "--json", "-"]) == 0
+        rows = json.loads(capsys.readouterr().out)["rows"]
+        assert rows[0]["fits"]
+
+
+def test_written_preset_trains_as_it_is(tmp_path, capsys):
+    """--write gives a preset with every searched key set; it loads, equals the winner, and trains on the 8 CPU
+    devices as it is."""
+    out = tmp_path / "planned.yaml"
+    assert plan_main(["--config", "configs/tiny.yaml", "--target", "h100", "--gpus", "8", "--compile", "0",
+                      "--json", "-", "--write", str(out)]) == 0
+    best = json.loads(capsys.readouterr().out)["rows"][0]
+    text = out.read_text()
+    assert text.startswith("# Planned by: python -m megajax.plan")
+    cfg = config_io.load(out)
+    raw = yaml.safe_load(text)
+    for key, value in best["settings"].items():
+        section, name = key.split(".")
+        assert raw[section][name] == value and getattr(getattr(cfg, section), name) == value
+    from megajax import train
+
+    assert train.main(["--config", str(out), "--set", "train.steps=2", f"train.output_dir={tmp_path / 'run'}",
+                       "train.log_every=1"]) in (0, None)
+    assert (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_memory_terms():
+    """The analytical memory: the distributed optimizer shards AdamW over the data ranks, FSDP the weights too,
+    full recomputation keeps less than none; every term is positive."""
+    base = config_io.load(ROOT / "configs/llama3-8b.yaml")
+    hw = hardware("h100")
+    mem = lambda **kw: cost.estimate(search_lib.configure(base, {**{  # noqa: E731
+        "parallel.data": 8, "parallel.tensor": 1, "parallel.sequence_parallel": False,
+        "parallel.tp_comm_overlap": False}, **kw}, 8), hw, 8).memory
+    zero0 = mem(**{"parallel.distributed_optimizer": False, "parallel.overlap_grad_reduce": False,
+                   "parallel.overlap_param_gather": False})
+    zero1 = mem(**{"parallel.distributed_optimizer": True})
+    fsdp = mem(**{"parallel.data_parallel_sharding_strategy": "optim_grads_params"})
+    assert zero1["optimizer"] == pytest.approx(zero0["optimizer"] / 8)
+    assert fsdp["weights"] < zero1["weights"] / 4
+    full = mem(**{"model.recompute": "full"})
+    none = mem(**{"model.recompute": "none"})
+    assert full["activations"] < none["activations"]
+    assert all(v > 0 and math.isfinite(v) for v in zero1.values())
+
+
+@pytest.mark.slow
+def test_compile_refines_the_best(capsys):
+    """--compile: the best layouts are compiled for compile-only H100s; XLA's memory and exposed communication
+    replace the model's (a layout XLA finds too big leaves the ranking)."""
+    assert plan_main(["--config", "configs/gpt2-124m.yaml", "--target", "h100", "--gpus", "8", "--compile", "2",
+                      "--separate", "0.5", "--json", "-"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    compiled = [r for r in rows if r["compiled"]]
+    assert compiled and rows[0]["compiled"] and rows[0]["fits"]
+    assert compiled[0]["memory_gib_per_gpu"] == pytest.approx(compiled[0]["compiled"]["peak_gib"])
