@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -39,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--compile", type=int, default=2, metavar="N",
                         help="compile at most N of the best layouts whose predictions are within --separate of the "
                              "best, for XLA's memory and overlap (needs the gpu-audit extra; 0: the model alone)")
+    parser.add_argument("--compile-budget", type=float, default=240.0, metavar="SECONDS",
+                        help="start no further compile once the compiles so far and one more as long as the last "
+                             "would pass this (a 3,072-GPU step compiles in about 2.5 minutes on 2 cores)")
     parser.add_argument("--separate", type=float, default=0.03,
                         help="the predicted step-time margin within which the model cannot separate layouts")
     parser.add_argument("--top", type=int, default=10, help="rows to print")
@@ -98,7 +102,8 @@ def row(c: Candidate, rank: int, peak: float) -> dict:
            "tflops_per_gpu": e.hardware_flops / c.step_s / 1e12, "mfu": e.model_flops / c.step_s / peak,
            "memory_gib_per_gpu": c.memory_gib, "fits": c.fits, "bubble_fraction": e.bubble_fraction,
            "exposed_comm_s": {k: v for k, v in e.exposed_s.items()}, "compute_s": dict(e.compute_s),
-           "memory_gib": {k: v / GIB for k, v in e.memory.items()}, "compiled": c.compiled}
+           "memory_gib": {k: v / GIB for k, v in e.memory.items()}, "compiled": c.compiled,
+           "compile_error": c.compile_error}
     return out
 
 
@@ -118,7 +123,8 @@ def _why(ranked: list[Candidate], too_big: list[Candidate]) -> list[str]:
         diffs = sorted(((terms[k] - mine[k], k) for k in terms), reverse=True)
         big = [(d, k) for d, k in diffs if abs(d) > 0.005 * best.step_s]
         said = ", ".join(f"{k} {d:+.2f} s" for d, k in [x for x in big if x[0] > 0][:3] + [x for x in big if x[0] < 0][-2:])
-        lines.append(f"  vs t={key[0]} p={key[1]} ({_label(c.settings)}): {c.step_s / best.step_s - 1:+.1%}"
+        model = " (the model's)" if best.compiled and not c.compiled else ""
+        lines.append(f"  vs t={key[0]} p={key[1]} ({_label(c.settings)}){model}: {c.step_s / best.step_s - 1:+.1%}"
                      + (f": {said}" if said else ""))
         if len(lines) == 4:
             break
@@ -147,7 +153,7 @@ def _table(ranked: list[Candidate], peak: float, top: int) -> str:
                      f"{r['memory_gib_per_gpu']:>6.1f} {r['predicted_step_s']:>8.4g} {r['tflops_per_gpu']:>7.1f} "
                      f"{r['mfu']:>5.1%} {r['bubble_fraction']:>6.1%}  {x['tensor']:.2f} {x['data']:.2f} "
                      f"{x['pipeline']:.2f} {x['expert']:.2f} {x['context']:.2f}"
-                     + ("  (compiled)" if r["compiled"] else ""))
+                     + ("  (compiled)" if r["compiled"] else "  (compile failed)" if r["compile_error"] else ""))
     return "\n".join(lines)
 
 
@@ -166,10 +172,33 @@ def write_preset(path: str, raw: dict, best: Candidate, argv: list[str]) -> None
     Path(path).write_text(head + yaml.safe_dump(out, sort_keys=False))
 
 
-def _compile(result: dict, target: str, n: int, margin: float) -> list[str]:
-    """Compiles up to `n` layouts, best first, while the best compiled one that fits is not clearly ahead (by
-    `margin`) of the best uncompiled: XLA's memory replaces the model's (a layout XLA finds too big moves to the
-    too-big list) and the communication the program leaves exposed replaces the model's. Returns notes."""
+def _learn(ranked: list[Candidate], compiled: Candidate, too_big: list[Candidate]) -> None:
+    """A compiled layout corrects the model for its uncompiled neighbours: XLA's activations (the model's count
+    is the weak term of its memory) for those with the same recompute mode, and the communication the program leaves exposed for those with the same sharding, pipelining and ring overlap.
+    Those that then do not fit leave the ranking."""
+    memory = compiled.learned_scale()
+    exposure = compiled.compiled["exposed_s"] / compiled.model_exposed_s if compiled.model_exposed_s > 0 else 1.0
+    shape = lambda c: (c.settings["parallel.data_parallel_sharding_strategy"],  # noqa: E731
+                       c.settings["parallel.pipeline"] > 1, c.settings["parallel.tp_comm_overlap"])
+    for c in list(ranked):
+        if c.compiled is not None:
+            continue
+        if shape(c) == shape(compiled):
+            c.exposure_scale = exposure
+        if c.settings["model.recompute"] == compiled.settings["model.recompute"]:
+            c.activation_scale = max(c.activation_scale, memory)
+            if not c.fits:
+                ranked.remove(c)
+                too_big.append(c)
+
+
+def _compile(result: dict, target: str, n: int, margin: float, budget: float) -> list[str]:
+    """Compiles layouts best first until `n` that fit are compiled, the best of them is not clearly behind (by
+    `margin`) the best uncompiled one, or another compile (as long as the last) would pass `budget` seconds. One
+    compile per parallel layout: its micro batch, recompute and overlap variants keep the model's numbers. XLA's
+    memory replaces the model's: a layout XLA finds too big moves to the too-big list. Both correct the model for
+    the uncompiled neighbours (`_learn`). The communication the program leaves exposed
+    replaces the model's. Returns notes for the user."""
     ranked = result["ranked"]
     if not ranked or n <= 0:
         return []
@@ -182,23 +211,43 @@ def _compile(result: dict, target: str, n: int, margin: float) -> list[str]:
 
     if not os.environ.get("JAX_PLATFORMS"):
         jax.config.update("jax_platforms", "cpu")  # compile-only GPUs; the CPU is the backend
-    notes = []
-    for _ in range(n):
+    notes, tried = [], set()
+    core = lambda c: tuple(v for k, v in c.settings.items() if "overlap" not in k and k not in (  # noqa: E731
+        "model.recompute", "train.micro_batch_size"))
+    fitting, start, last = 0, time.perf_counter(), 0.0
+    for _ in range(3 * n):  # (compiles that fail or do not fit do not count against n; at most 3 n are tried)
+        if fitting == n:
+            break
+        if last and time.perf_counter() - start + last > budget:
+            notes.append(f"  stopped compiling: another compile would pass --compile-budget {budget:.0f} s")
+            break
         done = [c for c in ranked if c.compiled]
-        todo = [c for c in ranked if not c.compiled]
+        todo = [c for c in ranked if not c.compiled and not c.compile_error and core(c) not in tried]
         if not todo or done and done[0].step_s * (1 - margin) <= todo[0].step_s:
             break
+        c = todo[0]
+        tried.add(core(c))
+        began = time.perf_counter()
         try:
-            todo[0].compiled = compile_candidate(todo[0], target)
+            c.compiled = compile_candidate(c, target)
         except InputError as e:  # the plugin is missing: the model's prediction stands
-            notes.append(f"not compiled ({e})")
+            notes.append(f"  not compiled ({e})")
             break
-        if not todo[0].fits:
-            ranked.remove(todo[0])
-            result["too_big"].insert(0, todo[0])
-            notes.append(f"  compiled {_label(todo[0].settings)} mb {todo[0].settings['train.micro_batch_size']}: "
-                         f"XLA needs {todo[0].memory_gib:.1f} GiB (the model said "
-                         f"{todo[0].estimate.memory['total'] / GIB:.1f}): too big")
+        except Exception as e:  # noqa: BLE001 - XLA failing on one layout leaves the model's prediction for it
+            first = str(e).strip().splitlines()[0][:300]
+            notes.append(f"  compiling {_label(c.settings)} failed in XLA ({type(e).__name__}: {first}); its row "
+                         "is the model's alone")
+            c.compile_error = first
+            continue
+        last = time.perf_counter() - began
+        _learn(ranked, c, result["too_big"])
+        if c.fits:
+            fitting += 1
+        else:
+            ranked.remove(c)
+            result["too_big"].insert(0, c)
+            notes.append(f"  compiled {_label(c.settings)} mb {c.settings['train.micro_batch_size']}: XLA needs "
+                         f"{c.memory_gib:.1f} GiB (the model said {c.estimate.memory['total'] / GIB:.1f}): too big")
         rank(ranked)
         ranked.sort(key=lambda c: c.compiled is None)  # (compiled first: their numbers are the program's)
     return notes
@@ -222,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no layout of {result['counted']['layouts']} fits {args.gpus} {hw.name}s{need}; add GPUs, "
               "shorten model.seq_length or lower train.global_batch_size", file=sys.stderr)
         return 1
-    notes = _compile(result, args.target, args.compile, args.separate)
+    notes = _compile(result, args.target, args.compile, args.separate, args.compile_budget)
     counted = result["counted"]
     rows = [row(c, i, hw.peak_flops) for i, c in enumerate(ranked, 1)]
     if args.json:

@@ -23,7 +23,7 @@ from pathlib import Path
 from megajax import config_io
 from megajax.plan.cost import estimate
 from megajax.plan.hardware import hardware
-from megajax.plan.search import search
+from megajax.plan.search import KEYS, search
 
 ROOT = Path(__file__).resolve().parents[2]
 # The features of the paper's Megatron (2021), held fixed so that the search varies what the paper chose.
@@ -157,11 +157,43 @@ def figures() -> dict:
     return out
 
 
+# The presets and the GPU counts they were written for.
+PRESETS = {"tiny": 8, "tiny-moe": 8, "gpt2-124m": 8, "gpt2-1.3b": 64, "llama-1b": 8, "llama3.2-1b": 8,
+           "llama3.2-1b-long": 8, "llama3-8b": 8, "llama3-70b": 64, "mixtral-8x7b": 64, "llama3.1-405b": 1024,
+           "deepseek-v3": 1024}
+
+
+def _own_settings(cfg) -> dict:
+    """A resolved config's values of the searched keys."""
+    out = {}
+    for key in KEYS:
+        section, name = key.split(".")
+        out[key] = (cfg.parallel.sharding_strategy if name == "data_parallel_sharding_strategy"
+                    else getattr(getattr(cfg, section), name))
+    return out
+
+
+def presets(target: str = "h100") -> list[dict]:
+    """For each preset at its GPU count: its own layout scored, and the planner's pick (the model alone)."""
+    hw = hardware(target)
+    out = []
+    for name, gpus in PRESETS.items():
+        base = config_io.load(ROOT / "configs" / f"{name}.yaml")
+        own = _own_settings(base.for_devices(gpus))
+        mine = search(base, hw, gpus, 8, own)
+        scored = (mine["ranked"] or mine["too_big"])[0]
+        best = search(base, hw, gpus, 8, {})["ranked"][0]
+        out.append({"preset": name, "gpus": gpus, "own_step_s": scored.step_s, "own_gib": scored.memory_gib,
+                    "own_fits": scored.fits, "best": best.settings, "best_step_s": best.step_s,
+                    "best_gib": best.memory_gib})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megajax.plan.checks", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="FILE", help="also write every row here")
     args = parser.parse_args(argv)
-    steps, rows, picks = h100_steps(), table1(), choices()
+    steps, rows, picks, figs = h100_steps(), table1(), choices(), figures()
     print("| H100 step | measured s | predicted s | error |\n|---|---|---|---|")
     for r in steps:
         print(f"| {r['label']} | {r['measured_s']:.3f} | {r['predicted_s']:.3f} | {r['error']:+.1%} |")
@@ -171,8 +203,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {Path(r['config']).stem} | {r['gpus']} | {r['tensor']}, {r['pipeline']}, {r['micro_batch']}, "
               f"{r['virtual_stages']} | {r['measured_tflops_per_gpu']} | {r['predicted_tflops_per_gpu']:.0f} | "
               f"{r['error']:+.1%} | {c['chosen'][0]}, {c['chosen'][1]} | {c['speedup_over_paper'] - 1:+.1%} |")
+    for name, fig in figs.items():
+        key = {"13": "tensor", "14": "pipeline", "15": "tensor", "16": "micro_batch_size"}[name]
+        print(f"\nFig. {name} ({fig['found']}), predicted TFLOP/s per GPU by {key}:")
+        for batch in sorted({r["batch"] for r in fig["rows"]}):
+            cells = ", ".join(f"{r[key]}: {r['tflops_per_gpu']:.0f}" for r in fig["rows"] if r["batch"] == batch)
+            print(f"- batch {batch}: {cells}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"h100_steps": steps, "table1": rows, "choices": picks}, indent=1))
+        Path(args.json).write_text(json.dumps({"h100_steps": steps, "table1": rows, "choices": picks,
+                                               "figures": figs}, indent=1, default=str))
     return 0
 
 

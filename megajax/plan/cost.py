@@ -187,7 +187,7 @@ def _head_s(hw: Hardware, L: _Layout) -> float:
     """The output layer and the loss for one micro batch, forward and backward (vocabulary split over tensor)."""
     m = L.model
     vocab = m.padded_vocab_size // L.t
-    gemm = 3 * hw.gemm_seconds(L.tokens, m.hidden_size, vocab, L.dtype)
+    gemm = 3 * hw.gemm_seconds(L.tokens, m.hidden_size, vocab)  # (bf16: model.fp8 covers the layers' matmuls)
     return gemm + L.tokens * vocab * LOGIT_BYTES / hw.elementwise_bytes_per_s
 
 
@@ -281,19 +281,21 @@ def _memory(hw: Hardware, L: _Layout, params: dict, in_flight: int) -> dict:
     if L.unfused:
         per_layer += 5 * m.num_heads * L.tokens * m.seq_length / tp
     stash = 2 * sbh / (tp if L.sp else 1)  # a layer's (or a pipeline chunk's) input
-    recompute = "full" if L.pp > 1 else m.recompute
-    if recompute == "full":
-        chunk = L.layers // (L.par.virtual_stages if L.pp > 1 else 1)
-        kept = (in_flight * stash if L.pp > 1 else L.layers * stash) + chunk * stash + per_layer
-    elif recompute == "selective":
-        attn = 5 * m.num_heads * L.tokens * m.seq_length / tp if L.unfused else 0.0
-        kept = L.layers * (per_layer - attn)
+    attn = 5 * m.num_heads * L.tokens * m.seq_length / tp if L.unfused else 0.0  # what selective drops
+    # per layer, what the backward reads: every residual (none), all but attention's core (selective), or the
+    # layer's input, the layer being recomputed one at a time (full)
+    kept_per_layer = {"none": per_layer, "selective": per_layer - attn, "full": stash}[m.recompute]
+    working = per_layer if m.recompute == "full" else 0.0  # the one layer full recomputation rebuilds
+    if L.pp > 1:  # chunk inputs in flight; the chunk being recomputed holds its layers' residuals for its backward
+        chunk = L.layers // L.par.virtual_stages
+        kept = in_flight * stash + chunk * kept_per_layer + working
     else:
-        kept = L.layers * per_layer
+        kept = L.layers * kept_per_layer + working
     logits = L.tokens * (m.padded_vocab_size // tp) * 10
     out = {"weights": weights, "gradients": grads, "optimizer": optimizer, "activations": kept, "logits": logits,
            "reserve": RESERVE_BYTES}
     out["total"] = sum(out.values())
+    out["capacity"] = hw.memory_bytes
     return out
 
 

@@ -37,6 +37,9 @@ class Candidate:
     cfg: Config  # resolved for the GPU count
     estimate: Estimate
     compiled: dict | None = None  # from the compile: peak_gib, fits, exposed_s (XLA's program)
+    compile_error: str | None = None  # XLA could not compile it: the model's numbers stand
+    activation_scale: float = 1.0  # XLA's activations over the model's, learned from compiled neighbours
+    exposure_scale: float = 1.0  # the compiled program's exposed communication over the model's, likewise
 
     @property
     def step_s(self) -> float:
@@ -44,17 +47,36 @@ class Candidate:
         of the analytical one when compiled."""
         e = self.estimate
         if self.compiled is None:
-            return e.step_s
-        analytic = e.exposed_s["tensor"] + e.exposed_s["data"] + e.exposed_s["expert"] + e.exposed_s["context"]
-        return e.step_s - analytic + self.compiled["exposed_s"]
+            return e.step_s + (self.exposure_scale - 1) * self.model_exposed_s
+        return e.step_s - self.model_exposed_s + self.compiled["exposed_s"]
+
+    @property
+    def model_exposed_s(self) -> float:
+        """The model's exposed communication that a compile replaces: tensor, data, expert and context."""
+        x = self.estimate.exposed_s
+        return x["tensor"] + x["data"] + x["expert"] + x["context"]
 
     @property
     def memory_gib(self) -> float:
-        return self.compiled["peak_gib"] if self.compiled else self.estimate.memory["total"] / GIB
+        if self.compiled:
+            return self.compiled["peak_gib"]
+        mem = self.estimate.memory
+        return (mem["total"] + (self.activation_scale - 1) * mem["activations"]) / GIB
 
     @property
     def fits(self) -> bool:
-        return self.compiled["fits"] if self.compiled else self.estimate.fits
+        return self.compiled["fits"] if self.compiled else self.memory_gib * GIB <= self.capacity
+
+    @property
+    def capacity(self) -> float:
+        return self.estimate.memory["capacity"]
+
+    def learned_scale(self) -> float:
+        """A compiled candidate's XLA activations over the model's: its peak less the terms the model counts
+        exactly (weights, gradients, optimizer state, logits, reserve), over the model's activations."""
+        mem = self.estimate.memory
+        exact = mem["total"] - mem["activations"]
+        return max(1.0, (self.compiled["peak_gib"] * GIB - exact) / max(mem["activations"], 1.0))
 
 
 def _divisors(n: int) -> list[int]:
@@ -168,6 +190,9 @@ def search(base: Config, hw: Hardware, gpus: int, gpus_per_node: int, fixed: dic
     clock (`clock`; False keeps the papers' formula, as Megatron's schedules run). Returns {"ranked": [Candidate] (fitting, best first), "too_big": [Candidate] (the smallest few),
     "counted": {layouts, invalid, too_big}, "seconds"}."""
     start = time.perf_counter()
+    if base.model.fp8 != "none" and "float8" not in hw.gemm_flops:
+        raise ConfigError(f"model.fp8={base.model.fp8}: the {hw.name} has no FP8 tensor cores; plan for "
+                          "--target h100 (or h200), or set model.fp8=none")
     fits, too_big, invalid = [], [], 0
     settings = layouts(base, gpus, gpus_per_node, fixed)
     for row in settings:
@@ -195,13 +220,22 @@ def _complexity(s: dict) -> int:
 
 def rank(candidates: list[Candidate], tie: float = 0.002) -> None:
     """Sorts by predicted step time; layouts within `tie` of each other (closer than the model can tell apart)
-    by the fewest extra features, then the least memory."""
+    by the fewest extra features, then the least memory. Of layouts that differ only in flags the prediction does
+    not see (the same time and memory), the simplest stays."""
     candidates.sort(key=lambda c: c.step_s)
     if not candidates:
         return
     best = candidates[0].step_s
     buckets = lambda c: int((c.step_s / best - 1) / tie)  # noqa: E731
     candidates.sort(key=lambda c: (buckets(c), _complexity(c.settings), c.memory_gib))
+    seen, keep = set(), []
+    for c in candidates:
+        key = (round(c.step_s, 9), round(c.memory_gib, 6), c.compiled is None, *(
+            c.settings[k] for k in KEYS if k not in ("parallel.overlap_grad_reduce", "parallel.overlap_param_gather")))
+        if key not in seen:
+            seen.add(key)
+            keep.append(c)
+    candidates[:] = keep
 
 
 def compile_candidate(c: Candidate, target: str) -> dict:
