@@ -37,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-length", type=int, help="tokens per sequence (default: the config's)")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
                         help="config overrides; layout keys given here are held fixed (e.g. parallel.tensor=8)")
-    parser.add_argument("--compile", type=int, default=2, metavar="N",
+    parser.add_argument("--compile", type=int, default=4, metavar="N",
                         help="compile at most N of the best layouts whose predictions are within --separate of the "
                              "best, for XLA's memory and overlap (needs the gpu-audit extra; 0: the model alone)")
     parser.add_argument("--compile-budget", type=float, default=240.0, metavar="SECONDS",
@@ -45,6 +45,10 @@ def _parser() -> argparse.ArgumentParser:
                              "would pass this (a 3,072-GPU step compiles in about 2.5 minutes on 2 cores)")
     parser.add_argument("--separate", type=float, default=0.03,
                         help="the predicted step-time margin within which the model cannot separate layouts")
+    parser.add_argument("--memory-margin", type=float, default=0.15, metavar="FRACTION",
+                        help="the share of GPU memory the model's estimate must leave free for a layout to count as "
+                             "fitting before it is compiled (the model's activation count runs low at scale; a "
+                             "compiled layout is judged by XLA's memory alone)")
     parser.add_argument("--top", type=int, default=10, help="rows to print")
     parser.add_argument("--json", metavar="FILE", help="write the ranked rows as JSON here ('-': stdout, no table)")
     parser.add_argument("--write", metavar="FILE", help="write the best layout as a ready preset (every key set)")
@@ -259,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         base, raw, fixed = _base(args)
         hw = hardware(args.target)
-        result = search(base, hw, args.gpus, args.gpus_per_node, fixed)
+        result = search(base, hw, args.gpus, args.gpus_per_node, fixed, margin=args.memory_margin)
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -38,6 +38,7 @@ class Candidate:
     estimate: Estimate
     compiled: dict | None = None  # from the compile: peak_gib, fits, exposed_s (XLA's program)
     compile_error: str | None = None  # XLA could not compile it: the model's numbers stand
+    margin: float = 0.0  # the share of memory the model's estimate must leave free to count as fitting
     activation_scale: float = 1.0  # XLA's activations over the model's, learned from compiled neighbours
     exposure_scale: float = 1.0  # the compiled program's exposed communication over the model's, likewise
 
@@ -65,7 +66,7 @@ class Candidate:
 
     @property
     def fits(self) -> bool:
-        return self.compiled["fits"] if self.compiled else self.memory_gib * GIB <= self.capacity
+        return self.compiled["fits"] if self.compiled else self.memory_gib * GIB <= self.capacity * (1 - self.margin)
 
     @property
     def capacity(self) -> float:
@@ -185,9 +186,10 @@ def configure(base: Config, settings: dict, gpus: int) -> Config:
 
 
 def search(base: Config, hw: Hardware, gpus: int, gpus_per_node: int, fixed: dict, keep: int = 20,
-           clock: bool = True) -> dict:
+           clock: bool = True, margin: float = 0.0) -> dict:
     """Scores every layout: the first pass with the bubble formula, the best `keep` again on megajax's schedule
-    clock (`clock`; False keeps the papers' formula, as Megatron's schedules run). Returns {"ranked": [Candidate] (fitting, best first), "too_big": [Candidate] (the smallest few),
+    clock (`clock`; False keeps the papers' formula, as Megatron's schedules run). A layout fits when the model's
+    memory leaves `margin` of the GPU's free (the compile judges the rest). Returns {"ranked": [Candidate] (fitting, best first), "too_big": [Candidate] (the smallest few),
     "counted": {layouts, invalid, too_big}, "seconds"}."""
     start = time.perf_counter()
     if base.model.fp8 != "none" and "float8" not in hw.gemm_flops:
@@ -202,9 +204,11 @@ def search(base: Config, hw: Hardware, gpus: int, gpus_per_node: int, fixed: dic
         except (ConfigError, InputError, ValueError):
             invalid += 1
             continue
-        (fits if est.fits else too_big).append(Candidate(row, cfg, est))
+        c = Candidate(row, cfg, est, margin=margin)
+        (fits if c.fits else too_big).append(c)
     fits.sort(key=lambda c: c.step_s)
-    ranked = [Candidate(c.settings, c.cfg, estimate(c.cfg, hw, gpus_per_node, clock)) for c in fits[:keep]]
+    ranked = [Candidate(c.settings, c.cfg, estimate(c.cfg, hw, gpus_per_node, clock), margin=margin)
+              for c in fits[:keep]]
     rank(ranked)
     too_big.sort(key=lambda c: c.estimate.memory["total"])
     return {"ranked": ranked + fits[keep:], "too_big": too_big[:5],
