@@ -69,14 +69,13 @@ def _base(args) -> tuple[Config, dict, dict]:
         from megajax.hf.configs import model_config_from_hf, read_hf_config
 
         model = model_config_from_hf(read_hf_config(path if path.is_dir() else path.parent))
-        raw = {"model": {k: v for k, v in model.__dict__.items() if v != getattr(type(model)(), k, None)}}
+        default = type(model)()
+        raw = {"model": {k: v for k, v in model.__dict__.items() if v != getattr(default, k)}}
         base = config_io.override(config_io.from_dict(raw), config_io.parse_overrides(sets))
     else:
         base = config_io.load(path, sets)
         raw = yaml.safe_load(path.read_text()) or {}
     fixed = {k: v for k, v in config_io.parse_overrides(args.set).items() if k in KEYS}
-    if "parallel.data" not in fixed and base.parallel.data is not None and "parallel.data" in str(args.set):
-        fixed["parallel.data"] = base.parallel.data
     return base, raw, fixed
 
 
@@ -105,7 +104,7 @@ def row(c: Candidate, rank: int, peak: float) -> dict:
            "micro_batches": c.cfg.num_micro_batches, "predicted_step_s": c.step_s,
            "tflops_per_gpu": e.hardware_flops / c.step_s / 1e12, "mfu": e.model_flops / c.step_s / peak,
            "memory_gib_per_gpu": c.memory_gib, "fits": c.fits, "bubble_fraction": e.bubble_fraction,
-           "exposed_comm_s": {k: v for k, v in e.exposed_s.items()}, "compute_s": dict(e.compute_s),
+           "exposed_comm_s": dict(e.exposed_s), "compute_s": dict(e.compute_s),
            "memory_gib": {k: v / GIB for k, v in e.memory.items()}, "compiled": c.compiled,
            "compile_error": c.compile_error}
     return out

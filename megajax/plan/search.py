@@ -120,7 +120,7 @@ def splits(model, p: int, fixed: dict) -> list[dict]:
     if p == 1:
         return [dict(EVEN)]
     n = model.num_layers
-    if model.stacked_layers % p == 0 and not model.first_dense_layers:
+    if model.stacked_layers % p == 0:  # (a model's dense first layers ride on the first chunk)
         return [dict(EVEN)]
     out = []
     if (n + 2) % p == 0:
