@@ -130,12 +130,6 @@ def _in_schedule(cfg, colls, peak: float, nvlink: float, network: float) -> dict
             "comm_ratio": scatter / (forward / ticks.chunk_layers(cfg))}
 
 
-def _stage_layers(cfg) -> int:
-    """The transformer layers of the pipeline rank that holds the most (all of them without a pipeline)."""
-    split, p = cfg.stage_split, cfg.parallel.pipeline
-    return max(sum(split.layers[r::p]) for r in range(p))
-
-
 def megatron_expected(cfg) -> dict:
     """What Megatron's tensor (and sequence) parallelism moves over 'tensor' in one step: per micro batch
     and layer, 2 all-reduces forward and 2 backward (+2 forward again with full recomputation), or with
@@ -146,7 +140,7 @@ def megatron_expected(cfg) -> dict:
     mb = cfg.train.micro_batch_size
     act_bytes = mb * m.seq_length * m.hidden_size * (2 if m.compute_dtype != "float32" else 4)
     per_layer = 4 + (2 if m.recompute == "full" else 0)
-    n = per_layer * _stage_layers(cfg) * cfg.num_micro_batches
+    n = per_layer * cfg.stage_split.busiest_rank_layers(cfg.parallel.pipeline) * cfg.num_micro_batches
     if p.sequence_parallel:
         return {"all-gather": {"count": n, "bytes_each": act_bytes},
                 "reduce-scatter": {"count": n, "bytes_each": act_bytes}}
@@ -213,7 +207,7 @@ def expected_context_exchange(cfg) -> dict:
         return {}
     kv = (2 * cfg.train.micro_batch_size * (m.seq_length // c) * (m.kv_heads // p.tensor) * m.head_dim
           * (2 if m.compute_dtype != "float32" else 4))
-    layers = _stage_layers(cfg) * cfg.num_micro_batches
+    layers = cfg.stage_split.busiest_rank_layers(cfg.parallel.pipeline) * cfg.num_micro_batches
     comm = StepPlan.resolve(cfg).context_comm
     if comm == "ring":
         again = c - 2 if m.recompute != "none" else 0

@@ -372,6 +372,10 @@ class StageSplit:
         """The stack index of each chunk's first unit."""
         return tuple(sum(self.units[:c]) for c in range(len(self.units)))
 
+    def busiest_rank_layers(self, p: int) -> int:
+        """The transformer layers of the pipeline rank (of p) that holds the most: its chunks are r, r + p, ..."""
+        return max(sum(self.layers[r::p]) for r in range(p))
+
 
 def pipeline_split(num_layers: int, p: int, v: int = 1, first: int | None = None, last: int | None = None,
                    embedding: bool = False, loss: bool = False, first_dense: int = 0, period: int = 1) -> StageSplit:

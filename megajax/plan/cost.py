@@ -104,11 +104,6 @@ def parameter_counts(model) -> dict:
             "output": 0 if model.tied else vocab}
 
 
-def _layers_per_rank(cfg: Config) -> int:
-    split, p = cfg.stage_split, cfg.parallel.pipeline
-    return max(sum(split.layers[r::p]) for r in range(p))
-
-
 class _Layout:
     """The sizes of one resolved config that the terms below use."""
 
@@ -119,7 +114,7 @@ class _Layout:
         self.b = cfg.train.micro_batch_size
         self.m = cfg.num_micro_batches
         self.tokens = self.b * m.seq_length // self.c  # one micro batch's tokens on this GPU's context shard
-        self.layers = _layers_per_rank(cfg)
+        self.layers = cfg.stage_split.busiest_rank_layers(p.pipeline)
         self.moe_share = m.moe_layers / m.num_layers if m.num_experts else 0.0
         self.sp = p.sequence_parallel and self.t > 1
         self.dtype = "float8" if m.fp8 != "none" else "bfloat16"
