@@ -354,6 +354,21 @@ def lower_for(cfg, platform: str) -> dict:
             "kernel_custom_calls": kernels, "other_custom_calls": others}
 
 
+def compile_only_backend():
+    """Before the first backend starts: the XLA flags train runs with, and the CPU as the backend (GPU targets are
+    compile-only). Returns jax."""
+    import os
+
+    from megajax import xla_flags
+
+    xla_flags.install()
+    import jax
+
+    if not os.environ.get("JAX_PLATFORMS"):
+        jax.config.update("jax_platforms", "cpu")
+    return jax
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megajax.audit", description=__doc__.split("\n\n")[0])
     from megajax import config_io
@@ -368,16 +383,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="only export the train step for this platform and report its kernel custom calls")
     args = parser.parse_args(argv)
 
-    import os
-
-    from megajax import xla_flags
-
-    xla_flags.install()  # the flags train runs with, before the first backend starts
-    import jax
-
-    if not os.environ.get("JAX_PLATFORMS"):
-        jax.config.update("jax_platforms", "cpu")  # GPU targets are compile-only: CPU stays the backend
-
+    jax = compile_only_backend()
     if args.target == "cpu" and args.devices:
         jax.config.update("jax_num_cpu_devices", args.devices)
     from megajax import config as config_lib, config_io

@@ -205,15 +205,9 @@ def _compile(result: dict, target: str, n: int, margin: float, budget: float) ->
     ranked = result["ranked"]
     if not ranked or n <= 0:
         return []
-    import os
+    from megajax import audit
 
-    from megajax import xla_flags
-
-    xla_flags.install()
-    import jax
-
-    if not os.environ.get("JAX_PLATFORMS"):
-        jax.config.update("jax_platforms", "cpu")  # compile-only GPUs; the CPU is the backend
+    audit.compile_only_backend()
     notes, tried = [], set()
     core = lambda c: tuple(v for k, v in c.settings.items() if "overlap" not in k and k not in (  # noqa: E731
         "model.recompute", "train.micro_batch_size"))

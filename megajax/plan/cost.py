@@ -56,16 +56,8 @@ class Estimate:
     bubble_fraction: float
     exposed_s: dict  # per kind: tensor, context, pipeline, data, expert
     memory: dict  # weights, gradients, optimizer, activations, logits, reserve, total
-    fits: bool
     hardware_flops: float  # per GPU per step (with recomputation)
     model_flops: float
-
-    @property
-    def tflops_per_gpu(self) -> float:
-        return self.hardware_flops / self.step_s / 1e12
-
-    def mfu(self, peak: float) -> float:
-        return self.model_flops / self.step_s / peak
 
 
 def _ring(n: int) -> float:
@@ -301,7 +293,9 @@ def in_flight(cfg: Config) -> int:
     if p == 1:
         return 1
     if cfg.parallel.schedule == "interleaved" or v > 1:
-        return min(m * v, (v - 1) * p + 2 * (p - 1) + 1)
+        from megajax.pipeline.schedule import interleaved_depth
+
+        return interleaved_depth(p, v, m, 0)
     return min(m, p)
 
 
@@ -373,7 +367,7 @@ def estimate(cfg: Config, hw: Hardware, gpus_per_node: int, simulate: bool = Tru
     # output, as Megatron's gradient_accumulation_fusion does)
     optimizer = (ADAMW_BYTES * n_local / shard + 6 * n_local) / hw.elementwise_bytes_per_s
     step = step_compute + data + optimizer
-    micro = L.m * (layers * (fwd + again + bwd) + head) if L.pp == 1 else step_compute - bubble
+    micro = step_compute - bubble  # the busiest GPU's own work
     per_layer_exposed = L.m * layers
     exposed = {"tensor": per_layer_exposed * (tp_f + tp_b + (tp_f if again >= fwd else 0.0)),
                "context": per_layer_exposed * (cp_f + cp_b), "expert": per_layer_exposed * 2 * a2a,
@@ -389,7 +383,7 @@ def estimate(cfg: Config, hw: Hardware, gpus_per_node: int, simulate: bool = Tru
         compute_s={"gemm": runs * 3 * gemm_f, "attention": runs * (attn_f + attn_b),
                    "memory_bound": runs * 3 * mem_f, "recompute": runs * again, "head": L.m * head,
                    "optimizer": optimizer, "schedule": step_compute},
-        memory=mem, fits=mem["total"] <= hw.memory_bytes, hardware_flops=flops["hardware_flops"] / gpus,
+        memory=mem, hardware_flops=flops["hardware_flops"] / gpus,
         model_flops=flops["model_flops"] / gpus)
 
 

@@ -16,6 +16,7 @@ import itertools
 import time
 
 from megajax.config import Config, ConfigError, InputError
+from megajax.config_base import _divisors
 from megajax.plan.cost import Estimate, estimate
 from megajax.plan.hardware import GIB, Hardware
 
@@ -78,10 +79,6 @@ class Candidate:
         mem = self.estimate.memory
         exact = mem["total"] - mem["activations"]
         return max(1.0, (self.compiled["peak_gib"] * GIB - exact) / max(mem["activations"], 1.0))
-
-
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
 
 
 def _powers_of_two(limit: int) -> list[int]:
