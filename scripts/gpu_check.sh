@@ -7,6 +7,10 @@
 #   bash scripts/gpu_check.sh fp8       # step timings: llama-1b and gpt2-1.3b, bf16 against FP8 (hybrid)
 #   bash scripts/gpu_check.sh moe       # one MoE layer: Pallas grouped GEMM against ragged_dot (errors, speed),
 #                                       # FP8, capacity buffers; Mixtral's and DeepSeek-V2-Lite's expert shapes
+#   bash scripts/gpu_check.sh gemm      # scripts/bench_matmul.py: the bf16 and FP8 GEMM rates the planner's H100
+#                                       # constants come from, each beside the planner's model of it
+#   bash scripts/gpu_check.sh plan      # the planner's predicted step beside each step in $OUT/train.jsonl
+#                                       # (run after small, large or fp8; needs no GPU itself)
 # Each part fits in ten minutes on one H100 (compilation included).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -82,8 +86,14 @@ moe)
     timeout 120 $PY scripts/bench_moe.py --tokens 8192 --hidden 2048 --ffn 1408 --experts 64 --k 6 --factors 1.25 \
         --fp8 --json "$OUT/moe_deepseek.json" 2>&1 | grep -E '^mode'
     ;;
+gemm)
+    timeout 300 $PY scripts/bench_matmul.py --json "$OUT/matmul.json" 2>&1 | tee "$OUT/matmul.log" | grep -E '^(op|device)'
+    ;;
+plan)
+    JAX_PLATFORMS=cpu $PY -m megajax.plan.checks --steps "$OUT/train.jsonl" 2>&1 | grep -E '^\|' | tee "$OUT/plan.log"
+    ;;
 *)
-    echo "usage: $0 kernels|small|large|fp8|moe" >&2
+    echo "usage: $0 kernels|small|large|fp8|moe|gemm|plan" >&2
     exit 2
     ;;
 esac

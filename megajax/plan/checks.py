@@ -37,18 +37,20 @@ def _paper() -> list[dict]:
     return json.loads((ROOT / "benchmarks" / "sc21-table1.json").read_text())["rows"]
 
 
-def h100_steps() -> list[dict]:
-    """Each measured single-H100 step and its prediction (seconds)."""
+def h100_steps(files: list[Path] | None = None) -> list[dict]:
+    """Each measured single-H100 step (scripts/bench_train.py rows; by default the committed ones) and its
+    prediction (seconds)."""
     hw = hardware("h100")
-    files = [ROOT / "benchmarks/h100/train.jsonl", *sorted(Path(p) for p in glob.glob(
+    files = files or [ROOT / "benchmarks/h100/train.jsonl", *sorted(Path(p) for p in glob.glob(
         str(ROOT / "benchmarks/h100/2026-11-26*/train.jsonl")))]
     out = []
-    for path in files:
+    for path in map(Path, files):
         for line in path.read_text().splitlines():
             r = json.loads(line)
             cfg = config_io.load(ROOT / r["config"], r["set"]).for_devices(r["devices"])
             e = estimate(cfg, hw, 8)
-            out.append({"file": str(path.relative_to(ROOT)), "label": r["label"], "config": r["config"],
+            out.append({"file": str(path.resolve().relative_to(ROOT) if path.resolve().is_relative_to(ROOT) else path),
+                        "label": r["label"], "config": r["config"],
                         "set": r["set"], "measured_s": r["step_s"], "predicted_s": e.step_s,
                         "error": e.step_s / r["step_s"] - 1, "predicted_gib": e.memory["total"] / 2**30,
                         "measured_gib": r["peak_bytes_in_use"] / 2**30})
@@ -192,11 +194,17 @@ def presets(target: str = "h100") -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megajax.plan.checks", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="FILE", help="also write every row here")
+    parser.add_argument("--steps", metavar="JSONL", nargs="+",
+                        help="only the step table, for these scripts/bench_train.py rows (scripts/gpu_check.sh plan)")
     args = parser.parse_args(argv)
-    steps, rows, picks, figs = h100_steps(), table1(), choices(), figures()
-    print("| H100 step | measured s | predicted s | error |\n|---|---|---|---|")
+    steps = h100_steps(args.steps)
+    print("| H100 step | measured s | predicted s | error | measured GiB | predicted GiB |\n|---|---|---|---|---|---|")
     for r in steps:
-        print(f"| {r['label']} | {r['measured_s']:.3f} | {r['predicted_s']:.3f} | {r['error']:+.1%} |")
+        print(f"| {r['label']} | {r['measured_s']:.3f} | {r['predicted_s']:.3f} | {r['error']:+.1%} | "
+              f"{r['measured_gib']:.1f} | {r['predicted_gib']:.1f} |")
+    if args.steps:
+        return 0
+    rows, picks, figs = table1(), choices(), figures()
     print("\n| Table 1 model | GPUs | t, p, micro batch, chunks | measured TFLOP/s | predicted | error | "
           "planner's t, p | predicted gain |\n|---|---|---|---|---|---|---|---|")
     for r, c in zip(rows, picks):
