@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
+import struct
 import time
 import uuid
 from pathlib import Path
@@ -116,12 +118,7 @@ class MetricsLogger:
             out = Path(output_dir)
             out.mkdir(parents=True, exist_ok=True)
             self._jsonl = open(out / "metrics.jsonl", "a", buffering=1)
-            try:
-                from tensorboardX import SummaryWriter
-
-                self._tb = SummaryWriter(str(out / "tensorboard"))
-            except ImportError:  # TensorBoard is optional: the JSONL log is the record
-                self._tb = None
+            self._tb = TensorBoardEvents(out / "tensorboard")
             if wandb is not None:
                 self._wandb = _wandb_run(out, **wandb)
 
@@ -135,27 +132,9 @@ class MetricsLogger:
         scalars = {k: v for k, v in record.items()
                    if k != "step" and isinstance(v, (int, float)) and math.isfinite(v)}
         if self._tb is not None:
-            self._check_tensorboard()
-            for key, value in scalars.items():
-                self._tb.add_scalar(key, value, step)
+            self._tb.scalars(scalars, step)
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
-
-    def _check_tensorboard(self) -> None:
-        """tensorboardX writes from a thread of its own: a thread that died on a write error (a full disk) would
-        leave its bounded queue full and the next add_scalar blocked forever. Raise the failure here instead."""
-        import errno
-
-        worker = getattr(getattr(getattr(self._tb, "file_writer", None), "event_writer", None), "_worker", None)
-        if worker is None or worker.is_alive():
-            return
-        where = self._tb.logdir
-        try:
-            full = os.statvfs(where).f_bavail == 0
-        except OSError:
-            full = False
-        code = errno.ENOSPC if full else errno.EIO
-        raise OSError(code, os.strerror(code) + " (TensorBoard's event writer stopped)", where)
 
     def info(self, message: str) -> None:
         if self.enabled:
@@ -168,6 +147,76 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+class TensorBoardEvents:
+    """TensorBoard's scalars, written as TensorBoard reads them (tensorflow/core/util/event.proto) without
+    TensorFlow, tensorboardX or torch: an events.out.tfevents.* file of TFRecords (length, its masked CRC-32C, the
+    record, its masked CRC-32C), each an Event protocol buffer; the first holds the file version, each later one a
+    step's scalars. Written and flushed in the caller's thread, so a failed write (a full disk) raises there."""
+
+    def __init__(self, logdir: str | os.PathLike):
+        os.makedirs(logdir, exist_ok=True)
+        name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}.megajax"
+        self.logdir = str(logdir)
+        self._file = open(os.path.join(logdir, name), "ab")
+        self._write(_pb_field(1, 1, struct.pack("<d", time.time())) + _pb_field(3, 2, b"brain.Event:2"))
+
+    def scalars(self, values: dict, step: int) -> None:
+        # Summary.Value: tag (1, string), simple_value (2, float); Summary: value (1, repeated)
+        summary = b"".join(_pb_field(1, 2, _pb_field(1, 2, k.encode()) + _pb_field(2, 5, struct.pack("<f", v)))
+                           for k, v in values.items())
+        # Event: wall_time (1, double), step (2, int64), summary (5)
+        self._write(_pb_field(1, 1, struct.pack("<d", time.time())) + _pb_field(2, 0, int(step))
+                    + _pb_field(5, 2, summary))
+
+    def _write(self, record: bytes) -> None:
+        length = struct.pack("<Q", len(record))
+        self._file.write(length + struct.pack("<I", _masked_crc(length)) + record
+                         + struct.pack("<I", _masked_crc(record)))
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def _pb_field(number: int, wire: int, value) -> bytes:
+    """One protocol-buffer field: wire 0 an int (varint), 1 and 5 fixed bytes, 2 length-delimited bytes."""
+    key = _varint(number << 3 | wire)
+    if wire == 0:
+        return key + _varint(value)
+    return key + (_varint(len(value)) + value if wire == 2 else value)
+
+
+def _crc32c_table() -> list[int]:
+    table = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1  # the Castagnoli polynomial, reflected
+        table.append(c)
+    return table
+
+
+_CRC32C = _crc32c_table()
+
+
+def _masked_crc(data: bytes) -> int:
+    """TFRecord's masked CRC-32C."""
+    c = 0xFFFFFFFF
+    for b in data:
+        c = _CRC32C[(c ^ b) & 0xFF] ^ (c >> 8)
+    c ^= 0xFFFFFFFF
+    return (((c >> 15) | (c << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
 
 def require_wandb() -> None:

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -25,8 +26,55 @@ def test_tiny_trains_logs_and_evaluates(tmp_path):
     assert all(0 < r["mfu"] < 1 for r in records.values())
     evals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "eval_loss" in line]
     assert [e["step"] for e in evals] == [20, 40] and evals[1]["eval_loss"] < evals[0]["eval_loss"]
-    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    events = read_events(next((tmp_path / "tensorboard").glob("events.out.tfevents.*")))
+    assert events[0].file_version == "brain.Event:2"
+    by_step = {e.step: {v.tag: v.simple_value for v in e.summary.value} for e in events[1:] if "loss" in
+               {v.tag for v in e.summary.value}}
+    assert sorted(by_step) == sorted(records) and by_step[40]["loss"] == pytest.approx(records[40]["loss"], rel=1e-6)
     assert (tmp_path / "checkpoints" / "40").is_dir()
+
+
+def read_events(path) -> list:
+    """The Event protocol buffers of a TensorBoard event file, each record's length and data checked against
+    their masked CRC-32Cs (tensorboardX's protos decode them)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    from megajax.metrics import _masked_crc
+
+    data, pos, out = Path(path).read_bytes(), 0, []
+    while pos < len(data):
+        head = data[pos:pos + 8]
+        (n,), (crc_n,) = struct.unpack("<Q", head), struct.unpack("<I", data[pos + 8:pos + 12])
+        record, (crc,) = data[pos + 12:pos + 12 + n], struct.unpack("<I", data[pos + 12 + n:pos + 16 + n])
+        assert crc_n == _masked_crc(head) and crc == _masked_crc(record), "a damaged TFRecord frame"
+        out.append(event_pb2.Event.FromString(record))
+        pos += 16 + n
+    return out
+
+
+def test_tensorboard_events_frame_as_tensorboardx_does(tmp_path):
+    """The same scalars through tensorboardX's writer (the reference TensorBoard reads) and megajax's: the same
+    events, and both files' frames pass the same CRC check."""
+    from tensorboardX import SummaryWriter
+
+    from megajax.metrics import TensorBoardEvents
+
+    ref = SummaryWriter(str(tmp_path / "ref"))
+    ours = TensorBoardEvents(tmp_path / "ours")
+    for step, values in ((1, {"loss": 10.5, "lr": 3e-4}), (2, {"loss": 9.25, "lr": 6e-4})):
+        for k, v in values.items():
+            ref.add_scalar(k, v, step)
+        ours.scalars(values, step)
+    ref.close()
+    ours.close()
+
+    def scalars(d):
+        events = read_events(next(Path(d).glob("events.out.tfevents.*")))
+        return sorted((e.step, v.tag, v.simple_value) for e in events for v in e.summary.value)
+
+    assert scalars(tmp_path / "ours") == scalars(tmp_path / "ref")
 
 
 @pytest.mark.slow  # suite time (69 s): the layout matrix runs d2 x t4 (and every triple) by default

@@ -136,11 +136,11 @@ def write_failure(error: BaseException) -> str | None:
 
 def quiet_write_failures() -> None:
     """For entry points (it changes process-wide hooks). A save the filesystem refuses ends the run with one line
-    (train.CheckpointSaveError). Orbax's writer threads, TensorStore's callbacks and tensorboardX's writer would
-    print hundreds of lines of tracebacks about the same failure around it: Orbax's and asyncio's ERROR records
-    naming a write error, 'Event loop is closed' from callbacks of writes still in flight when Orbax closed its
-    event loop, the writer threads' own errors, unawaited write coroutines at exit. Those are dropped; every other
-    record and exception prints as before."""
+    (train.CheckpointSaveError). Orbax's writer threads and TensorStore's callbacks would print hundreds of lines
+    of tracebacks about the same failure around it: Orbax's and asyncio's ERROR records naming a write error,
+    'Event loop is closed' from callbacks of writes still in flight when Orbax closed its event loop, the writer
+    threads' own errors, unawaited write coroutines at exit. Those are dropped; every other record and exception
+    prints as before."""
     import logging
     import sys
     import threading
@@ -155,7 +155,7 @@ def quiet_write_failures() -> None:
         logging.getLogger(name).addFilter(keep)
     unraisable = sys.unraisablehook
 
-    def quiet(arg):  # also at exit: tensorboardX's atexit flush, threads that outlive the interpreter
+    def quiet(arg):  # also at exit: threads that outlive the interpreter
         if not (arg.exc_type is RuntimeError and str(arg.exc_value) == "Event loop is closed"
                 or write_failure(arg.exc_value) is not None
                 or arg.exc_type is ImportError and "Python is likely shutting down" in str(arg.exc_value)):
@@ -164,7 +164,7 @@ def quiet_write_failures() -> None:
     sys.unraisablehook = quiet
     thread_default = threading.excepthook
 
-    def thread_hook(args):  # a writer thread's write failure (TensorBoard's): the main thread reports it; after
+    def thread_hook(args):  # a writer thread's write failure: the main thread reports it; after
         # it, the same thread finding its queue closed by the main thread's close
         if not (write_failure(args.exc_value) is not None
                 or args.exc_type is OSError and str(args.exc_value) == "handle is closed"):
