@@ -58,9 +58,10 @@ def step_rates(flops: dict[str, float], tokens: int, step_s: float, devices: int
             "mfu": flops["model_flops"] / step_s / devices / peak}
 
 
-def measure_cpu_peak(seconds: float = 0.5, n: int = 1024) -> float:
+def measure_cpu_peak(seconds: float = 0.1, n: int = 1024) -> float:
     """FLOP/s of fp32 n x n matmuls on this host's CPU, one per local device at once (fake CPU devices
-    share the cores, so the machine's rate is what they split), measured once."""
+    share the cores, so the machine's rate is what they split), measured once, for a tenth of a second (every CPU
+    run pays it at start; a CPU MFU is a rough guide)."""
     devices = jax.local_devices()
     mesh = jax.sharding.Mesh(devices, ("d",))
     a = jax.device_put(np.ones((len(devices), n, n), np.float32),
