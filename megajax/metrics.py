@@ -159,7 +159,6 @@ class TensorBoardEvents:
     def __init__(self, logdir: str | os.PathLike):
         os.makedirs(logdir, exist_ok=True)
         name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}.megajax"
-        self.logdir = str(logdir)
         self._file = open(os.path.join(logdir, name), "ab")
         self._write(_pb_field(1, 1, struct.pack("<d", time.time())) + _pb_field(3, 2, b"brain.Event:2"))
 

@@ -77,7 +77,7 @@ def test_tensorboard_events_frame_as_tensorboardx_does(tmp_path):
     assert scalars(tmp_path / "ours") == scalars(tmp_path / "ref")
 
 
-@pytest.mark.slow  # suite time (69 s): the layout matrix runs d2 x t4 (and every triple) by default
+@pytest.mark.slow  # suite time (69 s): the layout matrix runs d2 x t4 by default
 def test_eight_devices_match_one_device_for_10_steps(tmp_path):
     """The documented multi-device command (docs/features/parallelism.md): data 2 x tensor 4 with sequence parallelism, tiny preset, fp32."""
     full = ["train.steps=10", "train.log_every=1", "train.eval_every=0", "checkpoint.every=0"]
