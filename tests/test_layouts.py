@@ -245,7 +245,7 @@ def triple(c: dict) -> tuple[int, int, int]:
 
 def name(c: dict) -> str:
     s = c["sets"]
-    d, p, t = s["parallel.data"], s["parallel.pipeline"], s["parallel.tensor"]
+    d, p, t = triple(c)
     experts = f"e{s['parallel.expert']}" if c["moe"] else ""
     return (f"{c['arch']}{'-moe' if c['moe'] else ''}-d{d}{experts}p{p}t{t}"
             f"{'-sp' if s['parallel.sequence_parallel'] else ''}"

@@ -45,15 +45,15 @@ def h100_steps(files: list[Path] | None = None) -> list[dict]:
         str(ROOT / "benchmarks/h100/2026-11-26*/train.jsonl")))]
     out = []
     for path in map(Path, files):
+        where = path.resolve()
+        name = str(where.relative_to(ROOT) if where.is_relative_to(ROOT) else path)
         for line in path.read_text().splitlines():
             r = json.loads(line)
             cfg = config_io.load(ROOT / r["config"], r["set"]).for_devices(r["devices"])
             e = estimate(cfg, hw, 8)
-            out.append({"file": str(path.resolve().relative_to(ROOT) if path.resolve().is_relative_to(ROOT) else path),
-                        "label": r["label"], "config": r["config"],
-                        "set": r["set"], "measured_s": r["step_s"], "predicted_s": e.step_s,
-                        "error": e.step_s / r["step_s"] - 1, "predicted_gib": e.memory["total"] / 2**30,
-                        "measured_gib": r["peak_bytes_in_use"] / 2**30})
+            out.append({"file": name, "label": r["label"], "config": r["config"], "set": r["set"],
+                        "measured_s": r["step_s"], "predicted_s": e.step_s, "error": e.step_s / r["step_s"] - 1,
+                        "predicted_gib": e.memory["total"] / 2**30, "measured_gib": r["peak_bytes_in_use"] / 2**30})
     return out
 
 
