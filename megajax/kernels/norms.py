@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
@@ -29,6 +31,19 @@ def _cast(y: jax.Array, out_dtype: DTypeLike | None) -> jax.Array:
     return y if out_dtype is None else y.astype(out_dtype)
 
 
+# The references keep only their inputs for the backward and recompute the statistics there: autodiff would keep
+# three fp32 copies of x (12 bytes an element against the input's 2), which the backward reads back anyway.
+# (prevent_cse=False: under the layer scan the recomputation cannot be merged back into the forward.)
+@functools.partial(jax.checkpoint, prevent_cse=False, static_argnums=(3, 4))
+def _layer_norm_xla(x, scale, bias, eps, out_dtype):
+    return _cast(layer_norm_reference(x, scale, bias, eps), out_dtype)
+
+
+@functools.partial(jax.checkpoint, prevent_cse=False, static_argnums=(2, 3))
+def _rms_norm_xla(x, scale, eps, out_dtype):
+    return _cast(rms_norm_reference(x, scale, eps), out_dtype)
+
+
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-5, *, impl: str = "xla",
                out_dtype: DTypeLike | None = None) -> jax.Array:
     """LayerNorm over the last dim, statistics in fp32. x [..., d], scale and bias [d] -> [..., d].
@@ -36,7 +51,7 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-
     Returns fp32 unless out_dtype is given (the fused kernel then writes that dtype directly).
     """
     if impl == "xla":
-        return _cast(layer_norm_reference(x, scale, bias, eps), out_dtype)
+        return _layer_norm_xla(x, scale, bias, eps, out_dtype)
     if impl == "pallas":
         return layer_norm_pallas(x, scale, bias, eps, out_dtype=out_dtype)
     raise ValueError(f"unknown norm impl {impl!r}: use xla or pallas")
@@ -47,7 +62,7 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-6, *, impl: str = "
     """RMSNorm over the last dim, statistics in fp32. x [..., d], scale [d] -> [..., d] (fp32 unless
     out_dtype is given)."""
     if impl == "xla":
-        return _cast(rms_norm_reference(x, scale, eps), out_dtype)
+        return _rms_norm_xla(x, scale, eps, out_dtype)
     if impl == "pallas":
         return rms_norm_pallas(x, scale, eps, out_dtype=out_dtype)
     raise ValueError(f"unknown norm impl {impl!r}: use xla or pallas")

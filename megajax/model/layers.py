@@ -467,6 +467,29 @@ def latent_qkv(module: nn.Module, x_bsd: jax.Array, side: Side, offset: jax.Arra
     return q, kk, values
 
 
+def _from_input(fn=None, **kw):
+    """`fn` (elementwise) whose backward keeps only its input and recomputes the rest: autodiff of the tanh GeLU
+    would keep five [tokens, ffn] intermediates and SwiGLU's four, more than the layer's other activations
+    together. Megatron's fused bias-GeLU and SwiGLU keep only their inputs too. (Under the layer scan the
+    recomputation cannot be merged back into the forward, so no barrier: prevent_cse=False.)"""
+    if fn is None:
+        return functools.partial(_from_input, **kw)
+    return jax.checkpoint(fn, prevent_cse=False, **kw)
+
+
+@_from_input
+def gelu(z: jax.Array) -> jax.Array:
+    """The tanh-approximated GeLU (GPT-2's), keeping only `z` for its backward."""
+    return nn.gelu(z, approximate=True)
+
+
+@_from_input(static_argnums=(1,))
+def swiglu(gate_up: jax.Array, axis: int) -> jax.Array:
+    """silu(gate) * up, gate and up side by side on `axis` of gate_up, keeping only `gate_up`."""
+    gate, up = (jax.lax.index_in_dim(gate_up, i, axis, keepdims=False) for i in (0, 1))
+    return nn.silu(gate) * up
+
+
 class MLP(nn.Module):
     """GeLU MLP (gpt2) or SwiGLU (llama): column-parallel in, row-parallel out."""
 
@@ -482,12 +505,11 @@ class MLP(nn.Module):
             # gate and up fused as [d, 2, f] (one partial dX to all-reduce in the backward, as for QKV)
             w_gate_up = param(self, "w_gate_up", (d, 2, f), WEIGHT_NAMES["w_gate_up"], cfg.init_std, pdt)
             gate_up = column_matmul(self, "w_gate_up", x_bsd, w_gate_up.astype(cdt))
-            hidden = nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
+            hidden = swiglu(gate_up, 2)
         else:
             w_in = param(self, "w_in", (d, f), WEIGHT_NAMES["w_in"], cfg.init_std, pdt)
             b_in = param(self, "b_in", (f,), ("mlp",), 0, pdt)
-            hidden = nn.gelu(column_matmul(self, "w_in", x_bsd, w_in.astype(cdt))
-                             + b_in.astype(cdt), approximate=True)
+            hidden = gelu(column_matmul(self, "w_in", x_bsd, w_in.astype(cdt)) + b_in.astype(cdt))
         hidden = constrain(hidden, ("batch", None, "mlp"))
         w_out = param(self, "w_out", (f, d), WEIGHT_NAMES["w_out"], out_std, pdt)
         y = row_matmul(self, "w_out", hidden, w_out.astype(cdt))

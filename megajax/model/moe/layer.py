@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from megajax.config import ModelConfig
 from megajax.kernels.grouped_matmul import group_of_rows, grouped_matmul
 from megajax.model import fp8
-from megajax.model.layers import MLP, RESIDUAL, fp8_state, gather_sequence, param
+from megajax.model.layers import MLP, RESIDUAL, fp8_state, gather_sequence, gelu, param, swiglu
 from megajax.model.moe.exchange import (_exchange, capacity, combine, dispatch, exchange_capacity, exchange_dropless,
                                         exchange_folded, exchange_folded_dropless, expert_parallel_size, folds,
                                         from_buffers, to_buffers)
@@ -92,9 +92,9 @@ def expert_mlps(cfg: ModelConfig, w: dict, meta, lead: str | None, xs: jax.Array
         # columns, so the fused matmul's output splits into the two locally
         gate_up = matmul(xs, w_gate_up.reshape(el, w_gate_up.shape[1], -1).astype(cdt), "w_gate_up")
         gate_up = gate_up.reshape(*gate_up.shape[:-1], -1, 2)
-        hidden = nn.silu(gate_up[..., 0]) * gate_up[..., 1]
+        hidden = swiglu(gate_up, gate_up.ndim - 1)
     else:
-        hidden = nn.gelu(matmul(xs, w["w_in"].astype(cdt), "w_in") + bias(w["b_in"].astype(cdt)), approximate=True)
+        hidden = gelu(matmul(xs, w["w_in"].astype(cdt), "w_in") + bias(w["b_in"].astype(cdt)))
     hidden = constrain(hidden, (lead,) + (None,) * (hidden.ndim - 2) + ("mlp",))
     return matmul(hidden, w["w_out"].astype(cdt), "w_out")
 
