@@ -260,6 +260,44 @@ def test_memory_terms():
     assert all(v > 0 and math.isfinite(v) for v in zero1.values())
 
 
+# (preset, --set): the layer kinds whose kept activations the model counts: GeLU and SwiGLU MLPs, grouped-query
+# attention, and MoE layers with a capacity and dropless.
+LAYER_KINDS = [("gpt2-1.3b", []), ("llama3-70b", ["parallel.schedule=1f1b", "parallel.virtual_stages=1"]),
+               ("mixtral-8x7b", []), ("mixtral-8x7b", ["model.moe_capacity_factor=null"])]
+
+
+@pytest.mark.parametrize("preset,sets", LAYER_KINDS, ids=["gpt2", "llama", "moe-capacity", "moe-dropless"])
+def test_layer_activations_are_what_the_backward_keeps(preset, sets):
+    """`cost.layer_activation_bytes` against the residuals JAX keeps for one layer's backward (its vjp's saved
+    values less the layer's weights), for each attention and norm kernel and each recompute mode, at one GPU.
+    Nothing is computed: the layer is traced on abstract values."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from megajax.model import gpt
+
+    for impl in ("xla", "pallas"):
+        for mode in ("none", "selective"):
+            # 640 tokens: no activation has a weight's size, which is how weights are told apart below
+            cfg = config_io.load(ROOT / f"configs/{preset}.yaml", [
+                *sets, f"model.attention_impl={impl}", f"model.norm_impl={impl}", "model.num_layers=2",
+                f"model.recompute={mode}", "model.seq_length=640", "parallel.data=1", "parallel.pipeline=1",
+                "parallel.tensor=1", "parallel.context=1", "parallel.expert=1", "parallel.sequence_parallel=false",
+                "parallel.tp_comm_overlap=false", "train.global_batch_size=1", "train.micro_batch_size=1"]).for_devices(1)
+            m = cfg.model
+            layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], jnp.bfloat16),
+                                 gpt.abstract_params(m)["layers"]["block"])
+            x = jax.ShapeDtypeStruct((1, m.seq_length, m.hidden_size), jnp.bfloat16)
+            kept = jax.eval_shape(lambda p, x: jax.vjp(lambda p, x: gpt.block_apply(m, p, x, 0, None), p, x)[1],
+                                  layer, x)
+            weights = {math.prod(w.shape) for w in jax.tree.leaves(layer)}
+            saved = sum(math.prod(r.shape) * np.dtype(r.dtype).itemsize for r in jax.tree.leaves(kept)
+                        if math.prod(r.shape) not in weights)
+            counted = cost.layer_activation_bytes(cost._Layout(cfg, 8))[mode]
+            assert counted == pytest.approx(saved, rel=0.025), (impl, mode, counted / saved - 1)
+
+
 @pytest.mark.slow
 def test_compile_refines_the_best(capsys):
     """--compile: the best layouts are compiled for compile-only H100s; XLA's memory and exposed communication

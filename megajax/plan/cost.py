@@ -247,38 +247,79 @@ def _data_comm_s(hw: Hardware, L: _Layout, params: dict) -> tuple[float, float]:
     return grads, 0.0
 
 
+def layer_activation_bytes(L: _Layout) -> dict:
+    """Bytes one layer's backward keeps for one micro batch on this GPU, as megajax's layer saves them (counted
+    from its code: tests/test_plan.py checks the count against JAX's saved residuals, and
+    benchmarks/2026-11-26-compile-only-activation-memory.md against XLA's H100 program):
+    {"none": without recomputation, "selective": attention's core recomputed, "full": the layer's input}.
+
+    Per token, bf16 unless said: each norm's input (sequence parallelism splits it over t); each column-parallel
+    matmul's input, the norms' outputs (gathered whole with sequence parallelism, except that the collective
+    matmuls of tp_comm_overlap keep the local shard and gather again in the backward); attention's queries, keys,
+    values and output, and the fused kernels' log-sum-exp (fp32 a head); the unfused (xla) attention's scores,
+    11 bytes each (the causal mask, two fp32 copies, the bf16 probabilities), which selective recomputation drops;
+    the MLP's input to its activation and its output (SwiGLU: gate and up, 3 x ffn; GeLU 2 x ffn: the activations
+    keep only their input, megajax.model.layers.gelu); a mask byte for each of the two residual dropouts. MoE
+    layers keep the same for each routed copy of a token (k x capacity factor) and the routing's buffers (counted
+    at expert 1 and tensor 1; the exchanges of expert parallelism are not). Multi-latent attention's latent
+    projections are not counted (a few percent)."""
+    m, t, T = L.model, L.t, L.tokens
+    h = m.hidden_size
+    r = 1 / t if L.sp else 1.0  # the residual stream's share on this GPU
+    gemm_in = 1 / t if L.sp and L.par.tp_comm_overlap else 1.0
+    per_token = 2 * B16 * h * r + 2 * B16 * h * gemm_in
+    heads, kv = m.num_heads / t, m.kv_heads / t
+    per_token += B16 * (heads * (m.head_dim + m.value_dim) + kv * (m.head_dim + m.value_dim))
+    if m.multi_latent_attention:  # every head has its own keys and the values are padded to the query width
+        per_token += B16 * heads * (m.head_dim - m.value_dim) * 2
+    scores = 11 * heads * m.seq_length if L.unfused else 4 * heads
+    per_token += 2 * h * r if m.dropout else 0.0
+    mlp = (3 if m.arch == "llama" else 2) * B16
+    dense = mlp * m.ffn_size / t
+    if m.num_experts:
+        k, factor = m.experts_per_token, m.moe_capacity_factor
+        copies = k * (factor or 1.0)
+        split = 1 if L.par.folded_experts else t
+        # the experts' rows (with a capacity: the dispatched buffer and its copy), their MLPs, the shared experts';
+        # the routed copies' bookkeeping (masks and rows of [tokens x k, hidden]: 10 bytes an element with a
+        # capacity, 7 dropless), the router's fp32 input and probabilities
+        moe = (copies * (B16 * h * (2 if factor else 1) + mlp * m.moe_ffn_size / split)
+               + mlp * m.moe_shared_experts * m.moe_ffn_size / t + k * h * (10 if factor else 7)
+               + 4 * h + 4 * m.num_experts)
+        per_token += L.moe_share * moe + (1 - L.moe_share) * dense
+    else:
+        per_token += dense
+    none = T * (per_token + scores)
+    selective = T * (per_token + (0.0 if L.unfused else scores))
+    return {"none": none, "selective": selective, "full": T * B16 * h * r}
+
+
 def _memory(hw: Hardware, L: _Layout, params: dict, in_flight: int) -> dict:
-    """Bytes per GPU: fp32 weights (ZeRO-3: sharded) and their bf16 copy, fp32 gradients (ZeRO-2/3: sharded; with
+    """Bytes per GPU: fp32 weights (ZeRO-3: sharded) and the bf16 copy the backward keeps (none under full
+    recomputation: each layer casts its weights again), fp32 gradients (ZeRO-2/3: sharded; with
     overlap_grad_reduce and several micro batches one more copy), AdamW's two fp32 moments (sharded with the
-    distributed optimizer), the activations (below), the logits, the reserve."""
+    distributed optimizer), the activations (`layer_activation_bytes`), the logits, the reserve."""
     par, m = L.par, L.model
     ranks = L.d * L.c
     n = params["total"]
     shard = lambda x: x / ranks if ranks > 1 else x  # noqa: E731
-    # fp32 weights, and the bf16 copy the step computes with (whole; ZeRO-3 gathers one layer's at a time)
-    weights = 4 * (shard(n) if par.shards_params else n) + (0 if par.shards_params else B16 * n)
+    acts = layer_activation_bytes(L)
+    stash, kept_per_layer = acts["full"], acts[m.recompute]
+    working = acts["none"] if m.recompute == "full" else 0.0  # the one layer full recomputation rebuilds
+    chunk = L.layers // L.par.virtual_stages
+    # the layers whose bf16 weights the backward keeps: all of them, or (a pipeline recomputes chunk by chunk) one
+    # chunk's; under full recomputation none (a layer's cast is rebuilt with it)
+    layer_params = (params["total"] - (parameter_counts(m)["embedding"] + parameter_counts(m)["output"]) / L.t)
+    cast_layers = 0 if m.recompute == "full" or par.shards_params else (chunk if L.pp > 1 else L.layers)
+    cast = B16 * (n - layer_params * (1 - cast_layers / max(L.layers, 1))) if not par.shards_params else 0.0
+    weights = 4 * (shard(n) if par.shards_params else n) + cast
     grads = 4 * (shard(n) if par.shards_grads else n) * (2 if par.overlap_grad_reduce and L.m > 1 else 1)
     optimizer = 8 * (shard(n) if par.shards_optimizer else n)
-    sbh = L.tokens * m.hidden_size
-    tp = L.t
-    # Korthikanti et al. (2022), bytes per layer: 34 s b h with sequence parallelism split over t (else 10 + 24 / t),
-    # plus 5 a s^2 b for the unfused attention's scores (split over t); a SwiGLU MLP keeps one more [s, b, ffn].
-    mlp_extra = 2 * m.ffn_size / m.hidden_size if m.arch == "llama" else 0.0
-    per_layer = sbh * ((34 + mlp_extra) / tp if L.sp else 10 + (24 + mlp_extra) / tp)
-    if L.unfused:
-        per_layer += 5 * m.num_heads * L.tokens * m.seq_length / tp
-    stash = 2 * sbh / (tp if L.sp else 1)  # a layer's (or a pipeline chunk's) input
-    attn = 5 * m.num_heads * L.tokens * m.seq_length / tp if L.unfused else 0.0  # what selective drops
-    # per layer, what the backward reads: every residual (none), all but attention's core (selective), or the
-    # layer's input, the layer being recomputed one at a time (full)
-    kept_per_layer = {"none": per_layer, "selective": per_layer - attn, "full": stash}[m.recompute]
-    working = per_layer if m.recompute == "full" else 0.0  # the one layer full recomputation rebuilds
     if L.pp > 1:  # chunk inputs in flight; the chunk being recomputed holds its layers' residuals for its backward
-        chunk = L.layers // L.par.virtual_stages
         kept = in_flight * stash + chunk * kept_per_layer + working
     else:
         kept = L.layers * kept_per_layer + working
-    logits = L.tokens * (m.padded_vocab_size // tp) * 10
+    logits = L.tokens * (m.padded_vocab_size // L.t) * 10
     out = {"weights": weights, "gradients": grads, "optimizer": optimizer, "activations": kept, "logits": logits,
            "reserve": RESERVE_BYTES}
     out["total"] = sum(out.values())
