@@ -272,7 +272,7 @@ def layer_activation_bytes(L: _Layout) -> dict:
     per_token += B16 * (heads * (m.head_dim + m.value_dim) + kv * (m.head_dim + m.value_dim))
     if m.multi_latent_attention:  # every head has its own keys and the values are padded to the query width
         per_token += B16 * heads * (m.head_dim - m.value_dim) * 2
-    scores = 11 * heads * m.seq_length if L.unfused else 4 * heads
+    core = 11 * heads * m.seq_length if L.unfused else 4 * heads  # the scores, or the log-sum-exp
     per_token += 2 * h * r if m.dropout else 0.0
     mlp = (3 if m.arch == "llama" else 2) * B16
     dense = mlp * m.ffn_size / t
@@ -289,8 +289,8 @@ def layer_activation_bytes(L: _Layout) -> dict:
         per_token += L.moe_share * moe + (1 - L.moe_share) * dense
     else:
         per_token += dense
-    none = T * (per_token + scores)
-    selective = T * (per_token + (0.0 if L.unfused else scores))
+    none = T * (per_token + core)
+    selective = T * (per_token + (0.0 if L.unfused else core))
     return {"none": none, "selective": selective, "full": T * B16 * h * r}
 
 
@@ -309,9 +309,10 @@ def _memory(hw: Hardware, L: _Layout, params: dict, in_flight: int) -> dict:
     chunk = L.layers // L.par.virtual_stages
     # the layers whose bf16 weights the backward keeps: all of them, or (a pipeline recomputes chunk by chunk) one
     # chunk's; under full recomputation none (a layer's cast is rebuilt with it)
-    layer_params = (params["total"] - (parameter_counts(m)["embedding"] + parameter_counts(m)["output"]) / L.t)
-    cast_layers = 0 if m.recompute == "full" or par.shards_params else (chunk if L.pp > 1 else L.layers)
-    cast = B16 * (n - layer_params * (1 - cast_layers / max(L.layers, 1))) if not par.shards_params else 0.0
+    counts = parameter_counts(m)
+    per_layer = (n - (counts["embedding"] + counts["output"]) / L.t) / max(L.layers, 1)
+    cast_layers = 0 if m.recompute == "full" else (chunk if L.pp > 1 else L.layers)
+    cast = 0.0 if par.shards_params else B16 * (n - per_layer * (L.layers - cast_layers))
     weights = 4 * (shard(n) if par.shards_params else n) + cast
     grads = 4 * (shard(n) if par.shards_grads else n) * (2 if par.overlap_grad_reduce and L.m > 1 else 1)
     optimizer = 8 * (shard(n) if par.shards_optimizer else n)
