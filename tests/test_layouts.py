@@ -49,6 +49,7 @@ ARCHS = {
 }
 BATCH = 24
 MOE = {"model.num_experts": 8, "model.experts_per_token": 2, "model.moe_ffn_hidden_size": 48}
+MOE_MICRO_BATCH = 3
 # DeepSeek's MoE model has a dense first layer before the 24 the pipeline splits
 MOE_EXTRA = {"deepseek": {"model.num_layers": 25, "model.moe_first_dense_layers": 1}}
 
@@ -138,8 +139,11 @@ def zeros(d: int, p: int, schedule: str) -> tuple[int, ...]:
 
 def case(arch, d, p, t, sp, zero, schedule, v, ep=0, ring=False, overlap=0, fold=0, ragged=False, split=None) -> dict:
     # p micro batches through a pipeline (the fewest every schedule takes); without one, 2 or 3 per data
-    # rank, so gradient accumulation runs on every layout too
+    # rank, so gradient accumulation runs on every layout too. MoE: micro batches of MOE_MICRO_BATCH where the
+    # layout's data and pipeline allow it (one reference for them: the balancing loss is per micro batch)
     mb = BATCH // (d * p) if p > 1 else max(1, BATCH // (2 * d))
+    if ep and (BATCH // d) % MOE_MICRO_BATCH == 0 and BATCH // d // MOE_MICRO_BATCH >= p:
+        mb = MOE_MICRO_BATCH
     return {"arch": arch, "moe": ep > 0, "n": d * p * t, "sets": {
         **ARCHS[arch], **(MOE if ep else {}), **(MOE_EXTRA.get(arch, {}) if ep else {}), **FOLD.get(fold, {}),
         **({"parallel.expert_all_to_all": "ragged"} if ragged else {}), **(split or {}),

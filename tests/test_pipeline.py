@@ -70,7 +70,7 @@ def _compile(schedule, v, gbs):
 def test_memory_flat_in_micro_batches_and_collectives_as_planned(schedule, v, repo_root, monkeypatch):
     monkeypatch.chdir(repo_root)
     temps = {}
-    for gbs in (16, 64):  # m = 4 -> 16 at micro batch 2 on 2 data ranks
+    for gbs in (8, 32):  # m = 2 -> 8 at micro batch 2 on 2 data ranks
         cfg, mesh, compiled = _compile(schedule, v, gbs)
         temps[cfg.num_micro_batches] = compiled.memory_analysis().temp_size_in_bytes
         colls = hlo.parse(compiled.as_text(), dict(mesh.shape))
@@ -79,7 +79,7 @@ def test_memory_flat_in_micro_batches_and_collectives_as_planned(schedule, v, re
         assert data and all(c.count == 1 and not c.in_conditional for c in data)
         permute = sum(c.bytes * c.count for c in colls if c.kind == "collective-permute")
         assert permute == permute_bytes_per_step(cfg)["bytes"]
-    growth = temps[16] / temps[4]
+    growth = temps[8] / temps[2]
     if schedule == "gpipe":
         assert growth > 2.0, temps  # GPipe stashes every micro batch
     else:
