@@ -28,6 +28,11 @@ CASES = [
     ("gpt2-1.3b layer, d8, mb4 s2048", "configs/gpt2-1.3b.yaml", [
         "parallel.data=8", "parallel.tensor=1", "parallel.sequence_parallel=false", "train.global_batch_size=32",
         "train.micro_batch_size=4", "model.attention_impl=pallas", "model.norm_impl=pallas"]),
+    ("llama3-8b layer, d8 zero3, mb1", "configs/llama3-8b.yaml", [
+        "parallel.data=8", "parallel.pipeline=1", "parallel.tensor=1", "parallel.sequence_parallel=false",
+        "parallel.tp_comm_overlap=false", "parallel.data_parallel_sharding_strategy=optim_grads_params",
+        "parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true", "train.global_batch_size=8",
+        "train.micro_batch_size=1"]),
 ]
 DEPTHS = (8, 16)  # (at 2 and 4 layers XLA treats the short layer loops differently: 14x the bytes a layer)
 
@@ -43,13 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="also write the rows here (JSON lines)")
     parser.add_argument("--recompute", default="none,selective,full")
+    parser.add_argument("--case", help="only the cases whose name contains this")
     args = parser.parse_args(argv)
     from megajax import config_io
     from megajax.plan.cost import estimate
     from megajax.plan.hardware import hardware
 
     hw, rows = hardware("h100"), []
-    for name, preset, sets in CASES:
+    for name, preset, sets in (c for c in CASES if args.case is None or args.case in c[0]):
         for mode in args.recompute.split(","):
             xla, model = {}, {}
             for depth in DEPTHS:
