@@ -225,8 +225,9 @@ def _leaves_gathers_out(axes: tuple[str, ...]):
     SwiGLU and xla norms of megajax.model.layers._from_input and kernels/norms.py, which keep only their inputs
     elsewhere), so their intermediates are saved: four more [tokens, ffn] tensors a SwiGLU layer. Llama 3 8B
     on 8 compile-only H100s, no recomputation, micro batch 1: 2,045 MiB of temporaries a layer with ZeRO-3,
-    1,616 with ZeRO-1, which also keeps the layer's 416 MiB of bf16 weights (scripts/audit_layer_memory.py). A policy that refuses what those
-    checkpoints recompute (or a matmul that gathers its weight in its own custom_vjp) would fix it."""
+    1,616 with ZeRO-1, which also keeps the layer's 416 MiB of bf16 weights
+    (benchmarks/2026-11-26-compile-only-fsdp-layer-memory.md). A policy that refuses what those checkpoints
+    recompute (or a matmul that gathers its weight in its own custom_vjp) would fix it."""
     def saveable(prim, *avals, **params) -> bool:
         if prim.name == "all_gather":
             return not set(sharding.axes_of(params["axis_name"])) & set(axes)
