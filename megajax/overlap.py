@@ -221,13 +221,10 @@ def _leaves_gathers_out(axes: tuple[str, ...]):
     values all of which are the same on every data rank (a slice, cast or marking of a gathered weight; the
     activations vary over the data ranks).
 
-    Known cost: jax applies this policy to the equations inside the layer's own checkpoints too (the GeLU,
-    SwiGLU and xla norms of megajax.model.layers._from_input and kernels/norms.py, which keep only their inputs
-    elsewhere), so their intermediates are saved: four more [tokens, ffn] tensors a SwiGLU layer. Llama 3 8B
-    on 8 compile-only H100s, no recomputation, micro batch 1: 2,045 MiB of temporaries a layer with ZeRO-3,
-    1,616 with ZeRO-1, which also keeps the layer's 416 MiB of bf16 weights
-    (benchmarks/2026-11-26-compile-only-fsdp-layer-memory.md). A policy that refuses what those checkpoints
-    recompute (or a matmul that gathers its weight in its own custom_vjp) would fix it."""
+    jax applies this policy to the equations inside any checkpoint nested in the layer too, which would save
+    what that checkpoint recomputes; the layer's recomputing activations and norms are therefore custom_vjps
+    (`kernels.keeps_inputs`), which keep what they say. Selective recomputation's attention core is a nested
+    jax.checkpoint: with the unfused (xla) attention this policy keeps its scores."""
     def saveable(prim, *avals, **params) -> bool:
         if prim.name == "all_gather":
             return not set(sharding.axes_of(params["axis_name"])) & set(axes)

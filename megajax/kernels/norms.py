@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 
 from megajax.kernels.fused_norm import layer_norm_pallas, rms_norm_pallas
+from megajax.kernels.keep_inputs import keeps_inputs
 
 
 def layer_norm_reference(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
@@ -33,13 +34,12 @@ def _cast(y: jax.Array, out_dtype: DTypeLike | None) -> jax.Array:
 
 # The references keep only their inputs for the backward and recompute the statistics there: autodiff would keep
 # three fp32 copies of x (12 bytes an element against the input's 2), which the backward reads back anyway.
-# (prevent_cse=False: under the layer scan the recomputation cannot be merged back into the forward.)
-@functools.partial(jax.checkpoint, prevent_cse=False, static_argnums=(3, 4))
+@functools.partial(keeps_inputs, static_argnums=(3, 4))
 def _layer_norm_xla(x, scale, bias, eps, out_dtype):
     return _cast(layer_norm_reference(x, scale, bias, eps), out_dtype)
 
 
-@functools.partial(jax.checkpoint, prevent_cse=False, static_argnums=(2, 3))
+@functools.partial(keeps_inputs, static_argnums=(2, 3))
 def _rms_norm_xla(x, scale, eps, out_dtype):
     return _cast(rms_norm_reference(x, scale, eps), out_dtype)
 

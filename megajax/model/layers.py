@@ -467,23 +467,14 @@ def latent_qkv(module: nn.Module, x_bsd: jax.Array, side: Side, offset: jax.Arra
     return q, kk, values
 
 
-def _from_input(fn=None, **kw):
-    """`fn` (elementwise) whose backward keeps only its input and recomputes the rest: autodiff of the tanh GeLU
-    would keep five [tokens, ffn] intermediates and SwiGLU's four, more than the layer's other activations
-    together. Megatron's fused bias-GeLU and SwiGLU keep only their inputs too. (Under the layer scan the
-    recomputation cannot be merged back into the forward, so no barrier: prevent_cse=False.)"""
-    if fn is None:
-        return functools.partial(_from_input, **kw)
-    return jax.checkpoint(fn, prevent_cse=False, **kw)
-
-
-@_from_input
+@kernels.keeps_inputs
 def gelu(z: jax.Array) -> jax.Array:
-    """The tanh-approximated GeLU (GPT-2's), keeping only `z` for its backward."""
+    """The tanh-approximated GeLU (GPT-2's), keeping only `z` for its backward (autodiff would keep five
+    [tokens, ffn] intermediates; Megatron's fused bias-GeLU keeps its input too)."""
     return nn.gelu(z, approximate=True)
 
 
-@_from_input(static_argnums=(1,))
+@kernels.keeps_inputs(static_argnums=(1,))
 def swiglu(gate_up: jax.Array, axis: int) -> jax.Array:
     """silu(gate) * up, gate and up side by side on `axis` of gate_up, keeping only `gate_up`."""
     gate, up = (jax.lax.index_in_dim(gate_up, i, axis, keepdims=False) for i in (0, 1))
