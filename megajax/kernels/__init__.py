@@ -7,5 +7,5 @@ from megajax.kernels.keep_inputs import keeps_inputs
 from megajax.kernels.norms import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 
 __all__ = ["attention", "attention_block_backward", "attention_block_forward", "attention_reference",
-           "flash_block_backward", "flash_block_forward", "keeps_inputs", "layer_norm", "layer_norm_reference", "rms_norm",
-           "rms_norm_reference"]
+           "flash_block_backward", "flash_block_forward", "keeps_inputs", "layer_norm", "layer_norm_reference",
+           "rms_norm", "rms_norm_reference"]
