@@ -120,3 +120,24 @@ def test_random_init_is_the_same_on_every_layout():
     jax.tree.map(np.testing.assert_array_equal, from_stages(jax.device_get(state.params), cfg.stage_split),
                  want)
     assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(state.opt_state[1].mu))
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_layer_keeps_the_same_under_an_enclosing_checkpoint(arch, capsys):
+    """The activations and norms that keep only their inputs (kernels.keeps_inputs) keep only them under an
+    enclosing jax.checkpoint that saves anything (ZeRO-3's layer policy, megajax.overlap): jax lets such a
+    policy decide for every equation inside a nested jax.checkpoint, and kept their intermediates."""
+    from jax.ad_checkpoint import print_saved_residuals
+
+    cfg = ModelConfig(arch=arch, num_layers=2, hidden_size=64, num_heads=4, vocab_size=257, seq_length=32,
+                      attention_impl="pallas", norm_impl="xla")
+    block = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], jnp.bfloat16),
+                         model.abstract_params(cfg)["layers"]["block"])
+    x = jnp.zeros((1, 32, 64), jnp.bfloat16)
+    layer = lambda p, x: model.block_apply(cfg, p, x, 0, None)  # noqa: E731
+    kept = []
+    for f in (layer, jax.checkpoint(layer, prevent_cse=False, policy=lambda *_, **__: True)):
+        print_saved_residuals(f, block, x)
+        shapes = (line.split(" ")[0] for line in capsys.readouterr().out.splitlines())
+        kept.append(sorted(s for s in shapes if not s.endswith("[]")))  # (scalars: the kernel's platform index)
+    assert kept[0] == kept[1]

@@ -131,10 +131,15 @@ def _why(ranked: list[Candidate], too_big: list[Candidate]) -> list[str]:
                      + (f": {said}" if said else ""))
         if len(lines) == 4:
             break
-    for c in [c for c in too_big if not c.compiled][:2]:
-        lines.append(f"  {_label(c.settings)} mb {c.settings['train.micro_batch_size']} would need "
-                     f"{c.estimate.memory['total'] / GIB:.1f} GiB")
-    return lines
+    notes = []  # the two best that do not fit (layouts the label does not tell apart said once)
+    for c in [c for c in too_big if not c.compiled]:
+        note = (f"  {_label(c.settings)} mb {c.settings['train.micro_batch_size']} recompute "
+                f"{c.settings['model.recompute']} would need {c.estimate.memory['total'] / GIB:.1f} GiB")
+        if note not in notes:
+            notes.append(note)
+        if len(notes) == 2:
+            break
+    return lines + notes
 
 
 def _terms(c: Candidate) -> dict:
