@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
@@ -34,12 +32,12 @@ def _cast(y: jax.Array, out_dtype: DTypeLike | None) -> jax.Array:
 
 # The references keep only their inputs for the backward and recompute the statistics there: autodiff would keep
 # three fp32 copies of x (12 bytes an element against the input's 2), which the backward reads back anyway.
-@functools.partial(keeps_inputs, static_argnums=(3, 4))
+@keeps_inputs(static_argnums=(3, 4))
 def _layer_norm_xla(x, scale, bias, eps, out_dtype):
     return _cast(layer_norm_reference(x, scale, bias, eps), out_dtype)
 
 
-@functools.partial(keeps_inputs, static_argnums=(2, 3))
+@keeps_inputs(static_argnums=(2, 3))
 def _rms_norm_xla(x, scale, eps, out_dtype):
     return _cast(rms_norm_reference(x, scale, eps), out_dtype)
 

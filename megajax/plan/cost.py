@@ -13,8 +13,8 @@ Time, per GPU (docs/guides/choosing-a-layout.md#the-time-model lists every const
 - The pipeline: the schedule's own clock (`megajax.pipeline.schedule`) with these per-action costs.
 
 Memory, per GPU: fp32 weights, gradients and AdamW moments as the data ranks shard them, the activations the
-schedule keeps (Korthikanti et al.'s per-layer bytes for each recompute mode), the logits, and a reserve for
-workspaces XLA's estimate leaves out.
+schedule keeps (what megajax's layer keeps for each recompute mode, `layer_activation_bytes`), the logits, and a
+reserve for workspaces XLA's estimate leaves out.
 """
 
 from __future__ import annotations
