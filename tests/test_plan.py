@@ -250,14 +250,56 @@ def test_memory_terms():
         "parallel.tp_comm_overlap": False}, **kw}, 8), hw, 8).memory
     zero0 = mem(**{"parallel.distributed_optimizer": False, "parallel.overlap_grad_reduce": False,
                    "parallel.overlap_param_gather": False})
-    zero1 = mem(**{"parallel.distributed_optimizer": True})
+    zero1 = mem(**{"parallel.distributed_optimizer": True, "parallel.overlap_param_gather": False})
+    gathered = mem(**{"parallel.distributed_optimizer": True, "parallel.overlap_grad_reduce": True,
+                      "parallel.overlap_param_gather": True})
     fsdp = mem(**{"parallel.data_parallel_sharding_strategy": "optim_grads_params"})
     assert zero1["optimizer"] == pytest.approx(zero0["optimizer"] / 8)
+    assert fsdp["weights"] < gathered["weights"] < zero1["weights"]  # fp32 shards; with the bf16 casts whole
     assert fsdp["weights"] < zero1["weights"] / 4
+    assert fsdp["gradients"] < zero1["gradients"] / 2  # (the embedding's and output layer's stay whole)
     full = mem(**{"model.recompute": "full"})
     none = mem(**{"model.recompute": "none"})
     assert full["activations"] < none["activations"]
     assert all(v > 0 and math.isfinite(v) for v in zero1.values())
+
+
+def test_the_scheduling_limit_is_xlas():
+    """XLA's GPU scheduling limit, 0.95 x (0.8 x the device's memory - the program's inputs and outputs) + those
+    (cost.XLA_SLOP): on the 32-layer Llama 3 8B ZeRO-3 program it is the 60.67 GiB of XLA's own warning, "Can't
+    reduce memory use below 60.67GiB by rematerialization" (benchmarks/2026-11-26-compile-only-fsdp-after-keeps-
+    inputs.md). For every compiled row the model's inputs (fp32 weights and AdamW moments) are XLA's, and but for
+    the pipelines, whose memory the model undercounts, it puts the program on XLA's side of the limit."""
+    rows = checks.compiled_memory()
+    assert len(rows) == len(checks.COMPILED)
+    zero3 = next(r for r in rows if r["row"] == "llama3-8b-32layers-zero3")
+    assert zero3["xla_limit_gib"] == pytest.approx(60.67, abs=0.005)
+    for r in rows:
+        assert r["model_limit_gib"] == pytest.approx(r["xla_limit_gib"], rel=0.002), r
+        if r["pipeline"] == 1:
+            assert r["model_scheduled_for_memory"] == r["xla_scheduled_for_memory"], r
+    assert sum(r["model_scheduled_for_memory"] == r["xla_scheduled_for_memory"] for r in rows) >= len(rows) - 2
+
+
+def test_above_the_scheduling_limit_nothing_is_hidden():
+    """A program above XLA's scheduling limit is counted without overlap: Llama 3 8B at tensor 2 (78.8 GiB
+    compiled) is as fast with tp_comm_overlap as without, and ZeRO-3's gathers are all exposed; at tensor 8
+    (24.8 GiB) the rings hide under the GEMMs."""
+    hw = hardware("h100")
+    config = lambda *sets: config_io.load(ROOT / "configs/llama3-8b.yaml", list(sets)).for_devices(8)  # noqa: E731
+    step = lambda *sets: cost.estimate(config(*sets), hw, 8)  # noqa: E731
+    packed = [step("parallel.tensor=2", "parallel.data=4", f"parallel.tp_comm_overlap={on}") for on in (True, False)]
+    assert all(e.scheduled_for_memory for e in packed)
+    assert packed[0].step_s == pytest.approx(packed[1].step_s)
+    below = [step("parallel.tensor=8", "parallel.data=1", f"parallel.tp_comm_overlap={on}") for on in (True, False)]
+    assert not any(e.scheduled_for_memory for e in below)
+    assert below[0].exposed_s["tensor"] < below[1].exposed_s["tensor"] / 2
+    cfg = config(*checks.NO_OVERLAPS, "parallel.data_parallel_sharding_strategy=optim_grads_params")
+    zero3 = cost.estimate(cfg, hw, 8)
+    assert zero3.scheduled_for_memory
+    layout = cost._Layout(cfg, 8)
+    per_micro = cost._data_comm_s(hw, layout, cost.local_parameters(layout))[1]
+    assert zero3.exposed_s["data"] == pytest.approx(cfg.num_micro_batches * per_micro)
 
 
 # (preset, --set): the layer kinds whose kept activations the model counts: GeLU and SwiGLU MLPs, grouped-query

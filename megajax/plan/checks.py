@@ -11,6 +11,8 @@ Megatron's schedules, whose recompute sits on the critical path, not megajax's e
   parallelism, no distributed optimizer, full recomputation, no overlaps) or in megajax's whole one, against the
   paper's layout.
 - `takeaways`: at a fixed GPU count, the best predicted throughput per tensor size and per pipeline size.
+- `compiled_memory`: programs compiled for compile-only H100s (benchmarks/compile-only/): XLA's peak against the
+  model's memory, and which side of XLA's scheduling limit (`cost.XLA_SLOP`) each puts the program on.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import json
 from pathlib import Path
 
 from megajax import config_io
-from megajax.plan.cost import estimate
+from megajax.plan.cost import XLA_DEVICE_SHARE, XLA_SLOP, estimate
 from megajax.plan.hardware import hardware
 from megajax.plan.search import KEYS, search
 
@@ -191,6 +193,69 @@ def presets(target: str = "h100") -> list[dict]:
     return out
 
 
+# Llama 3 8B on 8 H100s with data 8 alone and no overlaps (benchmarks/2026-11-26-compile-only-fsdp.md's base)
+NO_OVERLAPS = ["parallel.tensor=1", "parallel.sequence_parallel=false", "parallel.tp_comm_overlap=false",
+               "parallel.overlap_grad_reduce=false", "parallel.overlap_param_gather=false", "parallel.data=8"]
+_HALF = NO_OVERLAPS + ["model.num_layers=16", "train.global_batch_size=64"]
+_FSDP_70B = ["parallel.data=8", "parallel.pipeline=1", "parallel.tensor=8", "model.recompute=none",
+             "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true", "parallel.schedule=1f1b",
+             "parallel.virtual_stages=1", "parallel.data_parallel_sharding_strategy=optim_grads_params"]
+_PRESETS, _FSDP = "2026-11-26-presets-after-activations", "2026-11-26-fsdp-after-keeps-inputs"
+_70B_1F1B = ["parallel.schedule=1f1b", "parallel.virtual_stages=1"]
+# Programs compiled for 8 or 64 compile-only H100s, on both sides of XLA's scheduling limit: (the folder under
+# benchmarks/compile-only/, the row, the preset, GPUs, --set). Each report has its command.
+COMPILED = [
+    (_PRESETS, "llama3-8b", "llama3-8b", 8, []),
+    (_PRESETS, "llama3-8b-no-overlaps", "llama3-8b", 8,
+     ["parallel.overlap_grad_reduce=false", "parallel.overlap_param_gather=false"]),
+    (_PRESETS, "llama3-8b-t2", "llama3-8b", 8, ["parallel.tensor=2", "parallel.data=4"]),
+    (_PRESETS, "llama3-8b-t8", "llama3-8b", 8, ["parallel.tensor=8", "parallel.data=1"]),
+    (_PRESETS, "llama3-70b", "llama3-70b", 64, []),
+    (_PRESETS, "llama3-70b-1f1b-p4", "llama3-70b", 64, _70B_1F1B),
+    (_PRESETS, "llama3-70b-p2", "llama3-70b", 64, ["parallel.pipeline=2", "parallel.data=4"]),
+    (_PRESETS, "llama3-70b-p1", "llama3-70b", 64, ["parallel.pipeline=1", "parallel.data=8", *_70B_1F1B]),
+    (_FSDP, "llama3-8b-16layers-zero1", "llama3-8b", 8, _HALF + ["parallel.distributed_optimizer=true"]),
+    (_FSDP, "llama3-8b-16layers-zero1-overlapped", "llama3-8b", 8, _HALF + [
+        "parallel.distributed_optimizer=true", "parallel.overlap_grad_reduce=true",
+        "parallel.overlap_param_gather=true"]),
+    (_FSDP, "llama3-8b-16layers-zero2", "llama3-8b", 8, _HALF + [
+        "parallel.data_parallel_sharding_strategy=optim_grads", "parallel.overlap_param_gather=true"]),
+    (_FSDP, "llama3-8b-16layers-zero3", "llama3-8b", 8,
+     _HALF + ["parallel.data_parallel_sharding_strategy=optim_grads_params"]),
+    (_FSDP, "llama3-8b-32layers-zero1", "llama3-8b", 8, NO_OVERLAPS + ["parallel.distributed_optimizer=true"]),
+    (_FSDP, "llama3-8b-32layers-zero1-full", "llama3-8b", 8,
+     NO_OVERLAPS + ["parallel.distributed_optimizer=true", "model.recompute=full"]),
+    (_FSDP, "llama3-8b-32layers-zero3", "llama3-8b", 8,
+     NO_OVERLAPS + ["parallel.data_parallel_sharding_strategy=optim_grads_params"]),
+    (_FSDP, "llama3-8b-32layers-zero3-full", "llama3-8b", 8,
+     NO_OVERLAPS + ["parallel.data_parallel_sharding_strategy=optim_grads_params", "model.recompute=full"]),
+    (_FSDP, "llama3-70b-64gpus-d8t8-fsdp-mb1", "llama3-70b", 64, _FSDP_70B + ["train.micro_batch_size=1"]),
+    (_FSDP, "llama3-70b-64gpus-d8t8-fsdp-mb2", "llama3-70b", 64, _FSDP_70B + ["train.micro_batch_size=2"]),
+]
+
+
+def compiled_memory() -> list[dict]:
+    """For each COMPILED row: XLA's peak (arguments + outputs - aliases + temporaries) and its scheduling limit
+    (from the program's own inputs and outputs) against the model's memory (less its reserve, which XLA's count
+    leaves out) and limit, and whether each puts the program above the limit. GiB."""
+    hw = hardware("h100")
+    out = []
+    for folder, row, preset, gpus, sets in COMPILED:
+        xla = json.loads((ROOT / "benchmarks/compile-only" / folder / f"{row}.json").read_text())["memory_per_device"]
+        io = xla["argument_bytes"] + xla["output_bytes"] - xla["alias_bytes"]
+        limit = io + XLA_SLOP * (XLA_DEVICE_SHARE * hw.memory_bytes - io)
+        cfg = config_io.load(ROOT / "configs" / f"{preset}.yaml", sets).for_devices(gpus)
+        e = estimate(cfg, hw, 8)
+        model = e.memory["total"] - e.memory["reserve"]
+        out.append({"row": row, "report_rows": f"benchmarks/compile-only/{folder}/{row}.json", "gpus": gpus,
+                    "set": sets, "pipeline": cfg.parallel.pipeline, "xla_peak_gib": xla["peak_estimate_gib"],
+                    "model_gib": model / 2**30, "xla_limit_gib": limit / 2**30,
+                    "model_limit_gib": e.memory["scheduling_limit"] / 2**30,
+                    "xla_scheduled_for_memory": xla["peak_estimate_gib"] * 2**30 > limit,
+                    "model_scheduled_for_memory": e.scheduled_for_memory})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megajax.plan.checks", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="FILE", help="also write every row here")
@@ -217,9 +282,17 @@ def main(argv: list[str] | None = None) -> int:
         for batch in sorted({r["batch"] for r in fig["rows"]}):
             cells = ", ".join(f"{r[key]}: {r['tflops_per_gpu']:.0f}" for r in fig["rows"] if r["batch"] == batch)
             print(f"- batch {batch}: {cells}")
+    memory = compiled_memory()
+    print("\n| compiled H100 program | GPUs | XLA's peak GiB | model GiB | error | XLA's scheduling limit GiB | "
+          "above it: XLA, model |\n|---|---|---|---|---|---|---|")
+    for r in memory:
+        print(f"| {r['row']} | {r['gpus']} | {r['xla_peak_gib']:.1f} | {r['model_gib']:.1f} | "
+              f"{r['model_gib'] / r['xla_peak_gib'] - 1:+.1%} | {r['xla_limit_gib']:.2f} | "
+              f"{'yes' if r['xla_scheduled_for_memory'] else 'no'}, "
+              f"{'yes' if r['model_scheduled_for_memory'] else 'no'} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"h100_steps": steps, "table1": rows, "choices": picks,
-                                               "figures": figs}, indent=1, default=str))
+                                               "figures": figs, "compiled_memory": memory}, indent=1, default=str))
     return 0
 
 

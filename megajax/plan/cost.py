@@ -9,7 +9,8 @@ Time, per GPU (docs/guides/choosing-a-layout.md#the-time-model lists every const
   written by the fusions between GEMMs, per token), the loss over the vocabulary, gradient accumulation, AdamW.
 - Collectives as bytes over the link they cross at NCCL's bus bandwidth with ring factors, minus what runs under
   compute (tensor parallelism's rings under the GEMMs with tp_comm_overlap, the data-parallel reductions under the
-  backward with overlap_grad_reduce, ...).
+  backward with overlap_grad_reduce, ...), and none of that for a program whose memory is above XLA's scheduling
+  limit (`XLA_SLOP`): XLA then schedules it for memory.
 - The pipeline: the schedule's own clock (`megajax.pipeline.schedule`) with these per-action costs.
 
 Memory, per GPU: fp32 weights, gradients and AdamW moments as the data ranks shard them, the activations the
@@ -42,6 +43,15 @@ SCORES_BYTES_FWD, SCORES_BYTES_BWD = 10, 12
 # GEMMs at best (benchmarks/2026-11-26-compile-only-fsdp.md: 89% and 82%, Llama 3 8B on 8 H100s): what stays
 # exposed is each forward's first gather and the embedding's and output layer's, which nothing runs under.
 FSDP_HIDDEN = 0.85
+# XLA's GPU compiler schedules a program for memory, not for overlap, once it needs more than a limit
+# (xla/service/gpu/gpu_hlo_schedule.cc, GetSchedulerMemoryLimit): 80% of the device's memory less the program's
+# inputs and outputs (the donated fp32 weights and AdamW moments), times xla_gpu_memory_limit_slop_factor (95 by
+# default); the inputs and outputs come on top. On an H100 with 11.2 GiB of them that is 60.67 GiB, the figure of
+# XLA's "Can't reduce memory use below 60.67GiB by rematerialization"
+# (benchmarks/2026-11-26-compile-only-fsdp-after-keeps-inputs.md). Above it the latency-hiding scheduler hid
+# nothing in two of the three programs compiled there (0%; the third, ZeRO-1's overlapped reduce, 54%): the model
+# counts no overlap above it.
+XLA_DEVICE_SHARE, XLA_SLOP = 0.80, 0.95
 LOGIT_BYTES = 10  # the loss: fp32 logits read twice (log-softmax, its backward), a bf16 gradient written
 ADAMW_BYTES = 28 + 8  # read weight, gradient, two moments, write three (fp32); the gradient norm's read and scale
 
@@ -58,6 +68,7 @@ class Estimate:
     memory: dict  # weights, gradients, optimizer, activations, logits, reserve, total
     hardware_flops: float  # per GPU per step (with recomputation)
     model_flops: float
+    scheduled_for_memory: bool = False  # above XLA's scheduling limit: counted without overlap
 
 
 def _ring(n: int) -> float:
@@ -295,10 +306,11 @@ def layer_activation_bytes(L: _Layout) -> dict:
 
 
 def _memory(hw: Hardware, L: _Layout, params: dict, in_flight: int) -> dict:
-    """Bytes per GPU: fp32 weights (ZeRO-3: sharded) and the bf16 copy the backward keeps (none under full
-    recomputation: each layer casts its weights again), fp32 gradients (ZeRO-2/3: sharded; with
-    overlap_grad_reduce and several micro batches one more copy), AdamW's two fp32 moments (sharded with the
-    distributed optimizer), the activations (`layer_activation_bytes`), the logits, the reserve."""
+    """Bytes per GPU: fp32 weights (ZeRO-3 and overlap_param_gather: sharded) and the bf16 copy the backward
+    keeps (ZeRO-3: of the shards; none under full recomputation: each layer casts its weights again), fp32
+    gradients (ZeRO-2/3: the layers' sharded; with overlap_grad_reduce and several micro batches one more copy),
+    AdamW's two fp32 moments (sharded with the distributed optimizer), the activations
+    (`layer_activation_bytes`), the logits, the reserve; and XLA's scheduling limit for this program."""
     par, m = L.par, L.model
     ranks = L.d * L.c
     n = params["total"]
@@ -312,9 +324,23 @@ def _memory(hw: Hardware, L: _Layout, params: dict, in_flight: int) -> dict:
     counts = parameter_counts(m)
     per_layer = (n - (counts["embedding"] + counts["output"]) / L.t) / max(L.layers, 1)
     cast_layers = 0 if m.recompute == "full" else (chunk if L.pp > 1 else L.layers)
-    cast = 0.0 if par.shards_params else B16 * (n - per_layer * (L.layers - cast_layers))
-    weights = 4 * (shard(n) if par.shards_params else n) + cast
-    grads = 4 * (shard(n) if par.shards_grads else n) * (2 if par.overlap_grad_reduce and L.m > 1 else 1)
+    ends = (counts["embedding"] + counts["output"]) / L.t  # the embedding's and output layer's weights here
+    if par.shards_params:  # the bf16 casts of the layers' shards, which each layer's backward gathers again
+        cast = 0.0 if m.recompute == "full" else B16 * shard(n - ends)
+    else:
+        cast = B16 * (n - per_layer * (L.layers - cast_layers))
+    # fp32 weights: ZeRO-3 keeps every one as its shard; overlap_param_gather the distributed optimizer's shard
+    # (on a pipeline, of the layers only), gathered in the first forward (megajax.step.StepSetup.gathered_params)
+    if par.shards_params or (par.overlap_param_gather and par.shards_optimizer and L.pp == 1):
+        weights = 4 * shard(n) + cast
+    elif par.overlap_param_gather and par.shards_optimizer:
+        weights = 4 * (shard(n - ends) + ends) + cast
+    else:
+        weights = 4 * n + cast
+    # ZeRO-2/3 reduce-scatter the layers' gradients into their shards; the embedding's and output layer's
+    # gradients stay whole (StepSetup.gradient_bytes_per_device)
+    grads = 4 * (shard(n - ends) + ends if par.shards_grads else n) * (
+        2 if par.overlap_grad_reduce and L.m > 1 else 1)
     optimizer = 8 * (shard(n) if par.shards_optimizer else n)
     if L.pp > 1:  # chunk inputs in flight; the chunk being recomputed holds its layers' residuals for its backward
         kept = in_flight * stash + chunk * kept_per_layer + working
@@ -325,7 +351,15 @@ def _memory(hw: Hardware, L: _Layout, params: dict, in_flight: int) -> dict:
            "reserve": RESERVE_BYTES}
     out["total"] = sum(out.values())
     out["capacity"] = hw.memory_bytes
+    state = weights - cast + optimizer  # the step's inputs (and its donated outputs)
+    out["scheduling_limit"] = state + XLA_SLOP * (XLA_DEVICE_SHARE * hw.memory_bytes - state)
     return out
+
+
+def scheduled_for_memory(memory: dict) -> bool:
+    """Whether XLA's GPU compiler would schedule this program for memory (`XLA_SLOP`): what it allocates, less
+    the reserve that XLA's own count leaves out, above its scheduling limit."""
+    return memory["total"] - memory["reserve"] > memory["scheduling_limit"]
 
 
 def in_flight(cfg: Config) -> int:
@@ -375,12 +409,15 @@ def estimate(cfg: Config, hw: Hardware, gpus_per_node: int, simulate: bool = Tru
     attn_f, attn_b, attn_r = _attention_s(hw, L)
     mem_f = _layer_memory_bound_s(hw, L)
     tp, cp, a2a = _tensor_comm_s(hw, L), _context_comm_s(hw, L), _expert_comm_s(hw, L) * L.moe_share
-    overlap_tp = par.tp_comm_overlap and L.sp
+    params = local_parameters(L)
+    mem = _memory(hw, L, params, in_flight(cfg))
+    packed = scheduled_for_memory(mem)  # then XLA hides nothing
+    overlap_tp = par.tp_comm_overlap and L.sp and not packed
     if overlap_tp and L.t > L.node:  # the ring's ppermutes: a hop between nodes has one NIC, not all of them
         tp *= group_bandwidth(hw, L.t, 1, L.node) / hw.network_bytes_per_s
     tp_f, tp_b = (_overlapped(tp, gemm_f, overlap_tp, tp / L.t if L.t > 1 else 0.0),
                   _overlapped(tp, 2 * gemm_f, overlap_tp, tp / L.t if L.t > 1 else 0.0))
-    cp_f, cp_b = max(cp - attn_f, 0.0), max(2 * cp - attn_b, 0.0)
+    cp_f, cp_b = (cp, 2 * cp) if packed else (max(cp - attn_f, 0.0), max(2 * cp - attn_b, 0.0))
     fwd = gemm_f + attn_f + mem_f + tp_f + cp_f + a2a
     bwd = 2 * gemm_f + attn_b + 2 * mem_f + tp_b + cp_b + a2a
     if L.pp > 1:  # the executor recomputes every chunk's forward before its backward (it stashes chunk inputs)
@@ -388,7 +425,6 @@ def estimate(cfg: Config, hw: Hardware, gpus_per_node: int, simulate: bool = Tru
     else:
         again = {"full": fwd, "selective": attn_r, "none": 0.0}[m.recompute]
     head = _head_s(hw, L)
-    params = local_parameters(L)
     send = _pipeline_send_s(hw, L)
     layers = L.layers
     if L.pp == 1:
@@ -400,9 +436,9 @@ def estimate(cfg: Config, hw: Hardware, gpus_per_node: int, simulate: bool = Tru
     gather_s = reduce_s / 2 if par.shards_optimizer and not par.shards_grads else 0.0
     reduce_s -= gather_s
     idle = bubble / 2 if L.pp > 1 else 0.0  # the cool-down's (warm-up's) idle ticks on the busiest rank
-    data = (_overlapped(reduce_s, idle + layers * bwd, par.overlap_grad_reduce)
-            + _overlapped(gather_s, idle + layers * fwd, par.overlap_param_gather)
-            + L.m * max(per_micro - layers * (fwd + bwd), (1 - FSDP_HIDDEN) * per_micro))
+    fsdp = per_micro if packed else max(per_micro - layers * (fwd + bwd), (1 - FSDP_HIDDEN) * per_micro)
+    data = (_overlapped(reduce_s, idle + layers * bwd, par.overlap_grad_reduce and not packed)
+            + _overlapped(gather_s, idle + layers * fwd, par.overlap_param_gather and not packed) + L.m * fsdp)
     n_local = params["total"]
     shard = L.d * L.c if par.shards_optimizer else 1
     # (accumulating the micro batches' gradients is not counted: XLA fuses the add into the weight-gradient GEMM's
@@ -418,7 +454,6 @@ def estimate(cfg: Config, hw: Hardware, gpus_per_node: int, simulate: bool = Tru
     tokens = cfg.train.global_batch_size * m.seq_length
     flops = metrics.step_flops(m, tokens, pipelined=L.pp > 1)
     gpus = L.d * L.pp * L.c * L.t
-    mem = _memory(hw, L, params, in_flight(cfg))
     runs = L.m * layers  # (layer, micro batch) pairs on the busiest GPU
     return Estimate(
         step_s=step, bubble_s=bubble, bubble_fraction=bubble / max(micro, 1e-30), exposed_s=exposed,
@@ -426,7 +461,7 @@ def estimate(cfg: Config, hw: Hardware, gpus_per_node: int, simulate: bool = Tru
                    "memory_bound": runs * 3 * mem_f, "recompute": runs * again, "head": L.m * head,
                    "optimizer": optimizer, "schedule": step_compute},
         memory=mem, hardware_flops=flops["hardware_flops"] / gpus,
-        model_flops=flops["model_flops"] / gpus)
+        model_flops=flops["model_flops"] / gpus, scheduled_for_memory=packed)
 
 
 def _pipeline(cfg: Config, fwd: float, again: float, bwd: float, head: float, send: float,
