@@ -16,11 +16,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import numpy as np
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all", "ragged-all-to-all")
+RINGS = ("all-reduce", "all-gather", "reduce-scatter")  # run as rings (NCCL's), whose channels share a node's NICs
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                 "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1,
                 "token": 0, "s4": 1, "u4": 1}
@@ -46,6 +47,9 @@ class Collective:
     flops_under: float = 0.0  # GEMM FLOPs scheduled between its start and its done (one execution)
     crosses_nodes: bool = False  # a group spans GPUs of more than one node (the inter-node network)
     scope: str = ""  # the pipeline switch it runs under (pipeline.ticks.scope + "_" + action), if any
+    # NICs a crossing group's ring uses: its members on one node (the fewest of any node), each GPU with its own
+    # NIC, as NCCL spreads a ring's channels over them; 1 for permutes and all-to-alls (each GPU's own traffic)
+    nics: int = 1
 
 
 def _parse_shape_tree(text: str):
@@ -244,6 +248,7 @@ def parse(hlo_text: str, mesh_shape: dict[str, int], devices_per_node: int | Non
             kind = _kind(opcode)
             if kind is None:
                 continue
+            nics = 1
             if kind == "collective-permute":
                 axes, pairs = _permute_axes(rest, coords, axis_names)
                 crosses = any(a // per_node != b // per_node for a, b in pairs)
@@ -252,11 +257,14 @@ def parse(hlo_text: str, mesh_shape: dict[str, int], devices_per_node: int | Non
                 groups = parse_groups(rest, n)
                 group = len(groups[0]) if groups else n
                 axes = _axes_of_groups(groups, coords, axis_names)
-                crosses = any(len({i // per_node for i in g}) > 1 for g in (groups or [range(n)]))
+                every = groups or [range(n)]
+                crosses = any(len({i // per_node for i in g}) > 1 for g in every)
+                if crosses and kind in RINGS:
+                    nics = min(min(Counter(i // per_node for i in g).values()) for g in every)
             is_async, flops = under.get((comp, name), (opcode.endswith("-start"), 0.0))
             out.append(Collective(kind, name, _bytes(kind, opcode, shape_text, group), group, axes,
                                   multiplicity[comp], conditional[comp], comp, is_async, flops, crosses,
-                                  scopes.get(comp, "")))
+                                  scopes.get(comp, ""), nics))
     return out
 
 
@@ -448,9 +456,9 @@ def summarize(collectives: list[Collective]) -> dict:
 
 
 def link_seconds(c: Collective, nvlink_bytes_s: float, network_bytes_s: float) -> float:
-    """One execution's time on the wire: ring wire bytes over the link its groups use (the inter-node network
-    once a group crosses nodes)."""
-    return wire_bytes(c) / (network_bytes_s if c.crosses_nodes else nvlink_bytes_s)
+    """One execution's time on the wire: ring wire bytes over the link its groups use: NVLink inside a node;
+    once a group crosses nodes, the network at its `nics` NICs, at most NVLink."""
+    return wire_bytes(c) / (min(nvlink_bytes_s, c.nics * network_bytes_s) if c.crosses_nodes else nvlink_bytes_s)
 
 
 def overlap(collectives: list[Collective], peak_flops: float, nvlink_bytes_s: float,
@@ -462,12 +470,13 @@ def overlap(collectives: list[Collective], peak_flops: float, nvlink_bytes_s: fl
     table: dict[str, dict] = {}
     for c in collectives:
         key = group_key(c)
-        row = table.setdefault(key, {"bytes": 0, "overlapped_bytes": 0, "crosses_nodes": False,
+        row = table.setdefault(key, {"bytes": 0, "overlapped_bytes": 0, "crosses_nodes": False, "nics": c.nics,
                                      "comm_s": 0.0, "exposed_s": 0.0})
         wire = link_seconds(c, nvlink_bytes_s, network_bytes_s)
         row["bytes"] += c.bytes * c.count
         row["overlapped_bytes"] += c.bytes * c.count if c.is_async and c.flops_under > 0 else 0
         row["crosses_nodes"] |= c.crosses_nodes
+        row["nics"] = min(row["nics"], c.nics)
         row["comm_s"] += wire * c.count
         row["exposed_s"] += max(0.0, wire - (c.flops_under / peak_flops if c.is_async else 0.0)) * c.count
     for row in table.values():

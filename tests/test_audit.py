@@ -210,6 +210,31 @@ def test_replica_group_formats():
     assert mesh  # groups above are the 'tensor' groups of a (2, 1, 4) mesh
 
 
+def test_a_ring_across_nodes_runs_at_the_nics_of_its_members_on_a_node():
+    """On 2 nodes of 4 devices (a data 4 x tensor 2 mesh, tensor innermost): a ring over 'data' has 2 members on
+    each node, so NCCL's channels cross the network through 2 NICs; a ring over 'tensor' stays in its node; a
+    permute over 'data' sends each device's own bytes through its own NIC."""
+    mesh = jax.make_mesh((4, 2), ("data", "tensor"))
+
+    def body(x):
+        x = jax.lax.psum(x, "data") + jax.lax.psum(x, "tensor")
+        x = jax.lax.all_gather(x, "data", tiled=True)[:x.shape[0]]
+        return jax.lax.ppermute(x, "data", [(i, (i + 1) % 4) for i in range(4)])
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data", "tensor"), out_specs=P("data", "tensor")))
+    x = jax.device_put(jax.numpy.ones((64, 64)), jax.sharding.NamedSharding(mesh, P("data", "tensor")))
+    text = f.lower(x).compile().as_text()
+    colls = {(c.kind, c.axes): c for c in hlo.parse(text, dict(mesh.shape), 4)}
+    ring, gather = colls[("all-reduce", ("data",))], colls[("all-gather", ("data",))]
+    local, permute = colls[("all-reduce", ("tensor",))], colls[("collective-permute", ("data",))]
+    assert ring.crosses_nodes and ring.nics == 2 and gather.nics == 2
+    assert not local.crosses_nodes and permute.crosses_nodes and permute.nics == 1
+    nvlink, network = 450e9, 50e9
+    assert hlo.link_seconds(ring, nvlink, network) == pytest.approx(hlo.wire_bytes(ring) / (2 * network))
+    assert hlo.link_seconds(permute, nvlink, network) == pytest.approx(hlo.wire_bytes(permute) / network)
+    assert hlo.link_seconds(local, nvlink, network) == pytest.approx(hlo.wire_bytes(local) / nvlink)
+
+
 @gpu
 # dropless by default
 @pytest.mark.parametrize("factor,freq", [pytest.param(1.0, 2, marks=pytest.mark.slow), (None, 1),
