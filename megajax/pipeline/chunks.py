@@ -241,12 +241,16 @@ class _ChunkActions:
         dsh, g_y = pullback(self.seed_scale)
         return loss, g_y, jax.tree.map(lambda a, d: a + d.astype(jnp.float32), g_shared, dsh)
 
-    def recompute_branch(self, kind):
-        """(stash, res, row) -> the residuals of the chunk's forward from its stashed input (res unchanged
-        when there is no recompute)."""
-        def run(x, res, row):
+    def recompute_branch(self, kind, passes_on: bool):
+        """(stash, [res,] row) -> the residuals of the chunk's forward from its stashed input. Without a
+        recompute: res unchanged when `passes_on` (zero_bubble's W reads a backward's residuals a tick later),
+        else zeros. Only the next tick's backward reads what a tick keeps, and a tick that neither recomputes nor
+        runs the last chunk's forward is followed by none; not passing them on lets XLA reuse their buffer for
+        the new ones (a chunk's residuals less at the peak)."""
+        def run(x, *rest):
+            *res, row = rest
             if kind == NONE:
-                return vary(res)
+                return vary(res[0] if passes_on else self.zero_res())
             return vary(self.forward_keeping(row, "r_", x)[1])
 
         return run

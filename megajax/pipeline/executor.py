@@ -169,11 +169,12 @@ def _tick(acts: _ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, 
     send_grad, carry["g_layers"], carry["g_shared"] = b_out[:3]
     if extra:
         carry[extra] = b_out[3]
-    # The recompute reads its stash before the forward may reuse the slot; the residuals go through both
-    # switches (replaced by the one that makes them, untouched otherwise).
+    # The recompute reads its stash before the forward may reuse the slot. The residuals come out of the
+    # recompute's switch (zeros when it has nothing to recompute: the backward above has read the old ones; but
+    # zero_bubble's W reads them a tick later) and through the forward's (the last chunk's own, or unchanged).
     with named("r"):
-        carry["res"] = jax.lax.switch(row["r_kind"], [acts.recompute_branch(k) for k in seg.r],
-                                      carry["act"][row["r_slot"]], carry["res"], row)
+        carry["res"] = jax.lax.switch(row["r_kind"], [acts.recompute_branch(k, split) for k in seg.r],
+                                      carry["act"][row["r_slot"]], *((carry["res"],) if split else ()), row)
     gathering = any(k & ticks.GATHER for k in seg.f)  # (a forward that gathers its chunk's weights)
     with named("f"):
         send_act, stash, loss, g_self, carry["res"], carry["g_shared"], *whole = jax.lax.switch(
