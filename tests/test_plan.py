@@ -278,7 +278,7 @@ def test_the_scheduling_limit_is_xlas():
         assert r["model_limit_gib"] == pytest.approx(r["xla_limit_gib"], rel=0.002), r
         if r["pipeline"] == 1:
             assert r["model_scheduled_for_memory"] == r["xla_scheduled_for_memory"], r
-    assert sum(r["model_scheduled_for_memory"] == r["xla_scheduled_for_memory"] for r in rows) >= len(rows) - 2
+    assert sum(r["model_scheduled_for_memory"] == r["xla_scheduled_for_memory"] for r in rows) >= len(rows) - 1
 
 
 def test_above_the_scheduling_limit_nothing_is_hidden():

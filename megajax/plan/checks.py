@@ -201,6 +201,7 @@ _FSDP_70B = ["parallel.data=8", "parallel.pipeline=1", "parallel.tensor=8", "mod
              "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true", "parallel.schedule=1f1b",
              "parallel.virtual_stages=1", "parallel.data_parallel_sharding_strategy=optim_grads_params"]
 _PRESETS, _FSDP = "2026-11-26-presets-after-activations", "2026-11-26-fsdp-after-keeps-inputs"
+_PIPELINES = "2026-11-27-pipeline-residuals"  # (the pipelines compiled again after the residuals change)
 _70B_1F1B = ["parallel.schedule=1f1b", "parallel.virtual_stages=1"]
 # Programs compiled for 8 or 64 compile-only H100s, on both sides of XLA's scheduling limit: (the folder under
 # benchmarks/compile-only/, the row, the preset, GPUs, --set). Each report has its command.
@@ -210,9 +211,9 @@ COMPILED = [
      ["parallel.overlap_grad_reduce=false", "parallel.overlap_param_gather=false"]),
     (_PRESETS, "llama3-8b-t2", "llama3-8b", 8, ["parallel.tensor=2", "parallel.data=4"]),
     (_PRESETS, "llama3-8b-t8", "llama3-8b", 8, ["parallel.tensor=8", "parallel.data=1"]),
-    (_PRESETS, "llama3-70b", "llama3-70b", 64, []),
-    (_PRESETS, "llama3-70b-1f1b-p4", "llama3-70b", 64, _70B_1F1B),
-    (_PRESETS, "llama3-70b-p2", "llama3-70b", 64, ["parallel.pipeline=2", "parallel.data=4"]),
+    (_PIPELINES, "llama3-70b", "llama3-70b", 64, []),
+    (_PIPELINES, "llama3-70b-1f1b-p4", "llama3-70b", 64, _70B_1F1B),
+    (_PIPELINES, "llama3-70b-p2", "llama3-70b", 64, ["parallel.pipeline=2", "parallel.data=4"]),
     (_PRESETS, "llama3-70b-p1", "llama3-70b", 64, ["parallel.pipeline=1", "parallel.data=8", *_70B_1F1B]),
     (_FSDP, "llama3-8b-16layers-zero1", "llama3-8b", 8, _HALF + ["parallel.distributed_optimizer=true"]),
     (_FSDP, "llama3-8b-16layers-zero1-overlapped", "llama3-8b", 8, _HALF + [
