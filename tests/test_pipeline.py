@@ -86,6 +86,48 @@ def test_memory_flat_in_micro_batches_and_collectives_as_planned(schedule, v, re
         assert growth < 1.15, temps
 
 
+def _recompute_switches(schedule: str, v: int) -> list:
+    """The recompute switches (lax.switch under a tick's `_r` scope) of the traced train step: (operands,
+    results) counts."""
+    import jax
+
+    from megajax import audit, step as step_lib
+
+    cfg = config_io.load("configs/tiny.yaml", [
+        "parallel.data=1", "parallel.pipeline=2", "parallel.tensor=1", "train.micro_batch_size=1",
+        "train.global_batch_size=4", f"parallel.schedule={schedule}", f"parallel.virtual_stages={v}"])
+    cfg, mesh, setup, state, batch = audit.abstract_step(cfg, jax.devices()[:2])
+    with jax.set_mesh(mesh):
+        jaxpr = step_lib.jit_train_step(setup).trace(state, batch).jaxpr.jaxpr
+    found = []
+
+    def walk(j):
+        for e in j.eqns:
+            if e.primitive.name == "cond" and str(e.source_info.name_stack).endswith("_r"):
+                found.append((len(e.invars), len(e.outvars)))
+            for value in e.params.values():
+                for sub in value if isinstance(value, (list, tuple)) else [value]:
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(jaxpr)
+    return found
+
+
+def test_the_recompute_does_not_hold_the_residuals_it_replaces():
+    """A tick's recompute makes the residuals only the next tick's backward reads, after this tick's backward
+    has read the old ones: its switch does not take them (a tick with nothing to recompute returns zeros), so
+    XLA can reuse their buffer, one chunk's residuals less at the peak on GPUs
+    (benchmarks/2026-11-27-compile-only-pipeline-residuals.md). zero_bubble's W reads them a tick later: its
+    switch passes them on."""
+    plain, split = _recompute_switches("1f1b", 1), _recompute_switches("zero_bubble", 1)
+    assert plain and len(plain) == len(split)
+    for (plain_in, residuals), (split_in, split_out) in zip(plain, split):
+        assert residuals == split_out
+        assert split_in == plain_in + residuals
+
+
 def test_evaluation_runs_through_the_pipeline_without_gathering_layers():
     ref, _ = evaluate(small_config(**ARCHS["gpt2"]), 1)
     got, colls = evaluate(small_config(**ARCHS["gpt2"], **layout("interleaved", 2, 2, 2, 2, True, mb=2)), 8)
