@@ -266,7 +266,7 @@ def test_memory_terms():
 
 def test_the_scheduling_limit_is_xlas():
     """XLA's GPU scheduling limit, 0.95 x (0.8 x the device's memory - the program's inputs and outputs) + those
-    (cost.XLA_SLOP): on the 32-layer Llama 3 8B ZeRO-3 program it is the 60.67 GiB of XLA's own warning, "Can't
+    (cost.scheduling_limit): on the 32-layer Llama 3 8B ZeRO-3 program it is the 60.67 GiB of XLA's own warning, "Can't
     reduce memory use below 60.67GiB by rematerialization" (benchmarks/2026-11-26-compile-only-fsdp-after-keeps-
     inputs.md). For every compiled row the model's inputs (fp32 weights and AdamW moments) are XLA's, and but for
     the pipelines, whose memory the model undercounts, it puts the program on XLA's side of the limit."""

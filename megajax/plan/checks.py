@@ -12,7 +12,7 @@ Megatron's schedules, whose recompute sits on the critical path, not megajax's e
   paper's layout.
 - `takeaways`: at a fixed GPU count, the best predicted throughput per tensor size and per pipeline size.
 - `compiled_memory`: programs compiled for compile-only H100s (benchmarks/compile-only/): XLA's peak against the
-  model's memory, and which side of XLA's scheduling limit (`cost.XLA_SLOP`) each puts the program on.
+  model's memory, and which side of XLA's scheduling limit (`cost.scheduling_limit`) each puts the program on.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 
 from megajax import config_io
-from megajax.plan.cost import XLA_DEVICE_SHARE, XLA_SLOP, estimate
+from megajax.plan.cost import estimate, scheduling_limit
 from megajax.plan.hardware import hardware
 from megajax.plan.search import KEYS, search
 
@@ -244,7 +244,7 @@ def compiled_memory() -> list[dict]:
     for folder, row, preset, gpus, sets in COMPILED:
         xla = json.loads((ROOT / "benchmarks/compile-only" / folder / f"{row}.json").read_text())["memory_per_device"]
         io = xla["argument_bytes"] + xla["output_bytes"] - xla["alias_bytes"]
-        limit = io + XLA_SLOP * (XLA_DEVICE_SHARE * hw.memory_bytes - io)
+        limit = scheduling_limit(io, hw.memory_bytes)
         cfg = config_io.load(ROOT / "configs" / f"{preset}.yaml", sets).for_devices(gpus)
         e = estimate(cfg, hw, 8)
         model = e.memory["total"] - e.memory["reserve"]

@@ -322,9 +322,9 @@ def _memory(hw: Hardware, L: _Layout, params: dict, in_flight: int) -> dict:
     # the layers whose bf16 weights the backward keeps: all of them, or (a pipeline recomputes chunk by chunk) one
     # chunk's; under full recomputation none (a layer's cast is rebuilt with it)
     counts = parameter_counts(m)
-    per_layer = (n - (counts["embedding"] + counts["output"]) / L.t) / max(L.layers, 1)
-    cast_layers = 0 if m.recompute == "full" else (chunk if L.pp > 1 else L.layers)
     ends = (counts["embedding"] + counts["output"]) / L.t  # the embedding's and output layer's weights here
+    per_layer = (n - ends) / max(L.layers, 1)
+    cast_layers = 0 if m.recompute == "full" else (chunk if L.pp > 1 else L.layers)
     if par.shards_params:  # the bf16 casts of the layers' shards, which each layer's backward gathers again
         cast = 0.0 if m.recompute == "full" else B16 * shard(n - ends)
     else:
@@ -351,9 +351,14 @@ def _memory(hw: Hardware, L: _Layout, params: dict, in_flight: int) -> dict:
            "reserve": RESERVE_BYTES}
     out["total"] = sum(out.values())
     out["capacity"] = hw.memory_bytes
-    state = weights - cast + optimizer  # the step's inputs (and its donated outputs)
-    out["scheduling_limit"] = state + XLA_SLOP * (XLA_DEVICE_SHARE * hw.memory_bytes - state)
+    out["scheduling_limit"] = scheduling_limit(weights - cast + optimizer, hw.memory_bytes)  # (the step's inputs)
     return out
+
+
+def scheduling_limit(inputs: float, capacity: float) -> float:
+    """XLA's scheduling limit in bytes (`XLA_SLOP`) for a program whose inputs and outputs (aliased ones once)
+    take `inputs` bytes of a GPU's `capacity`."""
+    return inputs + XLA_SLOP * (XLA_DEVICE_SHARE * capacity - inputs)
 
 
 def scheduled_for_memory(memory: dict) -> bool:
