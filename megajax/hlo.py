@@ -170,10 +170,15 @@ def _callees(opcode: str, rest: str, branch_runs: dict | None = None) -> list[tu
     if opcode == "conditional":
         found = re.search(r"branch_computations=\{([^}]*)\}", rest) or re.search(r"(true_computation=.*)", rest)
         branches = re.findall(r"%([\w.\-]+)", found.group(1))
-        scope = re.search(r'op_name="[^"]*/(pipeline_s\d+t\d_[a-z])/cond"', rest)
-        scope = scope.group(1) if scope else ""
+        # a pipeline switch `scope`, or its group i run under a two-way conditional named scope + i, true when the
+        # group runs (pipeline.executor.backward): XLA prints a predicated conditional's true branch first
+        link = re.search(r'op_name="[^"]*/(pipeline_s\d+t\d_[a-z])(\d*)/cond"', rest)
+        scope = link.group(1) if link else ""
         runs = (branch_runs or {}).get(scope)
-        if runs is None or len(runs) != len(branches):
+        if runs is not None and link.group(2) and "true_computation=" in rest and int(link.group(2)) < len(runs):
+            taken = runs[int(link.group(2))]
+            runs = [taken, 1 - taken]
+        elif runs is None or link.group(2) or len(runs) != len(branches):
             runs = [1] * len(branches)
         return [(b, r, scope) for b, r in zip(branches, runs)]
     if opcode in ("call", "async-start", "fusion"):

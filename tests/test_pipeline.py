@@ -2,6 +2,7 @@
 through the stages. (Losses and gradient norms of every schedule and layout against one device: test_layouts.)"""
 
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -86,25 +87,26 @@ def test_memory_flat_in_micro_batches_and_collectives_as_planned(schedule, v, re
         assert growth < 1.15, temps
 
 
-def _recompute_switches(schedule: str, v: int) -> list:
-    """The recompute switches (lax.switch under a tick's `_r` scope) of the traced train step: (operands,
-    results) counts."""
+def _tick_conds(schedule: str, v: int, extra: tuple = ()) -> list:
+    """The conditionals of the pipeline's ticks in the traced train step of the tiny preset on 2 stages: (the
+    last name of each one's scope, the cond equation)."""
     import jax
 
     from megajax import audit, step as step_lib
 
     cfg = config_io.load("configs/tiny.yaml", [
         "parallel.data=1", "parallel.pipeline=2", "parallel.tensor=1", "train.micro_batch_size=1",
-        "train.global_batch_size=4", f"parallel.schedule={schedule}", f"parallel.virtual_stages={v}"])
-    cfg, mesh, setup, state, batch = audit.abstract_step(cfg, jax.devices()[:2])
+        "train.global_batch_size=4", f"parallel.schedule={schedule}", f"parallel.virtual_stages={v}", *extra])
+    cfg, mesh, setup, state, batch = audit.abstract_step(cfg, jax.devices()[:2 * cfg.parallel.data])
     with jax.set_mesh(mesh):
         jaxpr = step_lib.jit_train_step(setup).trace(state, batch).jaxpr.jaxpr
     found = []
 
     def walk(j):
         for e in j.eqns:
-            if e.primitive.name == "cond" and str(e.source_info.name_stack).endswith("_r"):
-                found.append((len(e.invars), len(e.outvars)))
+            name = str(e.source_info.name_stack).split("/")[-1]
+            if e.primitive.name == "cond" and name.startswith("pipeline_s"):
+                found.append((name, e))
             for value in e.params.values():
                 for sub in value if isinstance(value, (list, tuple)) else [value]:
                     inner = getattr(sub, "jaxpr", sub)
@@ -113,6 +115,12 @@ def _recompute_switches(schedule: str, v: int) -> list:
 
     walk(jaxpr)
     return found
+
+
+def _recompute_switches(schedule: str, v: int) -> list:
+    """The recompute switches (lax.switch under a tick's `_r` scope) of the traced train step: (operands,
+    results) counts."""
+    return [(len(e.invars), len(e.outvars)) for name, e in _tick_conds(schedule, v) if name.endswith("_r")]
 
 
 def test_the_recompute_does_not_hold_the_residuals_it_replaces():
@@ -126,6 +134,31 @@ def test_the_recompute_does_not_hold_the_residuals_it_replaces():
     for (plain_in, residuals), (split_in, split_out) in zip(plain, split):
         assert residuals == split_out
         assert split_in == plain_in + residuals
+
+
+def _backward_conds(schedule: str, v: int, extra: tuple = ()) -> list:
+    """The conditionals of the pipeline's backward (name scopes pipeline_s*_b<i>, and _e1, the embedding's):
+    (name scope, branches' jaxprs)."""
+    return [(name, [b.jaxpr for b in e.params["branches"]]) for name, e in _tick_conds(schedule, v, extra)
+            if re.fullmatch(r"pipeline_s\d+t\d_[be]\d", name)]
+
+
+@pytest.mark.parametrize("schedule,v,extra,groups", [
+    ("1f1b", 1, (), {"b1", "e1"}), ("interleaved", 2, (), {"b1", "e1"}), ("zero_bubble", 1, (), {"b1", "e1"}),
+    ("1f1b", 1, ("parallel.data=2", "train.global_batch_size=8", "parallel.distributed_optimizer=true",
+                 "parallel.overlap_grad_reduce=true"), {"b1", "b2", "e1"})])
+def test_the_backward_updates_its_accumulators_in_place(schedule, v, extra, groups):
+    """`executor.backward`: each group of backward kinds (adding to the accumulators; FINAL, reducing) runs under
+    its own two-way conditional whose first branch passes everything through, whatever chunk position it runs,
+    and the first chunk's embedding backward under another: the form in which XLA's GPU compiler updates the fp32
+    gradient accumulators and the embedding's gradients in place. One switch over the kinds made it copy them in
+    each branch
+    (benchmarks/2026-11-27-compile-only-pipeline-backward-in-place.md)."""
+    conds = _backward_conds(schedule, v, extra)
+    assert {name.split("_")[-1] for name, _ in conds} == groups
+    for name, branches in conds:
+        assert len(branches) == 2, name
+        assert not branches[0].eqns and set(branches[0].outvars) <= set(branches[0].invars), name
 
 
 def test_evaluation_runs_through_the_pipeline_without_gathering_layers():
@@ -234,7 +267,8 @@ def test_each_rank_reduces_and_gathers_its_layers_once_and_the_audit_counts_bran
                     for t in range(step):
                         visits = len(range(seg.start + t, seg.stop, step))
                         scope = ticks.scope(i, t)
-                        finals += visits * sum(f for k, f in zip(seg.b, runs[f"{scope}_b"]) if k & ticks.FINAL)
+                        groups = (None, *ticks.backward_groups(seg.b))  # (the backward's: none, then each group)
+                        finals += visits * sum(f for k, f in zip(groups, runs[f"{scope}_b"]) if k)
                         layers += visits * sum(k * f for k, f in zip(seg.x, runs[f"{scope}_x"]))
                         gathers += visits * sum(f for k, f in zip(seg.f, runs[f"{scope}_f"]) if k & ticks.GATHER)
                         gathered += visits * sum(k * f for k, f in zip(seg.g, runs[f"{scope}_g"]))

@@ -19,7 +19,7 @@ from megajax import model, overlap
 from megajax.config import Config
 from megajax.pipeline import layout
 from megajax.pipeline import ticks
-from megajax.pipeline.ticks import FINAL, FIRST, LAST_KEEP, MID, NONE
+from megajax.pipeline.ticks import FIRST, LAST_KEEP, MID, NONE
 from megajax.sharding import vary
 
 
@@ -255,40 +255,35 @@ class _ChunkActions:
 
         return run
 
-    def backward_branch(self, kind):
-        """(residuals, g, g_layers, g_shared[, g_final], row) -> (gradient to send, g_layers, g_shared[,
-        g_final]); g_final with reductions: a FINAL kind (the chunk's last backward) reduces the chunk's
-        gradients into it (the others add theirs to g_layers)."""
+    def backward_branch(self, final: bool):
+        """(residuals, g, g_layers, g_shared[, g_final], row) -> (the input gradient, g_layers, g_shared[,
+        g_final]): the backward of chunk row["b_chunk"], wherever it sits (`executor.backward` sends the input
+        gradient on, or runs the embedding's backward with it). g_final with reductions: `final` (FINAL kinds:
+        the chunk's last backward) reduces the chunk's gradients into it; the other backwards add theirs to
+        g_layers."""
         def run(res, g, g_layers, g_shared, *rest):
             *g_final, row = rest
-            if kind == NONE:
-                return (*vary((jnp.zeros_like(g), g_layers, g_shared)), *g_final)
             c = row["b_chunk"]
             if self.reductions is None:
                 dw, dx = jax.tree.unflatten(self._res_tree, res)(g)
                 g_layers = jax.tree.map(lambda acc, d: acc.at[c].add(d.astype(jnp.float32)), g_layers, dw)
             else:
                 g_final, = g_final
-                pullback = jax.tree.unflatten(self._res_tree_final if kind & FINAL else self._res_tree, res)
+                pullback = jax.tree.unflatten(self._res_tree_final if final else self._res_tree, res)
                 if not g_layers:  # ZeRO-2: nothing summed locally, every backward reduces
                     acc = vary(jax.tree.map(lambda w: jnp.zeros(w.shape[1:], jnp.float32), self.layers["block"]))
                 else:
                     acc = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, c, keepdims=False),
                                        g_layers["block"])
-                if not kind & FINAL:  # (the earlier micro batches' sum is read only by the reducing backward)
+                if not final:  # (the earlier micro batches' sum is read only by the reducing backward)
                     acc = jax.tree.map(jnp.zeros_like, acc)
                 dw, dx, reduced = pullback((g, acc))
-                if kind & FINAL:  # (added: ZeRO-2 reduces every micro batch's; else once per chunk, into zeros)
+                if final:  # (added: ZeRO-2 reduces every micro batch's; else once per chunk, into zeros)
                     g_final = jax.tree.map(lambda f, d: f.at[c].add(d), g_final, reduced)
                 else:
                     g_layers = jax.tree.map(lambda a, d: a.at[c].add(d.astype(jnp.float32)), g_layers, dw)
                 g_final = (g_final,)
-            send = jnp.zeros_like(g)
-            if (kind & ~FINAL) == FIRST:  # the embedding's backward ends the pipeline: nothing to send
-                g_shared = self.embedding_backward(dx.astype(g.dtype), row, g_shared)
-            else:
-                send = dx.astype(g.dtype)
-            return (*vary((send, g_layers, g_shared)), *g_final)  # (g_final as the reductions leave it)
+            return (*vary((dx.astype(g.dtype), g_layers, g_shared)), *g_final)  # (g_final as the reductions leave it)
 
         return run
 

@@ -2,8 +2,8 @@
 
 Called inside the train step's shard_map, where 'data' and 'pipeline' are manual and 'tensor' is left to
 GSPMD. Each rank reads its column of the table (axis_index('pipeline')) and, tick by tick in a scan, runs
-what the table gives it, each action chosen with lax.switch (a real conditional: an absent action costs
-nothing):
+what the table gives it, each action chosen with lax.switch on its kind (a real conditional: an absent action
+costs nothing; the backward as two-way conditionals, `backward`):
   B  backward of chunk c on micro batch i from the residuals the previous tick kept: input and weight
      gradients at once (jax.vjp's pullback, carried between ticks as its arrays); the first chunk finishes
      with the embedding's backward; the weight gradients are added to the chunk's fp32 accumulator inside
@@ -59,7 +59,7 @@ from megajax.data.loader import micro_batches
 from megajax.pipeline import ticks
 from megajax.pipeline.chunks import _ChunkActions, _shared
 from megajax.pipeline.gpipe import _gpipe_grads
-from megajax.pipeline.ticks import ACTIONS, FIELDS, FINAL, NONE, Segment
+from megajax.pipeline.ticks import ACTIONS, FIELDS, FINAL, FIRST, NONE, Segment
 from megajax.pipeline.layout import local_chunks
 from megajax.pipeline.schedule import perm_pairs
 from megajax.pipeline.zero_bubble import _SplitChunkActions
@@ -146,6 +146,35 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
     return jax.lax.psum(carry["loss"], "pipeline"), grads
 
 
+def backward(acts: _ChunkActions, seg: Segment, row: dict, scope: str, res, g, g_layers, g_shared, *more) -> tuple:
+    """B: (gradient to send, g_layers, g_shared, *more) after the tick's backward, whatever chunk it runs, the
+    accumulators (g_layers, g_shared, and g_final or zero_bubble's dys) as `_ChunkActions.backward_branch`
+    leaves them, or as they are when the tick runs none. Each group of backward kinds (`ticks.backward_groups`:
+    FINAL or not) runs under its own two-way conditional, named scope_b<group>, whose first branch passes
+    everything through; then the first chunk's input gradient goes into the embedding's backward, under a
+    two-way conditional of its own (scope_e1), instead of to the rank before.
+
+    Why not one switch over the kinds: XLA's copy insertion copies a buffer that a conditional of more than two
+    branches updates in place in some branches and passes through in others (the fp32 gradient accumulators,
+    the embedding's gradients), in each such branch, and holds the copy beside the original; a two-way
+    conditional whose first branch passes it through updates it in place."""
+    code = jnp.asarray(seg.b)[row["b_kind"]]  # (the kind; row["b_kind"] indexes the segment's kinds)
+    out = (jnp.zeros_like(g), g_layers, g_shared, *more)
+    for i, final in enumerate(ticks.backward_groups(seg.b), 1):
+        def run(out, final=final):
+            return tuple(acts.backward_branch(final)(res, g, *out[1:], row))
+
+        with jax.named_scope(f"{scope}_b{i}"):
+            out = jax.lax.cond((code != NONE) & (((code & FINAL) > 0) == final), run, lambda out: out, out)
+    dx, g_layers, g_shared, *more = out
+    first = (code & ~FINAL) == FIRST
+    if FIRST in [k & ~FINAL for k in seg.b]:
+        with jax.named_scope(f"{scope}_e1"):
+            g_shared = jax.lax.cond(first, lambda gs: vary(acts.embedding_backward(dx, row, gs)), lambda gs: gs,
+                                    g_shared)
+    return (jnp.where(first, jnp.zeros_like(dx), dx), g_layers, g_shared, *more)
+
+
 def _tick(acts: _ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, row: dict, parity, scope: str):
     """One tick of one rank: W (zero_bubble), B, then R (it reads its stash before a forward may reuse the
     slot), then F, then the sends (see the module docstring), then X and G (an idle tick's data-parallel reduction
@@ -161,11 +190,9 @@ def _tick(acts: _ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, 
         with named("w"):
             carry["g_layers"] = jax.lax.switch(row["w_kind"], [acts.weight_branch(k) for k in seg.w], carry["res"],
                                                carry["dys"], carry["g_layers"], row)
-    b_args = (carry["res"], carry["grad"][row["b_grad_slot"]], carry["g_layers"], carry["g_shared"])
     extra = "dys" if split else "g_final" if "g_final" in carry else None
-    with named("b"):
-        b_out = jax.lax.switch(row["b_kind"], [acts.backward_branch(k) for k in seg.b], *b_args,
-                               *((carry[extra],) if extra else ()), row)
+    b_out = backward(acts, seg, row, scope, carry["res"], carry["grad"][row["b_grad_slot"]], carry["g_layers"],
+                     carry["g_shared"], *((carry[extra],) if extra else ()))
     send_grad, carry["g_layers"], carry["g_shared"] = b_out[:3]
     if extra:
         carry[extra] = b_out[3]

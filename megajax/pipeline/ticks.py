@@ -238,10 +238,18 @@ def gather_layers(cfg: Config) -> int:
     return chunk_layers(cfg) if StepPlan.resolve(cfg).gather_in_forward else 0
 
 
+def backward_groups(kinds: tuple[int, ...]) -> tuple[bool, ...]:
+    """The groups of a segment's backward kinds that `executor.backward` runs under one conditional each: the
+    backwards that add to the accumulators (False) and the FINAL ones that reduce (True), those present."""
+    return tuple(final for final in (False, True) if any(k != NONE and bool(k & FINAL) == final for k in kinds))
+
+
 def branch_runs(cfg: Config) -> dict[str, list[float]]:
     """For the audit: per switch of the executor ('<scope>_<action>'), how often each branch runs per visit
     of the switch, averaged over the pipeline ranks (the compiled program counts every branch of a conditional
-    as taken; the schedule's table says which is)."""
+    as taken; the schedule's table says which is). The backward's: how often it runs none, then each of its
+    groups (`backward_groups`), group i under its own conditional named '<scope>_b<i>'; '<scope>_e': how often
+    it does not and does run the first chunk, whose embedding backward runs under '<scope>_e1'."""
     par = cfg.parallel
     if par.pipeline == 1 or par.schedule == "gpipe":
         return {}
@@ -252,5 +260,12 @@ def branch_runs(cfg: Config) -> dict[str, list[float]]:
         for t in range(step):
             for key in ACTIONS:
                 rows = kinds[key][seg.start + t:seg.stop:step]
+                if key == "b":  # (the backward's conditionals: none, then each group's, executor.backward)
+                    out[f"{scope(i, t)}_b"] = [float(np.mean(rows == NONE))] + [
+                        float(np.mean((rows != NONE) & (((rows & FINAL) > 0) == final)))
+                        for final in backward_groups(seg.b)]
+                    first = float(np.mean((rows & ~FINAL) == FIRST))  # (the embedding's backward)
+                    out[f"{scope(i, t)}_e"] = [1 - first, first]
+                    continue
                 out[f"{scope(i, t)}_{key}"] = [float(np.mean(rows == k)) for k in getattr(seg, key)]
     return out

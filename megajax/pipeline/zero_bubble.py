@@ -18,7 +18,7 @@ from megajax import model
 from megajax.model import fp8
 from megajax.model import layers as layers_lib
 from megajax.pipeline.chunks import _ChunkActions
-from megajax.pipeline.ticks import FIRST, NONE
+from megajax.pipeline.ticks import NONE
 from megajax.sharding import vary, varying_axes
 
 
@@ -101,18 +101,14 @@ class _SplitChunkActions(_ChunkActions):
         y, pullback, inputs = split_linearize(self.mcfg, w, x, taps, side, *self.slots(at))
         return y, (pullback, inputs)
 
-    def backward_branch(self, kind):
-        """(residuals, g, g_layers, g_shared, dys, row) -> (gradient to send, g_layers, g_shared, dys): the
-        input gradient, the small parameters' gradients and the taps' gradients (the new dys)."""
+    def backward_branch(self, final: bool):
+        """(residuals, g, g_layers, g_shared, dys, row) -> (the input gradient, g_layers, g_shared, dys): the
+        input gradient, the small parameters' gradients and the taps' gradients (the new dys). (No FINAL kinds:
+        zero_bubble reduces after the schedule.)"""
         def run(res, g, g_layers, g_shared, dys, row):
-            if kind == NONE:
-                return vary((jnp.zeros_like(g), g_layers, g_shared, dys))
             pullback, _ = jax.tree.unflatten(self._res_tree, res)
             dx, dys, dsmall = pullback(g)
             g_layers = self._accumulate(g_layers, dsmall, row["b_chunk"])
-            if kind == FIRST:  # the embedding's backward ends the pipeline: nothing to send
-                g_shared = self.embedding_backward(dx.astype(g.dtype), row, g_shared)
-                return vary((jnp.zeros_like(g), g_layers, g_shared, dys))
             return vary((dx.astype(g.dtype), g_layers, g_shared, dys))
 
         return run
