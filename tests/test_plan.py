@@ -268,17 +268,17 @@ def test_the_scheduling_limit_is_xlas():
     """XLA's GPU scheduling limit, 0.95 x (0.8 x the device's memory - the program's inputs and outputs) + those
     (cost.scheduling_limit): on the 32-layer Llama 3 8B ZeRO-3 program it is the 60.67 GiB of XLA's own warning, "Can't
     reduce memory use below 60.67GiB by rematerialization" (benchmarks/2026-11-26-compile-only-fsdp-after-keeps-
-    inputs.md). For every compiled row the model's inputs (fp32 weights and AdamW moments) are XLA's, and but for
-    the pipelines, whose memory the model undercounts, it puts the program on XLA's side of the limit."""
+    inputs.md). For every compiled row the model's inputs (fp32 weights and AdamW moments) are XLA's, and the model
+    puts the program on XLA's side of the limit: Llama 3 70B on 2 stages (67.4 GiB compiled) only since it counts
+    the bf16 weights a pipeline with overlap_param_gather holds gathered (benchmarks/2026-11-27-compile-only-
+    pipeline-backward-in-place.md)."""
     rows = checks.compiled_memory()
     assert len(rows) == len(checks.COMPILED)
     zero3 = next(r for r in rows if r["row"] == "llama3-8b-32layers-zero3")
     assert zero3["xla_limit_gib"] == pytest.approx(60.67, abs=0.005)
     for r in rows:
         assert r["model_limit_gib"] == pytest.approx(r["xla_limit_gib"], rel=0.002), r
-        if r["pipeline"] == 1:
-            assert r["model_scheduled_for_memory"] == r["xla_scheduled_for_memory"], r
-    assert sum(r["model_scheduled_for_memory"] == r["xla_scheduled_for_memory"] for r in rows) >= len(rows) - 1
+        assert r["model_scheduled_for_memory"] == r["xla_scheduled_for_memory"], r
 
 
 def test_above_the_scheduling_limit_nothing_is_hidden():

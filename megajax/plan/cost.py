@@ -26,6 +26,7 @@ import functools
 from megajax.config import Config
 from megajax.model_config import layer_forward_flops_per_token
 from megajax.plan.hardware import GIB, Hardware
+from megajax.step_plan import StepPlan
 
 RESERVE_BYTES = 3 * GIB  # cuBLAS / NCCL workspaces and fragmentation, outside XLA's memory analysis
 B16 = 2  # bytes of a bf16 activation
@@ -329,6 +330,11 @@ def _memory(hw: Hardware, L: _Layout, params: dict, in_flight: int) -> dict:
         cast = 0.0 if m.recompute == "full" else B16 * shard(n - ends)
     else:
         cast = B16 * (n - per_layer * (L.layers - cast_layers))
+    if L.pp > 1 and not par.shards_params and StepPlan.resolve(L.cfg).gather_in_forward:
+        # a pipeline that gathers its weights inside the schedule (overlap_param_gather) holds every layer of the
+        # rank gathered in bf16 from its first forward to the step's end (the executor's carry "whole"); with
+        # one chunk a rank the backward keeps that one, with more each chunk's backward keeps its slice besides
+        cast += B16 * per_layer * (L.layers - (cast_layers if L.par.virtual_stages == 1 else 0))
     # fp32 weights: ZeRO-3 keeps every one as its shard; overlap_param_gather the distributed optimizer's shard
     # (on a pipeline, of the layers only), gathered in the first forward (megajax.step.StepSetup.gathered_params)
     if par.shards_params or (par.overlap_param_gather and par.shards_optimizer and L.pp == 1):
