@@ -308,7 +308,8 @@ def layer_activation_bytes(L: _Layout) -> dict:
 
 def _memory(hw: Hardware, L: _Layout, params: dict, in_flight: int) -> dict:
     """Bytes per GPU: fp32 weights (ZeRO-3 and overlap_param_gather: sharded) and the bf16 copy the backward
-    keeps (ZeRO-3: of the shards; none under full recomputation: each layer casts its weights again), fp32
+    keeps (ZeRO-3: of the shards; none under full recomputation: each layer casts its weights again; a pipeline
+    that gathers its weights in the schedule: every layer of the rank, gathered), fp32
     gradients (ZeRO-2/3: the layers' sharded; with overlap_grad_reduce and several micro batches one more copy),
     AdamW's two fp32 moments (sharded with the distributed optimizer), the activations
     (`layer_activation_bytes`), the logits, the reserve; and XLA's scheduling limit for this program."""
