@@ -59,7 +59,7 @@ from megajax.data.loader import micro_batches
 from megajax.pipeline import ticks
 from megajax.pipeline.chunks import _ChunkActions, _shared
 from megajax.pipeline.gpipe import _gpipe_grads
-from megajax.pipeline.ticks import ACTIONS, FIELDS, FINAL, FIRST, NONE, Segment
+from megajax.pipeline.ticks import ACTIONS, FIELDS, FINAL, NONE, Segment
 from megajax.pipeline.layout import local_chunks
 from megajax.pipeline.schedule import perm_pairs
 from megajax.pipeline.zero_bubble import _SplitChunkActions
@@ -165,10 +165,10 @@ def backward(acts: _ChunkActions, seg: Segment, row: dict, scope: str, res, g, g
             return tuple(acts.backward_branch(final)(res, g, *out[1:], row))
 
         with jax.named_scope(f"{scope}_b{i}"):
-            out = jax.lax.cond((code != NONE) & (((code & FINAL) > 0) == final), run, lambda out: out, out)
+            out = jax.lax.cond(ticks.in_backward_group(code, final), run, lambda out: out, out)
     dx, g_layers, g_shared, *more = out
-    first = (code & ~FINAL) == FIRST
-    if FIRST in [k & ~FINAL for k in seg.b]:
+    first = ticks.first_backward(code)
+    if any(ticks.first_backward(k) for k in seg.b):
         with jax.named_scope(f"{scope}_e1"):
             g_shared = jax.lax.cond(first, lambda gs: vary(acts.embedding_backward(dx, row, gs)), lambda gs: gs,
                                     g_shared)

@@ -238,10 +238,23 @@ def gather_layers(cfg: Config) -> int:
     return chunk_layers(cfg) if StepPlan.resolve(cfg).gather_in_forward else 0
 
 
+def in_backward_group(kinds, final: bool):
+    """Whether backward kinds (an int, a NumPy or a JAX array) are in the group that adds to the accumulators
+    (`final` False) or in the FINAL one that reduces (True): what `executor.backward` runs under one conditional."""
+    return (kinds != NONE) & (((kinds & FINAL) > 0) == final)
+
+
+def first_backward(kinds):
+    """Whether backward kinds (an int, a NumPy or a JAX array) run the first chunk, whose input gradient goes into
+    the embedding's backward."""
+    return (kinds & ~FINAL) == FIRST
+
+
 def backward_groups(kinds: tuple[int, ...]) -> tuple[bool, ...]:
-    """The groups of a segment's backward kinds that `executor.backward` runs under one conditional each: the
-    backwards that add to the accumulators (False) and the FINAL ones that reduce (True), those present."""
-    return tuple(final for final in (False, True) if any(k != NONE and bool(k & FINAL) == final for k in kinds))
+    """The groups of a segment's backward kinds (`in_backward_group`) that `executor.backward` runs under one
+    conditional each: the backwards that add to the accumulators (False) and the FINAL ones that reduce (True),
+    those present."""
+    return tuple(final for final in (False, True) if in_backward_group(np.asarray(kinds), final).any())
 
 
 def branch_runs(cfg: Config) -> dict[str, list[float]]:
@@ -262,9 +275,8 @@ def branch_runs(cfg: Config) -> dict[str, list[float]]:
                 rows = kinds[key][seg.start + t:seg.stop:step]
                 if key == "b":  # (the backward's conditionals: none, then each group's, executor.backward)
                     out[f"{scope(i, t)}_b"] = [float(np.mean(rows == NONE))] + [
-                        float(np.mean((rows != NONE) & (((rows & FINAL) > 0) == final)))
-                        for final in backward_groups(seg.b)]
-                    first = float(np.mean((rows & ~FINAL) == FIRST))  # (the embedding's backward)
+                        float(np.mean(in_backward_group(rows, final))) for final in backward_groups(seg.b)]
+                    first = float(np.mean(first_backward(rows)))  # (the embedding's backward)
                     out[f"{scope(i, t)}_e"] = [1 - first, first]
                     continue
                 out[f"{scope(i, t)}_{key}"] = [float(np.mean(rows == k)) for k in getattr(seg, key)]
