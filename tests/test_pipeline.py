@@ -131,34 +131,48 @@ def test_the_recompute_does_not_hold_the_residuals_it_replaces():
     switch passes them on."""
     plain, split = _recompute_switches("1f1b", 1), _recompute_switches("zero_bubble", 1)
     assert plain and len(plain) == len(split)
-    for (plain_in, residuals), (split_in, split_out) in zip(plain, split):
-        assert residuals == split_out
-        assert split_in == plain_in + residuals
+    for (plain_in, out), (split_in, split_out) in zip(plain, split):
+        assert out == split_out  # the residuals and the last chunk's output (LAST_KEEP's forward runs here)
+        assert split_in == plain_in + out - 1
 
 
-def _backward_conds(schedule: str, v: int, extra: tuple = ()) -> list:
-    """The conditionals of the pipeline's backward (name scopes pipeline_s*_b<i>, and _e1, the embedding's):
-    (name scope, branches' jaxprs)."""
+def _two_way_conds(schedule: str, v: int, extra: tuple = ()) -> list:
+    """The two-way conditionals of the pipeline's ticks (name scopes pipeline_s*_b<i>, the backward's groups; _e1,
+    the embedding's backward; _h1, the head; _g<i>, an idle tick's gather of i layers): (name scope, branches'
+    jaxprs)."""
     return [(name, [b.jaxpr for b in e.params["branches"]]) for name, e in _tick_conds(schedule, v, extra)
-            if re.fullmatch(r"pipeline_s\d+t\d_[be]\d", name)]
+            if re.fullmatch(r"pipeline_s\d+t\d_[behg]\d", name)]
 
 
 @pytest.mark.parametrize("schedule,v,extra,groups", [
-    ("1f1b", 1, (), {"b1", "e1"}), ("interleaved", 2, (), {"b1", "e1"}), ("zero_bubble", 1, (), {"b1", "e1"}),
+    ("1f1b", 1, (), {"b1", "e1", "h1"}), ("interleaved", 2, (), {"b1", "e1", "h1"}),
+    ("zero_bubble", 1, (), {"b1", "e1", "h1"}),
     ("1f1b", 1, ("parallel.data=2", "train.global_batch_size=8", "parallel.distributed_optimizer=true",
-                 "parallel.overlap_grad_reduce=true"), {"b1", "b2", "e1"})])
-def test_the_backward_updates_its_accumulators_in_place(schedule, v, extra, groups):
+                 "parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true"),
+     {"b1", "b2", "e1", "h1", "g1"})])
+def test_the_ticks_update_their_accumulators_in_place(schedule, v, extra, groups):
     """`executor.backward`: each group of backward kinds (adding to the accumulators; FINAL, reducing) runs under
     its own two-way conditional whose first branch passes everything through, whatever chunk position it runs,
-    and the first chunk's embedding backward under another: the form in which XLA's GPU compiler updates the fp32
-    gradient accumulators and the embedding's gradients in place. One switch over the kinds made it copy them in
-    each branch
-    (benchmarks/2026-11-27-compile-only-pipeline-backward-in-place.md)."""
-    conds = _backward_conds(schedule, v, extra)
+    and the first chunk's embedding backward under another; the head (`executor._tick`) under a third: the form in
+    which XLA's GPU compiler updates the fp32 gradient accumulators and the embedding's and head's gradients in
+    place; an idle tick's gather the same, one two-way conditional per layer count. One switch over the kinds made
+    it copy them in each branch
+    (benchmarks/2026-11-27-compile-only-pipeline-backward-in-place.md). The forward's switch takes neither the
+    residuals nor g_shared: it returns the activation to send, the stash and the last chunk's output alone
+    (benchmarks/2026-11-27-compile-only-pipeline-forward-in-place.md)."""
+    conds = _two_way_conds(schedule, v, extra)
     assert {name.split("_")[-1] for name, _ in conds} == groups
     for name, branches in conds:
         assert len(branches) == 2, name
-        assert not branches[0].eqns and set(branches[0].outvars) <= set(branches[0].invars), name
+        # (the head's makes its zero loss and output gradient; nothing else computes)
+        assert not branches[0].eqns or name.endswith("_h1"), name
+        assert {e.primitive.name for e in branches[0].eqns} <= {"broadcast_in_dim", "pvary"}, name
+        made = {v for e in branches[0].eqns for v in e.outvars}
+        assert set(branches[0].outvars) <= set(branches[0].invars) | made, name
+    forwards = [e for name, e in _tick_conds(schedule, v, extra) if name.endswith("_f")]
+    assert forwards
+    if "g1" not in groups:  # (a forward that gathers also returns the gathered weights)
+        assert all(len(e.outvars) <= 3 for e in forwards)  # (JAX forwards an output all branches pass)
 
 
 def test_evaluation_runs_through_the_pipeline_without_gathering_layers():

@@ -200,16 +200,18 @@ class _ChunkActions:
     # -- the branches --------------------------------------------------------------------------------------
 
     def forward_branch(self, kind):
-        """(x, res, g_shared[, whole], row) -> (activation to send, the slot's new content, loss, output gradient
-        of the last chunk, residuals (the last chunk's own, else res unchanged), g_shared[, whole]); whole with
-        a GATHER kind in the segment: a GATHER kind (the chunk's first forward) gathers the chunk's weights into
-        it, layer by layer (the others pass it on)."""
-        def run(x, res, g_shared, *rest):
+        """(x, [whole,] row) -> (activation to send, the slot's new content, the last chunk's output[, whole]); whole
+        with a GATHER kind in the segment: a GATHER kind (the chunk's first forward) gathers the chunk's weights into
+        it, layer by layer (the others pass it on). The last chunk's output goes to the head (`head_branch`, under
+        its own conditional); a LAST_KEEP forward runs in the tick's recompute (`recompute_branch`), which keeps
+        its residuals, and here only stashes its input. The switch takes no accumulator and no residuals: XLA
+        copies a buffer that a switch of more than two branches updates in some branches and passes through in
+        others (benchmarks/2026-11-27-compile-only-pipeline-forward-in-place.md)."""
+        def run(x, *rest):
             *whole, row = rest
             zeros = jnp.zeros(self.act_shape, self.act_dtype)
-            loss, g_self = jnp.zeros((), jnp.float32), zeros
-            if kind == NONE:
-                return (*vary((zeros, x, loss, g_self, res, g_shared)), *whole)
+            if kind in (NONE, LAST_KEEP):
+                return (*vary((zeros, x, zeros)), *whole)
             (w, at), (mb, side) = self.chunk(row, "f_"), self.micro(row, "f_")
             position = kind & ~ticks.GATHER
             if position == FIRST:
@@ -221,37 +223,41 @@ class _ChunkActions:
                                                      at)
                 whole = [{"block": jax.tree.map(lambda r, f, g: f.at[c].set(g) if r.gather else f, self.reductions,
                                                 whole[0]["block"], gathered)}]
-                return (*vary((y.astype(x.dtype), x, loss, g_self, res, g_shared)), *whole)
+                return (*vary((y.astype(x.dtype), x, zeros)), *whole)
+            y = self._layers(w, x, side, at).astype(x.dtype)
             if position in (FIRST, MID):
-                return (*vary((self._layers(w, x, side, at).astype(x.dtype), x, loss, g_self, res, g_shared)),
-                        *whole)
-            if kind == LAST_KEEP:
-                y, res = self.forward_keeping(row, "f_", x)
-            else:  # its backward comes later, after a recompute
-                y = self._layers(w, x, side, at).astype(x.dtype)
-            loss, g_y, g_shared = self.head(y, mb, g_shared)
-            return (*vary((zeros, x, loss, g_y.astype(x.dtype), res, g_shared)), *whole)
+                return (*vary((y, x, zeros)), *whole)
+            return (*vary((zeros, x, y)), *whole)  # LAST: its backward comes later, after a recompute
 
         return run
 
-    def head(self, y, mb, g_shared):
-        """(loss, its gradient in y, g_shared plus the head's gradients) of the micro batch's last chunk output."""
+    def head_branch(self, y, g_shared, row):
+        """(loss, its gradient in y, g_shared plus the head's gradients) of the last chunk's output y on micro
+        batch row["f_micro"]."""
+        mb, _ = self.micro(row, "f_")
         loss, pullback = jax.vjp(lambda sh, y: model.head_apply(self.mcfg, sh, y, mb["targets"], mb["loss_mask"]),
                                  self.shared, y)
         dsh, g_y = pullback(self.seed_scale)
-        return loss, g_y, jax.tree.map(lambda a, d: a + d.astype(jnp.float32), g_shared, dsh)
+        return vary((loss, g_y.astype(y.dtype), jax.tree.map(lambda a, d: a + d.astype(jnp.float32), g_shared, dsh)))
 
     def recompute_branch(self, kind, passes_on: bool):
-        """(stash, [res,] row) -> the residuals of the chunk's forward from its stashed input. Without a
-        recompute: res unchanged when `passes_on` (zero_bubble's W reads a backward's residuals a tick later),
-        else zeros. Only the next tick's backward reads what a tick keeps, and a tick that neither recomputes nor
-        runs the last chunk's forward is followed by none; not passing them on lets XLA reuse their buffer for
-        the new ones (a chunk's residuals less at the peak)."""
+        """(stash, [res,] row) -> (the residuals the next tick's backward reads, the last chunk's output): a
+        recompute (MID) runs chunk row["r_chunk"] again from its stashed input; LAST_KEEP is the forward of the
+        last chunk whose backward is the next tick's (row["f_chunk"], from the forward's input slot), which keeps
+        its residuals and gives its output to the head. Without either: res unchanged when `passes_on`
+        (zero_bubble's W reads a backward's residuals a tick later), else zeros. Only the next tick's backward
+        reads what a tick keeps, and a tick that neither recomputes nor runs the last chunk's forward is followed
+        by none; not passing them on lets XLA reuse their buffer for the new ones (a chunk's residuals less at the
+        peak). The two never share a tick: the next tick runs one backward."""
         def run(x, *rest):
             *res, row = rest
+            zeros = jnp.zeros(self.act_shape, self.act_dtype)
             if kind == NONE:
-                return vary(res[0] if passes_on else self.zero_res())
-            return vary(self.forward_keeping(row, "r_", x)[1])
+                return vary((res[0] if passes_on else self.zero_res(), zeros))
+            if kind == LAST_KEEP:
+                y, res = self.forward_keeping(row, "f_", x)
+                return vary((res, y.astype(self.act_dtype)))
+            return vary((self.forward_keeping(row, "r_", x)[1], zeros))
 
         return run
 

@@ -3,24 +3,26 @@
 Called inside the train step's shard_map, where 'data' and 'pipeline' are manual and 'tensor' is left to
 GSPMD. Each rank reads its column of the table (axis_index('pipeline')) and, tick by tick in a scan, runs
 what the table gives it, each action chosen with lax.switch on its kind (a real conditional: an absent action
-costs nothing; the backward as two-way conditionals, `backward`):
+costs nothing; the backward and the head as two-way conditionals, `backward`):
   B  backward of chunk c on micro batch i from the residuals the previous tick kept: input and weight
      gradients at once (jax.vjp's pullback, carried between ticks as its arrays); the first chunk finishes
      with the embedding's backward; the weight gradients are added to the chunk's fp32 accumulator inside
      the branch, so ticks without a backward add nothing
   F  forward of chunk c on micro batch i from its input slot (the first chunk embeds tokens into a fresh
-     slot); the input stays as the stash. The last chunk runs the head's forward and backward right away
-     (loss, head gradients, and the output gradient for its own backward) and, when its backward comes
-     next, keeps its residuals
+     slot); the input stays as the stash. The last chunk's output goes to the head's forward and backward
+     right away (loss, head gradients, and the output gradient for its own backward), under a two-way
+     conditional of its own
   R  recompute of the next backward's chunk from its stash, keeping the residuals for the next tick; it
-     runs before F in the tick (F may reuse the freed slot)
+     runs before F in the tick (F may reuse the freed slot). When the next backward is that of the last
+     chunk's forward in this tick, R's switch runs that forward instead (LAST_KEEP), keeping its residuals,
+     and F only stashes its input
   W  zero_bubble: the weight gradients of the rank's backward of the previous tick, first in the tick
      (before R or the last chunk's F replace the residuals it reads)
 Sends are at the end of the tick: in 1F1B's staggered lock step (schedule.py) a rank in its forward role
 sends an activation to rank r + 1 while rank r + 1, in its backward role, sends a gradient to rank r, so
 one ppermute of static swap pairs per tick carries both; with interleaving (v > 1) every tick sends both ways
-over the ring (two ppermutes, one per direction); while the pipeline fills only activations move. What arrives goes into the buffer slot the
-table names (a spare trash slot takes ticks with nothing to keep).
+over the ring (two ppermutes, one per direction); while the pipeline fills only activations move. What arrives
+goes into the buffer slot the table names (a spare trash slot takes ticks with nothing to keep).
 Memory: the stash is one activation per in-flight micro batch (Megatron's full recomputation of a chunk)
 plus one chunk's residuals. The embedding and head gradients and the loss are summed over 'pipeline' once
 after the scan, and the caller reduces everything over 'data' once per step (with
@@ -59,7 +61,7 @@ from megajax.data.loader import micro_batches
 from megajax.pipeline import ticks
 from megajax.pipeline.chunks import _ChunkActions, _shared
 from megajax.pipeline.gpipe import _gpipe_grads
-from megajax.pipeline.ticks import ACTIONS, FIELDS, FINAL, NONE, Segment
+from megajax.pipeline.ticks import ACTIONS, FIELDS, FINAL, LAST_KEEP, NONE, Segment
 from megajax.pipeline.layout import local_chunks
 from megajax.pipeline.schedule import perm_pairs
 from megajax.pipeline.zero_bubble import _SplitChunkActions
@@ -196,22 +198,36 @@ def _tick(acts: _ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, 
     send_grad, carry["g_layers"], carry["g_shared"] = b_out[:3]
     if extra:
         carry[extra] = b_out[3]
-    # The recompute reads its stash before the forward may reuse the slot. The residuals come out of the
-    # recompute's switch (zeros when it has nothing to recompute: the backward above has read the old ones; but
-    # zero_bubble's W reads them a tick later) and through the forward's (the last chunk's own, or unchanged).
+    # The recompute reads its stash before the forward may reuse the slot; the last chunk's forward that keeps its
+    # residuals (LAST_KEEP) runs in the same switch (never beside a recompute) and reads the forward's slot. The
+    # residuals come out of that switch alone (zeros when it has nothing to keep: the backward above has read the
+    # old ones; but zero_bubble's W reads them a tick later), and the forward's switch takes neither them nor the
+    # head's gradients: the head runs after it, under a two-way conditional (scope_h1) whose first branch passes
+    # g_shared through.
     with named("r"):
-        carry["res"] = jax.lax.switch(row["r_kind"], [acts.recompute_branch(k, split) for k in seg.r],
-                                      carry["act"][row["r_slot"]], *((carry["res"],) if split else ()), row)
+        slot = row["r_slot"]
+        if LAST_KEEP in seg.r:
+            slot = jnp.where(jnp.asarray(seg.r)[row["r_kind"]] == LAST_KEEP, row["f_slot"], slot)
+        carry["res"], y_kept = jax.lax.switch(row["r_kind"], [acts.recompute_branch(k, split) for k in seg.r],
+                                              carry["act"][slot], *((carry["res"],) if split else ()), row)
     gathering = any(k & ticks.GATHER for k in seg.f)  # (a forward that gathers its chunk's weights)
     with named("f"):
-        send_act, stash, loss, g_self, carry["res"], carry["g_shared"], *whole = jax.lax.switch(
-            row["f_kind"], [acts.forward_branch(k) for k in seg.f], carry["act"][row["f_slot"]], carry["res"],
-            carry["g_shared"], *((carry["whole"],) if gathering else ()), row)
+        send_act, stash, y_last, *whole = jax.lax.switch(
+            row["f_kind"], [acts.forward_branch(k) for k in seg.f], carry["act"][row["f_slot"]],
+            *((carry["whole"],) if gathering else ()), row)
     if gathering:
         carry["whole"] = whole[0]
+    g_self = jnp.zeros_like(stash)
+    if any(ticks.runs_head(k) for k in seg.f):
+        f_code = jnp.asarray(seg.f)[row["f_kind"]]
+        y = jnp.where(f_code == LAST_KEEP, y_kept, y_last) if LAST_KEEP in seg.f else y_last
+        with jax.named_scope(f"{scope}_h1"):  # (zeros made in the first branch: XLA packed the 8B rows better)
+            loss, g_self, carry["g_shared"] = jax.lax.cond(
+                ticks.runs_head(f_code), lambda gs: acts.head_branch(y, gs, row),
+                lambda gs: vary((jnp.zeros((), jnp.float32), jnp.zeros_like(y), gs)), carry["g_shared"])
+        carry["loss"] = carry["loss"] + loss
     carry["act"] = carry["act"].at[row["f_slot"]].set(stash)  # (the trash slot when no forward)
     carry["grad"] = carry["grad"].at[row["f_grad_slot"]].set(g_self)
-    carry["loss"] = carry["loss"] + loss
     perms = perm_pairs(p, v, parity is not None, parity or 0)  # none: p = 2 without a ring, after a swap
     if perms and parity is None:
         carry["act"] = carry["act"].at[row["recv_act"]].set(jax.lax.ppermute(send_act, "pipeline", perms[0]))
@@ -228,7 +244,11 @@ def _tick(acts: _ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, 
             carry["g_final"] = jax.lax.switch(row["x_kind"], [acts.reduce_branch(k) for k in seg.x],
                                               carry["g_layers"], carry["g_final"], row)
     if "whole" in carry and seg.g != (NONE,):  # an idle tick's gather, after the sends (like X)
-        with named("g"):
-            carry["whole"] = jax.lax.switch(row["g_kind"], [acts.gather_branch(k) for k in seg.g], carry["whole"],
-                                            row)
+        # (one two-way conditional per layer count, scope_g<i>, whose first branch passes `whole` through: a switch
+        # over the counts made XLA copy it, as B's did its accumulators; written so, X's made some presets worse)
+        code = jnp.asarray(seg.g)[row["g_kind"]]
+        for i, k in enumerate(seg.g[1:], 1):
+            with jax.named_scope(f"{scope}_g{i}"):
+                carry["whole"] = jax.lax.cond(code == k, acts.gather_branch(k), lambda whole, row: whole,
+                                              carry["whole"], row)
     return carry

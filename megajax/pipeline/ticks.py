@@ -20,7 +20,8 @@ from megajax.step_plan import StepPlan
 from megajax.pipeline import schedule as schedule_lib
 
 # what an action does depends on where its chunk sits in the model: 0 none, 1 first, 2 middle, 3 last chunk;
-# 4: a forward of the last chunk that keeps its residuals for the backward of the next tick
+# 4: a forward of the last chunk that keeps its residuals for the backward of the next tick (both the forward's kind
+# and the recompute's, whose switch runs it: executor._tick)
 NONE, FIRST, MID, LAST, LAST_KEEP = range(5)
 # added to a backward's kind: the chunk's last backward on its rank, which reduces the chunk's gradients over the
 # data ranks layer by layer (parallel.overlap_grad_reduce, on a rank with no idle tick after its last backward)
@@ -170,12 +171,15 @@ def plan(name: str, p: int, v: int, m: int, reduce_layers: int = 0, gather_layer
         seg_start = len(rows["f_chunk"])
         for k in FIELDS:
             rows[k] += list(tables[k][start:stop]) + [idle[k]] * pad
+        keep = (fg[start:stop] == chunks - 1) & (s.f_keep[start:stop] > 0)
+        assert not (keep & (rg[start:stop] >= 0)).any(), "a tick keeps the last chunk's residuals or recomputes"
         for key, g in (("f", fg), ("r", rg), ("b", bg), ("w", wg)):
             kind = _position(g[start:stop], chunks)
             if key in ("r", "w"):  # a recompute or a weight gradient is the same for every chunk position
                 kind = np.where(kind == NONE, NONE, MID)
+            if key in ("f", "r"):  # the recompute's switch runs the forward that keeps its residuals
+                kind = np.where(keep, LAST_KEEP, kind)
             if key == "f":
-                kind = np.where((kind == LAST) & (s.f_keep[start:stop] > 0), LAST_KEEP, kind)
                 kind = np.where(first_fwd[start:stop], kind | GATHER, kind)
             if key == "b":
                 kind = np.where(final[start:stop], kind | FINAL, kind)
@@ -250,6 +254,13 @@ def first_backward(kinds):
     return (kinds & ~FINAL) == FIRST
 
 
+def runs_head(kinds):
+    """Whether forward kinds (an int, a NumPy or a JAX array) run the last chunk, whose output goes into the head
+    (under `executor._tick`'s conditional scope_h1)."""
+    position = kinds & ~GATHER
+    return (position == LAST) | (position == LAST_KEEP)
+
+
 def backward_groups(kinds: tuple[int, ...]) -> tuple[bool, ...]:
     """The groups of a segment's backward kinds (`in_backward_group`) that `executor.backward` runs under one
     conditional each: the backwards that add to the accumulators (False) and the FINAL ones that reduce (True),
@@ -262,7 +273,9 @@ def branch_runs(cfg: Config) -> dict[str, list[float]]:
     of the switch, averaged over the pipeline ranks (the compiled program counts every branch of a conditional
     as taken; the schedule's table says which is). The backward's: how often it runs none, then each of its
     groups (`backward_groups`), group i under its own conditional named '<scope>_b<i>'; '<scope>_e': how often
-    it does not and does run the first chunk, whose embedding backward runs under '<scope>_e1'."""
+    it does not and does run the first chunk, whose embedding backward runs under '<scope>_e1'; '<scope>_h': how
+    often the forward does not and does run the last chunk, whose head runs under '<scope>_h1'; '<scope>_g': how
+    often the gather runs none and each of its layer counts, count i under '<scope>_g<i>'."""
     par = cfg.parallel
     if par.pipeline == 1 or par.schedule == "gpipe":
         return {}
@@ -279,5 +292,8 @@ def branch_runs(cfg: Config) -> dict[str, list[float]]:
                     first = float(np.mean(first_backward(rows)))  # (the embedding's backward)
                     out[f"{scope(i, t)}_e"] = [1 - first, first]
                     continue
+                if key == "f" and any(runs_head(k) for k in seg.f):  # (the head, under '<scope>_h1')
+                    head = float(np.mean(runs_head(rows)))
+                    out[f"{scope(i, t)}_h"] = [1 - head, head]
                 out[f"{scope(i, t)}_{key}"] = [float(np.mean(rows == k)) for k in getattr(seg, key)]
     return out

@@ -201,7 +201,7 @@ _FSDP_70B = ["parallel.data=8", "parallel.pipeline=1", "parallel.tensor=8", "mod
              "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true", "parallel.schedule=1f1b",
              "parallel.virtual_stages=1", "parallel.data_parallel_sharding_strategy=optim_grads_params"]
 _PRESETS, _FSDP = "2026-11-26-presets-after-activations", "2026-11-26-fsdp-after-keeps-inputs"
-_PIPELINES = "2026-11-27-pipeline-backward-in-place"  # (the pipelines compiled again after the backward's change)
+_PIPELINES = "2026-11-27-pipeline-forward-in-place"  # (the pipelines compiled again after the forward's change)
 _70B_1F1B = ["parallel.schedule=1f1b", "parallel.virtual_stages=1"]
 # Programs compiled for 8 or 64 compile-only H100s, on both sides of XLA's scheduling limit: (the folder under
 # benchmarks/compile-only/, the row, the preset, GPUs, --set). Each report has its command.
