@@ -19,6 +19,7 @@ lower for the GPU rather than falling back to their CPU interpreter.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import re
@@ -329,6 +330,8 @@ def lower_for(cfg, platform: str) -> dict:
     from megajax import step as step_lib
 
     cfg, mesh, setup, state, batch = abstract_step(cfg, jax.devices())
+    # for `platform`, not this host's devices: what differs by platform is left to the lowering (StepPlan.platform)
+    setup = dataclasses.replace(setup, plan=dataclasses.replace(setup.plan, platform=None))
     # Kernel IR carries no compatibility guarantee: fine for an artifact that is inspected, not shipped.
     unchecked = [jax.export.DisabledSafetyCheck.custom_call(t) for t in KERNEL_CALL_TARGETS]
     with jax.set_mesh(mesh):

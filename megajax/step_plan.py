@@ -22,6 +22,7 @@ What the plan holds, and who reads it:
 | gather_in_forward | the weights kept as optimizer shards, gathered under the next forward | step, ticks |
 | shard_grads | ZeRO-2/3: every micro batch's gradients reduce-scattered in its backward, summed as shards | step |
 | shard_params | ZeRO-3: the weights kept as shards, gathered by layer in each forward and backward | step, overlap |
+| platform | the platform of the mesh's devices ("cpu", "gpu"), set by `step.build`; None where the step is lowered for another (an export) | model/collective_matmul.py |
 
 A mesh axis of size 1 is never manual: XLA rejects a reduction over a manual axis of size 1 when every manual axis
 has size 1 (jax 0.10.2: "Cross-partition allreduce must be in (partial) manual partitioning mode"), and such an
@@ -63,6 +64,10 @@ class StepPlan:
     gather_in_forward: bool = False  # parallel.overlap_param_gather (with the distributed optimizer), or ZeRO-3
     shard_grads: bool = False  # data_parallel_sharding_strategy optim_grads or optim_grads_params, with data ranks
     shard_params: bool = False  # data_parallel_sharding_strategy optim_grads_params, with data ranks
+    # the devices' platform (step.build, from the mesh): a choice that differs by platform is made when the step is
+    # traced; None (outside a step, or an export for another platform) leaves it to lax.platform_dependent, whose
+    # conditional in the jaxpr changes what XLA's GPU scheduler overlaps
+    platform: str | None = None
 
     @property
     def pipelined(self) -> bool:
