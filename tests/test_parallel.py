@@ -183,10 +183,10 @@ def test_chunked_collectives_train_in_bf16_on_cpu():
 @pytest.mark.parametrize("platform,summed_in,conditional", [("cpu", "float32", False), ("gpu", "bfloat16", False),
                                                             (None, None, True)])
 def test_the_chunks_reduce_scatter_is_chosen_when_the_step_is_traced(platform, summed_in, conditional):
-    """The chunks' reduce-scatter sums in fp32 on CPU only, chosen from the plan's platform (StepPlan.platform, which
-    step.build sets from the mesh) when the step is traced. Only without one (an export for another platform) is
-    the choice left to lax.platform_dependent, whose conditional in the jaxpr made XLA's GPU scheduler hide 59% of
-    a pipeline's chunked reduce-scatters under GEMMs instead of 89% (the slow
+    """The chunks' reduce-scatter sums in fp32 on CPU only, chosen by step_plan.platform_dependent from the plan's
+    platform (StepPlan.platform, which step.build sets from the mesh) when the step is traced. Only without one
+    (an export for another platform) is the choice left to lax.platform_dependent, whose conditional in the jaxpr
+    made XLA's GPU scheduler hide 59% of a pipeline's chunked reduce-scatters under GEMMs instead of 89% (the slow
     test_audit.py::test_tp_comm_overlap_hides_the_tensor_collectives_in_a_pipeline_on_h100)."""
     import jax
     import jax.numpy as jnp

@@ -2,10 +2,12 @@
 
 Two concerns every kernel in this package shares, kept out of the kernels themselves:
 
-1. **Platform.** `pallas_call` wraps `pl.pallas_call` in `lax.platform_dependent`: the CPU branch runs the
-   kernel in Pallas interpret mode (the tests), every other platform compiles it (Triton on CUDA). The
-   choice is made when the program is lowered, not from `jax.default_backend()`, so a CPU-only machine can
-   still `jax.export(..., platforms=["cuda"])` a train step and get the real Triton custom calls.
+1. **Platform.** `pallas_call` wraps `pl.pallas_call` in `step_plan.platform_dependent`: the CPU branch runs
+   the kernel in Pallas interpret mode (the tests), every other platform compiles it (Triton on CUDA). The
+   choice is the step's platform (its mesh's devices), or where no step names one (a kernel called alone, an
+   export) `lax.platform_dependent`'s when the program is lowered; never `jax.default_backend()`'s, so a
+   CPU-only machine can still compile the train step for compile-only GPUs or `jax.export(...,
+   platforms=["cuda"])` it and get the real Triton custom calls.
 2. **Partitioning.** A pallas_call is an opaque custom call that GSPMD cannot split. `shard_kernel` runs
    kernels shard by shard in a nested `jax.shard_map` over the mesh axes still left to GSPMD ('tensor'
    inside the train step's manual 'data'/'pipeline' region; every axis under plain jit), each operand
@@ -30,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from megajax import sharding
+from megajax import sharding, step_plan
 
 Names = Sequence[str | None]
 
@@ -58,7 +60,7 @@ def pallas_call(kernel: Callable, *, interpret: bool | None = None, **params: An
         # one branch and a typed one by the other would give the two branches different residual types under
         # partial evaluation ("branches_known" in JAX's cond). Integers have no tangents to keep typed.
         args = [_strip(a) if jnp.issubdtype(a.dtype, jnp.integer) else a for a in args]
-        return jax.lax.platform_dependent(*args, cpu=interpreted, default=compiled)
+        return step_plan.platform_dependent(*args, cpu=interpreted, default=compiled)
 
     return call
 

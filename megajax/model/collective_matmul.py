@@ -213,19 +213,13 @@ def _reduce_scatter(blocks: jax.Array) -> jax.Array:
     """psum_scatter of blocks [b, t, ...] over 'tensor' along dim 1. On CPU a bf16 or fp16 one is summed in fp32:
     XLA's CPU compiler aborts on a half-precision reduce-scatter issued here ("Invalid binary instruction opcode
     copy": its reducer's root is left a copy, which the pass after dot_decomposer cannot clone as a binary op).
-    Other platforms reduce in the dtype given. The step's plan names its platform (StepPlan.platform); only
-    where it does not (an export) is the choice left to the lowering: lax.platform_dependent's conditional made
-    XLA's GPU scheduler hide 59% of a pipeline's chunked reduce-scatters under GEMMs instead of 89%
-    (tests/test_audit.py::test_tp_comm_overlap_hides_the_tensor_collectives_in_a_pipeline_on_h100)."""
+    Other platforms reduce in the dtype given (step_plan.platform_dependent)."""
     def scatter(x):
         return jax.lax.psum_scatter(x, "tensor", scatter_dimension=1, tiled=True)
 
-    platform = step_plan.in_force().platform
-    if blocks.dtype == jnp.float32 or platform not in (None, "cpu"):
+    if blocks.dtype == jnp.float32:
         return scatter(blocks)
-    if platform == "cpu":
-        return scatter(blocks.astype(jnp.float32)).astype(blocks.dtype)
-    return jax.lax.platform_dependent(blocks, cpu=lambda x: scatter(x.astype(jnp.float32)).astype(x.dtype),
+    return step_plan.platform_dependent(blocks, cpu=lambda x: scatter(x.astype(jnp.float32)).astype(x.dtype),
                                       default=scatter)
 
 

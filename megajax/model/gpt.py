@@ -170,7 +170,7 @@ def cross_entropy(logits_bsv: jax.Array, targets_bs: jax.Array, vocab_size: int)
 
     if step_plan.in_force().tensor > 1:
         return lse - picked(logits, targets_bs)
-    return lse - jax.lax.platform_dependent(logits, targets_bs, cpu=gathered, default=picked)
+    return lse - step_plan.platform_dependent(logits, targets_bs, cpu=gathered, default=picked)
 
 
 class GPT(nn.Module):

@@ -220,7 +220,7 @@ def _emulated_ragged_all_to_all(x, out, in_off, send, out_off, recv, axes):
 def _ragged_all_to_all(*args, axes):
     """The ragged all-to-all where it exists (XLA:GPU), its emulation on CPU (chosen per lowering platform, so a
     CPU machine still compiles the real one for a GPU target)."""
-    return jax.lax.platform_dependent(
+    return step_plan.platform_dependent(
         *args, cpu=functools.partial(_emulated_ragged_all_to_all, axes=axes),
         default=lambda *a: jax.lax.ragged_all_to_all(*a, axis_name=axes))
 

@@ -21,6 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from megajax import step_plan
 from megajax.config import ModelConfig
 from megajax.kernels.grouped_matmul import group_of_rows, grouped_matmul
 from megajax.model import fp8
@@ -75,8 +76,8 @@ def expert_mlps(cfg: ModelConfig, w: dict, meta, lead: str | None, xs: jax.Array
                 return jax.vmap(jax.lax.ragged_dot)(x, w, sizes) if blocks else jax.lax.ragged_dot(x, w, sizes)
 
             if cfg.moe_grouped_gemm is None:  # the grouped GEMM where XLA would lower ragged_dot to dense GEMMs
-                return jax.lax.platform_dependent(x, w, sizes, m, cpu=functools.partial(product, None),
-                                                  default=functools.partial(product, names))
+                return step_plan.platform_dependent(x, w, sizes, m, cpu=functools.partial(product, None),
+                                                    default=functools.partial(product, names))
             return product(names if cfg.moe_grouped_gemm else None, x, w, sizes, m)
 
         def bias(b_ef):  # folded: block by block (a gather from all [el, f] would gather every block's rows)
