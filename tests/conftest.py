@@ -155,6 +155,18 @@ def evaluate(cfg: config_lib.Config, num_devices: int):
     return float(total) / float(count), hlo.parse(text, dict(mesh.shape))
 
 
+def jaxpr_eqns(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs its equations hold (cond branches, scan and while bodies, ...),
+    each before those inside it."""
+    for e in jaxpr.eqns:
+        yield e
+        for value in e.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from jaxpr_eqns(inner)
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> str:
     return REPO

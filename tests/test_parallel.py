@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from conftest import run_steps, shared_across_workers, small_config
+from conftest import jaxpr_eqns, run_steps, shared_across_workers, small_config
 from megajax import step_plan
 from megajax.step_plan import StepPlan
 
@@ -198,18 +198,7 @@ def test_the_chunks_reduce_scatter_is_chosen_when_the_step_is_traced(platform, s
     fn = jax.shard_map(collective_matmul._reduce_scatter, mesh=mesh, in_specs=P(), out_specs=P(None, "tensor"))
     with step_plan.use(StepPlan(tensor=2, platform=platform)):
         jaxpr = jax.make_jaxpr(fn)(jnp.zeros((2, 4, 8), jnp.bfloat16))
-    found = []
-
-    def walk(j):
-        for e in j.eqns:
-            found.append(e)
-            for value in e.params.values():
-                for sub in value if isinstance(value, (list, tuple)) else [value]:
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        walk(inner)
-
-    walk(jaxpr.jaxpr)
+    found = list(jaxpr_eqns(jaxpr.jaxpr))
     assert any(e.primitive.name == "cond" for e in found) == conditional
     if summed_in:
         assert [str(e.invars[0].aval.dtype) for e in found if e.primitive.name == "reduce_scatter"] == [summed_in]

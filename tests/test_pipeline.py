@@ -11,7 +11,7 @@ from megajax import config_io, hlo
 from megajax.pipeline import ticks
 from megajax.pipeline.schedule import perm_pairs
 
-from conftest import evaluate, first_batch, run_steps, shared_across_workers, small_config
+from conftest import evaluate, first_batch, jaxpr_eqns, run_steps, shared_across_workers, small_config
 
 STEPS = 3
 ARCHS = {
@@ -100,21 +100,8 @@ def _tick_conds(schedule: str, v: int, extra: tuple = ()) -> list:
     cfg, mesh, setup, state, batch = audit.abstract_step(cfg, jax.devices()[:2 * cfg.parallel.data])
     with jax.set_mesh(mesh):
         jaxpr = step_lib.jit_train_step(setup).trace(state, batch).jaxpr.jaxpr
-    found = []
-
-    def walk(j):
-        for e in j.eqns:
-            name = str(e.source_info.name_stack).split("/")[-1]
-            if e.primitive.name == "cond" and name.startswith("pipeline_s"):
-                found.append((name, e))
-            for value in e.params.values():
-                for sub in value if isinstance(value, (list, tuple)) else [value]:
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        walk(inner)
-
-    walk(jaxpr)
-    return found
+    named = ((str(e.source_info.name_stack).split("/")[-1], e) for e in jaxpr_eqns(jaxpr))
+    return [(name, e) for name, e in named if e.primitive.name == "cond" and name.startswith("pipeline_s")]
 
 
 def _recompute_switches(schedule: str, v: int) -> list:

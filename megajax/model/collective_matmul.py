@@ -220,7 +220,7 @@ def _reduce_scatter(blocks: jax.Array) -> jax.Array:
     if blocks.dtype == jnp.float32:
         return scatter(blocks)
     return step_plan.platform_dependent(blocks, cpu=lambda x: scatter(x.astype(jnp.float32)).astype(x.dtype),
-                                      default=scatter)
+                                        default=scatter)
 
 
 def _gather_plan(a: jax.Array):

@@ -312,12 +312,10 @@ class _ChunkActions:
         return run
 
     def gather_branch(self, k):
-        """(whole, row) -> whole with the k layers from row["g_first"] (counted over the rank's chunks,
+        """(whole, row) -> whole with the k (> 0) layers from row["g_first"] (counted over the rank's chunks,
         chunk-major) all-gathered from their optimizer shards (the g action: an idle tick before the rank's first
-        forward)."""
+        forward; `executor._tick` runs it under a two-way conditional that passes `whole` through otherwise)."""
         def run(whole, row):
-            if k == NONE:
-                return whole
             first = row["g_first"]
 
             def one(r, shard, f):

@@ -148,6 +148,11 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
     return jax.lax.psum(carry["loss"], "pipeline"), grads
 
 
+def _code(seg: Segment, row: dict, key: str) -> jax.Array:
+    """The kind code (ticks.py) of action `key` in this tick: row[key + "_kind"] indexes the segment's kinds."""
+    return jnp.asarray(getattr(seg, key))[row[key + "_kind"]]
+
+
 def backward(acts: _ChunkActions, seg: Segment, row: dict, scope: str, res, g, g_layers, g_shared, *more) -> tuple:
     """B: (gradient to send, g_layers, g_shared, *more) after the tick's backward, whatever chunk it runs, the
     accumulators (g_layers, g_shared, and g_final or zero_bubble's dys) as `_ChunkActions.backward_branch`
@@ -160,7 +165,7 @@ def backward(acts: _ChunkActions, seg: Segment, row: dict, scope: str, res, g, g
     branches updates in place in some branches and passes through in others (the fp32 gradient accumulators,
     the embedding's gradients), in each such branch, and holds the copy beside the original; a two-way
     conditional whose first branch passes it through updates it in place."""
-    code = jnp.asarray(seg.b)[row["b_kind"]]  # (the kind; row["b_kind"] indexes the segment's kinds)
+    code = _code(seg, row, "b")
     out = (jnp.zeros_like(g), g_layers, g_shared, *more)
     for i, final in enumerate(ticks.backward_groups(seg.b), 1):
         def run(out, final=final):
@@ -207,7 +212,7 @@ def _tick(acts: _ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, 
     with named("r"):
         slot = row["r_slot"]
         if LAST_KEEP in seg.r:
-            slot = jnp.where(jnp.asarray(seg.r)[row["r_kind"]] == LAST_KEEP, row["f_slot"], slot)
+            slot = jnp.where(_code(seg, row, "r") == LAST_KEEP, row["f_slot"], slot)
         carry["res"], y_kept = jax.lax.switch(row["r_kind"], [acts.recompute_branch(k, split) for k in seg.r],
                                               carry["act"][slot], *((carry["res"],) if split else ()), row)
     gathering = any(k & ticks.GATHER for k in seg.f)  # (a forward that gathers its chunk's weights)
@@ -219,7 +224,7 @@ def _tick(acts: _ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, 
         carry["whole"] = whole[0]
     g_self = jnp.zeros_like(stash)
     if any(ticks.runs_head(k) for k in seg.f):
-        f_code = jnp.asarray(seg.f)[row["f_kind"]]
+        f_code = _code(seg, row, "f")
         y = jnp.where(f_code == LAST_KEEP, y_kept, y_last) if LAST_KEEP in seg.f else y_last
         with jax.named_scope(f"{scope}_h1"):  # (zeros made in the first branch: XLA packed the 8B rows better)
             loss, g_self, carry["g_shared"] = jax.lax.cond(
@@ -246,7 +251,7 @@ def _tick(acts: _ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, 
     if "whole" in carry and seg.g != (NONE,):  # an idle tick's gather, after the sends (like X)
         # (one two-way conditional per layer count, scope_g<i>, whose first branch passes `whole` through: a switch
         # over the counts made XLA copy it, as B's did its accumulators; written so, X's made some presets worse)
-        code = jnp.asarray(seg.g)[row["g_kind"]]
+        code = _code(seg, row, "g")
         for i, k in enumerate(seg.g[1:], 1):
             with jax.named_scope(f"{scope}_g{i}"):
                 carry["whole"] = jax.lax.cond(code == k, acts.gather_branch(k), lambda whole, row: whole,
