@@ -9,6 +9,8 @@
 #                                       # FP8, capacity buffers; Mixtral's and DeepSeek-V2-Lite's expert shapes
 #   bash scripts/gpu_check.sh gemm      # scripts/bench_matmul.py: the bf16 and FP8 GEMM rates the planner's H100
 #                                       # constants come from, each beside the planner's model of it
+#   bash scripts/gpu_check.sh profile   # scripts/profile_step.py: where a step's time goes (GEMM, attention, fusions,
+#                                       # copies), llama-1b bf16 and FP8 and gpt2-124m: the planner's terms checked
 #   bash scripts/gpu_check.sh plan      # the planner's predicted step beside each step in $OUT/train.jsonl
 #                                       # (run after small, large or fp8; needs no GPU itself)
 # Each part fits in ten minutes on one H100 (compilation included).
@@ -89,11 +91,24 @@ moe)
 gemm)
     timeout 300 $PY scripts/bench_matmul.py --json "$OUT/matmul.json" 2>&1 | tee "$OUT/matmul.log" | grep -E '^(op|device)'
     ;;
+profile)
+    base="parallel.tensor=1 parallel.sequence_parallel=false parallel.distributed_optimizer=false"
+    prof() {
+        timeout 100 $PY scripts/profile_step.py --json "$OUT/profile.jsonl" "$@" 2>&1 \
+            | grep -v -E '^(WARNING|I0000|W0000)' | tee -a "$OUT/profile.log"
+    }
+    for fp8 in none hybrid; do
+        prof --label "llama-1b mb4 pallas fp8=$fp8" --config configs/llama-1b.yaml --set train.global_batch_size=8 \
+            train.micro_batch_size=4 model.attention_impl=pallas model.norm_impl=pallas model.fp8=$fp8 $base
+    done
+    prof --label "gpt2-124m mb8 pallas" --config configs/gpt2-124m.yaml --set train.global_batch_size=32 \
+        model.attention_impl=pallas model.norm_impl=pallas
+    ;;
 plan)
     JAX_PLATFORMS=cpu $PY -m megajax.plan.checks --steps "$OUT/train.jsonl" 2>&1 | grep -E '^\|' | tee "$OUT/plan.log"
     ;;
 *)
-    echo "usage: $0 kernels|small|large|fp8|moe|gemm|plan" >&2
+    echo "usage: $0 kernels|small|large|fp8|moe|gemm|profile|plan" >&2
     exit 2
     ;;
 esac
