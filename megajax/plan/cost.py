@@ -6,7 +6,11 @@ Time, per GPU (docs/guides/choosing-a-layout.md#the-time-model lists every const
 - Attention's core: fused kernels (pallas, cudnn) at the measured flash rate; xla's unfused attention as its
   batched GEMMs plus the fusions that write and read the [s, s] scores.
 - Memory-bound work at the fused kernels' measured bandwidth: the norms, residuals and activations (bytes read and
-  written by the fusions between GEMMs, per token), the loss over the vocabulary, gradient accumulation, AdamW.
+  written by the fusions between GEMMs, per token), the loss over the vocabulary, gradient accumulation, AdamW,
+  and FP8's casts of the GEMMs' operands.
+- Copies at HBM bandwidth: megajax's layers run as a loop over stacked weights, and XLA copies each residual the
+  forward saves into its [layers, ...] stack and the backward's GEMM operands (residuals and bf16 weights) out of
+  it (`_layer_copies_s`; benchmarks/2026-11-27-h100.md traced them at 8-16% of a step).
 - Collectives as bytes over the link they cross at NCCL's bus bandwidth with ring factors, minus what runs under
   compute (tensor parallelism's rings under the GEMMs with tp_comm_overlap, the data-parallel reductions under the
   backward with overlap_grad_reduce, ...), and none of that for a program whose memory is above XLA's scheduling
@@ -54,6 +58,15 @@ FSDP_HIDDEN = 0.85
 # counts no overlap above it.
 XLA_DEVICE_SHARE, XLA_SLOP = 0.80, 0.95
 LOGIT_BYTES = 10  # the loss: fp32 logits read twice (log-softmax, its backward), a bf16 gradient written
+# FP8 (model.fp8): per element of each GEMM input x and weight w, the amax read (2) and the cast (read 2, write 1)
+# in the forward and the FP8 copy transposed for a backward GEMM (read 1, write 1); per element of each output
+# gradient dy, its amax, cast and transpose likewise (megajax.model.fp8: dx = dy_q w_q, dw = x_q^T dy_q).
+FP8_CAST_BYTES_FWD, FP8_CAST_BYTES_BWD = 5, 2
+FP8_GRAD_BYTES = 7
+# Summing the micro batches' gradients: each micro batch's fp32 weight gradient is added to the accumulator (read
+# both, write one), not fused into the weight-gradient GEMM (benchmarks/2026-11-27-h100.md: one add fusion per layer
+# and micro batch). Megatron fuses it (gradient_accumulation_fusion): `estimate(..., framework="megatron")`.
+GRAD_ACCUMULATION_BYTES = 12
 ADAMW_BYTES = 28 + 8  # read weight, gradient, two moments, write three (fp32); the gradient norm's read and scale
 
 
@@ -180,6 +193,49 @@ def _layer_memory_bound_s(hw: Hardware, L: _Layout) -> float:
     residual = L.tokens * m.hidden_size / (L.t if L.sp else 1) * RESIDUAL_BYTES
     hidden = L.tokens * ffn / L.t * mats * B16
     return (residual + hidden) / hw.elementwise_bytes_per_s
+
+
+def _layer_gemm_operands(L: _Layout) -> tuple[float, float, float]:
+    """(input elements, output elements, weight elements) of one layer's GEMMs for one micro batch on this GPU;
+    MoE layers (their share) with each routed copy of a token and the shared experts."""
+    m, t, T = L.model, L.t, L.tokens
+    h, mats = m.hidden_size, 3 if m.arch == "llama" else 2
+    counts = parameter_counts(m)
+    out_width = m.num_heads * m.value_dim
+    qkv_width = max(counts["attention"] / h - out_width, 0)
+    inputs, outputs = T * (h + out_width / t), T * (qkv_width / t + h)
+    mlp_in = lambda f, split: T * (h + f / split)  # noqa: E731 - one MLP's GEMM inputs and outputs
+    mlp_out = lambda f, split: T * ((mats - 1) * f / split + h)  # noqa: E731
+    dense = (mlp_in(m.ffn_size, t), mlp_out(m.ffn_size, t), counts["mlp"] / t)
+    if m.num_experts:
+        copies = m.experts_per_token * (m.moe_capacity_factor or 1.0)
+        split = 1 if L.par.folded_experts else t
+        shared = m.moe_shared_experts * m.moe_ffn_size
+        moe = (copies * mlp_in(m.moe_ffn_size, split) + mlp_in(shared, t),
+               copies * mlp_out(m.moe_ffn_size, split) + mlp_out(shared, t),
+               counts["experts"] / (L.e * L.t) + counts["shared"] / t)
+        dense = tuple(L.moe_share * a + (1 - L.moe_share) * b for a, b in zip(moe, dense))
+    return inputs + dense[0], outputs + dense[1], counts["attention"] / t + dense[2]
+
+
+def _layer_fp8_s(hw: Hardware, L: _Layout) -> tuple[float, float]:
+    """(forward, backward) of one layer's FP8 operand casts for one micro batch (0 without model.fp8)."""
+    if L.dtype != "float8":
+        return 0.0, 0.0
+    x, dy, w = _layer_gemm_operands(L)
+    rate = hw.elementwise_bytes_per_s
+    return (FP8_CAST_BYTES_FWD * (x + w) / rate,
+            (FP8_CAST_BYTES_BWD * (x + w) + FP8_GRAD_BYTES * dy) / rate)
+
+
+def _layer_copies_s(hw: Hardware, L: _Layout, saved: float) -> tuple[float, float]:
+    """(forward, backward) of one layer's copies for one micro batch, at HBM bandwidth (each copy reads and
+    writes its bytes): the forward copies the `saved` residual bytes into the layer stacks, the backward copies
+    them out again with the layer's bf16 weights (its GEMMs' operands; XLA's H100 program of llama-1b copies
+    about 3/4 of the saved bytes out, the rest its fusions read in place: counted whole)."""
+    _, _, w = _layer_gemm_operands(L)
+    weights = w * (1 if L.dtype == "float8" else B16)
+    return 2 * saved / hw.hbm_bytes_per_s, 2 * (saved + weights) / hw.hbm_bytes_per_s
 
 
 def _head_s(hw: Hardware, L: _Layout) -> float:
@@ -410,9 +466,12 @@ def _overlapped(comm: float, under: float, on: bool, first_step: float = 0.0) ->
     return max(comm - under, first_step) if on else comm
 
 
-def estimate(cfg: Config, hw: Hardware, gpus_per_node: int, simulate: bool = True) -> Estimate:
+def estimate(cfg: Config, hw: Hardware, gpus_per_node: int, simulate: bool = True,
+             framework: str = "megajax") -> Estimate:
     """The prediction for a resolved config (`Config.for_devices`). `simulate`: the pipeline's bubble from the
-    schedule's clock (`megajax.pipeline.schedule`), else from the paper's formula (the search's first pass)."""
+    schedule's clock (`megajax.pipeline.schedule`), else from the paper's formula (the search's first pass).
+    framework="megatron" predicts Megatron-LM's run of the layout (the SC21 paper's): no layer-stack copies, and
+    the gradient accumulation fused into the weight-gradient GEMM."""
     from megajax import metrics
 
     L = _Layout(cfg, gpus_per_node)
@@ -420,6 +479,9 @@ def estimate(cfg: Config, hw: Hardware, gpus_per_node: int, simulate: bool = Tru
     gemm_f = _layer_gemm_s(hw, L)
     attn_f, attn_b, attn_r = _attention_s(hw, L)
     mem_f = _layer_memory_bound_s(hw, L)
+    fp8_f, fp8_b = _layer_fp8_s(hw, L)
+    saved = layer_activation_bytes(L)[m.recompute]
+    copy_f, copy_b = _layer_copies_s(hw, L, saved) if framework == "megajax" else (0.0, 0.0)
     tp, cp, a2a = _tensor_comm_s(hw, L), _context_comm_s(hw, L), _expert_comm_s(hw, L) * L.moe_share
     params = local_parameters(L)
     mem = _memory(hw, L, params, in_flight(cfg))
@@ -430,8 +492,8 @@ def estimate(cfg: Config, hw: Hardware, gpus_per_node: int, simulate: bool = Tru
     tp_f, tp_b = (_overlapped(tp, gemm_f, overlap_tp, tp / L.t if L.t > 1 else 0.0),
                   _overlapped(tp, 2 * gemm_f, overlap_tp, tp / L.t if L.t > 1 else 0.0))
     cp_f, cp_b = (cp, 2 * cp) if packed else (max(cp - attn_f, 0.0), max(2 * cp - attn_b, 0.0))
-    fwd = gemm_f + attn_f + mem_f + tp_f + cp_f + a2a
-    bwd = 2 * gemm_f + attn_b + 2 * mem_f + tp_b + cp_b + a2a
+    fwd = gemm_f + attn_f + mem_f + fp8_f + copy_f + tp_f + cp_f + a2a
+    bwd = 2 * gemm_f + attn_b + 2 * mem_f + fp8_b + copy_b + tp_b + cp_b + a2a
     if L.pp > 1:  # the executor recomputes every chunk's forward before its backward (it stashes chunk inputs)
         again = fwd + (attn_r if m.recompute == "selective" else 0.0)
     else:
@@ -453,10 +515,11 @@ def estimate(cfg: Config, hw: Hardware, gpus_per_node: int, simulate: bool = Tru
             + _overlapped(gather_s, idle + layers * fwd, par.overlap_param_gather and not packed) + L.m * fsdp)
     n_local = params["total"]
     shard = L.d * L.c if par.shards_optimizer else 1
-    # (accumulating the micro batches' gradients is not counted: XLA fuses the add into the weight-gradient GEMM's
-    # output, as Megatron's gradient_accumulation_fusion does)
     optimizer = (ADAMW_BYTES * n_local / shard + 6 * n_local) / hw.elementwise_bytes_per_s
-    step = step_compute + data + optimizer
+    accumulated = n_local / (L.d * L.c) if par.shards_grads else n_local  # ZeRO-2/3 accumulate their shard
+    accumulate = (L.m * GRAD_ACCUMULATION_BYTES * accumulated / hw.elementwise_bytes_per_s
+                  if L.m > 1 and framework == "megajax" else 0.0)
+    step = step_compute + data + optimizer + accumulate
     micro = step_compute - bubble  # the busiest GPU's own work
     per_layer_exposed = L.m * layers
     exposed = {"tensor": per_layer_exposed * (tp_f + tp_b + (tp_f if again >= fwd else 0.0)),
@@ -470,8 +533,9 @@ def estimate(cfg: Config, hw: Hardware, gpus_per_node: int, simulate: bool = Tru
     return Estimate(
         step_s=step, bubble_s=bubble, bubble_fraction=bubble / max(micro, 1e-30), exposed_s=exposed,
         compute_s={"gemm": runs * 3 * gemm_f, "attention": runs * (attn_f + attn_b),
-                   "memory_bound": runs * 3 * mem_f, "recompute": runs * again, "head": L.m * head,
-                   "optimizer": optimizer, "schedule": step_compute},
+                   "memory_bound": runs * 3 * mem_f, "fp8_casts": runs * (fp8_f + fp8_b),
+                   "copies": runs * (copy_f + copy_b), "recompute": runs * again, "head": L.m * head,
+                   "grad_accumulation": accumulate, "optimizer": optimizer, "schedule": step_compute},
         memory=mem, hardware_flops=flops["hardware_flops"] / gpus,
         model_flops=flops["model_flops"] / gpus, scheduled_for_memory=packed)
 

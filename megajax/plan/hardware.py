@@ -16,8 +16,8 @@ from megajax.config import ConfigError
 
 GIB = 2**30
 _ROOT = Path(__file__).resolve().parents[2]
-_H100_MATMUL = "benchmarks/h100/matmul.json"
-_H100_KERNELS = "benchmarks/h100/kernels.json"
+_H100_MATMUL = "benchmarks/h100/2026-11-27/matmul.json"
+_H100_KERNELS = "benchmarks/h100/2026-11-27/kernels.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,12 +63,12 @@ def _target(name: str) -> dict:
             for key in ("memory_bandwidth", "device_memory_size", "core_count")}
 
 
-# H100 SXM microbenchmarks (scripts/bench_matmul.py, scripts/bench_kernels.py, 2026-11-23); tests/test_plan.py
+# H100 SXM microbenchmarks (scripts/bench_matmul.py, scripts/bench_kernels.py, 2026-11-27); tests/test_plan.py
 # checks these against the raw rows in benchmarks/h100/.
-H100_SQUARE_GEMM = {"bfloat16": 701.71e12, "float8": 856.36e12}  # matmul.json: 8192 x 8192 x 8192
+H100_SQUARE_GEMM = {"bfloat16": 812.87e12, "float8": 1288.06e12}  # matmul.json: 8192 x 8192 x 8192
 H100_SQUARE_WAVES = 2048 / (16 * 132)  # that GEMM's wave efficiency: 2048 tiles in 16 waves of 132 SMs
-H100_ATTENTION = {64: 210.54e12, 128: 257.10e12}  # kernels.json: best of Pallas, cuDNN; llama-1b, gpt2-1.3b
-H100_NORM_BYTES_PER_S = 885.9e9  # kernels.json: median norm fwd+bwd (XLA, Pallas) at widths 2048 and 4096
+H100_ATTENTION = {64: 266.44e12, 128: 334.71e12}  # kernels.json: best of Pallas, cuDNN; llama-1b, gpt2-1.3b
+H100_NORM_BYTES_PER_S = 2115.3e9  # kernels.json: median norm fwd+bwd (XLA, Pallas) at widths 2048 and 4096
 # Bekman, ml-engineering, MAMF v2 table: the best GEMM shape's bf16 TFLOP/s
 A100_MAMF, H100_MAMF = 271.2e12, 794.5e12
 A100_SQUARE_WAVES = 2048 / (19 * 108)  # a square 8192 GEMM on 108 SMs: 2048 tiles in 19 waves
@@ -79,8 +79,9 @@ def _build(name: str) -> Hardware:
     t = _target(name)
     if name == "a100":
         hbm = t["memory_bandwidth"]
-        # no square-8192 measurement on an A100: its best-shape rate (MAMF) times the H100's square-8192 over MAMF
-        square = A100_MAMF * H100_SQUARE_GEMM["bfloat16"] / H100_MAMF
+        # no square-8192 measurement on an A100: its best-shape rate (MAMF) times the H100's square 8192 over its
+        # MAMF, at most 1 (the H100's square 8192 measured back to back reaches its MAMF: 812.9 against 794.5)
+        square = A100_MAMF * min(1.0, H100_SQUARE_GEMM["bfloat16"] / H100_MAMF)
         return Hardware(
             name="A100 SXM 80GB", peak_flops=312e12, gemm_flops={"bfloat16": square / A100_SQUARE_WAVES},
             sms=int(t["core_count"]),
@@ -90,7 +91,8 @@ def _build(name: str) -> Hardware:
             sources={
                 "peak_flops": "NVIDIA A100 datasheet (312 TFLOP/s bf16 dense)",
                 "gemm_flops": "Bekman, ml-engineering, Maximum Achievable Matmul FLOPS (v2 table): A100 SXM 271.2, "
-                              "H100 SXM 794.5 TFLOP/s; the A100's square 8192 as 271.2 x 701.7 / 794.5 = 239.5",
+                              "H100 SXM 794.5 TFLOP/s; the A100's square 8192 at its MAMF, as the H100's reaches its own "
+                              "(812.9 measured, benchmarks/h100/2026-11-27/matmul.json)",
                 "hbm_bytes_per_s": "megajax/targets/a100.txtpb (2039 GB/s, the datasheet)",
                 "elementwise_bytes_per_s": "RRZE-HPC/gpu-benches gpu-stream on an A100 80GB: scale kernel 1737 GB/s "
                                            "(no megajax kernel was measured on an A100)",
