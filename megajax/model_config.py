@@ -37,6 +37,9 @@ class ModelConfig:
     # pallas: the fused flash-attention kernel
     attention_impl: Literal["xla", "pallas", "cudnn"] = _may_change_on_resume("xla")
     norm_impl: Literal["xla", "pallas"] = _may_change_on_resume("xla")  # pallas: the fused normalization kernel
+    # false: the layers' loop unrolled in the compiled program (the same weights, stacked): no copies of the
+    # residuals into and out of per-layer stacks, for a longer compile
+    scan_layers: bool = _may_change_on_resume(True)
     fp8: Literal["none", "hybrid", "e4m3"] = "none"  # FP8 linear layers: hybrid = e4m3 forward, e5m2 gradients
     fp8_recipe: Literal["current", "delayed"] = "current"  # FP8 scales: each tensor's own, or from an amax history
     fp8_amax_history: int = 16  # delayed scaling: steps of amax history (the scale uses their max)

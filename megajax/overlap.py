@@ -253,7 +253,7 @@ def _regathered_layers(mcfg, side, x, stack, stack_sink, stack_r):
               else _leaves_gathers_out(axes))
     layer = jax.checkpoint(layer, prevent_cse=False, policy=policy)
     n = jax.tree.leaves(stack)[0].shape[0]
-    x, _ = jax.lax.scan(lambda x, inputs: (layer(x, *inputs), None), x, (stack, stack_sink, jnp.arange(n)))
+    x, _ = model.scan_layers(mcfg, lambda x, inputs: (layer(x, *inputs), None), x, (stack, stack_sink, jnp.arange(n)))
     return x
 
 
@@ -289,8 +289,8 @@ def reducing_loss(sink, cfg: Config, params, acc, reductions, mb: dict, seed_sca
         x = _regathered_layers(mcfg, side, x, stack, stack_sink, stack_r)
         whole["layers"] = params["layers"]
     elif not any(r.gather for r in jax.tree.leaves(stack_r)):
-        x, _ = jax.lax.scan(lambda x, inputs: (layer(x, *inputs), None), x,
-                            (stack, stack_acc, stack_sink, jnp.arange(n)))
+        x, _ = model.scan_layers(mcfg, lambda x, inputs: (layer(x, *inputs), None), x,
+                                 (stack, stack_acc, stack_sink, jnp.arange(n)))
         whole["layers"] = params["layers"]
     else:
         fetch = lambda w: jax.tree.map(lambda r, v: r.gathered(v), stack_r, w)  # noqa: E731
@@ -301,7 +301,7 @@ def reducing_loss(sink, cfg: Config, params, acc, reductions, mb: dict, seed_sca
             ahead, g, s, i = inputs
             return (layer(x, w, g, s, i), fetch(ahead)), w
 
-        (x, w_last), ws = jax.lax.scan(body, (x, fetch(at(stack, 0))), (
+        (x, w_last), ws = model.scan_layers(mcfg, body, (x, fetch(at(stack, 0))), (
             at(stack, slice(1, None)), at(stack_acc, slice(None, -1)), at(stack_sink, slice(None, -1)),
             jnp.arange(n - 1)))
         x = layer(x, w_last, at(stack_acc, -1), at(stack_sink, -1), n - 1)

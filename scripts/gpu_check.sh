@@ -10,7 +10,8 @@
 #   bash scripts/gpu_check.sh gemm      # scripts/bench_matmul.py: the bf16 and FP8 GEMM rates the planner's H100
 #                                       # constants come from, each beside the planner's model of it
 #   bash scripts/gpu_check.sh profile   # scripts/profile_step.py: where a step's time goes (GEMM, attention, fusions,
-#                                       # copies), llama-1b bf16 and FP8 and gpt2-124m: the planner's terms checked
+#                                       # copies), llama-1b bf16 and FP8 with the layers looped and unrolled
+#                                       # (model.scan_layers), and gpt2-124m: the planner's terms checked
 #   bash scripts/gpu_check.sh plan      # the planner's predicted step beside each step in $OUT/train.jsonl
 #                                       # (run after small, large or fp8; needs no GPU itself)
 # Each part fits in ten minutes on one H100 (compilation included).
@@ -98,8 +99,11 @@ profile)
             | grep -v -E '^(WARNING|I0000|W0000)' | tee -a "$OUT/profile.log"
     }
     for fp8 in none hybrid; do
-        prof --label "llama-1b mb4 pallas fp8=$fp8" --config configs/llama-1b.yaml --set train.global_batch_size=8 \
-            train.micro_batch_size=4 model.attention_impl=pallas model.norm_impl=pallas model.fp8=$fp8 $base
+        for scan in true false; do  # false: the layers unrolled, no copies into and out of the layer stacks
+            prof --label "llama-1b mb4 pallas fp8=$fp8 scan_layers=$scan" --config configs/llama-1b.yaml \
+                --set train.global_batch_size=8 train.micro_batch_size=4 model.attention_impl=pallas \
+                model.norm_impl=pallas model.fp8=$fp8 model.scan_layers=$scan $base
+        done
     done
     prof --label "gpt2-124m mb8 pallas" --config configs/gpt2-124m.yaml --set train.global_batch_size=32 \
         model.attention_impl=pallas model.norm_impl=pallas

@@ -116,8 +116,9 @@ def test_field_metadata_says_what_may_change_on_resume_and_what_defines_the_mode
     keys = [key for key, *_ in config_io.keys_help()]
     same_run = {key for key in keys if config_lib.may_change_on_resume(key)}
     assert same_run == {key for key in keys if key.split(".")[0] in ("parallel", "checkpoint")} | {
-        "model.attention_impl", "model.norm_impl", "model.recompute", "train.log_every", "train.log_update_norm",
-        "train.eval_every", "train.eval_batches", "train.output_dir", "train.max_bad_steps", "train.exit_after_minutes",
+        "model.attention_impl", "model.norm_impl", "model.recompute", "model.scan_layers", "train.log_every",
+        "train.log_update_norm", "train.eval_every", "train.eval_batches", "train.output_dir", "train.max_bad_steps",
+        "train.exit_after_minutes",
         "train.profile_start", "train.profile_steps", "train.wandb_project", "train.wandb_exp_name",
         "data.prefetch", "data.cache_dir", "data.index_cache_dir"}
     assert not config_lib.may_change_on_resume("train.steps") and not config_lib.may_change_on_resume("nosuch.key")

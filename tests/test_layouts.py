@@ -355,3 +355,64 @@ def test_layout_matches_one_device(c):
     ref_losses, ref_norms = reference(c["arch"], c["sets"]["train.micro_batch_size"] if c["moe"] else None)
     np.testing.assert_allclose(got, ref_losses, rtol=1e-4)
     np.testing.assert_allclose(norms, ref_norms, rtol=1e-4)
+
+
+# Each loop the step runs over a stack of layers (megajax.model.scan_layers): the model's LayerStack, the
+# overlapped reductions' loops (reducing only, with the next layer's gather prefetched, ZeRO-3's regather), the
+# pipeline's chunks (plain, hooked for the reduction inside the schedule, with prefetched gathers, zero bubble's
+# split backward), and under full recomputation.
+UNROLLED = {
+    "layer stack": case("llama", 2, 1, 2, True, 1, "1f1b", 1),
+    "full recompute": case("gpt2", 2, 1, 1, False, 0, "1f1b", 1),
+    "reduce overlapped": case("gpt2", 2, 1, 1, False, 1, "1f1b", 1, overlap=1),
+    "gathers prefetched": case("gpt2", 2, 1, 1, False, 1, "1f1b", 1, overlap=2),
+    "zero-3": case("gpt2", 2, 1, 1, False, 3, "1f1b", 1),
+    "pipeline": case("gpt2", 1, 2, 1, False, 0, "1f1b", 1),
+    "pipeline, reduce in the schedule": case("gpt2", 2, 2, 1, False, 1, "1f1b", 1, overlap=1),
+    "pipeline, gathers in the schedule": case("gpt2", 2, 2, 1, False, 1, "1f1b", 1, overlap=2),
+    "zero bubble": case("gpt2", 1, 2, 1, False, 0, "zero_bubble", 1),
+}
+UNROLLED["full recompute"]["sets"]["model.recompute"] = "full"
+UNROLLED_DEFAULT = {"layer stack", "pipeline, gathers in the schedule"}  # the rest: -m slow
+
+
+def _layer_scans(sets: dict) -> list[tuple[int, int]]:
+    """(length, unroll) of each scan over layers in the train step's jaxpr: over a chunk's layers, or all but its
+    first (a loop that prefetches the next layer's gather). The layer counts (24 a pipeline rank's, 12 a chunk's)
+    are longer than any loop over micro batches or ticks here."""
+    import jax
+
+    from megajax import audit, step as step_lib
+    from conftest import jaxpr_eqns
+
+    cfg, mesh, setup, state, batch = audit.abstract_step(small_config(**sets), jax.devices()[:sets["parallel.data"]
+                                                                                  * sets["parallel.pipeline"]
+                                                                                  * sets["parallel.tensor"]])
+    with jax.set_mesh(mesh):
+        jaxpr = step_lib.jit_train_step(setup).trace(state, batch).jaxpr
+    return [(e.params["length"], e.params["unroll"]) for e in jaxpr_eqns(jaxpr.jaxpr)
+            if e.primitive.name == "scan" and e.params["length"] >= 11]
+
+
+@pytest.mark.parametrize("what", list(UNROLLED))
+def test_every_loop_over_layers_unrolls(what):
+    """With model.scan_layers=false every loop over layers is unrolled in the program (jax.lax.scan's unroll
+    equals its length: XLA sees each layer's residuals as their own buffers), and by default none is."""
+    sets = UNROLLED[what]["sets"]
+    scanned = _layer_scans(sets)
+    assert scanned and all(unroll == 1 for _, unroll in scanned), scanned
+    unrolled = _layer_scans({**sets, "model.scan_layers": False})
+    assert sorted(length for length, _ in unrolled) == sorted(length for length, _ in scanned)
+    assert all(unroll == length for length, unroll in unrolled), unrolled
+
+
+@pytest.mark.parametrize("what", [w if w in UNROLLED_DEFAULT else pytest.param(w, marks=pytest.mark.slow)
+                                  for w in UNROLLED])
+def test_unrolled_layers_match_one_device(what):
+    """model.scan_layers=false trains as one device does, through each loop over layers."""
+    c = UNROLLED[what]
+    norms = []
+    got = run_steps(small_config(**{**c["sets"], "model.scan_layers": False}), c["n"], STEPS, grad_norms=norms)
+    ref_losses, ref_norms = reference(c["arch"], None)
+    np.testing.assert_allclose(got, ref_losses, rtol=1e-4)
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-4)

@@ -39,6 +39,46 @@ def test_h100_constants_are_the_measured_rows():
     assert 2 * 8192**3 / h100.gemm_seconds(8192, 8192, 8192) == pytest.approx(H100_SQUARE_GEMM["bfloat16"])
 
 
+def test_copies_are_counted_for_looped_layers_only():
+    """The layer stacks' copies (a looped layer's saved residuals in and out, its bf16 weights out) are a term of
+    megajax's looped layers: none unrolled (model.scan_layers=false) or in Megatron's run of the layout."""
+    hw = hardware("h100")
+    sets = ["train.global_batch_size=8", "train.micro_batch_size=4", "parallel.tensor=1",
+            "parallel.sequence_parallel=false", "parallel.distributed_optimizer=false"]
+    cfg = lambda *more: config_io.load(ROOT / "configs/llama-1b.yaml", sets + list(more)).for_devices(1)  # noqa: E731
+    looped = cost.estimate(cfg(), hw, 8)
+    layout = cost._Layout(cfg(), 8)
+    saved = cost.layer_activation_bytes(layout)["selective"]
+    weights = cost._layer_gemm_operands(layout)[2] * cost.B16
+    runs = layout.m * layout.layers
+    assert looped.compute_s["copies"] == pytest.approx(runs * (4 * saved + 2 * weights) / hw.hbm_bytes_per_s)
+    unrolled = cost.estimate(cfg("model.scan_layers=false"), hw, 8)
+    assert unrolled.compute_s["copies"] == 0
+    assert looped.step_s - unrolled.step_s == pytest.approx(looped.compute_s["copies"])
+    assert cost.estimate(cfg(), hw, 8, framework="megatron").compute_s["copies"] == 0
+
+
+def test_fp8_casts_and_gradient_accumulation():
+    """FP8's casts cost 7 bytes per element of each GEMM input, weight and output gradient, forward and backward
+    together; the micro batches' gradient sum 12 bytes per parameter and micro batch, none with one micro batch or
+    in Megatron's run (fused into the weight-gradient GEMM)."""
+    hw = hardware("h100")
+    sets = ["train.micro_batch_size=4", "parallel.tensor=1", "parallel.sequence_parallel=false",
+            "parallel.distributed_optimizer=false"]
+    cfg = lambda *more: config_io.load(ROOT / "configs/llama-1b.yaml", sets + list(more)).for_devices(1)  # noqa: E731
+    bf16, fp8 = (cost.estimate(cfg("train.global_batch_size=8", f"model.fp8={f}"), hw, 8) for f in ("none", "hybrid"))
+    assert bf16.compute_s["fp8_casts"] == 0
+    layout = cost._Layout(cfg("train.global_batch_size=8", "model.fp8=hybrid"), 8)
+    x, dy, w = cost._layer_gemm_operands(layout)
+    runs = layout.m * layout.layers
+    assert fp8.compute_s["fp8_casts"] == pytest.approx(runs * 7 * (x + dy + w) / hw.elementwise_bytes_per_s)
+    params = cost.local_parameters(layout)["total"]
+    assert bf16.compute_s["grad_accumulation"] == pytest.approx(2 * 12 * params / hw.elementwise_bytes_per_s)
+    assert cost.estimate(cfg("train.global_batch_size=4"), hw, 8).compute_s["grad_accumulation"] == 0
+    megatron = cost.estimate(cfg("train.global_batch_size=8"), hw, 8, framework="megatron")
+    assert megatron.compute_s["grad_accumulation"] == 0
+
+
 def test_gemm_waves_and_batching():
     """A GEMM with one tile more than a wave takes two waves; a batch of GEMMs shares its waves."""
     hw = hardware("h100")

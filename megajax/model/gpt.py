@@ -84,6 +84,14 @@ def unit_module(cfg: ModelConfig) -> type[nn.Module]:
     return Blocks if cfg.layer_period > 1 else Block
 
 
+def scan_layers(cfg: ModelConfig, body, carry, xs):
+    """jax.lax.scan(body, carry, xs) over a stack of layers, unrolled in the program when model.scan_layers is
+    false: XLA then keeps each layer's residuals in their own buffers, where a loop copies them into and out of
+    per-layer stacks (benchmarks/2026-11-27-h100.md: 8-16% of a step on one H100)."""
+    n = jax.tree.leaves(xs)[0].shape[0]
+    return jax.lax.scan(body, carry, xs, unroll=1 if cfg.scan_layers else max(n, 1))
+
+
 class LayerStack(nn.Module):
     """`units` (`unit_module`: blocks, or groups of model.moe_layer_freq blocks) stacked on a leading 'layers' axis
     and run with a scan; layer indices count units.
@@ -121,6 +129,7 @@ class LayerStack(nn.Module):
             in_axes=(0, nn.broadcast),
             length=self.units,
             metadata_params={nn.PARTITION_NAME: "layers"},
+            unroll=1 if self.cfg.scan_layers else max(self.units, 1),
         )
         layers = jnp.arange(self.units) + first_layer  # global unit index: salts the dropout masks
         x, _ = scan(self.cfg, name="block")(x_bsd, layers, side)

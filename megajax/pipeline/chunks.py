@@ -44,7 +44,7 @@ def run_slots(mcfg, w, x, side, ids, on, remat: bool = False):
             run = jax.checkpoint(run, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
         return unless_empty(on_l, run, x), None
 
-    return jax.lax.scan(body, x, (w["block"], ids, on))[0]
+    return model.scan_layers(mcfg, body, x, (w["block"], ids, on))[0]
 
 
 class _ChunkActions:
@@ -107,7 +107,7 @@ class _ChunkActions:
             taps = jax.tree.map(lambda r, h: h[1], self.reductions, hooked)
             return unless_empty(on, lambda: model.block_apply(self.mcfg, w_l, x, l, side).astype(x.dtype), x), taps
 
-        return jax.lax.scan(body, x, (w["block"], *self.slots(at), sinks))
+        return model.scan_layers(self.mcfg, body, x, (w["block"], *self.slots(at), sinks))
 
     def _sinks(self, w, lead=()):
         """Per weight, fp32 zeros [*lead, Lc, ...] shaped (and varying) as its reduction leaves each layer's
@@ -148,8 +148,8 @@ class _ChunkActions:
             return (block(x, w, l, on), self._gathered(ahead)), w
 
         ids, on = self.slots(at)
-        (x, w_last), ws = jax.lax.scan(body, (x, self._gathered(pick(shards, 0))),
-                                       (pick(shards, slice(1, None)), ids[:-1], None if on is None else on[:-1]))
+        (x, w_last), ws = model.scan_layers(self.mcfg, body, (x, self._gathered(pick(shards, 0))),
+                                            (pick(shards, slice(1, None)), ids[:-1], None if on is None else on[:-1]))
         x = block(x, w_last, ids[-1], None if on is None else on[-1])
         return x, jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), ws, w_last)
 

@@ -61,7 +61,7 @@ def split_linearize(mcfg, w: dict, x: jax.Array, taps: dict, side, ids, on):
             return jax.lax.cond(on_l, block, empty)
 
         stacked = flax.traverse_util.unflatten_dict({**big, **small})
-        return jax.lax.scan(body, x, (stacked, ids, on, taps))
+        return model.scan_layers(mcfg, body, x, (stacked, ids, on, taps))
 
     return jax.vjp(run, x, taps, small, has_aux=True)
 

@@ -10,7 +10,8 @@ Time, per GPU (docs/guides/choosing-a-layout.md#the-time-model lists every const
   and FP8's casts of the GEMMs' operands.
 - Copies at HBM bandwidth: megajax's layers run as a loop over stacked weights, and XLA copies each residual the
   forward saves into its [layers, ...] stack and the backward's GEMM operands (residuals and bf16 weights) out of
-  it (`_layer_copies_s`; benchmarks/2026-11-27-h100.md traced them at 8-16% of a step).
+  it (`_layer_copies_s`; benchmarks/2026-11-27-h100.md traced them at 8-16% of a step); none with the loop
+  unrolled (model.scan_layers=false).
 - Collectives as bytes over the link they cross at NCCL's bus bandwidth with ring factors, minus what runs under
   compute (tensor parallelism's rings under the GEMMs with tp_comm_overlap, the data-parallel reductions under the
   backward with overlap_grad_reduce, ...), and none of that for a program whose memory is above XLA's scheduling
@@ -481,7 +482,8 @@ def estimate(cfg: Config, hw: Hardware, gpus_per_node: int, simulate: bool = Tru
     mem_f = _layer_memory_bound_s(hw, L)
     fp8_f, fp8_b = _layer_fp8_s(hw, L)
     saved = layer_activation_bytes(L)[m.recompute]
-    copy_f, copy_b = _layer_copies_s(hw, L, saved) if framework == "megajax" else (0.0, 0.0)
+    stacked = framework == "megajax" and m.scan_layers  # unrolled layers keep their residuals in place
+    copy_f, copy_b = _layer_copies_s(hw, L, saved) if stacked else (0.0, 0.0)
     tp, cp, a2a = _tensor_comm_s(hw, L), _context_comm_s(hw, L), _expert_comm_s(hw, L) * L.moe_share
     params = local_parameters(L)
     mem = _memory(hw, L, params, in_flight(cfg))
