@@ -41,10 +41,17 @@ B16 = 2  # bytes of a bf16 activation
 # function reads its input(s) and writes its output (gelu 2, swiglu 3 tensors). GEMMs read their operands inside
 # their own time.
 RESIDUAL_BYTES = 10 * B16
-# The unfused (xla) attention's [s, s] scores, per element: the QK^T GEMM writes them in fp32, the softmax reads
-# them and writes bf16 probabilities (4 + 4 + 2 bytes forward); backward: the dP GEMM writes fp32, the softmax's
-# backward reads P and dP and writes bf16 dS (4 + 2 + 4 + 2). (The H100 program's score GEMMs output f32.)
-SCORES_BYTES_FWD, SCORES_BYTES_BWD = 10, 12
+# The unfused (xla) attention's [s, s] scores, bytes per element, as XLA's H100 program of gpt2-124m's step moves
+# them (benchmarks/2026-11-27-planner.md counts each fusion): forward, the QK^T GEMM writes fp32 scores (4), the
+# softmax's max and sum read them (4 + 4), the normalization reads them and writes bf16 probabilities (4 + 2);
+# backward without recomputation, the dP GEMM writes bf16 (2) and the softmax's backward reads and writes 11.
+# Selective recomputation runs the QK^T GEMM and both reductions again (12), and its backward transposes and
+# converts the recomputed scores on the way (28 with dP). (The saved probabilities' stack copies under
+# recompute=none are the copies term's.) Megatron's runs keep the earlier count, 10 and 12: its fused softmax
+# (fp16 scores, 6 and 8) would move fewer still.
+SCORES_BYTES_FWD, SCORES_BYTES_BWD = 18, 13
+SCORES_BYTES_RECOMPUTE, SCORES_BYTES_BWD_RECOMPUTED = 12, 28
+MEGATRON_SCORES_BYTES = (10, 12)
 # The share of ZeRO-2/3's per-micro-batch gathers and reduce-scatters that XLA's scheduled program hides under
 # GEMMs at best (benchmarks/2026-11-26-compile-only-fsdp.md: 89% and 82%, Llama 3 8B on 8 H100s): what stays
 # exposed is each forward's first gather and the embedding's and output layer's, which nothing runs under.
@@ -166,11 +173,11 @@ def _layer_gemm_s(hw: Hardware, L: _Layout) -> float:
     return s + L.moe_share * experts + (1 - L.moe_share) * dense_mlp
 
 
-def _attention_s(hw: Hardware, L: _Layout) -> tuple[float, float, float]:
+def _attention_s(hw: Hardware, L: _Layout, framework: str = "megajax") -> tuple[float, float, float]:
     """(forward, backward, selective recompute) of one layer's attention core for one micro batch. Causal: a
     fused kernel skips the masked half (forward 2 b s^2 h (k + v) / 2 FLOPs, backward 2.5 forwards) and recomputes
     its forward; the unfused one computes the whole square: QK^T and PV forward, four GEMMs backward, and its
-    fusions over the scores; recomputed, its two GEMMs run again and XLA fuses the softmax into the backward's."""
+    fusions over the scores (SCORES_BYTES_*); recomputed, its two GEMMs and the softmax's reductions run again."""
     m = L.model
     heads = m.num_heads // L.t
     rows, keys = L.tokens, m.seq_length  # this context shard's queries against every key
@@ -180,9 +187,14 @@ def _attention_s(hw: Hardware, L: _Layout) -> tuple[float, float, float]:
         return total / 3.5, total * 2.5 / 3.5, total / 3.5
     qk = hw.gemm_seconds(m.seq_length // L.c, m.head_dim, keys, "bfloat16", heads * L.b)
     pv = hw.gemm_seconds(m.seq_length // L.c, keys, m.value_dim, "bfloat16", heads * L.b)
-    scores = rows * keys * heads
-    return (qk + pv + scores * SCORES_BYTES_FWD / hw.elementwise_bytes_per_s,
-            2 * (qk + pv) + scores * SCORES_BYTES_BWD / hw.elementwise_bytes_per_s, qk + pv)
+    scores = rows * keys * heads / hw.elementwise_bytes_per_s  # seconds per byte of each score
+    if framework == "megatron":
+        fwd, bwd = MEGATRON_SCORES_BYTES
+        return qk + pv + scores * fwd, 2 * (qk + pv) + scores * bwd, qk + pv
+    recomputed = m.recompute == "selective"
+    bwd = SCORES_BYTES_BWD_RECOMPUTED if recomputed else SCORES_BYTES_BWD
+    return (qk + pv + scores * SCORES_BYTES_FWD, 2 * (qk + pv) + scores * bwd,
+            qk + pv + scores * SCORES_BYTES_RECOMPUTE)
 
 
 def _layer_memory_bound_s(hw: Hardware, L: _Layout) -> float:
@@ -478,7 +490,7 @@ def estimate(cfg: Config, hw: Hardware, gpus_per_node: int, simulate: bool = Tru
     L = _Layout(cfg, gpus_per_node)
     m, par = L.model, L.par
     gemm_f = _layer_gemm_s(hw, L)
-    attn_f, attn_b, attn_r = _attention_s(hw, L)
+    attn_f, attn_b, attn_r = _attention_s(hw, L, framework)
     mem_f = _layer_memory_bound_s(hw, L)
     fp8_f, fp8_b = _layer_fp8_s(hw, L)
     saved = layer_activation_bytes(L)[m.recompute]
