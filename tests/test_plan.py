@@ -98,17 +98,14 @@ def test_single_h100_steps_within_15_percent():
 
 
 def test_paper_table1_within_20_percent():
-    """Each of the paper's ten Table 1 runs (A100s, the paper's layout, micro batch and interleaving) predicted
-    within 20% of its measured TFLOP/s per GPU, except the smallest (1.7B on 32 GPUs, no model parallelism):
-    22% fast. Every row is predicted fast (the A100's GEMM rate is its published best-shape rate; Megatron's own
-    costs beyond the model's terms are not counted), the smallest models the most."""
+    """Each of the paper's ten Table 1 runs (A100s, the paper's layout, micro batch and interleaving, Megatron's
+    default dropout) predicted within 20% of its measured TFLOP/s per GPU. Every row comes out fast (the A100's
+    GEMM rate is its published best-shape rate)."""
     rows = checks.table1()
     assert len(rows) == 10
     assert all(r["error"] > 0 for r in rows), rows
-    bad = [(r["config"], round(r["error"], 3)) for r in rows
-           if abs(r["error"]) > 0.20 and r["config"] != "configs/paper/gpt-1.7b.yaml"]
+    bad = [(r["config"], round(r["error"], 3)) for r in rows if abs(r["error"]) > 0.20]
     assert not bad, bad
-    assert next(r["error"] for r in rows if r["config"] == "configs/paper/gpt-1.7b.yaml") < 0.25
 
 
 # The Table 1 rows where the planner, in the paper's feature space and at the paper's data-parallel size, picks

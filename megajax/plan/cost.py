@@ -47,11 +47,17 @@ RESIDUAL_BYTES = 10 * B16
 # backward without recomputation, the dP GEMM writes bf16 (2) and the softmax's backward reads and writes 11.
 # Selective recomputation runs the QK^T GEMM and both reductions again (12), and its backward transposes and
 # converts the recomputed scores on the way (28 with dP). (The saved probabilities' stack copies under
-# recompute=none are the copies term's.) Megatron's runs keep the earlier count, 10 and 12: its fused softmax
-# (fp16 scores, 6 and 8) would move fewer still.
+# recompute=none are the copies term's.) Megatron-LM (the paper's runs, fp16): baddbmm writes the scores (2), its
+# fused scale-mask-softmax reads them and writes the probabilities (2 + 2); backward, the probabilities'
+# gradient written (2) and the fused softmax backward reading probabilities and gradient and writing dS (6).
 SCORES_BYTES_FWD, SCORES_BYTES_BWD = 18, 13
+# Dropout (model.attention_dropout, on the unfused attention's probabilities; model.dropout, on each block's two
+# residual branches), per element: forward, the input read and the output written in bf16 and a mask byte (5),
+# backward the gradient read and written and the mask read (5); on a residual branch the dropout rides in the
+# bias-and-residual-add fusion, adding its mask byte each way. (The random bits' generation is not counted.)
+DROPOUT_BYTES, RESIDUAL_DROPOUT_BYTES = 5, 2
 SCORES_BYTES_RECOMPUTE, SCORES_BYTES_BWD_RECOMPUTED = 12, 28
-MEGATRON_SCORES_BYTES = (10, 12)
+MEGATRON_SCORES_BYTES = (6, 8)
 # The share of ZeRO-2/3's per-micro-batch gathers and reduce-scatters that XLA's scheduled program hides under
 # GEMMs at best (benchmarks/2026-11-26-compile-only-fsdp.md: 89% and 82%, Llama 3 8B on 8 H100s): what stays
 # exposed is each forward's first gather and the embedding's and output layer's, which nothing runs under.
@@ -188,13 +194,14 @@ def _attention_s(hw: Hardware, L: _Layout, framework: str = "megajax") -> tuple[
     qk = hw.gemm_seconds(m.seq_length // L.c, m.head_dim, keys, "bfloat16", heads * L.b)
     pv = hw.gemm_seconds(m.seq_length // L.c, keys, m.value_dim, "bfloat16", heads * L.b)
     scores = rows * keys * heads / hw.elementwise_bytes_per_s  # seconds per byte of each score
+    drop = DROPOUT_BYTES if m.attention_dropout else 0
     if framework == "megatron":
         fwd, bwd = MEGATRON_SCORES_BYTES
-        return qk + pv + scores * fwd, 2 * (qk + pv) + scores * bwd, qk + pv
+        return qk + pv + scores * (fwd + drop), 2 * (qk + pv) + scores * (bwd + drop), qk + pv + scores * drop
     recomputed = m.recompute == "selective"
     bwd = SCORES_BYTES_BWD_RECOMPUTED if recomputed else SCORES_BYTES_BWD
-    return (qk + pv + scores * SCORES_BYTES_FWD, 2 * (qk + pv) + scores * bwd,
-            qk + pv + scores * SCORES_BYTES_RECOMPUTE)
+    return (qk + pv + scores * (SCORES_BYTES_FWD + drop), 2 * (qk + pv) + scores * (bwd + drop),
+            qk + pv + scores * (SCORES_BYTES_RECOMPUTE + drop))
 
 
 def _layer_memory_bound_s(hw: Hardware, L: _Layout) -> float:
@@ -203,7 +210,8 @@ def _layer_memory_bound_s(hw: Hardware, L: _Layout) -> float:
     mats = 3 if m.arch == "llama" else 2
     ffn = (1 - L.moe_share) * m.ffn_size + L.moe_share * (m.experts_per_token + m.moe_shared_experts) * (
         m.moe_ffn_size if m.num_experts else 0)
-    residual = L.tokens * m.hidden_size / (L.t if L.sp else 1) * RESIDUAL_BYTES
+    residual = L.tokens * m.hidden_size / (L.t if L.sp else 1) * (
+        RESIDUAL_BYTES + (RESIDUAL_DROPOUT_BYTES if m.dropout else 0))
     hidden = L.tokens * ffn / L.t * mats * B16
     return (residual + hidden) / hw.elementwise_bytes_per_s
 
