@@ -18,7 +18,6 @@ import gzip
 import json
 import os
 import random
-import resource
 import struct
 import subprocess
 import sys
@@ -50,7 +49,7 @@ def preprocess_run(src: Path, tokenizer: str, workers: int, out: Path) -> dict:
     """Runs the CLI in a child that reports its own and its workers' peak RSS."""
     child = (
         "import json, resource, sys; from megajax.data.preprocess import main; "
-        f"code = main(sys.argv[1:]); "
+        "code = main(sys.argv[1:]); "
         "r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
         "c = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss; "
         "print('RSS', json.dumps({'main_mb': r / 1024, 'worker_mb': c / 1024})); sys.exit(code)"

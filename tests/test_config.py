@@ -254,7 +254,7 @@ def test_a_damaged_or_hostile_preset_is_one_bounded_line_and_exit_2(tmp_path, ca
     start = time.time()
     code = train.main(["--config", str(preset), "--set", f"train.output_dir={tmp_path / 'run'}"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and err[0].startswith(f"error: ") and str(preset) in err[0], err
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and str(preset) in err[0], err
     assert len(err[0]) < 1000 and time.time() - start < 10
     assert not (tmp_path / "run").exists()
 
