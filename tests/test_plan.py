@@ -56,6 +56,18 @@ def test_copies_are_counted_for_looped_layers_only():
     assert unrolled.compute_s["copies"] == 0
     assert looped.step_s - unrolled.step_s == pytest.approx(looped.compute_s["copies"])
     assert cost.estimate(cfg(), hw, 8, framework="megatron").compute_s["copies"] == 0
+    # a pipeline's first forward saves nothing: the stacks are filled by the recompute before each backward; full
+    # recomputation without a pipeline rebuilds a layer's residuals inside its backward, in no stack
+    piped = lambda *more: config_io.load(ROOT / "configs/llama-1b.yaml", [  # noqa: E731
+        "train.global_batch_size=16", "train.micro_batch_size=4", "parallel.tensor=1", "parallel.pipeline=2",
+        "parallel.sequence_parallel=false", "parallel.distributed_optimizer=false", *more]).for_devices(2)
+    looped, unrolled = cost.estimate(piped(), hw, 8), cost.estimate(piped("model.scan_layers=false"), hw, 8)
+    layout = cost._Layout(piped(), 8)
+    forward_copies = 2 * cost.layer_activation_bytes(layout)["selective"] / hw.hbm_bytes_per_s
+    runs = layout.m * layout.layers
+    assert looped.compute_s["recompute"] - unrolled.compute_s["recompute"] == pytest.approx(runs * forward_copies)
+    full = [cost.estimate(cfg("model.recompute=full", f"model.scan_layers={s}"), hw, 8) for s in ("true", "false")]
+    assert full[0].compute_s["recompute"] == pytest.approx(full[1].compute_s["recompute"])
 
 
 def test_fp8_casts_and_gradient_accumulation():

@@ -516,10 +516,12 @@ def estimate(cfg: Config, hw: Hardware, gpus_per_node: int, simulate: bool = Tru
     cp_f, cp_b = (cp, 2 * cp) if packed else (max(cp - attn_f, 0.0), max(2 * cp - attn_b, 0.0))
     fwd = gemm_f + attn_f + mem_f + fp8_f + copy_f + tp_f + cp_f + a2a
     bwd = 2 * gemm_f + attn_b + 2 * mem_f + fp8_b + copy_b + tp_b + cp_b + a2a
-    if L.pp > 1:  # the executor recomputes every chunk's forward before its backward (it stashes chunk inputs)
+    if L.pp > 1:  # the executor recomputes every chunk's forward before its backward (it stashes chunk inputs):
+        # the recompute saves the residuals into the chunk's stacks, the first forward saves nothing
         again = fwd + (attn_r if m.recompute == "selective" else 0.0)
-    else:
-        again = {"full": fwd, "selective": attn_r, "none": 0.0}[m.recompute]
+        fwd -= copy_f
+    else:  # full recomputation rebuilds a layer's residuals inside its backward, not into a stack
+        again = {"full": fwd - copy_f, "selective": attn_r, "none": 0.0}[m.recompute]
     head = _head_s(hw, L)
     send = _pipeline_send_s(hw, L)
     layers = L.layers
@@ -544,7 +546,8 @@ def estimate(cfg: Config, hw: Hardware, gpus_per_node: int, simulate: bool = Tru
     step = step_compute + data + optimizer + accumulate
     micro = step_compute - bubble  # the busiest GPU's own work
     per_layer_exposed = L.m * layers
-    exposed = {"tensor": per_layer_exposed * (tp_f + tp_b + (tp_f if again >= fwd else 0.0)),
+    reruns_forward = L.pp > 1 or m.recompute == "full"  # with its collectives
+    exposed = {"tensor": per_layer_exposed * (tp_f + tp_b + (tp_f if reruns_forward else 0.0)),
                "context": per_layer_exposed * (cp_f + cp_b), "expert": per_layer_exposed * 2 * a2a,
                "pipeline": 2 * send * (L.m * par.virtual_stages + L.pp - 1) if L.pp > 1 else 0.0,
                "data": data}
