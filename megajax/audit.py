@@ -32,6 +32,10 @@ from megajax.config import ConfigError
 
 TARGETS = ("cpu", "a100", "h100", "h200")
 FP8_TARGETS = ("h100", "h200")  # FP8 tensor cores (sm_90); the A100 (sm_80) has none
+# XLA options a compile-only target's programs are compiled with. For sm_80 without a GPU (no autotuner) XLA cannot
+# tile some of the step's Triton GEMM fusions ("Couldn't find output tile sizes that satisfy hlo: ... dot", jax
+# 0.10.2; gpt2-124m's bf16[8192,768] GEMMs among them): the A100's programs run their GEMMs on cuBLAS.
+TARGET_OPTIONS = {"a100": {"xla_gpu_enable_triton_gemm": False}}
 # Custom-call targets of Pallas GPU kernels: Triton (XLA's own, and the FFI path used for ROCm), Mosaic GPU.
 KERNEL_CALL_TARGETS = ("__gpu$xla.gpu.triton", "triton_kernel_call_ffi", "mosaic_gpu", "mosaic_gpu_v2")
 GPUS_PER_HOST = 8
@@ -266,7 +270,7 @@ def audit(cfg, target: str = "cpu", devices: int | None = None, dump_hlo: str | 
                               f"compute capability 8.9 or newer: {', '.join(sorted(FP8_TARGETS))}); set "
                               "model.fp8=none or use --target h100")
         devs = _gpu_devices(target, devices or 8)
-    cfg, mesh, compiled, setup = compile_step(cfg, devs)
+    cfg, mesh, compiled, setup = compile_step(cfg, devs, TARGET_OPTIONS.get(target))
     text = compiled.as_text()
     if dump_hlo:
         Path(dump_hlo).write_text(text)

@@ -193,6 +193,19 @@ def test_cli_prints_json_with_memory_collectives_and_flops(tmp_path):
     assert "all-gather" in hlo_file.read_text()
 
 
+@gpu
+def test_a100_programs_compile():
+    """A step whose GEMMs XLA's compile-only sm_80 cannot tile as Triton fusions (gpt2-124m's bf16[8192, 768];
+    "Couldn't find output tile sizes", jax 0.10.2) compiles for the A100 target with its options
+    (audit.TARGET_OPTIONS: cuBLAS GEMMs), and the H100 target keeps XLA's defaults."""
+    cfg = config_io.load(f"{REPO}/configs/gpt2-124m.yaml", ["model.num_layers=2", "train.global_batch_size=8"])
+    with pytest.raises(Exception, match="output tile sizes"):
+        audit.compile_step(cfg, audit._gpu_devices("a100", 1))
+    report = audit.audit(cfg, "a100", 1)
+    assert report["memory_per_device"]["temp_bytes"] > 0 and report["program_gemm_flops_per_device"]["gemms"] > 0
+    assert "h100" not in audit.TARGET_OPTIONS
+
+
 def test_cli_rejects_an_impossible_layout():
     out = subprocess.run([sys.executable, "-m", "megajax.audit", "--config", "configs/tiny.yaml", "--devices", "8",
                           "--set", "parallel.tensor=3"], cwd=REPO, env=cli_env(), capture_output=True, text=True)
