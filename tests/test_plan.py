@@ -29,8 +29,10 @@ def test_h100_constants_are_the_measured_rows():
     assert H100_SQUARE_GEMM["float8"] == pytest.approx(square["fp8_tflops"] * 1e12, rel=1e-4)
     kernels = json.loads((ROOT / _H100_KERNELS).read_text())
     fused = [r for r in kernels if r.get("op") == "attention" and r.get("impl") in ("pallas", "cudnn")]
-    for dim, shape in ((64, "llama-1b"), (128, "gpt2-1.3b")):
-        assert H100_ATTENTION[dim] == pytest.approx(max(r["tflops"] for r in fused if r["shape"] == shape) * 1e12,
+    shapes = {(64, 1024): "gpt2-124m", (64, 2048): "llama-1b", (128, 2048): "gpt2-1.3b", (128, 8192): "llama-8k"}
+    assert set(H100_ATTENTION) == set(shapes)
+    for key, shape in shapes.items():
+        assert H100_ATTENTION[key] == pytest.approx(max(r["tflops"] for r in fused if r["shape"] == shape) * 1e12,
                                                     rel=1e-4)
     norms = sorted(r["gb_per_s"] for r in kernels if r.get("op") in ("layer_norm", "rms_norm")
                    and r.get("shape") in ("gpt2-1.3b", "llama-8b"))
@@ -89,6 +91,19 @@ def test_fp8_casts_and_gradient_accumulation():
     assert cost.estimate(cfg("train.global_batch_size=4"), hw, 8).compute_s["grad_accumulation"] == 0
     megatron = cost.estimate(cfg("train.global_batch_size=8"), hw, 8, framework="megatron")
     assert megatron.compute_s["grad_accumulation"] == 0
+
+
+def test_attention_rate_between_measured_sequences():
+    """The fused attention's rate at a measured (head dim, sequence) is the measurement; between two measured
+    sequences it runs along log2(seq); outside them it is the nearest; a head dim takes the nearest measured."""
+    hw = hardware("h100")
+    assert hw.attention_rate(64, 1024) == H100_ATTENTION[(64, 1024)]
+    assert hw.attention_rate(128, 4096) == pytest.approx((H100_ATTENTION[(128, 2048)] + H100_ATTENTION[(128, 8192)])
+                                                         / 2)
+    assert hw.attention_rate(64, 512) == H100_ATTENTION[(64, 1024)]
+    assert hw.attention_rate(64, 32768) == H100_ATTENTION[(64, 2048)]
+    assert hw.attention_rate(96, 2048) in (H100_ATTENTION[(64, 2048)], H100_ATTENTION[(128, 2048)])
+    assert hw.attention_rate(192, 8192) == H100_ATTENTION[(128, 8192)]
 
 
 def test_gemm_waves_and_batching():

@@ -189,7 +189,7 @@ def _attention_s(hw: Hardware, L: _Layout, framework: str = "megajax") -> tuple[
     rows, keys = L.tokens, m.seq_length  # this context shard's queries against every key
     if not L.unfused:
         flops = 2 * rows * keys * heads * (m.head_dim + m.value_dim) / 2
-        total = 3.5 * flops / hw.attention_rate(m.head_dim)
+        total = 3.5 * flops / hw.attention_rate(m.head_dim, m.seq_length // L.c)
         return total / 3.5, total * 2.5 / 3.5, total / 3.5
     qk = hw.gemm_seconds(m.seq_length // L.c, m.head_dim, keys, "bfloat16", heads * L.b)
     pv = hw.gemm_seconds(m.seq_length // L.c, keys, m.value_dim, "bfloat16", heads * L.b)

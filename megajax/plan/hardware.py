@@ -31,7 +31,7 @@ class Hardware:
     hbm_bytes_per_s: float  # datasheet HBM bandwidth
     elementwise_bytes_per_s: float  # what memory-bound fused kernels reach (norms, activations, the loss, AdamW)
     memory_bytes: float  # HBM capacity
-    attention_flops: dict  # fused attention forward + backward FLOP/s by head-dim bucket {64: ..., 128: ...}
+    attention_flops: dict  # fused attention forward + backward FLOP/s by (head dim, sequence) measured
     nvlink_bus_bytes_per_s: float  # NCCL bus bandwidth of a collective inside a node
     network_bytes_per_s: float  # per GPU (one NIC each), per direction, across nodes
     sources: dict
@@ -51,10 +51,19 @@ class Hardware:
         traffic = batch * (size * (m * k + k * n) + 2 * m * n)
         return max(compute, traffic / self.hbm_bytes_per_s)
 
-    def attention_rate(self, head_dim: int) -> float:
+    def attention_rate(self, head_dim: int, seq: int) -> float:
         """The fused attention kernel's forward + backward FLOP/s (causal FLOPs, backward 2.5 forwards) at the
-        nearest measured head dim."""
-        return self.attention_flops[min(self.attention_flops, key=lambda d: abs(d - head_dim))]
+        nearest measured head dim, between its measured sequence lengths in log2(seq) (at the nearest one outside
+        them): a short sequence gives each program less work, a long one more."""
+        dim = min({d for d, _ in self.attention_flops}, key=lambda d: abs(d - head_dim))
+        points = sorted((math.log2(s), r) for (d, s), r in self.attention_flops.items() if d == dim)
+        x = math.log2(max(seq, 1))
+        if x <= points[0][0]:
+            return points[0][1]
+        for (x0, r0), (x1, r1) in zip(points, points[1:]):
+            if x <= x1:
+                return r0 + (r1 - r0) * (x - x0) / (x1 - x0)
+        return points[-1][1]
 
 
 def _target(name: str) -> dict:
@@ -67,7 +76,8 @@ def _target(name: str) -> dict:
 # checks these against the raw rows in benchmarks/h100/.
 H100_SQUARE_GEMM = {"bfloat16": 812.87e12, "float8": 1288.06e12}  # matmul.json: 8192 x 8192 x 8192
 H100_SQUARE_WAVES = 2048 / (16 * 132)  # that GEMM's wave efficiency: 2048 tiles in 16 waves of 132 SMs
-H100_ATTENTION = {64: 266.44e12, 128: 334.71e12}  # kernels.json: best of Pallas, cuDNN; llama-1b, gpt2-1.3b
+# kernels.json: the faster of Pallas and cuDNN at gpt2-124m's, llama-1b's, gpt2-1.3b's and llama 8k's shapes
+H100_ATTENTION = {(64, 1024): 176.87e12, (64, 2048): 266.44e12, (128, 2048): 334.71e12, (128, 8192): 512.42e12}
 H100_NORM_BYTES_PER_S = 2115.3e9  # kernels.json: median norm fwd+bwd (XLA, Pallas) at widths 2048 and 4096
 # Bekman, ml-engineering, MAMF v2 table: the best GEMM shape's bf16 TFLOP/s
 A100_MAMF, H100_MAMF = 271.2e12, 794.5e12
@@ -86,7 +96,7 @@ def _build(name: str) -> Hardware:
             name="A100 SXM 80GB", peak_flops=312e12, gemm_flops={"bfloat16": square / A100_SQUARE_WAVES},
             sms=int(t["core_count"]),
             hbm_bytes_per_s=hbm, elementwise_bytes_per_s=A100_STREAM_BYTES_PER_S,
-            memory_bytes=t["device_memory_size"], attention_flops={64: 140e12, 128: 155e12},
+            memory_bytes=t["device_memory_size"], attention_flops={(64, 2048): 140e12, (128, 2048): 155e12},
             nvlink_bus_bytes_per_s=234.9e9, network_bytes_per_s=24e9,
             sources={
                 "peak_flops": "NVIDIA A100 datasheet (312 TFLOP/s bf16 dense)",
@@ -119,7 +129,8 @@ def _build(name: str) -> Hardware:
             "hbm_bytes_per_s": f"megajax/targets/{name}.txtpb (the datasheet)",
             "elementwise_bytes_per_s": f"{_H100_KERNELS}: median norm forward + backward at widths 2048-4096"
                                        + (", scaled by the H200's HBM" if name == "h200" else ""),
-            "attention_flops": f"{_H100_KERNELS}: the faster of Pallas and cuDNN flash attention, fwd+bwd, s 2048",
+            "attention_flops": f"{_H100_KERNELS}: the faster of Pallas and cuDNN flash attention, fwd+bwd, at "
+                               "s 1024 and 2048 (head dim 64), 2048 and 8192 (128)",
             "nvlink_bus_bytes_per_s": "NCCL ring busbw on 8 H100s, about 370 GB/s without NVLink SHARP "
                                       "(NVIDIA/nccl-tests#212)",
             "network_bytes_per_s": "NCCL on NDR 400 Gb/s: 46-48 GB/s per NIC (NVIDIA/nccl-tests#290)",
