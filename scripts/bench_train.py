@@ -42,18 +42,25 @@ def random_batch(cfg, shardings) -> dict:
     return arrays
 
 
+def warmed_step(setup, warmup: int):
+    """(the compiled step, its state after `warmup` steps, the random batch, compile seconds) for `setup`; call
+    inside its mesh (jax.set_mesh(setup.mesh))."""
+    state = step_lib.init_state(setup)
+    batch = random_batch(setup.cfg, setup.batch_shardings)
+    t0 = time.perf_counter()
+    step_fn = step_lib.jit_train_step(setup).lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    for _ in range(warmup):
+        state, _ = step_fn(state, batch)
+    jax.block_until_ready(state)
+    return step_fn, state, batch, compile_s
+
+
 def bench(cfg, steps: int, warmup: int) -> dict:
     setup = step_lib.setup_for(cfg)
     cfg = setup.cfg
-    state = step_lib.init_state(setup)
-    batch = random_batch(cfg, setup.batch_shardings)
     with jax.set_mesh(setup.mesh):
-        t0 = time.perf_counter()
-        step_fn = step_lib.jit_train_step(setup).lower(state, batch).compile()
-        compile_s = time.perf_counter() - t0
-        for _ in range(warmup):
-            state, stats = step_fn(state, batch)
-        jax.block_until_ready(stats)
+        step_fn, state, batch, compile_s = warmed_step(setup, warmup)
         t0 = time.perf_counter()
         for _ in range(steps):
             state, stats = step_fn(state, batch)
@@ -72,23 +79,34 @@ def bench(cfg, steps: int, warmup: int) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def step_parser(doc: str, steps: int, steps_help: str) -> argparse.ArgumentParser:
+    """The step benchmarks' command line: --config, --set, --steps, --warmup, --label."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--config", help="YAML preset (configs/*.yaml)")
     parser.add_argument("--set", nargs="*", default=[], action="extend", metavar="KEY=VALUE",
                         help="config overrides, as for python -m megajax.train")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps")
+    parser.add_argument("--steps", type=int, default=steps, help=steps_help)
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compilation")
     parser.add_argument("--label", default="", help="a name for this row")
+    return parser
+
+
+def append_row(path: str | None, row: dict) -> None:
+    """Appends the row as one JSON line to `path`, if given."""
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = step_parser(__doc__, 10, "timed steps")
     parser.add_argument("--jsonl", help="append the row to this file")
     args = parser.parse_args(argv)
     distributed.prefer_cpu_without_gpu()
     cfg = config_io.load(args.config, args.set)
     row = {"label": args.label, "config": args.config, "set": args.set, **bench(cfg, args.steps, args.warmup)}
     print(json.dumps(row))
-    if args.jsonl:
-        with open(args.jsonl, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    append_row(args.jsonl, row)
     return 0
 
 

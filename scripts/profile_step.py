@@ -13,9 +13,7 @@ device plane and the script says so.
 
 from __future__ import annotations
 
-import argparse
 import collections
-import json
 import os
 import re
 import sys
@@ -25,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
-from bench_train import random_batch  # noqa: E402 - the same random batch as the step benchmark
+from bench_train import append_row, step_parser, warmed_step  # noqa: E402 - the step benchmark's step and CLI
 from megajax import config_io, distributed, step as step_lib  # noqa: E402
 
 # kernel name -> kind, first match wins (cuBLAS / cuBLASLt / CUTLASS / Triton GEMMs, then fused attention)
@@ -85,13 +83,8 @@ def summarize(events: list[tuple[str, int, int]], steps: int) -> dict:
 
 def profile(cfg, steps: int, warmup: int) -> dict:
     setup = step_lib.setup_for(cfg)
-    state = step_lib.init_state(setup)
-    batch = random_batch(setup.cfg, setup.batch_shardings)
     with jax.set_mesh(setup.mesh):
-        step_fn = step_lib.jit_train_step(setup).lower(state, batch).compile()
-        for _ in range(warmup):
-            state, stats = step_fn(state, batch)
-        jax.block_until_ready(stats)
+        step_fn, state, batch, _ = warmed_step(setup, warmup)
         with tempfile.TemporaryDirectory() as where:
             with jax.profiler.trace(where):
                 for _ in range(steps):
@@ -104,13 +97,7 @@ def profile(cfg, steps: int, warmup: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", help="YAML preset (configs/*.yaml)")
-    parser.add_argument("--set", nargs="*", default=[], action="extend", metavar="KEY=VALUE",
-                        help="config overrides, as for python -m megajax.train")
-    parser.add_argument("--steps", type=int, default=2, help="traced steps")
-    parser.add_argument("--warmup", type=int, default=2, help="untraced steps after compilation")
-    parser.add_argument("--label", default="")
+    parser = step_parser(__doc__, 2, "traced steps")
     parser.add_argument("--json", help="append the row (one JSON line) to this file")
     args = parser.parse_args(argv)
     distributed.prefer_cpu_without_gpu()
@@ -126,9 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    {t['ms']:7.2f} ms  x{t['calls']:<5.0f} {t['kind']:12s} {t['name'][:80]}")
     else:
         print(row["error"])
-    if args.json:
-        with open(args.json, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    append_row(args.json, row)
     return 0
 
 
