@@ -84,12 +84,16 @@ def unit_module(cfg: ModelConfig) -> type[nn.Module]:
     return Blocks if cfg.layer_period > 1 else Block
 
 
+def layer_unroll(cfg: ModelConfig, n: int) -> int:
+    """A scan's unroll over `n` layers: 1 (a loop), or all of them when model.scan_layers is false: XLA then keeps
+    each layer's residuals in their own buffers, where a loop copies them into and out of per-layer stacks
+    (benchmarks/2026-11-27-h100.md: 8-16% of a step on one H100)."""
+    return 1 if cfg.scan_layers else max(n, 1)
+
+
 def scan_layers(cfg: ModelConfig, body, carry, xs):
-    """jax.lax.scan(body, carry, xs) over a stack of layers, unrolled in the program when model.scan_layers is
-    false: XLA then keeps each layer's residuals in their own buffers, where a loop copies them into and out of
-    per-layer stacks (benchmarks/2026-11-27-h100.md: 8-16% of a step on one H100)."""
-    n = jax.tree.leaves(xs)[0].shape[0]
-    return jax.lax.scan(body, carry, xs, unroll=1 if cfg.scan_layers else max(n, 1))
+    """jax.lax.scan(body, carry, xs) over a stack of layers, unrolled as `layer_unroll` says."""
+    return jax.lax.scan(body, carry, xs, unroll=layer_unroll(cfg, jax.tree.leaves(xs)[0].shape[0]))
 
 
 class LayerStack(nn.Module):
@@ -129,7 +133,7 @@ class LayerStack(nn.Module):
             in_axes=(0, nn.broadcast),
             length=self.units,
             metadata_params={nn.PARTITION_NAME: "layers"},
-            unroll=1 if self.cfg.scan_layers else max(self.units, 1),
+            unroll=layer_unroll(self.cfg, self.units),
         )
         layers = jnp.arange(self.units) + first_layer  # global unit index: salts the dropout masks
         x, _ = scan(self.cfg, name="block")(x_bsd, layers, side)

@@ -51,13 +51,13 @@ RESIDUAL_BYTES = 10 * B16
 # fused scale-mask-softmax reads them and writes the probabilities (2 + 2); backward, the probabilities'
 # gradient written (2) and the fused softmax backward reading probabilities and gradient and writing dS (6).
 SCORES_BYTES_FWD, SCORES_BYTES_BWD = 18, 13
+SCORES_BYTES_RECOMPUTE, SCORES_BYTES_BWD_RECOMPUTED = 12, 28
+MEGATRON_SCORES_BYTES = (6, 8)
 # Dropout (model.attention_dropout, on the unfused attention's probabilities; model.dropout, on each block's two
 # residual branches), per element: forward, the input read and the output written in bf16 and a mask byte (5),
 # backward the gradient read and written and the mask read (5); on a residual branch the dropout rides in the
 # bias-and-residual-add fusion, adding its mask byte each way. (The random bits' generation is not counted.)
 DROPOUT_BYTES, RESIDUAL_DROPOUT_BYTES = 5, 2
-SCORES_BYTES_RECOMPUTE, SCORES_BYTES_BWD_RECOMPUTED = 12, 28
-MEGATRON_SCORES_BYTES = (6, 8)
 # The share of ZeRO-2/3's per-micro-batch gathers and reduce-scatters that XLA's scheduled program hides under
 # GEMMs at best (benchmarks/2026-11-26-compile-only-fsdp.md: 89% and 82%, Llama 3 8B on 8 H100s): what stays
 # exposed is each forward's first gather and the embedding's and output layer's, which nothing runs under.
@@ -152,13 +152,17 @@ class _Layout:
         self.unfused = m.attention_impl == "xla"
 
 
+def _attention_widths(m) -> tuple[float, int]:
+    """(the QKV projection's output width, the output projection's input width) of a layer, whole."""
+    out_width = m.num_heads * m.value_dim
+    return max(parameter_counts(m)["attention"] / m.hidden_size - out_width, 0), out_width
+
+
 def _layer_gemm_s(hw: Hardware, L: _Layout) -> float:
     """One layer's forward GEMMs for one micro batch (the MoE share of layers with their experts)."""
     m, t, T, dt = L.model, L.t, L.tokens, L.dtype
     h, mats = m.hidden_size, 3 if m.arch == "llama" else 2
-    counts = parameter_counts(m)
-    out_width = m.num_heads * m.value_dim
-    qkv_width = max(counts["attention"] / h - out_width, 0)
+    qkv_width, out_width = _attention_widths(m)
     s = hw.gemm_seconds(T, h, qkv_width // t, dt) + hw.gemm_seconds(T, out_width // t, h, dt)
     dense_mlp = (hw.gemm_seconds(T, h, (mats - 1) * m.ffn_size // t, dt)
                  + hw.gemm_seconds(T, m.ffn_size // t, h, dt))
@@ -222,8 +226,7 @@ def _layer_gemm_operands(L: _Layout) -> tuple[float, float, float]:
     m, t, T = L.model, L.t, L.tokens
     h, mats = m.hidden_size, 3 if m.arch == "llama" else 2
     counts = parameter_counts(m)
-    out_width = m.num_heads * m.value_dim
-    qkv_width = max(counts["attention"] / h - out_width, 0)
+    qkv_width, out_width = _attention_widths(m)
     inputs, outputs = T * (h + out_width / t), T * (qkv_width / t + h)
     mlp_in = lambda f, split: T * (h + f / split)  # noqa: E731 - one MLP's GEMM inputs and outputs
     mlp_out = lambda f, split: T * ((mats - 1) * f / split + h)  # noqa: E731
@@ -239,24 +242,24 @@ def _layer_gemm_operands(L: _Layout) -> tuple[float, float, float]:
     return inputs + dense[0], outputs + dense[1], counts["attention"] / t + dense[2]
 
 
-def _layer_fp8_s(hw: Hardware, L: _Layout) -> tuple[float, float]:
-    """(forward, backward) of one layer's FP8 operand casts for one micro batch (0 without model.fp8)."""
+def _layer_fp8_s(hw: Hardware, L: _Layout, operands: tuple[float, float, float]) -> tuple[float, float]:
+    """(forward, backward) of one layer's FP8 operand casts for one micro batch (0 without model.fp8), from its
+    GEMMs' `operands` (`_layer_gemm_operands`)."""
     if L.dtype != "float8":
         return 0.0, 0.0
-    x, dy, w = _layer_gemm_operands(L)
+    x, dy, w = operands
     rate = hw.elementwise_bytes_per_s
     return (FP8_CAST_BYTES_FWD * (x + w) / rate,
             (FP8_CAST_BYTES_BWD * (x + w) + FP8_GRAD_BYTES * dy) / rate)
 
 
-def _layer_copies_s(hw: Hardware, L: _Layout, saved: float) -> tuple[float, float]:
+def _layer_copies_s(hw: Hardware, L: _Layout, saved: float, weights: float) -> tuple[float, float]:
     """(forward, backward) of one layer's copies for one micro batch, at HBM bandwidth (each copy reads and
     writes its bytes): the forward copies the `saved` residual bytes into the layer stacks, the backward copies
-    them out again with the layer's bf16 weights (its GEMMs' operands; XLA's H100 program of llama-1b copies
-    about 3/4 of the saved bytes out, the rest its fusions read in place: counted whole)."""
-    _, _, w = _layer_gemm_operands(L)
-    weights = w * (1 if L.dtype == "float8" else B16)
-    return 2 * saved / hw.hbm_bytes_per_s, 2 * (saved + weights) / hw.hbm_bytes_per_s
+    them out again with the layer's bf16 `weights` (elements; its GEMMs' operands; XLA's H100 program of llama-1b
+    copies about 3/4 of the saved bytes out, the rest its fusions read in place: counted whole)."""
+    weight_bytes = weights * (1 if L.dtype == "float8" else B16)
+    return 2 * saved / hw.hbm_bytes_per_s, 2 * (saved + weight_bytes) / hw.hbm_bytes_per_s
 
 
 def _head_s(hw: Hardware, L: _Layout) -> float:
@@ -500,10 +503,11 @@ def estimate(cfg: Config, hw: Hardware, gpus_per_node: int, simulate: bool = Tru
     gemm_f = _layer_gemm_s(hw, L)
     attn_f, attn_b, attn_r = _attention_s(hw, L, framework)
     mem_f = _layer_memory_bound_s(hw, L)
-    fp8_f, fp8_b = _layer_fp8_s(hw, L)
+    operands = _layer_gemm_operands(L)
+    fp8_f, fp8_b = _layer_fp8_s(hw, L, operands)
     saved = layer_activation_bytes(L)[m.recompute]
     stacked = framework == "megajax" and m.scan_layers  # unrolled layers keep their residuals in place
-    copy_f, copy_b = _layer_copies_s(hw, L, saved) if stacked else (0.0, 0.0)
+    copy_f, copy_b = _layer_copies_s(hw, L, saved, operands[2]) if stacked else (0.0, 0.0)
     tp, cp, a2a = _tensor_comm_s(hw, L), _context_comm_s(hw, L), _expert_comm_s(hw, L) * L.moe_share
     params = local_parameters(L)
     mem = _memory(hw, L, params, in_flight(cfg))
