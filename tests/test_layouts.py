@@ -376,18 +376,16 @@ UNROLLED["full recompute"]["sets"]["model.recompute"] = "full"
 UNROLLED_DEFAULT = {"layer stack", "pipeline, gathers in the schedule"}  # the rest: -m slow
 
 
-def _layer_scans(sets: dict) -> list[tuple[int, int]]:
-    """(length, unroll) of each scan over layers in the train step's jaxpr: over a chunk's layers, or all but its
-    first (a loop that prefetches the next layer's gather). The layer counts (24 a pipeline rank's, 12 a chunk's)
-    are longer than any loop over micro batches or ticks here."""
+def _layer_scans(sets: dict, n: int) -> list[tuple[int, int]]:
+    """(length, unroll) of each scan over layers in the train step's jaxpr on `n` devices: over the 24 layers, a
+    rank's 12 on two stages, or one less (a loop that prefetches the next layer's gather). Loops over micro
+    batches or ticks are shorter here."""
     import jax
 
     from megajax import audit, step as step_lib
     from conftest import jaxpr_eqns
 
-    cfg, mesh, setup, state, batch = audit.abstract_step(small_config(**sets), jax.devices()[:sets["parallel.data"]
-                                                                                  * sets["parallel.pipeline"]
-                                                                                  * sets["parallel.tensor"]])
+    cfg, mesh, setup, state, batch = audit.abstract_step(small_config(**sets), jax.devices()[:n])
     with jax.set_mesh(mesh):
         jaxpr = step_lib.jit_train_step(setup).trace(state, batch).jaxpr
     return [(e.params["length"], e.params["unroll"]) for e in jaxpr_eqns(jaxpr.jaxpr)
@@ -398,10 +396,10 @@ def _layer_scans(sets: dict) -> list[tuple[int, int]]:
 def test_every_loop_over_layers_unrolls(what):
     """With model.scan_layers=false every loop over layers is unrolled in the program (jax.lax.scan's unroll
     equals its length: XLA sees each layer's residuals as their own buffers), and by default none is."""
-    sets = UNROLLED[what]["sets"]
-    scanned = _layer_scans(sets)
+    sets, n = UNROLLED[what]["sets"], UNROLLED[what]["n"]
+    scanned = _layer_scans(sets, n)
     assert scanned and all(unroll == 1 for _, unroll in scanned), scanned
-    unrolled = _layer_scans({**sets, "model.scan_layers": False})
+    unrolled = _layer_scans({**sets, "model.scan_layers": False}, n)
     assert sorted(length for length, _ in unrolled) == sorted(length for length, _ in scanned)
     assert all(unroll == length for length, unroll in unrolled), unrolled
 
