@@ -360,7 +360,7 @@ def test_layout_matches_one_device(c):
 # Each loop the step runs over a stack of layers (megajax.model.scan_layers): the model's LayerStack, the
 # overlapped reductions' loops (reducing only, with the next layer's gather prefetched, ZeRO-3's regather), the
 # pipeline's chunks (plain, hooked for the reduction inside the schedule, with prefetched gathers, zero bubble's
-# split backward), and under full recomputation.
+# split backward, interleaved, GPipe), and under full recomputation.
 UNROLLED = {
     "layer stack": case("llama", 2, 1, 2, True, 1, "1f1b", 1),
     "full recompute": case("gpt2", 2, 1, 1, False, 0, "1f1b", 1),
@@ -371,25 +371,28 @@ UNROLLED = {
     "pipeline, reduce in the schedule": case("gpt2", 2, 2, 1, False, 1, "1f1b", 1, overlap=1),
     "pipeline, gathers in the schedule": case("gpt2", 2, 2, 1, False, 1, "1f1b", 1, overlap=2),
     "zero bubble": case("gpt2", 1, 2, 1, False, 0, "zero_bubble", 1),
+    "interleaved": case("gpt2", 1, 2, 1, False, 0, "interleaved", 2),
+    "gpipe": case("gpt2", 1, 2, 1, False, 0, "gpipe", 1),
 }
 UNROLLED["full recompute"]["sets"]["model.recompute"] = "full"
 UNROLLED_DEFAULT = {"layer stack", "pipeline, gathers in the schedule"}  # the rest: -m slow
 
 
 def _layer_scans(sets: dict, n: int) -> list[tuple[int, int]]:
-    """(length, unroll) of each scan over layers in the train step's jaxpr on `n` devices: over the 24 layers, a
-    rank's 12 on two stages, or one less (a loop that prefetches the next layer's gather). Loops over micro
-    batches or ticks are shorter here."""
+    """(length, unroll) of each scan over layers in the train step's jaxpr on `n` devices: over a chunk's layers
+    (24 over pipeline x virtual stages), or one less (a loop that prefetches the next layer's gather). Loops over
+    micro batches or ticks are shorter in these cases."""
     import jax
 
     from megajax import audit, step as step_lib
     from conftest import jaxpr_eqns
 
+    chunk = SIZE["model.num_layers"] // (sets["parallel.pipeline"] * sets["parallel.virtual_stages"])
     cfg, mesh, setup, state, batch = audit.abstract_step(small_config(**sets), jax.devices()[:n])
     with jax.set_mesh(mesh):
         jaxpr = step_lib.jit_train_step(setup).trace(state, batch).jaxpr
     return [(e.params["length"], e.params["unroll"]) for e in jaxpr_eqns(jaxpr.jaxpr)
-            if e.primitive.name == "scan" and e.params["length"] >= 11]
+            if e.primitive.name == "scan" and e.params["length"] >= chunk - 1]
 
 
 @pytest.mark.parametrize("what", list(UNROLLED))
