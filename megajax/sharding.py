@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
@@ -179,6 +180,39 @@ def tensor_manual(fn, args, in_specs, out_spec):
     out = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec, axis_names={"tensor"},
                         check_vma=False)(*args)
     return vary(out, sorted(set().union(*map(varying_axes, args))))
+
+
+class CollectiveOrder:
+    """One order of completion for the collectives of a traced region, on XLA's CPU runtime.
+
+    XLA's CPU runtime orders the collectives of a computation only by when they start, and it counts a
+    conditional or a loop as started as soon as it is, not when the collectives inside it run: the next
+    collective may start while the conditional's is still waiting, so a device may wait in two collectives at
+    once. The CPU client keeps threads for one wait per device (max(cores, devices)); on a small machine the
+    waits take every thread and the step hangs until XLA aborts it (the interleaved pipeline with tensor 2 and
+    sequence parallelism, on 4 devices of 2 cores, did in most runs). So each operation this orders reads a
+    value the one before it wrote (`before`, `after`), which the runtime waits for: one collective at a time
+    on each device, in program order, the same on every device. GPU programs are one schedule already (and an
+    export is for another platform): there it does nothing. tests/test_layouts.py checks the compiled CPU
+    programs (`megajax.hlo.unordered_collectives`)."""
+
+    def __init__(self):
+        self.on = step_plan.in_force().platform == "cpu"
+        self._last = None  # a scalar the last ordered operation wrote
+
+    def before(self, x: jax.Array) -> jax.Array:
+        """x, read only once the last ordered operation has finished (the same value)."""
+        if not self.on or self._last is None:
+            return x
+        never = jax.lax.optimization_barrier(jnp.zeros((), bool))  # false, but not to XLA's simplifier
+        return jnp.where(never, x + self._last.astype(x.dtype), x)
+
+    def after(self, tree):
+        """Marks `tree`, results of an ordered operation that some branch of it computes (a result every branch
+        passes through leaves the conditional), as what the next ordered operation waits for; returns it."""
+        if self.on:
+            self._last = min(jax.tree.leaves(tree), key=lambda a: a.size).reshape(-1)[0]
+        return tree
 
 
 def psum(x, axis: Axis):

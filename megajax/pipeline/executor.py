@@ -65,7 +65,7 @@ from megajax.pipeline.ticks import ACTIONS, FIELDS, FINAL, LAST_KEEP, NONE, Segm
 from megajax.pipeline.layout import local_chunks
 from megajax.pipeline.schedule import perm_pairs
 from megajax.pipeline.zero_bubble import _SplitChunkActions
-from megajax.sharding import vary
+from megajax.sharding import CollectiveOrder, vary
 
 
 def _local_kinds(present: tuple[int, ...], kinds: np.ndarray) -> jax.Array:
@@ -133,13 +133,14 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
             xs = jax.tree.map(lambda x: x.reshape(-1, 2, *x.shape[1:]), xs)
 
             def pair(carry, row2, tick=tick, parity=seg.parity, i=i):
-                carry = tick(carry, jax.tree.map(lambda x: x[0], row2), parity, ticks.scope(i, 0))
-                return tick(carry, jax.tree.map(lambda x: x[1], row2), 1 - parity, ticks.scope(i, 1)), None
+                order = CollectiveOrder()
+                carry = tick(carry, jax.tree.map(lambda x: x[0], row2), parity, ticks.scope(i, 0), order)
+                return tick(carry, jax.tree.map(lambda x: x[1], row2), 1 - parity, ticks.scope(i, 1), order), None
 
             carry, _ = jax.lax.scan(pair, carry, xs)
         else:
-            carry, _ = jax.lax.scan(lambda carry, row, tick=tick, i=i: (tick(carry, row, None, ticks.scope(i, 0)),
-                                                                        None), carry, xs)
+            carry, _ = jax.lax.scan(lambda carry, row, tick=tick, i=i: (
+                tick(carry, row, None, ticks.scope(i, 0), CollectiveOrder()), None), carry, xs)
     grads = {k: jax.lax.psum(g, "pipeline") for k, g in carry["g_shared"].items()}
     if reductions is None:
         grads["layers"] = jax.tree.map(lambda g: g[:, None], carry["g_layers"])
@@ -153,7 +154,8 @@ def _code(seg: Segment, row: dict, key: str) -> jax.Array:
     return jnp.asarray(getattr(seg, key))[row[key + "_kind"]]
 
 
-def backward(acts: _ChunkActions, seg: Segment, row: dict, scope: str, res, g, g_layers, g_shared, *more) -> tuple:
+def backward(acts: _ChunkActions, seg: Segment, row: dict, scope: str, order: CollectiveOrder, res, g, g_layers,
+             g_shared, *more) -> tuple:
     """B: (gradient to send, g_layers, g_shared, *more) after the tick's backward, whatever chunk it runs, the
     accumulators (g_layers, g_shared, and g_final or zero_bubble's dys) as `_ChunkActions.backward_branch`
     leaves them, or as they are when the tick runs none. Each group of backward kinds (`ticks.backward_groups`:
@@ -164,7 +166,7 @@ def backward(acts: _ChunkActions, seg: Segment, row: dict, scope: str, res, g, g
     Why not one switch over the kinds: XLA's copy insertion copies a buffer that a conditional of more than two
     branches updates in place in some branches and passes through in others (the fp32 gradient accumulators,
     the embedding's gradients), in each such branch, and holds the copy beside the original; a two-way
-    conditional whose first branch passes it through updates it in place."""
+    conditional whose first branch passes it through updates it in place. Each conditional is in `order`."""
     code = _code(seg, row, "b")
     out = (jnp.zeros_like(g), g_layers, g_shared, *more)
     for i, final in enumerate(ticks.backward_groups(seg.b), 1):
@@ -172,20 +174,22 @@ def backward(acts: _ChunkActions, seg: Segment, row: dict, scope: str, res, g, g
             return tuple(acts.backward_branch(final)(res, g, *out[1:], row))
 
         with jax.named_scope(f"{scope}_b{i}"):
-            out = jax.lax.cond(ticks.in_backward_group(code, final), run, lambda out: out, out)
+            out = jax.lax.cond(order.before(ticks.in_backward_group(code, final)), run, lambda out: out, out)
+            order.after(out[0])
     dx, g_layers, g_shared, *more = out
     first = ticks.first_backward(code)
     if any(ticks.first_backward(k) for k in seg.b):
         with jax.named_scope(f"{scope}_e1"):
-            g_shared = jax.lax.cond(first, lambda gs: vary(acts.embedding_backward(dx, row, gs)), lambda gs: gs,
-                                    g_shared)
+            g_shared = order.after(jax.lax.cond(order.before(first), lambda gs: vary(acts.embedding_backward(
+                dx, row, gs)), lambda gs: gs, g_shared))
     return (jnp.where(first, jnp.zeros_like(dx), dx), g_layers, g_shared, *more)
 
 
-def _tick(acts: _ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, row: dict, parity, scope: str):
+def _tick(acts: _ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, row: dict, parity, scope: str,
+          order: CollectiveOrder):
     """One tick of one rank: W (zero_bubble), B, then R (it reads its stash before a forward may reuse the
     slot), then F, then the sends (see the module docstring), then X and G (an idle tick's data-parallel reduction
-    or weight gather); each switch under the name scope_<action>."""
+    or weight gather); each switch under the name scope_<action>, each conditional and send in `order`."""
     row = {k: jnp.clip(val[rank], 0, None) for k, val in row.items()}
     named = lambda key: jax.named_scope(f"{scope}_{key}")  # noqa: E731
     if "whole" in carry:  # the weights gathered so far (parallel.overlap_param_gather): what the actions read
@@ -195,11 +199,12 @@ def _tick(acts: _ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, 
     split = "dys" in carry
     if split:  # the weight gradients of the last backward, before R or F replace its residuals
         with named("w"):
-            carry["g_layers"] = jax.lax.switch(row["w_kind"], [acts.weight_branch(k) for k in seg.w], carry["res"],
-                                               carry["dys"], carry["g_layers"], row)
+            carry["g_layers"] = order.after(jax.lax.switch(
+                order.before(row["w_kind"]), [acts.weight_branch(k) for k in seg.w], carry["res"], carry["dys"],
+                carry["g_layers"], row))
     extra = "dys" if split else "g_final" if "g_final" in carry else None
-    b_out = backward(acts, seg, row, scope, carry["res"], carry["grad"][row["b_grad_slot"]], carry["g_layers"],
-                     carry["g_shared"], *((carry[extra],) if extra else ()))
+    b_out = backward(acts, seg, row, scope, order, carry["res"], carry["grad"][row["b_grad_slot"]],
+                     carry["g_layers"], carry["g_shared"], *((carry[extra],) if extra else ()))
     send_grad, carry["g_layers"], carry["g_shared"] = b_out[:3]
     if extra:
         carry[extra] = b_out[3]
@@ -213,13 +218,16 @@ def _tick(acts: _ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, 
         slot = row["r_slot"]
         if LAST_KEEP in seg.r:
             slot = jnp.where(_code(seg, row, "r") == LAST_KEEP, row["f_slot"], slot)
-        carry["res"], y_kept = jax.lax.switch(row["r_kind"], [acts.recompute_branch(k, split) for k in seg.r],
+        carry["res"], y_kept = jax.lax.switch(order.before(row["r_kind"]),
+                                              [acts.recompute_branch(k, split) for k in seg.r],
                                               carry["act"][slot], *((carry["res"],) if split else ()), row)
+        order.after(carry["res"])
     gathering = any(k & ticks.GATHER for k in seg.f)  # (a forward that gathers its chunk's weights)
     with named("f"):
         send_act, stash, y_last, *whole = jax.lax.switch(
-            row["f_kind"], [acts.forward_branch(k) for k in seg.f], carry["act"][row["f_slot"]],
+            order.before(row["f_kind"]), [acts.forward_branch(k) for k in seg.f], carry["act"][row["f_slot"]],
             *((carry["whole"],) if gathering else ()), row)
+        order.after(send_act)
     if gathering:
         carry["whole"] = whole[0]
     g_self = jnp.zeros_like(stash)
@@ -228,32 +236,35 @@ def _tick(acts: _ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, 
         y = jnp.where(f_code == LAST_KEEP, y_kept, y_last) if LAST_KEEP in seg.f else y_last
         with jax.named_scope(f"{scope}_h1"):  # (zeros made in the first branch: XLA packed the 8B rows better)
             loss, g_self, carry["g_shared"] = jax.lax.cond(
-                ticks.runs_head(f_code), lambda gs: acts.head_branch(y, gs, row),
+                order.before(ticks.runs_head(f_code)), lambda gs: acts.head_branch(y, gs, row),
                 lambda gs: vary((jnp.zeros((), jnp.float32), jnp.zeros_like(y), gs)), carry["g_shared"])
+            order.after(loss)
         carry["loss"] = carry["loss"] + loss
     carry["act"] = carry["act"].at[row["f_slot"]].set(stash)  # (the trash slot when no forward)
     carry["grad"] = carry["grad"].at[row["f_grad_slot"]].set(g_self)
     perms = perm_pairs(p, v, parity is not None, parity or 0)  # none: p = 2 without a ring, after a swap
+    send = lambda x, pairs: order.after(jax.lax.ppermute(order.before(x), "pipeline", pairs))  # noqa: E731
     if perms and parity is None:
-        carry["act"] = carry["act"].at[row["recv_act"]].set(jax.lax.ppermute(send_act, "pipeline", perms[0]))
+        carry["act"] = carry["act"].at[row["recv_act"]].set(send(send_act, perms[0]))
     elif perms and len(perms) == 1:
         forward_role = (rank + parity) % 2 == 0
-        recv = jax.lax.ppermute(jnp.where(forward_role, send_act, send_grad), "pipeline", perms[0])
+        recv = send(jnp.where(forward_role, send_act, send_grad), perms[0])
         carry["act"] = carry["act"].at[row["recv_act"]].set(recv)
         carry["grad"] = carry["grad"].at[row["recv_grad"]].set(recv)
     elif perms:
-        carry["act"] = carry["act"].at[row["recv_act"]].set(jax.lax.ppermute(send_act, "pipeline", perms[0]))
-        carry["grad"] = carry["grad"].at[row["recv_grad"]].set(jax.lax.ppermute(send_grad, "pipeline", perms[1]))
+        carry["act"] = carry["act"].at[row["recv_act"]].set(send(send_act, perms[0]))
+        carry["grad"] = carry["grad"].at[row["recv_grad"]].set(send(send_grad, perms[1]))
     if "g_final" in carry:  # an idle tick's data-parallel reduction, after the sends (nothing waits for it)
         with named("x"):
-            carry["g_final"] = jax.lax.switch(row["x_kind"], [acts.reduce_branch(k) for k in seg.x],
-                                              carry["g_layers"], carry["g_final"], row)
+            carry["g_final"] = order.after(jax.lax.switch(order.before(row["x_kind"]),
+                                                          [acts.reduce_branch(k) for k in seg.x],
+                                                          carry["g_layers"], carry["g_final"], row))
     if "whole" in carry and seg.g != (NONE,):  # an idle tick's gather, after the sends (like X)
         # (one two-way conditional per layer count, scope_g<i>, whose first branch passes `whole` through: a switch
         # over the counts made XLA copy it, as B's did its accumulators; written so, X's made some presets worse)
         code = _code(seg, row, "g")
         for i, k in enumerate(seg.g[1:], 1):
             with jax.named_scope(f"{scope}_g{i}"):
-                carry["whole"] = jax.lax.cond(code == k, acts.gather_branch(k), lambda whole, row: whole,
-                                              carry["whole"], row)
+                carry["whole"] = order.after(jax.lax.cond(order.before(code == k), acts.gather_branch(k),
+                                                          lambda whole, row: whole, carry["whole"], row))
     return carry
