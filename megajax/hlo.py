@@ -487,3 +487,52 @@ def overlap(collectives: list[Collective], peak_flops: float, nvlink_bytes_s: fl
     for row in table.values():
         row["overlapped_fraction"] = row["overlapped_bytes"] / row["bytes"] if row["bytes"] else 1.0
     return dict(sorted(table.items()))
+
+
+_NESTING = ("while", "conditional", "call", "async-start")  # ops that run computations of their own
+
+
+def unordered_collectives(hlo_text: str) -> list[tuple[str, str, str]]:
+    """(computation, op, next op) wherever a compiled CPU program lets a device wait in two collectives at once:
+    an op that runs a computation holding a collective (a conditional, a loop, a call), and the next op in its
+    computation's schedule that holds or is one, which does not read what the first wrote.
+
+    XLA's CPU runtime starts a computation's collectives in schedule order but waits for an op's completion only
+    where a later op reads a buffer it writes; a conditional counts as started before the collectives inside it
+    run, so the next collective can start beside them (a collective op alone runs to its end before the next
+    one starts). The CPU client has threads for one waiting collective per device, so two at once can starve
+    each other and hang the step (`megajax.sharding.CollectiveOrder`)."""
+    comps, *_ = _walk(hlo_text)
+    holds: dict[str, bool] = {}
+
+    def holds_collective(comp: str) -> bool:
+        if comp not in holds:
+            holds[comp] = False  # (a recursive call guard; HLO has no recursion)
+            holds[comp] = any(_kind(op) or (op in _NESTING and any(holds_collective(c) for c, _, _ in
+                                                                     _callees(op, rest)))
+                              for _, _, op, rest in comps.get(comp, ()))
+        return holds[comp]
+
+    out = []
+    for comp, ops in comps.items():
+        names = {name for name, *_ in ops}
+        # operands only: control predecessors order XLA's schedule, not the CPU runtime
+        reads = {name: set(re.findall(r"%([\w.\-]+)", re.sub(r"control-predecessors=\{[^}]*\}", "", rest))) & names
+                 for name, _, _, rest in ops}
+
+        def reads_from(later: str, earlier: str) -> bool:
+            seen, stack = set(), [later]
+            while stack:
+                x = stack.pop()
+                if x == earlier:
+                    return True
+                if x not in seen:
+                    seen.add(x)
+                    stack.extend(reads[x])
+            return False
+
+        marked = [(name, op in _NESTING) for name, _, op, rest in ops
+                  if _kind(op) or (op in _NESTING and any(holds_collective(c) for c, _, _ in _callees(op, rest)))]
+        out += [(comp, a, b) for (a, nested), (b, _) in zip(marked, marked[1:])
+                if nested and not reads_from(b, a)]
+    return out

@@ -15,6 +15,7 @@ Parameters and activations have separate rules: the sequence axis of the residua
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -190,11 +191,12 @@ class CollectiveOrder:
     collective may start while the conditional's is still waiting, so a device may wait in two collectives at
     once. The CPU client keeps threads for one wait per device (max(cores, devices)); on a small machine the
     waits take every thread and the step hangs until XLA aborts it (the interleaved pipeline with tensor 2 and
-    sequence parallelism, on 4 devices of 2 cores, did in most runs). So each operation this orders reads a
-    value the one before it wrote (`before`, `after`), which the runtime waits for: one collective at a time
-    on each device, in program order, the same on every device. GPU programs are one schedule already (and an
-    export is for another platform): there it does nothing. tests/test_layouts.py checks the compiled CPU
-    programs (`megajax.hlo.unordered_collectives`)."""
+    sequence parallelism, on 4 devices of 2 cores, did in most runs). So each operation this runs (`cond`,
+    `switch`, `ppermute`; or any, between `before` and `after`) reads a value the one before it wrote, which the
+    runtime waits for: one collective at a time on each device, in program order, the same on every device.
+    GPU programs are one schedule already (and an export is for another platform): there it does nothing.
+    `megajax.hlo.unordered_collectives` finds what it leaves out in a compiled CPU program (the layout tests
+    check every program they run)."""
 
     def __init__(self):
         self.on = step_plan.in_force().platform == "cpu"
@@ -204,15 +206,40 @@ class CollectiveOrder:
         """x, read only once the last ordered operation has finished (the same value)."""
         if not self.on or self._last is None:
             return x
-        never = jax.lax.optimization_barrier(jnp.zeros((), bool))  # false, but not to XLA's simplifier
-        return jnp.where(never, x + self._last.astype(x.dtype), x)
+        return _after(x, self._last)
 
-    def after(self, tree):
-        """Marks `tree`, results of an ordered operation that some branch of it computes (a result every branch
-        passes through leaves the conditional), as what the next ordered operation waits for; returns it."""
+    def after(self, outputs, inputs=()):
+        """Marks `outputs` of ordered operations as what the next one waits for (returns them): each of its
+        results that is not one of its `inputs` (jax forwards a conditional's operand that every branch passes
+        through, and XLA would not wait for the conditional to read it). Each result may come from a collective
+        of its own (XLA moves a loop's reductions out of it), so the mark reads an element of every one."""
         if self.on:
-            self._last = min(jax.tree.leaves(tree), key=lambda a: a.size).reshape(-1)[0]
-        return tree
+            given = {id(a) for a in jax.tree.leaves(inputs)}
+            made = [a.reshape(-1)[0].astype(jnp.float32) for a in jax.tree.leaves(outputs)
+                    if id(a) not in given and a.size]
+            if made:
+                self._last = functools.reduce(jnp.add, made)
+        return outputs
+
+    def cond(self, pred, true_fn, false_fn, *operands):
+        """jax.lax.cond, in order."""
+        return self.after(jax.lax.cond(self.before(pred), true_fn, false_fn, *operands), operands)
+
+    def switch(self, index, branches, *operands):
+        """jax.lax.switch, in order."""
+        return self.after(jax.lax.switch(self.before(index), branches, *operands), operands)
+
+    def ppermute(self, x, axis_name, perm):
+        """jax.lax.ppermute, in order."""
+        return self.after(jax.lax.ppermute(self.before(x), axis_name, perm))
+
+
+@jax.jit
+def _after(x: jax.Array, last: jax.Array) -> jax.Array:
+    """x, computed from `last` too: `last < -inf` is false for every float (NaN too), but XLA's simplifier does not
+    know it (a constant false behind an optimization barrier did not survive XLA's CPU passes). `divergence` reads
+    this function's name: its result is x."""
+    return jnp.where(last < -jnp.inf, x + last.astype(x.dtype), x)
 
 
 def psum(x, axis: Axis):

@@ -343,17 +343,20 @@ def accumulate_grads(cfg: Config, params, batch: dict, seed_scale: jax.Array, re
         (loss, grads), _ = jax.lax.scan(body, (loss, jax.tree.map(jnp.zeros_like, sharding.vary(params))), mbs)
         return loss, grads
     differentiate = jax.grad(overlap.reducing_loss, has_aux=True)
-    at = lambda idx: jax.tree.map(lambda x: x[idx], mbs)  # noqa: E731
+    # each part below starts once the collectives of the one before have finished (CPU runtime: CollectiveOrder)
+    order = sharding.CollectiveOrder()
+    at = lambda idx: jax.tree.map(lambda x: order.before(x[idx]), mbs)  # noqa: E731
     if m > 1 and any(r.gather for r in jax.tree.leaves(reductions)):
         # the first micro batch gathers the weights (and keeps them whole for the rest); its gradient stays local
         local = jax.tree.map(lambda r: dataclasses.replace(r, local=True), reductions)
-        acc, (raw, weights) = differentiate(overlap.sinks(params, local), cfg, params, None, local, at(0), seed_scale)
+        acc, (raw, weights) = order.after(differentiate(overlap.sinks(params, local), cfg, params, None, local,
+                                                        at(0), seed_scale))
         loss, mbs = loss + raw, jax.tree.map(lambda x: x[1:], mbs)
         reductions = jax.tree.map(lambda r: dataclasses.replace(r, gather=False), reductions)
     if jax.tree.leaves(mbs)[0].shape[0] > 1:
         if acc is None:
             acc = jax.tree.map(jnp.zeros_like, sharding.vary(weights))
-        (loss, acc), _ = jax.lax.scan(body, (loss, sharding.vary(acc)), jax.tree.map(lambda x: x[:-1], mbs))
+        (loss, acc), _ = order.after(jax.lax.scan(body, (loss, sharding.vary(acc)), at(slice(None, -1))))
     grads, (raw, _) = differentiate(overlap.sinks(weights, reductions), cfg, weights, acc, reductions, at(-1),
                                     seed_scale)
     return loss + raw, grads
@@ -376,7 +379,9 @@ def sharded_grads(cfg: Config, params, batch: dict, seed_scale: jax.Array, reduc
     plan = step_plan.in_force()
     differentiate = jax.grad(overlap.reducing_loss, has_aux=True)
     mbs = micro_batches(batch, cfg.num_micro_batches)
-    at = lambda idx: jax.tree.map(lambda x: x[idx], mbs)  # noqa: E731
+    # each part below starts once the collectives of the one before have finished (CPU runtime: CollectiveOrder)
+    order = sharding.CollectiveOrder()
+    at = lambda idx: jax.tree.map(lambda x: order.before(x[idx]), mbs)  # noqa: E731
     loss = sharding.vary(jnp.zeros((), jnp.float32), sharding.GRAD)
 
     def run(mb, reductions, weights):
@@ -396,7 +401,7 @@ def sharded_grads(cfg: Config, params, batch: dict, seed_scale: jax.Array, reduc
     weights, grads = dict(params), None
     if not plan.shard_params and any(r.gather for r in jax.tree.leaves(reductions["layers"])):
         # ZeRO-2 with overlap_param_gather: the first micro batch gathers every weight, the layers' under its forward
-        grads, (raw, weights) = run(at(0), changed(reductions, local=True), params)
+        grads, (raw, weights) = order.after(run(at(0), changed(reductions, local=True), params))
         loss, mbs = loss + raw, jax.tree.map(lambda x: x[1:], mbs)
         rest = changed(changed(reductions, layers=True, gather=False), local=True)
     else:  # the embedding's and head's gathered here, the rest (ZeRO-3's layers) in every micro batch
@@ -408,10 +413,11 @@ def sharded_grads(cfg: Config, params, batch: dict, seed_scale: jax.Array, reduc
         g, (raw, _) = run(mb, rest, weights)
         return (loss + raw, jax.tree.map(jnp.add, grads, g)), None
 
-    (loss, grads), _ = jax.lax.scan(body, (loss, overlap.sinks(weights, rest) if grads is None else grads), mbs)
+    (loss, grads), _ = order.after(jax.lax.scan(body, (loss, overlap.sinks(weights, rest) if grads is None else grads),
+                                                at(slice(None))))
     # the embedding's and head's summed gradients, reduced once
-    grads.update({k: jax.tree.map(lambda r, g: dataclasses.replace(r, local=False)(g), rest[k], grads[k])
-                  for k in top})
+    grads.update({k: jax.tree.map(lambda r, g: dataclasses.replace(r, local=False)(order.before(g)), rest[k],
+                                  grads[k]) for k in top})
     return loss, grads
 
 

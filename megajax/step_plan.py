@@ -22,7 +22,7 @@ What the plan holds, and who reads it:
 | gather_in_forward | the weights kept as optimizer shards, gathered under the next forward | step, ticks |
 | shard_grads | ZeRO-2/3: every micro batch's gradients reduce-scattered in its backward, summed as shards | step |
 | shard_params | ZeRO-3: the weights kept as shards, gathered by layer in each forward and backward | step, overlap |
-| platform | the platform of the mesh's devices ("cpu", "gpu"), set by `step.build`; None where the step is lowered for another (an export) | `platform_dependent`: the kernels, collective matmuls, MoE, the loss |
+| platform | the platform of the mesh's devices ("cpu", "gpu"), set by `step.build`; None where the step is lowered for another (an export) | `platform_dependent`: the kernels, collective matmuls, MoE, the loss; `sharding.CollectiveOrder` (CPU) |
 
 A mesh axis of size 1 is never manual: XLA rejects a reduction over a manual axis of size 1 when every manual axis
 has size 1 (jax 0.10.2: "Cross-partition allreduce must be in (partial) manual partitioning mode"), and such an

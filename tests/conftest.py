@@ -15,7 +15,13 @@ from megajax import xla_flags  # noqa: E402  (imports no jax)
 # Tests compile far more than they run: LLVM at -O0 builds the CPU programs about a third faster (three layout and
 # pipeline tests: 74 s -> 47 s), computing the same things; the CLI subprocesses get it too (`cli_env`).
 FAST_COMPILE = "--xla_backend_optimization_level=0"
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+# A deadlock (ranks waiting in different collectives) ends its process after this many seconds instead of XLA's 40,
+# with XLA's message naming each collective still waiting and its devices (after 5 s, who has not arrived);
+# pytest-xdist then names the test, whose id names the layout. A CPU step's collectives wait for the slowest device
+# by well under a second in these tests. The CLI subprocesses get it too (`cli_env`).
+WATCHDOG = ("--xla_cpu_collective_call_terminate_timeout_seconds=20 "
+            "--xla_cpu_collective_call_warn_stuck_timeout_seconds=5")
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 " + WATCHDOG
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " " + FAST_COMPILE
 xla_flags.install()  # the GPU flags train and audit run with: the compile-only GPU tests see them too
@@ -121,11 +127,23 @@ def run_steps(cfg: config_lib.Config, num_devices: int, steps: int, *, return_st
         for i in range(steps):
             batch = global_batch(data, i * cfg.train.global_batch_size, cfg.train.global_batch_size,
                                  setup.batch_shardings)
+            if i == 0:
+                step_fn = step_fn.lower(state, batch).compile()
+                assert_collectives_ordered(step_fn.as_text())
             state, stats = step_fn(state, batch)
             losses.append(float(stats["loss"]))
             if grad_norms is not None:
                 grad_norms.append(float(stats["grad_norm"]))
     return (losses, state, setup) if return_state else losses
+
+
+def assert_collectives_ordered(hlo_text: str) -> None:
+    """No device of the compiled CPU program can wait in two collectives at once (megajax.hlo.unordered_collectives:
+    on 2 cores such waits starve each other's threads and the step hangs)."""
+    from megajax import hlo
+
+    unordered = hlo.unordered_collectives(hlo_text)
+    assert not unordered, f"collectives a device may wait in at once (computation, op, next op): {unordered[:5]}"
 
 
 def first_batch(cfg: config_lib.Config, num_devices: int):
@@ -180,7 +198,7 @@ CLI_SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", 
 def cli_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
     env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}, **extra)
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FAST_COMPILE} {WATCHDOG}".strip()
     return env
 
 

@@ -268,7 +268,11 @@ def name(c: dict) -> str:
             + (f"-{s['parallel.schedule']}v{s['parallel.virtual_stages']}" if p > 1 else ""))
 
 
-DEFAULT = default_cases()
+# The layouts that hung on CPU devices until the pipeline's ticks ran their collectives one at a time
+# (sharding.CollectiveOrder): the interleaved schedule with tensor 2 and sequence parallelism, alone and with data 2,
+# ZeRO-2 and the overlapped reduction (tests/test_divergence.py runs each in 20 fresh processes, -m slow).
+HUNG = [case("gpt2", 1, 2, 2, True, 0, "interleaved", 2), case("gpt2", 2, 2, 2, True, 2, "interleaved", 2, overlap=1)]
+DEFAULT = default_cases() + HUNG
 _DEFAULT_NAMES = {name(c) for c in DEFAULT}
 SPACE = space()
 CASES = DEFAULT + [c for c in SPACE if name(c) not in _DEFAULT_NAMES]
@@ -417,3 +421,83 @@ def test_unrolled_layers_match_one_device(what):
     ref_losses, ref_norms = reference(c["arch"], None)
     np.testing.assert_allclose(got, ref_losses, rtol=1e-4)
     np.testing.assert_allclose(norms, ref_norms, rtol=1e-4)
+
+
+# Every rank of a collective's group takes the same path to it (megajax.divergence), checked on the traced step of
+# every combination of schedule (or none), tensor parallelism (without and with sequence parallelism), what the data
+# ranks shard (ZeRO-0 to 3), the overlapped reduction and gather, and a dense or mixture-of-experts model, as the
+# config accepts them; and of the layouts that add conditionals or collectives of their own: sequence parallelism's
+# collective matmuls (collectives over a manual 'tensor'), context parallelism's ring and all-gather (a conditional
+# on the context rank), uneven pipeline stages (a conditional on each layer slot), folded experts and the ragged
+# exchange. Traced only, never compiled or run: a tiny model (one layer per pipeline chunk), 8 devices.
+GUARD_SIZE = {"model.num_layers": 4, "model.hidden_size": 32, "model.num_heads": 4, "model.seq_length": 16,
+              "model.ffn_hidden_size": 64, "train.global_batch_size": 8, "train.micro_batch_size": 2}
+GUARD_MOE = {"model.num_experts": 4, "model.experts_per_token": 2, "model.moe_ffn_hidden_size": 16,
+             "parallel.expert": 2}
+
+
+def guard_case(schedule: str | None, t: int, sp: bool, zero: int, overlap: int, moe: bool, **extra) -> dict:
+    p = 1 if schedule is None else 2
+    sets = {**GUARD_SIZE, **(GUARD_MOE if moe else {}), "parallel.data": 2, "parallel.pipeline": p,
+            "parallel.tensor": t, "parallel.sequence_parallel": sp,
+            "parallel.data_parallel_sharding_strategy": STRATEGIES[zero], "parallel.overlap_grad_reduce": overlap > 0,
+            "parallel.overlap_param_gather": overlap == 2, "parallel.schedule": schedule or "1f1b",
+            "parallel.virtual_stages": 2 if schedule == "interleaved" else 1, "parallel.tp_comm_overlap": False,
+            "parallel.expert": GUARD_MOE["parallel.expert"] if moe else 1, **extra}
+    return {"n": 2 * p * t * sets.get("parallel.context", 1), "sets": sets}
+
+
+def guard_space() -> dict[str, dict]:
+    out = {}
+    for schedule, (t, sp), moe in itertools.product((None, "gpipe", "1f1b", "interleaved", "zero_bubble"),
+                                                    ((1, False), (2, False), (2, True)), (False, True)):
+        p = 1 if schedule is None else 2
+        for zero in zeros(2, p, schedule or "1f1b"):
+            for overlap in overlaps(2, p, schedule or "1f1b", zero):
+                c = guard_case(schedule, t, sp, zero, overlap, moe)
+                out[name({"arch": "gpt2", "moe": moe, "sets": c["sets"]})] = c
+    extras = {
+        "ring": guard_case(None, 2, True, 1, 1, False, **{"parallel.tp_comm_overlap": True}),
+        "ring-pipeline": guard_case("1f1b", 2, True, 1, 0, False, **{"parallel.tp_comm_overlap": True}),
+        "context-ring": guard_case(None, 2, True, 1, 1, False, **{"parallel.context": 2}),
+        "context-all-gather-pipeline": guard_case("1f1b", 1, False, 1, 1, False, **{"parallel.context": 2}),
+        "uneven-1f1b": guard_case("1f1b", 1, False, 1, 1, False, **{
+            "model.num_layers": 5, "parallel.decoder_first_pipeline_num_layers": 2}),
+        "uneven-interleaved-moe": guard_case("interleaved", 2, True, 1, 1, True, **{
+            "model.num_layers": 6, "parallel.decoder_first_pipeline_num_layers": 2}),
+        "fold-ragged": guard_case("1f1b", 2, True, 1, 0, True, **{"parallel.expert_tensor": 1,
+                                                                  "parallel.expert_all_to_all": "ragged"}),
+    }
+    out.update({f"extra-{k}": c for k, c in extras.items()})
+    return out
+
+
+GUARD = guard_space()
+
+
+def test_the_guard_covers_the_combinations():
+    """Every (schedule, tensor, sequence parallelism, ZeRO, overlap, MoE) the config accepts at data 2 is traced."""
+    combos = {(c["sets"]["parallel.pipeline"] > 1 and c["sets"]["parallel.schedule"], c["sets"]["parallel.tensor"],
+               c["sets"]["parallel.sequence_parallel"], zero_of(c["sets"]), c["sets"]["parallel.overlap_grad_reduce"]
+               + c["sets"]["parallel.overlap_param_gather"], "model.num_experts" in c["sets"])
+              for k, c in GUARD.items() if not k.startswith("extra-")}
+    assert len(combos) == len(GUARD) - 7 and {s for s, *_ in combos} == {False, "gpipe", "1f1b", "interleaved",
+                                                                         "zero_bubble"}
+    for c in GUARD.values():
+        small_config(**c["sets"]).for_devices(c["n"])  # (the config accepts it)
+
+
+@pytest.mark.parametrize("key", list(GUARD))
+def test_every_rank_takes_the_same_path_to_each_collective(key):
+    import jax
+
+    from megajax import audit, divergence, step as step_lib
+
+    c = GUARD[key]
+    cfg, mesh, setup, state, batch = audit.abstract_step(small_config(**c["sets"]), jax.devices()[:c["n"]])
+    with jax.set_mesh(mesh):
+        jaxpr = step_lib.jit_train_step(setup).trace(state, batch).jaxpr
+    guarded = []
+    assert not [str(d) for d in divergence.check(jaxpr, guarded)]
+    if c["sets"]["parallel.pipeline"] > 1:  # (the walk saw the schedule's conditionals on the pipeline rank)
+        assert any("pipeline" in pred for _, pred, _ in guarded), guarded

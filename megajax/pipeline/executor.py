@@ -174,14 +174,13 @@ def backward(acts: _ChunkActions, seg: Segment, row: dict, scope: str, order: Co
             return tuple(acts.backward_branch(final)(res, g, *out[1:], row))
 
         with jax.named_scope(f"{scope}_b{i}"):
-            out = jax.lax.cond(order.before(ticks.in_backward_group(code, final)), run, lambda out: out, out)
-            order.after(out[0])
+            out = order.cond(ticks.in_backward_group(code, final), run, lambda out: out, out)
     dx, g_layers, g_shared, *more = out
     first = ticks.first_backward(code)
     if any(ticks.first_backward(k) for k in seg.b):
         with jax.named_scope(f"{scope}_e1"):
-            g_shared = order.after(jax.lax.cond(order.before(first), lambda gs: vary(acts.embedding_backward(
-                dx, row, gs)), lambda gs: gs, g_shared))
+            g_shared = order.cond(first, lambda gs: vary(acts.embedding_backward(dx, row, gs)), lambda gs: gs,
+                                  g_shared)
     return (jnp.where(first, jnp.zeros_like(dx), dx), g_layers, g_shared, *more)
 
 
@@ -199,9 +198,8 @@ def _tick(acts: _ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, 
     split = "dys" in carry
     if split:  # the weight gradients of the last backward, before R or F replace its residuals
         with named("w"):
-            carry["g_layers"] = order.after(jax.lax.switch(
-                order.before(row["w_kind"]), [acts.weight_branch(k) for k in seg.w], carry["res"], carry["dys"],
-                carry["g_layers"], row))
+            carry["g_layers"] = order.switch(row["w_kind"], [acts.weight_branch(k) for k in seg.w], carry["res"],
+                                             carry["dys"], carry["g_layers"], row)
     extra = "dys" if split else "g_final" if "g_final" in carry else None
     b_out = backward(acts, seg, row, scope, order, carry["res"], carry["grad"][row["b_grad_slot"]],
                      carry["g_layers"], carry["g_shared"], *((carry[extra],) if extra else ()))
@@ -218,16 +216,13 @@ def _tick(acts: _ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, 
         slot = row["r_slot"]
         if LAST_KEEP in seg.r:
             slot = jnp.where(_code(seg, row, "r") == LAST_KEEP, row["f_slot"], slot)
-        carry["res"], y_kept = jax.lax.switch(order.before(row["r_kind"]),
-                                              [acts.recompute_branch(k, split) for k in seg.r],
-                                              carry["act"][slot], *((carry["res"],) if split else ()), row)
-        order.after(carry["res"])
+        carry["res"], y_kept = order.switch(row["r_kind"], [acts.recompute_branch(k, split) for k in seg.r],
+                                            carry["act"][slot], *((carry["res"],) if split else ()), row)
     gathering = any(k & ticks.GATHER for k in seg.f)  # (a forward that gathers its chunk's weights)
     with named("f"):
-        send_act, stash, y_last, *whole = jax.lax.switch(
-            order.before(row["f_kind"]), [acts.forward_branch(k) for k in seg.f], carry["act"][row["f_slot"]],
+        send_act, stash, y_last, *whole = order.switch(
+            row["f_kind"], [acts.forward_branch(k) for k in seg.f], carry["act"][row["f_slot"]],
             *((carry["whole"],) if gathering else ()), row)
-        order.after(send_act)
     if gathering:
         carry["whole"] = whole[0]
     g_self = jnp.zeros_like(stash)
@@ -235,36 +230,33 @@ def _tick(acts: _ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, 
         f_code = _code(seg, row, "f")
         y = jnp.where(f_code == LAST_KEEP, y_kept, y_last) if LAST_KEEP in seg.f else y_last
         with jax.named_scope(f"{scope}_h1"):  # (zeros made in the first branch: XLA packed the 8B rows better)
-            loss, g_self, carry["g_shared"] = jax.lax.cond(
-                order.before(ticks.runs_head(f_code)), lambda gs: acts.head_branch(y, gs, row),
+            loss, g_self, carry["g_shared"] = order.cond(
+                ticks.runs_head(f_code), lambda gs: acts.head_branch(y, gs, row),
                 lambda gs: vary((jnp.zeros((), jnp.float32), jnp.zeros_like(y), gs)), carry["g_shared"])
-            order.after(loss)
         carry["loss"] = carry["loss"] + loss
     carry["act"] = carry["act"].at[row["f_slot"]].set(stash)  # (the trash slot when no forward)
     carry["grad"] = carry["grad"].at[row["f_grad_slot"]].set(g_self)
     perms = perm_pairs(p, v, parity is not None, parity or 0)  # none: p = 2 without a ring, after a swap
-    send = lambda x, pairs: order.after(jax.lax.ppermute(order.before(x), "pipeline", pairs))  # noqa: E731
     if perms and parity is None:
-        carry["act"] = carry["act"].at[row["recv_act"]].set(send(send_act, perms[0]))
+        carry["act"] = carry["act"].at[row["recv_act"]].set(order.ppermute(send_act, "pipeline", perms[0]))
     elif perms and len(perms) == 1:
         forward_role = (rank + parity) % 2 == 0
-        recv = send(jnp.where(forward_role, send_act, send_grad), perms[0])
+        recv = order.ppermute(jnp.where(forward_role, send_act, send_grad), "pipeline", perms[0])
         carry["act"] = carry["act"].at[row["recv_act"]].set(recv)
         carry["grad"] = carry["grad"].at[row["recv_grad"]].set(recv)
     elif perms:
-        carry["act"] = carry["act"].at[row["recv_act"]].set(send(send_act, perms[0]))
-        carry["grad"] = carry["grad"].at[row["recv_grad"]].set(send(send_grad, perms[1]))
+        carry["act"] = carry["act"].at[row["recv_act"]].set(order.ppermute(send_act, "pipeline", perms[0]))
+        carry["grad"] = carry["grad"].at[row["recv_grad"]].set(order.ppermute(send_grad, "pipeline", perms[1]))
     if "g_final" in carry:  # an idle tick's data-parallel reduction, after the sends (nothing waits for it)
         with named("x"):
-            carry["g_final"] = order.after(jax.lax.switch(order.before(row["x_kind"]),
-                                                          [acts.reduce_branch(k) for k in seg.x],
-                                                          carry["g_layers"], carry["g_final"], row))
+            carry["g_final"] = order.switch(row["x_kind"], [acts.reduce_branch(k) for k in seg.x],
+                                            carry["g_layers"], carry["g_final"], row)
     if "whole" in carry and seg.g != (NONE,):  # an idle tick's gather, after the sends (like X)
         # (one two-way conditional per layer count, scope_g<i>, whose first branch passes `whole` through: a switch
         # over the counts made XLA copy it, as B's did its accumulators; written so, X's made some presets worse)
         code = _code(seg, row, "g")
         for i, k in enumerate(seg.g[1:], 1):
             with jax.named_scope(f"{scope}_g{i}"):
-                carry["whole"] = order.after(jax.lax.cond(order.before(code == k), acts.gather_branch(k),
-                                                          lambda whole, row: whole, carry["whole"], row))
+                carry["whole"] = order.cond(code == k, acts.gather_branch(k), lambda whole, row: whole,
+                                            carry["whole"], row)
     return carry

@@ -17,7 +17,7 @@ from megajax.pipeline import layout
 from megajax.pipeline.chunks import _shared, run_slots
 from megajax.pipeline.layout import local_chunks
 from megajax.pipeline.schedule import perm_pairs
-from megajax.sharding import vary
+from megajax.sharding import CollectiveOrder, vary
 
 
 def _gpipe_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array):
@@ -75,7 +75,8 @@ def _forward_rounds(cfg: Config, layers, shared, mbs, train: bool, objective_sca
                 first = lambda: vary(model.embed_apply(mcfg, shared, mb["tokens"], side).astype(dtype))  # noqa: E731
             else:
                 first = lambda: jax.lax.dynamic_index_in_dim(returned, jnp.clip(k, 0, m - 1), keepdims=False)  # noqa: E731
-            x = jax.lax.cond(rank == 0, first, lambda: x_in)
+            order = CollectiveOrder()  # (each conditional and the send waits for the one before: CPU runtime)
+            x = order.cond(rank == 0, first, lambda: x_in)
             def run(x=x, side=side, w=w, i=i):
                 if split.even:
                     return model.layers_apply(mcfg, w, x, side, (i * p + rank) * lc).astype(dtype)
@@ -83,13 +84,13 @@ def _forward_rounds(cfg: Config, layers, shared, mbs, train: bool, objective_sca
                 return run_slots(mcfg, w, x, side, starts[i, rank] + slot, slot < units[i, rank],
                                  remat=mcfg.recompute == "full").astype(dtype)
 
-            y = jax.lax.cond(active, run, lambda: x)
+            y = order.cond(active, run, lambda: x)
             if i == v - 1:
-                loss = loss + jax.lax.cond(active & (rank == p - 1),
-                                           lambda: vary(model.head_apply(mcfg, shared, y, mb["targets"],
-                                                                         mb["loss_mask"])),
-                                           lambda: vary(jnp.zeros((), jnp.float32)))
-            recv = jax.lax.ppermute(y, "pipeline", perm_pairs(p, v, roles=False, parity=0)[0])
+                loss = loss + order.cond(active & (rank == p - 1),
+                                         lambda: vary(model.head_apply(mcfg, shared, y, mb["targets"],
+                                                                       mb["loss_mask"])),
+                                         lambda: vary(jnp.zeros((), jnp.float32)))
+            recv = order.ppermute(y, "pipeline", perm_pairs(p, v, roles=False, parity=0)[0])
             if returned is not None:  # the micro batch rank p - 1 just finished reaches rank 0 around the ring
                 back = t - (p - 1)
                 keep = (rank == 0) & (back >= 0) & (back < m)
