@@ -429,7 +429,10 @@ def test_unrolled_layers_match_one_device(what):
 # config accepts them; and of the layouts that add conditionals or collectives of their own: sequence parallelism's
 # collective matmuls (collectives over a manual 'tensor'), context parallelism's ring and all-gather (a conditional
 # on the context rank), uneven pipeline stages (a conditional on each layer slot), folded experts and the ragged
-# exchange. Traced only, never compiled or run: a tiny model (one layer per pipeline chunk), 8 devices.
+# exchange. Traced only, never compiled or run: a tiny model (one layer per pipeline chunk), 8 devices. A trace
+# takes 1-4 s (a pipeline's per-rank branches are most of it): the default run traces, for each schedule, every
+# (ZeRO, overlap) and every (tensor, sequence parallelism, MoE) it accepts, rotated against each other
+# (`guard_default`, 41 of the 163); -m slow traces the rest of the product.
 GUARD_SIZE = {"model.num_layers": 4, "model.hidden_size": 32, "model.num_heads": 4, "model.seq_length": 16,
               "model.ffn_hidden_size": 64, "train.global_batch_size": 8, "train.micro_batch_size": 2}
 GUARD_MOE = {"model.num_experts": 4, "model.experts_per_token": 2, "model.moe_ffn_hidden_size": 16,
@@ -475,19 +478,51 @@ def guard_space() -> dict[str, dict]:
 GUARD = guard_space()
 
 
+def guard_default() -> set[str]:
+    """Per schedule, its (ZeRO, overlap) pairs rotated against its (tensor, sequence parallelism, MoE) triples, so
+    that each of either appears at least once; and the extras."""
+    by_schedule: dict = {}
+    for key, c in GUARD.items():
+        if key.startswith("extra-"):
+            continue
+        s = c["sets"]
+        by_schedule.setdefault(s["parallel.pipeline"] > 1 and s["parallel.schedule"], []).append(
+            ((zero_of(s), s["parallel.overlap_grad_reduce"] + s["parallel.overlap_param_gather"]),
+             (s["parallel.tensor"], s["parallel.sequence_parallel"], "model.num_experts" in s), key))
+    out = {k for k in GUARD if k.startswith("extra-")}
+    for rows in by_schedule.values():
+        pairs, triples = sorted({r[0] for r in rows}), sorted({r[1] for r in rows})
+        keys = {(a, b): k for a, b, k in rows}
+        out |= {keys[pairs[i % len(pairs)], triples[i % len(triples)]] for i in range(max(len(pairs), len(triples)))}
+    return out
+
+
+GUARD_DEFAULT = guard_default()
+
+
+def _combo(sets: dict) -> tuple:
+    """(schedule or False, tensor, sequence parallelism, ZeRO level, overlap level, MoE) of a guard case."""
+    return (sets["parallel.pipeline"] > 1 and sets["parallel.schedule"], sets["parallel.tensor"],
+            sets["parallel.sequence_parallel"], zero_of(sets),
+            sets["parallel.overlap_grad_reduce"] + sets["parallel.overlap_param_gather"], "model.num_experts" in sets)
+
+
 def test_the_guard_covers_the_combinations():
-    """Every (schedule, tensor, sequence parallelism, ZeRO, overlap, MoE) the config accepts at data 2 is traced."""
-    combos = {(c["sets"]["parallel.pipeline"] > 1 and c["sets"]["parallel.schedule"], c["sets"]["parallel.tensor"],
-               c["sets"]["parallel.sequence_parallel"], zero_of(c["sets"]), c["sets"]["parallel.overlap_grad_reduce"]
-               + c["sets"]["parallel.overlap_param_gather"], "model.num_experts" in c["sets"])
-              for k, c in GUARD.items() if not k.startswith("extra-")}
-    assert len(combos) == len(GUARD) - 7 and {s for s, *_ in combos} == {False, "gpipe", "1f1b", "interleaved",
-                                                                         "zero_bubble"}
+    """Every (schedule, tensor, sequence parallelism, ZeRO, overlap, MoE) the config accepts at data 2 is traced (the
+    default run: each schedule's every ZeRO x overlap and every tensor x SP x MoE), and the config accepts each."""
+    combos = {k: _combo(c["sets"]) for k, c in GUARD.items() if not k.startswith("extra-")}
+    assert len(set(combos.values())) == len(combos) == len(GUARD) - 7
+    assert {c[0] for c in combos.values()} == {False, "gpipe", "1f1b", "interleaved", "zero_bubble"}
+    for schedule in {c[0] for c in combos.values()}:
+        mine = [c for c in combos.values() if c[0] == schedule]
+        chosen = [c for k, c in combos.items() if c[0] == schedule and k in GUARD_DEFAULT]
+        assert {c[3:5] for c in chosen} == {c[3:5] for c in mine}
+        assert {(c[1], c[2], c[5]) for c in chosen} == {(c[1], c[2], c[5]) for c in mine}
     for c in GUARD.values():
         small_config(**c["sets"]).for_devices(c["n"])  # (the config accepts it)
 
 
-@pytest.mark.parametrize("key", list(GUARD))
+@pytest.mark.parametrize("key", [k if k in GUARD_DEFAULT else pytest.param(k, marks=pytest.mark.slow) for k in GUARD])
 def test_every_rank_takes_the_same_path_to_each_collective(key):
     import jax
 
