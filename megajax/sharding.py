@@ -237,8 +237,8 @@ class CollectiveOrder:
 @jax.jit
 def _after(x: jax.Array, last: jax.Array) -> jax.Array:
     """x, computed from `last` too: `last < -inf` is false for every float (NaN too), but XLA's simplifier does not
-    know it (a constant false behind an optimization barrier did not survive XLA's CPU passes). `divergence` reads
-    this function's name: its result is x."""
+    know it (a constant false behind an optimization barrier did not survive XLA's CPU passes). `megajax.divergence`
+    proves it false, so the gate adds nothing to what the result may differ over."""
     return jnp.where(last < -jnp.inf, x + last.astype(x.dtype), x)
 
 
