@@ -184,16 +184,21 @@ class _Walk:
                     self.found.setdefault((where, prim, d.axes, d.predicate_axes), d)
 
 
-def _collectives(jaxpr: jcore.Jaxpr):
-    """(primitive, axes) of every collective in a jaxpr and the jaxprs it holds, in order."""
+def eqns(jaxpr: jcore.Jaxpr):
+    """Every equation of a jaxpr and of the jaxprs its equations hold (conditional branches, loop bodies, calls),
+    each before those inside it."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name in COLLECTIVES:
-            yield eqn.primitive.name, _axes(eqn)
+        yield eqn
         for value in eqn.params.values():
             for sub in value if isinstance(value, (tuple, list)) else (value,):
                 inner = _inner(sub)
                 if inner is not None:
-                    yield from _collectives(inner)
+                    yield from eqns(inner)
+
+
+def _collectives(jaxpr: jcore.Jaxpr):
+    """(primitive, axes) of every collective in a jaxpr and the jaxprs it holds, in order."""
+    return ((e.primitive.name, _axes(e)) for e in eqns(jaxpr) if e.primitive.name in COLLECTIVES)
 
 
 def check(jaxpr, guarded: list | None = None) -> list[Divergence]:

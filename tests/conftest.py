@@ -174,15 +174,10 @@ def evaluate(cfg: config_lib.Config, num_devices: int):
 
 
 def jaxpr_eqns(jaxpr):
-    """Every equation of a jaxpr and of the jaxprs its equations hold (cond branches, scan and while bodies, ...),
-    each before those inside it."""
-    for e in jaxpr.eqns:
-        yield e
-        for value in e.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else [value]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from jaxpr_eqns(inner)
+    """Every equation of a jaxpr and of the jaxprs its equations hold (megajax.divergence.eqns)."""
+    from megajax import divergence
+
+    return divergence.eqns(jaxpr)
 
 
 @pytest.fixture(scope="session")
