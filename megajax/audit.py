@@ -282,7 +282,7 @@ def audit(cfg, target: str = "cpu", devices: int | None = None, dump_hlo: str | 
     colls = hlo.parse(text, dict(mesh.shape), None if target == "cpu" else GPUS_PER_HOST, runs)
     gemm = hlo.gemm_flops(text, runs)
     flops = metrics.step_flops(cfg.model, cfg.train.global_batch_size * cfg.model.seq_length,
-                               pipelined=cfg.parallel.pipeline > 1)
+                               pipelined=cfg.parallel.pipeline > 1, platform=mesh.devices.flat[0].platform)
     gib = 2**30
     memory = {
         "argument_bytes": mem.argument_size_in_bytes, "output_bytes": mem.output_size_in_bytes,

@@ -137,9 +137,8 @@ def write_preset(cfg: Config, ckpt: Path, path: Path) -> None:
     }
     notes = {
         "model": [f"the converted architecture; seq_length {seq} (the model reads up to {m.seq_length}: raise it if "
-                  "memory allows), bf16 compute over fp32 master weights, selective recompute. On GPUs set "
-                  "model.attention_impl=pallas and model.norm_impl=pallas for the fused kernels (cuDNN attention "
-                  "compiles on one device only)."],
+                  "memory allows), bf16 compute over fp32 master weights, selective recompute, the fused "
+                  "attention and norm kernels on GPUs (model.attention_impl and model.norm_impl auto)."],
         "parallel": [f"for one node of {NODE_GPUS} GPUs (parallel.data takes the rest): tensor {t} keeps the weights, "
                      "gradients and optimizer state under 48 GB of an 80 GB GPU. Check the layout before a run: "
                      f"python -m megajax.audit --config {path} --target h100 --devices {NODE_GPUS}"

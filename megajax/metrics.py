@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from megajax.config import ConfigError, ModelConfig
+from megajax.kernels import auto as kernel_choice
 from megajax.model_config import layer_forward_flops_per_token
 
 # dense peak FLOP/s per GPU by compute dtype (float32 matmuls run as TF32 on these GPUs)
@@ -32,12 +33,14 @@ PEAK_FLOPS = {
 }
 
 
-def step_flops(cfg: ModelConfig, tokens: int, pipelined: bool = False) -> dict[str, float]:
-    """Model FLOPs (3x forward: for MFU) and hardware FLOPs (with recomputation: for TFLOP/s).
+def step_flops(cfg: ModelConfig, tokens: int, pipelined: bool = False, platform: str | None = "cpu"
+               ) -> dict[str, float]:
+    """Model FLOPs (3x forward: for MFU) and hardware FLOPs (with recomputation: for TFLOP/s) of a step on
+    `platform` ("cpu", "gpu", None: read as a GPU).
 
     The pipeline executor always recomputes each layer's forward before its backward (it stashes only
     layer inputs), so a pipelined step counts as full recomputation, plus the attention core once more
-    with model.recompute=selective.
+    with model.recompute=selective where the core is not a fused kernel (kernels.auto.fused_attention).
     """
     dense, core = layer_forward_flops_per_token(cfg)
     layer_fwd = cfg.num_layers * (dense + core)
@@ -46,7 +49,8 @@ def step_flops(cfg: ModelConfig, tokens: int, pipelined: bool = False) -> dict[s
     hardware = model
     if cfg.recompute == "full" or pipelined:
         hardware += layer_fwd * tokens
-    if cfg.recompute == "selective":
+    if cfg.recompute == "selective" and not kernel_choice.fused_attention(
+            cfg.attention_impl, cfg.head_dim, cfg.attention_dropout > 0, platform):
         hardware += cfg.num_layers * core * tokens
     return {"model_flops": float(model), "hardware_flops": float(hardware)}
 

@@ -32,14 +32,17 @@ class ModelConfig:
     attention_dropout: float = 0.0  # on the attention probabilities
     compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # matmuls and activations
     param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # the stored (master) weights
-    # activation recomputation in the backward
+    # activation recomputation in the backward. selective: the attention core's (unfused: its [s, s] scores; a
+    # fused kernel's core keeps none and is not recomputed); full: each layer's from its input
     recompute: Literal["none", "selective", "full"] = _may_change_on_resume("none")
-    # pallas: the fused flash-attention kernel
-    attention_impl: Literal["xla", "pallas", "cudnn"] = _may_change_on_resume("xla")
-    norm_impl: Literal["xla", "pallas"] = _may_change_on_resume("xla")  # pallas: the fused normalization kernel
+    # auto: the fused Pallas kernels on GPUs (XLA's where they cannot run a case; the log says), XLA's on CPU;
+    # pallas: megajax's flash attention; cudnn: cuDNN's (jax.nn.dot_product_attention); xla: the jnp reference
+    attention_impl: Literal["auto", "xla", "pallas", "cudnn"] = _may_change_on_resume("auto")
+    norm_impl: Literal["auto", "xla", "pallas"] = _may_change_on_resume("auto")  # auto or pallas: the fused norms
     # false: the layers' loop unrolled in the compiled program (the same weights, stacked): no copies of the
-    # residuals into and out of per-layer stacks, for a longer compile
-    scan_layers: bool = _may_change_on_resume(True)
+    # residuals into and out of per-layer stacks, for a longer compile. null: unrolled where the step runs on GPUs
+    # and has no collectives inside its layers for XLA to move (StepPlan.unroll_layers), a loop elsewhere
+    scan_layers: bool | None = _may_change_on_resume(None)
     fp8: Literal["none", "hybrid", "e4m3"] = "none"  # FP8 linear layers: hybrid = e4m3 forward, e5m2 gradients
     fp8_recipe: Literal["current", "delayed"] = "current"  # FP8 scales: each tensor's own, or from an amax history
     fp8_amax_history: int = 16  # delayed scaling: steps of amax history (the scale uses their max)

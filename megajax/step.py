@@ -196,7 +196,7 @@ def _gather_dtypes(cfg: Config, params):
 
 def build(cfg: Config, mesh: jax.sharding.Mesh) -> StepSetup:
     """Derives shapes and shardings of the state and batch (with jax.eval_shape: nothing is allocated)."""
-    plan = dataclasses.replace(StepPlan.resolve(cfg), platform=mesh.devices.flat[0].platform)
+    plan = StepPlan.resolve(cfg, platform=mesh.devices.flat[0].platform)
     boxed = jax.eval_shape(lambda: model.init_params(cfg.model, jax.random.key(0)))
     logical = model.logical_axes(boxed)
     param_logical, _ = model_state.split(logical)

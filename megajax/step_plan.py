@@ -23,6 +23,7 @@ What the plan holds, and who reads it:
 | shard_grads | ZeRO-2/3: every micro batch's gradients reduce-scattered in its backward, summed as shards | step |
 | shard_params | ZeRO-3: the weights kept as shards, gathered by layer in each forward and backward | step, overlap |
 | platform | the platform of the mesh's devices ("cpu", "gpu"), set by `step.build`; None where the step is lowered for another (an export) | `platform_dependent`: the kernels, collective matmuls, MoE, the loss; `sharding.CollectiveOrder` (CPU) |
+| unroll_layers | every loop over layers unrolled in the program (model.scan_layers, or its auto rule) | model.scan_layers, the planner |
 
 A mesh axis of size 1 is never manual: XLA rejects a reduction over a manual axis of size 1 when every manual axis
 has size 1 (jax 0.10.2: "Cross-partition allreduce must be in (partial) manual partitioning mode"), and such an
@@ -67,6 +68,7 @@ class StepPlan:
     shard_grads: bool = False  # data_parallel_sharding_strategy optim_grads or optim_grads_params, with data ranks
     shard_params: bool = False  # data_parallel_sharding_strategy optim_grads_params, with data ranks
     platform: str | None = None  # the devices' platform (step.build, from the mesh): see `platform_dependent`
+    unroll_layers: bool = False  # model.scan_layers=false, or null on a layout `_unrolls` keeps in memory
 
     @property
     def pipelined(self) -> bool:
@@ -83,9 +85,9 @@ class StepPlan:
         return "sharded" if self.shard_grads else "overlapped" if self.reduce_in_backward else "plain"
 
     @classmethod
-    def resolve(cls, cfg: Config) -> StepPlan:
+    def resolve(cls, cfg: Config, platform: str | None = None) -> StepPlan:
         """The plan of `cfg`, resolved for its devices (Config.for_devices), on the mesh sharding.make_mesh builds
-        from it."""
+        from it, whose devices are of `platform` ("cpu", "gpu"; None: not known, as in an export)."""
         par = cfg.parallel
         if par.data is None:
             raise ValueError("StepPlan.resolve needs the layout resolved for the devices: call Config.for_devices")
@@ -96,7 +98,7 @@ class StepPlan:
         # the ranks the optimizer state is sharded over ('data' x 'expert' x 'context'): ZeRO-2/3 need some
         shards = par.shards_grads and par.data * par.context > 1
         reduce = (par.overlap_grad_reduce and shape["data"] * shape["expert"] > 1) or shards
-        return cls(
+        plan = cls(
             data=shape["data"], expert=shape["expert"], pipeline=shape["pipeline"], context=shape["context"],
             tensor=shape["tensor"], manual=tuple(a for a in MANUAL if shape[a] > 1), schedule=par.schedule,
             virtual_stages=par.virtual_stages, micro_batches=cfg.num_micro_batches,
@@ -107,7 +109,20 @@ class StepPlan:
             moe_buffer_factor=par.expert_buffer_factor, reduce_in_backward=reduce,
             gather_in_forward=(reduce and par.overlap_param_gather and par.shards_optimizer)
             or (shards and par.shards_params),
-            shard_grads=shards, shard_params=shards and par.shards_params)
+            shard_grads=shards, shard_params=shards and par.shards_params, platform=platform)
+        scan = cfg.model.scan_layers
+        return dataclasses.replace(plan, unroll_layers=plan._unrolls() if scan is None else not scan)
+
+    def _unrolls(self) -> bool:
+        """model.scan_layers=null's rule: unroll the layers where the step runs on GPUs and no collective runs
+        inside its layers. Unrolled, a loop's copies of each layer's residuals and bf16 weights into and out of
+        [layers, ...] stacks go (8-16% of a one-GPU step), and on one GPU or plain data parallelism the peak falls;
+        but with collectives inside the layers XLA's scheduler moves them and the buffers they fill across layers
+        (benchmarks/2026-11-27-compile-only-scan-layers.md: the 8B preset's rings 46 -> 61 GiB, 70B FSDP 55 -> 262
+        GiB). On CPU the loop compiles faster."""
+        inside = (self.pipelined or self.tensor > 1 or self.context > 1 or self.expert > 1 or self.moe_folds > 1
+                  or self.reduce_in_backward or self.gather_in_forward or self.shard_grads)
+        return self.platform not in (None, "cpu") and not inside
 
 
 _PLAN: contextvars.ContextVar[StepPlan | None] = contextvars.ContextVar("megajax_step_plan", default=None)

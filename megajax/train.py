@@ -20,6 +20,7 @@ import jax
 
 from megajax import config as config_lib, config_io, distributed, xla_flags
 from megajax import metrics as metrics_lib
+from megajax.kernels import auto as kernel_choice
 from megajax.config import Config, InputError
 from megajax.step import (StepSetup, TrainState, init_state, jit_eval_step, jit_train_step, load_initial_params,
                           setup_for)
@@ -119,6 +120,7 @@ def _run(setup: StepSetup) -> dict:
              f"tensor={p.tensor}"
              f"{' sp' if p.sequence_parallel else ''}), {cfg.num_micro_batches} micro batches of "
              f"{cfg.train.micro_batch_size}, global batch {gbs} x {cfg.model.seq_length} tokens")
+    log.info(f"kernels: {_kernels_line(cfg.model, setup.plan)}")
 
     if p.shards_optimizer and p.data > 1 and setup.zero_sharded_fraction() < 1:
         log.info(f"warning: the distributed optimizer shards {setup.zero_sharded_fraction():.0%} of the optimizer "
@@ -167,9 +169,18 @@ def _evaluate(cfg, setup, eval_fn, state, dataset) -> float:
     return total / max(count, 1.0)
 
 
+def _kernels_line(m, plan) -> str:
+    """The attention and norm implementations the step runs, and its layer loop (the auto choices resolved)."""
+    kernels_now = kernel_choice.summary(m.attention_impl, m.norm_impl, head_dim=m.head_dim, width=m.hidden_size,
+                                        dropout=m.attention_dropout > 0, platform=plan.platform)
+    how = "unrolled" if plan.unroll_layers else "a loop"
+    return f"{kernels_now}; layers {how}{' (model.scan_layers auto)' if m.scan_layers is None else ''}"
+
+
 def _loop(cfg, setup, step_fn, eval_fn, state, datasets, start, consumed, loader, mgr, log, peak) -> dict:
     gbs, steps, seq = cfg.train.global_batch_size, cfg.train.steps, cfg.model.seq_length
-    flops = metrics_lib.step_flops(cfg.model, gbs * seq, pipelined=cfg.parallel.pipeline > 1)
+    flops = metrics_lib.step_flops(cfg.model, gbs * seq, pipelined=cfg.parallel.pipeline > 1,
+                                   platform=setup.plan.platform)
     n_dev = jax.device_count()
     stop = _StopRequest()
     stop.install()

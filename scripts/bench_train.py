@@ -25,6 +25,7 @@ import numpy as np  # noqa: E402
 from megajax import config_io  # noqa: E402
 from megajax import distributed, metrics, step as step_lib  # noqa: E402
 from megajax.data.loader import batch_shapes  # noqa: E402
+from megajax.kernels import auto as kernel_choice  # noqa: E402
 
 
 def random_batch(cfg, shardings) -> dict:
@@ -67,7 +68,8 @@ def bench(cfg, steps: int, warmup: int) -> dict:
         loss = float(jax.device_get(stats["loss"]))
         dt = (time.perf_counter() - t0) / steps
     gbs, seq, n_dev = cfg.train.global_batch_size, cfg.model.seq_length, jax.device_count()
-    flops = metrics.step_flops(cfg.model, gbs * seq, pipelined=cfg.parallel.pipeline > 1)
+    flops = metrics.step_flops(cfg.model, gbs * seq, pipelined=cfg.parallel.pipeline > 1,
+                               platform=setup.plan.platform)
     peak, peak_src = metrics.device_peak(cfg.model.compute_dtype)
     mem = jax.devices()[0].memory_stats() or {}
     return {
@@ -76,7 +78,17 @@ def bench(cfg, steps: int, warmup: int) -> dict:
         "model_tflops_per_device": flops["model_flops"] / dt / n_dev / 1e12, "peak_source": peak_src,
         "peak_bytes_in_use": mem.get("peak_bytes_in_use"), "loss": loss,
         "micro_batches": cfg.num_micro_batches, "micro_batch_size": cfg.train.micro_batch_size,
+        "ran": ran(cfg.model, setup.plan),
     }
+
+
+def ran(m, plan) -> dict:
+    """What the step ran where the config says auto: its attention and norm implementations, and whether its
+    layers were unrolled (the planner's checks read this back, megajax.plan.checks)."""
+    attention = kernel_choice.resolve(
+        m.attention_impl, kernel_choice.attention_fallback(m.head_dim, m.attention_dropout > 0), plan.platform)
+    norms = kernel_choice.resolve(m.norm_impl, kernel_choice.norm_fallback(m.hidden_size), plan.platform)
+    return {"attention": attention, "norms": norms, "unroll_layers": plan.unroll_layers}
 
 
 def step_parser(doc: str, steps: int, steps_help: str) -> argparse.ArgumentParser:

@@ -12,6 +12,8 @@
 #   bash scripts/gpu_check.sh profile   # scripts/profile_step.py: where a step's time goes (GEMM, attention, fusions,
 #                                       # copies), llama-1b bf16 and FP8 with the layers looped and unrolled
 #                                       # (model.scan_layers), and gpt2-124m: the planner's terms checked
+#   bash scripts/gpu_check.sh peers     # scripts/bench_peers.py: gpt2-124m and llama-1b as the presets are (the
+#                                       # kernels and layer loop auto) beside torch.compile peers of the same shape
 #   bash scripts/gpu_check.sh plan      # the planner's predicted step beside each step in $OUT/train.jsonl
 #                                       # (run after small, large or fp8; needs no GPU itself)
 # Each part fits in ten minutes on one H100 (compilation included).
@@ -108,11 +110,24 @@ profile)
     prof --label "gpt2-124m mb8 pallas" --config configs/gpt2-124m.yaml --set train.global_batch_size=32 \
         model.attention_impl=pallas model.norm_impl=pallas
     ;;
+peers)
+    one="parallel.tensor=1 parallel.sequence_parallel=false parallel.distributed_optimizer=false"
+    peer() {  # label, timeout in seconds, then bench_peers.py arguments
+        local label=$1 limit=$2
+        shift 2
+        echo "== $label"
+        timeout "$limit" $PY scripts/bench_peers.py --label "$label" --jsonl "$OUT/peers.jsonl" "$@" 2>&1 \
+            | grep -E '"summary"|failed|Error' | tail -n 3
+    }
+    peer "gpt2-124m mb8 (preset) vs nanoGPT" 280 --config configs/gpt2-124m.yaml --set train.global_batch_size=32
+    peer "llama-1b mb4 (preset, one GPU) vs HF Llama" 280 --config configs/llama-1b.yaml \
+        --set train.global_batch_size=8 train.micro_batch_size=4 $one
+    ;;
 plan)
     JAX_PLATFORMS=cpu $PY -m megajax.plan.checks --steps "$OUT/train.jsonl" 2>&1 | grep -E '^\|' | tee "$OUT/plan.log"
     ;;
 *)
-    echo "usage: $0 kernels|small|large|fp8|moe|gemm|profile|plan" >&2
+    echo "usage: $0 kernels|small|large|fp8|moe|gemm|profile|peers|plan" >&2
     exit 2
     ;;
 esac

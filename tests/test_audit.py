@@ -198,7 +198,9 @@ def test_a100_programs_compile():
     """A step whose GEMMs XLA's compile-only sm_80 cannot tile as Triton fusions (gpt2-124m's bf16[8192, 768];
     "Couldn't find output tile sizes", jax 0.10.2) compiles for the A100 target with its options
     (audit.TARGET_OPTIONS: cuBLAS GEMMs), and the H100 target keeps XLA's defaults."""
-    cfg = config_io.load(f"{REPO}/configs/gpt2-124m.yaml", ["model.num_layers=2", "train.global_batch_size=8"])
+    cfg = config_io.load(f"{REPO}/configs/gpt2-124m.yaml", ["model.num_layers=2", "train.global_batch_size=8",
+                                                            "model.scan_layers=true", "model.attention_impl=xla",
+                                                            "model.norm_impl=xla"])
     with pytest.raises(Exception, match="output tile sizes"):
         audit.compile_step(cfg, audit._gpu_devices("a100", 1))
     report = audit.audit(cfg, "a100", 1)

@@ -43,12 +43,13 @@ def test_h100_constants_are_the_measured_rows():
 
 def test_copies_are_counted_for_looped_layers_only():
     """The layer stacks' copies (a looped layer's saved residuals in and out, its bf16 weights out) are a term of
-    megajax's looped layers: none unrolled (model.scan_layers=false) or in Megatron's run of the layout."""
+    megajax's looped layers: none unrolled (model.scan_layers=false, or null on one GPU) or in Megatron's run of the
+    layout."""
     hw = hardware("h100")
     sets = ["train.global_batch_size=8", "train.micro_batch_size=4", "parallel.tensor=1",
             "parallel.sequence_parallel=false", "parallel.distributed_optimizer=false"]
     cfg = lambda *more: config_io.load(ROOT / "configs/llama-1b.yaml", sets + list(more)).for_devices(1)  # noqa: E731
-    looped = cost.estimate(cfg(), hw, 8)
+    looped = cost.estimate(cfg("model.scan_layers=true"), hw, 8)
     layout = cost._Layout(cfg(), 8)
     saved = cost.layer_activation_bytes(layout)["selective"]
     weights = cost._layer_gemm_operands(layout)[2] * cost.B16
@@ -58,6 +59,11 @@ def test_copies_are_counted_for_looped_layers_only():
     assert unrolled.compute_s["copies"] == 0
     assert looped.step_s - unrolled.step_s == pytest.approx(looped.compute_s["copies"])
     assert cost.estimate(cfg(), hw, 8, framework="megatron").compute_s["copies"] == 0
+    # model.scan_layers=null unrolls on one GPU (StepPlan.unroll_layers), and loops where collectives run inside the
+    # layers: tensor parallelism here
+    assert cost.estimate(cfg(), hw, 8).compute_s["copies"] == 0
+    tensor2 = config_io.load(ROOT / "configs/llama-1b.yaml", ["train.global_batch_size=8", "train.micro_batch_size=4"])
+    assert cost.estimate(tensor2.for_devices(2), hw, 8).compute_s["copies"] > 0
     # a pipeline's first forward saves nothing: the stacks are filled by the recompute before each backward; full
     # recomputation without a pipeline rebuilds a layer's residuals inside its backward, in no stack
     piped = lambda *more: config_io.load(ROOT / "configs/llama-1b.yaml", [  # noqa: E731

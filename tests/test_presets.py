@@ -11,6 +11,7 @@ import pytest
 
 from megajax import audit, config as config_lib, config_io
 from megajax.config import ConfigError
+from megajax.kernels import auto as kernel_choice
 
 from conftest import REPO, gpu
 
@@ -63,8 +64,12 @@ def test_preset_trains_in_bf16_with_fused_kernels_and_overlap(name):
     cfg = _load(name)
     m, p, o = cfg.model, cfg.parallel, cfg.optim
     assert m.compute_dtype == "bfloat16" and m.param_dtype == "float32" and m.fp8 == "none"
-    # cuDNN's attention is faster on one H100, but JAX's partitioning rule for it fails on a multi-device mesh
-    assert m.attention_impl == "pallas" and m.norm_impl == "pallas"
+    # the fused kernels on GPUs, chosen there (auto); cuDNN's attention is faster on one H100, but JAX's
+    # partitioning rule for it fails on a multi-device mesh
+    assert m.attention_impl == "auto" and m.norm_impl == "auto"
+    assert kernel_choice.summary(m.attention_impl, m.norm_impl, head_dim=m.head_dim, width=m.hidden_size,
+                                 dropout=m.attention_dropout > 0, platform="gpu").startswith(
+        "attention pallas (auto on gpu), norms pallas")
     assert m.recompute == "selective"
     assert p.sequence_parallel and p.tp_comm_overlap
     assert p.distributed_optimizer and p.overlap_grad_reduce and p.overlap_param_gather

@@ -1,4 +1,5 @@
-"""Fused kernels with one dispatch point: impl = "xla" (jnp reference), "pallas", or "cudnn"."""
+"""Fused kernels with one dispatch point: impl = "auto" (pallas on GPUs, xla on CPU: auto.py), "xla" (jnp
+reference), "pallas", or "cudnn"."""
 
 from megajax.kernels.attention import (attention, attention_block_backward, attention_block_forward,
                                       attention_reference)

@@ -1,17 +1,21 @@
 """Attention: the jnp reference (impl="xla"), and the dispatch to the Pallas flash attention kernels
-(impl="pallas", megajax/kernels/flash_attention.py) or cuDNN (impl="cudnn").
+(impl="pallas", megajax/kernels/flash_attention.py), cuDNN (impl="cudnn"), or the fused kernel on GPUs and the
+reference on CPU (impl="auto", megajax/kernels/auto.py).
 
 q [b, s, h, k], k and v [b, s, g, k] with h a multiple of g (grouped-query attention).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
+from megajax import step_plan
+from megajax.kernels.auto import attention_fallback
 from megajax.kernels.flash_attention import flash_attention
 
 
@@ -61,11 +65,20 @@ def attention(
 ) -> jax.Array:
     """Dispatches to the chosen implementation; all take and return [b, s, h, k].
 
-    probs_dropout, if given, is applied to the attention probabilities (only impl="xla" supports it).
+    probs_dropout, if given, is applied to the attention probabilities (impl="xla" runs it; "auto" then runs
+    "xla").
     """
-    if impl == "xla":
+    def reference(q, k, v):
         return attention_reference(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale,
                                    probs_dropout=probs_dropout)
+
+    if impl == "auto":
+        if attention_fallback(q.shape[-1], probs_dropout is not None):
+            return reference(q, k, v)
+        return step_plan.platform_dependent(q, k, v, cpu=reference, default=functools.partial(
+            flash_attention, causal=causal, segment_ids=segment_ids, scale=scale))
+    if impl == "xla":
+        return reference(q, k, v)
     if probs_dropout is not None:
         raise ValueError(f"attention dropout is only implemented for impl='xla', got impl={impl!r}: "
                          "set model.attention_dropout=0 or model.attention_impl=xla")
@@ -76,7 +89,7 @@ def attention(
     if impl == "pallas":
         # Under a mesh the kernels run per shard: heads over 'tensor', batch over 'data' (launch.py).
         return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale)
-    raise ValueError(f"unknown attention impl {impl!r}: use xla, pallas or cudnn")
+    raise ValueError(f"unknown attention impl {impl!r}: use auto, xla, pallas or cudnn")
 
 
 # ----------------------------------------------------------------------------------------------------

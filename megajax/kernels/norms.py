@@ -1,5 +1,6 @@
 """LayerNorm and RMSNorm: the jnp references (impl="xla") and the dispatch to the fused Pallas kernels
-(impl="pallas", megajax/kernels/fused_norm.py)."""
+(impl="pallas", megajax/kernels/fused_norm.py); impl="auto": the fused kernel on GPUs, the reference on CPU
+(megajax/kernels/auto.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
+from megajax import step_plan
+from megajax.kernels.auto import norm_fallback
 from megajax.kernels.fused_norm import layer_norm_pallas, rms_norm_pallas
 from megajax.kernels.keep_inputs import keeps_inputs
 
@@ -48,19 +51,32 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-
 
     Returns fp32 unless out_dtype is given (the fused kernel then writes that dtype directly).
     """
+    if impl == "auto":
+        return _auto(x, _layer_norm_xla, layer_norm_pallas, scale, bias, eps, out_dtype)
     if impl == "xla":
         return _layer_norm_xla(x, scale, bias, eps, out_dtype)
     if impl == "pallas":
         return layer_norm_pallas(x, scale, bias, eps, out_dtype=out_dtype)
-    raise ValueError(f"unknown norm impl {impl!r}: use xla or pallas")
+    raise ValueError(f"unknown norm impl {impl!r}: use auto, xla or pallas")
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-6, *, impl: str = "xla",
              out_dtype: DTypeLike | None = None) -> jax.Array:
     """RMSNorm over the last dim, statistics in fp32. x [..., d], scale [d] -> [..., d] (fp32 unless
     out_dtype is given)."""
+    if impl == "auto":
+        return _auto(x, _rms_norm_xla, rms_norm_pallas, scale, eps, out_dtype)
     if impl == "xla":
         return _rms_norm_xla(x, scale, eps, out_dtype)
     if impl == "pallas":
         return rms_norm_pallas(x, scale, eps, out_dtype=out_dtype)
-    raise ValueError(f"unknown norm impl {impl!r}: use xla or pallas")
+    raise ValueError(f"unknown norm impl {impl!r}: use auto, xla or pallas")
+
+
+def _auto(x, reference, fused, *params_eps_dtype):
+    """impl="auto": `fused` on GPUs, `reference` on CPU or where the fused kernel cannot take the row width."""
+    *params, eps, out_dtype = params_eps_dtype
+    if norm_fallback(x.shape[-1]):
+        return reference(x, *params, eps, out_dtype)
+    return step_plan.platform_dependent(x, *params, cpu=lambda *a: reference(*a, eps, out_dtype),
+                                        default=lambda *a: fused(*a, eps, out_dtype=out_dtype))

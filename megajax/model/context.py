@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from megajax import kernels
+from megajax.kernels.auto import attention_fallback
 from megajax.kernels.launch import match_varying
 from megajax import step_plan
 from megajax.sharding import varying_axes, vary
@@ -277,12 +278,19 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax
     c = size()
     if c == 1:
         raise ValueError("ring_attention runs inside the train step's region with parallel.context > 1")
-    if impl not in ("xla", "pallas"):
-        raise ValueError(f"ring attention runs impl 'xla' or 'pallas', got {impl!r}")
+    if impl not in ("auto", "xla", "pallas"):
+        raise ValueError(f"ring attention runs impl 'auto', 'xla' or 'pallas', got {impl!r}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if segment_ids is not None:
         segment_ids = segment_ids.astype(jnp.int32)
     exchange = step_plan.in_force().context_comm if exchange is None else exchange
     if exchange not in ("ring", "all_gather"):
         raise ValueError(f"the context exchange is 'ring' or 'all_gather', got {exchange!r}")
+    if impl == "auto":  # the Pallas blocks on GPUs, XLA's on CPU (megajax/kernels/auto.py)
+        if attention_fallback(q.shape[-1], dropout=False):
+            impl = "xla"
+        else:
+            return step_plan.platform_dependent(
+                q, k, v, cpu=lambda *a: _ring(_Static("xla", scale, c, exchange), *a, segment_ids),
+                default=lambda *a: _ring(_Static("pallas", scale, c, exchange), *a, segment_ids))
     return _ring(_Static(impl, scale, c, exchange), q, k, v, segment_ids)

@@ -85,10 +85,12 @@ def unit_module(cfg: ModelConfig) -> type[nn.Module]:
 
 
 def layer_unroll(cfg: ModelConfig, n: int) -> int:
-    """A scan's unroll over `n` layers: 1 (a loop), or all of them when model.scan_layers is false: XLA then keeps
-    each layer's residuals in their own buffers, where a loop copies them into and out of per-layer stacks
-    (benchmarks/2026-11-27-h100.md: 8-16% of a step on one H100)."""
-    return 1 if cfg.scan_layers else max(n, 1)
+    """A scan's unroll over `n` layers: 1 (a loop), or all of them when model.scan_layers is false (or null and
+    the step plan in force unrolls, StepPlan.unroll_layers): XLA then keeps each layer's residuals in their own
+    buffers, where a loop copies them into and out of per-layer stacks (benchmarks/2026-11-27-h100.md: 8-16% of a
+    step on one H100)."""
+    unrolled = step_plan.in_force().unroll_layers if cfg.scan_layers is None else not cfg.scan_layers
+    return max(n, 1) if unrolled else 1
 
 
 def scan_layers(cfg: ModelConfig, body, carry, xs):

@@ -20,7 +20,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from megajax import kernels
+from megajax import kernels, step_plan
+from megajax.kernels import auto as kernel_choice
 from megajax.config import ModelConfig
 from megajax.model import collective_matmul, context, fp8
 from megajax.sharding import constrain
@@ -386,8 +387,11 @@ class Attention(nn.Module):
             return kernels.attention(q, kk, v, causal=True, segment_ids=segments, impl=cfg.attention_impl,
                                      probs_dropout=probs_dropout, scale=scale)
 
-        if cfg.recompute == "selective":
-            # Megatron's selective recomputation: keep q, k, v; recompute softmax(qk^T) v in the backward.
+        fused = kernel_choice.fused_attention(cfg.attention_impl, cfg.head_dim, cfg.attention_dropout > 0,
+                                              step_plan.in_force().platform)
+        if cfg.recompute == "selective" and not fused:
+            # Megatron's selective recomputation: keep q, k, v; recompute softmax(qk^T) v in the backward. A fused
+            # kernel keeps no scores (its output and log-sum-exp only): nothing to drop, so nothing recomputed.
             core = jax.checkpoint(core, prevent_cse=False)
         if cache is None:
             o = core(q, kk, v)

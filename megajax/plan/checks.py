@@ -55,12 +55,26 @@ def h100_steps(files: list[Path] | None = None) -> list[dict]:
         name = str(where.relative_to(ROOT) if where.is_relative_to(ROOT) else path)
         for line in path.read_text().splitlines():
             r = json.loads(line)
-            cfg = config_io.load(ROOT / r["config"], r["set"]).for_devices(r["devices"])
+            cfg = config_io.load(ROOT / r["config"], _as_run(r) + r["set"]).for_devices(r["devices"])
             e = estimate(cfg, hw, 8)
             out.append({"file": name, "label": r["label"], "config": r["config"], "set": r["set"],
                         "measured_s": r["step_s"], "predicted_s": e.step_s, "error": e.step_s / r["step_s"] - 1,
                         "predicted_gib": e.memory["total"] / 2**30, "measured_gib": r["peak_bytes_in_use"] / 2**30})
     return out
+
+
+# What a row's step ran where the row does not say (bench_train rows before the kernels and the layer loop were
+# chosen by platform): XLA's attention and norms, the layers looped, unless its keys set them.
+BEFORE_AUTO = ["model.attention_impl=xla", "model.norm_impl=xla", "model.scan_layers=true"]
+
+
+def _as_run(row: dict) -> list[str]:
+    """Keys that make a measured row's config compute what its step ran (its `ran` field, else BEFORE_AUTO)."""
+    ran = row.get("ran")
+    if ran is None:
+        return BEFORE_AUTO
+    return [f"model.attention_impl={ran['attention']}", f"model.norm_impl={ran['norms']}",
+            f"model.scan_layers={str(not ran['unroll_layers']).lower()}"]
 
 
 def _paper_config(row: dict):

@@ -3,7 +3,8 @@
 Time, per GPU (docs/guides/choosing-a-layout.md#the-time-model lists every constant):
 - GEMMs: each layer's matmuls at their shapes on this GPU (tokens x the tensor-split widths), at the GPU's
   large-GEMM rate times the wave efficiency (`Hardware.gemm_seconds`); the backward is two GEMMs of each.
-- Attention's core: fused kernels (pallas, cudnn) at the measured flash rate; xla's unfused attention as its
+- Attention's core: fused kernels (pallas, cudnn, auto's choice on GPUs) at the measured flash rate; xla's unfused
+  attention as its
   batched GEMMs plus the fusions that write and read the [s, s] scores.
 - Memory-bound work at the fused kernels' measured bandwidth: the norms, residuals and activations (bytes read and
   written by the fusions between GEMMs, per token), the loss over the vocabulary, gradient accumulation, AdamW,
@@ -11,7 +12,7 @@ Time, per GPU (docs/guides/choosing-a-layout.md#the-time-model lists every const
 - Copies at HBM bandwidth: megajax's layers run as a loop over stacked weights, and XLA copies each residual the
   forward saves into its [layers, ...] stack and the backward's GEMM operands (residuals and bf16 weights) out of
   it (`_layer_copies_s`; benchmarks/2026-11-27-h100.md traced them at 8-16% of a step); none with the loop
-  unrolled (model.scan_layers=false).
+  unrolled (model.scan_layers=false, or null where StepPlan.unroll_layers unrolls on GPUs).
 - Collectives as bytes over the link they cross at NCCL's bus bandwidth with ring factors, minus what runs under
   compute (tensor parallelism's rings under the GEMMs with tp_comm_overlap, the data-parallel reductions under the
   backward with overlap_grad_reduce, ...), and none of that for a program whose memory is above XLA's scheduling
@@ -29,6 +30,7 @@ import dataclasses
 import functools
 
 from megajax.config import Config
+from megajax.kernels import auto as kernel_choice
 from megajax.model_config import layer_forward_flops_per_token
 from megajax.plan.hardware import GIB, Hardware
 from megajax.step_plan import StepPlan
@@ -149,7 +151,8 @@ class _Layout:
         self.moe_share = m.moe_layers / m.num_layers if m.num_experts else 0.0
         self.sp = p.sequence_parallel and self.t > 1
         self.dtype = "float8" if m.fp8 != "none" else "bfloat16"
-        self.unfused = m.attention_impl == "xla"
+        why = kernel_choice.attention_fallback(m.head_dim, m.attention_dropout > 0)
+        self.unfused = kernel_choice.resolve(m.attention_impl, why, "gpu") == "xla"
 
 
 def _attention_widths(m) -> tuple[float, int]:
@@ -185,8 +188,8 @@ def _layer_gemm_s(hw: Hardware, L: _Layout) -> float:
 
 def _attention_s(hw: Hardware, L: _Layout, framework: str = "megajax") -> tuple[float, float, float]:
     """(forward, backward, selective recompute) of one layer's attention core for one micro batch. Causal: a
-    fused kernel skips the masked half (forward 2 b s^2 h (k + v) / 2 FLOPs, backward 2.5 forwards) and recomputes
-    its forward; the unfused one computes the whole square: QK^T and PV forward, four GEMMs backward, and its
+    fused kernel skips the masked half (forward 2 b s^2 h (k + v) / 2 FLOPs, backward 2.5 forwards); megajax does
+    not recompute it (it keeps no scores), Megatron's selective recomputation reruns its forward; the unfused one computes the whole square: QK^T and PV forward, four GEMMs backward, and its
     fusions over the scores (SCORES_BYTES_*); recomputed, its two GEMMs and the softmax's reductions run again."""
     m = L.model
     heads = m.num_heads // L.t
@@ -194,7 +197,7 @@ def _attention_s(hw: Hardware, L: _Layout, framework: str = "megajax") -> tuple[
     if not L.unfused:
         flops = 2 * rows * keys * heads * (m.head_dim + m.value_dim) / 2
         total = 3.5 * flops / hw.attention_rate(m.head_dim, m.seq_length // L.c)
-        return total / 3.5, total * 2.5 / 3.5, total / 3.5
+        return total / 3.5, total * 2.5 / 3.5, total / 3.5 if framework == "megatron" else 0.0
     qk = hw.gemm_seconds(m.seq_length // L.c, m.head_dim, keys, "bfloat16", heads * L.b)
     pv = hw.gemm_seconds(m.seq_length // L.c, keys, m.value_dim, "bfloat16", heads * L.b)
     scores = rows * keys * heads / hw.elementwise_bytes_per_s  # seconds per byte of each score
@@ -506,7 +509,8 @@ def estimate(cfg: Config, hw: Hardware, gpus_per_node: int, simulate: bool = Tru
     operands = _layer_gemm_operands(L)
     fp8_f, fp8_b = _layer_fp8_s(hw, L, operands)
     saved = layer_activation_bytes(L)[m.recompute]
-    stacked = framework == "megajax" and m.scan_layers  # unrolled layers keep their residuals in place
+    # unrolled layers keep their residuals in place
+    stacked = framework == "megajax" and not StepPlan.resolve(cfg, platform="gpu").unroll_layers
     copy_f, copy_b = _layer_copies_s(hw, L, saved, operands[2]) if stacked else (0.0, 0.0)
     tp, cp, a2a = _tensor_comm_s(hw, L), _context_comm_s(hw, L), _expert_comm_s(hw, L) * L.moe_share
     params = local_parameters(L)
@@ -556,7 +560,7 @@ def estimate(cfg: Config, hw: Hardware, gpus_per_node: int, simulate: bool = Tru
                "pipeline": 2 * send * (L.m * par.virtual_stages + L.pp - 1) if L.pp > 1 else 0.0,
                "data": data}
     tokens = cfg.train.global_batch_size * m.seq_length
-    flops = metrics.step_flops(m, tokens, pipelined=L.pp > 1)
+    flops = metrics.step_flops(m, tokens, pipelined=L.pp > 1, platform="gpu")
     gpus = L.d * L.pp * L.c * L.t
     runs = L.m * layers  # (layer, micro batch) pairs on the busiest GPU
     return Estimate(

@@ -1,0 +1,61 @@
+"""`impl="auto"` (model.attention_impl and model.norm_impl's default): the fused Pallas kernels where the step runs
+on a GPU, XLA's reference on CPU.
+
+The choice is made when the step is traced, by the platform of its devices (`step_plan.platform_dependent`), the
+same on every rank. Where the fused kernel cannot run a case, auto takes XLA's instead and `summary` says why (the
+train log's "kernels:" line); an explicit `pallas` raises on that case instead.
+
+- Attention: the flash kernel takes no dropout on the probabilities and head dims up to MAX_HEAD_DIM (multi-latent
+  attention's 192 included); segment masks (packed documents) and grouped-query heads it takes.
+- Norms: rows up to MAX_DIM wide.
+"""
+
+from __future__ import annotations
+
+from megajax.kernels.flash_attention import MAX_HEAD_DIM
+from megajax.kernels.fused_norm import MAX_DIM
+
+IMPLS = ("auto", "xla", "pallas", "cudnn")
+
+
+def attention_fallback(head_dim: int, dropout: bool) -> str | None:
+    """Why auto runs XLA's attention on a GPU for this case, or None where the flash kernel runs it."""
+    if dropout:
+        return "the flash kernel takes no attention dropout (model.attention_dropout > 0)"
+    if head_dim > MAX_HEAD_DIM:
+        return f"head dim {head_dim} > {MAX_HEAD_DIM}, the flash kernel's largest"
+    return None
+
+
+def norm_fallback(d: int) -> str | None:
+    """Why auto runs XLA's norm on a GPU for rows of width d, or None where the fused kernel runs it."""
+    return f"width {d} > {MAX_DIM}, the fused norm's largest" if d > MAX_DIM else None
+
+
+def resolve(impl: str, fallback: str | None, platform: str | None) -> str:
+    """The implementation `impl` runs on `platform` ("cpu", "gpu"; None: decided when lowered, read as a GPU)."""
+    if impl != "auto":
+        return impl
+    return "xla" if platform == "cpu" or fallback else "pallas"
+
+
+def fused_attention(attention_impl: str, head_dim: int, dropout: bool, platform: str | None) -> bool:
+    """Whether the attention core runs a fused kernel (pallas or cudnn, chosen or by auto). Such a core keeps no
+    [s, s] scores for the backward, only its output and log-sum-exp: model.recompute=selective, whose point is
+    dropping the scores, does not recompute it (model/layers.py)."""
+    return resolve(attention_impl, attention_fallback(head_dim, dropout), platform) != "xla"
+
+
+def summary(attention_impl: str, norm_impl: str, *, head_dim: int, width: int, dropout: bool,
+            platform: str | None) -> str:
+    """One line for the train log: the attention and norm implementations the step runs, and why auto took XLA's
+    where it did."""
+    parts = []
+    for what, impl, why in (("attention", attention_impl, attention_fallback(head_dim, dropout)),
+                            ("norms", norm_impl, norm_fallback(width))):
+        got = resolve(impl, why, platform)
+        note = ""
+        if impl == "auto":
+            note = f" (auto: {why})" if why and platform != "cpu" else f" (auto on {platform or 'the target'})"
+        parts.append(f"{what} {got}{note}")
+    return ", ".join(parts)
