@@ -251,7 +251,7 @@ def _regathered_layers(mcfg, side, x, stack, stack_sink, stack_r):
     # losses came out NaN (jax 0.10.2; without the checkpoint, or saving nothing, they equal one device's)
     policy = (jax.checkpoint_policies.nothing_saveable if mcfg.recompute == "full" or mcfg.fp8 != "none"
               else _leaves_gathers_out(axes))
-    layer = jax.checkpoint(layer, prevent_cse=False, policy=policy)
+    layer = jax.checkpoint(layer, prevent_cse=model.layers_unrolled(mcfg), policy=policy)
     n = jax.tree.leaves(stack)[0].shape[0]
     x, _ = model.scan_layers(mcfg, lambda x, inputs: (layer(x, *inputs), None), x, (stack, stack_sink, jnp.arange(n)))
     return x
@@ -283,7 +283,8 @@ def reducing_loss(sink, cfg: Config, params, acc, reductions, mb: dict, seed_sca
         return model.block_apply(mcfg, _hooked(w, g, s, stack_r), x, i, side).astype(x.dtype)
 
     if mcfg.recompute == "full":  # keep only each block's input, as the model's LayerStack does
-        layer = jax.checkpoint(layer, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
+        layer = jax.checkpoint(layer, prevent_cse=model.layers_unrolled(mcfg),
+                               policy=jax.checkpoint_policies.nothing_saveable)
     n = jax.tree.leaves(stack)[0].shape[0]
     if regather:
         x = _regathered_layers(mcfg, side, x, stack, stack_sink, stack_r)

@@ -114,15 +114,18 @@ class StepPlan:
         return dataclasses.replace(plan, unroll_layers=plan._unrolls() if scan is None else not scan)
 
     def _unrolls(self) -> bool:
-        """model.scan_layers=null's rule: unroll the layers where the step runs on GPUs and no collective runs
-        inside its layers. Unrolled, a loop's copies of each layer's residuals and bf16 weights into and out of
-        [layers, ...] stacks go (8-16% of a one-GPU step), and on one GPU or plain data parallelism the peak falls;
-        but with collectives inside the layers XLA's scheduler moves them and the buffers they fill across layers
-        (benchmarks/2026-11-27-compile-only-scan-layers.md: the 8B preset's rings 46 -> 61 GiB, 70B FSDP 55 -> 262
-        GiB). On CPU the loop compiles faster."""
+        """model.scan_layers=null's rule: unroll the layers where the step runs on GPUs and no collective can be
+        scheduled among its layers. Unrolled, a loop's copies of each layer's residuals and bf16 weights into and
+        out of [layers, ...] stacks go (8-16% of a one-GPU step), and on one GPU or data parallelism over micro
+        batches the peak falls. But XLA's scheduler moves the collectives of straight-line code, with the buffers
+        they fill, across layers: those inside the layers (benchmarks/2026-11-27-compile-only-scan-layers.md: the
+        8B preset's rings 46 -> 61 GiB, 70B FSDP 55 -> 262 GiB), and the data-parallel reduction of a step of one
+        micro batch, which no loop over micro batches then keeps after the backward (the SC21 GPT 1.7B on 32 GPUs
+        35 -> 67 GiB, benchmarks/2026-11-28-compile-only-fast-defaults.md). On CPU the loop compiles faster."""
         inside = (self.pipelined or self.tensor > 1 or self.context > 1 or self.expert > 1 or self.moe_folds > 1
                   or self.reduce_in_backward or self.gather_in_forward or self.shard_grads)
-        return self.platform not in (None, "cpu") and not inside
+        reduction_beside = self.data > 1 and self.micro_batches == 1
+        return self.platform not in (None, "cpu") and not inside and not reduction_beside
 
 
 _PLAN: contextvars.ContextVar[StepPlan | None] = contextvars.ContextVar("megajax_step_plan", default=None)

@@ -2,9 +2,10 @@
 
 from megajax.model.gpt import (GPT, DecodeState, Side, abstract_params, block_apply, block_apply_split,
                                block_tap_shapes, cross_entropy, decode_apply, documents, dropout_keys, embed_apply,
-                               head_apply, init_decode_state, init_params, layers_apply, logical_axes, loss_sum,
-                               scan_layers, side_inputs)
+                               head_apply, init_decode_state, init_params, layers_apply, layers_unrolled,
+                               logical_axes, loss_sum, scan_layers, side_inputs)
 
 __all__ = ["GPT", "DecodeState", "Side", "abstract_params", "block_apply", "block_apply_split", "block_tap_shapes",
            "cross_entropy", "decode_apply", "documents", "dropout_keys", "embed_apply", "head_apply",
-           "init_decode_state", "init_params", "layers_apply", "logical_axes", "loss_sum", "scan_layers", "side_inputs"]
+           "init_decode_state", "init_params", "layers_apply", "layers_unrolled", "logical_axes", "loss_sum",
+           "scan_layers", "side_inputs"]

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from megajax import step_plan
 from megajax.config import ModelConfig
 from megajax.model.layers import (MLP, NO_SIDE, RESIDUAL, TAP_GRADS, TAP_INPUTS, Attention, Embed, KVCache, Norm,
-                                  Side, dropout, gather_sequence)
+                                  Side, dropout, gather_sequence, layers_unrolled)
 from megajax.model.moe import MoE
 from megajax.sharding import constrain
 
@@ -89,8 +89,7 @@ def layer_unroll(cfg: ModelConfig, n: int) -> int:
     the step plan in force unrolls, StepPlan.unroll_layers): XLA then keeps each layer's residuals in their own
     buffers, where a loop copies them into and out of per-layer stacks (benchmarks/2026-11-27-h100.md: 8-16% of a
     step on one H100)."""
-    unrolled = step_plan.in_force().unroll_layers if cfg.scan_layers is None else not cfg.scan_layers
-    return max(n, 1) if unrolled else 1
+    return max(n, 1) if layers_unrolled(cfg) else 1
 
 
 def scan_layers(cfg: ModelConfig, body, carry, xs):
@@ -127,7 +126,8 @@ class LayerStack(nn.Module):
             return x, tuple(c.reshape(-1, *c.shape[2:]) for c in new) if n > 1 else new
         block = unit
         if self.cfg.recompute == "full":
-            block = nn.remat(unit, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
+            block = nn.remat(unit, prevent_cse=layers_unrolled(self.cfg),
+                             policy=jax.checkpoint_policies.nothing_saveable)
         scan = nn.scan(
             block,
             variable_axes={"params": 0},

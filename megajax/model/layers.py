@@ -193,6 +193,14 @@ def dropout(x: jax.Array, rate: float, keys: jax.Array | None, salt: int | jax.A
     return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
 
 
+def layers_unrolled(cfg: ModelConfig) -> bool:
+    """Whether the step's loops over layers are unrolled: model.scan_layers false, or null where the step plan in
+    force unrolls them (StepPlan.unroll_layers). A recomputation (jax.checkpoint) inside them then needs
+    prevent_cse: in straight-line code XLA would merge the recomputation with the forward it repeats and keep
+    what it was to drop (a loop's iterations keep the two apart, so there it costs nothing to leave it off)."""
+    return step_plan.in_force().unroll_layers if cfg.scan_layers is None else not cfg.scan_layers
+
+
 class Norm(nn.Module):
     """LayerNorm (gpt2) or RMSNorm (llama), computed in fp32 and returned in the compute dtype."""
 
@@ -392,7 +400,7 @@ class Attention(nn.Module):
         if cfg.recompute == "selective" and not fused:
             # Megatron's selective recomputation: keep q, k, v; recompute softmax(qk^T) v in the backward. A fused
             # kernel keeps no scores (its output and log-sum-exp only): nothing to drop, so nothing recomputed.
-            core = jax.checkpoint(core, prevent_cse=False)
+            core = jax.checkpoint(core, prevent_cse=layers_unrolled(cfg))
         if cache is None:
             o = core(q, kk, v)
         else:  # decoding: the new positions attend over the cache (no dropout, nothing to recompute)

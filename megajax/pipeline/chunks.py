@@ -41,7 +41,8 @@ def run_slots(mcfg, w, x, side, ids, on, remat: bool = False):
         w_l, l, on_l = wl
         run = lambda: model.block_apply(mcfg, w_l, x, l, side).astype(x.dtype)  # noqa: E731
         if remat:
-            run = jax.checkpoint(run, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
+            run = jax.checkpoint(run, prevent_cse=model.layers_unrolled(mcfg),
+                                 policy=jax.checkpoint_policies.nothing_saveable)
         return unless_empty(on_l, run, x), None
 
     return model.scan_layers(mcfg, body, x, (w["block"], ids, on))[0]
