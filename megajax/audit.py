@@ -194,16 +194,18 @@ def expected_all_to_all(cfg) -> dict:
             "axes": [a for a, n in (("expert", p.expert), ("tensor", p.tensor if p.folded_experts else 1)) if n > 1]}
 
 
-def expected_context_exchange(cfg) -> dict:
+def expected_context_exchange(cfg, platform: str | None = "gpu") -> dict:
     """What context parallelism's attention exchange moves over 'context' in one step, per device (analytic,
     compare with the program's collectives over 'context'). Per layer and micro batch, with KV = this device's
     keys and values (2 x micro batch x seq / context x kv heads / tensor x head dim in the compute dtype): the
     ring sends KV c - 1 times in the forward, c - 1 times in the backward, and the gradient buffer dK, dV (KV's
     size) c times; the all_gather exchange gathers c x KV in the forward and again in the backward and
-    reduce-scatters c x KV of gradients. A forward run again in the backward (full or selective recomputation)
-    sends its c - 1 ring hops again, except the first, which is the backward's own first hop (the same collective
+    reduce-scatters c x KV of gradients. A forward run again in the backward (full recomputation, or selective
+    where the attention core is not a fused kernel on `platform`, kernels.auto.fused_attention) sends its c - 1
+    ring hops again, except the first, which is the backward's own first hop (the same collective
     on the same keys: XLA merges them), and its all-gather is the backward's. Exact for the H100 program without
     a pipeline (tests/test_context.py); under a pipeline the program's counts are per tick for every branch."""
+    from megajax.kernels import auto as kernel_choice
     from megajax.step_plan import StepPlan
 
     m, p = cfg.model, cfg.parallel
@@ -215,7 +217,9 @@ def expected_context_exchange(cfg) -> dict:
     layers = cfg.stage_split.busiest_rank_layers(cfg.parallel.pipeline) * cfg.num_micro_batches
     comm = StepPlan.resolve(cfg).context_comm
     if comm == "ring":
-        again = c - 2 if m.recompute != "none" else 0
+        recomputed = m.recompute == "full" or (m.recompute == "selective" and not kernel_choice.fused_attention(
+            m.attention_impl, m.head_dim, m.attention_dropout > 0, platform))
+        again = c - 2 if recomputed else 0
         per_layer = {"collective-permute": kv * (2 * (c - 1) + again + c)}
     else:
         per_layer = {"all-gather": 2 * c * kv, "reduce-scatter": c * kv}
@@ -318,7 +322,7 @@ def audit(cfg, target: str = "cpu", devices: int | None = None, dump_hlo: str | 
         "megatron_hardware_flops_per_device": flops["hardware_flops"] / len(devs),
         "megatron_expected_tensor_collectives": megatron_expected(cfg),
         "expected_expert_all_to_all": expected_all_to_all(cfg),
-        "expected_context_exchange": expected_context_exchange(cfg),
+        "expected_context_exchange": expected_context_exchange(cfg, mesh.devices.flat[0].platform),
         "communication": (None if target == "cpu" else
                           communication(colls, target, cfg.model.compute_dtype, gemm["total"], cfg)),
     }

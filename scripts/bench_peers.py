@@ -25,7 +25,9 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
+
+import bench_train  # noqa: E402 - megajax's timed step and the benchmarks' JSONL rows
 
 
 def shape(cfg) -> dict:
@@ -155,7 +157,6 @@ def time_peer(s: dict, steps: int, warmup: int, device: str, compile_: bool) -> 
 def time_megajax(cfg, steps: int, warmup: int) -> dict:
     import jax
 
-    import bench_train
     from megajax import step as step_lib
 
     setup = step_lib.setup_for(cfg)
@@ -220,9 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [{"label": args.label, **ours}, {"label": args.label, **peer}, {"summary": True, **summary}]
     for row in rows:
         print(json.dumps(row))
-    if args.jsonl:
-        with open(args.jsonl, "a") as f:
-            f.writelines(json.dumps(row) + "\n" for row in rows)
+        bench_train.append_row(args.jsonl, row)
     return 0
 
 

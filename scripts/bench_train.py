@@ -85,10 +85,9 @@ def bench(cfg, steps: int, warmup: int) -> dict:
 def ran(m, plan) -> dict:
     """What the step ran where the config says auto: its attention and norm implementations, and whether its
     layers were unrolled (the planner's checks read this back, megajax.plan.checks)."""
-    attention = kernel_choice.resolve(
-        m.attention_impl, kernel_choice.attention_fallback(m.head_dim, m.attention_dropout > 0), plan.platform)
-    norms = kernel_choice.resolve(m.norm_impl, kernel_choice.norm_fallback(m.hidden_size), plan.platform)
-    return {"attention": attention, "norms": norms, "unroll_layers": plan.unroll_layers}
+    kernels = kernel_choice.chosen(m.attention_impl, m.norm_impl, head_dim=m.head_dim, width=m.hidden_size,
+                                   dropout=m.attention_dropout > 0, platform=plan.platform)
+    return {what: impl for what, (impl, _) in kernels.items()} | {"unroll_layers": plan.unroll_layers}
 
 
 def step_parser(doc: str, steps: int, steps_help: str) -> argparse.ArgumentParser:

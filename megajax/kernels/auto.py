@@ -46,16 +46,25 @@ def fused_attention(attention_impl: str, head_dim: int, dropout: bool, platform:
     return resolve(attention_impl, attention_fallback(head_dim, dropout), platform) != "xla"
 
 
+def chosen(attention_impl: str, norm_impl: str, *, head_dim: int, width: int, dropout: bool,
+           platform: str | None) -> dict[str, tuple[str, str | None]]:
+    """{"attention": (implementation, fallback), "norms": (...)}: what the step runs on `platform`, and why auto
+    would take XLA's on a GPU (None where the fused kernel runs the case)."""
+    whys = {"attention": attention_fallback(head_dim, dropout), "norms": norm_fallback(width)}
+    impls = {"attention": attention_impl, "norms": norm_impl}
+    return {what: (resolve(impls[what], why, platform), why) for what, why in whys.items()}
+
+
 def summary(attention_impl: str, norm_impl: str, *, head_dim: int, width: int, dropout: bool,
             platform: str | None) -> str:
     """One line for the train log: the attention and norm implementations the step runs, and why auto took XLA's
     where it did."""
     parts = []
-    for what, impl, why in (("attention", attention_impl, attention_fallback(head_dim, dropout)),
-                            ("norms", norm_impl, norm_fallback(width))):
-        got = resolve(impl, why, platform)
+    impls = {"attention": attention_impl, "norms": norm_impl}
+    for what, (got, why) in chosen(attention_impl, norm_impl, head_dim=head_dim, width=width, dropout=dropout,
+                                   platform=platform).items():
         note = ""
-        if impl == "auto":
+        if impls[what] == "auto":
             note = f" (auto: {why})" if why and platform != "cpu" else f" (auto on {platform or 'the target'})"
         parts.append(f"{what} {got}{note}")
     return ", ".join(parts)

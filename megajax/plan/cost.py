@@ -151,8 +151,7 @@ class _Layout:
         self.moe_share = m.moe_layers / m.num_layers if m.num_experts else 0.0
         self.sp = p.sequence_parallel and self.t > 1
         self.dtype = "float8" if m.fp8 != "none" else "bfloat16"
-        why = kernel_choice.attention_fallback(m.head_dim, m.attention_dropout > 0)
-        self.unfused = kernel_choice.resolve(m.attention_impl, why, "gpu") == "xla"
+        self.unfused = not kernel_choice.fused_attention(m.attention_impl, m.head_dim, m.attention_dropout > 0, "gpu")
 
 
 def _attention_widths(m) -> tuple[float, int]:
