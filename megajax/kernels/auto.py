@@ -15,9 +15,6 @@ from __future__ import annotations
 from megajax.kernels.flash_attention import MAX_HEAD_DIM
 from megajax.kernels.fused_norm import MAX_DIM
 
-IMPLS = ("auto", "xla", "pallas", "cudnn")
-
-
 def attention_fallback(head_dim: int, dropout: bool) -> str | None:
     """Why auto runs XLA's attention on a GPU for this case, or None where the flash kernel runs it."""
     if dropout:

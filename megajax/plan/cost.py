@@ -4,8 +4,7 @@ Time, per GPU (docs/guides/choosing-a-layout.md#the-time-model lists every const
 - GEMMs: each layer's matmuls at their shapes on this GPU (tokens x the tensor-split widths), at the GPU's
   large-GEMM rate times the wave efficiency (`Hardware.gemm_seconds`); the backward is two GEMMs of each.
 - Attention's core: fused kernels (pallas, cudnn, auto's choice on GPUs) at the measured flash rate; xla's unfused
-  attention as its
-  batched GEMMs plus the fusions that write and read the [s, s] scores.
+  attention as its batched GEMMs plus the fusions that write and read the [s, s] scores.
 - Memory-bound work at the fused kernels' measured bandwidth: the norms, residuals and activations (bytes read and
   written by the fusions between GEMMs, per token), the loss over the vocabulary, gradient accumulation, AdamW,
   and FP8's casts of the GEMMs' operands.
@@ -188,8 +187,9 @@ def _layer_gemm_s(hw: Hardware, L: _Layout) -> float:
 def _attention_s(hw: Hardware, L: _Layout, framework: str = "megajax") -> tuple[float, float, float]:
     """(forward, backward, selective recompute) of one layer's attention core for one micro batch. Causal: a
     fused kernel skips the masked half (forward 2 b s^2 h (k + v) / 2 FLOPs, backward 2.5 forwards); megajax does
-    not recompute it (it keeps no scores), Megatron's selective recomputation reruns its forward; the unfused one computes the whole square: QK^T and PV forward, four GEMMs backward, and its
-    fusions over the scores (SCORES_BYTES_*); recomputed, its two GEMMs and the softmax's reductions run again."""
+    not recompute it (it keeps no scores), Megatron's selective recomputation reruns its forward. The unfused one
+    computes the whole square: QK^T and PV forward, four GEMMs backward, and its fusions over the scores
+    (SCORES_BYTES_*); recomputed, its two GEMMs and the softmax's reductions run again."""
     m = L.model
     heads = m.num_heads // L.t
     rows, keys = L.tokens, m.seq_length  # this context shard's queries against every key
