@@ -14,8 +14,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from megajax import step_plan
-from megajax.kernels.auto import attention_fallback
+from megajax.kernels.auto import attention_fallback, by_platform
 from megajax.kernels.flash_attention import flash_attention
 
 
@@ -75,7 +74,7 @@ def attention(
     if impl == "auto":
         if attention_fallback(q.shape[-1], probs_dropout is not None):
             return reference(q, k, v)
-        return step_plan.platform_dependent(q, k, v, cpu=reference, default=functools.partial(
+        return by_platform(q, k, v, cpu=reference, gpu=functools.partial(
             flash_attention, causal=causal, segment_ids=segment_ids, scale=scale))
     if impl == "xla":
         return reference(q, k, v)

@@ -2,8 +2,9 @@
 on a GPU, XLA's reference on CPU.
 
 The choice is made when the step is traced, by the platform of its devices (`step_plan.platform_dependent`), the
-same on every rank. Where the fused kernel cannot run a case, auto takes XLA's instead and `summary` says why (the
-train log's "kernels:" line); an explicit `pallas` raises on that case instead.
+same on every rank. Outside a step (the model's init, generation, a module applied in a test) it is the default
+backend's, where that code runs. Where the fused kernel cannot run a case, auto takes XLA's instead and `summary`
+says why (the train log's "kernels:" line); an explicit `pallas` raises on that case instead.
 
 - Attention: the flash kernel takes no dropout on the probabilities and head dims up to MAX_HEAD_DIM (multi-latent
   attention's 192 included); segment masks (packed documents) and grouped-query heads it takes.
@@ -12,6 +13,9 @@ train log's "kernels:" line); an explicit `pallas` raises on that case instead.
 
 from __future__ import annotations
 
+import jax
+
+from megajax import step_plan
 from megajax.kernels.flash_attention import MAX_HEAD_DIM
 from megajax.kernels.fused_norm import MAX_DIM
 
@@ -27,6 +31,23 @@ def attention_fallback(head_dim: int, dropout: bool) -> str | None:
 def norm_fallback(d: int) -> str | None:
     """Why auto runs XLA's norm on a GPU for rows of width d, or None where the fused kernel runs it."""
     return f"width {d} > {MAX_DIM}, the fused norm's largest" if d > MAX_DIM else None
+
+
+def platform() -> str | None:
+    """The platform auto chooses for: the step's in force (StepPlan.platform; None in an export, decided when
+    lowered), else the default backend's ("cpu" or "gpu")."""
+    plan = step_plan.current()
+    if plan is not None:
+        return plan.platform
+    return "cpu" if jax.default_backend() == "cpu" else "gpu"
+
+
+def by_platform(*args, cpu, gpu):
+    """`cpu(*args)` or `gpu(*args)` as `platform()` says; in an export, `step_plan.platform_dependent`'s choice."""
+    where = platform()
+    if where is None:
+        return step_plan.platform_dependent(*args, cpu=cpu, default=gpu)
+    return (cpu if where == "cpu" else gpu)(*args)
 
 
 def resolve(impl: str, fallback: str | None, platform: str | None) -> str:

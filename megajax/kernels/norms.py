@@ -8,8 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from megajax import step_plan
-from megajax.kernels.auto import norm_fallback
+from megajax.kernels.auto import by_platform, norm_fallback
 from megajax.kernels.fused_norm import layer_norm_pallas, rms_norm_pallas
 from megajax.kernels.keep_inputs import keeps_inputs
 
@@ -78,5 +77,5 @@ def _auto(x, reference, fused, *params_eps_dtype):
     *params, eps, out_dtype = params_eps_dtype
     if norm_fallback(x.shape[-1]):
         return reference(x, *params, eps, out_dtype)
-    return step_plan.platform_dependent(x, *params, cpu=lambda *a: reference(*a, eps, out_dtype),
-                                        default=lambda *a: fused(*a, eps, out_dtype=out_dtype))
+    return by_platform(x, *params, cpu=lambda *a: reference(*a, eps, out_dtype),
+                       gpu=lambda *a: fused(*a, eps, out_dtype=out_dtype))

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from megajax import kernels
-from megajax.kernels.auto import attention_fallback
+from megajax.kernels.auto import attention_fallback, by_platform
 from megajax.kernels.launch import match_varying
 from megajax import step_plan
 from megajax.sharding import varying_axes, vary
@@ -290,7 +290,6 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax
         if attention_fallback(q.shape[-1], dropout=False):
             impl = "xla"
         else:
-            return step_plan.platform_dependent(
-                q, k, v, cpu=lambda *a: _ring(_Static("xla", scale, c, exchange), *a, segment_ids),
-                default=lambda *a: _ring(_Static("pallas", scale, c, exchange), *a, segment_ids))
+            return by_platform(q, k, v, cpu=lambda *a: _ring(_Static("xla", scale, c, exchange), *a, segment_ids),
+                               gpu=lambda *a: _ring(_Static("pallas", scale, c, exchange), *a, segment_ids))
     return _ring(_Static(impl, scale, c, exchange), q, k, v, segment_ids)

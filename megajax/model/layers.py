@@ -396,7 +396,7 @@ class Attention(nn.Module):
                                      probs_dropout=probs_dropout, scale=scale)
 
         fused = kernel_choice.fused_attention(cfg.attention_impl, cfg.head_dim, cfg.attention_dropout > 0,
-                                              step_plan.in_force().platform)
+                                              kernel_choice.platform())
         if cfg.recompute == "selective" and not fused:
             # Megatron's selective recomputation: keep q, k, v; recompute softmax(qk^T) v in the backward. A fused
             # kernel keeps no scores (its output and log-sum-exp only): nothing to drop, so nothing recomputed.
