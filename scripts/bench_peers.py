@@ -159,9 +159,10 @@ def time_megajax(cfg, steps: int, warmup: int) -> dict:
 
     from megajax import step as step_lib
 
-    setup = step_lib.setup_for(cfg)
+    one = jax.devices()[:1]  # the peer's one GPU
+    setup = step_lib.setup_for(cfg, one)
     params = sum(math.prod(a.shape) for a in jax.tree.leaves(setup.param_shapes))
-    row = bench_train.bench(cfg, steps, warmup)
+    row = bench_train.bench(cfg, steps, warmup, one)
     return {"side": "megajax", "params": params, **row}
 
 

@@ -57,8 +57,9 @@ def warmed_step(setup, warmup: int):
     return step_fn, state, batch, compile_s
 
 
-def bench(cfg, steps: int, warmup: int) -> dict:
-    setup = step_lib.setup_for(cfg)
+def bench(cfg, steps: int, warmup: int, devices=None) -> dict:
+    """The timed step of `cfg` on `devices` (default: every device)."""
+    setup = step_lib.setup_for(cfg, devices)
     cfg = setup.cfg
     with jax.set_mesh(setup.mesh):
         step_fn, state, batch, compile_s = warmed_step(setup, warmup)
@@ -67,7 +68,7 @@ def bench(cfg, steps: int, warmup: int) -> dict:
             state, stats = step_fn(state, batch)
         loss = float(jax.device_get(stats["loss"]))
         dt = (time.perf_counter() - t0) / steps
-    gbs, seq, n_dev = cfg.train.global_batch_size, cfg.model.seq_length, jax.device_count()
+    gbs, seq, n_dev = cfg.train.global_batch_size, cfg.model.seq_length, setup.mesh.size
     flops = metrics.step_flops(cfg.model, gbs * seq, pipelined=cfg.parallel.pipeline > 1,
                                platform=setup.plan.platform)
     peak, peak_src = metrics.device_peak(cfg.model.compute_dtype)
