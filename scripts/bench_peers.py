@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -157,13 +156,7 @@ def time_peer(s: dict, steps: int, warmup: int, device: str, compile_: bool) -> 
 def time_megajax(cfg, steps: int, warmup: int) -> dict:
     import jax
 
-    from megajax import step as step_lib
-
-    one = jax.devices()[:1]  # the peer's one GPU
-    setup = step_lib.setup_for(cfg, one)
-    params = sum(math.prod(a.shape) for a in jax.tree.leaves(setup.param_shapes))
-    row = bench_train.bench(cfg, steps, warmup, one)
-    return {"side": "megajax", "params": params, **row}
+    return {"side": "megajax", **bench_train.bench(cfg, steps, warmup, jax.devices()[:1])}  # the peer's one GPU
 
 
 # ---------------------------------------------------------------------------------------------------------

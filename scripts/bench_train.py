@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -80,6 +81,7 @@ def bench(cfg, steps: int, warmup: int, devices=None) -> dict:
         "peak_bytes_in_use": mem.get("peak_bytes_in_use"), "loss": loss,
         "micro_batches": cfg.num_micro_batches, "micro_batch_size": cfg.train.micro_batch_size,
         "ran": ran(cfg.model, setup.plan),
+        "params": sum(math.prod(a.shape) for a in jax.tree.leaves(setup.param_shapes)),
     }
 
 
