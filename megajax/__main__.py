@@ -16,7 +16,7 @@ COMMANDS = {
     "convert": ("megajax.convert", "Hugging Face weights (GPT-2, Llama, Mixtral, Qwen2, Qwen2-MoE, DeepSeek-V3) to and from megajax checkpoints"),
     "checkpoint": ("megajax.checkpoint", "list a checkpoint's steps and arrays, export its parameters"),
     "preprocess": ("megajax.data.preprocess", "tokenize a corpus into Megatron's .bin/.idx format"),
-    "schedule": ("megajax.pipeline.schedule", "print, check or draw a pipeline schedule"),
+    "schedule": ("megajax.parallel.pipeline.schedule_cli", "print, check or draw a pipeline schedule"),
 }
 
 

@@ -65,7 +65,7 @@ def _target_value(target: str, key: str) -> float:
     return float(re.search(rf"{key}:\s*([0-9.e+]+)", desc).group(1))
 
 
-def communication(colls, target: str, compute_dtype: str, gemm_flops: float, cfg=None) -> dict:
+def communication(colls, target: str, compute_dtype: str, gemm_flops: float, cfg=None, plan=None) -> dict:
     """The overlap report of a GPU program: per collective group (kind x mesh axes) bytes per step, the fraction
     with GEMMs scheduled under them and the estimated exposed time; the totals next to the GEMM time at peak.
     With a pipeline (`cfg`), `in_schedule`: the data-parallel reductions parallel.overlap_grad_reduce runs inside
@@ -78,12 +78,12 @@ def communication(colls, target: str, compute_dtype: str, gemm_flops: float, cfg
     out = {"groups": groups, "nvlink_bytes_per_s": nvlink, "network_bytes_per_s": network, "peak_flops": peak,
            "gemm_s_at_peak": gemm_flops / peak, "comm_s": sum(g["comm_s"] for g in groups.values()),
            "exposed_comm_s": sum(g["exposed_s"] for g in groups.values())}
-    if cfg is not None and cfg.parallel.pipeline > 1:
-        out["in_schedule"] = _in_schedule(cfg, colls, peak, nvlink, network)
+    if plan is not None and plan.pipelined:
+        out["in_schedule"] = _in_schedule(cfg, plan, colls, peak, nvlink, network)
     return out
 
 
-def _in_schedule(cfg, colls, peak: float, nvlink: float, network: float) -> dict:
+def _in_schedule(cfg, plan, colls, peak: float, nvlink: float, network: float) -> dict:
     """The data-parallel collectives inside a pipeline's ticks: the reductions of parallel.overlap_grad_reduce and
     the weight gathers of parallel.overlap_param_gather, and an estimate of what they add to the step.
 
@@ -97,27 +97,26 @@ def _in_schedule(cfg, colls, peak: float, nvlink: float, network: float) -> dict
     schedule (a gather before it) costs its exposed time once instead. `comm_ratio`: one layer's reduce-scatter
     over its forward of one micro batch, what parallel.overlap_comm_ratio takes."""
     from megajax import hlo, metrics
-    from megajax.pipeline import ticks
+    from megajax.parallel.pipeline import ticks
 
-    par = cfg.parallel
     data_axes = {"data", "expert", "context"}
     dp = [c for c in colls if c.in_conditional and c.kind in ("all-reduce", "reduce-scatter") and c.axes
           and set(c.axes) <= data_axes]
     # (the weights' gathers: not context parallelism's key-value gathers, over 'context' alone)
     gathers = [c for c in colls if c.in_conditional and c.kind == "all-gather" and c.axes and set(c.axes) <= data_axes
                and set(c.axes) != {"context"} and c.scope[-2:] in ("_f", "_g")]
-    kinds = ticks.plan_of(cfg)[2]
-    devices = par.data * par.pipeline * par.tensor * par.context
+    kinds = ticks.plan_of(plan, cfg.model)[2]
+    devices = plan.data_ranks * plan.pipeline * plan.tensor * plan.context
     model = metrics.step_flops(cfg.model, cfg.train.global_batch_size * cfg.model.seq_length,
                                pipelined=True)["model_flops"] / devices
-    forward = 1 / 3 * model / (cfg.num_micro_batches * par.virtual_stages) / peak  # one chunk, one micro batch
+    forward = 1 / 3 * model / (plan.micro_batches * plan.virtual_stages) / peak  # one chunk, one micro batch
 
     def placed(in_compute: list, in_idle: list, runs: np.ndarray, marks: np.ndarray, tick_s: float):
         """(exposed in compute a rank, wire time in idle ticks a rank, one layer's wire time, the delay)."""
         exposed = sum(g["exposed_s"] for g in hlo.overlap(in_compute, peak, nvlink, network).values())
         wire = sum(hlo.link_seconds(c, nvlink, network) * c.count for c in in_idle)
-        per_layer = wire / (runs.sum() / par.pipeline) if runs.sum() else 0.0
-        per_mark = par.pipeline * exposed / marks.sum() if marks.sum() else 0.0  # one chunk's, on its rank
+        per_layer = wire / (runs.sum() / plan.pipeline) if runs.sum() else 0.0
+        per_mark = plan.pipeline * exposed / marks.sum() if marks.sum() else 0.0  # one chunk's, on its rank
         excess = np.maximum(np.where(runs > 0, runs * per_layer - tick_s, 0.0), np.where(marks, per_mark, 0.0))
         return exposed, wire, per_layer, float(np.maximum(excess, 0.0).max(axis=1).sum())
 
@@ -127,12 +126,12 @@ def _in_schedule(cfg, colls, peak: float, nvlink: float, network: float) -> dict
     exposed_f, wire_g, layer_g, delay_g = placed(
         [c for c in gathers if c.scope.endswith("_f")], [c for c in gathers if c.scope.endswith("_g")], kinds["g"],
         (kinds["f"] & ticks.GATHER) > 0, forward)
-    scatter = layer_x / (1 if par.shards_optimizer else 2)  # one layer's reduce-scatter of its fp32 gradient
+    scatter = layer_x / (1 if plan.shard_optimizer else 2)  # one layer's reduce-scatter of its fp32 gradient
     return {"data_parallel_bytes": sum(c.bytes * c.count for c in dp), "in_backward_exposed_s": exposed_b,
             "idle_ticks_s": wire_x, "cooldown_tick_s": 3 * forward, "cooldown_delay_s": delay_x,
             "gather_bytes": sum(c.bytes * c.count for c in gathers), "in_forward_exposed_s": exposed_f,
             "warmup_idle_ticks_s": wire_g, "warmup_tick_s": forward, "warmup_delay_s": delay_g,
-            "comm_ratio": scatter / (forward / ticks.chunk_layers(cfg))}
+            "comm_ratio": scatter / (forward / ticks.chunk_layers(plan))}
 
 
 def megatron_expected(cfg) -> dict:
@@ -182,7 +181,7 @@ def expected_all_to_all(cfg) -> dict:
         buffer = e * moe.capacity(tokens, k, e, m.moe_capacity_factor) * row
     again = 1.0 if m.recompute == "full" else 0.0  # the share of chunk forwards run twice
     if m.recompute != "full" and p.pipeline > 1 and p.schedule != "gpipe":
-        from megajax.pipeline import ticks
+        from megajax.parallel.pipeline import ticks
 
         table = ticks.plan(p.schedule, p.pipeline, p.virtual_stages, cfg.num_micro_batches)[1]
         again = float((table["r_chunk"] >= 0).sum()) / (p.pipeline * p.virtual_stages * cfg.num_micro_batches)
@@ -194,7 +193,7 @@ def expected_all_to_all(cfg) -> dict:
             "axes": [a for a, n in (("expert", p.expert), ("tensor", p.tensor if p.folded_experts else 1)) if n > 1]}
 
 
-def expected_context_exchange(cfg, platform: str | None = "gpu") -> dict:
+def expected_context_exchange(cfg, plan) -> dict:
     """What context parallelism's attention exchange moves over 'context' in one step, per device (analytic,
     compare with the program's collectives over 'context'). Per layer and micro batch, with KV = this device's
     keys and values (2 x micro batch x seq / context x kv heads / tensor x head dim in the compute dtype): the
@@ -206,7 +205,6 @@ def expected_context_exchange(cfg, platform: str | None = "gpu") -> dict:
     on the same keys: XLA merges them), and its all-gather is the backward's. Exact for the H100 program without
     a pipeline (tests/test_context.py); under a pipeline the program's counts are per tick for every branch."""
     from megajax.kernels import auto as kernel_choice
-    from megajax.step_plan import StepPlan
 
     m, p = cfg.model, cfg.parallel
     c = p.context
@@ -215,7 +213,7 @@ def expected_context_exchange(cfg, platform: str | None = "gpu") -> dict:
     kv = (2 * cfg.train.micro_batch_size * (m.seq_length // c) * (m.kv_heads // p.tensor) * m.head_dim
           * (2 if m.compute_dtype != "float32" else 4))
     layers = cfg.stage_split.busiest_rank_layers(cfg.parallel.pipeline) * cfg.num_micro_batches
-    comm = StepPlan.resolve(cfg).context_comm
+    comm, platform = plan.context_comm, plan.platform
     if comm == "ring":
         recomputed = m.recompute == "full" or (m.recompute == "selective" and not kernel_choice.fused_attention(
             m.attention_impl, m.head_dim, m.attention_dropout > 0, platform))
@@ -261,7 +259,7 @@ def audit(cfg, target: str = "cpu", devices: int | None = None, dump_hlo: str | 
     import jax
 
     from megajax import hlo, metrics
-    from megajax.pipeline import ticks
+    from megajax.parallel.pipeline import ticks
 
     if target == "cpu":
         devs = jax.devices()
@@ -282,7 +280,7 @@ def audit(cfg, target: str = "cpu", devices: int | None = None, dump_hlo: str | 
     cost = compiled.cost_analysis()
     if isinstance(cost, list):
         cost = cost[0] if cost else None
-    runs = ticks.branch_runs(cfg)  # how often the schedule runs each branch of its switches
+    runs = ticks.branch_runs(setup.plan, cfg.model)  # how often the schedule runs each branch of its switches
     colls = hlo.parse(text, dict(mesh.shape), None if target == "cpu" else GPUS_PER_HOST, runs)
     gemm = hlo.gemm_flops(text, runs)
     flops = metrics.step_flops(cfg.model, cfg.train.global_batch_size * cfg.model.seq_length,
@@ -322,9 +320,9 @@ def audit(cfg, target: str = "cpu", devices: int | None = None, dump_hlo: str | 
         "megatron_hardware_flops_per_device": flops["hardware_flops"] / len(devs),
         "megatron_expected_tensor_collectives": megatron_expected(cfg),
         "expected_expert_all_to_all": expected_all_to_all(cfg),
-        "expected_context_exchange": expected_context_exchange(cfg, mesh.devices.flat[0].platform),
+        "expected_context_exchange": expected_context_exchange(cfg, setup.plan),
         "communication": (None if target == "cpu" else
-                          communication(colls, target, cfg.model.compute_dtype, gemm["total"], cfg)),
+                          communication(colls, target, cfg.model.compute_dtype, gemm["total"], cfg, setup.plan)),
     }
 
 

@@ -87,7 +87,7 @@ class ParallelConfig:
     # decides (distributed_optimizer is then not read); null: optim with distributed_optimizer=true, else no_shard.
     data_parallel_sharding_strategy: Literal["no_shard", "optim", "optim_grads", "optim_grads_params"] | None = None
     # Reduce the data-parallel gradients layer by layer under the last micro batch's backward (Megatron's
-    # --overlap-grad-reduce). megajax/overlap.py: an all-reduce per layer, or with the distributed optimizer a
+    # --overlap-grad-reduce). megajax/parallel/overlap.py: an all-reduce per layer, or with the distributed optimizer a
     # reduce-scatter. Off by default: with several micro batches it holds one to three times the gradients' bytes
     # more (docs/features/communication-overlap.md). With a pipeline (1f1b, interleaved): in each rank's idle cool-down
     # ticks, or rank 0's last backwards (across nodes set overlap_comm_ratio, below).

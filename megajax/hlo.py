@@ -501,7 +501,7 @@ def unordered_collectives(hlo_text: str) -> list[tuple[str, str, str]]:
     where a later op reads a buffer it writes; a conditional counts as started before the collectives inside it
     run, so the next collective can start beside them (a collective op alone runs to its end before the next
     one starts). The CPU client has threads for one waiting collective per device, so two at once can starve
-    each other and hang the step (`megajax.sharding.CollectiveOrder`)."""
+    each other and hang the step (`megajax.parallel.sharding.CollectiveOrder`)."""
     comps, *_ = _walk(hlo_text)
     holds: dict[str, bool] = {}
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from megajax import sharding
+from megajax.parallel import sharding
 from megajax.config import OptimConfig
 
 

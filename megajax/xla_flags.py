@@ -8,7 +8,7 @@ Each flag, and what the compiled GPU program shows for it (`python -m megajax.au
 `communication` report; gpt2-1.3b cut to 8 layers, data 4 x tensor 2, sequence parallel, 4 micro batches):
   xla_gpu_enable_latency_hiding_scheduler  schedule async collectives under independent compute
                                            (XLA's default; set so that it stays on)
-  xla_gpu_enable_pipelined_all_reduce      move each layer's gradient all-reduce (megajax/overlap.py) out of
+  xla_gpu_enable_pipelined_all_reduce      move each layer's gradient all-reduce (megajax/parallel/overlap.py) out of
                                            its own loop iteration into the next one, under the backward of
                                            the layer before it: 53% -> 72% of the data-parallel bytes under
                                            GEMMs (91% of the layers' bytes; the rest is the embedding's)

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 
-from megajax.pipeline import schedule as schedule_lib
+from megajax.parallel.pipeline import schedule as schedule_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ["model.num_layers=8", "model.hidden_size=256", "model.num_heads=4", "model.seq_length=128",

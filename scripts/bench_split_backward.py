@@ -26,7 +26,7 @@ from bench_kernels import print_rows, time_fn  # noqa: E402 - the timing and pri
 
 from megajax import model  # noqa: E402
 from megajax.config import ModelConfig  # noqa: E402
-from megajax.pipeline.zero_bubble import split_linearize, split_weight_grads, zero_taps  # noqa: E402
+from megajax.parallel.pipeline.zero_bubble import split_linearize, split_weight_grads, zero_taps  # noqa: E402
 
 
 def measure(arch: str, hidden: int, heads: int, layers: int, seq: int, mb: int, attention: str) -> dict:

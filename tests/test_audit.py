@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from megajax import audit, config_io, hlo, metrics
-from megajax.pipeline import ticks
+from megajax.parallel.pipeline import ticks
 from megajax.model.layers import WEIGHT_EINSUMS
 
 from conftest import REPO, cli_env, gpu
@@ -280,8 +280,8 @@ def test_expert_parallel_all_to_alls_on_h100_target(factor, freq):
             "train.micro_batch_size=2" if not pipe else "train.micro_batch_size=1",
             f"model.moe_capacity_factor={'null' if factor is None else factor}", f"model.moe_layer_freq={freq}"]
     cfg = config_io.load(f"{REPO}/configs/tiny-moe.yaml", sets)
-    cfg, mesh, compiled, _ = audit.compile_step(cfg, audit._gpu_devices("h100", 8))
-    colls = hlo.parse(compiled.as_text(), dict(mesh.shape), branch_runs=ticks.branch_runs(cfg))
+    cfg, mesh, compiled, setup = audit.compile_step(cfg, audit._gpu_devices("h100", 8))
+    colls = hlo.parse(compiled.as_text(), dict(mesh.shape), branch_runs=ticks.branch_runs(setup.plan, cfg.model))
     want = audit.expected_all_to_all(cfg)
     if pipe:
         a2a = [c for c in colls if c.kind == "all-to-all" and c.bytes == want["buffer_bytes_each"]]
@@ -369,7 +369,7 @@ def _gpt2_1_3b_h100_communication(*sets: str) -> dict:
                                   pytest.param("plain", marks=pytest.mark.slow)])  # suite time: two with -m slow
 def test_data_parallel_reduction_runs_under_the_backward_on_h100(mode):
     """gpt2-1.3b (24 layers), data 4 x tensor 2 with sequence parallelism, 4 micro batches of 1: with the
-    reduction issued layer by layer in the last micro batch's backward (megajax/overlap.py, XLA's pipelined
+    reduction issued layer by layer in the last micro batch's backward (megajax/parallel/overlap.py, XLA's pipelined
     all-reduce from megajax/xla_flags.py) the GPU schedule places GEMMs under >= 80% of the data-parallel
     bytes (all but the embedding's and the first layer's); reduced once after the backward, under none. With
     the distributed optimizer the same holds for its reduce-scatter, and for its parameter all-gather when the
@@ -416,7 +416,7 @@ def test_pipelined_reduction_and_gather_run_inside_the_schedule_on_h100():
     devices = audit._gpu_devices("h100", 8)
     cfg, mesh, compiled, setup = audit.compile_step(cfg, devices)
     text = compiled.as_text()
-    runs = ticks.branch_runs(cfg)
+    runs = ticks.branch_runs(setup.plan, cfg.model)
     colls = hlo.parse(text, dict(mesh.shape), audit.GPUS_PER_HOST, runs)
     gemm = hlo.gemm_flops(text, runs)["total"]
     megatron = metrics.step_flops(cfg.model, cfg.train.global_batch_size * cfg.model.seq_length,
@@ -430,7 +430,7 @@ def test_pipelined_reduction_and_gather_run_inside_the_schedule_on_h100():
     layers = 4 * sum(sizes)
     gathered = sum(n * (2 if path[-1].key in WEIGHT_EINSUMS else 4) for (path, _), n in zip(weights, sizes))
     assert gathered < 0.55 * layers
-    inside = audit.communication(colls, "h100", cfg.model.compute_dtype, gemm, cfg)["in_schedule"]
+    inside = audit.communication(colls, "h100", cfg.model.compute_dtype, gemm, cfg, setup.plan)["in_schedule"]
     assert abs(inside["data_parallel_bytes"] / layers - 1) < 0.01, (inside, layers)
     assert abs(inside["gather_bytes"] / gathered - 1) < 0.01, (inside, gathered)
     # rank 1 reduces in its idle tick (the last: rank 0's last backward), rank 0 in its last backward, with GEMMs

@@ -18,7 +18,7 @@ import pytest
 from megajax import audit, divergence, step as step_lib
 from megajax.config import ConfigError
 from megajax.kernels import auto as kernel_choice
-from megajax.step_plan import StepPlan
+from megajax.parallel.step_plan import StepPlan
 
 from conftest import REPO, gpu, small_config
 

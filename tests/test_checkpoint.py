@@ -361,7 +361,7 @@ def test_fsdp_weights_move_between_layouts_and_data_sizes(tmp_path):
     import jax
 
     from megajax import optim
-    from megajax.pipeline.layout import from_stages
+    from megajax.parallel.pipeline.layout import from_stages
     from conftest import run_steps, small_config
 
     fsdp = {"parallel.data_parallel_sharding_strategy": "optim_grads_params", "train.global_batch_size": 12}
@@ -415,7 +415,7 @@ def test_uneven_pipeline_stages_move_to_even_stages_and_no_pipeline(tmp_path):
     checkpoint of no pipeline restores onto the uneven split."""
     import jax
 
-    from megajax.pipeline.layout import from_stages
+    from megajax.parallel.pipeline.layout import from_stages
     from conftest import run_steps, small_config
 
     model = {"model.num_layers": 6, "model.arch": "llama", "model.num_heads": 8, "model.num_kv_heads": 4,

@@ -22,9 +22,9 @@ from jax.sharding import AxisType, PartitionSpec as P
 from conftest import run_steps, small_config
 from megajax import config as config_lib
 from megajax import kernels, model
-from megajax import step_plan
+from megajax.parallel import step_plan
 from megajax.model import context
-from megajax.step_plan import StepPlan
+from megajax.parallel.step_plan import StepPlan
 
 STEPS = 2
 SIZE = {"model.num_layers": 4, "model.hidden_size": 64, "model.seq_length": 32, "train.global_batch_size": 8}
@@ -260,11 +260,11 @@ def test_the_exchange_on_h100_is_the_analytic_volume_and_the_ring_runs_under_the
     pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the gpu-audit extra (jax-cuda12-plugin)")
     cfg = small_config(**{**SIZE, **ARCHS["llama"], "model.compute_dtype": "bfloat16", "model.attention_impl": "pallas",
                           "parallel.context": 4, "parallel.context_comm": exchange, "model.recompute": recompute})
-    cfg, mesh, compiled, _ = audit.compile_step(cfg, audit._gpu_devices("h100", 8))
+    cfg, mesh, compiled, setup = audit.compile_step(cfg, audit._gpu_devices("h100", 8))
     colls = [c for c in hlo.parse(compiled.as_text(), dict(mesh.shape), audit.GPUS_PER_HOST) if c.axes == ("context",)]
     moved = {}
     for c in colls:
         moved[c.kind] = moved.get(c.kind, 0) + c.bytes * c.count
-    assert moved == audit.expected_context_exchange(cfg)["bytes_per_step"]
+    assert moved == audit.expected_context_exchange(cfg, setup.plan)["bytes_per_step"]
     if exchange == "ring":
         assert all(c.is_async and c.flops_under > 0 for c in colls), [(c.name, c.flops_under) for c in colls]

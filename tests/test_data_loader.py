@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from megajax import sharding
+from megajax.parallel import sharding
 from megajax.config import ParallelConfig
 from megajax.data.indexed import IndexedDatasetWriter
 from megajax.data.loader import BatchLoader, build_datasets, global_batch
@@ -121,7 +121,8 @@ _WORKER = textwrap.dedent("""
     import numpy as np
     from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from megajax import config, config_io, sharding
+    from megajax import config, config_io
+    from megajax.parallel import sharding
     from megajax.data.loader import BatchLoader, build_datasets, host_rows
     sys.path.insert(0, "tests")
     from test_data_loader import CountingSplit

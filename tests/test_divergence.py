@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from megajax import divergence, hlo, sharding, step_plan
+from megajax import divergence, hlo
+from megajax.parallel import sharding, step_plan
 
 from conftest import REPO, assert_collectives_ordered, cli_env, read_metrics
 

@@ -31,7 +31,7 @@ ROOT = Path(REPO)
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 MODULES = {"train": "megajax.train", "audit": "megajax.audit", "generate": "megajax.generate",
            "convert": "megajax.convert", "checkpoint": "megajax.checkpoint", "preprocess": "megajax.data.preprocess",
-           "schedule": "megajax.pipeline.schedule", "plan": "megajax.plan"}
+           "schedule": "megajax.parallel.pipeline.schedule_cli", "plan": "megajax.plan"}
 SEPARATORS = {"&&", "||", ";", "|"}
 
 

@@ -279,7 +279,7 @@ def test_pipeline_staged_training_checkpoint_exports(tmp_path):
     """A training state with pipeline (and interleaved) stages stores layers as [v, p, L/(p v), ...];
     export and load_params give the canonical [L, ...] layers back."""
     from megajax import config_io, step as step_lib
-    from megajax.pipeline.layout import from_stages
+    from megajax.parallel.pipeline.layout import from_stages
 
     setup = step_lib.setup_for(small_config(**{
         "model.num_layers": 4, "parallel.pipeline": 2, "parallel.virtual_stages": 2, "parallel.schedule": "interleaved",

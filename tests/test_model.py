@@ -81,7 +81,8 @@ def test_llama_flops_count_gqa_and_swiglu():
 
 
 def _compile_seconds(layers: int) -> float:
-    from megajax import config as config_lib, config_io, sharding, step as step_lib
+    from megajax import config as config_lib, config_io, step as step_lib
+    from megajax.parallel import sharding
     from megajax.data.loader import batch_shapes
 
     cfg = config_io.override(config_lib.Config(), {
@@ -109,7 +110,7 @@ def test_random_init_is_the_same_on_every_layout():
     """step_lib.init_state draws the same parameters from the seed on any mesh (so tests may start every
     layout of a model from one draw: conftest.initial_params), and its optimizer state starts at zero."""
     from megajax import step as step_lib
-    from megajax.pipeline.layout import from_stages
+    from megajax.parallel.pipeline.layout import from_stages
 
     from conftest import initial_params, small_config
 
@@ -125,7 +126,7 @@ def test_random_init_is_the_same_on_every_layout():
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_layer_keeps_the_same_under_an_enclosing_checkpoint(arch, capsys):
     """The activations and norms that keep only their inputs (kernels.keeps_inputs) keep only them under an
-    enclosing jax.checkpoint that saves anything (ZeRO-3's layer policy, megajax.overlap): jax lets such a
+    enclosing jax.checkpoint that saves anything (ZeRO-3's layer policy, megajax.parallel.overlap): jax lets such a
     policy decide for every equation inside a nested jax.checkpoint, and kept their intermediates."""
     from jax.ad_checkpoint import print_saved_residuals
 

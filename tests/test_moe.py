@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from megajax import config as config_lib
-from megajax import step_plan
-from megajax.step_plan import StepPlan
+from megajax.parallel import step_plan
+from megajax.parallel.step_plan import StepPlan
 
 from conftest import evaluate, run_steps, shared_across_workers, small_config
 
@@ -171,7 +171,7 @@ def test_folded_experts_route_and_drop_per_sequence_shard(factor, grouped, ragge
     import jax
     import jax.numpy as jnp
 
-    from megajax import sharding
+    from megajax.parallel import sharding
     from megajax.config import ParallelConfig
     from megajax.model import moe
 
@@ -221,7 +221,7 @@ def test_ragged_receiving_buffer_drops_what_does_not_fit(factor):
     import jax
     import jax.numpy as jnp
 
-    from megajax import sharding
+    from megajax.parallel import sharding
     from megajax.config import ParallelConfig
     from megajax.model import moe
 
@@ -553,7 +553,7 @@ def test_router_bias_training_is_the_same_on_every_layout():
 
 def setup_canonical(setup, params):
     """Params in the canonical (unstaged) layout: the pipeline stacks layers as [chunk, stage, layers]."""
-    from megajax.pipeline import layout
+    from megajax.parallel.pipeline import layout
 
     return layout.from_stages(params, setup.cfg.stage_split) if setup.cfg.parallel.pipeline > 1 else params
 

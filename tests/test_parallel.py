@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from conftest import jaxpr_eqns, run_steps, shared_across_workers, small_config
-from megajax import step_plan
-from megajax.step_plan import StepPlan
+from megajax.parallel import step_plan
+from megajax.parallel.step_plan import StepPlan
 
 
 def _overlap_plan(mode: str) -> StepPlan:
@@ -40,7 +40,7 @@ def test_dropout_is_layout_independent():
     assert abs(ref[0] - reference("gpt2")[0]) > 1e-4, "dropout should change the loss"
 
 
-# The overlapped gradient reduction (parallel.overlap_grad_reduce, megajax/overlap.py) over its space: one micro
+# The overlapped gradient reduction (parallel.overlap_grad_reduce, megajax/parallel/overlap.py) over its space: one micro
 # batch (nothing summed before the last) and several, each recompute mode, both architectures (tied and untied
 # embeddings), dropout, tensor and sequence parallelism, MoE with the experts over 'expert'; all-reduced, or
 # scattered onto the distributed optimizer's shards (over 'data' alone, over 'data' x 'expert', with 'tensor'
@@ -110,13 +110,13 @@ def test_overlapped_gradient_reduction_matches_one_device(case):
 def test_weights_gathered_in_bf16_train_as_gathered_in_fp32(sets, monkeypatch):
     import jax
 
-    from megajax import step as step_lib
+    from megajax.parallel import engines
 
     cfg = small_config(**sets, **GATHER, **{"parallel.overlap_grad_reduce": True, "model.compute_dtype": "bfloat16"})
     n = sets["parallel.data"] * sets.get("parallel.tensor", 1) * sets.get("parallel.pipeline", 1)
     norms_low, norms = [], []
     low = run_steps(cfg, n, 2, grad_norms=norms_low)
-    monkeypatch.setattr(step_lib, "_gather_dtypes", lambda cfg, params: jax.tree.map(lambda _: {}, params))
+    monkeypatch.setattr(engines, "_gather_dtypes", lambda cfg, params: jax.tree.map(lambda _: {}, params))
     whole = run_steps(cfg, n, 2, grad_norms=norms)
     np.testing.assert_allclose(low, whole, rtol=1e-6)
     np.testing.assert_allclose(norms_low, norms, rtol=1e-5)

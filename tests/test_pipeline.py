@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from megajax import config_io, hlo
-from megajax.pipeline import ticks
-from megajax.pipeline.schedule import perm_pairs
+from megajax.parallel.pipeline import ticks
+from megajax.parallel.pipeline.schedule import perm_pairs
+from megajax.parallel.step_plan import StepPlan
 
 from conftest import evaluate, first_batch, jaxpr_eqns, run_steps, shared_across_workers, small_config
 
@@ -173,8 +174,8 @@ def test_evaluation_runs_through_the_pipeline_without_gathering_layers():
 def _grads(cfg, n):
     import jax
 
-    from megajax import step_plan, step as step_lib
-    from megajax.pipeline.layout import from_stages
+    from megajax.parallel import engines, step_plan
+    from megajax.parallel.pipeline.layout import from_stages
 
     setup, state, batch = first_batch(cfg, n)
     cfg, mesh = setup.cfg, setup.mesh
@@ -182,7 +183,7 @@ def _grads(cfg, n):
         @jax.jit
         def grads(params, batch):
             with step_plan.use(setup.plan):
-                return step_lib.compute_grads(setup, params, batch, jax.numpy.float32(1.0))[1]
+                return engines.compute_grads(setup, params, batch, jax.numpy.float32(1.0))[1]
 
         g = jax.device_get(grads(setup.variables(state), batch))
     return from_stages(g, cfg.stage_split) if cfg.parallel.pipeline > 1 else g
@@ -214,7 +215,7 @@ def test_each_rank_reduces_and_gathers_its_layers_once_and_the_audit_counts_bran
     many layers and the rest go to the schedule's last tick (first for gathers). And `branch_runs` (how often the
     audit counts each branch of each switch) sums to one run per visit and runs the reductions and gathers as the
     plan has them."""
-    from megajax.pipeline import ticks
+    from megajax.parallel.pipeline import ticks
 
     def tiled(first, count, ts, r):
         return sorted(np.concatenate([np.arange(first[t, r], first[t, r] + count[t, r]) for t in ts]))
@@ -260,7 +261,7 @@ def test_each_rank_reduces_and_gathers_its_layers_once_and_the_audit_counts_bran
                                       "parallel.distributed_optimizer": True, "parallel.overlap_param_gather": True,
                                       "train.global_batch_size": 2 * m, "train.micro_batch_size": 1})
                 _, _, kinds, segments = ticks.plan(schedule, p, v, m, 4, 4)
-                runs = ticks.branch_runs(cfg)
+                runs = ticks.branch_runs(StepPlan.resolve(cfg), cfg.model)
                 assert all(abs(sum(f) - 1) < 1e-9 for f in runs.values())
                 finals = layers = gathers = gathered = 0.0
                 for i, seg in enumerate(segments):

@@ -4,8 +4,8 @@ against Megatron's."""
 import numpy as np
 import pytest
 
-from megajax.pipeline import schedule as sl
-from megajax.pipeline.schedule import BWD, FWD
+from megajax.parallel.pipeline import schedule as sl, schedule_cli as cli
+from megajax.parallel.pipeline.schedule import BWD, FWD
 
 CASES = [("gpipe", p, 1, m) for p in (1, 2, 4) for m in (1, 3, 8)]
 CASES += [("1f1b", p, 1, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 5, 8, 16)]
@@ -217,11 +217,11 @@ def test_bad_layouts(args):
 
 def test_cli_prints_timeline_and_summary(capsys, tmp_path):
     png = tmp_path / "t.png"
-    assert sl.main(["--schedule", "interleaved", "-p", "4", "-v", "2", "-m", "8", "--png", str(png)]) == 0
+    assert cli.main(["--schedule", "interleaved", "-p", "4", "-v", "2", "-m", "8", "--png", str(png)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("rank 0:") and '"bubble_fraction": 0.140625' in out
     assert png.stat().st_size > 1000
-    assert sl.timeline(sl.build("1f1b", 2, 1, 2)).splitlines() == ["rank 0: F0 F1 R0 B0 R1 B1",
+    assert cli.timeline(sl.build("1f1b", 2, 1, 2)).splitlines() == ["rank 0: F0 F1 R0 B0 R1 B1",
                                                                    "rank 1:  . F0 B0 F1 B1  ."]
 
 
@@ -241,7 +241,7 @@ def test_zero_bubble_at_measured_costs():
     assert zb.bubble_fraction(h100["mb1"]) < one.bubble_fraction(h100["mb1"])
     assert zb.bubble_fraction(sync="ticks") > one.bubble_fraction(sync="ticks")
     assert sl.Costs(b=3, w=1).b_input == 2
-    assert sl.main(["--schedule", "1f1b", "-p", "2", "-m", "2", "--costs", "1,2"]) == 2
+    assert cli.main(["--schedule", "1f1b", "-p", "2", "-m", "2", "--costs", "1,2"]) == 2
     with pytest.raises(ValueError, match="unknown sync"):
         zb.step_time(sync="global")
 
@@ -251,7 +251,7 @@ def test_pairwise_clock_by_hand():
     rank 1's backward (2) while rank 0 recomputes (1) and waits for the gradient, then rank 0's backward:
     1 + 1 + 2 + 2 = 6 against an ideal of 4. Rank 1 is done at 4: nothing waits for it in the last tick."""
     s = sl.build("1f1b", 2, 1, 1)
-    assert sl.timeline(s).splitlines() == ["rank 0: F0  . R0 B0", "rank 1:  . F0 B0  ."]
+    assert cli.timeline(s).splitlines() == ["rank 0: F0  . R0 B0", "rank 1:  . F0 B0  ."]
     clock = s.clock()
     assert clock[:, 0].tolist() == [0, 1, 2, 4, 6] and clock[:, 1].tolist() == [0, 1, 2, 4, 4]
     assert s.step_time() == 6 and s.bubble_fraction() == 0.5
@@ -311,16 +311,16 @@ def test_uneven_stages_by_hand():
 def test_cli_uneven_stages(capsys):
     """--layers and Megatron's split flags go through config.pipeline_split; the head's cost is estimated
     from the model's shape (Llama 3.1 405B: the output layer is about 0.55 of a layer, GQA left out)."""
-    assert sl.head_cost(16384, 53248, 128256, 8192) == pytest.approx(0.5493, abs=1e-4)
+    assert cli.head_cost(16384, 53248, 128256, 8192) == pytest.approx(0.5493, abs=1e-4)
     argv = ["--schedule", "1f1b", "-p", "4", "-m", "8", "--layers", "16", "--first-stage-layers", "3",
             "--last-stage-layers", "3", "--head-cost", "1"]
-    assert sl.main(argv) == 0
+    assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "work per rank: 24.000 40.000 40.000 24.000; busiest 40.000" in out and '"layers_per_chunk"' in out
-    assert sl.main(["-p", "16", "-m", "32", "--model", "llama3.1-405b", "--account-for-embedding",
+    assert cli.main(["-p", "16", "-m", "32", "--model", "llama3.1-405b", "--account-for-embedding",
                     "--account-for-loss"]) == 0
     assert '"layers_per_chunk": [\n    7,\n    8' in capsys.readouterr().out
-    assert sl.main(["-p", "4", "-m", "8", "--layers", "15"]) == 2  # 15 layers do not split over 4 stages
+    assert cli.main(["-p", "4", "-m", "8", "--layers", "15"]) == 2  # 15 layers do not split over 4 stages
 
 
 def test_cli_reads_a_config(capsys):
@@ -332,13 +332,13 @@ def test_cli_reads_a_config(capsys):
 
     from megajax import config_io
 
-    flags = sl.config_costs(config_io.load("configs/deepseek-v3.yaml"))
+    flags = cli.config_costs(config_io.load("configs/deepseek-v3.yaml"))
     assert (flags["schedule"], flags["p"], flags["v"], flags["m"], flags["first_dense"]) == ("1f1b", 16, 1, 384, 3)
     assert 1.3 < flags["head_cost"] < 1.5  # 7168 x 129280 over MLA and 8 + 1 experts of 2048
-    assert sl.main(["--config", "configs/deepseek-v3.yaml", "-m", "32"]) == 0
+    assert cli.main(["--config", "configs/deepseek-v3.yaml", "-m", "32"]) == 0
     out = capsys.readouterr().out
     assert '"layers_per_chunk": [\n    4,' in out and '"m": 32' in out
-    assert sl.main(["--config", "configs/tiny.yaml"]) == 2 and "set parallel.data" in capsys.readouterr().err
-    code = ("import sys; from megajax.pipeline import schedule as s; s.main(['--config', 'configs/llama3.1-405b.yaml']);"
+    assert cli.main(["--config", "configs/tiny.yaml"]) == 2 and "set parallel.data" in capsys.readouterr().err
+    code = ("import sys; from megajax.parallel.pipeline import schedule_cli as s; s.main(['--config', 'configs/llama3.1-405b.yaml']);"
             " sys.exit('jax' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0, "the CLI imported JAX"

@@ -1,6 +1,7 @@
-"""The step plan (megajax/step_plan.py): every parallel decision resolved once from the config, over the whole
+"""The step plan (megajax/parallel/step_plan.py): every parallel decision resolved once from the config, over the whole
 layout space (no compilation: each case builds a config and its plan), and megajax's one context variable."""
 
+import ast
 import itertools
 import pathlib
 import re
@@ -9,10 +10,10 @@ import jax
 import pytest
 
 from conftest import REPO, small_config
-from megajax import sharding, step_plan
+from megajax.parallel import sharding, step_plan
 from megajax.config import ConfigError
-from megajax.pipeline import ticks
-from megajax.step_plan import MANUAL, StepPlan
+from megajax.parallel.pipeline import ticks
+from megajax.parallel.step_plan import MANUAL, StepPlan
 
 # The layout space: every mesh shape of up to 16 devices below, each with every setting that decides something
 # (alone, and the combinations that need each other); a layout the config refuses is skipped.
@@ -35,7 +36,11 @@ SETTINGS = [
     {"parallel.schedule": "interleaved", "parallel.virtual_stages": 2, "parallel.distributed_optimizer": True,
      "parallel.overlap_grad_reduce": True, "parallel.overlap_param_gather": True},
     {"parallel.schedule": "zero_bubble", "parallel.virtual_stages": 2},
+    {"parallel.data_parallel_sharding_strategy": "optim_grads"},
+    {"parallel.data_parallel_sharding_strategy": "optim_grads", "parallel.overlap_param_gather": True},
+    {"parallel.data_parallel_sharding_strategy": "optim_grads_params"},
 ]
+ZERO_STAGE = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
 
 
 def _layouts():
@@ -67,22 +72,24 @@ def test_every_layout_resolves_to_one_consistent_plan():
         sizes = {a: getattr(plan, a) for a in MANUAL}
         assert plan.manual == tuple(a for a in MANUAL if sizes[a] > 1)
         assert plan.data * plan.expert == par.data and plan.pipelined == (par.pipeline > 1)
-        assert plan.engine == ("pipelined" if par.pipeline > 1 else "overlapped"
+        zero = ZERO_STAGE[par.sharding_strategy] if par.data * par.context > 1 else 0
+        assert plan.zero_stage == zero and plan.shard_optimizer == (zero > 0)
+        assert plan.engine == ("pipelined" if par.pipeline > 1 else "sharded" if zero >= 2 else "overlapped"
                                if par.overlap_grad_reduce and par.data > 1 else "plain")
         assert plan.context_comm == (par.context_comm if par.context_comm != "auto"
                                      else "all_gather" if par.pipeline > 1 else "ring")
         assert plan.tp_overlap == (None if not par.tp_comm_overlap else "chunks" if par.pipeline > 1 else "ring")
         assert plan.moe_folds == (par.tensor if par.expert_tensor == 1 else 1)
         assert plan.gather_in_forward <= plan.reduce_in_backward
-        assert plan.micro_batches == cfg.num_micro_batches
+        assert plan.micro_batches == cfg.num_micro_batches and plan.stage_split == cfg.stage_split
         if plan.pipelined and par.schedule in ("1f1b", "interleaved"):  # the ticks read the same decisions
-            assert (ticks.reduce_layers(cfg) > 0) == plan.reduce_in_backward
-            assert (ticks.gather_layers(cfg) > 0) == plan.gather_in_forward
+            assert (ticks.reduce_layers(plan) > 0) == plan.reduce_in_backward
+            assert (ticks.gather_layers(plan) > 0) == plan.gather_in_forward
         engines.add(plan.engine)
         comms.add(plan.context_comm)
         overlaps.add(plan.tp_overlap)
-    assert seen > 150, seen  # the space is really covered (188 layouts), not refused wholesale
-    assert engines == {"plain", "overlapped", "pipelined"}
+    assert seen > 150, seen  # the space is really covered, not refused wholesale
+    assert engines == {"plain", "overlapped", "sharded", "pipelined"}
     assert comms == {"ring", "all_gather"} and overlaps == {None, "ring", "chunks"}
 
 
@@ -109,3 +116,47 @@ def test_megajax_has_one_context_variable_and_the_model_reads_no_mesh():
     assert holders == ["step_plan.py"]
     readers = [p.name for p, text in sources.items() if "model" in p.parts and "get_abstract_mesh" in text]
     assert readers == []
+
+
+# Below the step's build, a parallel decision is read from the plan, never from the config: these read the config's
+# parallel section by design (the plan's resolution, the mesh, the schedule CLI's flags from a config).
+READS_CONFIG = {("parallel/step_plan.py", "resolve"), ("parallel/pipeline/schedule_cli.py", "config_costs")}
+PARALLEL_KEYS = {"parallel", "num_micro_batches", "stage_split"}  # the section, and what the config derives from it
+CONFIGS = {"cfg", "config"}  # the names a config goes by (the plan has stage_split and micro_batches too)
+
+
+def _reads_config(node) -> bool:
+    """Whether an ast node reads the config's parallel section, or a value Config derives from it."""
+    if not isinstance(node, ast.Attribute) or node.attr not in PARALLEL_KEYS:
+        return False
+    base = node.value
+    return node.attr == "parallel" or getattr(base, "id", getattr(base, "attr", None)) in CONFIGS
+
+
+def test_nothing_below_the_build_reads_the_parallel_config():
+    """megajax/parallel/, megajax/model/ and megajax/kernels/ take every parallel decision from the step plan: an
+    attribute read of the config's parallel section (or of what Config derives from it) anywhere else there fails."""
+    root = pathlib.Path(REPO) / "megajax"
+    found = []
+    for package in ("parallel", "model", "kernels"):
+        for path in sorted((root / package).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+
+            def walk(node, function=None, rel=rel):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    function = node.name
+                if _reads_config(node) and (rel, function) not in READS_CONFIG:
+                    found.append(f"{rel}:{node.lineno} ({function}): .{node.attr}")
+                for child in ast.iter_child_nodes(node):
+                    walk(child, function)
+
+            walk(ast.parse(path.read_text()))
+    assert found == []
+
+
+def test_the_guard_sees_a_read():
+    """The walk above finds a read where there is one (it is not vacuous)."""
+    reads = lambda code: [n.attr for n in ast.walk(ast.parse(code)) if _reads_config(n)]  # noqa: E731
+    assert sorted(reads("def f(cfg):\n    return cfg.parallel.tensor, self.cfg.stage_split, plan.stage_split\n")) == [
+        "parallel", "stage_split"]
+    assert reads("m = config.num_micro_batches; n = plan.micro_batches") == ["num_micro_batches"]

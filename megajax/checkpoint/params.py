@@ -25,7 +25,7 @@ from megajax import config_io
 from megajax.checkpoint.training import CheckpointError
 from megajax.config import Config
 from megajax.model import model_state
-from megajax.pipeline.layout import from_stages
+from megajax.parallel.pipeline.layout import from_stages
 
 PARAMS_ITEM = "params"
 CONFIG_FILE = "config.yaml"

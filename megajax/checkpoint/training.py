@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from megajax import config as config_lib
 from megajax.config import Config, ModelConfig, StageSplit
 from megajax.model import model_state
-from megajax.pipeline.layout import STAGED, lead_dims, stage, unstage
+from megajax.parallel.pipeline.layout import STAGED, lead_dims, stage, unstage
 
 STATE_FIELDS = ("step", "params", "model_state", "opt_state", "loss_scale", "good_steps", "bad_steps")
 

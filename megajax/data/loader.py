@@ -35,19 +35,6 @@ def batch_shapes(global_batch: int, seq_length: int) -> dict[str, tuple[tuple[in
     }
 
 
-def micro_batches(batch: dict, m: int, data: int = 1) -> dict:
-    """The one split of a batch into m micro batches, for training, the pipeline and evaluation alike: each
-    data rank's local row r goes to micro batch r // mb. Inside the train step's shard_map a rank holds its
-    own rows [m * mb, ...] (data = 1); a global batch [data * m * mb, ...] (the data ranks' rows one after
-    the other, as the batch sharding places them) becomes [m, data * mb, ...]: micro batch i is every
-    rank's local micro batch i, so it stays split over 'data'."""
-    def split(x):
-        x = x.reshape(data, m, x.shape[0] // (data * m), *x.shape[1:])
-        return x.swapaxes(0, 1).reshape(m, -1, *x.shape[3:])
-
-    return jax.tree.map(split, batch)
-
-
 def host_rows(split: Split, first: int, rows: range) -> dict[str, np.ndarray]:
     """The batch fields of samples first + r, r in rows: tokens, targets, loss_mask [len(rows), s]."""
     seq = split.seq_length

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import jax
 
-from megajax import step_plan
+from megajax.parallel import step_plan
 from megajax.kernels.flash_attention import MAX_HEAD_DIM
 from megajax.kernels.fused_norm import MAX_DIM
 

@@ -6,7 +6,7 @@ do these.
 
 It is a custom_vjp, not a jax.checkpoint: under an enclosing checkpoint, jax decides what every equation inside a
 nested checkpoint keeps by the enclosing one's policy, so ZeRO-3's layer (which saves everything but the
-gathered weights, megajax.overlap) kept all the intermediates again
+gathered weights, megajax.parallel.overlap) kept all the intermediates again
 (benchmarks/2026-11-26-compile-only-fsdp-layer-memory.md). What a custom_vjp keeps is its own.
 """
 

@@ -11,7 +11,7 @@ Two concerns every kernel in this package shares, kept out of the kernels themse
 2. **Partitioning.** A pallas_call is an opaque custom call that GSPMD cannot split. `shard_kernel` runs
    kernels shard by shard in a nested `jax.shard_map` over the mesh axes still left to GSPMD ('tensor'
    inside the train step's manual 'data'/'pipeline' region; every axis under plain jit), each operand
-   split by its logical axis names (megajax.sharding's activation rules: heads over 'tensor', the sequence
+   split by its logical axis names (megajax.parallel.sharding's activation rules: heads over 'tensor', the sequence
    over 'tensor' with sequence parallelism, batch over 'data') and replicated over the other axes, which
    costs no communication.
 
@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from megajax import sharding, step_plan
+from megajax.parallel import sharding, step_plan
 
 Names = Sequence[str | None]
 

@@ -44,8 +44,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from megajax import sharding, step_plan
-from megajax.sharding import tensor_manual
+from megajax.parallel import sharding, step_plan
+from megajax.parallel.sharding import tensor_manual
 from megajax.model import fp8
 
 def _mode() -> str | None:

@@ -38,8 +38,8 @@ import jax.numpy as jnp
 from megajax import kernels
 from megajax.kernels.auto import attention_fallback, by_platform
 from megajax.kernels.launch import match_varying
-from megajax import step_plan
-from megajax.sharding import varying_axes, vary
+from megajax.parallel import step_plan
+from megajax.parallel.sharding import varying_axes, vary
 
 AXIS = "context"
 

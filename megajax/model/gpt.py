@@ -18,12 +18,12 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from megajax import step_plan
+from megajax.parallel import step_plan
 from megajax.config import ModelConfig
 from megajax.model.layers import (MLP, NO_SIDE, RESIDUAL, TAP_GRADS, TAP_INPUTS, Attention, Embed, KVCache, Norm,
                                   Side, dropout, gather_sequence, layers_unrolled)
 from megajax.model.moe import MoE
-from megajax.sharding import constrain
+from megajax.parallel.sharding import constrain
 
 
 class Block(nn.Module):

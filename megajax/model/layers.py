@@ -2,7 +2,7 @@
 
 Dimension letters: b batch, s sequence, d model, h heads, g kv heads, k head dim, f MLP, v vocabulary.
 
-Every parameter carries logical axis names (see megajax.sharding): QKV and the MLP input are
+Every parameter carries logical axis names (see megajax.parallel.sharding): QKV and the MLP input are
 column-parallel (their output dim is 'heads'/'mlp', sharded over 'tensor'), the attention output and MLP
 output are row-parallel (their input dim is sharded), so each layer costs two all-reduces forward and two
 backward. With sequence parallelism the residual stream is sharded over the sequence ('seq' -> 'tensor'):
@@ -20,11 +20,12 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from megajax import kernels, step_plan
+from megajax import kernels
+from megajax.parallel import step_plan
 from megajax.kernels import auto as kernel_choice
 from megajax.config import ModelConfig
 from megajax.model import collective_matmul, context, fp8
-from megajax.sharding import constrain
+from megajax.parallel.sharding import constrain
 
 @flax.struct.dataclass
 class Side:

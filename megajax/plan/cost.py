@@ -16,7 +16,7 @@ Time, per GPU (docs/guides/choosing-a-layout.md#the-time-model lists every const
   compute (tensor parallelism's rings under the GEMMs with tp_comm_overlap, the data-parallel reductions under the
   backward with overlap_grad_reduce, ...), and none of that for a program whose memory is above XLA's scheduling
   limit (`XLA_SLOP`): XLA then schedules it for memory.
-- The pipeline: the schedule's own clock (`megajax.pipeline.schedule`) with these per-action costs.
+- The pipeline: the schedule's own clock (`megajax.parallel.pipeline.schedule`) with these per-action costs.
 
 Memory, per GPU: fp32 weights, gradients and AdamW moments as the data ranks shard them, the activations the
 schedule keeps (what megajax's layer keeps for each recompute mode, `layer_activation_bytes`), the logits, and a
@@ -32,7 +32,7 @@ from megajax.config import Config
 from megajax.kernels import auto as kernel_choice
 from megajax.model_config import layer_forward_flops_per_token
 from megajax.plan.hardware import GIB, Hardware
-from megajax.step_plan import StepPlan
+from megajax.parallel.step_plan import StepPlan
 
 RESERVE_BYTES = 3 * GIB  # cuBLAS / NCCL workspaces and fragmentation, outside XLA's memory analysis
 B16 = 2  # bytes of a bf16 activation
@@ -142,6 +142,7 @@ class _Layout:
     def __init__(self, cfg: Config, gpus_per_node: int):
         m, p = cfg.model, cfg.parallel
         self.cfg, self.model, self.par, self.node = cfg, m, p, gpus_per_node
+        self.plan = StepPlan.resolve(cfg, platform="gpu")  # the step's parallel decisions on the GPUs planned for
         self.t, self.c, self.pp, self.d, self.e = p.tensor, p.context, p.pipeline, p.data, p.expert
         self.b = cfg.train.micro_batch_size
         self.m = cfg.num_micro_batches
@@ -413,7 +414,7 @@ def _memory(hw: Hardware, L: _Layout, params: dict, in_flight: int) -> dict:
         cast = 0.0 if m.recompute == "full" else B16 * shard(n - ends)
     else:
         cast = B16 * (n - per_layer * (L.layers - cast_layers))
-    if L.pp > 1 and not par.shards_params and StepPlan.resolve(L.cfg).gather_in_forward:
+    if L.pp > 1 and not par.shards_params and L.plan.gather_in_forward:
         # a pipeline that gathers its weights inside the schedule (overlap_param_gather) holds every layer of the
         # rank gathered in bf16 from its first forward to the step's end (the executor's carry "whole"); with
         # one chunk a rank the backward keeps that one, with more each chunk's backward keeps its slice besides
@@ -463,7 +464,7 @@ def in_flight(cfg: Config) -> int:
     if p == 1:
         return 1
     if cfg.parallel.schedule == "interleaved" or v > 1:
-        from megajax.pipeline.schedule import interleaved_depth
+        from megajax.parallel.pipeline.schedule import interleaved_depth
 
         return interleaved_depth(p, v, m, 0)
     return min(m, p)
@@ -495,7 +496,7 @@ def _overlapped(comm: float, under: float, on: bool, first_step: float = 0.0) ->
 def estimate(cfg: Config, hw: Hardware, gpus_per_node: int, simulate: bool = True,
              framework: str = "megajax") -> Estimate:
     """The prediction for a resolved config (`Config.for_devices`). `simulate`: the pipeline's bubble from the
-    schedule's clock (`megajax.pipeline.schedule`), else from the paper's formula (the search's first pass).
+    schedule's clock (`megajax.parallel.pipeline.schedule`), else from the paper's formula (the search's first pass).
     framework="megatron" predicts Megatron-LM's run of the layout (the SC21 paper's): no layer-stack copies, and
     the gradient accumulation fused into the weight-gradient GEMM."""
     from megajax import metrics
@@ -509,7 +510,7 @@ def estimate(cfg: Config, hw: Hardware, gpus_per_node: int, simulate: bool = Tru
     fp8_f, fp8_b = _layer_fp8_s(hw, L, operands)
     saved = layer_activation_bytes(L)[m.recompute]
     # unrolled layers keep their residuals in place
-    stacked = framework == "megajax" and not StepPlan.resolve(cfg, platform="gpu").unroll_layers
+    stacked = framework == "megajax" and not L.plan.unroll_layers
     copy_f, copy_b = _layer_copies_s(hw, L, saved, operands[2]) if stacked else (0.0, 0.0)
     tp, cp, a2a = _tensor_comm_s(hw, L), _context_comm_s(hw, L), _expert_comm_s(hw, L) * L.moe_share
     params = local_parameters(L)
@@ -577,7 +578,7 @@ def _pipeline(cfg: Config, fwd: float, again: float, bwd: float, head: float, se
     """(the busiest rank's schedule time, its bubble) in seconds: per layer f, r, b and the head (its forward and
     backward, run in the last chunk's forward) on the schedule's clock, each chunk's send added to its forward and
     backward."""
-    from megajax.pipeline import schedule
+    from megajax.parallel.pipeline import schedule
 
     par = cfg.parallel
     p, v, m = par.pipeline, par.virtual_stages, cfg.num_micro_batches
@@ -598,6 +599,6 @@ def _pipeline(cfg: Config, fwd: float, again: float, bwd: float, head: float, se
 
 @functools.lru_cache(maxsize=256)
 def _built(name: str, p: int, v: int, m: int):
-    from megajax.pipeline import schedule
+    from megajax.parallel.pipeline import schedule
 
     return schedule.build(name, p, v, m)

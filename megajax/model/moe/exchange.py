@@ -25,7 +25,7 @@ on CPU), each rank's received rows packed by source into a buffer of the most it
 parallel.expert_buffer_factor of that factor times one rank's routed rows (`ragged_plan`: what does not fit is not
 sent, and counts as dropped).
 
-Which exchange runs is the step plan's (megajax.step_plan.in_force(): `Exchange`, `folds`,
+Which exchange runs is the step plan's (megajax.parallel.step_plan.in_force(): `Exchange`, `folds`,
 `expert_parallel_size`); outside a step, none (the expert-sharded weights are used as global arrays).
 """
 
@@ -39,8 +39,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from megajax import step_plan
-from megajax.sharding import FOLDED, constrain, current_manual_axes, tensor_manual, vary, varying_axes
+from megajax.parallel import step_plan
+from megajax.parallel.sharding import FOLDED, constrain, current_manual_axes, tensor_manual, vary, varying_axes
 
 
 class Exchange(NamedTuple):

@@ -21,7 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from megajax import step_plan
+from megajax.parallel import step_plan
 from megajax.config import ModelConfig
 from megajax.kernels.grouped_matmul import group_of_rows, grouped_matmul
 from megajax.model import fp8
@@ -31,7 +31,7 @@ from megajax.model.moe.exchange import (_exchange, capacity, combine, dispatch, 
                                         from_buffers, to_buffers)
 from megajax.model.moe.routing import (ROUTER_BIAS, STATS, Routing, attach_loss, load_balancing_loss, report, route,
                                        z_loss)
-from megajax.sharding import constrain
+from megajax.parallel.sharding import constrain
 
 
 def expert_mlps(cfg: ModelConfig, w: dict, meta, lead: str | None, xs: jax.Array,

@@ -12,18 +12,18 @@ import jax.numpy as jnp
 
 from megajax import model
 from megajax.config import Config
-from megajax.data.loader import micro_batches
-from megajax.pipeline import layout
-from megajax.pipeline.chunks import _shared, run_slots
-from megajax.pipeline.layout import local_chunks
-from megajax.pipeline.schedule import perm_pairs
-from megajax.sharding import CollectiveOrder, vary
+from megajax.parallel import step_plan
+from megajax.parallel.pipeline import layout
+from megajax.parallel.pipeline.chunks import _shared, run_slots
+from megajax.parallel.pipeline.layout import local_chunks
+from megajax.parallel.pipeline.schedule import perm_pairs
+from megajax.parallel.sharding import CollectiveOrder, micro_batches, vary
 
 
 def _gpipe_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array):
     """GPipe: every forward (`_forward_rounds`), then autodiff runs the backward, stashing every tick's
     residuals (memory grows with m: the simple baseline)."""
-    mbs = vary(micro_batches(batch, cfg.num_micro_batches))
+    mbs = vary(micro_batches(batch, step_plan.in_force().micro_batches))
 
     def loss_fn(layers, shared):
         loss = _forward_rounds(cfg, local_chunks(layers), shared, mbs, train=True, objective_scale=seed_scale)
@@ -42,7 +42,8 @@ def pipeline_loss(cfg: Config, params: dict, batch: dict) -> jax.Array:
     pipeline without gathering the layers. Inside the train step's shard_map, like `executor.pipeline_grads`."""
     layers = vary(local_chunks(params["layers"]))
     shared = _shared(params)
-    loss = _forward_rounds(cfg, layers, shared, vary(micro_batches(batch, cfg.num_micro_batches)), train=False)
+    loss = _forward_rounds(cfg, layers, shared, vary(micro_batches(batch, step_plan.in_force().micro_batches)),
+                           train=False)
     return jax.lax.psum(loss, "pipeline")
 
 
@@ -52,11 +53,11 @@ def _forward_rounds(cfg: Config, layers, shared, mbs, train: bool, objective_sca
     the input of the next round. Returns this rank's part of the summed token loss (rank p - 1 holds it).
     layers: this rank's chunks [v, Lc, ...]; mbs: micro batches [m, mb, ...]; train: dropout on; objective_scale:
     the seed of the loss being differentiated (Side.objective_scale)."""
-    par, mcfg = cfg.parallel, cfg.model
-    p, v, m = par.pipeline, par.virtual_stages, cfg.num_micro_batches
+    plan, mcfg = step_plan.in_force(), cfg.model
+    p, v, m = plan.pipeline, plan.virtual_stages, plan.micro_batches
     rank = jax.lax.axis_index("pipeline")
     lc = jax.tree.leaves(layers)[0].shape[1]
-    split = cfg.stage_split
+    split = plan.stage_split
     starts, units = (jnp.asarray(a) for a in layout.chunk_tables(split, p))
     shape = (*mbs["tokens"].shape[1:], mcfg.hidden_size)
     dtype = jnp.dtype(mcfg.compute_dtype)

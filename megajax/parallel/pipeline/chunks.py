@@ -15,12 +15,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from megajax import model, overlap
+from megajax import model
+from megajax.parallel import overlap, step_plan
 from megajax.config import Config
-from megajax.pipeline import layout
-from megajax.pipeline import ticks
-from megajax.pipeline.ticks import FIRST, LAST_KEEP, MID, NONE
-from megajax.sharding import vary
+from megajax.parallel.pipeline import layout
+from megajax.parallel.pipeline import ticks
+from megajax.parallel.pipeline.ticks import FIRST, LAST_KEEP, MID, NONE
+from megajax.parallel.sharding import vary
 
 
 def _shared(params: dict) -> dict:
@@ -57,9 +58,10 @@ class _ChunkActions:
         self.layers, self.shared, self.mbs, self.seed_scale = layers, shared, mbs, seed_scale
         self.act_shape, self.act_dtype = act_shape, act_dtype
         self.lc = jax.tree.leaves(layers)[0].shape[1]
-        split = cfg.stage_split
+        plan = step_plan.in_force()
+        split = plan.stage_split
         self.even = split.even  # uneven stages: a chunk's slots past its units are empty, skipped (layout.py)
-        self.starts, self.units = layout.chunk_tables(split, cfg.parallel.pipeline)
+        self.starts, self.units = layout.chunk_tables(split, plan.pipeline)
         # parallel.overlap_grad_reduce: per weight ({"block": ...}'s leaves), its overlap.Reduction for one layer,
         # and for a run of layers [n, ...] (from the staged [v, p, Lc, ...] weight's)
         staged = len(layout.STAGED)

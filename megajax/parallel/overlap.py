@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from megajax import model, optim, sharding
+from megajax import model, optim
+from megajax.parallel import sharding
 from megajax.config import Config
 
 

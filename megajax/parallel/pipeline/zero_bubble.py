@@ -17,9 +17,9 @@ import jax.numpy as jnp
 from megajax import model
 from megajax.model import fp8
 from megajax.model import layers as layers_lib
-from megajax.pipeline.chunks import _ChunkActions
-from megajax.pipeline.ticks import NONE
-from megajax.sharding import vary, varying_axes
+from megajax.parallel.pipeline.chunks import _ChunkActions
+from megajax.parallel.pipeline.ticks import NONE
+from megajax.parallel.sharding import vary, varying_axes
 
 
 def split_weights(w: dict, taps: dict) -> tuple[dict, dict]:

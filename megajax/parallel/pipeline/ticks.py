@@ -15,9 +15,9 @@ import functools
 
 import numpy as np
 
-from megajax.config import Config
-from megajax.step_plan import StepPlan
-from megajax.pipeline import schedule as schedule_lib
+from megajax.model_config import ModelConfig
+from megajax.parallel.step_plan import StepPlan
+from megajax.parallel.pipeline import schedule as schedule_lib
 
 # what an action does depends on where its chunk sits in the model: 0 none, 1 first, 2 middle, 3 last chunk;
 # 4: a forward of the last chunk that keeps its residuals for the backward of the next tick (both the forward's kind
@@ -202,44 +202,43 @@ def scope(segment: int, tick: int) -> str:
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def tick_caps(cfg: Config) -> tuple[int | None, int | None]:
+def tick_caps(step_plan: StepPlan, model: ModelConfig) -> tuple[int | None, int | None]:
     """The most layers an idle tick reduces and gathers, from parallel.overlap_comm_ratio (one layer's reduce-scatter
     of its gradient over its forward of one micro batch): a cool-down tick holds the others' recompute and backward
     of a chunk (3 forwards of its layers; an all-reduce moves twice a reduce-scatter's bytes), a warm-up tick their
     forward (the matmul weights are gathered in the compute dtype: half the bytes in bf16). (None, None): no cap
     (ratio 0)."""
-    par, m = cfg.parallel, cfg.model
-    ratio = par.overlap_comm_ratio
+    ratio = step_plan.overlap_comm_ratio
     if not ratio:
         return None, None
-    reduce_bytes = 1 if par.shards_optimizer else 2
-    gather_bytes = _ITEMSIZE[m.compute_dtype] / _ITEMSIZE[m.param_dtype]
-    return int(3 * chunk_layers(cfg) / (ratio * reduce_bytes)), int(chunk_layers(cfg) / (ratio * gather_bytes))
+    reduce_bytes = 1 if step_plan.shard_optimizer else 2
+    gather_bytes = _ITEMSIZE[model.compute_dtype] / _ITEMSIZE[model.param_dtype]
+    layers = chunk_layers(step_plan)
+    return int(3 * layers / (ratio * reduce_bytes)), int(layers / (ratio * gather_bytes))
 
 
-def plan_of(cfg: Config):
-    """`plan` for a run (its overlapped reductions and gathers as its StepPlan says)."""
-    par = cfg.parallel
-    return plan(par.schedule, par.pipeline, par.virtual_stages, cfg.num_micro_batches, reduce_layers(cfg),
-                gather_layers(cfg), tick_caps(cfg))
+def plan_of(step_plan: StepPlan, model: ModelConfig):
+    """`plan` for a step's plan (its overlapped reductions and gathers as the StepPlan says)."""
+    return plan(step_plan.schedule, step_plan.pipeline, step_plan.virtual_stages, step_plan.micro_batches,
+                reduce_layers(step_plan), gather_layers(step_plan), tick_caps(step_plan, model))
 
 
-def reduce_layers(cfg: Config) -> int:
-    """`plan`'s reduce_layers for a run: the layers (scanned units) of a chunk when the step reduces the
+def reduce_layers(step_plan: StepPlan) -> int:
+    """`plan`'s reduce_layers for a step: the layers (scanned units) of a chunk when the step reduces the
     gradients inside the schedule (StepPlan.reduce_in_backward), else 0."""
-    return chunk_layers(cfg) if StepPlan.resolve(cfg).reduce_in_backward else 0
+    return chunk_layers(step_plan) if step_plan.reduce_in_backward else 0
 
 
-def chunk_layers(cfg: Config) -> int:
+def chunk_layers(step_plan: StepPlan) -> int:
     """The slots for layers (scanned units) of a pipeline chunk: its units, the most of any chunk with uneven stages
     (layout.py)."""
-    return cfg.stage_split.slots
+    return step_plan.stage_split.slots
 
 
-def gather_layers(cfg: Config) -> int:
-    """`plan`'s gather_layers for a run: the layers of a chunk when the step gathers the weights from their
+def gather_layers(step_plan: StepPlan) -> int:
+    """`plan`'s gather_layers for a step: the layers of a chunk when the step gathers the weights from their
     optimizer shards inside the schedule (StepPlan.gather_in_forward), else 0."""
-    return chunk_layers(cfg) if StepPlan.resolve(cfg).gather_in_forward else 0
+    return chunk_layers(step_plan) if step_plan.gather_in_forward else 0
 
 
 def in_backward_group(kinds, final: bool):
@@ -268,7 +267,7 @@ def backward_groups(kinds: tuple[int, ...]) -> tuple[bool, ...]:
     return tuple(final for final in (False, True) if in_backward_group(np.asarray(kinds), final).any())
 
 
-def branch_runs(cfg: Config) -> dict[str, list[float]]:
+def branch_runs(step_plan: StepPlan, model: ModelConfig) -> dict[str, list[float]]:
     """For the audit: per switch of the executor ('<scope>_<action>'), how often each branch runs per visit
     of the switch, averaged over the pipeline ranks (the compiled program counts every branch of a conditional
     as taken; the schedule's table says which is). The backward's: how often it runs none, then each of its
@@ -276,10 +275,9 @@ def branch_runs(cfg: Config) -> dict[str, list[float]]:
     it does not and does run the first chunk, whose embedding backward runs under '<scope>_e1'; '<scope>_h': how
     often the forward does not and does run the last chunk, whose head runs under '<scope>_h1'; '<scope>_g': how
     often the gather runs none and each of its layer counts, count i under '<scope>_g<i>'."""
-    par = cfg.parallel
-    if par.pipeline == 1 or par.schedule == "gpipe":
+    if step_plan.pipeline == 1 or step_plan.schedule == "gpipe":
         return {}
-    _, _, kinds, segments = plan_of(cfg)
+    _, _, kinds, segments = plan_of(step_plan, model)
     out = {}
     for i, seg in enumerate(segments):
         step = 2 if seg.roles else 1

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
-from megajax import step_plan
+from megajax.parallel import step_plan
 from megajax.config import ConfigError, ParallelConfig
 
 AXES = ("data", "expert", "pipeline", "context", "tensor")
@@ -42,7 +42,7 @@ PARAM_RULES: dict[str, Axis] = {
     "mlp": "tensor",
     "expert": "expert",
     "layers": None,
-    "chunk": None,  # the staged pipeline layout [chunk, stage, layers, ...] (megajax.pipeline.layout)
+    "chunk": None,  # the staged pipeline layout [chunk, stage, layers, ...] (megajax.parallel.pipeline.layout)
     "stage": "pipeline",
 }
 FOLDED = ("expert", "tensor")  # the experts' ranks with parallel.expert_tensor=1 (Megatron's MoE parallel folding)
@@ -255,3 +255,16 @@ def unsplit_data_axes(spec: P) -> tuple[str, ...]:
     expert weight, sharded over 'expert'). Megatron's data-parallel group with context parallelism."""
     used = spec_axes(spec)
     return tuple(a for a in GRAD if a not in used)
+
+
+def micro_batches(batch: dict, m: int, data: int = 1) -> dict:
+    """The one split of a batch into m micro batches, for training, the pipeline and evaluation alike: each
+    data rank's local row r goes to micro batch r // mb. Inside the train step's shard_map a rank holds its
+    own rows [m * mb, ...] (data = 1); a global batch [data * m * mb, ...] (the data ranks' rows one after
+    the other, as the batch sharding places them) becomes [m, data * mb, ...]: micro batch i is every
+    rank's local micro batch i, so it stays split over 'data'."""
+    def split(x):
+        x = x.reshape(data, m, x.shape[0] // (data * m), *x.shape[1:])
+        return x.swapaxes(0, 1).reshape(m, -1, *x.shape[3:])
+
+    return jax.tree.map(split, batch)

@@ -13,11 +13,14 @@ What the plan holds, and who reads it:
 |---|---|---|
 | data, expert, pipeline, context, tensor | the mesh's sizes | everything below |
 | manual | the axes the step's shard_map region makes manual (each of MANUAL with more than one device) | step, sharding |
-| pipelined, engine, schedule, virtual_stages, micro_batches | the gradient engine: a schedule, or a scan over micro batches | step, executor, ticks |
+| pipelined, engine, schedule, virtual_stages, micro_batches, stage_split | the gradient engine: a schedule, or a scan over micro batches; the layers of each pipeline chunk | engines, executor, gpipe, ticks |
 | sequence_parallel | the residual stream sharded over 'tensor' (the activation rules) | sharding.constrain |
 | context_comm | how attention's keys and values cross the context ranks: ring or all_gather | model/context.py |
 | tp_overlap | sequence parallelism's collectives as rings ("ring"), chunks ("chunks", in a pipeline) or plain (None) | model/collective_matmul.py |
 | moe_folds, moe_ragged, moe_buffer_factor | the experts' exchange (parallel folding, ragged all-to-all) | model/moe/exchange.py |
+| shard_optimizer, zero_stage | ZeRO-1: the optimizer state sharded over the data (and context) ranks; zero_stage 0-3 | step.build, ticks |
+| overlap_param_gather | with the distributed optimizer, the weights kept as their optimizer shard where it is unpadded | step |
+| overlap_comm_ratio | the most layers an idle pipeline tick reduces and gathers (0: no cap) | ticks |
 | reduce_in_backward | the data-parallel gradient reductions issued layer by layer in the backward | step, ticks, overlap |
 | gather_in_forward | the weights kept as optimizer shards, gathered under the next forward | step, ticks |
 | shard_grads | ZeRO-2/3: every micro batch's gradients reduce-scattered in its backward, summed as shards | step |
@@ -39,7 +42,7 @@ import dataclasses
 
 import jax
 
-from megajax.config import Config
+from megajax.config import Config, StageSplit
 
 MANUAL = ("data", "expert", "pipeline", "context")  # the axes the step may make manual ('tensor' stays with GSPMD)
 
@@ -57,12 +60,16 @@ class StepPlan:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     micro_batches: int = 1
+    stage_split: StageSplit | None = None  # the layers of each pipeline chunk (config.pipeline_split)
     sequence_parallel: bool = False
     context_comm: str = "ring"  # "ring" or "all_gather" (parallel.context_comm's auto resolved)
     tp_overlap: str | None = None  # "ring", "chunks" or None
     moe_folds: int = 1  # tensor ranks that route their own sequence shard and hold whole experts (expert_tensor=1)
     moe_ragged: bool = False  # dropless rows exchanged by exact counts (parallel.expert_all_to_all=ragged)
     moe_buffer_factor: float | None = None  # ragged: a rank receives at most this times one rank's routed rows
+    shard_optimizer: bool = False  # the distributed optimizer (ZeRO-1), where there are data or context ranks
+    overlap_param_gather: bool = False  # parallel.overlap_param_gather
+    overlap_comm_ratio: float = 0.0  # parallel.overlap_comm_ratio
     reduce_in_backward: bool = False  # parallel.overlap_grad_reduce, where there are data ranks to reduce over
     gather_in_forward: bool = False  # parallel.overlap_param_gather (with the distributed optimizer), or ZeRO-3
     shard_grads: bool = False  # data_parallel_sharding_strategy optim_grads or optim_grads_params, with data ranks
@@ -71,12 +78,22 @@ class StepPlan:
     unroll_layers: bool = False  # model.scan_layers=false, or null on a layout `_unrolls` keeps in memory
 
     @property
+    def data_ranks(self) -> int:
+        """The ranks a batch is split over: 'data' x 'expert' (experts divide the data-parallel ranks)."""
+        return self.data * self.expert
+
+    @property
+    def zero_stage(self) -> int:
+        """0: nothing sharded over the data ranks; 1: the optimizer state; 2: also the gradients; 3: also the weights."""
+        return 3 if self.shard_params else 2 if self.shard_grads else 1 if self.shard_optimizer else 0
+
+    @property
     def pipelined(self) -> bool:
         return self.pipeline > 1
 
     @property
     def engine(self) -> str:
-        """The gradient engine (step.ENGINES): "pipelined" (a schedule), "sharded" (ZeRO-2/3: a scan over micro
+        """The gradient engine (megajax/parallel/engines.py: ENGINES): "pipelined" (a schedule), "sharded" (ZeRO-2/3: a scan over micro
         batches each of whose backwards reduce-scatters its gradients layer by layer), "overlapped" (a scan over
         micro batches whose last backward issues the data-parallel reductions layer by layer) or "plain" (a scan,
         reduced after)."""
@@ -95,18 +112,21 @@ class StepPlan:
                  "context": par.context, "tensor": par.tensor}
         pipelined = shape["pipeline"] > 1
         comm = par.context_comm if par.context_comm != "auto" else "all_gather" if pipelined else "ring"
-        # the ranks the optimizer state is sharded over ('data' x 'expert' x 'context'): ZeRO-2/3 need some
-        shards = par.shards_grads and par.data * par.context > 1
+        # the ranks the optimizer state is sharded over ('data' x 'expert' x 'context'): ZeRO needs some
+        zero_ranks = par.data * par.context > 1
+        shards = par.shards_grads and zero_ranks
         reduce = (par.overlap_grad_reduce and shape["data"] * shape["expert"] > 1) or shards
         plan = cls(
             data=shape["data"], expert=shape["expert"], pipeline=shape["pipeline"], context=shape["context"],
             tensor=shape["tensor"], manual=tuple(a for a in MANUAL if shape[a] > 1), schedule=par.schedule,
-            virtual_stages=par.virtual_stages, micro_batches=cfg.num_micro_batches,
+            virtual_stages=par.virtual_stages, micro_batches=cfg.num_micro_batches, stage_split=cfg.stage_split,
             sequence_parallel=par.sequence_parallel, context_comm=comm,
             # a ppermute inside the pipeline's per-rank branches deadlocks: chunked collectives there
             tp_overlap=("chunks" if pipelined else "ring") if par.tp_comm_overlap and shape["tensor"] > 1 else None,
             moe_folds=shape["tensor"] if par.folded_experts else 1, moe_ragged=par.expert_all_to_all == "ragged",
-            moe_buffer_factor=par.expert_buffer_factor, reduce_in_backward=reduce,
+            moe_buffer_factor=par.expert_buffer_factor, shard_optimizer=par.shards_optimizer and zero_ranks,
+            overlap_param_gather=par.overlap_param_gather, overlap_comm_ratio=par.overlap_comm_ratio,
+            reduce_in_backward=reduce,
             gather_in_forward=(reduce and par.overlap_param_gather and par.shards_optimizer)
             or (shards and par.shards_params),
             shard_grads=shards, shard_params=shards and par.shards_params, platform=platform)

@@ -55,17 +55,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from megajax import step_plan
+from megajax.parallel import step_plan
 from megajax.config import Config
-from megajax.data.loader import micro_batches
-from megajax.pipeline import ticks
-from megajax.pipeline.chunks import _ChunkActions, _shared
-from megajax.pipeline.gpipe import _gpipe_grads
-from megajax.pipeline.ticks import ACTIONS, FIELDS, FINAL, LAST_KEEP, NONE, Segment
-from megajax.pipeline.layout import local_chunks
-from megajax.pipeline.schedule import perm_pairs
-from megajax.pipeline.zero_bubble import _SplitChunkActions
-from megajax.sharding import CollectiveOrder, vary
+from megajax.parallel.pipeline import ticks
+from megajax.parallel.pipeline.chunks import _ChunkActions, _shared
+from megajax.parallel.pipeline.gpipe import _gpipe_grads
+from megajax.parallel.pipeline.ticks import ACTIONS, FIELDS, FINAL, LAST_KEEP, NONE, Segment
+from megajax.parallel.pipeline.layout import local_chunks
+from megajax.parallel.pipeline.schedule import perm_pairs
+from megajax.parallel.pipeline.zero_bubble import _SplitChunkActions
+from megajax.parallel.sharding import CollectiveOrder, micro_batches, vary
 
 
 def _local_kinds(present: tuple[int, ...], kinds: np.ndarray) -> jax.Array:
@@ -84,17 +83,17 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
     backward, or in each chunk's last backward; a reduce-scatter leaves the optimizer shard), so the layers'
     gradients come back reduced. A reduction with `gather` (parallel.overlap_param_gather): the weight arrives as
     its optimizer shard and the schedule gathers it before the rank's first forward of its chunk."""
-    par = cfg.parallel
-    m = cfg.num_micro_batches
-    if par.schedule == "gpipe":
+    plan = step_plan.in_force()
+    m = plan.micro_batches
+    if plan.schedule == "gpipe":
         return _gpipe_grads(cfg, params, batch, seed_scale)
-    p, v = par.pipeline, par.virtual_stages
+    p, v = plan.pipeline, plan.virtual_stages
     layers = vary(local_chunks(params["layers"]))  # [v, Lc, ...] (a gathered weight: its optimizer shard)
     lc = jax.tree.leaves(layers)[0].shape[1]
     gathering = reductions is not None and any(r.gather for r in jax.tree.leaves(reductions))
-    every = step_plan.in_force().shard_grads  # ZeRO-2: every backward reduce-scatters its chunk's gradients
-    sched, table, kinds, segments = ticks.plan(par.schedule, p, v, m, 0 if reductions is None else lc,
-                                               lc if gathering else 0, ticks.tick_caps(cfg), every)
+    every = plan.shard_grads  # ZeRO-2: every backward reduce-scatters its chunk's gradients
+    sched, table, kinds, segments = ticks.plan(plan.schedule, p, v, m, 0 if reductions is None else lc,
+                                               lc if gathering else 0, ticks.tick_caps(plan, cfg.model), every)
     shared = _shared(params)
     mbs = vary(micro_batches(batch, m))
     act_shape = (batch["tokens"].shape[0] // m, batch["tokens"].shape[1], cfg.model.hidden_size)
