@@ -380,7 +380,7 @@ def compile_only_backend():
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megajax.audit", description=__doc__.split("\n\n")[0])
-    from megajax import config_io
+    from megajax.config import io as config_io
 
     config_io.add_cli_arguments(parser)
     parser.add_argument("--target", choices=TARGETS, default="cpu",
@@ -395,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     jax = compile_only_backend()
     if args.target == "cpu" and args.devices:
         jax.config.update("jax_num_cpu_devices", args.devices)
-    from megajax import config as config_lib, config_io
+    from megajax import config as config_lib
+    from megajax.config import io as config_io
 
     try:
         cfg = config_io.load(args.config, args.set)

@@ -127,7 +127,7 @@ def write_preset(cfg: Config, ckpt: Path, path: Path) -> None:
     model.update(seq_length=seq, compute_dtype="bfloat16", recompute="selective")
     sections = {
         "model": model,
-        "parallel": {"tensor": t, "sequence_parallel": t > 1, "distributed_optimizer": True},
+        "parallel": {"tensor": t, "sequence_parallel": t > 1, "data_parallel_sharding_strategy": "optim"},
         "train": {"steps": 1000, "global_batch_size": 64, "micro_batch_size": 1, "log_every": 10, "eval_every": 200,
                   "output_dir": f"runs/{name}-finetune"},
         "optim": {"lr": 2.0e-5, "min_lr": 2.0e-6, "warmup_steps": 50, "decay": "cosine", "weight_decay": 0.1,

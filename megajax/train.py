@@ -18,7 +18,8 @@ from typing import Any
 
 import jax
 
-from megajax import config as config_lib, config_io, distributed, xla_flags
+from megajax import config as config_lib, distributed, xla_flags
+from megajax.config import io as config_io
 from megajax import metrics as metrics_lib
 from megajax.kernels import auto as kernel_choice
 from megajax.config import Config, InputError

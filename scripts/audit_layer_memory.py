@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recompute", default="none,selective,full")
     parser.add_argument("--case", help="only the cases whose name contains this")
     args = parser.parse_args(argv)
-    from megajax import config_io
+    from megajax.config import io as config_io
     from megajax.plan.cost import estimate
     from megajax.plan.hardware import hardware
 

@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 
-STRATEGIES = {"zero1": ["parallel.distributed_optimizer=true"],
+STRATEGIES = {"zero1": ["parallel.data_parallel_sharding_strategy=optim"],
               "zero3": ["parallel.data_parallel_sharding_strategy=optim_grads_params"]}
 MODEL = ["model.arch=llama", "model.num_layers=4", "model.hidden_size=256", "model.num_heads=4",
          "model.ffn_hidden_size=768", "model.seq_length=128", "model.vocab_size=4096",
@@ -40,7 +40,8 @@ def main() -> None:
     import numpy as np
 
     jax.config.update("jax_platforms", "cpu")
-    from megajax import config_io, step
+    from megajax import step
+    from megajax.config import io as config_io
 
     runs = {}
     for name, sets in STRATEGIES.items():

@@ -164,7 +164,8 @@ def time_megajax(cfg, steps: int, warmup: int) -> dict:
 
 def _side(args) -> dict:
     """One side, in this process."""
-    from megajax import config_io, distributed
+    from megajax import distributed
+    from megajax.config import io as config_io
 
     if args.device == "cpu":
         os.environ["JAX_PLATFORMS"] = "cpu"

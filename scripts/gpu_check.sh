@@ -58,19 +58,19 @@ small)
         norm=$([ $impl = cudnn ] && echo xla || echo $impl)
         bench "llama-1b mb4 $impl" 200 --config configs/llama-1b.yaml --steps 5 --set train.global_batch_size=8 \
             train.micro_batch_size=4 model.attention_impl=$impl model.norm_impl=$norm parallel.tensor=1 \
-            parallel.sequence_parallel=false parallel.distributed_optimizer=false
+            parallel.sequence_parallel=false parallel.data_parallel_sharding_strategy=no_shard
     done
     ;;
 large)
     for impl in cudnn pallas xla; do
         norm=$([ $impl = cudnn ] && echo xla || echo $impl)
         bench "gpt2-1.3b mb4 $impl" 200 --config configs/gpt2-1.3b.yaml --steps 5 --set train.global_batch_size=8 \
-            parallel.tensor=1 parallel.sequence_parallel=false parallel.distributed_optimizer=false \
+            parallel.tensor=1 parallel.sequence_parallel=false parallel.data_parallel_sharding_strategy=no_shard \
             model.attention_impl=$impl model.norm_impl=$norm
     done
     ;;
 fp8)
-    base="parallel.tensor=1 parallel.sequence_parallel=false parallel.distributed_optimizer=false"
+    base="parallel.tensor=1 parallel.sequence_parallel=false parallel.data_parallel_sharding_strategy=no_shard"
     for fp8 in none hybrid; do
         bench "llama-1b mb4 pallas fp8=$fp8" 120 --config configs/llama-1b.yaml --steps 5 \
             --set train.global_batch_size=8 train.micro_batch_size=4 model.attention_impl=pallas \
@@ -95,7 +95,7 @@ gemm)
     timeout 300 $PY scripts/bench_matmul.py --json "$OUT/matmul.json" 2>&1 | tee "$OUT/matmul.log" | grep -E '^(op|device)'
     ;;
 profile)
-    base="parallel.tensor=1 parallel.sequence_parallel=false parallel.distributed_optimizer=false"
+    base="parallel.tensor=1 parallel.sequence_parallel=false parallel.data_parallel_sharding_strategy=no_shard"
     prof() {
         timeout 100 $PY scripts/profile_step.py --json "$OUT/profile.jsonl" "$@" 2>&1 \
             | grep -v -E '^(WARNING|I0000|W0000)' | tee -a "$OUT/profile.log"
@@ -111,7 +111,7 @@ profile)
         model.attention_impl=pallas model.norm_impl=pallas
     ;;
 peers)
-    one="parallel.tensor=1 parallel.sequence_parallel=false parallel.distributed_optimizer=false"
+    one="parallel.tensor=1 parallel.sequence_parallel=false parallel.data_parallel_sharding_strategy=no_shard"
     peer() {  # label, timeout in seconds, then bench_peers.py arguments
         local label=$1 limit=$2
         shift 2

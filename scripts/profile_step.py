@@ -24,7 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 
 from bench_train import append_row, step_parser, warmed_step  # noqa: E402 - the step benchmark's step and CLI
-from megajax import config_io, distributed, step as step_lib  # noqa: E402
+from megajax import distributed, step as step_lib  # noqa: E402
+from megajax.config import io as config_io
 
 # kernel name -> kind, first match wins (cuBLAS / cuBLASLt / CUTLASS / Triton GEMMs, then fused attention)
 KINDS = [("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|sm90_|sm80_|wgmma|triton_dot|_dot_", re.I)),

@@ -33,7 +33,8 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from megajax import config as config_lib, config_io  # noqa: E402
+from megajax import config as config_lib  # noqa: E402
+from megajax.config import io as config_io
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

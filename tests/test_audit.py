@@ -11,7 +11,8 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from megajax import audit, config_io, hlo, metrics
+from megajax import audit, hlo, metrics
+from megajax.config import io as config_io
 from megajax.parallel.pipeline import ticks
 from megajax.model.layers import WEIGHT_EINSUMS
 

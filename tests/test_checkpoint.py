@@ -11,7 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from megajax import checkpoint, config_io, step as step_lib, train
+from megajax import checkpoint, step as step_lib, train
+from megajax.config import io as config_io
 
 from conftest import CLI_SMALL, REPO, cli_env, read_metrics, train_cli
 

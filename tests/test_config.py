@@ -4,7 +4,8 @@ import itertools
 
 import pytest
 
-from megajax import config as config_lib, config_io
+from megajax import config as config_lib
+from megajax.config import io as config_io
 from megajax.config import ConfigError
 
 from conftest import REPO, small_config
@@ -311,3 +312,35 @@ def test_pipeline_split_is_megatrons_for_every_stage_count_and_chunk_count():
 def test_uneven_stage_errors_name_the_fix(sets, words):
     with pytest.raises(ConfigError, match=words):
         small_config(**{"train.global_batch_size": 8, **sets})
+
+
+@pytest.mark.parametrize("old, strategy", [(True, "optim"), (False, "no_shard")])
+def test_the_old_distributed_optimizer_key_reads_as_the_strategy_with_a_notice(old, strategy, caplog):
+    """parallel.distributed_optimizer (before parallel.data_parallel_sharding_strategy was the one key) still reads,
+    in a preset or a checkpoint's config (a mapping) and in --set, as the strategy it meant, with a one-line notice
+    naming the new key; where both are set, the new one decides and the notice says the old one is not read."""
+    caplog.set_level("WARNING", logger="megajax.config")
+    key = "parallel.data_parallel_sharding_strategy"
+    assert config_io.from_dict({"parallel": {"distributed_optimizer": old}}).parallel.sharding_strategy == strategy
+    assert config_io.load(None, [f"parallel.distributed_optimizer={str(old).lower()}"]).parallel.sharding_strategy \
+        == strategy
+    notices = [r.getMessage() for r in caplog.records]
+    assert len(notices) == 2 and all(key in n and "\n" not in n for n in notices), notices
+    caplog.clear()
+    both = {"distributed_optimizer": old, "data_parallel_sharding_strategy": "optim_grads"}
+    assert config_io.from_dict({"parallel": both}).parallel.sharding_strategy == "optim_grads"
+    assert config_io.load(None, [f"{key}=optim_grads_params", f"parallel.distributed_optimizer={old}"]) \
+        .parallel.sharding_strategy == "optim_grads_params"
+    assert all("not read" in r.getMessage() for r in caplog.records) and len(caplog.records) == 2
+    with pytest.raises(ConfigError, match="distributed_optimizer must be true or false"):
+        config_io.from_dict({"parallel": {"distributed_optimizer": "yes"}})
+
+
+def test_presets_use_no_old_key():
+    """Every preset is written in the current keys (config.io.OLD_KEYS is for configs written before)."""
+    import yaml
+
+    for path in sorted(glob.glob(f"{REPO}/configs/**/*.yaml", recursive=True)):
+        data = yaml.safe_load(open(path))
+        flat = {f"{s}.{k}" for s, section in data.items() if isinstance(section, dict) for k in section}
+        assert not flat & set(config_io.OLD_KEYS), path

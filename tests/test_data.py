@@ -8,7 +8,7 @@ import struct
 import numpy as np
 import pytest
 
-from megajax import config_io
+from megajax.config import io as config_io
 from megajax.data import blended, gpt_dataset
 from megajax.data.datasets import build_datasets, split_matrix, split_range
 from megajax.data.index_cache import IndexCache

@@ -121,7 +121,8 @@ _WORKER = textwrap.dedent("""
     import numpy as np
     from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from megajax import config, config_io
+    from megajax import config
+    from megajax.config import io as config_io
     from megajax.parallel import sharding
     from megajax.data.loader import BatchLoader, build_datasets, host_rows
     sys.path.insert(0, "tests")
@@ -173,7 +174,8 @@ def test_resume_on_another_layout_matches_uninterrupted(tmp_path):
     losses."""
     import shutil
 
-    from megajax import config_io, train
+    from megajax import train
+    from megajax.config import io as config_io
 
     base = {"train.steps": 4, "train.log_every": 1, "checkpoint.every": 2, "checkpoint.async": False,
             "train.output_dir": str(tmp_path / "run"), "data.cache_dir": str(tmp_path / "cache")}

@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, cli_env
-from megajax import config as config_lib, config_io
+from megajax import config as config_lib
+from megajax.config import io as config_io
 
 ROOT = Path(REPO)
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -45,7 +46,7 @@ def test_docs_site_builds_strictly(tmp_path):
 
 
 def test_config_reference_is_current():
-    """docs/reference/config.md is what scripts/config_reference.py writes from megajax/config.py."""
+    """docs/reference/config.md is what scripts/config_reference.py writes from megajax/config/__init__.py."""
     run = subprocess.run([sys.executable, "scripts/config_reference.py", "--check"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120, env=cli_env())
     assert run.returncode == 0, run.stderr

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, gpu, run_steps, small_config
-from megajax import config_io
+from megajax.config import io as config_io
 from megajax.config import ConfigError
 from megajax.model import fp8
 

@@ -278,7 +278,8 @@ def test_gpt2_generation_longer_than_positions_is_an_error(models, capsys):
 def test_pipeline_staged_training_checkpoint_exports(tmp_path):
     """A training state with pipeline (and interleaved) stages stores layers as [v, p, L/(p v), ...];
     export and load_params give the canonical [L, ...] layers back."""
-    from megajax import config_io, step as step_lib
+    from megajax import step as step_lib
+    from megajax.config import io as config_io
     from megajax.parallel.pipeline.layout import from_stages
 
     setup = step_lib.setup_for(small_config(**{
@@ -312,7 +313,8 @@ def test_pipeline_staged_training_checkpoint_exports(tmp_path):
 
 def _train_one_step_from_import(tmp_path):
     """Imports a random GPT-2 (byte vocabulary), trains one step from it with the written preset."""
-    from megajax import config_io, train
+    from megajax import train
+    from megajax.config import io as config_io
 
     build_hf_model("gpt2", seed=3, vocab_size=257, n_positions=32).save_pretrained(tmp_path / "src")
     convert.from_hf(tmp_path / "src", tmp_path / "ckpt", config_out=tmp_path / "ft.yaml")
@@ -327,7 +329,8 @@ def _train_one_step_from_import(tmp_path):
 def test_training_starts_from_an_imported_checkpoint(tmp_path):
     """checkpoint.load_from: the first step's loss is the imported model's loss on that batch, and a
     checkpoint of another architecture is refused by name."""
-    from megajax import config as config_lib, config_io, step as step_lib, train
+    from megajax import config as config_lib, step as step_lib, train
+    from megajax.config import io as config_io
     from megajax.data.loader import build_datasets, global_batch
 
     cfg, summary = _train_one_step_from_import(tmp_path)
@@ -346,7 +349,8 @@ def test_training_starts_from_an_imported_checkpoint(tmp_path):
 
 @pytest.mark.slow
 def test_resume_takes_precedence_over_load_from(tmp_path):
-    from megajax import config_io, train
+    from megajax import train
+    from megajax.config import io as config_io
 
     cfg, _ = _train_one_step_from_import(tmp_path)
     resumed = train.run(config_io.override(cfg, {"train.steps": 2}))
@@ -438,7 +442,8 @@ def test_mixture_of_experts_conversion_errors():
 def test_llama_3_2_1b_config_json_gives_the_preset():
     """The released config.json of meta-llama/Llama-3.2-1B (its fields as published) imports as
     configs/llama3.2-1b.yaml's model, apart from the training choices (sequence length, dtype, recompute)."""
-    from megajax import config_io, hf
+    from megajax import hf
+    from megajax.config import io as config_io
 
     released = {"architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
                 "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu",
@@ -462,7 +467,7 @@ def test_written_preset_fine_tunes_as_it_is(tmp_path):
     """`from-hf --config-out`: a complete fine-tuning preset (bf16, fine-tuning schedule, a sequence length a GPU
     holds, the tokenizer, a layout) that `python -m megajax.train` runs with nothing but steps and the output
     changed, loss finite and checkpoint written."""
-    from megajax import config_io
+    from megajax.config import io as config_io
 
     build_hf_model("llama", seed=4, vocab_size=257, max_position_embeddings=131072).save_pretrained(tmp_path / "big")
     convert.from_hf(tmp_path / "big", tmp_path / "big-megajax", config_out=tmp_path / "big.yaml")
@@ -488,7 +493,7 @@ def test_written_preset_fine_tunes_as_it_is(tmp_path):
 def test_written_preset_picks_a_node_layout_by_size(preset, tensor):
     """The preset's tensor size keeps weights, gradients and optimizer state under 48 GB of an 80 GB GPU on one
     node: Llama 3 8B at tensor 2 (ZeRO-1 over the node), 70B at the node's 8 (and the comment asks for a pipeline)."""
-    from megajax import config_io
+    from megajax.config import io as config_io
 
     cfg = config_io.load(f"{REPO}/configs/{preset}.yaml")
     assert convert._node_tensor_size(cfg) == tensor

@@ -81,7 +81,8 @@ def test_llama_flops_count_gqa_and_swiglu():
 
 
 def _compile_seconds(layers: int) -> float:
-    from megajax import config as config_lib, config_io, step as step_lib
+    from megajax import config as config_lib, step as step_lib
+    from megajax.config import io as config_io
     from megajax.parallel import sharding
     from megajax.data.loader import batch_shapes
 

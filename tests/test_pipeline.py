@@ -7,7 +7,8 @@ import re
 import numpy as np
 import pytest
 
-from megajax import config_io, hlo
+from megajax import hlo
+from megajax.config import io as config_io
 from megajax.parallel.pipeline import ticks
 from megajax.parallel.pipeline.schedule import perm_pairs
 from megajax.parallel.step_plan import StepPlan

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from conftest import REPO
-from megajax import config_io
+from megajax.config import io as config_io
 from megajax.plan import checks, cost, search as search_lib
 from megajax.plan.__main__ import main as plan_main
 from megajax.plan.hardware import _H100_KERNELS, _H100_MATMUL, H100_ATTENTION, H100_NORM_BYTES_PER_S, H100_SQUARE_GEMM, hardware

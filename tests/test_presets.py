@@ -9,7 +9,8 @@ import os
 
 import pytest
 
-from megajax import audit, config as config_lib, config_io
+from megajax import audit, config as config_lib
+from megajax.config import io as config_io
 from megajax.config import ConfigError
 from megajax.kernels import auto as kernel_choice
 

@@ -330,7 +330,7 @@ def test_cli_reads_a_config(capsys):
     import subprocess
     import sys
 
-    from megajax import config_io
+    from megajax.config import io as config_io
 
     flags = cli.config_costs(config_io.load("configs/deepseek-v3.yaml"))
     assert (flags["schedule"], flags["p"], flags["v"], flags["m"], flags["first_dense"]) == ("1f1b", 16, 1, 384, 3)

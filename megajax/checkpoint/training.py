@@ -392,8 +392,8 @@ def _abandon_later_steps(mgr: ocp.CheckpointManager, later: list[int], wanted: i
 
 
 def check_same_model(stored: ModelConfig, wanted: ModelConfig, where: str) -> None:
-    """The architecture a checkpoint was written for must be the one being built (the keys megajax/model_config.py marks
-    `_defines_model`, compared by their resolved values); names each differing key as config.yaml spells it."""
+    """The architecture a checkpoint was written for must be the one being built (the keys megajax/config/model.py marks
+    `defines_model`, compared by their resolved values); names each differing key as config.yaml spells it."""
     # A resolved value can differ while its key does not (num_kv_heads null on both sides, num_heads not): the
     # difference is then named under the key it comes from, which is compared too.
     diffs = [f"model.{key}: {getattr(stored, key)!r} in the checkpoint, {getattr(wanted, key)!r} here"
@@ -408,9 +408,9 @@ def check_same_model(stored: ModelConfig, wanted: ModelConfig, where: str) -> No
 
 
 def _same_model(meta: dict, cfg: Config) -> bool:
-    """Whether the checkpoint's saved config defines the model `cfg` does (megajax/model_config.py's
-    `_defines_model` keys)."""
-    from megajax import config_io
+    """Whether the checkpoint's saved config defines the model `cfg` does (megajax/config/model.py's
+    `defines_model` keys)."""
+    from megajax.config import io as config_io
 
     try:
         check_same_model(config_io.from_dict(meta["config"]).model, cfg.model, "")

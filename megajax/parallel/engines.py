@@ -16,7 +16,6 @@ region, and the step's one reduction over the data ranks where the engine leaves
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -28,9 +27,6 @@ from megajax.parallel import overlap, sharding, step_plan
 from megajax.parallel.pipeline import executor
 from megajax.parallel.sharding import micro_batches
 from megajax.parallel.step_plan import StepPlan
-
-if TYPE_CHECKING:  # (step.py builds the setup and imports this module)
-    from megajax.step import StepSetup
 
 _MATMUL_WEIGHTS = {*model.layers.WEIGHT_EINSUMS, "output"}  # (the untied output layer's, which the head casts too)
 
@@ -188,9 +184,10 @@ def in_manual_region(plan: StepPlan, mesh: jax.sharding.Mesh, fn, in_specs, out_
     return jax.shard_map(fn, mesh=mesh, in_specs=only(in_specs), out_specs=only(out_specs), axis_names=set(manual))
 
 
-def compute_grads(setup: StepSetup, params, batch: dict, seed_scale: jax.Array):
+def compute_grads(setup, params, batch: dict, seed_scale: jax.Array):
     """(summed token loss, gradients of seed_scale * summed loss), reduced over data and pipeline. `params` are
-    the model's variables (`StepSetup.variables`): the state's gradients carry the step's statistics out of the
+    the model's variables (`StepSetup.variables`; `setup` is the step's step.StepSetup, which imports this module
+    and is not imported here): the state's gradients carry the step's statistics out of the
     layers (megajax/model/model_state.py), reduced as the weights' are.
 
     The step's one gradient reduction over 'data' is an all-reduce (psum inside the shard_map), or with

@@ -40,8 +40,6 @@ import contextlib
 import contextvars
 import dataclasses
 
-import jax
-
 from megajax.config import Config, StageSplit
 
 MANUAL = ("data", "expert", "pipeline", "context")  # the axes the step may make manual ('tensor' stays with GSPMD)
@@ -180,6 +178,8 @@ def platform_dependent(*args, cpu, default):
     choice is `lax.platform_dependent`'s, made when the program is lowered; its conditional stays in the jaxpr,
     and XLA's GPU scheduler hid less around it (59% of a pipeline's chunked reduce-scatters under GEMMs, against
     89% without: tests/test_audit.py::test_tp_comm_overlap_hides_the_tensor_collectives_in_a_pipeline_on_h100)."""
+    import jax  # (here: the plan itself is plain Python, read by the NumPy-only tick tables)
+
     platform = in_force().platform
     if platform is None:
         return jax.lax.platform_dependent(*args, cpu=cpu, default=default)

@@ -57,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _base(args) -> tuple[Config, dict, dict]:
     """(the config with --set applied, the preset's raw YAML (or the HF model as a section), the fixed keys)."""
-    from megajax import config_io
+    from megajax.config import io as config_io
 
     path = Path(args.config)
     sets = list(args.set)

@@ -30,9 +30,10 @@ import functools
 
 from megajax.config import Config
 from megajax.kernels import auto as kernel_choice
-from megajax.model_config import layer_forward_flops_per_token
-from megajax.plan.hardware import GIB, Hardware
+from megajax.config.model import layer_forward_flops_per_token
+from megajax.parallel.pipeline import schedule
 from megajax.parallel.step_plan import StepPlan
+from megajax.plan.hardware import GIB, Hardware
 
 RESERVE_BYTES = 3 * GIB  # cuBLAS / NCCL workspaces and fragmentation, outside XLA's memory analysis
 B16 = 2  # bytes of a bf16 activation
@@ -464,9 +465,7 @@ def in_flight(cfg: Config) -> int:
     if p == 1:
         return 1
     if cfg.parallel.schedule == "interleaved" or v > 1:
-        from megajax.parallel.pipeline.schedule import interleaved_depth
-
-        return interleaved_depth(p, v, m, 0)
+        return schedule.interleaved_depth(p, v, m, 0)
     return min(m, p)
 
 
@@ -537,7 +536,7 @@ def estimate(cfg: Config, hw: Hardware, gpus_per_node: int, simulate: bool = Tru
         compute_mb = layers * (fwd + again + bwd) + head
         step_compute, bubble = L.m * compute_mb, 0.0
     else:
-        step_compute, bubble = _pipeline(cfg, fwd, again, bwd, head, send, simulate)
+        step_compute, bubble = _pipeline(L.plan, fwd, again, bwd, head, send, simulate)
     reduce_s, per_micro = _data_comm_s(hw, L, params)
     gather_s = reduce_s / 2 if par.shards_optimizer and not par.shards_grads else 0.0
     reduce_s -= gather_s
@@ -573,25 +572,22 @@ def estimate(cfg: Config, hw: Hardware, gpus_per_node: int, simulate: bool = Tru
         model_flops=flops["model_flops"] / gpus, scheduled_for_memory=packed)
 
 
-def _pipeline(cfg: Config, fwd: float, again: float, bwd: float, head: float, send: float,
+def _pipeline(plan: StepPlan, fwd: float, again: float, bwd: float, head: float, send: float,
               simulate: bool) -> tuple[float, float]:
     """(the busiest rank's schedule time, its bubble) in seconds: per layer f, r, b and the head (its forward and
     backward, run in the last chunk's forward) on the schedule's clock, each chunk's send added to its forward and
     backward."""
-    from megajax.parallel.pipeline import schedule
-
-    par = cfg.parallel
-    p, v, m = par.pipeline, par.virtual_stages, cfg.num_micro_batches
-    split = cfg.stage_split.layers
+    p, v, m = plan.pipeline, plan.virtual_stages, plan.micro_batches
+    split = plan.stage_split.layers
     chunk = sum(split) / (p * v)
     f, r, b = fwd + send / chunk, again, bwd + send / chunk
     ideal = m * v * chunk * (f + r + b) + m * head
     if not simulate:
-        name = "zero_bubble" if par.schedule == "zero_bubble" else "1f1b"
+        name = "zero_bubble" if plan.schedule == "zero_bubble" else "1f1b"
         bubble = schedule.formula(name, p, v, m) * ideal
         return ideal + bubble, bubble
     costs = schedule.Costs(f=1.0, r=r / f, b=b / f, w=b / (2 * f), layers=tuple(split), head=head / (f + b))
-    s = _built(par.schedule, p, v, m)
+    s = _built(plan.schedule, p, v, m)
     unit = f * sum(split) / p  # one forward of an average stage
     total = s.step_time(costs) * unit
     return total, total - s.ideal(costs) * unit
@@ -599,6 +595,4 @@ def _pipeline(cfg: Config, fwd: float, again: float, bwd: float, head: float, se
 
 @functools.lru_cache(maxsize=256)
 def _built(name: str, p: int, v: int, m: int):
-    from megajax.parallel.pipeline import schedule
-
     return schedule.build(name, p, v, m)

@@ -16,15 +16,14 @@ import itertools
 import time
 
 from megajax.config import Config, ConfigError, InputError
-from megajax.config_base import _divisors
+from megajax.config.base import divisors
 from megajax.plan.cost import Estimate, estimate
 from megajax.plan.hardware import GIB, Hardware
 
 # The keys the search varies, as `--set` spells them (the written preset sets every one).
 KEYS = ("parallel.data", "parallel.pipeline", "parallel.tensor", "parallel.context", "parallel.expert",
         "parallel.schedule", "parallel.virtual_stages", "train.micro_batch_size", "model.recompute",
-        "parallel.sequence_parallel", "parallel.tp_comm_overlap", "parallel.distributed_optimizer",
-        "parallel.data_parallel_sharding_strategy", "parallel.overlap_grad_reduce", "parallel.overlap_param_gather",
+        "parallel.sequence_parallel", "parallel.tp_comm_overlap", "parallel.data_parallel_sharding_strategy", "parallel.overlap_grad_reduce", "parallel.overlap_param_gather",
         "parallel.decoder_first_pipeline_num_layers", "parallel.decoder_last_pipeline_num_layers",
         "parallel.account_for_embedding_in_pipeline_split", "parallel.account_for_loss_in_pipeline_split")
 EVEN = {"parallel.decoder_first_pipeline_num_layers": None, "parallel.decoder_last_pipeline_num_layers": None,
@@ -98,11 +97,11 @@ def layouts(base: Config, gpus: int, gpus_per_node: int, fixed: dict) -> list[di
     for t, c in itertools.product(pick("parallel.tensor", tensors), pick("parallel.context", contexts)):
         if gpus % (t * c):
             continue
-        for p in pick("parallel.pipeline", _divisors(gpus // (t * c))):
+        for p in pick("parallel.pipeline", divisors(gpus // (t * c))):
             d = gpus // (t * c * p)
             if p > m.stacked_layers or fixed.get("parallel.data", d) != d or gbs % d:
                 continue
-            experts = [e for e in _divisors(d) if m.num_experts and m.num_experts % e == 0] or [1]
+            experts = [e for e in divisors(d) if m.num_experts and m.num_experts % e == 0] or [1]
             for e, split in itertools.product(pick("parallel.expert", experts), splits(m, p, fixed)):
                 out += [{**row, **split} for row in _inner(base, fixed, pick, d, p, t, c, e, split)]
     return out
@@ -144,7 +143,7 @@ def _inner(base: Config, fixed: dict, pick, d: int, p: int, t: int, c: int, e: i
         schedules = [(fixed.get("parallel.schedule", s), fixed.get("parallel.virtual_stages", v))
                      for s, v in schedules]
         schedules = list(dict.fromkeys(schedules))
-    micro = [b for b in _divisors(per_rank) if b <= 32]
+    micro = [b for b in divisors(per_rank) if b <= 32]
     sharding = ["optim", "optim_grads_params"] if d * c > 1 else ["no_shard"]
     rows = []
     for (schedule, v), b, recompute, shard, tpo, ogr in itertools.product(
@@ -161,7 +160,6 @@ def _inner(base: Config, fixed: dict, pick, d: int, p: int, t: int, c: int, e: i
                "train.micro_batch_size": b, "model.recompute": recompute,
                "parallel.sequence_parallel": fixed.get("parallel.sequence_parallel", t > 1),
                "parallel.tp_comm_overlap": tpo, "parallel.data_parallel_sharding_strategy": shard,
-               "parallel.distributed_optimizer": fixed.get("parallel.distributed_optimizer", shard != "no_shard"),
                "parallel.overlap_grad_reduce": ogr,
                "parallel.overlap_param_gather": fixed.get("parallel.overlap_param_gather",
                                                           ogr and shard == "optim")}

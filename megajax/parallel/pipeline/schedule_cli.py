@@ -129,7 +129,7 @@ def config_costs(cfg) -> dict:
     cost in layers' forwards (its logits' FLOPs over the mean layer's, matmuls as metrics counts them and attention's
     scores and values causal, halved). parallel.data must be set (it decides m)."""
     from megajax.config import ConfigError
-    from megajax.model_config import layer_forward_flops_per_token
+    from megajax.config.model import layer_forward_flops_per_token
 
     par, model = cfg.parallel, cfg.model
     if par.data is None:
@@ -149,7 +149,7 @@ def _from_config(args) -> None:
     """Fills the flags left unset from --config (`config_costs`); without it, the defaults."""
     given = {}
     if args.config:
-        from megajax import config_io  # (no JAX: the config and its YAML are plain Python)
+        from megajax.config import io as config_io  # (no JAX: the config and its YAML are plain Python)
 
         given = config_costs(config_io.load(args.config, args.set))
     defaults = {"schedule": "1f1b", "v": 1, "first_dense": 0, "period": 1}

@@ -15,7 +15,7 @@ import functools
 
 import numpy as np
 
-from megajax.model_config import ModelConfig
+from megajax.config.model import ModelConfig
 from megajax.parallel.step_plan import StepPlan
 from megajax.parallel.pipeline import schedule as schedule_lib
 

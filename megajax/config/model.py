@@ -1,6 +1,6 @@
 """The model's architecture: GPT-2, Llama, multi-latent attention (DeepSeek) and mixture-of-experts keys, with
 the checks that need only them. Checks against the layout (heads vs tensor parallelism, layers vs pipeline
-stages) are megajax.config.Config's. Fields made with `_defines_model` tie a checkpoint to its model."""
+stages) are megajax.config.Config's. Fields made with `defines_model` tie a checkpoint to its model."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import dataclasses
 import math
 from typing import Literal
 
-from megajax.config_base import _check, _defines_model, _divisors, _may_change_on_resume
+from megajax.config.base import check, defines_model, divisors, resumable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,17 +16,17 @@ class ModelConfig:
     """Architecture. `arch` picks the family defaults; every field can still be set by hand."""
 
     # gpt2: LayerNorm, GELU, learned positions; llama: RMSNorm, SwiGLU, RoPE
-    arch: Literal["gpt2", "llama"] = _defines_model("gpt2")
-    num_layers: int = _defines_model(2)  # transformer blocks
-    hidden_size: int = _defines_model(128)  # model width
-    num_heads: int = _defines_model(4)  # attention heads
+    arch: Literal["gpt2", "llama"] = defines_model("gpt2")
+    num_layers: int = defines_model(2)  # transformer blocks
+    hidden_size: int = defines_model(128)  # model width
+    num_heads: int = defines_model(4)  # attention heads
     # key/value heads (grouped-query attention); null: num_heads
-    num_kv_heads: int | None = _defines_model(None, "kv_heads")
+    num_kv_heads: int | None = defines_model(None, "kv_heads")
     # MLP width; null: 4h (gpt2) or 2/3 * 4h rounded up to 256 (llama)
-    ffn_hidden_size: int | None = _defines_model(None, "ffn_size")
-    vocab_size: int = _defines_model(257)  # tokens the model embeds; the byte tokenizer (data.tokenizer=byte) needs 257
+    ffn_hidden_size: int | None = defines_model(None, "ffn_size")
+    vocab_size: int = defines_model(257)  # tokens the model embeds; the byte tokenizer (data.tokenizer=byte) needs 257
     # Megatron pads the vocabulary to a multiple of this
-    make_vocab_size_divisible_by: int = _defines_model(128, "padded_vocab_size")
+    make_vocab_size_divisible_by: int = defines_model(128, "padded_vocab_size")
     seq_length: int = 128  # tokens per training sample
     dropout: float = 0.0  # on the embeddings and each block's residual branches
     attention_dropout: float = 0.0  # on the attention probabilities
@@ -34,21 +34,21 @@ class ModelConfig:
     param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # the stored (master) weights
     # activation recomputation in the backward. selective: the attention core's (unfused: its [s, s] scores; a
     # fused kernel's core keeps none and is not recomputed); full: each layer's from its input
-    recompute: Literal["none", "selective", "full"] = _may_change_on_resume("none")
+    recompute: Literal["none", "selective", "full"] = resumable("none")
     # auto: the fused Pallas kernels on GPUs (XLA's where they cannot run a case; the log says), XLA's on CPU;
     # pallas: megajax's flash attention; cudnn: cuDNN's (jax.nn.dot_product_attention); xla: the jnp reference
-    attention_impl: Literal["auto", "xla", "pallas", "cudnn"] = _may_change_on_resume("auto")
-    norm_impl: Literal["auto", "xla", "pallas"] = _may_change_on_resume("auto")  # auto or pallas: the fused norms
+    attention_impl: Literal["auto", "xla", "pallas", "cudnn"] = resumable("auto")
+    norm_impl: Literal["auto", "xla", "pallas"] = resumable("auto")  # auto or pallas: the fused norms
     # false: the layers' loop unrolled in the compiled program (the same weights, stacked): no copies of the
     # residuals into and out of per-layer stacks, for a longer compile. null: unrolled where the step runs on GPUs
     # and has no collectives inside its layers for XLA to move (StepPlan.unroll_layers), a loop elsewhere
-    scan_layers: bool | None = _may_change_on_resume(None)
+    scan_layers: bool | None = resumable(None)
     fp8: Literal["none", "hybrid", "e4m3"] = "none"  # FP8 linear layers: hybrid = e4m3 forward, e5m2 gradients
     fp8_recipe: Literal["current", "delayed"] = "current"  # FP8 scales: each tensor's own, or from an amax history
     fp8_amax_history: int = 16  # delayed scaling: steps of amax history (the scale uses their max)
     fp8_margin: int = 0  # FP8 scales are divided by 2^margin (headroom against growing values)
-    norm_eps: float = _defines_model(1e-5)  # LayerNorm / RMSNorm epsilon
-    rope_theta: float = _defines_model(10000.0)  # RoPE base (llama)
+    norm_eps: float = defines_model(1e-5)  # LayerNorm / RMSNorm epsilon
+    rope_theta: float = defines_model(10000.0)  # RoPE base (llama)
     rope_scaling: Literal["none", "llama3", "yarn"] = "none"  # llama3: Llama 3.1's frequency scaling; yarn: YaRN's
     rope_scaling_factor: float = 8.0  # llama3 scaling: low frequencies are divided by this
     rope_low_freq_factor: float = 1.0  # llama3 scaling: wavelengths above original / this are scaled fully
@@ -59,21 +59,21 @@ class ModelConfig:
     rope_yarn_mscale: float = 0.0  # yarn: the RoPE amplitude ratio's numerator mscale (0: sqrt of the plain ratio)
     rope_yarn_mscale_all_dim: float = 0.0  # yarn: its denominator; with MLA also the softmax scale's (DeepSeek)
     # output layer = embedding table; null: tied for gpt2, not for llama
-    tie_embeddings: bool | None = _defines_model(None, "tied")
+    tie_embeddings: bool | None = defines_model(None, "tied")
     add_qkv_bias: bool = False  # llama: biases on the Q, K and V projections (Qwen; gpt2 always has them)
     init_std: float = 0.02  # standard deviation of the weights' normal init
     # Multi-latent attention (DeepSeek-V2/V3; Megatron's --multi-latent-attention), llama only: keys and values
     # from one compressed latent of kv_lora_rank per token, queries through a q_lora_rank one (null: a plain
     # projection), each head's query and key = a qk_head_dim part without position and a qk_pos_emb_head_dim part
     # with RoPE (the key's shared by all heads), values of v_head_dim.
-    multi_latent_attention: bool = _defines_model(False)
+    multi_latent_attention: bool = defines_model(False)
     q_lora_rank: int | None = None  # the query's latent width; null: queries projected from the residual directly
     kv_lora_rank: int = 512  # the keys' and values' latent width
     qk_head_dim: int = 128  # each head's query/key dimensions without RoPE
     qk_pos_emb_head_dim: int = 64  # each head's query/key dimensions with RoPE (the key's shared by the heads)
     v_head_dim: int = 128  # each head's value dimensions
     # Mixture of experts (Mixtral / DeepSeek style): 0 experts = the dense MLP
-    num_experts: int = _defines_model(0)  # experts per MoE layer (0: the dense MLP)
+    num_experts: int = defines_model(0)  # experts per MoE layer (0: the dense MLP)
     experts_per_token: int = 2  # experts each token is routed to (top-k)
     moe_ffn_hidden_size: int | None = None  # each expert's MLP width; null: ffn_hidden_size
     moe_capacity_factor: float | None = None  # tokens over factor x fair share are dropped; null: dropless
@@ -88,105 +88,105 @@ class ModelConfig:
     moe_shared_expert_gate: bool = False  # the shared experts' output times sigmoid(x w) (Qwen-MoE)
     moe_router_pre_softmax: bool = False  # top k of the softmax over all experts, not renormalised (Qwen-MoE)
     # 1: every layer is MoE; n: layers 0, n, 2n, .. are MoE, the rest dense (Megatron's)
-    moe_layer_freq: int = _defines_model(1, "layer_period")
+    moe_layer_freq: int = defines_model(1, "layer_period")
     # DeepSeek's first_k_dense_replace: the first k layers dense, the pattern after
-    moe_first_dense_layers: int = _defines_model(0, "first_dense_layers")
+    moe_first_dense_layers: int = defines_model(0, "first_dense_layers")
     moe_router_bias_update_rate: float = 0.0  # DeepSeek-V3's auxiliary-loss-free balancing (0: off)
     # sigmoid: DeepSeek-V3's expert scores
-    moe_router_score_function: Literal["softmax", "sigmoid"] = _defines_model("softmax")
+    moe_router_score_function: Literal["softmax", "sigmoid"] = defines_model("softmax")
     moe_router_num_groups: int | None = None  # group-limited routing (DeepSeek): experts in this many groups
     moe_router_group_topk: int | None = None  # group-limited routing: each token's experts from its best groups
     moe_router_topk_scaling_factor: float | None = None  # the k weights times this (DeepSeek's routed_scaling_factor)
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_length"):
-            _check(getattr(self, name) > 0, f"model.{name} must be positive, got {getattr(self, name)}")
-        _check(
+            check(getattr(self, name) > 0, f"model.{name} must be positive, got {getattr(self, name)}")
+        check(
             self.hidden_size % self.num_heads == 0,
             f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads={self.num_heads}: "
             "pick a head count that divides the hidden size",
         )
-        _check(
+        check(
             self.kv_heads > 0 and self.num_heads % self.kv_heads == 0,
             f"model.num_heads={self.num_heads} must be a multiple of model.num_kv_heads={self.kv_heads}",
         )
         for name in ("dropout", "attention_dropout"):
-            _check(0.0 <= getattr(self, name) < 1.0, f"model.{name} must be in [0, 1), got {getattr(self, name)}")
-        _check(self.make_vocab_size_divisible_by > 0, "model.make_vocab_size_divisible_by must be positive")
+            check(0.0 <= getattr(self, name) < 1.0, f"model.{name} must be in [0, 1), got {getattr(self, name)}")
+        check(self.make_vocab_size_divisible_by > 0, "model.make_vocab_size_divisible_by must be positive")
         if self.num_experts:
-            _check(self.num_experts > 0, f"model.num_experts must be >= 0 (0: dense), got {self.num_experts}")
-            _check(
+            check(self.num_experts > 0, f"model.num_experts must be >= 0 (0: dense), got {self.num_experts}")
+            check(
                 1 <= self.experts_per_token <= self.num_experts,
                 f"model.experts_per_token={self.experts_per_token} must be between 1 and model.num_experts="
                 f"{self.num_experts}: lower model.experts_per_token or add experts",
             )
-            _check(self.moe_capacity_factor is None or self.moe_capacity_factor > 0,
-                   f"model.moe_capacity_factor must be positive or null (dropless), got {self.moe_capacity_factor}")
-            _check(self.moe_layer_freq >= 1, f"model.moe_layer_freq must be >= 1, got {self.moe_layer_freq}")
-            _check(0 <= self.moe_first_dense_layers < self.num_layers,
-                   f"model.moe_first_dense_layers={self.moe_first_dense_layers} must be >= 0 and leave MoE layers: "
-                   f"below model.num_layers={self.num_layers}")
-            _check(self.stacked_layers % self.moe_layer_freq == 0,
-                   f"the {self.stacked_layers} layers after the model.moe_first_dense_layers are not a multiple of "
-                   f"model.moe_layer_freq={self.moe_layer_freq}: they repeat in groups of one MoE layer and "
-                   f"moe_layer_freq - 1 dense ones; choose a frequency from {_divisors(self.stacked_layers)}")
-            _check(self.moe_shared_experts >= 0, "model.moe_shared_experts must be >= 0")
-            _check(not self.moe_shared_expert_gate or self.moe_shared_experts > 0,
-                   "model.moe_shared_expert_gate gates the shared experts: set model.moe_shared_experts >= 1")
-            _check(self.moe_aux_loss_coef >= 0 and self.moe_z_loss_coef >= 0, "MoE loss coefficients must be >= 0")
-            _check(self.moe_router_bias_update_rate >= 0, "model.moe_router_bias_update_rate must be >= 0 (0: off)")
+            check(self.moe_capacity_factor is None or self.moe_capacity_factor > 0,
+                  f"model.moe_capacity_factor must be positive or null (dropless), got {self.moe_capacity_factor}")
+            check(self.moe_layer_freq >= 1, f"model.moe_layer_freq must be >= 1, got {self.moe_layer_freq}")
+            check(0 <= self.moe_first_dense_layers < self.num_layers,
+                  f"model.moe_first_dense_layers={self.moe_first_dense_layers} must be >= 0 and leave MoE layers: "
+                  f"below model.num_layers={self.num_layers}")
+            check(self.stacked_layers % self.moe_layer_freq == 0,
+                  f"the {self.stacked_layers} layers after the model.moe_first_dense_layers are not a multiple of "
+                  f"model.moe_layer_freq={self.moe_layer_freq}: they repeat in groups of one MoE layer and "
+                  f"moe_layer_freq - 1 dense ones; choose a frequency from {divisors(self.stacked_layers)}")
+            check(self.moe_shared_experts >= 0, "model.moe_shared_experts must be >= 0")
+            check(not self.moe_shared_expert_gate or self.moe_shared_experts > 0,
+                  "model.moe_shared_expert_gate gates the shared experts: set model.moe_shared_experts >= 1")
+            check(self.moe_aux_loss_coef >= 0 and self.moe_z_loss_coef >= 0, "MoE loss coefficients must be >= 0")
+            check(self.moe_router_bias_update_rate >= 0, "model.moe_router_bias_update_rate must be >= 0 (0: off)")
             self._check_group_routing()
-            _check(not (self.moe_router_pre_softmax and self.moe_router_score_function == "sigmoid"),
-                   "model.moe_router_pre_softmax takes the top k of a softmax: with "
-                   "model.moe_router_score_function=sigmoid the k scores are always normalised, unset one of them")
-            _check(self.moe_router_topk_scaling_factor is None or self.moe_router_topk_scaling_factor > 0,
-                   "model.moe_router_topk_scaling_factor must be positive or null")
+            check(not (self.moe_router_pre_softmax and self.moe_router_score_function == "sigmoid"),
+                  "model.moe_router_pre_softmax takes the top k of a softmax: with "
+                  "model.moe_router_score_function=sigmoid the k scores are always normalised, unset one of them")
+            check(self.moe_router_topk_scaling_factor is None or self.moe_router_topk_scaling_factor > 0,
+                  "model.moe_router_topk_scaling_factor must be positive or null")
         if self.multi_latent_attention:
             self._check_latent_attention()
-        _check(self.param_dtype != "float16", "model.param_dtype=float16 is not supported: keep float32 master "
-               "weights and set model.compute_dtype=float16")
-        _check(self.fp8_amax_history >= 1 and self.fp8_margin >= 0,
-               "model.fp8_amax_history must be >= 1 and model.fp8_margin >= 0")
+        check(self.param_dtype != "float16", "model.param_dtype=float16 is not supported: keep float32 master "
+              "weights and set model.compute_dtype=float16")
+        check(self.fp8_amax_history >= 1 and self.fp8_margin >= 0,
+              "model.fp8_amax_history must be >= 1 and model.fp8_margin >= 0")
         if self.rope_scaling != "none":
-            _check(self.arch == "llama", f"model.rope_scaling={self.rope_scaling} needs RoPE: set model.arch=llama")
-            _check(self.rope_scaling_factor >= 1 and self.rope_original_max_positions > 0
-                   and self.rope_high_freq_factor > self.rope_low_freq_factor > 0,
-                   "model.rope_scaling=llama3 needs rope_scaling_factor >= 1, rope_original_max_positions > 0 and "
-                   "rope_high_freq_factor > rope_low_freq_factor > 0 (Llama 3.1: 8, 8192, 4 and 1)")
-            _check(self.rope_scaling != "yarn" or self.rope_yarn_beta_fast > self.rope_yarn_beta_slow > 0,
-                   "model.rope_scaling=yarn needs rope_yarn_beta_fast > rope_yarn_beta_slow > 0 (YaRN: 32 and 1)")
+            check(self.arch == "llama", f"model.rope_scaling={self.rope_scaling} needs RoPE: set model.arch=llama")
+            check(self.rope_scaling_factor >= 1 and self.rope_original_max_positions > 0
+                  and self.rope_high_freq_factor > self.rope_low_freq_factor > 0,
+                  "model.rope_scaling=llama3 needs rope_scaling_factor >= 1, rope_original_max_positions > 0 and "
+                  "rope_high_freq_factor > rope_low_freq_factor > 0 (Llama 3.1: 8, 8192, 4 and 1)")
+            check(self.rope_scaling != "yarn" or self.rope_yarn_beta_fast > self.rope_yarn_beta_slow > 0,
+                  "model.rope_scaling=yarn needs rope_yarn_beta_fast > rope_yarn_beta_slow > 0 (YaRN: 32 and 1)")
 
     def _check_group_routing(self) -> None:
         groups, best = self.moe_router_num_groups, self.moe_router_group_topk
-        _check((groups is None) == (best is None), "group-limited routing needs both model.moe_router_num_groups "
-               "and model.moe_router_group_topk (DeepSeek-V3: 8 and 4), or neither")
+        check((groups is None) == (best is None), "group-limited routing needs both model.moe_router_num_groups "
+              "and model.moe_router_group_topk (DeepSeek-V3: 8 and 4), or neither")
         if groups is None:
             return
-        _check(groups >= 1 and self.num_experts % groups == 0,
-               f"model.moe_router_num_groups={groups} must divide model.num_experts={self.num_experts}: choose from "
-               f"{_divisors(self.num_experts)}")
-        _check(1 <= best <= groups and best * (self.num_experts // groups) >= self.experts_per_token,
-               f"model.moe_router_group_topk={best} groups of {self.num_experts // groups} experts must hold "
-               f"model.experts_per_token={self.experts_per_token} experts, with 1 <= group_topk <= {groups}")
-        _check(self.experts_per_token % best == 0,
-               f"group-limited routing scores a group by its top experts_per_token / group_topk experts: "
-               f"model.experts_per_token={self.experts_per_token} must be a multiple of "
-               f"model.moe_router_group_topk={best}")
+        check(groups >= 1 and self.num_experts % groups == 0,
+              f"model.moe_router_num_groups={groups} must divide model.num_experts={self.num_experts}: choose from "
+              f"{divisors(self.num_experts)}")
+        check(1 <= best <= groups and best * (self.num_experts // groups) >= self.experts_per_token,
+              f"model.moe_router_group_topk={best} groups of {self.num_experts // groups} experts must hold "
+              f"model.experts_per_token={self.experts_per_token} experts, with 1 <= group_topk <= {groups}")
+        check(self.experts_per_token % best == 0,
+              f"group-limited routing scores a group by its top experts_per_token / group_topk experts: "
+              f"model.experts_per_token={self.experts_per_token} must be a multiple of "
+              f"model.moe_router_group_topk={best}")
 
     def _check_latent_attention(self) -> None:
-        _check(self.arch == "llama", "model.multi_latent_attention needs RoPE and RMSNorm: set model.arch=llama")
-        _check(self.num_kv_heads is None, "multi-latent attention gives every head its own keys and values: "
-               "unset model.num_kv_heads")
-        _check(not self.add_qkv_bias, "multi-latent attention has no Q, K, V biases: set model.add_qkv_bias=false")
-        _check(self.qk_pos_emb_head_dim % 2 == 0 and self.qk_pos_emb_head_dim > 0,
-               f"model.qk_pos_emb_head_dim={self.qk_pos_emb_head_dim} must be positive and even (RoPE rotates pairs)")
+        check(self.arch == "llama", "model.multi_latent_attention needs RoPE and RMSNorm: set model.arch=llama")
+        check(self.num_kv_heads is None, "multi-latent attention gives every head its own keys and values: "
+              "unset model.num_kv_heads")
+        check(not self.add_qkv_bias, "multi-latent attention has no Q, K, V biases: set model.add_qkv_bias=false")
+        check(self.qk_pos_emb_head_dim % 2 == 0 and self.qk_pos_emb_head_dim > 0,
+              f"model.qk_pos_emb_head_dim={self.qk_pos_emb_head_dim} must be positive and even (RoPE rotates pairs)")
         for name in ("kv_lora_rank", "qk_head_dim", "v_head_dim"):
-            _check(getattr(self, name) > 0, f"model.{name} must be positive, got {getattr(self, name)}")
-        _check(self.q_lora_rank is None or self.q_lora_rank > 0, "model.q_lora_rank must be positive or null")
-        _check(self.v_head_dim <= self.qk_head_dim + self.qk_pos_emb_head_dim,
-               f"model.v_head_dim={self.v_head_dim} is wider than a query head (qk_head_dim + qk_pos_emb_head_dim = "
-               f"{self.qk_head_dim + self.qk_pos_emb_head_dim}): the values are padded to the query width, so lower "
-               "it (DeepSeek-V3: 128 of 192)")
+            check(getattr(self, name) > 0, f"model.{name} must be positive, got {getattr(self, name)}")
+        check(self.q_lora_rank is None or self.q_lora_rank > 0, "model.q_lora_rank must be positive or null")
+        check(self.v_head_dim <= self.qk_head_dim + self.qk_pos_emb_head_dim,
+              f"model.v_head_dim={self.v_head_dim} is wider than a query head (qk_head_dim + qk_pos_emb_head_dim = "
+              f"{self.qk_head_dim + self.qk_pos_emb_head_dim}): the values are padded to the query width, so lower "
+              "it (DeepSeek-V3: 128 of 192)")
 
     @property
     def kv_heads(self) -> int:

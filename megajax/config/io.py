@@ -1,14 +1,15 @@
 """The configuration tree in and out: YAML presets, `--set a.b=c` overrides, and the `--help` list of every key.
 
-megajax/config.py holds the tree and its checks; this module reads and writes it. A preset or an override with an
-unknown key or a wrong type raises ConfigError naming the key (and the closest known one), before any check of
-the tree runs.
+megajax/config/__init__.py holds the tree and its checks; this module reads and writes it. A preset or an override
+with an unknown key or a wrong type raises ConfigError naming the key (and the closest known one), before any check
+of the tree runs. A renamed key (`OLD_KEYS`) still reads, as its new one, with a one-line notice naming it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import types
 import typing
 from pathlib import Path
@@ -16,7 +17,44 @@ from typing import Any, Literal
 
 import yaml
 
-from megajax.config import _KEY_ALIASES, Config, ConfigError, _check, _short
+from megajax.config import KEY_ALIASES, Config, ConfigError
+from megajax.config.base import check, short
+
+log = logging.getLogger("megajax.config")
+
+# Renamed keys: old key -> (the key that decides now, the old value as the new key's). Where both are set, the new
+# key decides and the old one is not read (as before the rename).
+OLD_KEYS = {
+    "parallel.distributed_optimizer": ("parallel.data_parallel_sharding_strategy",
+                                       lambda on: "optim" if on else "no_shard"),
+}
+
+
+def _renamed(old: str, value: Any, given: Any) -> Any:
+    """The new key's value for an old key set to `value`, where the config gives the new key `given` (None: not
+    given, or given as what the old key may change); a one-line notice either way."""
+    new, convert = OLD_KEYS[old]
+    value = _coerce(value, bool, old)
+    if given is not None:
+        log.warning(f"config: {old} is replaced by {new}, which is set ({given}) and decides; {old}={str(value).lower()} is not "
+                    "read: drop it")
+        return given
+    log.warning(f"config: {old}={str(value).lower()} is read as {new}={convert(value)}, the key that replaces it: "
+                "set that one")
+    return convert(value)
+
+
+def _read_old_keys(data: dict, where: str) -> dict:
+    """A section's mapping with its old keys (OLD_KEYS) read as their new ones."""
+    if not isinstance(data, dict):
+        return data
+    data = dict(data)
+    for old in [k for k in OLD_KEYS if k.rpartition(".")[0] == where]:
+        name = old.rpartition(".")[2]
+        if name in data:
+            new = OLD_KEYS[old][0].rpartition(".")[2]
+            data[new] = _renamed(old, data.pop(name), data.get(new))
+    return data
 
 
 def _unknown_key(path: str, key: str, known: list[str], what: str) -> str:
@@ -46,22 +84,22 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 return _coerce(value, a, where)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{where}: bad value {_short(value)}")
+        raise ConfigError(errors[0] if errors else f"{where}: bad value {short(value)}")
     if origin is Literal:
         choices = typing.get_args(tp)
-        _check(value in choices, f"{where}={_short(value)} is not one of {', '.join(map(str, choices))}")
+        check(value in choices, f"{where}={short(value)} is not one of {', '.join(map(str, choices))}")
         return value
     if origin is list:
-        _check(isinstance(value, (list, tuple)), f"{where} must be a list, got {_short(value)}")
+        check(isinstance(value, (list, tuple)), f"{where} must be a list, got {short(value)}")
         return list(value)
     if tp is Any:
         return value
     if tp is bool:
-        _check(isinstance(value, bool), f"{where} must be true or false, got {_short(value)}")
+        check(isinstance(value, bool), f"{where} must be true or false, got {short(value)}")
         return value
     if tp is int:
-        _check(isinstance(value, int) and not isinstance(value, bool),
-               f"{where} must be an integer, got {_short(value)}")
+        check(isinstance(value, int) and not isinstance(value, bool),
+              f"{where} must be an integer, got {short(value)}")
         return value
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
@@ -69,11 +107,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 return float(value)
             except ValueError:
                 pass
-        _check(isinstance(value, (int, float)) and not isinstance(value, bool),
-               f"{where} must be a number, got {_short(value)}")
+        check(isinstance(value, (int, float)) and not isinstance(value, bool),
+              f"{where} must be a number, got {short(value)}")
         return float(value)
     if tp is str:
-        _check(isinstance(value, str), f"{where} must be a string, got {_short(value)}")
+        check(isinstance(value, str), f"{where} must be a string, got {short(value)}")
         return value
     raise ConfigError(f"{where}: unsupported type {tp}")
 
@@ -86,15 +124,16 @@ def _hints(cls) -> dict:
 
 def _build(cls, data: dict, where: str):
     if not isinstance(data, dict):
-        raise ConfigError(f"{where or 'the config'} must be a mapping, got {_short(data)}")
+        raise ConfigError(f"{where or 'the config'} must be a mapping, got {short(data)}")
+    data = _read_old_keys(data, where)
     hints = _hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in data.items():
-        name = _KEY_ALIASES.get(key, key)
+        name = KEY_ALIASES.get(key, key)
         path = f"{where}.{key}" if where else key
         if name not in names:
-            known = sorted({k for k, a in _KEY_ALIASES.items() if a in names} | names - set(_KEY_ALIASES.values()))
+            known = sorted({k for k, a in KEY_ALIASES.items() if a in names} | names - set(KEY_ALIASES.values()))
             raise ConfigError(_unknown_key(path, key, known, "sections" if not where else "keys here"))
         tp = hints[name]
         if dataclasses.is_dataclass(tp):
@@ -114,7 +153,7 @@ def parse_overrides(items: list[str]) -> dict:
     out = {}
     for item in items:
         key, sep, raw = item.partition("=")
-        _check(bool(sep) and bool(key), f"override {item!r} must look like section.key=value")
+        check(bool(sep) and bool(key), f"override {item!r} must look like section.key=value")
         try:
             out[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError as e:
@@ -126,6 +165,12 @@ def override(cfg: Config, flat: dict) -> Config:
     """Applies dotted-key overrides ({'model.num_layers': 4}) and re-validates everything."""
     data = cfg.to_dict()
     for key, value in flat.items():
+        if key in OLD_KEYS:  # the new key, unless the overrides set it too or it holds more than the old one says
+            new, convert = OLD_KEYS[key]
+            section, _, name = new.partition(".")
+            current = data[section][name]
+            keep = new in flat or current not in {convert(True), convert(False)}
+            key, value = new, _renamed(key, value, flat.get(new, current) if keep else None)
         parts = key.split(".")
         node = data
         for i, part in enumerate(parts[:-1]):
@@ -189,7 +234,7 @@ def _field_comments(cls) -> dict[str, str]:
 
 def keys_help() -> list[tuple[str, str, str, str]]:
     """(key, type, default, meaning) of every config key, as `--set` spells it."""
-    aliases = {v: k for k, v in _KEY_ALIASES.items()}
+    aliases = {v: k for k, v in KEY_ALIASES.items()}
     rows = []
     for section in dataclasses.fields(Config):
         cls = type(section.default)

@@ -1,6 +1,7 @@
 """What every config section is built from: the errors that name the fix, the check that raises one, and the
 field helpers whose metadata say whether a key may change when a run resumes and whether it defines the model
-(read by megajax.config.may_change_on_resume and model_defining_fields)."""
+(read by megajax.config.may_change_on_resume and model_defining_fields). Public within megajax.config: every
+section module and io.py build on them."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ class ConfigError(InputError):
     """A configuration that cannot run; the message says what to change."""
 
 
-def _short(value: Any) -> str:
+def short(value: Any) -> str:
     """A bounded repr for messages: a preset's hostile or huge value (YAML aliases nested many levels deep expand
     to gigabytes) must not be printed whole."""
     import reprlib
@@ -28,29 +29,29 @@ def _short(value: Any) -> str:
     return r.repr(value)
 
 
-def _check(ok: bool, message: str) -> None:
+def check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
 
 
 # Field metadata keys.
-_RESUME = "may_change_on_resume"
-_MODEL = "defines_model"
+RESUME = "may_change_on_resume"
+MODEL = "defines_model"
 
 
-def _may_change_on_resume(default: Any) -> Any:
+def resumable(default: Any) -> Any:
     """A key (or a whole section) that changes how a step runs, what is logged or where things go, but not the
     numbers of the run: a run resumed with it changed goes on as an uninterrupted one would (layouts agree to
     float tolerance). Resuming with any other key changed is reported as making the run differ."""
-    return dataclasses.field(default=default, metadata={_RESUME: True})
+    return dataclasses.field(default=default, metadata={RESUME: True})
 
 
-def _defines_model(default: Any, through: str | None = None) -> Any:
+def defines_model(default: Any, through: str | None = None) -> Any:
     """A model key whose value a checkpoint's parameters are tied to; `through`: the resolved value compared
     instead of the key's own (num_kv_heads=null and num_kv_heads=num_heads are one model: kv_heads)."""
-    return dataclasses.field(default=default, metadata={_MODEL: through or ""})
+    return dataclasses.field(default=default, metadata={MODEL: through or ""})
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 

@@ -1,0 +1,216 @@
+"""The parallel section: the mesh (data, pipeline, context, tensor, expert) and how a step uses it (the pipeline's
+schedule and split, the experts' exchange, ZeRO and the overlap of reductions and gathers). Every check names the fix;
+those that need another section are Config's (megajax/config/__init__.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from megajax.config.base import ConfigError, check, divisors
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """The mesh (data, pipeline, context, tensor) and how it is used. data=None takes every device left over.
+
+    expert: the expert-parallel size (Megatron's --expert-model-parallel-size). It divides the data ranks:
+    the mesh's data axis is split into 'data' (outer, data / expert) x 'expert' (inner); the dense weights
+    stay data-parallel over both, the experts are sharded over 'expert' and data-parallel over 'data'.
+
+    context: the context-parallel size (Megatron's --context-parallel-size). Every sequence is split over the
+    'context' ranks for every layer (rank i holds chunks i and 2c - 1 - i of 2c) and attention passes keys and
+    values around them in a ring (megajax/model/context.py)."""
+
+    data: int | None = None  # data-parallel size (null: every device left over)
+    pipeline: int = 1  # pipeline stages
+    tensor: int = 1  # tensor-parallel size (Megatron's column/row-parallel layers)
+    expert: int = 1  # expert-parallel size; divides data
+    # The experts' tensor-parallel size (Megatron's --expert-tensor-parallel-size): null = parallel.tensor, each
+    # expert's width split over 'tensor' as the dense MLP's. 1 = every expert whole on one device, the experts
+    # spread over 'expert' x 'tensor' (Megatron's MoE parallel folding): each tensor rank routes its own sequence
+    # shard and one all-to-all over 'expert' x 'tensor' sends the rows (megajax/model/moe/exchange.py). Needs
+    # sequence_parallel.
+    expert_tensor: int | None = None
+    # How the dropless experts' rows cross the expert ranks: padded = fixed-size blocks of the most a rank can get
+    # (all-to-all, every platform; at e / expert < k that is expert x min(k, e / expert) / k times the routed rows),
+    # ragged = the routed rows alone (XLA's ragged all-to-all, as Megatron's all-to-all by split sizes; GPU only,
+    # emulated by fixed-size all-to-alls on CPU). The receiving buffers are the padded size unless
+    # expert_buffer_factor (below) makes them smaller.
+    expert_all_to_all: Literal["padded", "ragged"] = "padded"
+    # With expert_all_to_all=ragged: each expert rank receives at most this times one rank's routed rows (the mean
+    # it receives; MaxText's ragged_buffer_factor), not the most it can get, and the rows that do not fit are
+    # dropped (the higher source ranks' last rows first; moe_dropped_fraction counts them). null: dropless.
+    expert_buffer_factor: float | None = None
+    context: int = 1  # context-parallel size: every sequence split over this many ranks, attention by a ring
+    # How attention's keys and values cross the context ranks (Megatron's --cp-comm-type): ring = ppermute one hop
+    # per step under the previous block's compute (p2p); all_gather = every rank's at once, the gradients
+    # reduce-scattered. auto: ring without a pipeline, all_gather with one (a collective-permute inside the
+    # pipeline's per-rank branches waits for every device of the mesh and deadlocks).
+    context_comm: Literal["auto", "ring", "all_gather"] = "auto"
+    sequence_parallel: bool = False  # shard the activations outside attention and the MLP over tensor
+    virtual_stages: int = 1  # model chunks per pipeline stage (the interleaved or zero_bubble schedule)
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zero_bubble"] = "1f1b"  # the pipeline schedule
+    # Uneven pipeline stages (Megatron's --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers):
+    # the transformer layers on the first and the last pipeline stage (model.moe_first_dense_layers count, on the
+    # first), the rest split evenly over the stages between; with virtual_stages each stage's layers split evenly
+    # over its chunks. null: as many as the other stages. docs/features/pipeline-schedules.md.
+    decoder_first_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = None  # the layers on the last stage (null: as the others)
+    # Megatron's --account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split: the embedding
+    # (on the first chunk) and the output layer with the loss (on the last) each count as one layer in an even
+    # split, so those chunks hold one transformer layer fewer (Llama 3.1 405B: 126 layers + 2 over 16 stages).
+    # Not with the two keys above.
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False  # the output layer and the loss count as a layer
+    # How far the data-parallel ranks (x context) shard the training state (Megatron's
+    # --data-parallel-sharding-strategy; docs/features/fsdp.md): no_shard = every rank holds it all; optim = the
+    # optimizer state (ZeRO-1, the distributed optimizer: Megatron's --use-distributed-optimizer); optim_grads = also
+    # the gradients, reduce-scattered layer by layer in every micro batch's backward (ZeRO-2); optim_grads_params =
+    # also the weights, each layer's all-gathered before its forward and again for its backward (ZeRO-3, fully
+    # sharded data parallelism). The old key parallel.distributed_optimizer=true still reads as optim.
+    data_parallel_sharding_strategy: Literal["no_shard", "optim", "optim_grads", "optim_grads_params"] = "no_shard"
+    # Reduce the data-parallel gradients layer by layer under the last micro batch's backward (Megatron's
+    # --overlap-grad-reduce). megajax/parallel/overlap.py: an all-reduce per layer, or with the distributed optimizer a
+    # reduce-scatter. Off by default: with several micro batches it holds one to three times the gradients' bytes
+    # more (docs/features/communication-overlap.md). With a pipeline (1f1b, interleaved): in each rank's idle cool-down
+    # ticks, or rank 0's last backwards (across nodes set overlap_comm_ratio, below).
+    overlap_grad_reduce: bool = False
+    # Keep the weights as their optimizer shards between steps and all-gather them under the next forward
+    # (Megatron's --overlap-param-gather). Needs the distributed optimizer (data_parallel_sharding_strategy optim or
+    # more) and overlap_grad_reduce: the next step's
+    # first forward gathers each layer one layer ahead, under the compute of the layer before, instead of the
+    # update gathering every weight where nothing overlaps it. With a pipeline (1f1b, interleaved): the layers'
+    # weights, in each rank's idle warm-up ticks, or rank 0's first forwards (the embedding and head stay whole).
+    overlap_param_gather: bool = False
+    # Under a pipeline: one layer's data-parallel reduce-scatter (or gather) time over its forward of one micro
+    # batch, as `python -m megajax.audit --target <gpu>` reports it (communication.in_schedule.comm_ratio: 0.86
+    # inside an H100 node for gpt2-1.3b, 17.9 across InfiniBand for the paper's 145B). It caps the layers an idle
+    # tick reduces or gathers so that each run fits under the tick the other ranks compute; the rest go to the
+    # schedule's last (first) tick, where they cost what reducing after (gathering before) the schedule costs.
+    # 0: no cap.
+    overlap_comm_ratio: float = 0.0
+    # Sequence parallelism's all-gather and reduce-scatter as rings of ppermutes under the matmuls they feed
+    # (Megatron's --tp-comm-overlap; megajax/model/collective_matmul.py); with a pipeline as chunked all-gathers
+    # and reduce-scatters (a ppermute inside the schedule's per-rank branches deadlocks). Needs sequence_parallel.
+    tp_comm_overlap: bool = False
+
+    def __post_init__(self):
+        self._check_mesh()
+        self._check_data_parallel()
+        self._check_pipeline()
+
+    def _check_mesh(self) -> None:
+        """The sizes, the experts' layout and sequence parallelism."""
+        for name in ("pipeline", "tensor", "virtual_stages", "expert", "context"):
+            check(getattr(self, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        check(self.data is None or self.data >= 1, f"parallel.data must be >= 1 (or null), got {self.data}")
+        check(self.expert_buffer_factor is None or self.expert_buffer_factor > 0,
+              f"parallel.expert_buffer_factor must be positive or null (dropless), got {self.expert_buffer_factor}")
+        check(self.expert_buffer_factor is None or self.expert_all_to_all == "ragged",
+              "parallel.expert_buffer_factor sizes the ragged exchange's receiving buffer: set "
+              "parallel.expert_all_to_all=ragged (or parallel.expert_buffer_factor=null)")
+        check(self.overlap_comm_ratio >= 0, f"parallel.overlap_comm_ratio must be >= 0 (0: no cap), got "
+              f"{self.overlap_comm_ratio}")
+        check(
+            not self.sequence_parallel or self.tensor > 1,
+            "parallel.sequence_parallel=true needs parallel.tensor > 1 (it shards over the tensor axis)",
+        )
+        check(self.expert_tensor in (None, 1, self.tensor),
+              f"parallel.expert_tensor={self.expert_tensor} must be null (= parallel.tensor), 1 (whole experts, "
+              f"spread over parallel.expert x parallel.tensor ranks) or parallel.tensor={self.tensor}")
+        check(not self.folded_experts or self.sequence_parallel,
+              "parallel.expert_tensor=1 routes each tensor rank's sequence shard: set "
+              "parallel.sequence_parallel=true (or parallel.expert_tensor=null)")
+        if self.data is not None and self.data % self.expert:
+            raise ConfigError(
+                f"parallel.expert={self.expert} must divide parallel.data={self.data} (expert parallelism splits "
+                f"the data-parallel ranks): choose parallel.expert from {divisors(self.data)}")
+
+    def _check_data_parallel(self) -> None:
+        """The overlapped reductions and gathers, and what the data ranks shard (ZeRO), against the schedule."""
+        check(
+            not self.overlap_grad_reduce or self.pipeline == 1 or self.schedule in ("1f1b", "interleaved"),
+            f"parallel.overlap_grad_reduce=true reduces the gradients inside the schedule, in idle ticks or in each "
+            f"chunk's last backward, which the {self.schedule} schedule does not run as one step (GPipe "
+            f"differentiates its whole forward, zero_bubble splits off the weight gradients and fills the idle "
+            f"ticks with them): use parallel.schedule=1f1b or interleaved, or set "
+            f"parallel.overlap_grad_reduce=false",
+        )
+        check(
+            not self.overlap_param_gather or (self.shards_optimizer and self.overlap_grad_reduce)
+            or self.shards_grads,
+            "parallel.overlap_param_gather=true gathers the distributed optimizer's shards in the step that reduces "
+            "the gradients under the backward: set parallel.data_parallel_sharding_strategy=optim and "
+            "parallel.overlap_grad_reduce=true (or parallel.overlap_param_gather=false)",
+        )
+        check(
+            not self.shards_params or self.pipeline == 1,
+            f"parallel.data_parallel_sharding_strategy=optim_grads_params (ZeRO-3) gathers each layer's weights in "
+            f"every forward and backward, which no pipeline schedule runs yet: with parallel.pipeline="
+            f"{self.pipeline} use optim_grads (ZeRO-2, with parallel.schedule=1f1b or interleaved), or "
+            f"parallel.pipeline=1",
+        )
+        check(
+            not self.shards_grads or self.pipeline == 1 or self.schedule in ("1f1b", "interleaved"),
+            f"parallel.data_parallel_sharding_strategy={self.data_parallel_sharding_strategy} reduce-scatters the "
+            f"gradients in every backward of a chunk, which the {self.schedule} schedule does not run as one step "
+            f"(GPipe differentiates its whole forward, zero_bubble splits off the weight gradients): use "
+            f"parallel.schedule=1f1b or interleaved",
+        )
+        check(
+            not self.tp_comm_overlap or self.sequence_parallel,
+            "parallel.tp_comm_overlap=true overlaps sequence parallelism's all-gather and reduce-scatter with the "
+            "matmuls: set parallel.sequence_parallel=true (with parallel.tensor > 1)",
+        )
+
+    def _check_pipeline(self) -> None:
+        """The pipeline's split of the layers and its schedule."""
+        for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+            value = getattr(self, name)
+            check(value is None or (value >= 0 and self.pipeline > 1),
+                  f"parallel.{name}={value} sets the layers of a pipeline stage: it needs parallel.pipeline > 1 "
+                  "and a value >= 0 (or null: as many as the other stages)")
+        check(not (self.account_for_embedding_in_pipeline_split or self.account_for_loss_in_pipeline_split)
+              or self.pipeline > 1, "parallel.account_for_*_in_pipeline_split splits a pipeline: it needs "
+              "parallel.pipeline > 1")
+        check(not ((self.account_for_embedding_in_pipeline_split or self.account_for_loss_in_pipeline_split) and
+                    (self.decoder_first_pipeline_num_layers is not None
+                     or self.decoder_last_pipeline_num_layers is not None)),
+              "parallel.account_for_*_in_pipeline_split and parallel.decoder_first/last_pipeline_num_layers both "
+              "decide the stages' layers (as in Megatron): set one or the other")
+        check(
+            self.virtual_stages == 1 or self.schedule in ("interleaved", "zero_bubble"),
+            f"parallel.virtual_stages={self.virtual_stages} needs parallel.schedule=interleaved (or zero_bubble)",
+        )
+        check(
+            self.pipeline > 1 or (self.schedule in ("1f1b", "gpipe") and self.virtual_stages == 1),
+            f"parallel.schedule={self.schedule} with parallel.virtual_stages={self.virtual_stages} schedules pipeline "
+            f"stages, but parallel.pipeline=1: set parallel.pipeline > 1 (e.g. parallel.pipeline=2), or drop "
+            f"parallel.schedule and parallel.virtual_stages",
+        )
+
+    @property
+    def sharding_strategy(self) -> str:
+        """What the data ranks shard (no_shard, optim, optim_grads or optim_grads_params)."""
+        return self.data_parallel_sharding_strategy
+
+    @property
+    def shards_optimizer(self) -> bool:
+        """The distributed optimizer: the optimizer state sharded over the data ranks (every strategy but
+        no_shard)."""
+        return self.sharding_strategy != "no_shard"
+
+    @property
+    def shards_grads(self) -> bool:
+        """ZeRO-2 and ZeRO-3: the gradients reduce-scattered in every micro batch's backward."""
+        return self.sharding_strategy in ("optim_grads", "optim_grads_params")
+
+    @property
+    def shards_params(self) -> bool:
+        """ZeRO-3 (fully sharded data parallelism): the weights kept as their shards, gathered layer by layer."""
+        return self.sharding_strategy == "optim_grads_params"
+
+    @property
+    def folded_experts(self) -> bool:
+        """Whole experts spread over 'expert' x 'tensor' (parallel.expert_tensor=1 with parallel.tensor > 1)."""
+        return self.expert_tensor == 1 and self.tensor > 1
