@@ -49,7 +49,7 @@ def test_defaults_and_overrides_are_typed():
     (["parallel.overlap_grad_reduce=true", "parallel.pipeline=2", "parallel.schedule=zero_bubble"],
      "use parallel.schedule=1f1b or interleaved"),
     (["parallel.overlap_param_gather=true", "parallel.overlap_grad_reduce=true"],
-     "set parallel.distributed_optimizer=true and parallel.overlap_grad_reduce=true"),
+     "set parallel.data_parallel_sharding_strategy=optim and parallel.overlap_grad_reduce=true"),
     (["model.make_vocab_size_divisible_by=2", "model.vocab_size=257", "parallel.tensor=4"],
      "padded vocabulary 258 is not divisible by parallel.tensor=4"),
     (["model.hidden_size=130"], "not divisible by model.num_heads"),

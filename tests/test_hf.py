@@ -473,7 +473,7 @@ def test_written_preset_fine_tunes_as_it_is(tmp_path):
     convert.from_hf(tmp_path / "big", tmp_path / "big-megajax", config_out=tmp_path / "big.yaml")
     big = config_io.load(tmp_path / "big.yaml")
     assert big.model.seq_length == convert.FINE_TUNE_SEQ_LENGTH and big.model.compute_dtype == "bfloat16"
-    assert big.optim.lr <= 3e-5 and big.optim.decay == "cosine" and big.parallel.distributed_optimizer
+    assert big.optim.lr <= 3e-5 and big.optim.decay == "cosine" and big.parallel.sharding_strategy == "optim"
     assert big.checkpoint.load_from == str(tmp_path / "big-megajax") and "megajax.audit" in (tmp_path / "big.yaml"
                                                                                             ).read_text()
 

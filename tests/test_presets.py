@@ -73,7 +73,7 @@ def test_preset_trains_in_bf16_with_fused_kernels_and_overlap(name):
         "attention pallas (auto on gpu), norms pallas")
     assert m.recompute == "selective"
     assert p.sequence_parallel and p.tp_comm_overlap
-    assert p.distributed_optimizer and p.overlap_grad_reduce and p.overlap_param_gather
+    assert p.sharding_strategy == "optim" and p.overlap_grad_reduce and p.overlap_param_gather
     # across nodes with a pipeline the idle ticks' reductions are capped by the audit's comm_ratio
     assert (p.overlap_comm_ratio > 0) == (p.pipeline > 1)
     # Meta's schedule: cosine from the peak to a tenth of it after 2000 warm-up steps

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from megajax.parallel import step_plan
 from megajax.config import ModelConfig
 from megajax.model.layers import (MLP, NO_SIDE, RESIDUAL, TAP_GRADS, TAP_INPUTS, Attention, Embed, KVCache, Norm,
-                                  Side, dropout, gather_sequence, layers_unrolled)
+                                  Side, dropout, gather_sequence, layers_unrolled, recomputed_module)
 from megajax.model.moe import MoE
 from megajax.parallel.sharding import constrain
 
@@ -124,10 +124,7 @@ class LayerStack(nn.Module):
             layers = jnp.arange(self.units) + first_layer
             x, new = scan(self.cfg, name="block")(x_bsd, layers, side, grouped, offset)
             return x, tuple(c.reshape(-1, *c.shape[2:]) for c in new) if n > 1 else new
-        block = unit
-        if self.cfg.recompute == "full":
-            block = nn.remat(unit, prevent_cse=layers_unrolled(self.cfg),
-                             policy=jax.checkpoint_policies.nothing_saveable)
+        block = recomputed_module(self.cfg, unit)
         scan = nn.scan(
             block,
             variable_axes={"params": 0},
@@ -313,13 +310,21 @@ def documents(batch: dict, eod: int, reset_positions: bool) -> dict:
     return out
 
 
-def loss_sum(cfg: ModelConfig, params: dict, batch: dict, side: Side | None) -> jax.Array:
-    """The summed token loss of one micro batch: embed -> layers -> head."""
+def forward_loss(cfg: ModelConfig, params: dict, batch: dict, side: Side | None, layers) -> jax.Array:
+    """The model's one assembly: the summed token loss of one micro batch, embed -> `layers` -> head and loss.
+    `layers` (x_bsd -> x_bsd) runs the stack as its caller needs: the plain scan (`loss_sum`), or the overlapped
+    reductions' and ZeRO-3's loops with their gathers and reductions (parallel/overlap.py). A pipeline runs the
+    same three parts, split over its ranks (parallel/pipeline/chunks.py): the embedding on its first chunk, the
+    head on its last."""
     chex.assert_rank(batch["tokens"], 2)  # [b, s]: checked once, when the step is traced
     chex.assert_equal_shape([batch["tokens"], batch["targets"], batch["loss_mask"]])
     x = embed_apply(cfg, params, batch["tokens"], side)
-    x = layers_apply(cfg, params["layers"], x, side)
-    return head_apply(cfg, params, x, batch["targets"], batch["loss_mask"])
+    return head_apply(cfg, params, layers(x), batch["targets"], batch["loss_mask"])
+
+
+def loss_sum(cfg: ModelConfig, params: dict, batch: dict, side: Side | None) -> jax.Array:
+    """The summed token loss of one micro batch: embed -> layers -> head."""
+    return forward_loss(cfg, params, batch, side, lambda x: layers_apply(cfg, params["layers"], x, side))
 
 
 # ----------------------------------------------------------------------------------------------------

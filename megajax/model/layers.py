@@ -25,6 +25,7 @@ from megajax.parallel import step_plan
 from megajax.kernels import auto as kernel_choice
 from megajax.config import ModelConfig
 from megajax.model import collective_matmul, context, fp8
+from megajax.model.recipe import recipe
 from megajax.parallel.sharding import constrain
 
 @flax.struct.dataclass
@@ -202,6 +203,38 @@ def layers_unrolled(cfg: ModelConfig) -> bool:
     return step_plan.in_force().unroll_layers if cfg.scan_layers is None else not cfg.scan_layers
 
 
+# Recomputation (model.recompute) is chosen here for every caller: the model's layer stack (gpt.LayerStack), the
+# layer loops of the overlapped reductions and ZeRO-3 (parallel/overlap.py), GPipe's chunks, and attention's core.
+# A pipeline's 1F1B and interleaved schedules recompute each chunk in their own R action instead.
+KEEP_INPUTS = jax.checkpoint_policies.nothing_saveable  # full recomputation: a layer keeps only its inputs
+
+
+def recomputed(cfg: ModelConfig, layer, keep=None):
+    """A layer function (x, ...) -> y as its backward needs it: under model.recompute=full, a jax.checkpoint that
+    keeps only its inputs (Megatron's full recomputation); with `keep` (a checkpoint policy: what the backward keeps)
+    under that policy where the recomputation is not full; else `layer` itself."""
+    if cfg.recompute != "full" and keep is None:
+        return layer
+    return jax.checkpoint(layer, prevent_cse=layers_unrolled(cfg), policy=KEEP_INPUTS if cfg.recompute == "full"
+                          else keep)
+
+
+def recomputed_module(cfg: ModelConfig, unit: type[nn.Module]) -> type[nn.Module]:
+    """`recomputed` for a Flax module class (the layer stack's scanned unit)."""
+    if cfg.recompute != "full":
+        return unit
+    return nn.remat(unit, prevent_cse=layers_unrolled(cfg), policy=KEEP_INPUTS)
+
+
+def recomputed_core(cfg: ModelConfig, core, fused: bool):
+    """Attention's core (softmax(qk^T) v) under Megatron's selective recomputation: keep q, k, v and recompute
+    the core in the backward. A fused kernel keeps no scores (its output and log-sum-exp only): nothing to drop,
+    so nothing recomputed."""
+    if cfg.recompute == "selective" and not fused:
+        return jax.checkpoint(core, prevent_cse=layers_unrolled(cfg))
+    return core
+
+
 class Norm(nn.Module):
     """LayerNorm (gpt2) or RMSNorm (llama), computed in fp32 and returned in the compute dtype."""
 
@@ -214,7 +247,7 @@ class Norm(nn.Module):
         pdt, cdt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
         scale = param(self, "scale", (d,), ("embed",), None, pdt)
         # out_dtype: the fused kernel writes the compute dtype directly instead of an fp32 copy to cast.
-        if cfg.arch == "llama":
+        if recipe(cfg).norm == "rms_norm":
             y = kernels.rms_norm(x_bsd, scale, cfg.norm_eps, impl=cfg.norm_impl, out_dtype=cdt)
         else:
             bias = param(self, "bias", (d,), ("embed",), 0, pdt)
@@ -233,7 +266,7 @@ class Embed(nn.Module):
         pdt = jnp.dtype(cfg.param_dtype)
         self.embedding = param(self, "embedding", (cfg.padded_vocab_size, cfg.hidden_size), ("vocab", "embed"),
                                 cfg.init_std, pdt)
-        if cfg.arch == "gpt2":
+        if recipe(cfg).learned_positions:
             self.position_embedding = param(self, "position_embedding", (cfg.seq_length, cfg.hidden_size),
                                              (None, "embed"), cfg.init_std, pdt)
 
@@ -245,7 +278,7 @@ class Embed(nn.Module):
         # With the table sharded over 'vocab', XLA looks up locally with out-of-range ids masked and
         # all-reduces over 'tensor': Megatron's VocabParallelEmbedding.
         x = jnp.take(self.embedding.astype(cdt), tokens_bs, axis=0)
-        if cfg.arch == "gpt2":
+        if recipe(cfg).learned_positions:
             at = token_positions(side, tokens_bs.shape[1], offset)
             x = x + jnp.take(self.position_embedding, at, axis=0).astype(cdt)
         x = dropout(x, cfg.dropout, side.keys, salt=0)
@@ -311,7 +344,7 @@ def rope_amplitude(cfg: ModelConfig) -> float:
 def softmax_scale(cfg: ModelConfig, qk_dim: int) -> float | None:
     """The attention softmax scale: None (1 / sqrt(qk_dim), the kernels' default), but with multi-latent attention
     and YaRN's mscale_all_dim that times mscale(factor, mscale_all_dim)^2 (DeepSeek-V2/V3's)."""
-    if cfg.multi_latent_attention and cfg.rope_scaling == "yarn" and cfg.rope_yarn_mscale_all_dim:
+    if recipe(cfg).qkv == "latent" and cfg.rope_scaling == "yarn" and cfg.rope_yarn_mscale_all_dim:
         return _yarn_mscale(cfg.rope_scaling_factor, cfg.rope_yarn_mscale_all_dim) ** 2 / math.sqrt(qk_dim)
     return None
 
@@ -378,7 +411,7 @@ class Attention(nn.Module):
         h, d = cfg.num_heads, cfg.hidden_size
         pdt, cdt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        q, kk, v = (latent_qkv if cfg.multi_latent_attention else fused_qkv)(self, x_bsd, side, offset)
+        q, kk, v = (latent_qkv if recipe(cfg).qkv == "latent" else fused_qkv)(self, x_bsd, side, offset)
         q = constrain(q, ("batch", None, "heads", "head_dim"))
         kk = constrain(kk, ("batch", None, "kv_heads", "head_dim"))
         v = constrain(v, ("batch", None, "kv_heads", "head_dim"))
@@ -398,10 +431,7 @@ class Attention(nn.Module):
 
         fused = kernel_choice.fused_attention(cfg.attention_impl, cfg.head_dim, cfg.attention_dropout > 0,
                                               kernel_choice.platform())
-        if cfg.recompute == "selective" and not fused:
-            # Megatron's selective recomputation: keep q, k, v; recompute softmax(qk^T) v in the backward. A fused
-            # kernel keeps no scores (its output and log-sum-exp only): nothing to drop, so nothing recomputed.
-            core = jax.checkpoint(core, prevent_cse=layers_unrolled(cfg))
+        core = recomputed_core(cfg, core, fused)
         if cache is None:
             o = core(q, kk, v)
         else:  # decoding: the new positions attend over the cache (no dropout, nothing to recompute)
@@ -410,7 +440,7 @@ class Attention(nn.Module):
 
         wo = param(self, "wo", (h, cfg.value_dim, d), WEIGHT_NAMES["wo"], out_std, pdt)
         y = row_matmul(self, "wo", o, wo.astype(cdt))  # the all-reduce (reduce-scatter with sequence parallel)
-        if cfg.arch == "gpt2":
+        if recipe(cfg).bias:
             y = y + param(self, "bo", (d,), ("embed",), 0, pdt).astype(cdt)
         return y if cache is None else (y, cache)
 
@@ -427,12 +457,12 @@ def fused_qkv(module: nn.Module, x_bsd: jax.Array, side: Side, offset: jax.Array
     r = h // g
     wqkv = param(module, "wqkv", (d, g, r + 2, k), WEIGHT_NAMES["wqkv"], cfg.init_std, pdt)
     qkv = column_matmul(module, "wqkv", x_bsd, wqkv.astype(cdt))
-    if cfg.arch == "gpt2" or cfg.add_qkv_bias:
+    if recipe(cfg).qkv_bias:
         qkv = qkv + param(module, "bqkv", (g, r + 2, k), ("kv_heads", None, "head_dim"), 0, pdt).astype(cdt)
     b, s = qkv.shape[:2]
     q = qkv[:, :, :, :r].reshape(b, s, h, k)  # query head i uses kv head i // r
     kk, v = qkv[:, :, :, r], qkv[:, :, :, r + 1]
-    if cfg.arch == "llama":
+    if recipe(cfg).rotary:
         rotate = rotary(cfg, side, s, offset, k)
         q, kk = rotate(q), rotate(kk)
     return q, kk, v
@@ -505,7 +535,7 @@ class MLP(nn.Module):
         d, f = cfg.hidden_size, cfg.ffn_size
         pdt, cdt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        if cfg.arch == "llama":
+        if recipe(cfg).mlp == "swiglu":
             # gate and up fused as [d, 2, f] (one partial dX to all-reduce in the backward, as for QKV)
             w_gate_up = param(self, "w_gate_up", (d, 2, f), WEIGHT_NAMES["w_gate_up"], cfg.init_std, pdt)
             gate_up = column_matmul(self, "w_gate_up", x_bsd, w_gate_up.astype(cdt))
@@ -517,6 +547,6 @@ class MLP(nn.Module):
         hidden = constrain(hidden, ("batch", None, "mlp"))
         w_out = param(self, "w_out", (f, d), WEIGHT_NAMES["w_out"], out_std, pdt)
         y = row_matmul(self, "w_out", hidden, w_out.astype(cdt))
-        if cfg.arch == "gpt2":
+        if recipe(cfg).bias:
             y = y + param(self, "b_out", (d,), ("embed",), 0, pdt).astype(cdt)
         return y

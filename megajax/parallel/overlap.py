@@ -250,12 +250,47 @@ def _regathered_layers(mcfg, side, x, stack, stack_sink, stack_r):
     axes = tuple(a for a in sharding.GRAD if a in sharding.current_manual_axes())
     # FP8 recomputes the whole layer: with FP8's custom_vjp matmuls under a policy that saves anything, the step's
     # losses came out NaN (jax 0.10.2; without the checkpoint, or saving nothing, they equal one device's)
-    policy = (jax.checkpoint_policies.nothing_saveable if mcfg.recompute == "full" or mcfg.fp8 != "none"
-              else _leaves_gathers_out(axes))
-    layer = jax.checkpoint(layer, prevent_cse=model.layers_unrolled(mcfg), policy=policy)
+    layer = model.recomputed(mcfg, layer, keep=model.KEEP_INPUTS if mcfg.fp8 != "none" else _leaves_gathers_out(axes))
     n = jax.tree.leaves(stack)[0].shape[0]
     x, _ = model.scan_layers(mcfg, lambda x, inputs: (layer(x, *inputs), None), x, (stack, stack_sink, jnp.arange(n)))
     return x
+
+
+def _reducing_layers(mcfg, side, x, params, acc, sink, reductions, regather: bool):
+    """`reducing_loss`'s stack of layers: (its output, the layers' weights as the step goes on with them: gathered
+    whole where they arrived as shards and stay gathered). params, acc, sink, reductions: the step's whole trees."""
+    stack = params["layers"]["block"]
+    stack_acc = None if acc is None else acc["layers"]["block"]
+    stack_sink = sink["layers"]["block"]
+    stack_r = jax.tree.map(Reduction.per_layer, reductions["layers"]["block"])
+
+    def layer(x, w, g, s, i):
+        return model.block_apply(mcfg, _hooked(w, g, s, stack_r), x, i, side).astype(x.dtype)
+
+    layer = model.recomputed(mcfg, layer)  # (full: only each block's input kept, as the model's LayerStack)
+    n = jax.tree.leaves(stack)[0].shape[0]
+    if regather:
+        x = _regathered_layers(mcfg, side, x, stack, stack_sink, stack_r)
+        kept = params["layers"]
+    elif not any(r.gather for r in jax.tree.leaves(stack_r)):
+        x, _ = model.scan_layers(mcfg, lambda x, inputs: (layer(x, *inputs), None), x,
+                                 (stack, stack_acc, stack_sink, jnp.arange(n)))
+        kept = params["layers"]
+    else:
+        fetch = lambda w: jax.tree.map(lambda r, v: r.gathered(v), stack_r, w)  # noqa: E731
+        at = lambda tree, idx: None if tree is None else jax.tree.map(lambda v: v[idx], tree)  # noqa: E731
+
+        def body(carry, inputs):
+            x, w = carry
+            ahead, g, s, i = inputs
+            return (layer(x, w, g, s, i), fetch(ahead)), w
+
+        (x, w_last), ws = model.scan_layers(mcfg, body, (x, fetch(at(stack, 0))), (
+            at(stack, slice(1, None)), at(stack_acc, slice(None, -1)), at(stack_sink, slice(None, -1)),
+            jnp.arange(n - 1)))
+        x = layer(x, w_last, at(stack_acc, -1), at(stack_sink, -1), n - 1)
+        kept = {"block": jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), ws, w_last)}
+    return x, kept
 
 
 def reducing_loss(sink, cfg: Config, params, acc, reductions, mb: dict, seed_scale: jax.Array,
@@ -274,39 +309,9 @@ def reducing_loss(sink, cfg: Config, params, acc, reductions, mb: dict, seed_sca
     top = jax.tree.map(lambda r, w: r.gathered(w), pick(reductions), top)
     whole = dict(top)
     top = _hooked(top, pick(acc), pick(sink), pick(reductions))
-    x = model.embed_apply(mcfg, top, mb["tokens"], side)
-    stack = params["layers"]["block"]
-    stack_acc = None if acc is None else acc["layers"]["block"]
-    stack_sink = sink["layers"]["block"]
-    stack_r = jax.tree.map(Reduction.per_layer, reductions["layers"]["block"])
+    def run_layers(x):  # the stack, with its gathers and reductions
+        x, whole["layers"] = _reducing_layers(mcfg, side, x, params, acc, sink, reductions, regather)
+        return x
 
-    def layer(x, w, g, s, i):
-        return model.block_apply(mcfg, _hooked(w, g, s, stack_r), x, i, side).astype(x.dtype)
-
-    if mcfg.recompute == "full":  # keep only each block's input, as the model's LayerStack does
-        layer = jax.checkpoint(layer, prevent_cse=model.layers_unrolled(mcfg),
-                               policy=jax.checkpoint_policies.nothing_saveable)
-    n = jax.tree.leaves(stack)[0].shape[0]
-    if regather:
-        x = _regathered_layers(mcfg, side, x, stack, stack_sink, stack_r)
-        whole["layers"] = params["layers"]
-    elif not any(r.gather for r in jax.tree.leaves(stack_r)):
-        x, _ = model.scan_layers(mcfg, lambda x, inputs: (layer(x, *inputs), None), x,
-                                 (stack, stack_acc, stack_sink, jnp.arange(n)))
-        whole["layers"] = params["layers"]
-    else:
-        fetch = lambda w: jax.tree.map(lambda r, v: r.gathered(v), stack_r, w)  # noqa: E731
-        at = lambda tree, idx: None if tree is None else jax.tree.map(lambda v: v[idx], tree)  # noqa: E731
-
-        def body(carry, inputs):
-            x, w = carry
-            ahead, g, s, i = inputs
-            return (layer(x, w, g, s, i), fetch(ahead)), w
-
-        (x, w_last), ws = model.scan_layers(mcfg, body, (x, fetch(at(stack, 0))), (
-            at(stack, slice(1, None)), at(stack_acc, slice(None, -1)), at(stack_sink, slice(None, -1)),
-            jnp.arange(n - 1)))
-        x = layer(x, w_last, at(stack_acc, -1), at(stack_sink, -1), n - 1)
-        whole["layers"] = {"block": jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), ws, w_last)}
-    raw = model.head_apply(mcfg, top, x, mb["targets"], mb["loss_mask"])
+    raw = model.forward_loss(mcfg, top, mb, side, run_layers)
     return raw * seed_scale, (raw, whole)

@@ -26,6 +26,7 @@ from megajax.config import ModelConfig
 from megajax.kernels.grouped_matmul import group_of_rows, grouped_matmul
 from megajax.model import fp8
 from megajax.model.layers import MLP, RESIDUAL, fp8_state, gather_sequence, gelu, param, swiglu
+from megajax.model.recipe import recipe
 from megajax.model.moe.exchange import (_exchange, capacity, combine, dispatch, exchange_capacity, exchange_dropless,
                                         exchange_folded, exchange_folded_dropless, expert_parallel_size, folds,
                                         from_buffers, to_buffers)
@@ -87,7 +88,7 @@ def expert_mlps(cfg: ModelConfig, w: dict, meta, lead: str | None, xs: jax.Array
     # MLP: the second matmul's partial sums are its one all-reduce (no permutes of rows). With folded experts each
     # rank holds whole experts and their rows (lead), the width not split.
     xs = constrain(xs, (lead,) + (None,) * (xs.ndim - 2) + ("embed",))
-    if cfg.arch == "llama":
+    if recipe(cfg).mlp == "swiglu":
         w_gate_up = w["w_gate_up"]
         # gate and up interleaved as [..., f, 2]: with f split over 'tensor' each rank holds its own gate and up
         # columns, so the fused matmul's output splits into the two locally
@@ -167,7 +168,7 @@ class MoE(nn.Module):
         ep = expert_parallel_size()
         el = e // ep
         lead = "folded_expert" if g > 1 else None  # folded: the rows sharded like the experts they go to
-        if cfg.arch == "llama":
+        if recipe(cfg).mlp == "swiglu":
             w = {"w_gate_up": param(self, "w_gate_up", (el, d, f, 2), ("expert", "embed", "mlp", None),
                                     cfg.init_std, pdt)}
         else:
@@ -181,7 +182,7 @@ class MoE(nn.Module):
 
         y, sizes, dropped = run_experts(x_gtd, ids.reshape(g, -1, k), weights.reshape(g, -1, k), cfg, ep, experts)
         y = y.reshape(g, b, s // g, d).swapaxes(0, 1)  # group r back to sequence shard r
-        if cfg.arch == "gpt2":
+        if recipe(cfg).bias:
             y = y + param(self, "b_out", (d,), ("embed",), 0, pdt).astype(cdt)
         y = constrain(y.reshape(b, s, d), RESIDUAL)
         if cfg.moe_shared_experts:

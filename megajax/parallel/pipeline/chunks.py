@@ -35,15 +35,15 @@ def unless_empty(on, run, x):
     return run() if on is None else jax.lax.cond(on, run, lambda: x)
 
 
-def run_slots(mcfg, w, x, side, ids, on, remat: bool = False):
+def run_slots(mcfg, w, x, side, ids, on, recompute: bool = False):
     """A chunk's layers in turn: slot j runs layer ids[j] unless it is empty (`unless_empty`; on None: none is);
-    remat: keep only each layer's input for the backward (model.recompute=full, as model.LayerStack does)."""
+    recompute: each layer recomputed in the backward as model.recompute says (`model.recomputed`; GPipe's, where
+    no schedule action recomputes)."""
     def body(x, wl):
         w_l, l, on_l = wl
         run = lambda: model.block_apply(mcfg, w_l, x, l, side).astype(x.dtype)  # noqa: E731
-        if remat:
-            run = jax.checkpoint(run, prevent_cse=model.layers_unrolled(mcfg),
-                                 policy=jax.checkpoint_policies.nothing_saveable)
+        if recompute:
+            run = model.recomputed(mcfg, run)
         return unless_empty(on_l, run, x), None
 
     return model.scan_layers(mcfg, body, x, (w["block"], ids, on))[0]

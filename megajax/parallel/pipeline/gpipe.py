@@ -83,7 +83,7 @@ def _forward_rounds(cfg: Config, layers, shared, mbs, train: bool, objective_sca
                     return model.layers_apply(mcfg, w, x, side, (i * p + rank) * lc).astype(dtype)
                 slot = jnp.arange(lc)  # the empty slots run nothing; full recompute as model.LayerStack's
                 return run_slots(mcfg, w, x, side, starts[i, rank] + slot, slot < units[i, rank],
-                                 remat=mcfg.recompute == "full").astype(dtype)
+                                 recompute=True).astype(dtype)
 
             y = order.cond(active, run, lambda: x)
             if i == v - 1:
