@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from megajax.config import ConfigError, ModelConfig
-from megajax.kernels import auto as kernel_choice
 from megajax.config.model import layer_forward_flops_per_token
+from megajax.kernels import auto as kernel_choice
 
 # dense peak FLOP/s per GPU by compute dtype (float32 matmuls run as TF32 on these GPUs)
 PEAK_FLOPS = {

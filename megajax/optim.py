@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from megajax.parallel import sharding
 from megajax.config import OptimConfig
+from megajax.parallel import sharding
 
 
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:

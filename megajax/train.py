@@ -19,10 +19,10 @@ from typing import Any
 import jax
 
 from megajax import config as config_lib, distributed, xla_flags
-from megajax.config import io as config_io
 from megajax import metrics as metrics_lib
-from megajax.kernels import auto as kernel_choice
+from megajax.config import io as config_io
 from megajax.config import Config, InputError
+from megajax.kernels import auto as kernel_choice
 from megajax.step import (StepSetup, TrainState, init_state, jit_eval_step, jit_train_step, load_initial_params,
                           setup_for)
 

@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from megajax.config import io as config_io  # noqa: E402
 from megajax import distributed, metrics, step as step_lib  # noqa: E402
+from megajax.config import io as config_io  # noqa: E402
 from megajax.data.loader import batch_shapes  # noqa: E402
 from megajax.kernels import auto as kernel_choice  # noqa: E402
 

@@ -13,8 +13,8 @@ from jax.sharding import PartitionSpec as P
 
 from megajax import audit, hlo, metrics
 from megajax.config import io as config_io
-from megajax.parallel.pipeline import ticks
 from megajax.model.layers import WEIGHT_EINSUMS
+from megajax.parallel.pipeline import ticks
 
 from conftest import REPO, cli_env, gpu
 

@@ -22,8 +22,8 @@ from jax.sharding import AxisType, PartitionSpec as P
 from conftest import run_steps, small_config
 from megajax import config as config_lib
 from megajax import kernels, model
-from megajax.parallel import step_plan
 from megajax.model import context
+from megajax.parallel import step_plan
 from megajax.parallel.step_plan import StepPlan
 
 STEPS = 2

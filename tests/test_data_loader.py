@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from megajax.parallel import sharding
 from megajax.config import ParallelConfig
 from megajax.data.indexed import IndexedDatasetWriter
 from megajax.data.loader import BatchLoader, build_datasets, global_batch
+from megajax.parallel import sharding
 
 from conftest import REPO, small_config
 

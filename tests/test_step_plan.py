@@ -10,8 +10,8 @@ import jax
 import pytest
 
 from conftest import REPO, small_config
-from megajax.parallel import sharding, step_plan
 from megajax.config import ConfigError
+from megajax.parallel import sharding, step_plan
 from megajax.parallel.pipeline import ticks
 from megajax.parallel.step_plan import MANUAL, StepPlan
 

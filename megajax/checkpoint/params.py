@@ -21,8 +21,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import yaml
 
-from megajax.config import io as config_io
 from megajax.checkpoint.training import CheckpointError
+from megajax.config import io as config_io
 from megajax.config import Config
 from megajax.model import model_state
 from megajax.parallel.pipeline.layout import from_stages

@@ -2,9 +2,9 @@
 
 | module | what |
 |---|---|
-| base.py | the errors that name the fix (`ConfigError`), `check`, and the field helpers (`resumable`, `defines_model`) |
+| base.py | the errors that name the fix (`ConfigError`), `check`, the field helpers (`resumable`, `defines_model`) |
 | model.py | the model section (`ModelConfig`) |
-| parallel.py | the parallel section (`ParallelConfig`): the mesh, the pipeline's schedule and split, experts, ZeRO, overlap |
+| parallel.py | the parallel section (`ParallelConfig`): the mesh, the pipeline, experts, ZeRO, overlap |
 | run.py | the train, optim, data and checkpoint sections |
 | io.py | YAML presets, `--set` overrides, old keys and `--help` |
 | this file | the root (`Config`): the checks that need two sections, resolving for the devices, and field metadata |

@@ -36,8 +36,8 @@ def _renamed(old: str, value: Any, given: Any) -> Any:
     new, convert = OLD_KEYS[old]
     value = _coerce(value, bool, old)
     if given is not None:
-        log.warning(f"config: {old} is replaced by {new}, which is set ({given}) and decides; {old}={str(value).lower()} is not "
-                    "read: drop it")
+        log.warning(f"config: {old} is replaced by {new}, which is set ({given}) and decides; "
+                    f"{old}={str(value).lower()} is not read: drop it")
         return given
     log.warning(f"config: {old}={str(value).lower()} is read as {new}={convert(value)}, the key that replaces it: "
                 "set that one")

@@ -240,7 +240,7 @@ def _require_deepseek(cfg: ModelConfig) -> None:
              "model.experts_per_token / 2 for the model to convert")
 
 
-def _require_convertible(cfg: ModelConfig) -> None:
+def require_convertible(cfg: ModelConfig) -> None:
     """An MoE model converts as Mixtral (llama, no shared experts, renormalised routing, no QKV biases) or as
     Qwen2-MoE (llama, gated shared experts)."""
     if _deepseek(cfg):
@@ -266,7 +266,7 @@ def _require_convertible(cfg: ModelConfig) -> None:
 
 
 def _hf_model_type(cfg: ModelConfig) -> str:
-    _require_convertible(cfg)
+    require_convertible(cfg)
     if cfg.arch == "gpt2":
         return "gpt2"
     if _deepseek(cfg):

@@ -29,7 +29,7 @@ import ml_dtypes  # bfloat16 for NumPy (_np_dtype); importing it also registers 
 import numpy as np
 
 from megajax.config import ModelConfig
-from megajax.hf.configs import _require_convertible
+from megajax.hf.configs import require_convertible
 from megajax.hf.errors import ConversionError
 
 # Buffers some checkpoints carry that are not weights (GPT-2's causal mask, old Llama's RoPE frequencies).
@@ -247,7 +247,7 @@ def _deepseek_moe_rules(cfg: ModelConfig) -> list[Rule]:
 def rules(cfg: ModelConfig, rope_interleave: bool = True) -> list[Rule]:
     """The conversion table of `cfg`'s architecture. rope_interleave: a DeepSeek-V3 source lays out its RoPE
     dimensions in pairs (config.json's rope_interleave, the default); exports always do."""
-    _require_convertible(cfg)
+    require_convertible(cfg)
     return _gpt2_rules(cfg) if cfg.arch == "gpt2" else _llama_rules(cfg, rope_interleave)
 
 

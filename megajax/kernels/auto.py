@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import jax
 
-from megajax.parallel import step_plan
 from megajax.kernels.flash_attention import MAX_HEAD_DIM
 from megajax.kernels.fused_norm import MAX_DIM
+from megajax.parallel import step_plan
 
 def attention_fallback(head_dim: int, dropout: bool) -> str | None:
     """Why auto runs XLA's attention on a GPU for this case, or None where the flash kernel runs it."""

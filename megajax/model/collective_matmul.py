@@ -44,9 +44,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from megajax.model import fp8
 from megajax.parallel import sharding, step_plan
 from megajax.parallel.sharding import tensor_manual
-from megajax.model import fp8
 
 def _mode() -> str | None:
     """The step plan's tp_overlap: "ring", "chunks" (inside a pipeline's per-rank branches) or None."""

@@ -18,11 +18,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from megajax.parallel import step_plan
 from megajax.config import ModelConfig
 from megajax.model.layers import (MLP, NO_SIDE, RESIDUAL, TAP_GRADS, TAP_INPUTS, Attention, Embed, KVCache, Norm,
                                   Side, dropout, gather_sequence, layers_unrolled, recomputed_module)
 from megajax.model.moe import MoE
+from megajax.parallel import step_plan
 from megajax.parallel.sharding import constrain
 
 

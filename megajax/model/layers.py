@@ -21,11 +21,11 @@ import jax
 import jax.numpy as jnp
 
 from megajax import kernels
-from megajax.parallel import step_plan
-from megajax.kernels import auto as kernel_choice
 from megajax.config import ModelConfig
+from megajax.kernels import auto as kernel_choice
 from megajax.model import collective_matmul, context, fp8
 from megajax.model.recipe import recipe
+from megajax.parallel import step_plan
 from megajax.parallel.sharding import constrain
 
 @flax.struct.dataclass

@@ -156,8 +156,8 @@ def sharded_grads(cfg: Config, params, batch: dict, seed_scale: jax.Array, reduc
 
 
 def pipelined_grads(cfg: Config, params, batch: dict, seed_scale: jax.Array, reductions=None):
-    """The pipeline schedule's gradients (megajax/parallel/pipeline/executor.py). With `reductions` the layers' gradients
-    come back reduced in each chunk's last backward, and the embedding's and head's are reduced here."""
+    """The pipeline schedule's gradients (megajax/parallel/pipeline/executor.py). With `reductions` the layers'
+    gradients come back reduced in each chunk's last backward, and the embedding's and head's are reduced here."""
     if reductions is None:
         return executor.pipeline_grads(cfg, params, batch, seed_scale)
     loss, grads = executor.pipeline_grads(cfg, params, batch, seed_scale, reductions["layers"])

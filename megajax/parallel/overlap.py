@@ -31,8 +31,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from megajax import model, optim
-from megajax.parallel import sharding
 from megajax.config import Config
+from megajax.parallel import sharding
 
 
 def _tensor_manual(fn, x: jax.Array, spec: P) -> jax.Array:

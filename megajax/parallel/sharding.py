@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
-from megajax.parallel import step_plan
 from megajax.config import ConfigError, ParallelConfig
+from megajax.parallel import step_plan
 
 AXES = ("data", "expert", "pipeline", "context", "tensor")
 DATA = ("data", "expert")  # the data-parallel ranks: the batch is split over both

@@ -29,8 +29,8 @@ import dataclasses
 import functools
 
 from megajax.config import Config
-from megajax.kernels import auto as kernel_choice
 from megajax.config.model import layer_forward_flops_per_token
+from megajax.kernels import auto as kernel_choice
 from megajax.parallel.pipeline import schedule
 from megajax.parallel.step_plan import StepPlan
 from megajax.plan.hardware import GIB, Hardware

@@ -51,7 +51,7 @@ class Exchange(NamedTuple):
     buffer_factor: float | None = None  # ragged: receive at most this times a rank's routed rows (null: the most)
 
 
-def _exchange() -> Exchange:
+def exchange_in_force() -> Exchange:
     """The experts' exchange of the step plan in force (step_plan.use; none outside a step)."""
     plan = step_plan.in_force()
     return Exchange(plan.moe_folds > 1, plan.moe_ragged, plan.moe_buffer_factor)

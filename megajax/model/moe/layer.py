@@ -21,17 +21,17 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from megajax.parallel import step_plan
 from megajax.config import ModelConfig
 from megajax.kernels.grouped_matmul import group_of_rows, grouped_matmul
 from megajax.model import fp8
 from megajax.model.layers import MLP, RESIDUAL, fp8_state, gather_sequence, gelu, param, swiglu
-from megajax.model.recipe import recipe
-from megajax.model.moe.exchange import (_exchange, capacity, combine, dispatch, exchange_capacity, exchange_dropless,
-                                        exchange_folded, exchange_folded_dropless, expert_parallel_size, folds,
-                                        from_buffers, to_buffers)
+from megajax.model.moe.exchange import (capacity, combine, dispatch, exchange_capacity, exchange_dropless,
+                                        exchange_folded, exchange_folded_dropless, exchange_in_force,
+                                        expert_parallel_size, folds, from_buffers, to_buffers)
 from megajax.model.moe.routing import (ROUTER_BIAS, STATS, Routing, attach_loss, load_balancing_loss, report, route,
                                        z_loss)
+from megajax.model.recipe import recipe
+from megajax.parallel import step_plan
 from megajax.parallel.sharding import constrain
 
 
@@ -115,9 +115,9 @@ def run_experts(x_gtd: jax.Array, ids_gtk: jax.Array, weights_gtk: jax.Array, cf
     if cfg.moe_capacity_factor is None:  # dropless: each expert's rows, as many as were routed to it (or as fit
         # the ragged exchange's receiving buffer with parallel.expert_buffer_factor)
         if g > 1:
-            out, dropped = exchange_folded_dropless(rows, sizes, k, ep, experts, _exchange())
+            out, dropped = exchange_folded_dropless(rows, sizes, k, ep, experts, exchange_in_force())
         elif ep > 1:
-            out, dropped = exchange_dropless(rows[0], sizes[0], k, ep, experts, _exchange())
+            out, dropped = exchange_dropless(rows[0], sizes[0], k, ep, experts, exchange_in_force())
             out = out[None]
         else:
             out, dropped = experts(rows[0], sizes[0])[None], jnp.float32(0)

@@ -16,15 +16,15 @@ import jax
 import jax.numpy as jnp
 
 from megajax import model
-from megajax.parallel import overlap, step_plan
 from megajax.config import Config
+from megajax.parallel import overlap, step_plan
 from megajax.parallel.pipeline import layout
 from megajax.parallel.pipeline import ticks
 from megajax.parallel.pipeline.ticks import FIRST, LAST_KEEP, MID, NONE
 from megajax.parallel.sharding import vary
 
 
-def _shared(params: dict) -> dict:
+def shared_params(params: dict) -> dict:
     """The parameters every stage may use (embedding and head), marked varying over the manual axes."""
     return vary({k: val for k, val in params.items() if k != "layers"})
 
@@ -49,7 +49,7 @@ def run_slots(mcfg, w, x, side, ids, on, recompute: bool = False):
     return model.scan_layers(mcfg, body, x, (w["block"], ids, on))[0]
 
 
-class _ChunkActions:
+class ChunkActions:
     """What one rank can do with one (local chunk, micro batch) in a tick: the branches of the forward,
     recompute and backward switches, by where the chunk sits in the model (NONE / FIRST / MID / LAST)."""
 

@@ -28,9 +28,9 @@ plus one chunk's residuals. The embedding and head gradients and the loss are su
 after the scan, and the caller reduces everything over 'data' once per step (with
 overlap_grad_reduce, below, those alone).
 
-The actions are `chunks._ChunkActions`' branches (chunks.py). zero_bubble runs 1F1B's (or interleaved's) table with
+The actions are `chunks.ChunkActions`' branches (chunks.py). zero_bubble runs 1F1B's (or interleaved's) table with
 the backward split into B (the input gradient, sent at once) and W (the weight gradients, in the rank's next tick),
-with `zero_bubble._SplitChunkActions` (zero_bubble.py). Ticks are grouped into segments (filling, steady,
+with `zero_bubble.SplitChunkActions` (zero_bubble.py). Ticks are grouped into segments (filling, steady,
 cool-down); a segment's switches hold only the actions it runs.
 parallel.overlap_grad_reduce (1F1B, interleaved): each rank reduces its weight gradients over the data ranks once
 they are final (`ticks._reductions`): in runs of layers in the idle ticks after its last backward (X, after the tick's
@@ -55,15 +55,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from megajax.parallel import step_plan
 from megajax.config import Config
+from megajax.parallel import step_plan
 from megajax.parallel.pipeline import ticks
-from megajax.parallel.pipeline.chunks import _ChunkActions, _shared
-from megajax.parallel.pipeline.gpipe import _gpipe_grads
-from megajax.parallel.pipeline.ticks import ACTIONS, FIELDS, FINAL, LAST_KEEP, NONE, Segment
+from megajax.parallel.pipeline.chunks import ChunkActions, shared_params
+from megajax.parallel.pipeline.gpipe import gpipe_grads
 from megajax.parallel.pipeline.layout import local_chunks
 from megajax.parallel.pipeline.schedule import perm_pairs
-from megajax.parallel.pipeline.zero_bubble import _SplitChunkActions
+from megajax.parallel.pipeline.ticks import ACTIONS, FIELDS, FINAL, LAST_KEEP, NONE, Segment
+from megajax.parallel.pipeline.zero_bubble import SplitChunkActions
 from megajax.parallel.sharding import CollectiveOrder, micro_batches, vary
 
 
@@ -86,7 +86,7 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
     plan = step_plan.in_force()
     m = plan.micro_batches
     if plan.schedule == "gpipe":
-        return _gpipe_grads(cfg, params, batch, seed_scale)
+        return gpipe_grads(cfg, params, batch, seed_scale)
     p, v = plan.pipeline, plan.virtual_stages
     layers = vary(local_chunks(params["layers"]))  # [v, Lc, ...] (a gathered weight: its optimizer shard)
     lc = jax.tree.leaves(layers)[0].shape[1]
@@ -94,15 +94,15 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
     every = plan.shard_grads  # ZeRO-2: every backward reduce-scatters its chunk's gradients
     sched, table, kinds, segments = ticks.plan(plan.schedule, p, v, m, 0 if reductions is None else lc,
                                                lc if gathering else 0, ticks.tick_caps(plan, cfg.model), every)
-    shared = _shared(params)
+    shared = shared_params(params)
     mbs = vary(micro_batches(batch, m))
     act_shape = (batch["tokens"].shape[0] // m, batch["tokens"].shape[1], cfg.model.hidden_size)
     act_dtype = jnp.dtype(cfg.model.compute_dtype)
     if sched.split_backward:
         assert reductions is None, "zero_bubble reduces its gradients after the schedule"
-        acts = _SplitChunkActions(cfg, layers, shared, mbs, vary(seed_scale), act_shape, act_dtype)
+        acts = SplitChunkActions(cfg, layers, shared, mbs, vary(seed_scale), act_shape, act_dtype)
     else:
-        acts = _ChunkActions(cfg, layers, shared, mbs, vary(seed_scale), act_shape, act_dtype,
+        acts = ChunkActions(cfg, layers, shared, mbs, vary(seed_scale), act_shape, act_dtype,
                              None if reductions is None else reductions["block"])
         if gathering:  # the whole weights, gathered into the carry's `whole` as the plan says
             layers = acts.whole_zeros()
@@ -153,10 +153,10 @@ def _code(seg: Segment, row: dict, key: str) -> jax.Array:
     return jnp.asarray(getattr(seg, key))[row[key + "_kind"]]
 
 
-def backward(acts: _ChunkActions, seg: Segment, row: dict, scope: str, order: CollectiveOrder, res, g, g_layers,
+def backward(acts: ChunkActions, seg: Segment, row: dict, scope: str, order: CollectiveOrder, res, g, g_layers,
              g_shared, *more) -> tuple:
     """B: (gradient to send, g_layers, g_shared, *more) after the tick's backward, whatever chunk it runs, the
-    accumulators (g_layers, g_shared, and g_final or zero_bubble's dys) as `_ChunkActions.backward_branch`
+    accumulators (g_layers, g_shared, and g_final or zero_bubble's dys) as `ChunkActions.backward_branch`
     leaves them, or as they are when the tick runs none. Each group of backward kinds (`ticks.backward_groups`:
     FINAL or not) runs under its own two-way conditional, named scope_b<group>, whose first branch passes
     everything through; then the first chunk's input gradient goes into the embedding's backward, under a
@@ -183,7 +183,7 @@ def backward(acts: _ChunkActions, seg: Segment, row: dict, scope: str, order: Co
     return (jnp.where(first, jnp.zeros_like(dx), dx), g_layers, g_shared, *more)
 
 
-def _tick(acts: _ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, row: dict, parity, scope: str,
+def _tick(acts: ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, row: dict, parity, scope: str,
           order: CollectiveOrder):
     """One tick of one rank: W (zero_bubble), B, then R (it reads its stash before a forward may reuse the
     slot), then F, then the sends (see the module docstring), then X and G (an idle tick's data-parallel reduction

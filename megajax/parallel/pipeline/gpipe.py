@@ -1,5 +1,5 @@
 """GPipe and evaluation: the forward-only pipeline `_forward_rounds`, in which each local chunk's round streams
-the micro batches through the p ranks, one tick per hop. GPipe's gradients (`_gpipe_grads`, which
+the micro batches through the p ranks, one tick per hop. GPipe's gradients (`gpipe_grads`, which
 executor.pipeline_grads calls for the "gpipe" schedule) are autodiff of it, stashing every tick's residuals: memory
 grows with m, the simple baseline. Evaluation (`pipeline_loss`) runs the same rounds without gradients. Both run
 inside the train step's shard_map, like executor.pipeline_grads.
@@ -14,13 +14,13 @@ from megajax import model
 from megajax.config import Config
 from megajax.parallel import step_plan
 from megajax.parallel.pipeline import layout
-from megajax.parallel.pipeline.chunks import _shared, run_slots
+from megajax.parallel.pipeline.chunks import shared_params, run_slots
 from megajax.parallel.pipeline.layout import local_chunks
 from megajax.parallel.pipeline.schedule import perm_pairs
 from megajax.parallel.sharding import CollectiveOrder, micro_batches, vary
 
 
-def _gpipe_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array):
+def gpipe_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array):
     """GPipe: every forward (`_forward_rounds`), then autodiff runs the backward, stashing every tick's
     residuals (memory grows with m: the simple baseline)."""
     mbs = vary(micro_batches(batch, step_plan.in_force().micro_batches))
@@ -30,7 +30,7 @@ def _gpipe_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array):
         return loss * seed_scale, loss
 
     layers = vary(params["layers"])
-    shared = _shared(params)
+    shared = shared_params(params)
     (g_layers, g_shared), loss = jax.grad(loss_fn, argnums=(0, 1), has_aux=True)(layers, shared)
     grads = {k: jax.lax.psum(g, "pipeline") for k, g in g_shared.items()}
     grads["layers"] = g_layers
@@ -41,7 +41,7 @@ def pipeline_loss(cfg: Config, params: dict, batch: dict) -> jax.Array:
     """Forward only (evaluation): the summed token loss of this data rank's rows, run through the
     pipeline without gathering the layers. Inside the train step's shard_map, like `executor.pipeline_grads`."""
     layers = vary(local_chunks(params["layers"]))
-    shared = _shared(params)
+    shared = shared_params(params)
     loss = _forward_rounds(cfg, layers, shared, vary(micro_batches(batch, step_plan.in_force().micro_batches)),
                            train=False)
     return jax.lax.psum(loss, "pipeline")

@@ -16,8 +16,8 @@ import functools
 import numpy as np
 
 from megajax.config.model import ModelConfig
-from megajax.parallel.step_plan import StepPlan
 from megajax.parallel.pipeline import schedule as schedule_lib
+from megajax.parallel.step_plan import StepPlan
 
 # what an action does depends on where its chunk sits in the model: 0 none, 1 first, 2 middle, 3 last chunk;
 # 4: a forward of the last chunk that keeps its residuals for the backward of the next tick (both the forward's kind

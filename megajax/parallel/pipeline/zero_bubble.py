@@ -1,7 +1,7 @@
 """zero_bubble's split backward: 1F1B's (or interleaved's) table run with the backward split. B is the input
 gradient only (and the norms' and biases' gradients), sent at once, and W the weight gradients from each weight
 matmul's kept input and the output gradient B found for it (model.layers.weight_einsum's taps), run in the rank's
-next tick, first in it (executor._tick). `_SplitChunkActions` changes the chunk actions' (chunks.py) backward and
+next tick, first in it (executor._tick). `SplitChunkActions` changes the chunk actions' (chunks.py) backward and
 the linearization its recompute keeps, and adds W. `split_linearize`, `split_weight_grads` and `zero_taps` are
 also what scripts/bench_split_backward.py times.
 """
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from megajax import model
 from megajax.model import fp8
 from megajax.model import layers as layers_lib
-from megajax.parallel.pipeline.chunks import _ChunkActions
+from megajax.parallel.pipeline.chunks import ChunkActions
 from megajax.parallel.pipeline.ticks import NONE
 from megajax.parallel.sharding import vary, varying_axes
 
@@ -41,7 +41,7 @@ def zero_taps(mcfg, w: dict, x: jax.Array, side) -> dict:
 def split_linearize(mcfg, w: dict, x: jax.Array, taps: dict, side, ids, on):
     """The chunk's layers linearized for the split backward: (output, the pullback in (x, taps, the small
     parameters), each weight matmul's input). taps: `zero_taps`; ids, on: each slot's global layer index and
-    whether it holds a layer (`_ChunkActions.slots`: an empty slot runs nothing, its matmul inputs are zeros)."""
+    whether it holds a layer (`ChunkActions.slots`: an empty slot runs nothing, its matmul inputs are zeros)."""
     big, small = split_weights(w, taps)
 
     def run(x, taps, small):
@@ -81,7 +81,7 @@ def split_weight_grads(w: dict, inputs: dict, dys: dict, mcfg) -> dict:
     return {k: one(k, val) for k, val in big.items()}
 
 
-class _SplitChunkActions(_ChunkActions):
+class SplitChunkActions(ChunkActions):
     """zero_bubble's chunk actions: the backward is split at every weight matmul (model.layers.weight_einsum).
     The recompute linearizes the chunk in its input, the matmuls' output taps and the small parameters (norms,
     biases) and keeps each weight matmul's input; B computes the input gradient, the small parameters'
