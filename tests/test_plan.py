@@ -319,11 +319,10 @@ def test_memory_terms():
     mem = lambda **kw: cost.estimate(search_lib.configure(base, {**{  # noqa: E731
         "parallel.data": 8, "parallel.tensor": 1, "parallel.sequence_parallel": False,
         "parallel.tp_comm_overlap": False}, **kw}, 8), hw, 8).memory
-    zero0 = mem(**{"parallel.distributed_optimizer": False, "parallel.overlap_grad_reduce": False,
-                   "parallel.overlap_param_gather": False})
-    zero1 = mem(**{"parallel.distributed_optimizer": True, "parallel.overlap_param_gather": False})
-    gathered = mem(**{"parallel.distributed_optimizer": True, "parallel.overlap_grad_reduce": True,
-                      "parallel.overlap_param_gather": True})
+    shard = "parallel.data_parallel_sharding_strategy"
+    zero0 = mem(**{shard: "no_shard", "parallel.overlap_grad_reduce": False, "parallel.overlap_param_gather": False})
+    zero1 = mem(**{shard: "optim", "parallel.overlap_param_gather": False})
+    gathered = mem(**{shard: "optim", "parallel.overlap_grad_reduce": True, "parallel.overlap_param_gather": True})
     fsdp = mem(**{"parallel.data_parallel_sharding_strategy": "optim_grads_params"})
     assert zero1["optimizer"] == pytest.approx(zero0["optimizer"] / 8)
     assert fsdp["weights"] < gathered["weights"] < zero1["weights"]  # fp32 shards; with the bf16 casts whole

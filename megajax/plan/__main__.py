@@ -75,7 +75,12 @@ def _base(args) -> tuple[Config, dict, dict]:
     else:
         base = config_io.load(path, sets)
         raw = yaml.safe_load(path.read_text()) or {}
-    fixed = {k: v for k, v in config_io.parse_overrides(args.set).items() if k in KEYS}
+    given = config_io.parse_overrides(args.set)
+    for old, (new, _) in config_io.OLD_KEYS.items():  # an old key fixes what its new one says (in `base` already)
+        if old in given and new not in given:
+            section, name = new.split(".")
+            given[new] = getattr(getattr(base, section), name)
+    fixed = {k: v for k, v in given.items() if k in KEYS}
     return base, raw, fixed
 
 
