@@ -1,4 +1,4 @@
-"""Writes docs/reference/config.md, the configuration reference, from megajax/config/__init__.py and model_config.py (every
+"""Writes docs/reference/config.md, the configuration reference, from the config package (megajax/config/: every
 key, its type, its default and its meaning, as `--help` lists them).
 
     python scripts/config_reference.py           # rewrite the page
@@ -26,7 +26,7 @@ def _cell(text: str) -> str:
 def render() -> str:
     rows = config_io.keys_help()
     lines = ["# Configuration keys", "",
-             "Every key of the configuration tree (`megajax/config/__init__.py`, the model's in `megajax/config/model.py`), "
+             "Every key of the configuration tree (`megajax/config/`: a module per section), "
              "as a YAML preset spells it and as `--set section.key=value` overrides it. `python -m megajax.train "
              "--help` prints the same list. An unknown key, a wrong type or a layout that cannot run is an error that "
              "names the fix, before anything compiles.", "",

@@ -215,8 +215,8 @@ def recomputed(cfg: ModelConfig, layer, keep=None):
     under that policy where the recomputation is not full; else `layer` itself."""
     if cfg.recompute != "full" and keep is None:
         return layer
-    return jax.checkpoint(layer, prevent_cse=layers_unrolled(cfg), policy=KEEP_INPUTS if cfg.recompute == "full"
-                          else keep)
+    policy = KEEP_INPUTS if cfg.recompute == "full" else keep
+    return jax.checkpoint(layer, prevent_cse=layers_unrolled(cfg), policy=policy)
 
 
 def recomputed_module(cfg: ModelConfig, unit: type[nn.Module]) -> type[nn.Module]:

@@ -250,7 +250,8 @@ def _regathered_layers(mcfg, side, x, stack, stack_sink, stack_r):
     axes = tuple(a for a in sharding.GRAD if a in sharding.current_manual_axes())
     # FP8 recomputes the whole layer: with FP8's custom_vjp matmuls under a policy that saves anything, the step's
     # losses came out NaN (jax 0.10.2; without the checkpoint, or saving nothing, they equal one device's)
-    layer = model.recomputed(mcfg, layer, keep=model.KEEP_INPUTS if mcfg.fp8 != "none" else _leaves_gathers_out(axes))
+    keep = model.KEEP_INPUTS if mcfg.fp8 != "none" else _leaves_gathers_out(axes)
+    layer = model.recomputed(mcfg, layer, keep=keep)
     n = jax.tree.leaves(stack)[0].shape[0]
     x, _ = model.scan_layers(mcfg, lambda x, inputs: (layer(x, *inputs), None), x, (stack, stack_sink, jnp.arange(n)))
     return x
@@ -309,6 +310,7 @@ def reducing_loss(sink, cfg: Config, params, acc, reductions, mb: dict, seed_sca
     top = jax.tree.map(lambda r, w: r.gathered(w), pick(reductions), top)
     whole = dict(top)
     top = _hooked(top, pick(acc), pick(sink), pick(reductions))
+
     def run_layers(x):  # the stack, with its gathers and reductions
         x, whole["layers"] = _reducing_layers(mcfg, side, x, params, acc, sink, reductions, regather)
         return x

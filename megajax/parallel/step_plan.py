@@ -82,7 +82,8 @@ class StepPlan:
 
     @property
     def zero_stage(self) -> int:
-        """0: nothing sharded over the data ranks; 1: the optimizer state; 2: also the gradients; 3: also the weights."""
+        """0: nothing sharded over the data ranks; 1: the optimizer state; 2: also the gradients; 3: also the
+        weights."""
         return 3 if self.shard_params else 2 if self.shard_grads else 1 if self.shard_optimizer else 0
 
     @property
@@ -91,7 +92,7 @@ class StepPlan:
 
     @property
     def engine(self) -> str:
-        """The gradient engine (megajax/parallel/engines.py: ENGINES): "pipelined" (a schedule), "sharded" (ZeRO-2/3: a scan over micro
+        """The gradient engine (engines.ENGINES): "pipelined" (a schedule), "sharded" (ZeRO-2/3: a scan over micro
         batches each of whose backwards reduce-scatters its gradients layer by layer), "overlapped" (a scan over
         micro batches whose last backward issues the data-parallel reductions layer by layer) or "plain" (a scan,
         reduced after)."""

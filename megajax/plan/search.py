@@ -23,7 +23,8 @@ from megajax.plan.hardware import GIB, Hardware
 # The keys the search varies, as `--set` spells them (the written preset sets every one).
 KEYS = ("parallel.data", "parallel.pipeline", "parallel.tensor", "parallel.context", "parallel.expert",
         "parallel.schedule", "parallel.virtual_stages", "train.micro_batch_size", "model.recompute",
-        "parallel.sequence_parallel", "parallel.tp_comm_overlap", "parallel.data_parallel_sharding_strategy", "parallel.overlap_grad_reduce", "parallel.overlap_param_gather",
+        "parallel.sequence_parallel", "parallel.tp_comm_overlap", "parallel.data_parallel_sharding_strategy",
+        "parallel.overlap_grad_reduce", "parallel.overlap_param_gather",
         "parallel.decoder_first_pipeline_num_layers", "parallel.decoder_last_pipeline_num_layers",
         "parallel.account_for_embedding_in_pipeline_split", "parallel.account_for_loss_in_pipeline_split")
 EVEN = {"parallel.decoder_first_pipeline_num_layers": None, "parallel.decoder_last_pipeline_num_layers": None,
