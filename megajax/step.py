@@ -152,7 +152,8 @@ class StepSetup:
 
 def _layout_spec(plan: StepPlan, names: tuple) -> P:
     """The parameter's PartitionSpec as the model computes with it (staged layer layout under a pipeline)."""
-    return sharding.param_spec(layout.layout_names(names, plan.pipelined), plan.moe_folds > 1)
+    return sharding.param_spec(layout.layout_names(names, plan.pipelined), plan.moe_folds > 1,
+                               plan.vocab_over_pipeline)
 
 
 def _gathered(plan: StepPlan, params, zero_dims):
@@ -290,7 +291,8 @@ def load_initial_params(setup: StepSetup, directory: str):
     checkpoint.check_same_model(source.config.model, cfg.model, directory)
     canonical = model.abstract_params(cfg.model)
     target = jax.tree.map(lambda names, a: jax.ShapeDtypeStruct(
-        a.shape, a.dtype, sharding=NamedSharding(mesh, sharding.param_spec(names, setup.plan.moe_folds > 1))),
+        a.shape, a.dtype, sharding=NamedSharding(mesh, sharding.param_spec(names, setup.plan.moe_folds > 1,
+                                                          setup.plan.vocab_over_pipeline))),
         setup.logical, canonical, is_leaf=lambda x: isinstance(x, tuple))
     return checkpoint.load_params(source, target)
 

@@ -137,7 +137,8 @@ def zeros(d: int, p: int, schedule: str) -> tuple[int, ...]:
     return (0, 1, 2, 3) if p == 1 else (0, 1, 2) if schedule in ("1f1b", "interleaved") else (0, 1)
 
 
-def case(arch, d, p, t, sp, zero, schedule, v, ep=0, ring=False, overlap=0, fold=0, ragged=False, split=None) -> dict:
+def case(arch, d, p, t, sp, zero, schedule, v, ep=0, ring=False, overlap=0, fold=0, ragged=False, split=None,
+         vocab=True) -> dict:
     # p micro batches through a pipeline (the fewest every schedule takes); without one, 2 or 3 per data
     # rank, so gradient accumulation runs on every layout too. MoE: micro batches of MOE_MICRO_BATCH where the
     # layout's data and pipeline allow it (one reference for them: the balancing loss is per micro batch)
@@ -152,7 +153,9 @@ def case(arch, d, p, t, sp, zero, schedule, v, ep=0, ring=False, overlap=0, fold
         "parallel.sequence_parallel": sp, "parallel.data_parallel_sharding_strategy": STRATEGIES[zero],
         "parallel.tp_comm_overlap": ring,
         "parallel.overlap_grad_reduce": overlap > 0, "parallel.overlap_param_gather": overlap == 2,
-        "parallel.schedule": schedule, "parallel.virtual_stages": v}}
+        "parallel.schedule": schedule, "parallel.virtual_stages": v,
+        # a pipeline's embedding and output layer over its ranks (the default), or whole on every rank
+        "parallel.vocab_over_pipeline": vocab if p > 1 else None}}
 
 
 def overlaps(d: int, p: int, schedule: str, zero: int) -> tuple[int, ...]:
@@ -174,8 +177,10 @@ def space() -> list[dict]:
                 continue
             for ring, overlap, fold in itertools.product((False, True) if sp else (False,),
                                                          overlaps(d, p, schedule, zero), folds(ep, t, sp)):
-                for ragged, split in itertools.product(exchanges(ep, fold, ring), splits(arch, p, v, ep)):
-                    out.append(case(arch, d, p, t, sp, zero, schedule, v, ep, ring, overlap, fold, ragged, split))
+                for ragged, split, vocab in itertools.product(exchanges(ep, fold, ring), splits(arch, p, v, ep),
+                                                              (True, False) if p > 1 else (True,)):
+                    out.append(case(arch, d, p, t, sp, zero, schedule, v, ep, ring, overlap, fold, ragged, split,
+                                    vocab))
     return out
 
 
@@ -189,10 +194,10 @@ def space() -> list[dict]:
 # interleaved pipeline, and folded over 'tensor' alone on a 1F1B pipeline (its counts' cumulative sums once
 # deadlocked there).
 DEFAULT_MOE = {(1, 2, 2): 1, (2, 1, 2): 2, (4, 2, 1): 2}
-# and their models: Mixtral's llama MoE (suite time: DeepSeek's latent attention on an MoE pipeline compiled for
-# 35 s more, and -m slow runs it; the default run has DeepSeek's attention on dense layouts and its routing in
-# test_moe)
-DEFAULT_MOE_ARCH = {(1, 2, 2): "llama", (2, 1, 2): "llama", (4, 2, 1): "llama"}
+# and their models: Mixtral's llama MoE, and DeepSeek's on the interleaved pipeline (its dense first layer on the first
+# stage, with the vocabulary over the pipeline; suite time: its latent attention compiles for 35 s more there, so the
+# others run with -m slow)
+DEFAULT_MOE_ARCH = {(1, 2, 2): "llama", (2, 1, 2): "llama", (4, 2, 1): "deepseek"}
 # (sequence parallelism, its rings) where the rotation below would not give expert parallelism sequence parallelism
 DEFAULT_SP = {(2, 1, 2): (True, False)}
 DEFAULT_RAGGED = {(1, 2, 2), (2, 1, 2), (4, 2, 1)}
@@ -216,6 +221,9 @@ DEFAULT_SPLIT = {(2, 2, 2): 1, (3, 2, 1): 1, (2, 3, 1): 1, (1, 4, 1): 1}
 # parallelism (data 1 with a pipeline and tensor: p 2 x t 2 and t 4), ZeRO-1 on GPipe (and on d 2 x p 2 x t 2), and
 # GPipe over 3 stages with the collective matmuls (GPipe with them: p 2 x t 4 and d 2 x p 2 x t 2), and 8 stages
 # (the most the default run pipelines is 6; test_schedule builds and checks every schedule at p 8).
+# Pipelines whose embedding and output layer stay whole on every rank (parallel.vocab_over_pipeline=false; the rest
+# spread them over the ranks, DeepSeek's with its dense first layer, GPT-2's tied table, every schedule).
+DEFAULT_WHOLE_VOCAB = {(2, 2, 2), (1, 2, 2)}
 SLOW_TRIPLES = {(1, 1, 2), (1, 2, 1), (1, 2, 3), (1, 4, 2), (2, 2, 1), (1, 3, 2), (1, 8, 1)}
 
 
@@ -238,7 +246,8 @@ def default_cases() -> list[dict]:
         split = options[DEFAULT_SPLIT.get((d, p, t), 0)] if len(options) > 1 else {}
         out.append(case(arch, d, p, t, sp, zero, schedule, v, ep, ring=ring,
                         overlap=0 if i % 3 == 2 or len(levels) == 1 else levels[1 + (i // 7) % (len(levels) - 1)],
-                        fold=folds(ep, t, sp)[:2][-1], ragged=(d, p, t) in DEFAULT_RAGGED, split=split))
+                        fold=folds(ep, t, sp)[:2][-1], ragged=(d, p, t) in DEFAULT_RAGGED, split=split,
+                        vocab=(d, p, t) not in DEFAULT_WHOLE_VOCAB))
     return [c for c in out if triple(c) not in SLOW_TRIPLES]
 
 
@@ -265,6 +274,7 @@ def name(c: dict) -> str:
                                                      ("last", "parallel.decoder_last_pipeline_num_layers")) if k in s)
             + ("-embed" if s.get("parallel.account_for_embedding_in_pipeline_split") else "")
             + ("-loss" if s.get("parallel.account_for_loss_in_pipeline_split") else "")
+            + ("-whole" if s.get("parallel.vocab_over_pipeline") is False else "")
             + (f"-{s['parallel.schedule']}v{s['parallel.virtual_stages']}" if p > 1 else ""))
 
 
@@ -315,6 +325,11 @@ def test_the_space_is_accepted():
     assert set(zero_overlapped) == {(False, False), (False, True), (True, False), (True, True)}, \
         "the distributed optimizer's shards gathered under the forward and not, with and without a pipeline"
     assert {c["sets"]["parallel.schedule"] for c in DEFAULT} == {"gpipe", "1f1b", "interleaved", "zero_bubble"}
+    spread = [c for c in DEFAULT if c["sets"]["parallel.vocab_over_pipeline"]]
+    assert {c["sets"]["parallel.schedule"] for c in spread} == {"gpipe", "1f1b", "interleaved", "zero_bubble"}
+    assert {c["arch"] for c in spread} == set(ARCHS), "the vocabulary over the pipeline, tied and with dense layers"
+    assert any(c["moe"] and c["arch"] == "deepseek" for c in spread), "... with DeepSeek's dense first layer"
+    assert any(c["sets"]["parallel.vocab_over_pipeline"] is False for c in DEFAULT), "and whole on every rank"
     assert {c["arch"] for c in DEFAULT} == set(ARCHS)
     moe = [c["sets"] for c in DEFAULT if c["moe"]]
     ep = lambda s: s["parallel.expert"]  # noqa: E731

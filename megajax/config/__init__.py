@@ -85,6 +85,13 @@ class Config:
             f"set model.make_vocab_size_divisible_by to a multiple of {p.tensor}",
         )
         check(
+            not p.vocab_over_pipeline or m.padded_vocab_size % (p.pipeline * p.tensor) == 0,
+            f"parallel.vocab_over_pipeline=true splits the padded vocabulary {m.padded_vocab_size} over parallel."
+            f"pipeline x parallel.tensor = {p.pipeline * p.tensor} ranks, which does not divide it: set "
+            f"model.make_vocab_size_divisible_by to a multiple of {p.pipeline * p.tensor} (or "
+            f"parallel.vocab_over_pipeline=null)",
+        )
+        check(
             not p.sequence_parallel or m.seq_length % p.tensor == 0,
             f"sequence parallelism shards model.seq_length={m.seq_length} over parallel.tensor={p.tensor}: "
             "make the sequence length a multiple of the tensor size",

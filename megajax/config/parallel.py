@@ -93,6 +93,15 @@ class ParallelConfig:
     # (Megatron's --tp-comm-overlap; megajax/model/collective_matmul.py); with a pipeline as chunked all-gathers
     # and reduce-scatters (a ppermute inside the schedule's per-rank branches deadlocks). Needs sequence_parallel.
     tp_comm_overlap: bool = False
+    # Under a pipeline, where the embedding and the output layer live: true = each pipeline rank holds a slice of the
+    # vocabulary (vocab-parallel over pipeline x tensor), and every rank looks up the first stage's tokens and
+    # computes the last stage's logits and loss on its slice in lock step (megajax/parallel/pipeline/vocab.py): no
+    # rank holds what only the first or the last stage reads, and the last stage's head work is spread over the
+    # ranks, for two all-reduces of a micro batch's activations over the pipeline ranks at each end; false = every
+    # rank holds the whole (tensor-sharded) embedding and output layer, the first stage embeds, the last computes
+    # the loss. null: true where the padded vocabulary divides over pipeline x tensor (docs/features/
+    # pipeline-schedules.md).
+    vocab_over_pipeline: bool | None = None
 
     def __post_init__(self):
         self._check_mesh()
@@ -178,6 +187,9 @@ class ParallelConfig:
                      or self.decoder_last_pipeline_num_layers is not None)),
               "parallel.account_for_*_in_pipeline_split and parallel.decoder_first/last_pipeline_num_layers both "
               "decide the stages' layers (as in Megatron): set one or the other")
+        check(not self.vocab_over_pipeline or self.pipeline > 1,
+              "parallel.vocab_over_pipeline=true spreads the embedding and the output layer over the pipeline ranks: "
+              "it needs parallel.pipeline > 1 (or set it to null)")
         check(
             self.virtual_stages == 1 or self.schedule in ("interleaved", "zero_bubble"),
             f"parallel.virtual_stages={self.virtual_stages} needs parallel.schedule=interleaved (or zero_bubble)",

@@ -160,7 +160,7 @@ class Head(nn.Module):
         return constrain(logits.astype(jnp.float32), ("batch", None, "vocab"))
 
 
-def cross_entropy(logits_bsv: jax.Array, targets_bs: jax.Array, vocab_size: int) -> jax.Array:
+def cross_entropy(logits_bsv: jax.Array, targets_bs: jax.Array, vocab_size: int, shard=None) -> jax.Array:
     """Per-token loss [b, s] from vocab-sharded logits, without gathering them (Megatron's
     vocab-parallel cross entropy: a max, a sum of exponentials and the target logit, each reduced over
     the vocab shards). Padded vocabulary entries are masked out of the softmax.
@@ -169,8 +169,19 @@ def cross_entropy(logits_bsv: jax.Array, targets_bs: jax.Array, vocab_size: int)
     vocabulary entry, which XLA's GPU compiler fuses into the softmax's passes; on a CPU that pass costs as much as
     a layer's matmul, so there, without tensor parallelism (the step plan's: a gather along a sharded vocabulary
     would make GSPMD gather the logits), it is gathered instead. (On the H100 target the gather's backward held
-    0.76 GiB more for gpt2-124m.)"""
+    0.76 GiB more for gpt2-124m.)
+
+    shard: (the index of the first vocabulary entry of these logits, (pmax, psum)) where the logits are one rank's
+    slice of the vocabulary and the reductions over the slices are collectives (the pipeline's ranks sharing the
+    vocabulary: megajax/parallel/pipeline/vocab.py); None: the logits cover it all."""
     ids = jax.lax.broadcasted_iota(jnp.int32, logits_bsv.shape, 2)
+    if shard is not None:
+        first, (pmax, psum) = shard
+        ids = ids + first
+        logits = jnp.where(ids < vocab_size, logits_bsv, -jnp.inf)
+        top = pmax(jax.lax.stop_gradient(jnp.max(logits, axis=-1)))
+        lse = top + jnp.log(psum(jnp.sum(jnp.exp(logits - top[..., None]), axis=-1)))
+        return lse - psum(jnp.sum(jnp.where(ids == targets_bs[..., None], logits, 0.0), axis=-1))
     logits = logits_bsv if logits_bsv.shape[-1] == vocab_size else jnp.where(ids < vocab_size, logits_bsv, -jnp.inf)
     lse = jax.nn.logsumexp(logits, axis=-1)
 
@@ -226,10 +237,20 @@ def logical_axes(boxed_params) -> dict:
 
 def embed_apply(cfg: ModelConfig, params: dict, tokens_bs: jax.Array, side: Side | None) -> jax.Array:
     """The embedding, and the first dense layers of a model with model.moe_first_dense_layers: [b, s] -> [b, s, d]."""
-    x = Embed(cfg).apply({"params": params["embed"]}, tokens_bs, side)
-    if cfg.first_dense_layers:
-        x = Blocks(cfg, period=False).apply({"params": params["first_dense"]}, x, 0, side)[0]
-    return x
+    return first_dense_apply(cfg, params, embed_tokens(cfg, params, tokens_bs, side), side)
+
+
+def embed_tokens(cfg: ModelConfig, params: dict, tokens_bs: jax.Array, side: Side | None, lookup=None) -> jax.Array:
+    """The embedding alone: [b, s] -> [b, s, d]; lookup: `layers.Embed`'s (a table holding a slice of the
+    vocabulary)."""
+    return Embed(cfg).apply({"params": params["embed"]}, tokens_bs, side, lookup=lookup)
+
+
+def first_dense_apply(cfg: ModelConfig, params: dict, x_bsd: jax.Array, side: Side | None) -> jax.Array:
+    """The first dense layers of a model with model.moe_first_dense_layers (else x as it is)."""
+    if not cfg.first_dense_layers:
+        return x_bsd
+    return Blocks(cfg, period=False).apply({"params": params["first_dense"]}, x_bsd, 0, side)[0]
 
 
 def layers_apply(cfg: ModelConfig, stack_params: dict, x_bsd: jax.Array, side: Side | None,
@@ -267,11 +288,14 @@ def block_tap_shapes(cfg: ModelConfig, layer_params: dict, x_bsd: jax.Array, sid
 
 
 def head_apply(cfg: ModelConfig, params: dict, x_bsd: jax.Array, targets_bs: jax.Array,
-               mask_bs: jax.Array) -> jax.Array:
-    """Sum of the masked token losses (fp32 scalar)."""
+               mask_bs: jax.Array, shard=None) -> jax.Array:
+    """Sum of the masked token losses (fp32 scalar). shard: (`cross_entropy`'s shard, the whole vocabulary's size)
+    where the output layer (or the tied embedding) in `params` holds a slice of the vocabulary (and `cfg` is that
+    slice's)."""
     table = params["embed"]["embedding"] if cfg.tied else None
     logits = Head(cfg).apply({"params": params["head"]}, x_bsd, table)
-    losses = cross_entropy(logits, targets_bs, cfg.vocab_size)
+    vocab = cfg.vocab_size if shard is None else shard[2]
+    losses = cross_entropy(logits, targets_bs, vocab, None if shard is None else shard[:2])
     return jnp.sum(losses * mask_bs)
 
 

@@ -270,14 +270,17 @@ class Embed(nn.Module):
             self.position_embedding = param(self, "position_embedding", (cfg.seq_length, cfg.hidden_size),
                                              (None, "embed"), cfg.init_std, pdt)
 
-    def __call__(self, tokens_bs: jax.Array, side: Side | None, offset: jax.Array | int = 0) -> jax.Array:
-        """tokens [b, s] at positions offset .. offset + s - 1 (or side.positions) -> [b, s, d]."""
+    def __call__(self, tokens_bs: jax.Array, side: Side | None, offset: jax.Array | int = 0,
+                 lookup=None) -> jax.Array:
+        """tokens [b, s] at positions offset .. offset + s - 1 (or side.positions) -> [b, s, d]. lookup(table,
+        tokens): the token rows of a table that holds a slice of the vocabulary (the pipeline's, when its ranks
+        share the vocabulary: megajax/parallel/pipeline/vocab.py); None: jnp.take."""
         side = NO_SIDE if side is None else side
         cfg = self.cfg
         cdt = jnp.dtype(cfg.compute_dtype)
         # With the table sharded over 'vocab', XLA looks up locally with out-of-range ids masked and
         # all-reduces over 'tensor': Megatron's VocabParallelEmbedding.
-        x = jnp.take(self.embedding.astype(cdt), tokens_bs, axis=0)
+        x = (lookup or functools.partial(jnp.take, axis=0))(self.embedding.astype(cdt), tokens_bs)
         if recipe(cfg).learned_positions:
             at = token_positions(side, tokens_bs.shape[1], offset)
             x = x + jnp.take(self.position_embedding, at, axis=0).astype(cdt)

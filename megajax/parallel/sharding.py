@@ -45,6 +45,7 @@ PARAM_RULES: dict[str, Axis] = {
     "chunk": None,  # the staged pipeline layout [chunk, stage, layers, ...] (megajax.parallel.pipeline.layout)
     "stage": "pipeline",
 }
+VOCAB_OVER_PIPELINE = ("pipeline", "tensor")  # the vocabulary's ranks with StepPlan.vocab_over_pipeline
 FOLDED = ("expert", "tensor")  # the experts' ranks with parallel.expert_tensor=1 (Megatron's MoE parallel folding)
 
 
@@ -112,10 +113,16 @@ def spec_for(names: Sequence[str | None], rules: dict[str, Axis]) -> P:
     return P(*out)
 
 
-def param_spec(names: Sequence[str | None], folded_experts: bool = False) -> P:
+def param_spec(names: Sequence[str | None], folded_experts: bool = False, vocab_over_pipeline: bool = False) -> P:
     """A parameter's PartitionSpec. With folded_experts (parallel.expert_tensor=1) the experts are spread over
-    'expert' x 'tensor' and each one stays whole (its 'mlp' dim falls back to None: 'tensor' is taken)."""
-    return spec_for(names, {**PARAM_RULES, "expert": FOLDED} if folded_experts else PARAM_RULES)
+    'expert' x 'tensor' and each one stays whole (its 'mlp' dim falls back to None: 'tensor' is taken). With
+    vocab_over_pipeline (StepPlan's) the vocabulary is split over 'pipeline' x 'tensor' (pipeline/vocab.py)."""
+    rules = dict(PARAM_RULES)
+    if folded_experts:
+        rules["expert"] = FOLDED
+    if vocab_over_pipeline:
+        rules["vocab"] = VOCAB_OVER_PIPELINE
+    return spec_for(names, rules)
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:

@@ -14,6 +14,7 @@ What the plan holds, and who reads it:
 | data, expert, pipeline, context, tensor | the mesh's sizes | everything below |
 | manual | the axes the step's shard_map region makes manual (each of MANUAL with more than one device) | step, sharding |
 | pipelined, engine, schedule, virtual_stages, micro_batches, stage_split | the gradient engine: a schedule, or a scan over micro batches; the layers of each pipeline chunk | engines, executor, gpipe, ticks |
+| vocab_over_pipeline | the embedding and output layer split over the pipeline ranks, run in lock step | sharding, pipeline |
 | sequence_parallel | the residual stream sharded over 'tensor' (the activation rules) | sharding.constrain |
 | context_comm | how attention's keys and values cross the context ranks: ring or all_gather | model/context.py |
 | tp_overlap | sequence parallelism's collectives as rings ("ring"), chunks ("chunks", in a pipeline) or plain (None) | model/collective_matmul.py |
@@ -59,6 +60,7 @@ class StepPlan:
     virtual_stages: int = 1
     micro_batches: int = 1
     stage_split: StageSplit | None = None  # the layers of each pipeline chunk (config.pipeline_split)
+    vocab_over_pipeline: bool = False  # the embedding and output layer vocab-parallel over pipeline x tensor
     sequence_parallel: bool = False
     context_comm: str = "ring"  # "ring" or "all_gather" (parallel.context_comm's auto resolved)
     tp_overlap: str | None = None  # "ring", "chunks" or None
@@ -119,7 +121,8 @@ class StepPlan:
             data=shape["data"], expert=shape["expert"], pipeline=shape["pipeline"], context=shape["context"],
             tensor=shape["tensor"], manual=tuple(a for a in MANUAL if shape[a] > 1), schedule=par.schedule,
             virtual_stages=par.virtual_stages, micro_batches=cfg.num_micro_batches, stage_split=cfg.stage_split,
-            sequence_parallel=par.sequence_parallel, context_comm=comm,
+            vocab_over_pipeline=_vocab_over_pipeline(cfg), sequence_parallel=par.sequence_parallel,
+            context_comm=comm,
             # a ppermute inside the pipeline's per-rank branches deadlocks: chunked collectives there
             tp_overlap=("chunks" if pipelined else "ring") if par.tp_comm_overlap and shape["tensor"] > 1 else None,
             moe_folds=shape["tensor"] if par.folded_experts else 1, moe_ragged=par.expert_all_to_all == "ragged",
@@ -145,6 +148,15 @@ class StepPlan:
                   or self.reduce_in_backward or self.gather_in_forward or self.shard_grads)
         reduction_beside = self.data > 1 and self.micro_batches == 1
         return self.platform not in (None, "cpu") and not inside and not reduction_beside
+
+
+def _vocab_over_pipeline(cfg: Config) -> bool:
+    """parallel.vocab_over_pipeline, null resolved: under a pipeline, wherever the padded vocabulary divides over
+    pipeline x tensor (Config has checked it does where the key is true)."""
+    par = cfg.parallel
+    if par.vocab_over_pipeline is not None:
+        return par.vocab_over_pipeline
+    return par.pipeline > 1 and cfg.model.padded_vocab_size % (par.pipeline * par.tensor) == 0
 
 
 _PLAN: contextvars.ContextVar[StepPlan | None] = contextvars.ContextVar("megajax_step_plan", default=None)

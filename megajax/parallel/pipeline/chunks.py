@@ -19,7 +19,7 @@ from megajax import model
 from megajax.config import Config
 from megajax.parallel import overlap, step_plan
 from megajax.parallel.pipeline import layout
-from megajax.parallel.pipeline import ticks
+from megajax.parallel.pipeline import ticks, vocab
 from megajax.parallel.pipeline.ticks import FIRST, LAST_KEEP, MID, NONE
 from megajax.parallel.sharding import vary
 
@@ -68,6 +68,7 @@ class ChunkActions:
         self.reductions = None if reductions is None else jax.tree.map(lambda r: r.per_layer(staged), reductions)
         self.run_reductions = None if reductions is None else jax.tree.map(lambda r: r.per_layer(staged - 1),
                                                                            reductions)
+        self.vocab = plan.vocab_over_pipeline  # the embedding and head in lock step over the ranks (vocab.py)
         self.shards = layers  # parallel.overlap_param_gather: where the gathers read (self.layers: the whole weights)
         self._res_tree = None
         self._res_tree_final = None  # the same residuals, unflattened into the backward that reduces
@@ -217,7 +218,9 @@ class ChunkActions:
                 return (*vary((zeros, x, zeros)), *whole)
             (w, at), (mb, side) = self.chunk(row, "f_"), self.micro(row, "f_")
             position = kind & ~ticks.GATHER
-            if position == FIRST:
+            if position == FIRST and self.vocab:  # x: the rows every rank looked up (executor._tick)
+                x = vocab.first_input(self.mcfg, self.shared, x, mb["tokens"], side).astype(x.dtype)
+            elif position == FIRST:
                 x = model.embed_apply(self.mcfg, self.shared, mb["tokens"], side).astype(x.dtype)
             if kind & ticks.GATHER:
                 assert position in (FIRST, MID), "a rank with the last chunk gathers in idle ticks"
@@ -236,10 +239,15 @@ class ChunkActions:
 
     def head_branch(self, y, g_shared, row):
         """(loss, its gradient in y, g_shared plus the head's gradients) of the last chunk's output y on micro
-        batch row["f_micro"]."""
+        batch row["f_micro"]. With the vocabulary over the pipeline (vocab.py), every rank runs it in lock step
+        on the last rank's y and row, each on its slice: the loss and y's gradient are the last rank's."""
         mb, _ = self.micro(row, "f_")
-        loss, pullback = jax.vjp(lambda sh, y: model.head_apply(self.mcfg, sh, y, mb["targets"], mb["loss_mask"]),
-                                 self.shared, y)
+        if self.vocab:
+            head = lambda sh, y: vocab.head_loss(self.mcfg, sh, y, mb)  # noqa: E731
+            y = vocab.broadcast(y, step_plan.in_force().pipeline - 1)
+        else:
+            head = lambda sh, y: model.head_apply(self.mcfg, sh, y, mb["targets"], mb["loss_mask"])  # noqa: E731
+        loss, pullback = jax.vjp(head, self.shared, y)
         dsh, g_y = pullback(self.seed_scale)
         return vary((loss, g_y.astype(y.dtype), jax.tree.map(lambda a, d: a + d.astype(jnp.float32), g_shared, dsh)))
 
@@ -332,9 +340,32 @@ class ChunkActions:
 
         return run
 
-    def embedding_backward(self, dx, row, g_shared):
-        """g_shared plus the embedding's gradients from the first chunk's input gradient dx."""
+    def embedding_backward(self, dx, row, g_shared, token_rows=None):
+        """g_shared plus the embedding's gradients from the first chunk's input gradient dx. With the vocabulary
+        over the pipeline: (g_shared plus the gradients of the positions and the first dense layers, the gradient
+        of the looked-up rows `token_rows`), which every rank then scatters into its slice (`table_backward`)."""
         mb, side = self.micro(row, "b_")
-        _, vjp = jax.vjp(lambda sh: model.embed_apply(self.mcfg, sh, mb["tokens"], side), self.shared)
-        (dsh,) = vjp(dx)
-        return jax.tree.map(lambda a, d: a + d.astype(jnp.float32), g_shared, dsh)
+        if not self.vocab:
+            _, vjp = jax.vjp(lambda sh: model.embed_apply(self.mcfg, sh, mb["tokens"], side), self.shared)
+            (dsh,) = vjp(dx)
+            return jax.tree.map(lambda a, d: a + d.astype(jnp.float32), g_shared, dsh)
+        _, vjp = jax.vjp(lambda sh, r: vocab.first_input(self.mcfg, sh, r, mb["tokens"], side), self.shared,
+                         token_rows)
+        dsh, d_rows = vjp(dx)
+        return jax.tree.map(lambda a, d: a + d.astype(jnp.float32), g_shared, dsh), d_rows.astype(dx.dtype)
+
+    def looked_up(self, row, prefix):
+        """The rows of micro batch row[prefix + "micro"]'s tokens, looked up by every rank in its slice (vocab.py)."""
+        mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, row[prefix + "micro"], keepdims=False),
+                          self.mbs)
+        return vocab.rows(self.mcfg, self.shared, mb["tokens"]).astype(self.act_dtype)
+
+    def table_backward(self, d_rows, row, g_shared):
+        """g_shared plus this rank's slice of the embedding's gradient, from the first rank's gradient of the rows
+        of micro batch row["b_micro"] (every rank's row is the first rank's: vocab.py)."""
+        mb, _ = self.micro(row, "b_")
+        d_rows = vocab.broadcast(d_rows, 0)
+        table = self.shared["embed"]["embedding"]
+        g = dict(g_shared, embed=dict(g_shared["embed"]))
+        g["embed"]["embedding"] = g["embed"]["embedding"] + vocab.lookup_grad(table, mb["tokens"], d_rows)
+        return vary(g)

@@ -57,7 +57,7 @@ import numpy as np
 
 from megajax.config import Config
 from megajax.parallel import step_plan
-from megajax.parallel.pipeline import ticks
+from megajax.parallel.pipeline import ticks, vocab
 from megajax.parallel.pipeline.chunks import ChunkActions, shared_params
 from megajax.parallel.pipeline.gpipe import gpipe_grads
 from megajax.parallel.pipeline.layout import local_chunks
@@ -140,7 +140,7 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
         else:
             carry, _ = jax.lax.scan(lambda carry, row, tick=tick, i=i: (
                 tick(carry, row, None, ticks.scope(i, 0), CollectiveOrder()), None), carry, xs)
-    grads = {k: jax.lax.psum(g, "pipeline") for k, g in carry["g_shared"].items()}
+    grads = vocab.sum_shared(carry["g_shared"], plan.vocab_over_pipeline)
     if reductions is None:
         grads["layers"] = jax.tree.map(lambda g: g[:, None], carry["g_layers"])
     else:
@@ -154,13 +154,16 @@ def _code(seg: Segment, row: dict, key: str) -> jax.Array:
 
 
 def backward(acts: ChunkActions, seg: Segment, row: dict, scope: str, order: CollectiveOrder, res, g, g_layers,
-             g_shared, *more) -> tuple:
+             g_shared, *more, first_row=None) -> tuple:
     """B: (gradient to send, g_layers, g_shared, *more) after the tick's backward, whatever chunk it runs, the
     accumulators (g_layers, g_shared, and g_final or zero_bubble's dys) as `ChunkActions.backward_branch`
     leaves them, or as they are when the tick runs none. Each group of backward kinds (`ticks.backward_groups`:
     FINAL or not) runs under its own two-way conditional, named scope_b<group>, whose first branch passes
     everything through; then the first chunk's input gradient goes into the embedding's backward, under a
-    two-way conditional of its own (scope_e1), instead of to the rank before.
+    two-way conditional of its own (scope_e1), instead of to the rank before. With the vocabulary over the
+    pipeline (vocab.py) every rank then adds its slice of the table's gradient, under a conditional taken by every
+    rank alike (rank 0's row, `first_row`: scope_e2); with first dense layers, whose backward needs the rows, every
+    rank looks them up again first (scope_e0).
 
     Why not one switch over the kinds: XLA's copy insertion copies a buffer that a conditional of more than two
     branches updates in place in some branches and passes through in others (the fp32 gradient accumulators,
@@ -176,9 +179,21 @@ def backward(acts: ChunkActions, seg: Segment, row: dict, scope: str, order: Col
             out = order.cond(ticks.in_backward_group(code, final), run, lambda out: out, out)
     dx, g_layers, g_shared, *more = out
     first = ticks.first_backward(code)
-    if any(ticks.first_backward(k) for k in seg.b):
+    if any(ticks.first_backward(k) for k in seg.b) and not acts.vocab:
         with jax.named_scope(f"{scope}_e1"):
             g_shared = order.cond(first, lambda gs: vary(acts.embedding_backward(dx, row, gs)), lambda gs: gs,
+                                  g_shared)
+    elif any(ticks.first_backward(k) for k in seg.b):
+        on = ticks.first_backward(_code(seg, first_row, "b"))  # (the same on every rank)
+        token_rows = jnp.zeros_like(dx)
+        if acts.mcfg.first_dense_layers:
+            with jax.named_scope(f"{scope}_e0"):
+                token_rows = order.cond(on, lambda: acts.looked_up(first_row, "b_"), lambda: vary(token_rows))
+        with jax.named_scope(f"{scope}_e1"):
+            g_shared, d_rows = order.cond(first, lambda gs: vary(acts.embedding_backward(dx, row, gs, token_rows)),
+                                          lambda gs: vary((gs, jnp.zeros_like(dx))), g_shared)
+        with jax.named_scope(f"{scope}_e2"):
+            g_shared = order.cond(on, lambda gs: acts.table_backward(d_rows, first_row, gs), lambda gs: gs,
                                   g_shared)
     return (jnp.where(first, jnp.zeros_like(dx), dx), g_layers, g_shared, *more)
 
@@ -188,7 +203,9 @@ def _tick(acts: ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, r
     """One tick of one rank: W (zero_bubble), B, then R (it reads its stash before a forward may reuse the
     slot), then F, then the sends (see the module docstring), then X and G (an idle tick's data-parallel reduction
     or weight gather); each switch under the name scope_<action>, each conditional and send in `order`."""
-    row = {k: jnp.clip(val[rank], 0, None) for k, val in row.items()}
+    row_of = lambda r: {k: jnp.clip(val[r], 0, None) for k, val in row.items()}  # noqa: E731  (rank r's)
+    first_row, last_row = row_of(0), row_of(p - 1)  # (what every rank runs in lock step: vocab.py)
+    row = row_of(rank)
     named = lambda key: jax.named_scope(f"{scope}_{key}")  # noqa: E731
     if "whole" in carry:  # the weights gathered so far (parallel.overlap_param_gather): what the actions read
         acts.layers = carry["whole"]
@@ -201,7 +218,7 @@ def _tick(acts: ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, r
                                              carry["dys"], carry["g_layers"], row)
     extra = "dys" if split else "g_final" if "g_final" in carry else None
     b_out = backward(acts, seg, row, scope, order, carry["res"], carry["grad"][row["b_grad_slot"]],
-                     carry["g_layers"], carry["g_shared"], *((carry[extra],) if extra else ()))
+                     carry["g_layers"], carry["g_shared"], *((carry[extra],) if extra else ()), first_row=first_row)
     send_grad, carry["g_layers"], carry["g_shared"] = b_out[:3]
     if extra:
         carry[extra] = b_out[3]
@@ -218,9 +235,15 @@ def _tick(acts: ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, r
         carry["res"], y_kept = order.switch(row["r_kind"], [acts.recompute_branch(k, split) for k in seg.r],
                                             carry["act"][slot], *((carry["res"],) if split else ()), row)
     gathering = any(k & ticks.GATHER for k in seg.f)  # (a forward that gathers its chunk's weights)
+    x = carry["act"][row["f_slot"]]
+    if acts.vocab and any(ticks.embeds(k) for k in seg.f):  # every rank looks up rank 0's tokens (vocab.py)
+        on = ticks.embeds(_code(seg, first_row, "f"))
+        with named("e"):
+            token_rows = order.cond(on, lambda: acts.looked_up(first_row, "f_"), lambda: vary(jnp.zeros_like(x)))
+        x = jnp.where(on & (rank == 0), token_rows, x)
     with named("f"):
         send_act, stash, y_last, *whole = order.switch(
-            row["f_kind"], [acts.forward_branch(k) for k in seg.f], carry["act"][row["f_slot"]],
+            row["f_kind"], [acts.forward_branch(k) for k in seg.f], x,
             *((carry["whole"],) if gathering else ()), row)
     if gathering:
         carry["whole"] = whole[0]
@@ -228,10 +251,15 @@ def _tick(acts: ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, r
     if any(ticks.runs_head(k) for k in seg.f):
         f_code = _code(seg, row, "f")
         y = jnp.where(f_code == LAST_KEEP, y_kept, y_last) if LAST_KEEP in seg.f else y_last
+        # (with the vocabulary over the pipeline, every rank runs rank p - 1's head: vocab.py)
+        runs, head_row = (ticks.runs_head(_code(seg, last_row, "f")), last_row) if acts.vocab else (
+            ticks.runs_head(f_code), row)
         with jax.named_scope(f"{scope}_h1"):  # (zeros made in the first branch: XLA packed the 8B rows better)
             loss, g_self, carry["g_shared"] = order.cond(
-                ticks.runs_head(f_code), lambda gs: acts.head_branch(y, gs, row),
+                runs, lambda gs: acts.head_branch(y, gs, head_row),
                 lambda gs: vary((jnp.zeros((), jnp.float32), jnp.zeros_like(y), gs)), carry["g_shared"])
+        if acts.vocab:  # (y's gradient is every rank's; the last rank's backward reads it)
+            g_self = jnp.where(rank == p - 1, g_self, jnp.zeros_like(g_self))
         carry["loss"] = carry["loss"] + loss
     carry["act"] = carry["act"].at[row["f_slot"]].set(stash)  # (the trash slot when no forward)
     carry["grad"] = carry["grad"].at[row["f_grad_slot"]].set(g_self)

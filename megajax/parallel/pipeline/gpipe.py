@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from megajax import model
 from megajax.config import Config
 from megajax.parallel import step_plan
-from megajax.parallel.pipeline import layout
+from megajax.parallel.pipeline import layout, vocab
 from megajax.parallel.pipeline.chunks import shared_params, run_slots
 from megajax.parallel.pipeline.layout import local_chunks
 from megajax.parallel.pipeline.schedule import perm_pairs
@@ -32,7 +32,7 @@ def gpipe_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array):
     layers = vary(params["layers"])
     shared = shared_params(params)
     (g_layers, g_shared), loss = jax.grad(loss_fn, argnums=(0, 1), has_aux=True)(layers, shared)
-    grads = {k: jax.lax.psum(g, "pipeline") for k, g in g_shared.items()}
+    grads = vocab.sum_shared(g_shared, step_plan.in_force().vocab_over_pipeline)
     grads["layers"] = g_layers
     return jax.lax.psum(loss, "pipeline"), grads
 
@@ -70,14 +70,21 @@ def _forward_rounds(cfg: Config, layers, shared, mbs, train: bool, objective_sca
             x_in, returned, loss = carry
             k = t - rank  # the micro batch this rank works on
             active = (k >= 0) & (k < m)
-            mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, jnp.clip(k, 0, m - 1), keepdims=False), mbs)
+            at = lambda j: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, jnp.clip(j, 0, m - 1),  # noqa: E731
+                                                                                keepdims=False), mbs)
+            mb = at(k)
             side = model.side_inputs(mcfg, cfg.train.seed, mb, dropout=train, objective_scale=objective_scale)
-            if i == 0:
+            order = CollectiveOrder()  # (each conditional and the send waits for the one before: CPU runtime)
+            if i == 0 and plan.vocab_over_pipeline:  # every rank looks up rank 0's micro batch t (vocab.py)
+                rows = order.cond(t < m, lambda: vocab.rows(mcfg, shared, at(t)["tokens"]),
+                                  lambda: vary(jnp.zeros(shape, dtype)))
+                first = lambda: vary(vocab.first_input(mcfg, shared, rows, mb["tokens"], side).astype(dtype))  # noqa: E731
+            elif i == 0:
                 first = lambda: vary(model.embed_apply(mcfg, shared, mb["tokens"], side).astype(dtype))  # noqa: E731
             else:
                 first = lambda: jax.lax.dynamic_index_in_dim(returned, jnp.clip(k, 0, m - 1), keepdims=False)  # noqa: E731
-            order = CollectiveOrder()  # (each conditional and the send waits for the one before: CPU runtime)
             x = order.cond(rank == 0, first, lambda: x_in)
+
             def run(x=x, side=side, w=w, i=i):
                 if split.even:
                     return model.layers_apply(mcfg, w, x, side, (i * p + rank) * lc).astype(dtype)
@@ -86,7 +93,13 @@ def _forward_rounds(cfg: Config, layers, shared, mbs, train: bool, objective_sca
                                  recompute=True).astype(dtype)
 
             y = order.cond(active, run, lambda: x)
-            if i == v - 1:
+            if i == v - 1 and plan.vocab_over_pipeline:  # every rank's slice of rank p - 1's head (vocab.py)
+                last = t - (p - 1)
+                loss = loss + order.cond((last >= 0) & (last < m),
+                                         lambda: vary(vocab.head_loss(mcfg, shared, vocab.broadcast(y, p - 1),
+                                                                      at(last))),
+                                         lambda: vary(jnp.zeros((), jnp.float32)))
+            elif i == v - 1:
                 loss = loss + order.cond(active & (rank == p - 1),
                                          lambda: vary(model.head_apply(mcfg, shared, y, mb["targets"],
                                                                        mb["loss_mask"])),

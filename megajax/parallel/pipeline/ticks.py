@@ -253,6 +253,11 @@ def first_backward(kinds):
     return (kinds & ~FINAL) == FIRST
 
 
+def embeds(kinds):
+    """Whether forward kinds (an int, a NumPy or a JAX array) run the first chunk, whose input is the embedding."""
+    return (kinds & ~GATHER) == FIRST
+
+
 def runs_head(kinds):
     """Whether forward kinds (an int, a NumPy or a JAX array) run the last chunk, whose output goes into the head
     (under `executor._tick`'s conditional scope_h1)."""
