@@ -411,8 +411,9 @@ def test_fsdp_weights_move_between_layouts_and_data_sizes(tmp_path):
 
 def test_uneven_pipeline_stages_move_to_even_stages_and_no_pipeline(tmp_path):
     """A checkpoint of uneven stages (Megatron's accounting of the embedding and the loss: 6 layers in 2 stages of 2
-    chunks hold 1, 2, 2, 1) restores onto another uneven split, an even one and no pipeline with the same weights and
-    Adam moments; the empty slots stay zero through training; the params export holds the model's layers; and a
+    chunks hold 1, 2, 2, 1; the embedding and output layer split over the pipeline ranks) restores onto another
+    uneven split, an even one (with the embedding and output layer whole on every rank, and not) and no pipeline with
+    the same weights and Adam moments; the empty slots stay zero through training; the params export holds the model's layers; and a
     checkpoint of no pipeline restores onto the uneven split."""
     import jax
 
@@ -440,7 +441,9 @@ def test_uneven_pipeline_stages_move_to_even_stages_and_no_pipeline(tmp_path):
 
     want = own(state, setup)
     pipeline = {**model, "parallel.pipeline": 2, "parallel.tensor": 2, "train.micro_batch_size": 2}
+    assert setup.plan.vocab_over_pipeline
     for n, layout in ((8, {**pipeline, "parallel.data": 2}),
+                      (8, {**pipeline, "parallel.data": 2, "parallel.vocab_over_pipeline": False}),
                       (6, {**pipeline, "parallel.pipeline": 3, "parallel.tensor": 2, "parallel.data": 1,
                            "parallel.decoder_first_pipeline_num_layers": 2,
                            "parallel.decoder_last_pipeline_num_layers": 1}),

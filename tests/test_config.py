@@ -70,6 +70,11 @@ def test_defaults_and_overrides_are_typed():
      "the shared experts' MLP width 33 (model.moe_shared_experts=1 x the expert width 33) is split over "
      "parallel.tensor=2 and does not divide by it: set model.moe_ffn_hidden_size to a multiple of 2"),
     (["parallel.schedule=zero_bubble"], "but parallel.pipeline=1: set parallel.pipeline > 1"),
+    (["parallel.vocab_over_pipeline=true"], "it needs parallel.pipeline > 1 (or set it to null)"),
+    (["parallel.vocab_over_pipeline=true", "parallel.pipeline=2", "model.num_layers=2", "model.vocab_size=101",
+      "model.make_vocab_size_divisible_by=1"],
+     "splits the padded vocabulary 101 over parallel.pipeline x parallel.tensor = 2 ranks, which does not divide it: "
+     "set model.make_vocab_size_divisible_by to a multiple of 2"),
     (["parallel.tensr=2"], "unknown config key 'parallel.tensr': did you mean 'parallel.tensor'?"),
     (["model.num_layer=2"], "did you mean 'model.num_layers'?"),
     (["optimizer.lr=1e-3"], "unknown config section 'optimizer': did you mean 'optim'? (sections: checkpoint, data, "

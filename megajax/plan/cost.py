@@ -152,6 +152,9 @@ class _Layout:
         self.moe_share = m.moe_layers / m.num_layers if m.num_experts else 0.0
         self.sp = p.sequence_parallel and self.t > 1
         self.dtype = "float8" if m.fp8 != "none" else "bfloat16"
+        # the ranks the embedding and output layer are split over (tensor, and the pipeline's with
+        # StepPlan.vocab_over_pipeline)
+        self.vocab_ranks = self.t * (self.pp if self.plan.vocab_over_pipeline else 1)
         self.unfused = not kernel_choice.fused_attention(m.attention_impl, m.head_dim, m.attention_dropout > 0, "gpu")
 
 
@@ -267,24 +270,31 @@ def _layer_copies_s(hw: Hardware, L: _Layout, saved: float, weights: float) -> t
 
 
 def _head_s(hw: Hardware, L: _Layout) -> float:
-    """The output layer and the loss for one micro batch, forward and backward (vocabulary split over tensor)."""
+    """The output layer and the loss for one micro batch, forward and backward (vocabulary split over tensor; with
+    the vocabulary over the pipeline, over its ranks too, which then share the last stage's output and send its
+    gradient back, and the first stage's rows: four all-reduces of [tokens, hidden] over the pipeline ranks)."""
     m = L.model
-    vocab = m.padded_vocab_size // L.t
+    vocab = m.padded_vocab_size // L.vocab_ranks
     gemm = 3 * hw.gemm_seconds(L.tokens, m.hidden_size, vocab)  # (bf16: model.fp8 covers the layers' matmuls)
-    return gemm + L.tokens * vocab * LOGIT_BYTES / hw.elementwise_bytes_per_s
+    out = gemm + L.tokens * vocab * LOGIT_BYTES / hw.elementwise_bytes_per_s
+    if L.plan.vocab_over_pipeline:
+        nbytes = L.tokens * m.hidden_size * B16
+        out += 4 * _collective_s(nbytes, 2 * _ring(L.pp), group_bandwidth(hw, L.pp, L.t * L.c, L.node))
+    return out
 
 
 def local_parameters(L: _Layout) -> dict:
     """Parameters on the busiest GPU: its layers' matmuls over tensor (experts over expert x tensor), and the
-    embedding and output layer, which every pipeline stage holds (megajax's pipeline is one SPMD program), over
-    tensor. {"dense": what the data ranks all hold, "experts": what data / expert of them hold, "total"}."""
+    embedding and output layer over tensor, and over the pipeline ranks with StepPlan.vocab_over_pipeline (else
+    every stage holds them whole: megajax's pipeline is one SPMD program). {"dense": what the data ranks all hold,
+    "experts": what data / expert of them hold, "total"}."""
     counts = parameter_counts(L.model)
     layers = L.layers
     moe = round(layers * L.moe_share)
     dense_layers = layers - moe
     experts = moe * counts["experts"] / (L.e * L.t)
-    other = (layers * counts["attention"] + dense_layers * counts["mlp"] + moe * counts["shared"]
-             + counts["embedding"] + counts["output"]) / L.t
+    other = ((layers * counts["attention"] + dense_layers * counts["mlp"] + moe * counts["shared"]) / L.t
+             + (counts["embedding"] + counts["output"]) / L.vocab_ranks)
     return {"dense": other, "experts": experts, "total": other + experts}
 
 
@@ -408,7 +418,7 @@ def _memory(hw: Hardware, L: _Layout, params: dict, in_flight: int) -> dict:
     # the layers whose bf16 weights the backward keeps: all of them, or (a pipeline recomputes chunk by chunk) one
     # chunk's; under full recomputation none (a layer's cast is rebuilt with it)
     counts = parameter_counts(m)
-    ends = (counts["embedding"] + counts["output"]) / L.t  # the embedding's and output layer's weights here
+    ends = (counts["embedding"] + counts["output"]) / L.vocab_ranks  # the embedding's and output layer's weights here
     per_layer = (n - ends) / max(L.layers, 1)
     cast_layers = 0 if m.recompute == "full" else (chunk if L.pp > 1 else L.layers)
     if par.shards_params:  # the bf16 casts of the layers' shards, which each layer's backward gathers again
@@ -437,7 +447,7 @@ def _memory(hw: Hardware, L: _Layout, params: dict, in_flight: int) -> dict:
         kept = in_flight * stash + chunk * kept_per_layer + working
     else:
         kept = L.layers * kept_per_layer + working
-    logits = L.tokens * (m.padded_vocab_size // L.t) * 10
+    logits = L.tokens * (m.padded_vocab_size // L.vocab_ranks) * 10
     out = {"weights": weights, "gradients": grads, "optimizer": optimizer, "activations": kept, "logits": logits,
            "reserve": RESERVE_BYTES}
     out["total"] = sum(out.values())
