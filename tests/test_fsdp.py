@@ -5,6 +5,8 @@ and the config's refusals."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -55,11 +57,10 @@ def test_the_strategy_resolves_and_refuses_what_it_cannot_run():
     assert small_config(**{"parallel.distributed_optimizer": True}).parallel.sharding_strategy == "optim"
     zero3 = small_config(**ZERO3).parallel
     assert zero3.shards_optimizer and zero3.shards_grads and zero3.shards_params
-    with pytest.raises(ConfigError, match="no pipeline schedule runs yet"):
-        small_config(**ZERO3, **{"parallel.pipeline": 2})
-    for schedule in ("gpipe", "zero_bubble"):
+    assert small_config(**ZERO3, **{"parallel.pipeline": 2}).parallel.shards_params  # (gathered in the ticks)
+    for schedule, strategy in itertools.product(("gpipe", "zero_bubble"), ("optim_grads", "optim_grads_params")):
         with pytest.raises(ConfigError, match="parallel.schedule=1f1b or interleaved"):
-            small_config(**{"parallel.data_parallel_sharding_strategy": "optim_grads", "parallel.pipeline": 2,
+            small_config(**{"parallel.data_parallel_sharding_strategy": strategy, "parallel.pipeline": 2,
                             "parallel.schedule": schedule})
     # set, the strategy decides (a preset's distributed_optimizer=true overridden with --set ...=no_shard)
     assert not small_config(**{"parallel.distributed_optimizer": True,

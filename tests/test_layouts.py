@@ -130,11 +130,11 @@ STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")  # zero 
 
 
 def zeros(d: int, p: int, schedule: str) -> tuple[int, ...]:
-    """The ZeRO levels (STRATEGIES' indices) at data size d: ZeRO-3 without a pipeline, ZeRO-2 also on the
-    schedules that reduce inside their backwards (1f1b, interleaved)."""
+    """The ZeRO levels (STRATEGIES' indices) at data size d: ZeRO-2 and ZeRO-3 without a pipeline and on the schedules
+    that reduce inside their backwards (1f1b, interleaved)."""
     if d == 1:
         return (0,)
-    return (0, 1, 2, 3) if p == 1 else (0, 1, 2) if schedule in ("1f1b", "interleaved") else (0, 1)
+    return (0, 1, 2, 3) if p == 1 or schedule in ("1f1b", "interleaved") else (0, 1)
 
 
 def case(arch, d, p, t, sp, zero, schedule, v, ep=0, ring=False, overlap=0, fold=0, ragged=False, split=None,
@@ -201,11 +201,12 @@ DEFAULT_MOE_ARCH = {(1, 2, 2): "llama", (2, 1, 2): "llama", (4, 2, 1): "deepseek
 # (sequence parallelism, its rings) where the rotation below would not give expert parallelism sequence parallelism
 DEFAULT_SP = {(2, 1, 2): (True, False)}
 DEFAULT_RAGGED = {(1, 2, 2), (2, 1, 2), (4, 2, 1)}
-# What the data ranks shard (STRATEGIES' index); ZeRO-2 on a 1F1B pipeline; without a pipeline: ZeRO-3 with experts
+# What the data ranks shard (STRATEGIES' index); ZeRO-3 on a 1F1B pipeline (ZeRO-2 on an interleaved one: HUNG);
+# without a pipeline: ZeRO-3 with experts
 # over all data ranks and tensor parallelism, and with sequence parallelism's rings; ZeRO-2 gathering its weights
 # once and not, with tensor parallelism; ZeRO-1 gathering and not; and nothing sharded, reduced in the backward.
 DEFAULT_ZERO = {(2, 1, 1): 2, (2, 1, 2): 3, (4, 1, 1): 1, (2, 1, 3): 2, (3, 1, 2): 3, (6, 1, 1): 1, (2, 1, 4): 2,
-                (4, 1, 2): 3, (8, 1, 1): 0, (3, 2, 1): 2}
+                (4, 1, 2): 3, (8, 1, 1): 0, (3, 2, 1): 3}
 
 
 # The default run's uneven pipeline stages (splits' index 1; the rest are even): one per schedule (GPipe with data
@@ -311,6 +312,7 @@ def test_the_space_is_accepted():
     assert {s["parallel.overlap_param_gather"] for s in fsdp if zero_of(s) == 2} == {False, True}
     assert any(zero_of(c["sets"]) == 3 and c["moe"] and c["sets"]["parallel.expert"] > 1 for c in DEFAULT)
     assert any(zero_of(c["sets"]) == 2 and c["sets"]["parallel.pipeline"] > 1 for c in DEFAULT), "ZeRO-2 pipelined"
+    assert any(zero_of(c["sets"]) == 3 and c["sets"]["parallel.pipeline"] > 1 for c in DEFAULT), "ZeRO-3 pipelined"
     sp = [c["sets"] for c in DEFAULT if c["sets"]["parallel.sequence_parallel"]]
     assert {(s["parallel.pipeline"] > 1, s["parallel.tp_comm_overlap"]) for s in sp} == {
         (False, False), (False, True), (True, False), (True, True)}, "SP with and without the collective matmuls"
@@ -485,6 +487,8 @@ def guard_space() -> dict[str, dict]:
             "model.num_layers": 6, "parallel.decoder_first_pipeline_num_layers": 2}),
         "fold-ragged": guard_case("1f1b", 2, True, 1, 0, True, **{"parallel.expert_tensor": 1,
                                                                   "parallel.expert_all_to_all": "ragged"}),
+        # the embedding and output layer whole on every pipeline rank (elsewhere they are split over the ranks)
+        "whole-vocab": guard_case("interleaved", 2, True, 1, 1, False, **{"parallel.vocab_over_pipeline": False}),
     }
     out.update({f"extra-{k}": c for k, c in extras.items()})
     return out
@@ -526,7 +530,7 @@ def test_the_guard_covers_the_combinations():
     """Every (schedule, tensor, sequence parallelism, ZeRO, overlap, MoE) the config accepts at data 2 is traced (the
     default run: each schedule's every ZeRO x overlap and every tensor x SP x MoE), and the config accepts each."""
     combos = {k: _combo(c["sets"]) for k, c in GUARD.items() if not k.startswith("extra-")}
-    assert len(set(combos.values())) == len(combos) == len(GUARD) - 7
+    assert len(set(combos.values())) == len(combos) == len(GUARD) - 8
     assert {c[0] for c in combos.values()} == {False, "gpipe", "1f1b", "interleaved", "zero_bubble"}
     for schedule in {c[0] for c in combos.values()}:
         mine = [c for c in combos.values() if c[0] == schedule]

@@ -67,7 +67,9 @@ class ParallelConfig:
     # optimizer state (ZeRO-1, the distributed optimizer: Megatron's --use-distributed-optimizer); optim_grads = also
     # the gradients, reduce-scattered layer by layer in every micro batch's backward (ZeRO-2); optim_grads_params =
     # also the weights, each layer's all-gathered before its forward and again for its backward (ZeRO-3, fully
-    # sharded data parallelism). The old key parallel.distributed_optimizer=true still reads as optim.
+    # sharded data parallelism; with a pipeline, each rank's layers are gathered once a step in its schedule's idle
+    # ticks and kept for the step, as torchtitan keeps them unsharded between micro batches under pipelining). The
+    # old key parallel.distributed_optimizer=true still reads as optim.
     data_parallel_sharding_strategy: Literal["no_shard", "optim", "optim_grads", "optim_grads_params"] = "no_shard"
     # Reduce the data-parallel gradients layer by layer under the last micro batch's backward (Megatron's
     # --overlap-grad-reduce). megajax/parallel/overlap.py: an all-reduce per layer, or with the distributed optimizer a
@@ -151,13 +153,6 @@ class ParallelConfig:
             "parallel.overlap_param_gather=true gathers the distributed optimizer's shards in the step that reduces "
             "the gradients under the backward: set parallel.data_parallel_sharding_strategy=optim and "
             "parallel.overlap_grad_reduce=true (or parallel.overlap_param_gather=false)",
-        )
-        check(
-            not self.shards_params or self.pipeline == 1,
-            f"parallel.data_parallel_sharding_strategy=optim_grads_params (ZeRO-3) gathers each layer's weights in "
-            f"every forward and backward, which no pipeline schedule runs yet: with parallel.pipeline="
-            f"{self.pipeline} use optim_grads (ZeRO-2, with parallel.schedule=1f1b or interleaved), or "
-            f"parallel.pipeline=1",
         )
         check(
             not self.shards_grads or self.pipeline == 1 or self.schedule in ("1f1b", "interleaved"),

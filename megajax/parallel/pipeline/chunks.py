@@ -129,7 +129,7 @@ class ChunkActions:
             if not r.gather:
                 return x
             shape = list(x.shape)
-            shape[r.zero.dim + 2] = r.zero.size  # (r: one layer's; x: [v, Lc, ...])
+            shape[r.zero.dim + 2] = r.length or r.zero.size  # (r: one layer's; x: [v, Lc, ...]; ZeRO-3's unpadded)
             return vary(jnp.zeros(shape, r.gather_dtype or x.dtype))
 
         return {"block": jax.tree.map(whole, self.reductions, self.shards["block"])}
