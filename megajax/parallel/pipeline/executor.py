@@ -162,8 +162,8 @@ def backward(acts: ChunkActions, seg: Segment, row: dict, scope: str, order: Col
     everything through; then the first chunk's input gradient goes into the embedding's backward, under a
     two-way conditional of its own (scope_e1), instead of to the rank before. With the vocabulary over the
     pipeline (vocab.py) every rank then adds its slice of the table's gradient, under a conditional taken by every
-    rank alike (rank 0's row, `first_row`: scope_e2); with first dense layers, whose backward needs the rows, every
-    rank looks them up again first (scope_e0).
+    rank alike (rank 0's row, `first_row`: scope_t1); with first dense layers, whose backward needs the rows, every
+    rank looks them up again first (scope_k1).
 
     Why not one switch over the kinds: XLA's copy insertion copies a buffer that a conditional of more than two
     branches updates in place in some branches and passes through in others (the fp32 gradient accumulators,
@@ -187,12 +187,12 @@ def backward(acts: ChunkActions, seg: Segment, row: dict, scope: str, order: Col
         on = ticks.first_backward(_code(seg, first_row, "b"))  # (the same on every rank)
         token_rows = jnp.zeros_like(dx)
         if acts.mcfg.first_dense_layers:
-            with jax.named_scope(f"{scope}_e0"):
+            with jax.named_scope(f"{scope}_k1"):
                 token_rows = order.cond(on, lambda: acts.looked_up(first_row, "b_"), lambda: vary(token_rows))
         with jax.named_scope(f"{scope}_e1"):
             g_shared, d_rows = order.cond(first, lambda gs: vary(acts.embedding_backward(dx, row, gs, token_rows)),
                                           lambda gs: vary((gs, jnp.zeros_like(dx))), g_shared)
-        with jax.named_scope(f"{scope}_e2"):
+        with jax.named_scope(f"{scope}_t1"):
             g_shared = order.cond(on, lambda gs: acts.table_backward(d_rows, first_row, gs), lambda gs: gs,
                                   g_shared)
     return (jnp.where(first, jnp.zeros_like(dx), dx), g_layers, g_shared, *more)
@@ -238,7 +238,7 @@ def _tick(acts: ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, r
     x = carry["act"][row["f_slot"]]
     if acts.vocab and any(ticks.embeds(k) for k in seg.f):  # every rank looks up rank 0's tokens (vocab.py)
         on = ticks.embeds(_code(seg, first_row, "f"))
-        with named("e"):
+        with named("l1"):
             token_rows = order.cond(on, lambda: acts.looked_up(first_row, "f_"), lambda: vary(jnp.zeros_like(x)))
         x = jnp.where(on & (rank == 0), token_rows, x)
     with named("f"):

@@ -279,10 +279,14 @@ def branch_runs(step_plan: StepPlan, model: ModelConfig) -> dict[str, list[float
     groups (`backward_groups`), group i under its own conditional named '<scope>_b<i>'; '<scope>_e': how often
     it does not and does run the first chunk, whose embedding backward runs under '<scope>_e1'; '<scope>_h': how
     often the forward does not and does run the last chunk, whose head runs under '<scope>_h1'; '<scope>_g': how
-    often the gather runs none and each of its layer counts, count i under '<scope>_g<i>'."""
+    often the gather runs none and each of its layer counts, count i under '<scope>_g<i>'. With the vocabulary
+    over the pipeline (executor.py) every rank runs the embedding's lookup ('<scope>_l1'), its backward's
+    ('<scope>_k1', '<scope>_t1') and the head where the first (last) rank's column says: those weigh by that
+    column alone."""
     if step_plan.pipeline == 1 or step_plan.schedule == "gpipe":
         return {}
     _, _, kinds, segments = plan_of(step_plan, model)
+    vocab = step_plan.vocab_over_pipeline
     out = {}
     for i, seg in enumerate(segments):
         step = 2 if seg.roles else 1
@@ -294,9 +298,15 @@ def branch_runs(step_plan: StepPlan, model: ModelConfig) -> dict[str, list[float
                         float(np.mean(in_backward_group(rows, final))) for final in backward_groups(seg.b)]
                     first = float(np.mean(first_backward(rows)))  # (the embedding's backward)
                     out[f"{scope(i, t)}_e"] = [1 - first, first]
+                    if vocab:  # (every rank's share of it, in rank 0's ticks)
+                        first = float(np.mean(first_backward(rows[:, 0])))
+                        out[f"{scope(i, t)}_k"] = out[f"{scope(i, t)}_t"] = [1 - first, first]
                     continue
                 if key == "f" and any(runs_head(k) for k in seg.f):  # (the head, under '<scope>_h1')
-                    head = float(np.mean(runs_head(rows)))
+                    head = float(np.mean(runs_head(rows[:, -1] if vocab else rows)))
                     out[f"{scope(i, t)}_h"] = [1 - head, head]
+                if key == "f" and vocab and any(embeds(k) for k in seg.f):  # (the lookup, under '<scope>_l1')
+                    look = float(np.mean(embeds(rows[:, 0])))
+                    out[f"{scope(i, t)}_l"] = [1 - look, look]
                 out[f"{scope(i, t)}_{key}"] = [float(np.mean(rows == k)) for k in getattr(seg, key)]
     return out
