@@ -121,7 +121,11 @@ class StepPlan:
             data=shape["data"], expert=shape["expert"], pipeline=shape["pipeline"], context=shape["context"],
             tensor=shape["tensor"], manual=tuple(a for a in MANUAL if shape[a] > 1), schedule=par.schedule,
             virtual_stages=par.virtual_stages, micro_batches=cfg.num_micro_batches, stage_split=cfg.stage_split,
-            vocab_over_pipeline=_vocab_over_pipeline(cfg), sequence_parallel=par.sequence_parallel,
+            # null: under a pipeline wherever the padded vocabulary divides over pipeline x tensor (Config has
+            # checked that it does where the key is true)
+            vocab_over_pipeline=par.vocab_over_pipeline if par.vocab_over_pipeline is not None else (
+                pipelined and cfg.model.padded_vocab_size % (par.pipeline * par.tensor) == 0),
+            sequence_parallel=par.sequence_parallel,
             context_comm=comm,
             # a ppermute inside the pipeline's per-rank branches deadlocks: chunked collectives there
             tp_overlap=("chunks" if pipelined else "ring") if par.tp_comm_overlap and shape["tensor"] > 1 else None,
@@ -148,15 +152,6 @@ class StepPlan:
                   or self.reduce_in_backward or self.gather_in_forward or self.shard_grads)
         reduction_beside = self.data > 1 and self.micro_batches == 1
         return self.platform not in (None, "cpu") and not inside and not reduction_beside
-
-
-def _vocab_over_pipeline(cfg: Config) -> bool:
-    """parallel.vocab_over_pipeline, null resolved: under a pipeline, wherever the padded vocabulary divides over
-    pipeline x tensor (Config has checked it does where the key is true)."""
-    par = cfg.parallel
-    if par.vocab_over_pipeline is not None:
-        return par.vocab_over_pipeline
-    return par.pipeline > 1 and cfg.model.padded_vocab_size % (par.pipeline * par.tensor) == 0
 
 
 _PLAN: contextvars.ContextVar[StepPlan | None] = contextvars.ContextVar("megajax_step_plan", default=None)
