@@ -412,9 +412,9 @@ def test_fsdp_weights_move_between_layouts_and_data_sizes(tmp_path):
 def test_uneven_pipeline_stages_move_to_even_stages_and_no_pipeline(tmp_path):
     """A checkpoint of uneven stages (Megatron's accounting of the embedding and the loss: 6 layers in 2 stages of 2
     chunks hold 1, 2, 2, 1; the embedding and output layer split over the pipeline ranks) restores onto another
-    uneven split, an even one (with the embedding and output layer whole on every rank, and not) and no pipeline with
-    the same weights and Adam moments; the empty slots stay zero through training; the params export holds the model's layers; and a
-    checkpoint of no pipeline restores onto the uneven split."""
+    uneven split, an even one (with the embedding and output layer split, and whole on every rank) and no pipeline
+    with the same weights and Adam moments; the empty slots stay zero through training; the params export holds the
+    model's layers; and a checkpoint of no pipeline restores onto the uneven split."""
     import jax
 
     from megajax.parallel.pipeline.layout import from_stages
@@ -425,7 +425,7 @@ def test_uneven_pipeline_stages_move_to_even_stages_and_no_pipeline(tmp_path):
     uneven = {**model, "parallel.data": 2, "parallel.pipeline": 2, "parallel.tensor": 2, "train.micro_batch_size": 2,
               "parallel.schedule": "zero_bubble", "parallel.virtual_stages": 2,
               "parallel.account_for_embedding_in_pipeline_split": True,
-              "parallel.account_for_loss_in_pipeline_split": True}
+              "parallel.account_for_loss_in_pipeline_split": True, "parallel.vocab_over_pipeline": True}
     _, state, setup = run_steps(small_config(**uneven), 8, 2, return_state=True)
     assert setup.cfg.stage_split.units == (1, 2, 2, 1)
     for leaf in jax.tree.leaves((state.params["layers"], state.opt_state[1].mu["layers"])):
@@ -442,7 +442,7 @@ def test_uneven_pipeline_stages_move_to_even_stages_and_no_pipeline(tmp_path):
     want = own(state, setup)
     pipeline = {**model, "parallel.pipeline": 2, "parallel.tensor": 2, "train.micro_batch_size": 2}
     assert setup.plan.vocab_over_pipeline
-    for n, layout in ((8, {**pipeline, "parallel.data": 2}),
+    for n, layout in ((8, {**pipeline, "parallel.data": 2, "parallel.vocab_over_pipeline": True}),
                       (8, {**pipeline, "parallel.data": 2, "parallel.vocab_over_pipeline": False}),
                       (6, {**pipeline, "parallel.pipeline": 3, "parallel.tensor": 2, "parallel.data": 1,
                            "parallel.decoder_first_pipeline_num_layers": 2,

@@ -154,7 +154,7 @@ def case(arch, d, p, t, sp, zero, schedule, v, ep=0, ring=False, overlap=0, fold
         "parallel.tp_comm_overlap": ring,
         "parallel.overlap_grad_reduce": overlap > 0, "parallel.overlap_param_gather": overlap == 2,
         "parallel.schedule": schedule, "parallel.virtual_stages": v,
-        # a pipeline's embedding and output layer over its ranks (the default), or whole on every rank
+        # a pipeline's embedding and output layer over its ranks, or whole on every rank
         "parallel.vocab_over_pipeline": vocab if p > 1 else None}}
 
 
@@ -463,7 +463,8 @@ def guard_case(schedule: str | None, t: int, sp: bool, zero: int, overlap: int, 
             "parallel.data_parallel_sharding_strategy": STRATEGIES[zero], "parallel.overlap_grad_reduce": overlap > 0,
             "parallel.overlap_param_gather": overlap == 2, "parallel.schedule": schedule or "1f1b",
             "parallel.virtual_stages": 2 if schedule == "interleaved" else 1, "parallel.tp_comm_overlap": False,
-            "parallel.expert": GUARD_MOE["parallel.expert"] if moe else 1, **extra}
+            "parallel.expert": GUARD_MOE["parallel.expert"] if moe else 1,
+            "parallel.vocab_over_pipeline": True if p > 1 else None, **extra}
     return {"n": 2 * p * t * sets.get("parallel.context", 1), "sets": sets}
 
 

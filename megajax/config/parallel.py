@@ -101,7 +101,8 @@ class ParallelConfig:
     # rank holds what only the first or the last stage reads, and the last stage's head work is spread over the
     # ranks, for two all-reduces of a micro batch's activations over the pipeline ranks at each end; false = every
     # rank holds the whole (tensor-sharded) embedding and output layer, the first stage embeds, the last computes
-    # the loss. null: true where the padded vocabulary divides over pipeline x tensor (docs/features/
+    # the loss. null: true where the padded vocabulary divides over pipeline x tensor and the tables' fp32 weights
+    # and gradients on a rank outweigh the activations the lock step moves a step (docs/features/
     # pipeline-schedules.md).
     vocab_over_pipeline: bool | None = None
 
