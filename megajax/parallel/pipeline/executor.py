@@ -140,6 +140,15 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
         else:
             carry, _ = jax.lax.scan(lambda carry, row, tick=tick, i=i: (
                 tick(carry, row, None, ticks.scope(i, 0), CollectiveOrder()), None), carry, xs)
+    if plan.vocab_over_pipeline:
+        # The slices' gradients leave the region unread by the psums below: the rest waits for the last conditional
+        # that wrote them (CPU runtime: a collective after the step's last, peeled tick would start beside it;
+        # sharding.CollectiveOrder)
+        fence = CollectiveOrder()
+        fence.after(jax.tree.leaves(carry["g_shared"]))
+        carry = {**{k: jax.tree.map(fence.before, val) for k, val in carry.items() if k != "g_shared"},
+                 "g_shared": jax.tree_util.tree_map_with_path(
+                     lambda path, g: g if vocab.is_sliced(path) else fence.before(g), carry["g_shared"])}
     grads = vocab.sum_shared(carry["g_shared"], plan.vocab_over_pipeline)
     if reductions is None:
         grads["layers"] = jax.tree.map(lambda g: g[:, None], carry["g_layers"])
