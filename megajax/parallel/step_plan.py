@@ -124,7 +124,7 @@ class StepPlan:
             vocab_over_pipeline=par.vocab_over_pipeline if par.vocab_over_pipeline is not None else (
                 pipelined and cfg.model.padded_vocab_size % (par.pipeline * par.tensor) == 0 and
                 _tables_outweigh_moves(cfg.model, cfg.train.micro_batch_size, cfg.num_micro_batches, par.tensor,
-                                       par.context)),
+                                       par.context, par.sequence_parallel)),
             sequence_parallel=par.sequence_parallel,
             context_comm=comm,
             # a ppermute inside the pipeline's per-rank branches deadlocks: chunked collectives there
@@ -154,15 +154,17 @@ class StepPlan:
         return self.platform not in (None, "cpu") and not inside and not reduction_beside
 
 
-def _tables_outweigh_moves(m, micro_batch: int, micro_batches: int, tensor: int, context: int) -> bool:
+def _tables_outweigh_moves(m, micro_batch: int, micro_batches: int, tensor: int, context: int,
+                           sequence_parallel: bool) -> bool:
     """parallel.vocab_over_pipeline=null's rule (where the padded vocabulary divides over pipeline x tensor): split
     the embedding and output layer over the pipeline ranks where the bytes it frees on a rank (their fp32 weights
     and gradients, 8 bytes a parameter over 'tensor') exceed the bytes it moves a step (four all-reduces over the
-    pipeline ranks of each micro batch's bf16 [tokens, hidden] activation): DeepSeek-V3 in DeepSeek's layout (a
-    129k vocabulary untied, no tensor parallelism, 48 micro batches of 4096 tokens) frees 14.8 GB for 11.3 GB moved;
-    Llama 3.1 405B's preset (tensor 8, 64 micro batches of 8192) would free 4.2 GB for 69 GB."""
+    pipeline ranks of each micro batch's bf16 [tokens, hidden] activation, its tokens split over 'tensor' with
+    sequence parallelism): DeepSeek-V3 in DeepSeek's layout (a 129k vocabulary untied, no tensor parallelism, 48
+    micro batches of 4096 tokens) frees 14.8 GB for 11.3 GB moved; Llama 3.1 405B's preset (tensor 8 with sequence
+    parallelism, 64 micro batches of 8192) would free 4.2 GB for 8.6 GB."""
     tables = 8 * m.padded_vocab_size * m.hidden_size * (1 if m.tied else 2) / tensor
-    tokens = micro_batch * m.seq_length / context
+    tokens = micro_batch * m.seq_length / context / (tensor if sequence_parallel else 1)
     return tables > 4 * 2 * micro_batches * tokens * m.hidden_size
 
 
