@@ -347,9 +347,11 @@ def _data_comm_s(hw: Hardware, L: _Layout, params: dict) -> tuple[float, float]:
     grads = _collective_s(4 * params["dense"], 2 * _ring(ranks), bw) + _collective_s(
         4 * params["experts"], 2 * _ring(L.d // L.e), bw_e)
     if par.shards_grads:
-        per_micro = grads / 2 + (_collective_s(2 * 2 * params["total"], _ring(ranks), bw) if par.shards_params
-                                 else 0.0)
-        return (0.0 if par.shards_params else grads / 2), per_micro
+        # ZeRO-3 gathers the bf16 weights for every forward and backward; under a pipeline once a step, in the
+        # schedule's ticks (kept whole for the step), as ZeRO-2 and ZeRO-1 gather their fp32 shards' bf16 casts
+        again = par.shards_params and L.pp == 1
+        per_micro = grads / 2 + (_collective_s(2 * 2 * params["total"], _ring(ranks), bw) if again else 0.0)
+        return (0.0 if again else grads / 2), per_micro
     return grads, 0.0
 
 
@@ -403,7 +405,7 @@ def layer_activation_bytes(L: _Layout) -> dict:
 def _memory(hw: Hardware, L: _Layout, params: dict, in_flight: int) -> dict:
     """Bytes per GPU: fp32 weights (ZeRO-3 and overlap_param_gather: sharded) and the bf16 copy the backward
     keeps (ZeRO-3: of the shards; none under full recomputation: each layer casts its weights again; a pipeline
-    that gathers its weights in the schedule: every layer of the rank, gathered), fp32
+    that gathers its weights in the schedule, ZeRO-3's too: every layer of the rank, gathered), fp32
     gradients (ZeRO-2/3: the layers' sharded; with overlap_grad_reduce and several micro batches one more copy),
     AdamW's two fp32 moments (sharded with the distributed optimizer), the activations
     (`layer_activation_bytes`), the logits, the reserve; and XLA's scheduling limit for this program."""
@@ -421,11 +423,11 @@ def _memory(hw: Hardware, L: _Layout, params: dict, in_flight: int) -> dict:
     ends = (counts["embedding"] + counts["output"]) / L.vocab_ranks  # the embedding's and output layer's weights here
     per_layer = (n - ends) / max(L.layers, 1)
     cast_layers = 0 if m.recompute == "full" else (chunk if L.pp > 1 else L.layers)
-    if par.shards_params:  # the bf16 casts of the layers' shards, which each layer's backward gathers again
+    if par.shards_params and L.pp == 1:  # the bf16 casts of the layers' shards, which each layer's backward gathers
         cast = 0.0 if m.recompute == "full" else B16 * shard(n - ends)
     else:
         cast = B16 * (n - per_layer * (L.layers - cast_layers))
-    if L.pp > 1 and not par.shards_params and L.plan.gather_in_forward:
+    if L.pp > 1 and L.plan.gather_in_forward:
         # a pipeline that gathers its weights inside the schedule (overlap_param_gather) holds every layer of the
         # rank gathered in bf16 from its first forward to the step's end (the executor's carry "whole"); with
         # one chunk a rank the backward keeps that one, with more each chunk's backward keeps its slice besides
