@@ -215,6 +215,14 @@ class CollectiveOrder:
             return x
         return _after(x, self._last)
 
+    def before_if_varying(self, x: jax.Array) -> jax.Array:
+        """`before`, where x varies over every manual axis the last ordered operation's output does; else x as it is
+        (a value replicated over an axis the other varies over cannot wait for it without a collective, and shard_map
+        would refuse it as an output replicated there)."""
+        if not self.on or self._last is None or not varying_axes(x) >= varying_axes(self._last):
+            return x
+        return _after(x, self._last)
+
     def after(self, outputs, inputs=()):
         """Marks `outputs` of ordered operations as what the next one waits for (returns them): each of its
         results that is not one of its `inputs` (jax forwards a conditional's operand that every branch passes

@@ -21,7 +21,7 @@ from megajax.parallel import overlap, step_plan
 from megajax.parallel.pipeline import layout
 from megajax.parallel.pipeline import ticks, vocab
 from megajax.parallel.pipeline.ticks import FIRST, LAST_KEEP, MID, NONE
-from megajax.parallel.sharding import vary
+from megajax.parallel.sharding import CollectiveOrder, vary
 
 
 def shared_params(params: dict) -> dict:
@@ -149,7 +149,11 @@ class ChunkActions:
         def body(carry, inputs):
             x, w = carry
             ahead, l, on = inputs
-            return (block(x, w, l, on), self._gathered(ahead)), w
+            # the next layer's gather starts once this layer has run (CPU runtime: an empty slot's conditional, or
+            # the layer's own collectives, would otherwise wait beside it; sharding.CollectiveOrder)
+            order = CollectiveOrder()
+            y = order.after(block(x, w, l, on))
+            return (y, self._gathered(jax.tree.map(order.before, ahead))), w
 
         ids, on = self.slots(at)
         (x, w_last), ws = model.scan_layers(self.mcfg, body, (x, self._gathered(pick(shards, 0))),

@@ -146,9 +146,9 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
         # sharding.CollectiveOrder)
         fence = CollectiveOrder()
         fence.after(jax.tree.leaves(carry["g_shared"]))
-        carry = {**{k: jax.tree.map(fence.before, val) for k, val in carry.items() if k != "g_shared"},
+        carry = {**{k: jax.tree.map(fence.before_if_varying, val) for k, val in carry.items() if k != "g_shared"},
                  "g_shared": jax.tree_util.tree_map_with_path(
-                     lambda path, g: g if vocab.is_sliced(path) else fence.before(g), carry["g_shared"])}
+                     lambda path, g: g if vocab.is_sliced(path) else fence.before_if_varying(g), carry["g_shared"])}
     grads = vocab.sum_shared(carry["g_shared"], plan.vocab_over_pipeline)
     if reductions is None:
         grads["layers"] = jax.tree.map(lambda g: g[:, None], carry["g_layers"])
