@@ -223,8 +223,11 @@ DEFAULT_SPLIT = {(2, 2, 2): 1, (3, 2, 1): 1, (2, 3, 1): 1, (1, 4, 1): 1}
 # GPipe over 3 stages with the collective matmuls (GPipe with them: p 2 x t 4 and d 2 x p 2 x t 2), and 8 stages
 # (the most the default run pipelines is 6; test_schedule builds and checks every schedule at p 8).
 # Pipelines whose embedding and output layer stay whole on every rank (parallel.vocab_over_pipeline=false; the rest
-# spread them over the ranks, DeepSeek's with its dense first layer, GPT-2's tied table, every schedule).
-DEFAULT_WHOLE_VOCAB = {(2, 2, 2), (1, 2, 2)}
+# spread them over the ranks, DeepSeek's with its dense first layer, GPT-2's tied table, every schedule). Split, with
+# the idle ticks' reductions of parallel.overlap_grad_reduce (ZeRO-0/1) d 2 x p 3 and d 2 x p 4 failed the CPU
+# runtime's collective-order check (XLA moved the lock step's collectives past them): whole here, and null never
+# picks that combination.
+DEFAULT_WHOLE_VOCAB = {(2, 2, 2), (1, 2, 2), (2, 3, 1), (2, 4, 1)}
 SLOW_TRIPLES = {(1, 1, 2), (1, 2, 1), (1, 2, 3), (1, 4, 2), (2, 2, 1), (1, 3, 2), (1, 8, 1)}
 
 

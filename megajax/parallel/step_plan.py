@@ -121,8 +121,11 @@ class StepPlan:
             data=shape["data"], expert=shape["expert"], pipeline=shape["pipeline"], context=shape["context"],
             tensor=shape["tensor"], manual=tuple(a for a in MANUAL if shape[a] > 1), schedule=par.schedule,
             virtual_stages=par.virtual_stages, micro_batches=cfg.num_micro_batches, stage_split=cfg.stage_split,
+            # (null: not with the idle ticks' data-parallel reductions, whose order beside the lock step's collectives
+            # XLA's CPU runtime does not keep: docs/features/pipeline-schedules.md#limits)
             vocab_over_pipeline=par.vocab_over_pipeline if par.vocab_over_pipeline is not None else (
                 pipelined and cfg.model.padded_vocab_size % (par.pipeline * par.tensor) == 0 and
+                not (par.overlap_grad_reduce and not par.shards_grads) and
                 _tables_outweigh_moves(cfg.model, cfg.train.micro_batch_size, cfg.num_micro_batches, par.tensor,
                                        par.context, par.sequence_parallel)),
             sequence_parallel=par.sequence_parallel,

@@ -46,10 +46,27 @@ def sum_shared(g_shared: dict, sliced: bool) -> dict:
         lambda path, g: g if sliced and is_sliced(path) else jax.lax.psum(g, "pipeline"), g_shared)
 
 
+def _psum(x: jax.Array) -> jax.Array:
+    """psum over 'pipeline', in fp32 on CPU (XLA's CPU compiler aborted on a bf16 one; GPUs sum in x's dtype)."""
+    def in_fp32(x):
+        return jax.lax.psum(x.astype(jnp.float32), "pipeline").astype(x.dtype)
+
+    return step_plan.platform_dependent(x, cpu=in_fp32, default=lambda x: jax.lax.psum(x, "pipeline"))
+
+
+def _marked(x: jax.Array) -> jax.Array:
+    """x (the same on every pipeline rank) marked as varying over the manual axes, on CPU through fp32: autodiff
+    transposes the mark into a psum of x's gradient, which then sums in fp32 (`_psum`)."""
+    def in_fp32(x):
+        return vary(x.astype(jnp.float32)).astype(x.dtype)
+
+    return step_plan.platform_dependent(x, cpu=in_fp32, default=vary)
+
+
 def broadcast(x: jax.Array, source: int) -> jax.Array:
     """x of rank `source`, on every pipeline rank (a psum of it and zeros)."""
     rank = jax.lax.axis_index("pipeline")
-    return jax.lax.psum(jnp.where(rank == source, x, jnp.zeros_like(x)), "pipeline")
+    return _psum(jnp.where(rank == source, x, jnp.zeros_like(x)))
 
 
 def _local(table_rows: int, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -63,7 +80,7 @@ def lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
     """The token rows [b, s, d] from every rank's slice of the table (psum over 'pipeline')."""
     at, inside = _local(table.shape[0], tokens)
     rows = jnp.where(inside[..., None], jnp.take(table, at, axis=0), jnp.zeros((), table.dtype))
-    return jax.lax.psum(rows, "pipeline")
+    return _psum(rows)
 
 
 def lookup_grad(table: jax.Array, tokens: jax.Array, d_rows: jax.Array) -> jax.Array:
@@ -76,7 +93,7 @@ def lookup_grad(table: jax.Array, tokens: jax.Array, d_rows: jax.Array) -> jax.A
 
 def rows(mcfg, shared: dict, tokens: jax.Array) -> jax.Array:
     """`lookup` of this rank's slice of the embedding, in the compute dtype."""
-    return vary(lookup(shared["embed"]["embedding"].astype(jnp.dtype(mcfg.compute_dtype)), tokens))
+    return _marked(lookup(shared["embed"]["embedding"].astype(jnp.dtype(mcfg.compute_dtype)), tokens))
 
 
 def slice_config(mcfg):
@@ -100,6 +117,7 @@ def head_loss(mcfg, shared: dict, y: jax.Array, mb: dict) -> jax.Array:
     gradient seeds the last rank's alone (summed back to every rank through the psums)."""
     rank = jax.lax.axis_index("pipeline")
     rows = mcfg.padded_vocab_size // step_plan.in_force().pipeline
+    y = _marked(y)  # (y's gradient, the transpose of the mark, is summed over the ranks' slices)
     reduce = (lambda x: jax.lax.pmax(x, "pipeline"), lambda x: jax.lax.psum(x, "pipeline"))
     loss = model.head_apply(slice_config(mcfg), shared, y, mb["targets"], mb["loss_mask"],
                             shard=(rank * rows, reduce, mcfg.vocab_size))
