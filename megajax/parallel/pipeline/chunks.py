@@ -92,9 +92,14 @@ class ChunkActions:
         first, units = at
         return first + jnp.arange(self.lc), None if self.even else jnp.arange(self.lc) < units
 
+    def micro_batch(self, row, prefix):
+        """Micro batch row[prefix + "micro"]."""
+        return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, row[prefix + "micro"], keepdims=False),
+                            self.mbs)
+
     def micro(self, row, prefix):
-        mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, row[prefix + "micro"], keepdims=False),
-                          self.mbs)
+        """(`micro_batch`, its side inputs)."""
+        mb = self.micro_batch(row, prefix)
         return mb, model.side_inputs(self.mcfg, self.cfg.train.seed, mb, objective_scale=self.seed_scale)
 
     # -- the chunk's layers, forward with its residuals -----------------------------------------------------
@@ -245,7 +250,7 @@ class ChunkActions:
         """(loss, its gradient in y, g_shared plus the head's gradients) of the last chunk's output y on micro
         batch row["f_micro"]. With the vocabulary over the pipeline (vocab.py), every rank runs it in lock step
         on the last rank's y and row, each on its slice: the loss and y's gradient are the last rank's."""
-        mb, _ = self.micro(row, "f_")
+        mb = self.micro_batch(row, "f_")
         if self.vocab:
             head = lambda sh, y: vocab.head_loss(self.mcfg, sh, y, mb)  # noqa: E731
             y = vocab.broadcast(y, step_plan.in_force().pipeline - 1)
@@ -360,14 +365,13 @@ class ChunkActions:
 
     def looked_up(self, row, prefix):
         """The rows of micro batch row[prefix + "micro"]'s tokens, looked up by every rank in its slice (vocab.py)."""
-        mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, row[prefix + "micro"], keepdims=False),
-                          self.mbs)
-        return vocab.rows(self.mcfg, self.shared, mb["tokens"]).astype(self.act_dtype)
+        tokens = self.micro_batch(row, prefix)["tokens"]
+        return vocab.rows(self.mcfg, self.shared, tokens).astype(self.act_dtype)
 
     def table_backward(self, d_rows, row, g_shared):
         """g_shared plus this rank's slice of the embedding's gradient, from the first rank's gradient of the rows
         of micro batch row["b_micro"] (every rank's row is the first rank's: vocab.py)."""
-        mb, _ = self.micro(row, "b_")
+        mb = self.micro_batch(row, "b_")
         d_rows = vocab.broadcast(d_rows, 0)
         table = self.shared["embed"]["embedding"]
         g = dict(g_shared, embed=dict(g_shared["embed"]))

@@ -116,9 +116,9 @@ def head_loss(mcfg, shared: dict, y: jax.Array, mb: dict) -> jax.Array:
     those of its slice of the vocabulary; zero on the other ranks, so that the loss is counted once and its
     gradient seeds the last rank's alone (summed back to every rank through the psums)."""
     rank = jax.lax.axis_index("pipeline")
-    rows = mcfg.padded_vocab_size // step_plan.in_force().pipeline
+    mine = slice_config(mcfg)
     y = _marked(y)  # (y's gradient, the transpose of the mark, is summed over the ranks' slices)
     reduce = (lambda x: jax.lax.pmax(x, "pipeline"), lambda x: jax.lax.psum(x, "pipeline"))
-    loss = model.head_apply(slice_config(mcfg), shared, y, mb["targets"], mb["loss_mask"],
-                            shard=(rank * rows, reduce, mcfg.vocab_size))
+    loss = model.head_apply(mine, shared, y, mb["targets"], mb["loss_mask"],
+                            shard=(rank * mine.vocab_size, reduce, mcfg.vocab_size))
     return jnp.where(rank == step_plan.in_force().pipeline - 1, loss, jnp.zeros((), loss.dtype))
