@@ -99,7 +99,7 @@ def _in_schedule(cfg, plan, colls, peak: float, nvlink: float, network: float) -
     from megajax import hlo, metrics
     from megajax.parallel.pipeline import ticks
 
-    data_axes = {"data", "expert", "context"}
+    data_axes = {"replica", "data", "expert", "context"}
     dp = [c for c in colls if c.in_conditional and c.kind in ("all-reduce", "reduce-scatter") and c.axes
           and set(c.axes) <= data_axes]
     # (the weights' gathers: not context parallelism's key-value gathers, over 'context' alone)
@@ -305,6 +305,7 @@ def audit(cfg, target: str = "cpu", devices: int | None = None, dump_hlo: str | 
                    "sequence_parallel": p.sequence_parallel, "virtual_stages": p.virtual_stages,
                    "schedule": p.schedule, "distributed_optimizer": p.shards_optimizer,
                    "sharding_strategy": p.sharding_strategy,
+                   "num_distributed_optimizer_instances": p.num_distributed_optimizer_instances,
                    "micro_batches": cfg.num_micro_batches, "micro_batch_size": cfg.train.micro_batch_size},
         "memory_per_device": memory,
         "distributed_optimizer_sharded_fraction": (setup.zero_sharded_fraction() if p.shards_optimizer else None),

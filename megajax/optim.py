@@ -3,11 +3,12 @@ norms and biases, fp16 dynamic loss scaling, and the distributed optimizer's lay
 
 The distributed optimizer (ZeRO-1, Megatron's --use-distributed-optimizer) keeps each parameter's
 optimizer state sharded over the data-parallel ranks that replicate it (all of them; an expert weight's
-'data' ranks only), at any data size: the state of a parameter is stored with one dim zero-padded to a
-multiple of that many ranks (of tensor x those where that dim is also tensor-sharded) and split over them.
-Gradients are padded the same way and reduce-scattered onto that layout, AdamW runs on each rank's shard
-(the padding holds zero gradients, zero moments and zero updates), and the updates are sliced back and
-all-gathered. As Megatron's padded flat buffer, this shards 100% of the state.
+'data' ranks only; with hybrid sharding those of one instance, the instances holding replicas), at any data
+size: the state of a parameter is stored with one dim zero-padded to a multiple of that many ranks (of
+tensor x those where that dim is also tensor-sharded) and split over them. Gradients are padded the same way
+and reduce-scattered onto that layout, AdamW runs on each rank's shard (the padding holds zero gradients, zero
+moments and zero updates), and the updates are sliced back and all-gathered. As Megatron's padded flat
+buffer, this shards 100% of the state.
 """
 
 from __future__ import annotations
@@ -87,8 +88,9 @@ def update_loss_scale(scale: jax.Array, good_steps: jax.Array, finite: jax.Array
 @dataclasses.dataclass(frozen=True)
 class ZeroDim:
     """Where the distributed optimizer shards one parameter's state: dim `dim`, padded to `size`,
-    split over the mesh axes `axes`: the data-parallel axes that replicate the parameter (('data', 'expert'),
-    or ('data',) for an expert weight), after 'tensor' for a dim already tensor-sharded."""
+    split over the mesh axes `axes`: the data-parallel axes of one instance that replicate the parameter
+    (sharding.shard_axes: ('data', 'expert'), or ('data',) for an expert weight; never 'replica'), after 'tensor'
+    for a dim already tensor-sharded."""
 
     dim: int
     size: int
@@ -114,7 +116,7 @@ def zero_dim(shape: tuple[int, ...], spec: P, lead: int, mesh_shape: dict) -> Ze
     if not candidates:
         return None
     dim = max(candidates, key=lambda i: (shape[i], -i))
-    data = sharding.unsplit_data_axes(P(*spec))
+    data = sharding.shard_axes(P(*spec))
     axes = data if spec[dim] is None else ("tensor", *data)
     ways = math.prod(mesh_shape[a] for a in axes)
     return ZeroDim(dim, ways * math.ceil(shape[dim] / ways), axes)

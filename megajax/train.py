@@ -119,7 +119,7 @@ def _run(setup: StepSetup) -> dict:
     log.info(f"megajax: {n_params / 1e6:.2f}M parameters, {jax.device_count()} devices "
              f"(data={p.data} pipeline={p.pipeline}{f' context={p.context}' if p.context > 1 else ''} "
              f"tensor={p.tensor}"
-             f"{' sp' if p.sequence_parallel else ''}), {cfg.num_micro_batches} micro batches of "
+             f"{' sp' if p.sequence_parallel else ''}{_instances(p)}), {cfg.num_micro_batches} micro batches of "
              f"{cfg.train.micro_batch_size}, global batch {gbs} x {cfg.model.seq_length} tokens")
     log.info(f"kernels: {_kernels_line(cfg.model, setup.plan)}")
 
@@ -168,6 +168,12 @@ def _evaluate(cfg, setup, eval_fn, state, dataset) -> float:
         s, c = eval_fn(state, batch)
         total, count = total + float(s), count + float(c)
     return total / max(count, 1.0)
+
+
+def _instances(p) -> str:
+    """The log's note of hybrid sharding's instances (none without)."""
+    r = p.num_distributed_optimizer_instances
+    return f" instances={r}" if r > 1 else ""
 
 
 def _kernels_line(m, plan) -> str:

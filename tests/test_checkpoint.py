@@ -356,7 +356,8 @@ def test_a_checkpoint_from_before_the_model_state_split_resumes(tmp_path):
 
 def test_fsdp_weights_move_between_layouts_and_data_sizes(tmp_path):
     """ZeRO-3 keeps each weight as its shard, zero-padded as the distributed optimizer pads (64 -> 66 at data 3):
-    its checkpoint restores exactly onto ZeRO-3 at data 4 (other padding), ZeRO-1, a pipeline and one device; a
+    its checkpoint restores exactly onto ZeRO-3 at data 4 (other padding), hybrid sharding (two instances of two data
+    ranks), ZeRO-1, a pipeline and one device; a
     one-device checkpoint restores onto ZeRO-3; and the params export of a ZeRO-3 checkpoint holds the model's own
     shapes."""
     import jax
@@ -385,6 +386,8 @@ def test_fsdp_weights_move_between_layouts_and_data_sizes(tmp_path):
     want = own(state, setup)
     one = None
     for n, layout in ((8, {"parallel.data": 4, "parallel.tensor": 2, **fsdp}),
+                      (8, {"parallel.data": 4, "parallel.tensor": 2, "parallel.num_distributed_optimizer_instances": 2,
+                           **fsdp}),
                       (4, {"parallel.data": 4, "parallel.distributed_optimizer": True, "train.global_batch_size": 12}),
                       (8, {"parallel.data": 2, "parallel.pipeline": 2, "parallel.tensor": 2,
                            "parallel.distributed_optimizer": True, "train.global_batch_size": 12}),

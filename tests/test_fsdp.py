@@ -1,6 +1,7 @@
 """Fully sharded data parallelism (parallel.data_parallel_sharding_strategy optim_grads and optim_grads_params)
 beyond tests/test_layouts.py's matrix (which has ZeRO-2 and ZeRO-3 with tensor and sequence parallelism and experts):
-with context parallelism, FP8, full recomputation, padded shards and data 1 on a pipeline, each equal to one device;
+with context parallelism (and hybrid sharding over it), FP8, full recomputation, padded shards and data 1 on a pipeline,
+each equal to one device;
 and the config's refusals."""
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ ZERO3 = {"parallel.data_parallel_sharding_strategy": "optim_grads_params"}
 CASES = {
     # the weights sharded over data x context; 136 and the vocabulary padded to a multiple of 6 (and 4)
     "context2-data3": ({"parallel.data": 3, "parallel.context": 2, "train.micro_batch_size": 2}, {}),
+    # hybrid sharding: two instances, each sharding over its two data ranks x two context ranks
+    "hybrid-context2": ({"parallel.data": 4, "parallel.context": 2, "parallel.num_distributed_optimizer_instances": 2,
+                         "train.micro_batch_size": 1}, {}),
     "fp8-delayed": ({"parallel.data": 4, "train.micro_batch_size": 1},
                     {"model.fp8": "hybrid", "model.fp8_recipe": "delayed"}),
     # no data ranks to shard over: nothing sharded, on a pipeline that would otherwise reduce in every backward
@@ -62,6 +66,15 @@ def test_the_strategy_resolves_and_refuses_what_it_cannot_run():
         with pytest.raises(ConfigError, match="parallel.schedule=1f1b or interleaved"):
             small_config(**{"parallel.data_parallel_sharding_strategy": strategy, "parallel.pipeline": 2,
                             "parallel.schedule": schedule})
+    # hybrid sharding: instances of something sharded, dividing the data ranks, each with more than one rank
+    hybrid = {**ZERO3, "parallel.data": 8, "parallel.num_distributed_optimizer_instances": 2}
+    assert small_config(**hybrid).parallel.num_distributed_optimizer_instances == 2
+    for sets, match in (({"parallel.data_parallel_sharding_strategy": "no_shard"}, "set parallel.data_parallel_"),
+                        ({"parallel.num_distributed_optimizer_instances": 3}, r"choose it from \[1, 2, 4, 8\]"),
+                        ({"parallel.num_distributed_optimizer_instances": 8}, r"choose it from \[1, 2, 4\]"),
+                        ({"parallel.num_distributed_optimizer_instances": 0}, "must be >= 1")):
+        with pytest.raises(ConfigError, match=match):
+            small_config(**{**hybrid, **sets})
     # set, the strategy decides (a preset's distributed_optimizer=true overridden with --set ...=no_shard)
     assert not small_config(**{"parallel.distributed_optimizer": True,
                                 "parallel.data_parallel_sharding_strategy": "no_shard"}).parallel.shards_optimizer

@@ -137,8 +137,15 @@ def zeros(d: int, p: int, schedule: str) -> tuple[int, ...]:
     return (0, 1, 2, 3) if p == 1 or schedule in ("1f1b", "interleaved") else (0, 1)
 
 
+def instances(d: int, ep: int, zero: int) -> tuple[int, ...]:
+    """Hybrid sharding's instances (parallel.num_distributed_optimizer_instances): 1, and 2 where something is
+    sharded (ZeRO-1 to 3) and the data ranks split into two instances of two or more ranks each (whose experts,
+    with expert parallelism, divide them)."""
+    return (1, 2) if zero and d % (2 * max(ep, 1)) == 0 and d > 2 else (1,)
+
+
 def case(arch, d, p, t, sp, zero, schedule, v, ep=0, ring=False, overlap=0, fold=0, ragged=False, split=None,
-         vocab=True) -> dict:
+         vocab=True, replicas=1) -> dict:
     # p micro batches through a pipeline (the fewest every schedule takes); without one, 2 or 3 per data
     # rank, so gradient accumulation runs on every layout too. MoE: micro batches of MOE_MICRO_BATCH where the
     # layout's data and pipeline allow it (one reference for them: the balancing loss is per micro batch)
@@ -151,6 +158,7 @@ def case(arch, d, p, t, sp, zero, schedule, v, ep=0, ring=False, overlap=0, fold
         "train.global_batch_size": BATCH, "train.micro_batch_size": mb,
         "parallel.data": d, "parallel.pipeline": p, "parallel.tensor": t, "parallel.expert": max(ep, 1),
         "parallel.sequence_parallel": sp, "parallel.data_parallel_sharding_strategy": STRATEGIES[zero],
+        "parallel.num_distributed_optimizer_instances": replicas,
         "parallel.tp_comm_overlap": ring,
         "parallel.overlap_grad_reduce": overlap > 0, "parallel.overlap_param_gather": overlap == 2,
         "parallel.schedule": schedule, "parallel.virtual_stages": v,
@@ -177,10 +185,11 @@ def space() -> list[dict]:
                 continue
             for ring, overlap, fold in itertools.product((False, True) if sp else (False,),
                                                          overlaps(d, p, schedule, zero), folds(ep, t, sp)):
-                for ragged, split, vocab in itertools.product(exchanges(ep, fold, ring), splits(arch, p, v, ep),
-                                                              (True, False) if p > 1 else (True,)):
+                for ragged, split, vocab, r in itertools.product(
+                        exchanges(ep, fold, ring), splits(arch, p, v, ep), (True, False) if p > 1 else (True,),
+                        instances(d, ep, zero)):
                     out.append(case(arch, d, p, t, sp, zero, schedule, v, ep, ring, overlap, fold, ragged, split,
-                                    vocab))
+                                    vocab, r))
     return out
 
 
@@ -228,6 +237,10 @@ DEFAULT_SPLIT = {(2, 2, 2): 1, (3, 2, 1): 1, (2, 3, 1): 1, (1, 4, 1): 1}
 # runtime's collective-order check (XLA moved the lock step's collectives past them): whole here, and null never
 # picks that combination.
 DEFAULT_WHOLE_VOCAB = {(2, 2, 2), (1, 2, 2), (2, 3, 1), (2, 4, 1)}
+# Hybrid sharding (two instances of the sharded state): ZeRO-1 reduced in the backward over three data ranks an
+# instance, ZeRO-3 with tensor parallelism, and ZeRO-1 gathering under the forward on an interleaved pipeline with
+# experts over the two data ranks of an instance.
+DEFAULT_INSTANCES = {(6, 1, 1): 2, (4, 1, 2): 2, (4, 2, 1): 2}
 SLOW_TRIPLES = {(1, 1, 2), (1, 2, 1), (1, 2, 3), (1, 4, 2), (2, 2, 1), (1, 3, 2), (1, 8, 1)}
 
 
@@ -251,7 +264,8 @@ def default_cases() -> list[dict]:
         out.append(case(arch, d, p, t, sp, zero, schedule, v, ep, ring=ring,
                         overlap=0 if i % 3 == 2 or len(levels) == 1 else levels[1 + (i // 7) % (len(levels) - 1)],
                         fold=folds(ep, t, sp)[:2][-1], ragged=(d, p, t) in DEFAULT_RAGGED, split=split,
-                        vocab=(d, p, t) not in DEFAULT_WHOLE_VOCAB))
+                        vocab=(d, p, t) not in DEFAULT_WHOLE_VOCAB,
+                        replicas=DEFAULT_INSTANCES.get((d, p, t), 1) if zero else 1))
     return [c for c in out if triple(c) not in SLOW_TRIPLES]
 
 
@@ -279,6 +293,8 @@ def name(c: dict) -> str:
             + ("-embed" if s.get("parallel.account_for_embedding_in_pipeline_split") else "")
             + ("-loss" if s.get("parallel.account_for_loss_in_pipeline_split") else "")
             + ("-whole" if s.get("parallel.vocab_over_pipeline") is False else "")
+            + (f"-hsdp{s['parallel.num_distributed_optimizer_instances']}"
+               if s.get("parallel.num_distributed_optimizer_instances", 1) > 1 else "")
             + (f"-{s['parallel.schedule']}v{s['parallel.virtual_stages']}" if p > 1 else ""))
 
 
@@ -335,6 +351,10 @@ def test_the_space_is_accepted():
     assert {c["arch"] for c in spread} == set(ARCHS), "the vocabulary over the pipeline, tied and with dense layers"
     assert any(c["moe"] and c["arch"] == "deepseek" for c in spread), "... with DeepSeek's dense first layer"
     assert any(c["sets"]["parallel.vocab_over_pipeline"] is False for c in DEFAULT), "and whole on every rank"
+    hybrid = [c for c in DEFAULT if c["sets"]["parallel.num_distributed_optimizer_instances"] > 1]
+    assert {zero_of(c["sets"]) for c in hybrid} == {1, 3}, "hybrid sharding of ZeRO-1 and ZeRO-3"
+    assert any(c["sets"]["parallel.pipeline"] > 1 and c["moe"] for c in hybrid), "... on a pipeline, with experts"
+    assert any(c["sets"]["parallel.overlap_grad_reduce"] for c in hybrid), "... reduced in the backward"
     assert {c["arch"] for c in DEFAULT} == set(ARCHS)
     moe = [c["sets"] for c in DEFAULT if c["moe"]]
     ep = lambda s: s["parallel.expert"]  # noqa: E731
@@ -468,7 +488,7 @@ def guard_case(schedule: str | None, t: int, sp: bool, zero: int, overlap: int, 
             "parallel.virtual_stages": 2 if schedule == "interleaved" else 1, "parallel.tp_comm_overlap": False,
             "parallel.expert": GUARD_MOE["parallel.expert"] if moe else 1,
             "parallel.vocab_over_pipeline": True if p > 1 else None, **extra}
-    return {"n": 2 * p * t * sets.get("parallel.context", 1), "sets": sets}
+    return {"n": sets["parallel.data"] * p * t * sets.get("parallel.context", 1), "sets": sets}
 
 
 def guard_space() -> dict[str, dict]:
@@ -493,6 +513,11 @@ def guard_space() -> dict[str, dict]:
                                                                   "parallel.expert_all_to_all": "ragged"}),
         # the embedding and output layer whole on every pipeline rank (elsewhere they are split over the ranks)
         "whole-vocab": guard_case("interleaved", 2, True, 1, 1, False, **{"parallel.vocab_over_pipeline": False}),
+        # hybrid sharding: ZeRO-3 over two instances of two data ranks, on a pipeline and not
+        "hybrid": guard_case(None, 2, True, 3, 0, False, **{"parallel.data": 4,
+                                                           "parallel.num_distributed_optimizer_instances": 2}),
+        "hybrid-pipeline": guard_case("1f1b", 1, False, 3, 0, True, **{
+            "parallel.data": 4, "parallel.num_distributed_optimizer_instances": 2}),
     }
     out.update({f"extra-{k}": c for k, c in extras.items()})
     return out
@@ -534,7 +559,7 @@ def test_the_guard_covers_the_combinations():
     """Every (schedule, tensor, sequence parallelism, ZeRO, overlap, MoE) the config accepts at data 2 is traced (the
     default run: each schedule's every ZeRO x overlap and every tensor x SP x MoE), and the config accepts each."""
     combos = {k: _combo(c["sets"]) for k, c in GUARD.items() if not k.startswith("extra-")}
-    assert len(set(combos.values())) == len(combos) == len(GUARD) - 8
+    assert len(set(combos.values())) == len(combos) == len(GUARD) - len([k for k in GUARD if k.startswith("extra-")])
     assert {c[0] for c in combos.values()} == {False, "gpipe", "1f1b", "interleaved", "zero_bubble"}
     for schedule in {c[0] for c in combos.values()}:
         mine = [c for c in combos.values() if c[0] == schedule]

@@ -368,7 +368,7 @@ def test_above_the_scheduling_limit_nothing_is_hidden():
     zero3 = cost.estimate(cfg, hw, 8)
     assert zero3.scheduled_for_memory
     layout = cost._Layout(cfg, 8)
-    per_micro = cost._data_comm_s(hw, layout, cost.local_parameters(layout))[1]
+    per_micro = cost._data_comm_s(hw, layout, cost.local_parameters(layout))[2]
     assert zero3.exposed_s["data"] == pytest.approx(cfg.num_micro_batches * per_micro)
 
 

@@ -98,6 +98,7 @@ def metadata(cfg: Config, step: int, consumed: int) -> dict:
     return {"step": step, "consumed_samples": consumed, "seed": cfg.train.seed, "config": cfg.to_dict(),
             "layout": {"data": cfg.parallel.data, "pipeline": cfg.parallel.pipeline,
                        "context": cfg.parallel.context, "tensor": cfg.parallel.tensor,
+                       "instances": cfg.parallel.num_distributed_optimizer_instances,
                        "virtual_stages": cfg.parallel.virtual_stages,
                        "stage_units": list(cfg.stage_split.units) if cfg.parallel.pipeline > 1 else None}}
 

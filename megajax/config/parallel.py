@@ -71,6 +71,12 @@ class ParallelConfig:
     # ticks and kept for the step, as torchtitan keeps them unsharded between micro batches under pipelining). The
     # old key parallel.distributed_optimizer=true still reads as optim.
     data_parallel_sharding_strategy: Literal["no_shard", "optim", "optim_grads", "optim_grads_params"] = "no_shard"
+    # Hybrid sharding (Megatron's --num-distributed-optimizer-instances, torchtitan's data_parallel_replicate_degree;
+    # HSDP): the data ranks split into this many instances (outer: across nodes), each of which shards what the
+    # strategy above shards over its own data_ranks / instances ranks (inner: inside a node, over NVLink) and holds
+    # a whole replica of it; the instances all-reduce their gradient shards once a step. 1: one instance, the
+    # strategy's shards span every data rank. Needs a sharding strategy; docs/features/fsdp.md.
+    num_distributed_optimizer_instances: int = 1
     # Reduce the data-parallel gradients layer by layer under the last micro batch's backward (Megatron's
     # --overlap-grad-reduce). megajax/parallel/overlap.py: an all-reduce per layer, or with the distributed optimizer a
     # reduce-scatter. Off by default: with several micro batches it holds one to three times the gradients' bytes
@@ -148,6 +154,22 @@ class ParallelConfig:
             f"ticks with them): use parallel.schedule=1f1b or interleaved, or set "
             f"parallel.overlap_grad_reduce=false",
         )
+        r = self.num_distributed_optimizer_instances
+        check(r >= 1, f"parallel.num_distributed_optimizer_instances must be >= 1, got {r}")
+        check(r == 1 or self.shards_optimizer,
+              f"parallel.num_distributed_optimizer_instances={r} replicates the sharded state over instances: set "
+              "parallel.data_parallel_sharding_strategy to optim, optim_grads or optim_grads_params (or "
+              "num_distributed_optimizer_instances=1)")
+        if self.data is not None and r > 1:
+            inner = self.data // self.expert
+            if inner % r:
+                raise ConfigError(
+                    f"parallel.num_distributed_optimizer_instances={r} must divide parallel.data / parallel.expert = "
+                    f"{self.data} / {self.expert} (the instances split the data ranks that replicate every weight): "
+                    f"choose it from {divisors(inner)}")
+            check(self.data // r * self.context > 1,
+                  f"parallel.num_distributed_optimizer_instances={r} leaves one data rank an instance, with nothing "
+                  f"to shard over: choose it from {[x for x in divisors(inner) if self.data // x * self.context > 1]}")
         check(
             not self.overlap_param_gather or (self.shards_optimizer and self.overlap_grad_reduce)
             or self.shards_grads,

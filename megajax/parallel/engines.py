@@ -206,7 +206,9 @@ def compute_grads(setup, params, batch: dict, seed_scale: jax.Array):
     def local(params, batch, seed_scale):
         batch = setup.local_batch(batch)  # packed documents; context parallelism: this rank's tokens
         loss, grads = engine(cfg, params, batch, seed_scale, reductions if overlapped else None)
-        if not overlapped:
+        if overlapped:  # hybrid sharding: the instances' scattered shards summed, once a step
+            grads = jax.tree.map(lambda r, g: r.across_instances(g), reductions, grads)
+        else:
             # Each gradient is summed over the data ranks that replicate its weight (an expert's: 'data' only).
             # Distributed optimizer: the partial sums, padded to the optimizer's layout, on a leading axis over
             # those ranks.

@@ -49,8 +49,9 @@ def _tensor_manual(fn, x: jax.Array, spec: P) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class Reduction:
     """How one weight's gradient is reduced in the backward: summed over the data-parallel `axes`; with `zero`
-    (the distributed optimizer's optim.ZeroDim) zero-padded as the optimizer pads it and scattered over `axes`
-    along zero.dim, which leaves each data rank its optimizer shard. `gather`: the weight arrives as that shard
+    (the distributed optimizer's optim.ZeroDim) zero-padded as the optimizer pads it and scattered over zero.axes
+    along zero.dim, which leaves each data rank its optimizer shard, to be summed over the rest of `axes` (hybrid
+    sharding's instances) once a step (`across_instances`). `gather`: the weight arrives as that shard
     (parallel.overlap_param_gather) and is all-gathered where it is first used; `gather_dtype`: in that dtype (a
     matmul weight, which the model casts to the compute dtype anyway: half the bytes in bf16, as Megatron gathers
     its bf16 parameters), its gradient then cast back to `grad_dtype` (the parameter's) before the reduction.
@@ -79,6 +80,19 @@ class Reduction:
     def _manual(self) -> tuple[str, ...]:
         return tuple(a for a in self.axes if a in sharding.current_manual_axes())
 
+    def _scattered(self) -> tuple[str, ...]:
+        """The manual axes the gradient is scattered over and the weight gathered over: those of the optimizer
+        shard (one instance's data ranks: not hybrid sharding's 'replica')."""
+        return tuple(a for a in self._manual() if a in self.zero.axes)
+
+    def across_instances(self, g: jax.Array) -> jax.Array:
+        """A gradient scattered onto its optimizer shard, summed over hybrid sharding's instances ('replica'):
+        once a step, after every micro batch's scatter inside an instance. The identity without instances, and
+        for a gradient all-reduced over every data rank already (no `zero`) or kept local."""
+        if self.zero is None or self.local:
+            return g
+        return sharding.psum(g, tuple(a for a in self.axes if a not in self.zero.axes))
+
     def __call__(self, g: jax.Array) -> jax.Array:
         if self.grad_dtype is not None:  # (the gradient of a weight gathered in a lower precision)
             g = g.astype(self.grad_dtype)
@@ -87,7 +101,7 @@ class Reduction:
         if self.zero is None:
             return sharding.psum(g, self.axes)
         g = optim.zero_pad(g, self.zero)
-        axes = self._manual()
+        axes = self._scattered()
         if not axes:
             return g
         return _tensor_manual(functools.partial(jax.lax.psum_scatter, axis_name=axes,
@@ -100,8 +114,8 @@ class Reduction:
 
     def gathered(self, w: jax.Array) -> jax.Array:
         """The whole weight from its optimizer shard (`gather`), or w as it is."""
-        axes = self._manual()
-        if not self.gather or not axes:
+        axes = self._scattered() if self.gather else ()
+        if not axes:
             return w
         if self.gather_dtype is not None:
             w = w.astype(self.gather_dtype)
@@ -119,7 +133,7 @@ class Reduction:
             shape[self.zero.dim] = self.length or self.zero.size
         elif self.zero is not None and not self.local:  # the optimizer shard
             mesh = jax.sharding.get_abstract_mesh()
-            shape[self.zero.dim] = self.zero.size // math.prod(mesh.shape[a] for a in self._manual())
+            shape[self.zero.dim] = self.zero.size // math.prod(mesh.shape[a] for a in self._scattered())
         if self.local or self.zero is not None:
             axes += self.axes
         return sharding.vary(jnp.zeros(shape, self.grad_dtype or w.dtype), axes)

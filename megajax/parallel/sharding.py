@@ -1,10 +1,13 @@
 """The device mesh and the one table that maps logical axis names to mesh axes.
 
-Mesh axes, outermost first: data, expert, pipeline, context, tensor. Tensor is innermost so that its all-reduces
-stay inside a node (NVLink); data is outermost so that its once-per-step gradient reduction crosses nodes. The
-data-parallel ranks are 'data' x 'expert' (DATA): 'expert' has parallel.expert devices (1 without expert
-parallelism), 'data' the rest. The experts are sharded over 'expert' and exchange tokens over it (all-to-all);
-every other weight is data-parallel over both. 'context' splits every sequence (megajax/model/context.py): its
+Mesh axes, outermost first: replica, data, expert, pipeline, context, tensor. Tensor is innermost so that its
+all-reduces stay inside a node (NVLink); the data ranks are outermost so that their once-per-step gradient reduction
+crosses nodes. The data-parallel ranks are 'replica' x 'data' x 'expert' (DATA): 'replica' has
+parallel.num_distributed_optimizer_instances devices (hybrid sharding's instances; 1 without), 'expert' has
+parallel.expert devices (1 without expert parallelism), 'data' the rest. The distributed optimizer (and ZeRO-2/3)
+shards over the data ranks of one instance ('data' x 'expert', `shard_axes`) and replicates over 'replica'. The
+experts are sharded over 'expert' and exchange tokens over it (all-to-all); every other weight is data-parallel over
+all three. 'context' splits every sequence (megajax/model/context.py): its
 ranks hold other tokens of the same samples, so their gradients are summed like the data ranks' (GRAD).
 
 Logical names (one vocabulary for parameters and activations):
@@ -26,8 +29,9 @@ from jax.sharding import AxisType, Mesh, PartitionSpec as P
 from megajax.config import ConfigError, ParallelConfig
 from megajax.parallel import step_plan
 
-AXES = ("data", "expert", "pipeline", "context", "tensor")
-DATA = ("data", "expert")  # the data-parallel ranks: the batch is split over both
+AXES = ("replica", "data", "expert", "pipeline", "context", "tensor")
+REPLICA = "replica"  # hybrid sharding's instances (parallel.num_distributed_optimizer_instances)
+DATA = ("replica", "data", "expert")  # the data-parallel ranks: the batch is split over all three
 GRAD = (*DATA, "context")  # the ranks that see other tokens of the batch: gradients and losses are summed over them
 
 Axis = str | tuple[str, ...] | None
@@ -69,11 +73,13 @@ def current_activation_rules() -> dict[str, Axis]:
 
 
 def make_mesh(parallel: ParallelConfig, devices: Sequence | None = None) -> Mesh:
-    """A (data, expert, pipeline, context, tensor) mesh over `devices` (default: every device of every process);
-    ParallelConfig has checked that parallel.expert divides parallel.data.
+    """A (replica, data, expert, pipeline, context, tensor) mesh over `devices` (default: every device of every
+    process); ParallelConfig has checked that parallel.expert x parallel.num_distributed_optimizer_instances divides
+    parallel.data.
 
-    Devices are ordered process by process, so tensor (innermost) stays inside a host and data goes across.
-    The data-parallel rank of a device is its data x expert index (data major), whatever parallel.expert is.
+    Devices are ordered process by process, so tensor (innermost) stays inside a host and the data ranks go across.
+    The data-parallel rank of a device is its replica x data x expert index (replica major), whatever
+    parallel.expert and the instances are.
     """
     devices = list(jax.devices() if devices is None else devices)
     d, p, c, t, e = parallel.data, parallel.pipeline, parallel.context, parallel.tensor, parallel.expert
@@ -83,7 +89,8 @@ def make_mesh(parallel: ParallelConfig, devices: Sequence | None = None) -> Mesh
             "devices: resolve the layout with Config.for_devices first"
         )
     devices.sort(key=lambda dev: (dev.process_index, dev.id))
-    grid = np.array(devices, dtype=object).reshape(d // e, e, p, c, t)
+    r = parallel.num_distributed_optimizer_instances
+    grid = np.array(devices, dtype=object).reshape(r, d // (e * r), e, p, c, t)
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
@@ -265,11 +272,19 @@ def psum(x, axis: Axis):
 
 
 def unsplit_data_axes(spec: P) -> tuple[str, ...]:
-    """The axes of GRAD a parameter with `spec` is replicated over: those its gradient is summed over and its
-    distributed-optimizer state is sharded over (every one for a dense weight; 'data' and 'context' for an
-    expert weight, sharded over 'expert'). Megatron's data-parallel group with context parallelism."""
+    """The axes of GRAD a parameter with `spec` is replicated over: those its gradient is summed over and (but
+    'replica', `shard_axes`) its distributed-optimizer state is sharded over (every one for a dense weight;
+    'replica', 'data' and 'context' for an expert weight, sharded over 'expert'). Megatron's data-parallel group
+    with context parallelism."""
     used = spec_axes(spec)
     return tuple(a for a in GRAD if a not in used)
+
+
+def shard_axes(spec: P) -> tuple[str, ...]:
+    """The axes the distributed optimizer (and ZeRO-2/3) shards a parameter with `spec` over: `unsplit_data_axes`
+    within one instance of hybrid sharding (without 'replica', over which the shards are replicated and their
+    gradients summed once a step)."""
+    return tuple(a for a in unsplit_data_axes(spec) if a != REPLICA)
 
 
 def micro_batches(batch: dict, m: int, data: int = 1) -> dict:

@@ -11,7 +11,7 @@ What the plan holds, and who reads it:
 
 | field | the decision | read by |
 |---|---|---|
-| data, expert, pipeline, context, tensor | the mesh's sizes | everything below |
+| replica, data, expert, pipeline, context, tensor | the mesh's sizes | everything below |
 | manual | the axes the step's shard_map region makes manual (each of MANUAL with more than one device) | step, sharding |
 | pipelined, engine, schedule, virtual_stages, micro_batches, stage_split | the gradient engine: a schedule, or a scan over micro batches; the layers of each pipeline chunk | engines, executor, gpipe, ticks |
 | vocab_over_pipeline | the embedding and output layer split over the pipeline ranks, run in lock step | sharding, pipeline |
@@ -19,7 +19,7 @@ What the plan holds, and who reads it:
 | context_comm | how attention's keys and values cross the context ranks: ring or all_gather | model/context.py |
 | tp_overlap | sequence parallelism's collectives as rings ("ring"), chunks ("chunks", in a pipeline) or plain (None) | model/collective_matmul.py |
 | moe_folds, moe_ragged, moe_buffer_factor | the experts' exchange (parallel folding, ragged all-to-all) | model/moe/exchange.py |
-| shard_optimizer, zero_stage | ZeRO-1: the optimizer state sharded over the data (and context) ranks; zero_stage 0-3 | step.build, ticks |
+| shard_optimizer, zero_stage | ZeRO-1: the optimizer state sharded over the data (and context) ranks of an instance ('replica': hybrid sharding); zero_stage 0-3 | step.build, ticks |
 | overlap_param_gather | with the distributed optimizer, the weights kept as their optimizer shard where it is unpadded | step |
 | overlap_comm_ratio | the most layers an idle pipeline tick reduces and gathers (0: no cap) | ticks |
 | reduce_in_backward | the data-parallel gradient reductions issued layer by layer in the backward | step, ticks, overlap |
@@ -43,14 +43,15 @@ import dataclasses
 
 from megajax.config import Config, StageSplit
 
-MANUAL = ("data", "expert", "pipeline", "context")  # the axes the step may make manual ('tensor' stays with GSPMD)
+MANUAL = ("replica", "data", "expert", "pipeline", "context")  # the axes the step may make manual (not 'tensor')
 
 
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
     """The resolved layout of one train step (see the module docstring for who reads which field)."""
 
-    data: int = 1  # the mesh's 'data' axis: data-parallel ranks / expert
+    replica: int = 1  # the mesh's 'replica' axis: hybrid sharding's instances
+    data: int = 1  # the mesh's 'data' axis: data-parallel ranks / (expert x replica)
     expert: int = 1
     pipeline: int = 1
     context: int = 1
@@ -79,8 +80,9 @@ class StepPlan:
 
     @property
     def data_ranks(self) -> int:
-        """The ranks a batch is split over: 'data' x 'expert' (experts divide the data-parallel ranks)."""
-        return self.data * self.expert
+        """The ranks a batch is split over: 'replica' x 'data' x 'expert' (experts and instances divide the
+        data-parallel ranks)."""
+        return self.replica * self.data * self.expert
 
     @property
     def zero_stage(self) -> int:
@@ -109,16 +111,18 @@ class StepPlan:
         par = cfg.parallel
         if par.data is None:
             raise ValueError("StepPlan.resolve needs the layout resolved for the devices: call Config.for_devices")
-        shape = {"data": par.data // par.expert, "expert": par.expert, "pipeline": par.pipeline,
+        r = par.num_distributed_optimizer_instances
+        shape = {"replica": r, "data": par.data // (par.expert * r), "expert": par.expert, "pipeline": par.pipeline,
                  "context": par.context, "tensor": par.tensor}
         pipelined = shape["pipeline"] > 1
         comm = par.context_comm if par.context_comm != "auto" else "all_gather" if pipelined else "ring"
-        # the ranks the optimizer state is sharded over ('data' x 'expert' x 'context'): ZeRO needs some
-        zero_ranks = par.data * par.context > 1
+        # the ranks the optimizer state is sharded over ('data' x 'expert' x 'context', one instance's): ZeRO needs
+        # some
+        zero_ranks = par.data // r * par.context > 1
         shards = par.shards_grads and zero_ranks
-        reduce = (par.overlap_grad_reduce and shape["data"] * shape["expert"] > 1) or shards
+        reduce = (par.overlap_grad_reduce and par.data > 1) or shards
         plan = cls(
-            data=shape["data"], expert=shape["expert"], pipeline=shape["pipeline"], context=shape["context"],
+            replica=r, data=shape["data"], expert=shape["expert"], pipeline=shape["pipeline"], context=shape["context"],
             tensor=shape["tensor"], manual=tuple(a for a in MANUAL if shape[a] > 1), schedule=par.schedule,
             virtual_stages=par.virtual_stages, micro_batches=cfg.num_micro_batches, stage_split=cfg.stage_split,
             # (null: not with the idle ticks' data-parallel reductions, whose order beside the lock step's collectives
@@ -153,7 +157,7 @@ class StepPlan:
         35 -> 67 GiB, benchmarks/2026-11-28-compile-only-fast-defaults.md). On CPU the loop compiles faster."""
         inside = (self.pipelined or self.tensor > 1 or self.context > 1 or self.expert > 1 or self.moe_folds > 1
                   or self.reduce_in_backward or self.gather_in_forward or self.shard_grads)
-        reduction_beside = self.data > 1 and self.micro_batches == 1
+        reduction_beside = self.data_ranks > 1 and self.micro_batches == 1
         return self.platform not in (None, "cpu") and not inside and not reduction_beside
 
 

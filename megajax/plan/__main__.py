@@ -97,6 +97,9 @@ def _label(s: dict) -> str:
                                     ("parallel.overlap_grad_reduce", "ogr")) if s[key]]
     shard = s["parallel.data_parallel_sharding_strategy"]
     flags.append({"optim": "zero1", "optim_grads_params": "fsdp"}.get(shard, ""))
+    instances = s.get("parallel.num_distributed_optimizer_instances", 1)
+    if instances > 1:  # hybrid sharding: that many instances, each sharding over its share of the data ranks
+        flags[-1] += f"/{instances}"
     return " ".join(parts + [f for f in flags if f])
 
 

@@ -145,6 +145,8 @@ class _Layout:
         self.cfg, self.model, self.par, self.node = cfg, m, p, gpus_per_node
         self.plan = StepPlan.resolve(cfg, platform="gpu")  # the step's parallel decisions on the GPUs planned for
         self.t, self.c, self.pp, self.d, self.e = p.tensor, p.context, p.pipeline, p.data, p.expert
+        self.r = p.num_distributed_optimizer_instances  # hybrid sharding's instances
+        self.shards = self.d // self.r * self.c  # the ranks ZeRO shards over (one instance's data x context)
         self.b = cfg.train.micro_batch_size
         self.m = cfg.num_micro_batches
         self.tokens = self.b * m.seq_length // self.c  # one micro batch's tokens on this GPU's context shard
@@ -335,24 +337,34 @@ def _pipeline_send_s(hw: Hardware, L: _Layout) -> float:
     return nbytes / bw
 
 
-def _data_comm_s(hw: Hardware, L: _Layout, params: dict) -> tuple[float, float]:
-    """(per step, per micro batch) data-parallel traffic: the fp32 gradients' reduction (an all-reduce, or the
-    distributed optimizer's reduce-scatter and weight all-gather: the same bytes) once a step; ZeRO-2 and 3 reduce
-    every micro batch and ZeRO-3 gathers the weights (bf16) before each forward and backward."""
+def _data_comm_s(hw: Hardware, L: _Layout, params: dict) -> tuple[float, float, float]:
+    """(reduction per step, gather per step, per micro batch) data-parallel traffic: the fp32 gradients' reduction
+    (an all-reduce, or the distributed optimizer's reduce-scatter and weight all-gather: the same bytes) once a
+    step; ZeRO-2 and 3 reduce every micro batch and ZeRO-3 gathers the weights (bf16) before each forward and
+    backward. With hybrid sharding (L.r instances) the scatters and gathers run inside an instance and the
+    instances all-reduce their gradient shards once a step."""
     par = L.par
-    ranks = L.d * L.c
+    ranks = L.shards
     stride = L.pp * L.c * L.t if L.d > 1 else L.t  # (context ranks, tensor apart, reduce with the data ranks)
     bw = group_bandwidth(hw, ranks, stride, L.node)
-    bw_e = group_bandwidth(hw, L.d // L.e, stride * L.e, L.node)
+    inner_e = L.d // (L.e * L.r)  # an expert weight's data ranks in one instance
+    bw_e = group_bandwidth(hw, inner_e, stride * L.e, L.node)
     grads = _collective_s(4 * params["dense"], 2 * _ring(ranks), bw) + _collective_s(
-        4 * params["experts"], 2 * _ring(L.d // L.e), bw_e)
+        4 * params["experts"], 2 * _ring(inner_e), bw_e)
+    across = 0.0
+    if L.r > 1:  # every instance's shards all-reduced over the instances, the data ranks of one instance apart
+        bw_r = group_bandwidth(hw, L.r, stride * L.d // L.r, L.node)
+        across = _collective_s(4 * (params["dense"] / ranks + params["experts"] / max(inner_e, 1)),
+                               2 * _ring(L.r), bw_r)
     if par.shards_grads:
         # ZeRO-3 gathers the bf16 weights for every forward and backward; under a pipeline once a step, in the
         # schedule's ticks (kept whole for the step), as ZeRO-2 and ZeRO-1 gather their fp32 shards' bf16 casts
         again = par.shards_params and L.pp == 1
         per_micro = grads / 2 + (_collective_s(2 * 2 * params["total"], _ring(ranks), bw) if again else 0.0)
-        return (0.0 if again else grads / 2), per_micro
-    return grads, 0.0
+        return (0.0 if again else grads / 2) + across, 0.0, per_micro
+    # the distributed optimizer: half of it the weights' all-gather after the update
+    gather = grads / 2 if par.shards_optimizer else 0.0
+    return grads - gather + across, gather, 0.0
 
 
 def layer_activation_bytes(L: _Layout) -> dict:
@@ -410,7 +422,7 @@ def _memory(hw: Hardware, L: _Layout, params: dict, in_flight: int) -> dict:
     AdamW's two fp32 moments (sharded with the distributed optimizer), the activations
     (`layer_activation_bytes`), the logits, the reserve; and XLA's scheduling limit for this program."""
     par, m = L.par, L.model
-    ranks = L.d * L.c
+    ranks = L.shards
     n = params["total"]
     shard = lambda x: x / ranks if ranks > 1 else x  # noqa: E731
     acts = layer_activation_bytes(L)
@@ -549,17 +561,15 @@ def estimate(cfg: Config, hw: Hardware, gpus_per_node: int, simulate: bool = Tru
         step_compute, bubble = L.m * compute_mb, 0.0
     else:
         step_compute, bubble = _pipeline(L.plan, fwd, again, bwd, head, send, simulate)
-    reduce_s, per_micro = _data_comm_s(hw, L, params)
-    gather_s = reduce_s / 2 if par.shards_optimizer and not par.shards_grads else 0.0
-    reduce_s -= gather_s
+    reduce_s, gather_s, per_micro = _data_comm_s(hw, L, params)
     idle = bubble / 2 if L.pp > 1 else 0.0  # the cool-down's (warm-up's) idle ticks on the busiest rank
     fsdp = per_micro if packed else max(per_micro - layers * (fwd + bwd), (1 - FSDP_HIDDEN) * per_micro)
     data = (_overlapped(reduce_s, idle + layers * bwd, par.overlap_grad_reduce and not packed)
             + _overlapped(gather_s, idle + layers * fwd, par.overlap_param_gather and not packed) + L.m * fsdp)
     n_local = params["total"]
-    shard = L.d * L.c if par.shards_optimizer else 1
+    shard = L.shards if par.shards_optimizer else 1
     optimizer = (ADAMW_BYTES * n_local / shard + 6 * n_local) / hw.elementwise_bytes_per_s
-    accumulated = n_local / (L.d * L.c) if par.shards_grads else n_local  # ZeRO-2/3 accumulate their shard
+    accumulated = n_local / L.shards if par.shards_grads else n_local  # ZeRO-2/3 accumulate their shard
     accumulate = (L.m * GRAD_ACCUMULATION_BYTES * accumulated / hw.elementwise_bytes_per_s
                   if L.m > 1 and framework == "megajax" else 0.0)
     step = step_compute + data + optimizer + accumulate

@@ -3,8 +3,9 @@ the predicted step time (`megajax.plan.cost`), the closest few compiled for the 
 
 The space: tensor, pipeline, context and expert sizes (data takes the rest), the schedule and its virtual stages,
 the micro batch size, recomputation, the data-parallel sharding (the distributed optimizer, or FSDP), sequence
-parallelism with and without tp_comm_overlap, overlap_grad_reduce with overlap_param_gather. Keys the user fixes
-(`--set parallel.tensor=8`) are not varied. Sequence parallelism is on whenever tensor > 1 (it moves the same
+parallelism with and without tp_comm_overlap, overlap_grad_reduce with overlap_param_gather, and hybrid sharding
+(the sharded state's instances: one over every data rank, or one a node where the data ranks span nodes). Keys the
+user fixes (`--set parallel.tensor=8`) are not varied. Sequence parallelism is on whenever tensor > 1 (it moves the same
 bytes as tensor parallelism alone and needs less memory) and the distributed optimizer whenever data > 1 (the
 same bytes as an all-reduce), unless fixed.
 """
@@ -24,7 +25,7 @@ from megajax.plan.hardware import GIB, Hardware
 KEYS = ("parallel.data", "parallel.pipeline", "parallel.tensor", "parallel.context", "parallel.expert",
         "parallel.schedule", "parallel.virtual_stages", "train.micro_batch_size", "model.recompute",
         "parallel.sequence_parallel", "parallel.tp_comm_overlap", "parallel.data_parallel_sharding_strategy",
-        "parallel.overlap_grad_reduce", "parallel.overlap_param_gather",
+        "parallel.overlap_grad_reduce", "parallel.overlap_param_gather", "parallel.num_distributed_optimizer_instances",
         "parallel.decoder_first_pipeline_num_layers", "parallel.decoder_last_pipeline_num_layers",
         "parallel.account_for_embedding_in_pipeline_split", "parallel.account_for_loss_in_pipeline_split")
 EVEN = {"parallel.decoder_first_pipeline_num_layers": None, "parallel.decoder_last_pipeline_num_layers": None,
@@ -104,7 +105,8 @@ def layouts(base: Config, gpus: int, gpus_per_node: int, fixed: dict) -> list[di
                 continue
             experts = [e for e in divisors(d) if m.num_experts and m.num_experts % e == 0] or [1]
             for e, split in itertools.product(pick("parallel.expert", experts), splits(m, p, fixed)):
-                out += [{**row, **split} for row in _inner(base, fixed, pick, d, p, t, c, e, split)]
+                rows = _inner(base, fixed, pick, d, p, t, c, e, split, gpus_per_node)
+                out += [{**row, **split} for row in rows]
     return out
 
 
@@ -132,7 +134,8 @@ def splits(model, p: int, fixed: dict) -> list[dict]:
     return out
 
 
-def _inner(base: Config, fixed: dict, pick, d: int, p: int, t: int, c: int, e: int, split: dict) -> list[dict]:
+def _inner(base: Config, fixed: dict, pick, d: int, p: int, t: int, c: int, e: int, split: dict,
+           gpus_per_node: int) -> list[dict]:
     m = base.model
     per_rank = base.train.global_batch_size // d
     schedules = [("1f1b", 1)]
@@ -146,12 +149,18 @@ def _inner(base: Config, fixed: dict, pick, d: int, p: int, t: int, c: int, e: i
         schedules = list(dict.fromkeys(schedules))
     micro = [b for b in divisors(per_rank) if b <= 32]
     sharding = ["optim", "optim_grads_params"] if d * c > 1 else ["no_shard"]
+    # hybrid sharding: one instance over every data rank, or (where the data ranks span nodes) one a node
+    in_node = gpus_per_node // (p * c * t)
+    instances = [1] + ([d // in_node] if 2 <= in_node < d and d % in_node == 0 else [])
     rows = []
-    for (schedule, v), b, recompute, shard, tpo, ogr in itertools.product(
+    for (schedule, v), b, recompute, shard, tpo, ogr, r in itertools.product(
             schedules, pick("train.micro_batch_size", micro), pick("model.recompute", ["none", "selective", "full"]),
             pick("parallel.data_parallel_sharding_strategy", sharding),
             pick("parallel.tp_comm_overlap", [False, True] if t > 1 else [False]),
-            pick("parallel.overlap_grad_reduce", [False, True] if d * c > 1 else [False])):
+            pick("parallel.overlap_grad_reduce", [False, True] if d * c > 1 else [False]),
+            pick("parallel.num_distributed_optimizer_instances", instances)):
+        if r > 1 and shard == "no_shard":
+            continue
         if p > 1 and recompute == "full" and "model.recompute" not in fixed:
             continue  # (a pipeline recomputes every chunk anyway: full only repeats selective's layout)
         if p > 1 and per_rank // b < p:
@@ -161,7 +170,7 @@ def _inner(base: Config, fixed: dict, pick, d: int, p: int, t: int, c: int, e: i
                "train.micro_batch_size": b, "model.recompute": recompute,
                "parallel.sequence_parallel": fixed.get("parallel.sequence_parallel", t > 1),
                "parallel.tp_comm_overlap": tpo, "parallel.data_parallel_sharding_strategy": shard,
-               "parallel.overlap_grad_reduce": ogr,
+               "parallel.overlap_grad_reduce": ogr, "parallel.num_distributed_optimizer_instances": r,
                "parallel.overlap_param_gather": fixed.get("parallel.overlap_param_gather",
                                                           ogr and shard == "optim")}
         if row["parallel.tp_comm_overlap"] and not row["parallel.sequence_parallel"]:
