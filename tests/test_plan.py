@@ -215,6 +215,30 @@ def test_search_space_enumerated():
                r["parallel.decoder_first_pipeline_num_layers"] for r in p16)  # 126 layers: no even split
     fixed = search_lib.layouts(base, 1024, 8, {"parallel.tensor": 8, "parallel.pipeline": 16})
     assert {(r["parallel.tensor"], r["parallel.pipeline"]) for r in fixed} == {(8, 16)}
+    # hybrid sharding: one instance a node where the data ranks span nodes (tensor 1 x pipeline 1: 128 of 8)
+    flat = [r for r in rows if (r["parallel.tensor"], r["parallel.pipeline"]) == (1, 1)]
+    assert {r["parallel.num_distributed_optimizer_instances"] for r in flat} == {1, 128}
+    assert {r["parallel.num_distributed_optimizer_instances"] for r in rows if r["parallel.tensor"] == 8} == {1}
+
+
+def test_hybrid_sharding_trades_memory_for_the_network():
+    """FSDP over 32 H100s (4 nodes), tensor 2: one instance a node shards over its 4 data ranks, not 16 (4 times the
+    optimizer state a GPU); its gathers and scatters run on NVLink, where the flat rings cross nodes on the 4 NICs
+    of a node's data ranks (half the rate), and the instances all-reduce the gradient shards once a step, after
+    the micro batches (exposed)."""
+    base = config_io.load(ROOT / "configs/llama3-8b.yaml", [
+        "parallel.tensor=2", "parallel.data=16", "parallel.tp_comm_overlap=false", "parallel.overlap_grad_reduce=false",
+        "parallel.overlap_param_gather=false", "model.num_layers=16", "train.global_batch_size=128",
+        "parallel.data_parallel_sharding_strategy=optim_grads_params"])
+    hw = hardware("h100")
+    cfgs = [search_lib.configure(base, {"parallel.num_distributed_optimizer_instances": r}, 32) for r in (1, 4)]
+    flat, hybrid = (cost.estimate(c, hw, 8) for c in cfgs)
+    assert hybrid.memory["optimizer"] == pytest.approx(4 * flat.memory["optimizer"])
+    (step_flat, _, micro_flat), (step_hybrid, _, micro_hybrid) = (
+        cost._data_comm_s(hw, layout, cost.local_parameters(layout)) for layout in (cost._Layout(c, 8) for c in cfgs))
+    assert micro_hybrid < micro_flat / 2  # NVLink, not 4 NICs
+    assert step_flat == 0 < step_hybrid
+    assert hybrid.exposed_s["data"] >= step_hybrid  # (the instances' all-reduce, after the micro batches)
 
 
 def test_plans_the_1t_model_on_3072_gpus_fast():

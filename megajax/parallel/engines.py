@@ -226,10 +226,11 @@ def compute_grads(setup, params, batch: dict, seed_scale: jax.Array):
         scattered = jax.tree.map(lambda z: z is not None and z.data_only, zero, is_leaf=is_none)
         lengths = setup.per_variable(jax.tree.map(lambda a, z: None if z is None else a.shape[z.dim],
                                                    setup.param_shapes, setup.zero_dims, is_leaf=is_none), None)
-        reductions = jax.tree.map(lambda z, sc, a, s, g, n, low: overlap.Reduction(a, z, s, gather=g, length=n, **low)
-                                  if sc else overlap.Reduction(a), zero, scattered, reduce_axes, p_specs,
-                                  setup.per_variable(setup.gathered_params(), False), lengths,
-                                  _gather_dtypes(cfg, params), is_leaf=is_none)
+        # (hybrid sharding: ZeRO-1's one reduction a step sums the instances too; ZeRO-2/3's after the micro batches)
+        reductions = jax.tree.map(lambda z, sc, a, s, g, n, low: overlap.Reduction(
+            a, z, s, gather=g, length=n, across=not plan.shard_grads, **low) if sc else overlap.Reduction(a),
+            zero, scattered, reduce_axes, p_specs, setup.per_variable(setup.gathered_params(), False), lengths,
+            _gather_dtypes(cfg, params), is_leaf=is_none)
         g_specs = jax.tree.map(lambda s, z, sc: optim.zero_spec(s, z, z.dim + 1) if sc else s, p_specs, zero,
                                scattered, is_leaf=is_none)
     else:

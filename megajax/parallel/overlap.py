@@ -57,7 +57,9 @@ class Reduction:
     its bf16 parameters), its gradient then cast back to `grad_dtype` (the parameter's) before the reduction.
     `local`: a micro batch before the last, whose gradient stays on its rank (not reduced). `length`: the
     weight's own size along zero.dim (its shard may hold the distributed optimizer's zero padding past it: ZeRO-3
-    keeps padded shards), which a gather slices back to."""
+    keeps padded shards), which a gather slices back to. `across`: the scattered shard also summed over hybrid
+    sharding's instances here (a reduction that runs once a step, under the last backward: ZeRO-1's), not by
+    `across_instances` after the micro batches (ZeRO-2/3 scatter in every one)."""
 
     axes: tuple[str, ...]
     zero: optim.ZeroDim | None = None
@@ -67,6 +69,7 @@ class Reduction:
     gather_dtype: str | None = None
     grad_dtype: str | None = None
     length: int | None = None
+    across: bool = False
 
     def per_layer(self, lead: int = 1) -> "Reduction":
         """The reduction of a stacked weight's slice with its first `lead` dims dropped: one layer of [layers, ...]
@@ -85,13 +88,18 @@ class Reduction:
         shard (one instance's data ranks: not hybrid sharding's 'replica')."""
         return tuple(a for a in self._manual() if a in self.zero.axes)
 
+    def _instances(self) -> tuple[str, ...]:
+        """The axes of `axes` a scattered gradient is still to be summed over: hybrid sharding's 'replica'."""
+        return tuple(a for a in self.axes if a not in self.zero.axes)
+
     def across_instances(self, g: jax.Array) -> jax.Array:
         """A gradient scattered onto its optimizer shard, summed over hybrid sharding's instances ('replica'):
         once a step, after every micro batch's scatter inside an instance. The identity without instances, and
-        for a gradient all-reduced over every data rank already (no `zero`) or kept local."""
-        if self.zero is None or self.local:
+        for a gradient all-reduced over every data rank already (no `zero`), summed `across` in its reduction, or
+        kept local."""
+        if self.zero is None or self.local or self.across:
             return g
-        return sharding.psum(g, tuple(a for a in self.axes if a not in self.zero.axes))
+        return sharding.psum(g, self._instances())
 
     def __call__(self, g: jax.Array) -> jax.Array:
         if self.grad_dtype is not None:  # (the gradient of a weight gathered in a lower precision)
@@ -102,15 +110,17 @@ class Reduction:
             return sharding.psum(g, self.axes)
         g = optim.zero_pad(g, self.zero)
         axes = self._scattered()
-        if not axes:
-            return g
-        return _tensor_manual(functools.partial(jax.lax.psum_scatter, axis_name=axes,
-                                                scatter_dimension=self.zero.dim, tiled=True), g, self.spec)
+        if axes:
+            g = _tensor_manual(functools.partial(jax.lax.psum_scatter, axis_name=axes,
+                                                 scatter_dimension=self.zero.dim, tiled=True), g, self.spec)
+        return sharding.psum(g, self._instances()) if self.across else g
 
     def result_axes(self) -> tuple[str, ...]:
         """The manual axes a gradient reduced in a region where everything varies (the pipeline's) varies over:
-        all of them but the summed axes after an all-reduce; all of them after a reduce-scatter (the shards)."""
-        return tuple(a for a in sharding.current_manual_axes() if self.zero is not None or a not in self.axes)
+        all of them but the summed axes after an all-reduce; all of them after a reduce-scatter (the shards), but
+        the instances it is summed `across`."""
+        summed = self.axes if self.zero is None else self._instances() if self.across else ()
+        return tuple(a for a in sharding.current_manual_axes() if a not in summed)
 
     def gathered(self, w: jax.Array) -> jax.Array:
         """The whole weight from its optimizer shard (`gather`), or w as it is."""
@@ -134,8 +144,10 @@ class Reduction:
         elif self.zero is not None and not self.local:  # the optimizer shard
             mesh = jax.sharding.get_abstract_mesh()
             shape[self.zero.dim] = self.zero.size // math.prod(mesh.shape[a] for a in self._scattered())
-        if self.local or self.zero is not None:
+        if self.local:
             axes += self.axes
+        elif self.zero is not None:  # (a shard: varies over the data ranks, but the instances it is summed across)
+            axes += tuple(a for a in self.axes if not (self.across and a in self._instances()))
         return sharding.vary(jnp.zeros(shape, self.grad_dtype or w.dtype), axes)
 
 

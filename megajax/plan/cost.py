@@ -564,7 +564,9 @@ def estimate(cfg: Config, hw: Hardware, gpus_per_node: int, simulate: bool = Tru
     reduce_s, gather_s, per_micro = _data_comm_s(hw, L, params)
     idle = bubble / 2 if L.pp > 1 else 0.0  # the cool-down's (warm-up's) idle ticks on the busiest rank
     fsdp = per_micro if packed else max(per_micro - layers * (fwd + bwd), (1 - FSDP_HIDDEN) * per_micro)
-    data = (_overlapped(reduce_s, idle + layers * bwd, par.overlap_grad_reduce and not packed)
+    # (ZeRO-2/3's reduction a step is hybrid sharding's all-reduce of the shards after the micro batches: exposed)
+    hides = par.overlap_grad_reduce and not par.shards_grads and not packed
+    data = (_overlapped(reduce_s, idle + layers * bwd, hides)
             + _overlapped(gather_s, idle + layers * fwd, par.overlap_param_gather and not packed) + L.m * fsdp)
     n_local = params["total"]
     shard = L.shards if par.shards_optimizer else 1
