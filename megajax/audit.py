@@ -199,7 +199,9 @@ def expected_context_exchange(cfg, plan) -> dict:
     keys and values (2 x micro batch x seq / context x kv heads / tensor x head dim in the compute dtype): the
     ring sends KV c - 1 times in the forward, c - 1 times in the backward, and the gradient buffer dK, dV (KV's
     size) c times; the all_gather exchange gathers c x KV in the forward and again in the backward and
-    reduce-scatters c x KV of gradients. A forward run again in the backward (full recomputation, or selective
+    reduce-scatters c x KV of gradients; the a2a exchange sends the queries, keys, values (repeated to the query
+    heads where theirs do not divide over tensor x context) and the output once each way, and their gradients in the
+    backward. A forward run again in the backward (full recomputation, or selective
     where the attention core is not a fused kernel on `platform`, kernels.auto.fused_attention) sends its c - 1
     ring hops again, except the first, which is the backward's own first hop (the same collective
     on the same keys: XLA merges them), and its all-gather is the backward's. Exact for the H100 program without
@@ -214,11 +216,19 @@ def expected_context_exchange(cfg, plan) -> dict:
           * (2 if m.compute_dtype != "float32" else 4))
     layers = cfg.stage_split.busiest_rank_layers(cfg.parallel.pipeline) * cfg.num_micro_batches
     comm, platform = plan.context_comm, plan.platform
+    recomputed = m.recompute == "full" or (m.recompute == "selective" and not kernel_choice.fused_attention(
+        m.attention_impl, m.head_dim, m.attention_dropout > 0, platform))
     if comm == "ring":
-        recomputed = m.recompute == "full" or (m.recompute == "selective" and not kernel_choice.fused_attention(
-            m.attention_impl, m.head_dim, m.attention_dropout > 0, platform))
         again = c - 2 if recomputed else 0
         per_layer = {"collective-permute": kv * (2 * (c - 1) + again + c)}
+    elif comm == "a2a":
+        # the queries, keys, values and output each cross once in the forward, their gradients once in the backward,
+        # and a recomputed core crosses again; keys and values whose heads do not divide are repeated to the queries'
+        t = p.tensor
+        heads = m.num_heads // t
+        groups = m.kv_heads // t if m.kv_heads % (t * c) == 0 else heads
+        one = kv // (2 * (m.kv_heads // t))  # one head of this rank's tokens
+        per_layer = {"all-to-all": one * 2 * (heads + groups) * (3 if recomputed else 2)}
     else:
         per_layer = {"all-gather": 2 * c * kv, "reduce-scatter": c * kv}
     return {"exchange": comm, "kv_bytes_per_layer": kv, "bytes_per_step": {k: v * layers for k, v in per_layer.items()}}

@@ -62,11 +62,12 @@ def _mesh(c: int):
     return jax.make_mesh((c, 1), ("context", "tensor"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:c])
 
 
-def _ring(c: int, impl: str, exchange: str):
-    """ring_attention over a 'context' mesh of c devices, taking and returning whole sequences in token order."""
+def _ring(c: int, impl: str):
+    """context.attention (the step plan's exchange) over a 'context' mesh of c devices, taking and returning whole
+    sequences in token order."""
     def local(q, k, v, seg):
         q, k, v, seg = (context.split(x) for x in (q, k, v, seg))
-        o = context.ring_attention(q, k, v, segment_ids=seg, impl=impl, exchange=exchange)
+        o = context.attention(q, k, v, segment_ids=seg, impl=impl)
         # back to token order: every rank's rows scattered into a whole sequence, summed over the ranks
         full = jnp.zeros((o.shape[0], o.shape[1] * c, *o.shape[2:]), o.dtype)
         h = o.shape[1] // 2
@@ -81,7 +82,8 @@ def _ring(c: int, impl: str, exchange: str):
 @pytest.mark.parametrize("c,impl,exchange", [pytest.param(2, "xla", "ring", marks=pytest.mark.slow), (4, "xla", "ring"),
                                              pytest.param(4, "xla", "all_gather", marks=pytest.mark.slow),
                                              pytest.param(2, "pallas", "ring", marks=pytest.mark.slow),
-                                             (4, "pallas", "all_gather")])
+                                             (4, "pallas", "all_gather"), (4, "xla", "a2a"),
+                                             pytest.param(2, "pallas", "a2a", marks=pytest.mark.slow)])
 def test_ring_attention_equals_whole_sequence_attention(c, impl, exchange):
     b, s, h, g, d = 2, 8 * c, 4, 2, 8
     keys = jax.random.split(jax.random.key(c), 5)
@@ -89,7 +91,7 @@ def test_ring_attention_equals_whole_sequence_attention(c, impl, exchange):
     k, v = (jax.random.normal(key, (b, s, g, d)) for key in keys[1:3])
     do = jax.random.normal(keys[3], (b, s, h, d))
     seg = jnp.sort(jax.random.randint(keys[4], (b, s), 0, 3), axis=1)  # packed documents
-    ring = _ring(c, impl, exchange)
+    ring = _ring(c, impl)
 
     def reference(q, k, v, seg):
         return kernels.attention_reference(q, k, v, causal=True, segment_ids=seg)
@@ -99,6 +101,7 @@ def test_ring_attention_equals_whole_sequence_attention(c, impl, exchange):
         return (out, *vjp(do))
 
     # as in the train step: jitted, under the mesh the kernels' region reads and a step plan with 'context' manual
+    # (a2a: 2 key-value heads over 4 context ranks, repeated to the 4 query heads)
     with jax.set_mesh(_mesh(c)), step_plan.use(StepPlan(context=c, manual=("context",), context_comm=exchange)):
         got = jax.jit(lambda *a: value_and_grads(ring, *a))(q, k, v, do)
     want = value_and_grads(reference, q, k, v, do)
@@ -142,8 +145,10 @@ def context_space() -> list[dict]:
         if c * d * p * t > 8:
             continue
         for arch, sp, comm, schedule in itertools.product(
-                ARCHS, (False, True) if t > 1 else (False,), ("auto", "ring", "all_gather") if p == 1 else
-                ("auto", "all_gather"), ("1f1b", "interleaved", "zero_bubble", "gpipe") if p > 1 else ("1f1b",)):
+                ARCHS, (False, True) if t > 1 else (False,), ("auto", "ring", "all_gather", "a2a") if p == 1 else
+                ("auto", "all_gather", "a2a"), ("1f1b", "interleaved", "zero_bubble", "gpipe") if p > 1 else ("1f1b",)):
+            if comm == "a2a" and ARCHS[arch]["model.num_heads"] % (c * t):
+                continue  # (the heads split over tensor x context)
             out.append({"arch": arch, "n": c * d * p * t, "sets": {
                 **SIZE, **ARCHS[arch], "model.seq_length": 64, "parallel.context": c, "parallel.data": d,
                 "parallel.pipeline": p, "parallel.tensor": t, "parallel.sequence_parallel": sp,
@@ -170,6 +175,7 @@ def test_the_context_space_is_accepted():
     ({"parallel.context": 2, "model.attention_dropout": 0.1}, "attention_dropout=0"),
     ({"parallel.context": 2, "model.num_experts": 4}, "parallel.context=1"),
     ({"parallel.context": 2, "model.attention_impl": "cudnn"}, "pallas or xla"),
+    ({"parallel.context": 4, "parallel.tensor": 2, "parallel.context_comm": "a2a"}, "must divide by parallel.tensor"),
     ({"data.reset_attention_mask": True, "model.attention_impl": "cudnn"}, "pallas or xla"),
 ])
 def test_bad_context_layouts_name_the_fix(sets, fix):
@@ -199,8 +205,25 @@ LAYOUTS = {
     # the distributed optimizer sharded over context alone (data = 1)
     "llama-p2c2-1f1b-zero1": ("llama", 4, {"parallel.pipeline": 2, "parallel.context": 2,
                                            "parallel.distributed_optimizer": True, "train.micro_batch_size": 2}),
+    # all-to-all attention: grouped-query keys and values repeated to the heads (2 over 4 ranks), packed documents;
+    # with tensor and sequence parallelism and the Pallas kernels; on a pipeline with ZeRO-3's neighbour, ZeRO-1
+    "llama-c4-a2a-packed-documents": ("llama", 4, {"parallel.context": 4, "parallel.context_comm": "a2a",
+                                                   "model.seq_length": 128, "data.reset_attention_mask": True,
+                                                   "data.reset_position_ids": True}),
+    "gpt2-c2t2-a2a-sp-pallas": ("gpt2", 4, {"parallel.context": 2, "parallel.tensor": 2, "parallel.context_comm": "a2a",
+                                            "parallel.sequence_parallel": True, "model.attention_impl": "pallas"}),
 }
 SLOW_LAYOUTS = {
+    "deepseek-p2c2-a2a-interleaved-zero1": ("deepseek", 8, {
+        "parallel.data": 2, "parallel.pipeline": 2, "parallel.context": 2, "parallel.context_comm": "a2a",
+        "parallel.schedule": "interleaved", "parallel.virtual_stages": 2, "parallel.distributed_optimizer": True,
+        "train.micro_batch_size": 1}),
+    "llama-d2c2t2-a2a-zero3": ("llama", 8, {"parallel.data": 2, "parallel.context": 2, "parallel.tensor": 2,
+                                            "parallel.context_comm": "a2a",
+                                            "parallel.data_parallel_sharding_strategy": "optim_grads_params"}),
+    "gpt2-p2c2-a2a-1f1b-full-recompute": ("gpt2", 4, {"parallel.pipeline": 2, "parallel.context": 2,
+                                                      "parallel.context_comm": "a2a", "model.recompute": "full",
+                                                      "train.micro_batch_size": 2}),
     "llama-d2p2c2-interleaved-zero1": ("llama", 8, {"parallel.data": 2, "parallel.pipeline": 2, "parallel.context": 2,
                                                     "parallel.schedule": "interleaved", "parallel.virtual_stages": 2,
                                                     "parallel.distributed_optimizer": True,
@@ -251,7 +274,7 @@ def test_context_layout_matches_one_device(name):
 
 @pytest.mark.parametrize("exchange,recompute", [
     pytest.param("ring", "none", marks=pytest.mark.slow), ("ring", "selective"),
-    pytest.param("all_gather", "full", marks=pytest.mark.slow)])
+    pytest.param("all_gather", "full", marks=pytest.mark.slow), ("a2a", "full")])
 def test_the_exchange_on_h100_is_the_analytic_volume_and_the_ring_runs_under_the_kernels(exchange, recompute):
     """XLA's GPU program (compile-only H100s) moves exactly the analytic bytes over 'context' (audit's
     expected_context_exchange), and every ring hop has attention compute scheduled between its start and done."""

@@ -505,6 +505,8 @@ def guard_space() -> dict[str, dict]:
         "ring-pipeline": guard_case("1f1b", 2, True, 1, 0, False, **{"parallel.tp_comm_overlap": True}),
         "context-ring": guard_case(None, 2, True, 1, 1, False, **{"parallel.context": 2}),
         "context-all-gather-pipeline": guard_case("1f1b", 1, False, 1, 1, False, **{"parallel.context": 2}),
+        "context-a2a-pipeline": guard_case("interleaved", 1, False, 1, 1, False, **{
+            "parallel.context": 2, "parallel.context_comm": "a2a"}),
         "uneven-1f1b": guard_case("1f1b", 1, False, 1, 1, False, **{
             "model.num_layers": 5, "parallel.decoder_first_pipeline_num_layers": 2}),
         "uneven-interleaved-moe": guard_case("interleaved", 2, True, 1, 1, True, **{

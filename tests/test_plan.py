@@ -219,6 +219,28 @@ def test_search_space_enumerated():
     flat = [r for r in rows if (r["parallel.tensor"], r["parallel.pipeline"]) == (1, 1)]
     assert {r["parallel.num_distributed_optimizer_instances"] for r in flat} == {1, 128}
     assert {r["parallel.num_distributed_optimizer_instances"] for r in rows if r["parallel.tensor"] == 8} == {1}
+    # context parallelism (8192-token sequences) by its auto exchange or the all-to-alls
+    assert {r["parallel.context_comm"] for r in rows if r["parallel.context"] > 1} == {"auto", "a2a"}
+    assert {r["parallel.context_comm"] for r in rows if r["parallel.context"] == 1} == {"auto"}
+
+
+def test_all_to_all_attention_is_counted_exposed():
+    """The a2a exchange moves (c - 1) / c of the queries, keys, values and output each way and nothing hides it
+    (attention waits for it); the ring's c - 1 hops of the keys and values hide under attention."""
+    hw = hardware("h100")
+    base = config_io.load(ROOT / "configs/llama3.2-1b-long.yaml")
+    step = lambda comm: cost.estimate(search_lib.configure(base, {  # noqa: E731
+        "parallel.context": 4, "parallel.data": 2, "parallel.tensor": 1, "parallel.sequence_parallel": False,
+        "parallel.tp_comm_overlap": False, "parallel.context_comm": comm}, 8), hw, 8)
+    ring, a2a = step("ring"), step("a2a")
+    m = base.model
+    layout = cost._Layout(search_lib.configure(base, {"parallel.context": 4, "parallel.data": 2, "parallel.tensor": 1,
+                                                      "parallel.sequence_parallel": False,
+                                                      "parallel.tp_comm_overlap": False,
+                                                      "parallel.context_comm": "a2a"}, 8), 8)
+    moved = layout.tokens * m.head_dim * 2 * 2 * (m.num_heads + m.kv_heads) * 3 / 4
+    assert cost._context_comm_s(hw, layout) == pytest.approx(moved / hw.nvlink_bus_bytes_per_s)
+    assert a2a.exposed_s["context"] > 0 and a2a.exposed_s["context"] != ring.exposed_s["context"]
 
 
 def test_hybrid_sharding_trades_memory_for_the_network():

@@ -157,6 +157,10 @@ class Config:
               "parallel.context_comm=all_gather or auto")
         check(m.attention_impl != "cudnn", "model.attention_impl=cudnn is not supported with parallel.context > 1 "
               "(the ring needs each block's log-sum-exp): use model.attention_impl=pallas or xla")
+        check(p.context_comm != "a2a" or m.num_heads % (p.tensor * c) == 0,
+              f"parallel.context_comm=a2a gives each context rank num_heads / (tensor x context) heads of the whole "
+              f"sequence: model.num_heads={m.num_heads} must divide by parallel.tensor x parallel.context = "
+              f"{p.tensor * c} (or use parallel.context_comm=ring or all_gather)")
 
     def _check_batch(self, data: int) -> None:
         t, p = self.train, self.parallel

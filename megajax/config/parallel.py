@@ -42,11 +42,14 @@ class ParallelConfig:
     # dropped (the higher source ranks' last rows first; moe_dropped_fraction counts them). null: dropless.
     expert_buffer_factor: float | None = None
     context: int = 1  # context-parallel size: every sequence split over this many ranks, attention by a ring
-    # How attention's keys and values cross the context ranks (Megatron's --cp-comm-type): ring = ppermute one hop
-    # per step under the previous block's compute (p2p); all_gather = every rank's at once, the gradients
-    # reduce-scattered. auto: ring without a pipeline, all_gather with one (a collective-permute inside the
-    # pipeline's per-rank branches waits for every device of the mesh and deadlocks).
-    context_comm: Literal["auto", "ring", "all_gather"] = "auto"
+    # How attention crosses the context ranks (Megatron's --cp-comm-type): ring = the keys and values passed one hop
+    # per step under the previous block's compute (p2p); all_gather = every rank's keys and values at once, the
+    # gradients reduce-scattered; a2a = all-to-alls that trade the sequence split for a split of the heads (Ulysses,
+    # MaxText's "ulysses"): each rank attends over the whole sequence for num_heads / context of the heads, and one
+    # all-to-all each way moves the queries, keys, values and output (needs num_heads divisible by tensor x
+    # context). auto: ring without a pipeline, all_gather with one (a collective-permute inside the pipeline's
+    # per-rank branches waits for every device of the mesh and deadlocks).
+    context_comm: Literal["auto", "ring", "all_gather", "a2a"] = "auto"
     sequence_parallel: bool = False  # shard the activations outside attention and the MLP over tensor
     virtual_stages: int = 1  # model chunks per pipeline stage (the interleaved or zero_bubble schedule)
     schedule: Literal["gpipe", "1f1b", "interleaved", "zero_bubble"] = "1f1b"  # the pipeline schedule

@@ -1,4 +1,5 @@
-"""Context parallelism: every sequence split over the 'context' ranks for every layer, attention by a ring.
+"""Context parallelism: every sequence split over the 'context' ranks for every layer, attention by a ring (or
+an all-gather, or all-to-alls).
 
 Layout (Megatron-Core's, for causal balance). A sequence of s tokens is cut into 2c chunks of h = s / 2c tokens;
 context rank i holds chunks i and 2c - 1 - i, one after the other (2h local tokens). With a causal mask a plain
@@ -24,6 +25,15 @@ or the XLA reference (megajax/kernels/attention.py, one block of logits at a tim
 [s, s]). Each ring hop is tied to the block it runs under (optimization barriers), which is what makes XLA's GPU
 scheduler overlap it with that block's compute. `exchange` / parallel.context_comm=all_gather gathers every rank's
 keys at once instead (and reduce-scatters their gradients): the exchange that runs under a pipeline.
+
+All-to-all attention (`a2a_attention`, parallel.context_comm=a2a; DeepSpeed-Ulysses, Megatron's cp_comm_type=a2a).
+One all-to-all over 'context' trades the sequence split for a split of the heads: rank i sends each rank j its
+tokens' heads of group j and gets every rank's tokens of its own group, so it holds the whole sequence (its chunks
+put back in token order) for heads / context of the heads and runs plain causal attention over them with any
+kernel; a second all-to-all brings the output back to the sequence split. Its bytes do not grow with the context
+size (each rank sends (c - 1) / c of its queries, keys, values and output), against the ring's c - 1 hops of the
+keys and values, but the heads must divide over tensor x context (grouped-query keys and values whose heads do not
+are repeated to the query heads first).
 """
 
 from __future__ import annotations
@@ -39,7 +49,7 @@ from megajax import kernels
 from megajax.kernels.auto import attention_fallback, by_platform
 from megajax.kernels.launch import match_varying
 from megajax.parallel import step_plan
-from megajax.parallel.sharding import varying_axes, vary
+from megajax.parallel.sharding import constrain, varying_axes, vary
 
 AXIS = "context"
 
@@ -267,6 +277,65 @@ def _cotangents(q, k, v, dq, dk, dv):
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def _token_order(x: jax.Array, c: int) -> jax.Array:
+    """[b, c x 2h, ...] in the context ranks' order (rank i's chunks i and 2c - 1 - i) -> the tokens' order."""
+    b, s, rest = x.shape[0], x.shape[1], x.shape[2:]
+    x = x.reshape(b, c, 2, s // (2 * c), *rest)
+    return jnp.concatenate([x[:, :, 0], x[:, ::-1, 1]], axis=1).reshape(b, s, *rest)
+
+
+def _ranks_order(x: jax.Array, c: int) -> jax.Array:
+    """The inverse of `_token_order`."""
+    b, s, rest = x.shape[0], x.shape[1], x.shape[2:]
+    x = x.reshape(b, 2, c, s // (2 * c), *rest)
+    return jnp.stack([x[:, 0], x[:, 1, ::-1]], axis=2).reshape(b, s, *rest)
+
+
+def _heads_split(x: jax.Array, c: int, t: int) -> jax.Array:
+    """[b, 2h, n, k] (this rank's tokens, n heads split over 'tensor' by GSPMD) -> [b, c x 2h, n / c, k]: every
+    context rank's tokens (in the ranks' order) of this rank's group of heads, group i of each tensor rank's."""
+    b, s, n, k = x.shape
+    x = constrain(x.reshape(b, s, t, c, n // (t * c), k), ("batch", None, "heads", None, None, "head_dim"))
+    x = jax.lax.all_to_all(x, AXIS, 3, 1, tiled=True)
+    return x.reshape(b, c * s, n // c, k)
+
+
+def _sequence_split(x: jax.Array, c: int, t: int) -> jax.Array:
+    """The inverse of `_heads_split`: [b, c x 2h, m, k] -> [b, 2h, c x m, k]."""
+    b, s, m, k = x.shape
+    x = constrain(x.reshape(b, s, t, 1, m // t, k), ("batch", None, "heads", None, None, "head_dim"))
+    x = jax.lax.all_to_all(x, AXIS, 1, 3, tiled=True)
+    return x.reshape(b, s // c, c * m, k)
+
+
+def a2a_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Array | None = None,
+                  impl: str = "xla", scale: float | None = None) -> jax.Array:
+    """Causal attention of this rank's queries over the whole sequence by all-to-alls over 'context' (see the
+    module docstring): the arguments and result as `ring_attention`'s. Inside the train step's manual region only."""
+    c, t = size(), step_plan.in_force().tensor
+    if c == 1:
+        raise ValueError("a2a_attention runs inside the train step's region with parallel.context > 1")
+    heads, groups = q.shape[2], k.shape[2]
+    if heads % (t * c):
+        raise ValueError(f"all-to-all attention splits the {heads} heads over tensor x context = {t * c}")
+    if groups % (t * c):  # (grouped-query keys and values: each repeated to its query heads)
+        k, v = (jnp.repeat(x, heads // groups, axis=2) for x in (k, v))
+    q, k, v = (_token_order(_heads_split(x, c, t), c) for x in (q, k, v))
+    if segment_ids is not None:
+        segment_ids = _token_order(jax.lax.all_gather(segment_ids.astype(jnp.int32), AXIS, axis=1, tiled=True), c)
+    o = kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl, scale=scale)
+    return _sequence_split(_ranks_order(o, c), c, t)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Array | None = None,
+              impl: str = "xla", scale: float | None = None) -> jax.Array:
+    """Context parallelism's causal attention, by the step plan's exchange (parallel.context_comm): all-to-alls
+    (`a2a_attention`), or a ring or an all-gather of the keys and values (`ring_attention`)."""
+    if step_plan.in_force().context_comm == "a2a":
+        return a2a_attention(q, k, v, segment_ids=segment_ids, impl=impl, scale=scale)
+    return ring_attention(q, k, v, segment_ids=segment_ids, impl=impl, scale=scale)
 
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Array | None = None,

@@ -427,8 +427,8 @@ class Attention(nn.Module):
         scale = softmax_scale(cfg, q.shape[-1])
 
         def core(q, kk, v):
-            if context.size() > 1:  # the keys and values of the whole sequence come around the context ring
-                return context.ring_attention(q, kk, v, segment_ids=segments, impl=cfg.attention_impl, scale=scale)
+            if context.size() > 1:  # the whole sequence's keys and values, by a ring, an all-gather or all-to-alls
+                return context.attention(q, kk, v, segment_ids=segments, impl=cfg.attention_impl, scale=scale)
             return kernels.attention(q, kk, v, causal=True, segment_ids=segments, impl=cfg.attention_impl,
                                      probs_dropout=probs_dropout, scale=scale)
 

@@ -16,7 +16,7 @@ What the plan holds, and who reads it:
 | pipelined, engine, schedule, virtual_stages, micro_batches, stage_split | the gradient engine: a schedule, or a scan over micro batches; the layers of each pipeline chunk | engines, executor, gpipe, ticks |
 | vocab_over_pipeline | the embedding and output layer split over the pipeline ranks, run in lock step | sharding, pipeline |
 | sequence_parallel | the residual stream sharded over 'tensor' (the activation rules) | sharding.constrain |
-| context_comm | how attention's keys and values cross the context ranks: ring or all_gather | model/context.py |
+| context_comm | how attention crosses the context ranks: ring, all_gather or a2a | model/context.py |
 | tp_overlap | sequence parallelism's collectives as rings ("ring"), chunks ("chunks", in a pipeline) or plain (None) | model/collective_matmul.py |
 | moe_folds, moe_ragged, moe_buffer_factor | the experts' exchange (parallel folding, ragged all-to-all) | model/moe/exchange.py |
 | shard_optimizer, zero_stage | ZeRO-1: the optimizer state sharded over the data (and context) ranks of an instance ('replica': hybrid sharding); zero_stage 0-3 | step.build, ticks |
@@ -63,7 +63,7 @@ class StepPlan:
     stage_split: StageSplit | None = None  # the layers of each pipeline chunk (config.pipeline_split)
     vocab_over_pipeline: bool = False  # the embedding and output layer vocab-parallel over pipeline x tensor
     sequence_parallel: bool = False
-    context_comm: str = "ring"  # "ring" or "all_gather" (parallel.context_comm's auto resolved)
+    context_comm: str = "ring"  # "ring", "all_gather" or "a2a" (parallel.context_comm's auto resolved)
     tp_overlap: str | None = None  # "ring", "chunks" or None
     moe_folds: int = 1  # tensor ranks that route their own sequence shard and hold whole experts (expert_tensor=1)
     moe_ragged: bool = False  # dropless rows exchanged by exact counts (parallel.expert_all_to_all=ragged)

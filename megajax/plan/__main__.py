@@ -87,7 +87,7 @@ def _base(args) -> tuple[Config, dict, dict]:
 def _label(s: dict) -> str:
     parts = [f"d{s['parallel.data']} p{s['parallel.pipeline']} t{s['parallel.tensor']}"]
     if s["parallel.context"] > 1:
-        parts.append(f"c{s['parallel.context']}")
+        parts.append(f"c{s['parallel.context']}" + ("a2a" if s.get("parallel.context_comm") == "a2a" else ""))
     if s["parallel.expert"] > 1:
         parts.append(f"e{s['parallel.expert']}")
     if s["parallel.pipeline"] > 1:

@@ -317,12 +317,19 @@ def _tensor_comm_s(hw: Hardware, L: _Layout) -> float:
 
 def _context_comm_s(hw: Hardware, L: _Layout) -> float:
     """One layer's context-parallel exchange for one micro batch, forward: the ring passes this shard's keys and
-    values c - 1 times (the backward: about twice that)."""
+    values c - 1 times (the backward: about twice that); the a2a exchange sends (c - 1) / c of the queries, keys,
+    values (repeated to the query heads where theirs do not divide over tensor x context) and output, and as much
+    in the backward."""
     if L.c == 1:
         return 0.0
     m = L.model
+    bw = group_bandwidth(hw, L.c, L.t, L.node)
+    if L.plan.context_comm == "a2a":
+        groups = m.kv_heads if m.kv_heads % (L.t * L.c) == 0 else m.num_heads
+        moved = L.tokens * m.head_dim * B16 * 2 * (m.num_heads + groups) / L.t
+        return moved * (L.c - 1) / L.c / bw
     kv = 2 * L.tokens * (m.kv_heads // L.t) * m.head_dim * B16
-    return (L.c - 1) * kv / group_bandwidth(hw, L.c, L.t, L.node)
+    return (L.c - 1) * kv / bw
 
 
 def _pipeline_send_s(hw: Hardware, L: _Layout) -> float:
@@ -544,7 +551,10 @@ def estimate(cfg: Config, hw: Hardware, gpus_per_node: int, simulate: bool = Tru
         tp *= group_bandwidth(hw, L.t, 1, L.node) / hw.network_bytes_per_s
     tp_f, tp_b = (_overlapped(tp, gemm_f, overlap_tp, tp / L.t if L.t > 1 else 0.0),
                   _overlapped(tp, 2 * gemm_f, overlap_tp, tp / L.t if L.t > 1 else 0.0))
-    cp_f, cp_b = (cp, 2 * cp) if packed else (max(cp - attn_f, 0.0), max(2 * cp - attn_b, 0.0))
+    if L.plan.context_comm == "a2a":  # (attention waits for its all-to-alls: nothing to hide them under)
+        cp_f, cp_b = cp, cp
+    else:
+        cp_f, cp_b = (cp, 2 * cp) if packed else (max(cp - attn_f, 0.0), max(2 * cp - attn_b, 0.0))
     fwd = gemm_f + attn_f + mem_f + fp8_f + copy_f + tp_f + cp_f + a2a
     bwd = 2 * gemm_f + attn_b + 2 * mem_f + fp8_b + copy_b + tp_b + cp_b + a2a
     if L.pp > 1:  # the executor recomputes every chunk's forward before its backward (it stashes chunk inputs):

@@ -4,8 +4,8 @@ the predicted step time (`megajax.plan.cost`), the closest few compiled for the 
 The space: tensor, pipeline, context and expert sizes (data takes the rest), the schedule and its virtual stages,
 the micro batch size, recomputation, the data-parallel sharding (the distributed optimizer, or FSDP), sequence
 parallelism with and without tp_comm_overlap, overlap_grad_reduce with overlap_param_gather, and hybrid sharding
-(the sharded state's instances: one over every data rank, or one a node where the data ranks span nodes). Keys the
-user fixes (`--set parallel.tensor=8`) are not varied. Sequence parallelism is on whenever tensor > 1 (it moves the same
+(the sharded state's instances: one over every data rank, or one a node where the data ranks span nodes), and with
+context parallelism the exchange (auto, or the all-to-alls where the heads divide). Keys the user fixes (`--set parallel.tensor=8`) are not varied. Sequence parallelism is on whenever tensor > 1 (it moves the same
 bytes as tensor parallelism alone and needs less memory) and the distributed optimizer whenever data > 1 (the
 same bytes as an all-reduce), unless fixed.
 """
@@ -26,6 +26,7 @@ KEYS = ("parallel.data", "parallel.pipeline", "parallel.tensor", "parallel.conte
         "parallel.schedule", "parallel.virtual_stages", "train.micro_batch_size", "model.recompute",
         "parallel.sequence_parallel", "parallel.tp_comm_overlap", "parallel.data_parallel_sharding_strategy",
         "parallel.overlap_grad_reduce", "parallel.overlap_param_gather", "parallel.num_distributed_optimizer_instances",
+        "parallel.context_comm",
         "parallel.decoder_first_pipeline_num_layers", "parallel.decoder_last_pipeline_num_layers",
         "parallel.account_for_embedding_in_pipeline_split", "parallel.account_for_loss_in_pipeline_split")
 EVEN = {"parallel.decoder_first_pipeline_num_layers": None, "parallel.decoder_last_pipeline_num_layers": None,
@@ -153,12 +154,13 @@ def _inner(base: Config, fixed: dict, pick, d: int, p: int, t: int, c: int, e: i
     in_node = gpus_per_node // (p * c * t)
     instances = [1] + ([d // in_node] if 2 <= in_node < d and d % in_node == 0 else [])
     rows = []
-    for (schedule, v), b, recompute, shard, tpo, ogr, r in itertools.product(
+    comms = ["auto", "a2a"] if c > 1 and m.num_heads % (t * c) == 0 else ["auto"]
+    for (schedule, v), b, recompute, shard, tpo, ogr, r, comm in itertools.product(
             schedules, pick("train.micro_batch_size", micro), pick("model.recompute", ["none", "selective", "full"]),
             pick("parallel.data_parallel_sharding_strategy", sharding),
             pick("parallel.tp_comm_overlap", [False, True] if t > 1 else [False]),
             pick("parallel.overlap_grad_reduce", [False, True] if d * c > 1 else [False]),
-            pick("parallel.num_distributed_optimizer_instances", instances)):
+            pick("parallel.num_distributed_optimizer_instances", instances), pick("parallel.context_comm", comms)):
         if r > 1 and shard == "no_shard":
             continue
         if p > 1 and recompute == "full" and "model.recompute" not in fixed:
@@ -171,6 +173,7 @@ def _inner(base: Config, fixed: dict, pick, d: int, p: int, t: int, c: int, e: i
                "parallel.sequence_parallel": fixed.get("parallel.sequence_parallel", t > 1),
                "parallel.tp_comm_overlap": tpo, "parallel.data_parallel_sharding_strategy": shard,
                "parallel.overlap_grad_reduce": ogr, "parallel.num_distributed_optimizer_instances": r,
+               "parallel.context_comm": comm,
                "parallel.overlap_param_gather": fixed.get("parallel.overlap_param_gather",
                                                           ogr and shard == "optim")}
         if row["parallel.tp_comm_overlap"] and not row["parallel.sequence_parallel"]:
