@@ -5,8 +5,9 @@ The space: tensor, pipeline, context and expert sizes (data takes the rest), the
 the micro batch size, recomputation, the data-parallel sharding (the distributed optimizer, or FSDP), sequence
 parallelism with and without tp_comm_overlap, overlap_grad_reduce with overlap_param_gather, and hybrid sharding
 (the sharded state's instances: one over every data rank, or one a node where the data ranks span nodes), and with
-context parallelism the exchange (auto, or the all-to-alls where the heads divide). Keys the user fixes (`--set parallel.tensor=8`) are not varied. Sequence parallelism is on whenever tensor > 1 (it moves the same
-bytes as tensor parallelism alone and needs less memory) and the distributed optimizer whenever data > 1 (the
+context parallelism the exchange (auto, or the all-to-alls where the heads divide). Keys the user fixes
+(`--set parallel.tensor=8`) are not varied. Sequence parallelism is on whenever tensor > 1 (it moves the same bytes
+as tensor parallelism alone and needs less memory) and the distributed optimizer whenever data > 1 (the
 same bytes as an all-reduce), unless fixed.
 """
 
