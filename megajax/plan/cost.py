@@ -367,7 +367,10 @@ def _data_comm_s(hw: Hardware, L: _Layout, params: dict) -> tuple[float, float, 
         # ZeRO-3 gathers the bf16 weights for every forward and backward; under a pipeline once a step, in the
         # schedule's ticks (kept whole for the step), as ZeRO-2 and ZeRO-1 gather their fp32 shards' bf16 casts
         again = par.shards_params and L.pp == 1
-        per_micro = grads / 2 + (_collective_s(2 * 2 * params["total"], _ring(ranks), bw) if again else 0.0)
+        # (an expert's weights over its data ranks, expert apart: across nodes on fewer NICs)
+        gathers = (_collective_s(2 * 2 * params["dense"], _ring(ranks), bw)
+                   + _collective_s(2 * 2 * params["experts"], _ring(inner_e), bw_e))
+        per_micro = grads / 2 + (gathers if again else 0.0)
         return (0.0 if again else grads / 2) + across, 0.0, per_micro
     # the distributed optimizer: half of it the weights' all-gather after the update
     gather = grads / 2 if par.shards_optimizer else 0.0
