@@ -110,8 +110,9 @@ def test_preset_fits_an_h100_with_the_rings_under_the_gemms(name):
         assert cfg.parallel.overlap_comm_ratio == pytest.approx(comm["in_schedule"]["comm_ratio"], rel=0.05)
 
 
-# The largest open models, split unevenly over 16 pipeline stages on 1024 GPUs: (GPUs, released shapes, layout as
-# (data, pipeline, tensor, virtual stages, expert), each stage's transformer layers)
+# The largest open models on 1024 GPUs: (GPUs, released shapes, layout as (data, pipeline, tensor, virtual stages,
+# expert), each stage's transformer layers): Llama 3.1 405B split unevenly over 16 pipeline stages, DeepSeek-V3 with
+# no pipeline (ZeRO-3, the experts over expert 128 x tensor 2: the layout the planner prefers once compiled)
 LARGE = {
     "llama3.1-405b": (1024, {"num_layers": 126, "hidden_size": 16384, "num_heads": 128, "num_kv_heads": 8,
                              "ffn_hidden_size": 53248, "vocab_size": 128256, "seq_length": 8192},
@@ -123,12 +124,12 @@ LARGE = {
                            "moe_shared_experts": 1, "moe_first_dense_layers": 3,
                            "moe_router_score_function": "sigmoid", "moe_router_num_groups": 8,
                            "moe_router_group_topk": 4, "moe_router_topk_scaling_factor": 2.5},
-                    (8, 16, 8, 1, 8), [4] + [4] * 14 + [1]),
+                    (512, 1, 2, 1, 128), [61]),
 }
 
 
 @pytest.mark.parametrize("name", LARGE)
-def test_large_preset_has_the_released_shapes_and_an_uneven_split(name):
+def test_large_preset_has_the_released_shapes_and_its_layout(name):
     gpus, shapes, (data, pipe, tensor, virtual, expert), stages = LARGE[name]
     cfg = _load(name)
     for key, value in shapes.items():
@@ -138,11 +139,12 @@ def test_large_preset_has_the_released_shapes_and_an_uneven_split(name):
     resolved = cfg.for_devices(gpus)
     assert resolved.parallel.data * p.pipeline * p.tensor == gpus and p.tensor <= audit.GPUS_PER_HOST
     split = resolved.stage_split
-    assert [sum(split.layers[r::pipe]) for r in range(pipe)] == stages and not split.even
+    assert [sum(split.layers[r::pipe]) for r in range(pipe)] == stages and split.even == (pipe == 1)
     assert cfg.model.compute_dtype == "bfloat16" and cfg.model.param_dtype == "float32"
     assert cfg.data.paths == [] and not os.path.exists(cfg.data.tokenizer)
-    if name == "deepseek-v3":  # the dense layers on the first stage, the auxiliary-loss-free balancing
-        assert split.layers[0] - split.units[0] == 3 and cfg.model.moe_router_bias_update_rate == 0.001
+    if name == "deepseek-v3":  # the auxiliary-loss-free balancing; ZeRO-3 with the experts one a GPU
+        assert cfg.model.moe_router_bias_update_rate == 0.001 and p.expert * p.tensor == cfg.model.num_experts
+        assert p.shards_params and p.folded_experts
 
 
 @gpu

@@ -332,10 +332,15 @@ def test_cli_reads_a_config(capsys):
 
     from megajax.config import io as config_io
 
-    flags = cli.config_costs(config_io.load("configs/deepseek-v3.yaml"))
-    assert (flags["schedule"], flags["p"], flags["v"], flags["m"], flags["first_dense"]) == ("1f1b", 16, 1, 384, 3)
+    # DeepSeek's own layout of DeepSeek-V3 (the preset's header): pipeline 16 with the dense layers on the first stage
+    own = ["parallel.data=64", "parallel.expert=64", "parallel.pipeline=16", "parallel.tensor=1",
+           "parallel.expert_tensor=null", "parallel.sequence_parallel=false", "parallel.tp_comm_overlap=false",
+           "parallel.data_parallel_sharding_strategy=optim", "parallel.decoder_first_pipeline_num_layers=4",
+           "parallel.decoder_last_pipeline_num_layers=1", "train.micro_batch_size=1"]
+    flags = cli.config_costs(config_io.load("configs/deepseek-v3.yaml", own))
+    assert (flags["schedule"], flags["p"], flags["v"], flags["m"], flags["first_dense"]) == ("1f1b", 16, 1, 48, 3)
     assert 1.3 < flags["head_cost"] < 1.5  # 7168 x 129280 over MLA and 8 + 1 experts of 2048
-    assert cli.main(["--config", "configs/deepseek-v3.yaml", "-m", "32"]) == 0
+    assert cli.main(["--config", "configs/deepseek-v3.yaml", "--set", *own, "-m", "32"]) == 0
     out = capsys.readouterr().out
     assert '"layers_per_chunk": [\n    4,' in out and '"m": 32' in out
     assert cli.main(["--config", "configs/tiny.yaml"]) == 2 and "set parallel.data" in capsys.readouterr().err

@@ -16,3 +16,5 @@ python -m megajax.audit --config configs/deepseek-v3.yaml --target h100 --device
   parallel.tp_comm_overlap=true parallel.data_parallel_sharding_strategy=optim_grads_params train.micro_batch_size=2 \
   model.recompute=full parallel.decoder_first_pipeline_num_layers=null parallel.decoder_last_pipeline_num_layers=null \
   > $out/d512-t2-e128-fsdp.json
+# the preset after it moved to that layout (the same program)
+python -m megajax.audit --config configs/deepseek-v3.yaml --target h100 --devices 1024 > $out/deepseek-v3-preset.json
