@@ -205,15 +205,15 @@ LAYOUTS = {
     # the distributed optimizer sharded over context alone (data = 1)
     "llama-p2c2-1f1b-zero1": ("llama", 4, {"parallel.pipeline": 2, "parallel.context": 2,
                                            "parallel.distributed_optimizer": True, "train.micro_batch_size": 2}),
-    # all-to-all attention: grouped-query keys and values repeated to the heads (2 over 4 ranks), packed documents;
-    # with tensor and sequence parallelism and the Pallas kernels; on a pipeline with ZeRO-3's neighbour, ZeRO-1
+    # all-to-all attention: grouped-query keys and values repeated to the heads (2 over 4 ranks), packed documents
+    # (-m slow: with tensor and sequence parallelism and the Pallas kernels, on pipelines, with ZeRO-3)
     "llama-c4-a2a-packed-documents": ("llama", 4, {"parallel.context": 4, "parallel.context_comm": "a2a",
                                                    "model.seq_length": 128, "data.reset_attention_mask": True,
                                                    "data.reset_position_ids": True}),
-    "gpt2-c2t2-a2a-sp-pallas": ("gpt2", 4, {"parallel.context": 2, "parallel.tensor": 2, "parallel.context_comm": "a2a",
-                                            "parallel.sequence_parallel": True, "model.attention_impl": "pallas"}),
 }
 SLOW_LAYOUTS = {
+    "gpt2-c2t2-a2a-sp-pallas": ("gpt2", 4, {"parallel.context": 2, "parallel.tensor": 2, "parallel.context_comm": "a2a",
+                                            "parallel.sequence_parallel": True, "model.attention_impl": "pallas"}),
     "deepseek-p2c2-a2a-interleaved-zero1": ("deepseek", 8, {
         "parallel.data": 2, "parallel.pipeline": 2, "parallel.context": 2, "parallel.context_comm": "a2a",
         "parallel.schedule": "interleaved", "parallel.virtual_stages": 2, "parallel.distributed_optimizer": True,
@@ -274,7 +274,7 @@ def test_context_layout_matches_one_device(name):
 
 @pytest.mark.parametrize("exchange,recompute", [
     pytest.param("ring", "none", marks=pytest.mark.slow), ("ring", "selective"),
-    pytest.param("all_gather", "full", marks=pytest.mark.slow), ("a2a", "full")])
+    pytest.param("all_gather", "full", marks=pytest.mark.slow), pytest.param("a2a", "full", marks=pytest.mark.slow)])
 def test_the_exchange_on_h100_is_the_analytic_volume_and_the_ring_runs_under_the_kernels(exchange, recompute):
     """XLA's GPU program (compile-only H100s) moves exactly the analytic bytes over 'context' (audit's
     expected_context_exchange), and every ring hop has attention compute scheduled between its start and done."""

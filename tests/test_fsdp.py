@@ -42,8 +42,9 @@ def reference(model: tuple) -> list:
     return [losses, norms]
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "recompute-full-zero2" else n
-                                  for n in CASES])  # (suite time: FP8's case runs ZeRO-3's recompute-everything path)
+# (suite time: FP8's case runs ZeRO-3's recompute-everything path; test_layouts trains hybrid sharding by default)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow)
+                                  if n in ("recompute-full-zero2", "hybrid-context2") else n for n in CASES])
 def test_fsdp_matches_one_device(name):
     layout, model = CASES[name]
     norms = []
