@@ -207,6 +207,7 @@ def expected_context_exchange(cfg, plan) -> dict:
     on the same keys: XLA merges them), and its all-gather is the backward's. Exact for the H100 program without
     a pipeline (tests/test_context.py); under a pipeline the program's counts are per tick for every branch."""
     from megajax.kernels import auto as kernel_choice
+    from megajax.model.context import a2a_groups
 
     m, p = cfg.model, cfg.parallel
     c = p.context
@@ -225,10 +226,9 @@ def expected_context_exchange(cfg, plan) -> dict:
         # the queries, keys, values and output each cross once in the forward, their gradients once in the backward,
         # and a recomputed core crosses again; keys and values whose heads do not divide are repeated to the queries'
         t = p.tensor
-        heads = m.num_heads // t
-        groups = m.kv_heads // t if m.kv_heads % (t * c) == 0 else heads
+        groups = a2a_groups(m.num_heads, m.kv_heads, t * c)
         one = kv // (2 * (m.kv_heads // t))  # one head of this rank's tokens
-        per_layer = {"all-to-all": one * 2 * (heads + groups) * (3 if recomputed else 2)}
+        per_layer = {"all-to-all": one * 2 * (m.num_heads + groups) // t * (3 if recomputed else 2)}
     else:
         per_layer = {"all-gather": 2 * c * kv, "reduce-scatter": c * kv}
     return {"exchange": comm, "kv_bytes_per_layer": kv, "bytes_per_step": {k: v * layers for k, v in per_layer.items()}}

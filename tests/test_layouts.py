@@ -515,7 +515,10 @@ def guard_space() -> dict[str, dict]:
                                                                   "parallel.expert_all_to_all": "ragged"}),
         # the embedding and output layer whole on every pipeline rank (elsewhere they are split over the ranks)
         "whole-vocab": guard_case("interleaved", 2, True, 1, 1, False, **{"parallel.vocab_over_pipeline": False}),
-        # hybrid sharding: ZeRO-3 over two instances of two data ranks, on a pipeline and not
+        # hybrid sharding: ZeRO-3 over two instances of two data ranks, on a pipeline and not; ZeRO-1's sum over the
+        # instances in the idle ticks' reductions of a pipeline
+        "hybrid-pipeline-overlap": guard_case("1f1b", 1, False, 1, 1, False, **{
+            "parallel.data": 4, "parallel.num_distributed_optimizer_instances": 2}),
         "hybrid": guard_case(None, 2, True, 3, 0, False, **{"parallel.data": 4,
                                                            "parallel.num_distributed_optimizer_instances": 2}),
         "hybrid-pipeline": guard_case("1f1b", 1, False, 3, 0, True, **{

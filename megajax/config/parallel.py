@@ -170,7 +170,7 @@ class ParallelConfig:
                     f"parallel.num_distributed_optimizer_instances={r} must divide parallel.data / parallel.expert = "
                     f"{self.data} / {self.expert} (the instances split the data ranks that replicate every weight): "
                     f"choose it from {divisors(inner)}")
-            check(self.data // r * self.context > 1,
+            check(self.shard_ranks > 1,
                   f"parallel.num_distributed_optimizer_instances={r} leaves one data rank an instance, with nothing "
                   f"to shard over: choose it from {[x for x in divisors(inner) if self.data // x * self.context > 1]}")
         check(
@@ -242,6 +242,11 @@ class ParallelConfig:
     def shards_params(self) -> bool:
         """ZeRO-3 (fully sharded data parallelism): the weights kept as their shards, gathered layer by layer."""
         return self.sharding_strategy == "optim_grads_params"
+
+    @property
+    def shard_ranks(self) -> int:
+        """The ranks the sharding strategy shards over: one instance's data ranks x context (parallel.data set)."""
+        return self.data // self.num_distributed_optimizer_instances * self.context
 
     @property
     def folded_experts(self) -> bool:

@@ -310,6 +310,12 @@ def _sequence_split(x: jax.Array, c: int, t: int) -> jax.Array:
     return x.reshape(b, s // c, c * m, k)
 
 
+def a2a_groups(heads: int, groups: int, ranks: int) -> int:
+    """The key-value heads the all-to-alls move over `ranks` (tensor x context): `groups` where they divide, else
+    repeated to the query `heads`."""
+    return groups if groups % ranks == 0 else heads
+
+
 def a2a_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Array | None = None,
                   impl: str = "xla", scale: float | None = None) -> jax.Array:
     """Causal attention of this rank's queries over the whole sequence by all-to-alls over 'context' (see the
@@ -320,7 +326,7 @@ def a2a_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.
     heads, groups = q.shape[2], k.shape[2]
     if heads % (t * c):
         raise ValueError(f"all-to-all attention splits the {heads} heads over tensor x context = {t * c}")
-    if groups % (t * c):  # (grouped-query keys and values: each repeated to its query heads)
+    if a2a_groups(heads, groups, t * c) != groups:  # (grouped-query keys and values: each repeated to its heads)
         k, v = (jnp.repeat(x, heads // groups, axis=2) for x in (k, v))
     q, k, v = (_token_order(_heads_split(x, c, t), c) for x in (q, k, v))
     if segment_ids is not None:

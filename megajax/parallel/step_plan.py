@@ -118,7 +118,7 @@ class StepPlan:
         comm = par.context_comm if par.context_comm != "auto" else "all_gather" if pipelined else "ring"
         # the ranks the optimizer state is sharded over ('data' x 'expert' x 'context', one instance's): ZeRO needs
         # some
-        zero_ranks = par.data // r * par.context > 1
+        zero_ranks = par.shard_ranks > 1
         shards = par.shards_grads and zero_ranks
         reduce = (par.overlap_grad_reduce and par.data > 1) or shards
         plan = cls(

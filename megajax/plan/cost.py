@@ -31,6 +31,7 @@ import functools
 from megajax.config import Config
 from megajax.config.model import layer_forward_flops_per_token
 from megajax.kernels import auto as kernel_choice
+from megajax.model import context
 from megajax.parallel.pipeline import schedule
 from megajax.parallel.step_plan import StepPlan
 from megajax.plan.hardware import GIB, Hardware
@@ -146,7 +147,7 @@ class _Layout:
         self.plan = StepPlan.resolve(cfg, platform="gpu")  # the step's parallel decisions on the GPUs planned for
         self.t, self.c, self.pp, self.d, self.e = p.tensor, p.context, p.pipeline, p.data, p.expert
         self.r = p.num_distributed_optimizer_instances  # hybrid sharding's instances
-        self.shards = self.d // self.r * self.c  # the ranks ZeRO shards over (one instance's data x context)
+        self.shards = p.shard_ranks  # the ranks ZeRO shards over (one instance's data x context)
         self.b = cfg.train.micro_batch_size
         self.m = cfg.num_micro_batches
         self.tokens = self.b * m.seq_length // self.c  # one micro batch's tokens on this GPU's context shard
@@ -325,7 +326,7 @@ def _context_comm_s(hw: Hardware, L: _Layout) -> float:
     m = L.model
     bw = group_bandwidth(hw, L.c, L.t, L.node)
     if L.plan.context_comm == "a2a":
-        groups = m.kv_heads if m.kv_heads % (L.t * L.c) == 0 else m.num_heads
+        groups = context.a2a_groups(m.num_heads, m.kv_heads, L.t * L.c)
         moved = L.tokens * m.head_dim * B16 * 2 * (m.num_heads + groups) / L.t
         return moved * (L.c - 1) / L.c / bw
     kv = 2 * L.tokens * (m.kv_heads // L.t) * m.head_dim * B16
