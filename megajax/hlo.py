@@ -430,6 +430,19 @@ def _inclusive_flops(comps):
     return of_op
 
 
+def custom_calls(hlo_text: str) -> dict[str, float]:
+    """Executions per step of each custom call target (a cuDNN attention, a Triton kernel), counted through while
+    loops' trip counts and calls like the collectives."""
+    comps, multiplicity, _, _ = _walk(hlo_text)
+    runs: dict[str, float] = defaultdict(float)
+    for comp, ops in comps.items():
+        for _, _, opcode, rest in ops:
+            target = re.search(r'custom_call_target="([^"]+)"', rest) if opcode == "custom-call" else None
+            if target:
+                runs[target.group(1)] += multiplicity.get(comp, 0)
+    return dict(runs)
+
+
 def wire_bytes(c: Collective) -> float:
     """Bytes each device sends for one execution with ring algorithms (Megatron's accounting)."""
     g = c.group_size

@@ -535,3 +535,31 @@ def test_tp_comm_overlap_hides_the_tensor_collectives_on_h100():
     assert ring["bytes"] > 0.45 * gathered  # the same data crosses: a ring step sends what a t = 2 gather receives
     exposed = {on: sum(g["exposed_s"] for g in groups.values()) for on, groups in tensor.items()}
     assert exposed[True] < 0.5 * exposed[False]
+
+
+CUDNN_LAYOUTS = {
+    "d4t2-sp": ["parallel.data=4", "parallel.tensor=2", "parallel.sequence_parallel=true"],
+    "d8": ["parallel.data=8"],
+    "d2p2t2-interleaved": ["parallel.data=2", "parallel.pipeline=2", "parallel.tensor=2",
+                           "parallel.schedule=interleaved", "parallel.virtual_stages=2", "train.micro_batch_size=2"],
+    "d2c2t2-a2a-zero3": ["parallel.data=2", "parallel.context=2", "parallel.tensor=2", "parallel.context_comm=a2a",
+                         "parallel.data_parallel_sharding_strategy=optim_grads_params"],
+}
+
+
+@gpu
+@pytest.mark.parametrize("layout", [k if k == "d4t2-sp" else pytest.param(k, marks=pytest.mark.slow)
+                                    for k in CUDNN_LAYOUTS])
+def test_cudnn_attention_compiles_under_every_layout_on_h100(layout):
+    """model.attention_impl=cudnn: the step compiles for 8 H100s with cuDNN's fused attention forward and backward
+    (JAX's own partitioning of the cuDNN call fails under data 8 and tensor 2; megajax runs it shard by shard)."""
+    pytest.importorskip("nvidia.cudnn", reason="needs cuDNN (nvidia-cudnn-cu12, in the gpu-audit extra)")
+    cfg = config_io.load(f"{REPO}/configs/tiny.yaml", ["model.attention_impl=cudnn", "model.compute_dtype=bfloat16",
+                                                       *CUDNN_LAYOUTS[layout]])
+    _, _, compiled, _ = audit.compile_step(cfg, audit._gpu_devices("h100", 8))
+    runs = hlo.custom_calls(compiled.as_text())
+    assert runs.get("__cudnn$fmhaSoftmax", 0) >= cfg.model.num_layers
+    assert runs.get("__cudnn$fmhaSoftmaxBackward", 0) >= cfg.model.num_layers
+    if cfg.parallel.pipeline == 1:  # (a pipeline's ticks count every branch, and its schedule recomputes chunks)
+        # one forward and one backward a layer and micro batch: the forward is not run again for the backward
+        assert runs["__cudnn$fmhaSoftmax"] == runs["__cudnn$fmhaSoftmaxBackward"]

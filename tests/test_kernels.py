@@ -224,6 +224,55 @@ def test_model_pallas_llama_sharded():
     np.testing.assert_allclose(got, xla_losses("llama"), rtol=1e-5)
 
 
+# cuDNN's attention runs shard by shard like the Pallas kernels (megajax/kernels/cudnn_attention.py). cuDNN needs an
+# NVIDIA GPU, so here the jnp reference stands in for the cuDNN call: what is tested is the partitioning and the
+# custom_vjp around it (the backward's vjp on each shard). The H100 program's cuDNN calls: test_audit.
+
+@pytest.fixture
+def cudnn_as_reference(monkeypatch):
+    from megajax.kernels import cudnn_attention
+
+    monkeypatch.setattr(cudnn_attention.CudnnCore, "__call__", lambda self, q, k, v: kernels.attention_reference(
+        q, k, v, causal=self.causal, scale=self.scale))
+
+
+CUDNN_LAYOUTS = {
+    "d2t4-sp": SHARDED,
+    "d2p2t2": {"parallel.data": 2, "parallel.pipeline": 2, "parallel.tensor": 2, "train.micro_batch_size": 2},
+    "d2c2t2-a2a-sp-zero3": {"parallel.data": 2, "parallel.context": 2, "parallel.tensor": 2,
+                            "parallel.context_comm": "a2a", "parallel.sequence_parallel": True,
+                            "parallel.data_parallel_sharding_strategy": "optim_grads_params"},
+}
+
+
+@pytest.mark.parametrize("layout", [k if k == "d2t4-sp" else pytest.param(k, marks=pytest.mark.slow)
+                                    for k in CUDNN_LAYOUTS])
+def test_cudnn_attention_sharded_trains_as_xla(cudnn_as_reference, layout):
+    """The cuDNN path under a mesh (the reference in cuDNN's place) against one device's xla run: heads over
+    'tensor', batch over 'data', inside a pipeline's schedule, and over all-to-all context parallelism's heads."""
+    cfg = small_config(**{**GQA, "model.attention_impl": "cudnn", **CUDNN_LAYOUTS[layout]})
+    np.testing.assert_allclose(run_steps(cfg, 8, STEPS), xla_losses("gpt2"), rtol=1e-5)
+
+
+def test_cudnn_core_gradients_match_reference(cudnn_as_reference):
+    """sharded_core's value and gradients, under a data x tensor mesh and on one device, against the reference."""
+    from megajax.kernels.cudnn_attention import cudnn_attention
+
+    q, k, v = (jax.random.normal(jax.random.key(i), (4, 16, h, 8)) for i, h in enumerate((8, 4, 4)))
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)))
+
+    want = jax.value_and_grad(loss(lambda *a: kernels.attention_reference(*a, scale=0.3)), argnums=(0, 1, 2))(q, k, v)
+    got_one = jax.value_and_grad(loss(lambda *a: cudnn_attention(*a, scale=0.3)), argnums=(0, 1, 2))(q, k, v)
+    mesh = jax.make_mesh((2, 4), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with jax.set_mesh(mesh):
+        got_mesh = jax.jit(jax.value_and_grad(loss(lambda *a: cudnn_attention(*a, scale=0.3)),
+                                              argnums=(0, 1, 2)))(q, k, v)
+    for got in (got_one, got_mesh):
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
+
+
 @pytest.mark.parametrize("rows,k,n,sizes,dtype", [
     (40, 24, 40, (5, 0, 17, 10, 0, 8), "float32"),  # empty groups, widths not multiples of the blocks
     pytest.param(64, 32, 64, (64, 0, 0, 0), "float32", marks=pytest.mark.slow),  # one group takes every row

@@ -155,8 +155,10 @@ class Config:
               "parallel.context_comm=ring is not supported with a pipeline (the ring's collective-permutes would run "
               "inside the schedule's per-rank branches, where XLA's permute waits for every device): set "
               "parallel.context_comm=all_gather or auto")
-        check(m.attention_impl != "cudnn", "model.attention_impl=cudnn is not supported with parallel.context > 1 "
-              "(the ring needs each block's log-sum-exp): use model.attention_impl=pallas or xla")
+        check(m.attention_impl != "cudnn" or p.context_comm == "a2a",
+              "model.attention_impl=cudnn takes parallel.context > 1 only with parallel.context_comm=a2a (the ring "
+              "and the all-gather need each block's log-sum-exp, which cuDNN's call does not give): set "
+              "parallel.context_comm=a2a, or model.attention_impl=pallas or xla")
         check(p.context_comm != "a2a" or m.num_heads % (p.tensor * c) == 0,
               f"parallel.context_comm=a2a gives each context rank num_heads / (tensor x context) heads of the whole "
               f"sequence: model.num_heads={m.num_heads} must divide by parallel.tensor x parallel.context = "

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from megajax.kernels.auto import attention_fallback, by_platform
+from megajax.kernels.cudnn_attention import cudnn_attention
 from megajax.kernels.flash_attention import flash_attention
 
 
@@ -84,7 +85,7 @@ def attention(
     if impl == "cudnn":
         if segment_ids is not None:
             raise ValueError("impl='cudnn' does not take segment_ids here: use impl='xla' or 'pallas'")
-        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation="cudnn")
+        return cudnn_attention(q, k, v, causal=causal, scale=scale)
     if impl == "pallas":
         # Under a mesh the kernels run per shard: heads over 'tensor', batch over 'data' (launch.py).
         return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale)

@@ -35,6 +35,9 @@ from jax.experimental import pallas as pl
 from megajax.parallel import sharding, step_plan
 
 Names = Sequence[str | None]
+# The logical name of a dim that stacks one block per shard (split over every axis `shard_kernel` makes manual):
+# what a kernel saves for its backward where it has no logical names of its own.
+SHARDS = "shards"
 
 
 def pallas_call(kernel: Callable, *, interpret: bool | None = None, **params: Any) -> Callable:
@@ -52,14 +55,14 @@ def pallas_call(kernel: Callable, *, interpret: bool | None = None, **params: An
         compiled = pl.pallas_call(kernel, interpret=False, out_shape=shapes, **params)
 
         def interpreted(*a):
-            return pl.pallas_call(kernel, interpret=True, out_shape=shapes, **params)(*map(_strip, a))
+            return pl.pallas_call(kernel, interpret=True, out_shape=shapes, **params)(*map(strip_varying, a))
 
         if interpret is not None:
             return (interpreted if interpret else compiled)(*args)
         # Integer operands (segment ids) are stripped for both branches: a stripped value saved for the backward by
         # one branch and a typed one by the other would give the two branches different residual types under
         # partial evaluation ("branches_known" in JAX's cond). Integers have no tangents to keep typed.
-        args = [_strip(a) if jnp.issubdtype(a.dtype, jnp.integer) else a for a in args]
+        args = [strip_varying(a) if jnp.issubdtype(a.dtype, jnp.integer) else a for a in args]
         return step_plan.platform_dependent(*args, cpu=interpreted, default=compiled)
 
     return call
@@ -74,22 +77,9 @@ def shard_kernel(fn: Callable, args: Sequence[jax.Array | None], in_names: Seque
     over every axis that split an input and is absent from their names. Outside a mesh, fn runs as is.
     """
     mesh = jax.sharding.get_abstract_mesh()
-    manual = set(getattr(mesh, "manual_axes", ()))
-    auto = set() if mesh.empty else set(mesh.axis_names) - manual
+    auto, in_specs, out_specs = kernel_specs(args, in_names, out_names)
     if not auto:
         return tuple(fn(*args))
-    # The model's rules inside sharding.activation_sharding, else the defaults (no sequence parallelism).
-    rules = sharding.current_activation_rules()
-    live = {k: sharding.keep_axes(v, lambda a: a in auto and mesh.shape[a] > 1) for k, v in rules.items()}
-    # An axis that does not divide every dim it would split (flax's init traces the model on a batch of
-    # one) is dropped from all specs, so that, e.g., query and kv heads are always split together.
-    for arg, names in zip(args, in_names):
-        for size, name in zip([] if arg is None else arg.shape, names or ()):
-            axes = sharding.axes_of(live.get(name) if name is not None else None)
-            if axes and size % math.prod(mesh.shape[a] for a in axes):
-                live = {k: sharding.keep_axes(v, lambda a: a not in axes) for k, v in live.items()}
-    in_specs = tuple(None if n is None else sharding.spec_for(n, live) for n in in_names)
-    out_specs = tuple(sharding.spec_for(n, live) for n in out_names)
     split = sorted(set().union(*(sharding.spec_axes(spec) for spec in in_specs if spec is not None)))
 
     def local(*a):
@@ -106,6 +96,31 @@ def shard_kernel(fn: Callable, args: Sequence[jax.Array | None], in_names: Seque
     return tuple(match_varying(o, axes) for o in out)
 
 
+def kernel_specs(args: Sequence[jax.Array | None], in_names: Sequence[Names | None],
+                 out_names: Sequence[Names]) -> tuple[set, tuple, tuple]:
+    """(the mesh axes left to GSPMD, the in_specs and out_specs that split `args` and the outputs over them by
+    their logical axis names): `shard_kernel`'s shard_map."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = set(getattr(mesh, "manual_axes", ()))
+    auto = set() if mesh.empty else set(mesh.axis_names) - manual
+    if not auto:
+        return auto, (), ()
+    # The model's rules inside sharding.activation_sharding, else the defaults (no sequence parallelism).
+    rules = sharding.current_activation_rules()
+    live = {k: sharding.keep_axes(v, lambda a: a in auto and mesh.shape[a] > 1) for k, v in rules.items()}
+    # An axis that does not divide every dim it would split (flax's init traces the model on a batch of
+    # one) is dropped from all specs, so that, e.g., query and kv heads are always split together.
+    for arg, names in zip(args, in_names):
+        for size, name in zip([] if arg is None else arg.shape, names or ()):
+            axes = sharding.axes_of(live.get(name) if name is not None else None)
+            if axes and size % math.prod(mesh.shape[a] for a in axes):
+                live = {k: sharding.keep_axes(v, lambda a: a not in axes) for k, v in live.items()}
+    live[SHARDS] = tuple(a for a in sorted(auto) if mesh.shape[a] > 1) or None
+    in_specs = tuple(None if n is None else sharding.spec_for(n, live) for n in in_names)
+    out_specs = tuple(sharding.spec_for(n, live) for n in out_names)
+    return auto, in_specs, out_specs
+
+
 def match_varying(x: jax.Array | None, axes: frozenset) -> jax.Array | None:
     """x typed to vary over exactly `axes`: pcast where it lacks one, psum where it has one too many (the
     cotangent of a value that was broadcast over that axis). Only for code that is not differentiated."""
@@ -119,7 +134,7 @@ def match_varying(x: jax.Array | None, axes: frozenset) -> jax.Array | None:
     return x
 
 
-def _strip(x: jax.Array) -> jax.Array:
+def strip_varying(x: jax.Array) -> jax.Array:
     """x without varying-axis types (in an unchecked shard_map any op drops them); exact, and XLA removes
     the multiply. Pallas' interpreter fails on typed values."""
     return x * jnp.ones((), x.dtype)
