@@ -379,13 +379,14 @@ def compile_only_backend():
     compile-only). Returns jax."""
     import os
 
-    from megajax import xla_flags
+    from megajax import quiet, xla_flags
 
     xla_flags.install()
     import jax
 
     if not os.environ.get("JAX_PLATFORMS"):
         jax.config.update("jax_platforms", "cpu")
+    quiet.discover_plugins()
     return jax
 
 

@@ -14,6 +14,7 @@ import glob
 import os
 import re
 
+from megajax import quiet
 from megajax.config import ConfigError
 
 # A process whose peer died is told so by the coordination service after this many seconds, and exits
@@ -32,6 +33,7 @@ def prefer_cpu_without_gpu() -> None:
 
     if not os.environ.get("JAX_PLATFORMS") and not jax.config.jax_platforms and not os.path.exists("/dev/nvidiactl"):
         jax.config.update("jax_platforms", "cpu")
+    quiet.discover_plugins()
 
 
 def check_backend() -> None:

@@ -77,6 +77,9 @@ def run(cfg: Config) -> dict:
     """
     from megajax import checkpoint, runlock
 
+    from megajax.data.datasets import check_paths
+
+    check_paths(cfg)  # before the run's directory gets anything
     setup = setup_for(cfg)
     with runlock.hold(setup.cfg.train.output_dir, checkpoint.checkpoint_dir(setup.cfg)):
         return _run(setup)
@@ -108,6 +111,11 @@ def _run(setup: StepSetup) -> dict:
         log.info(f"resumed from {checkpoint.checkpoint_dir(cfg)} step {start} ({consumed} samples consumed, "
                  f"written with layout {meta.get('layout')})")
         _report_config_changes(cfg, meta, log)
+        if start >= steps:
+            log.info(f"the run in {cfg.train.output_dir} has finished: its checkpoint is at step {start} of "
+                     f"train.steps={steps}, so there is nothing to train. To train on, raise train.steps (--set "
+                     f"train.steps={2 * start}); for a new run, set another train.output_dir")
+            return {"last": {}, "eval_loss": None, "steps_run": 0, "wall_s": 0.0}
     elif cfg.checkpoint.load_from:  # a converted or exported model: its params, a fresh optimizer
         state = init_state(setup, load_initial_params(setup, cfg.checkpoint.load_from))
         log.info(f"loaded params from {cfg.checkpoint.load_from} (checkpoint.load_from; fresh optimizer state)")
@@ -122,6 +130,11 @@ def _run(setup: StepSetup) -> dict:
              f"{' sp' if p.sequence_parallel else ''}{_instances(p)}), {cfg.num_micro_batches} micro batches of "
              f"{cfg.train.micro_batch_size}, global batch {gbs} x {cfg.model.seq_length} tokens")
     log.info(f"kernels: {_kernels_line(cfg.model, setup.plan)}")
+    if steps < cfg.optim.warmup_steps:
+        share = steps / cfg.optim.warmup_steps
+        log.info(f"warning: train.steps={steps} ends before optim.warmup_steps={cfg.optim.warmup_steps}: the learning "
+                 f"rate rises to {cfg.optim.lr * share:.3g} ({share:.0%} of optim.lr={cfg.optim.lr:g}) and never "
+                 f"reaches it (set optim.warmup_steps below train.steps for a short run)")
 
     if p.shards_optimizer and p.data > 1 and setup.zero_sharded_fraction() < 1:
         log.info(f"warning: the distributed optimizer shards {setup.zero_sharded_fraction():.0%} of the optimizer "

@@ -104,10 +104,26 @@ def test_eight_devices_match_one_device_for_10_steps(tmp_path):
     (["data.paths=[/nonexistent/prefix]"], "/nonexistent/prefix"),
 ])
 def test_bad_input_fails_before_compiling_with_the_fix(tmp_path, sets, needle):
-    proc = train_cli(tmp_path, *sets, check=False)
+    proc = train_cli(tmp_path / "run", *sets, check=False)
     assert proc.returncode == 2
     assert needle in proc.stderr and "Traceback" not in proc.stderr
     assert "compiled" not in proc.stdout
+    assert not (tmp_path / "run").exists(), "nothing is written for a run that cannot start"
+
+
+CUDA_NOISE = ("cudart_stub", "absl::InitializeLog", "Could not find cuda drivers")
+
+
+def test_a_short_run_warns_of_warm_up_and_a_finished_run_says_so(tmp_path):
+    """Without an NVIDIA driver the CUDA plugin's probes print nothing; steps that end inside the warm-up get a
+    warning; rerunning a finished run trains nothing, compiles nothing and says how to go on."""
+    first = train_cli(tmp_path, "train.steps=1", "optim.warmup_steps=4")
+    assert "train.steps=1 ends before optim.warmup_steps=4" in first.stdout
+    again = train_cli(tmp_path, "train.steps=1", "optim.warmup_steps=4")
+    assert "has finished: its checkpoint is at step 1 of train.steps=1" in again.stdout
+    assert "--set train.steps=2" in again.stdout and "compiled" not in again.stdout
+    for proc in (first, again):
+        assert not any(noise in proc.stderr + proc.stdout for noise in CUDA_NOISE), proc.stderr[:2000]
 
 
 def _wandb_records(run_file) -> list:

@@ -106,6 +106,17 @@ def open_checked(prefix: str, vocab_size: int, cache: IndexCache) -> IndexedData
     return ds
 
 
+def check_paths(cfg: Config) -> None:
+    """Raises DataError naming the first file of data.paths that is missing (each prefix needs its .bin and .idx),
+    before a run writes anything."""
+    for prefix in parse_blend(cfg.data.paths)[0]:
+        prefix = strip_suffix(prefix)
+        for path in (prefix + ".idx", prefix + ".bin"):
+            if not os.path.isfile(path):
+                raise DataError(f"{path}: file not found (an indexed dataset is the pair {prefix}.bin/.idx; "
+                                f"python -m megajax.data.preprocess writes them)")
+
+
 def build_datasets(cfg: Config, num_samples: dict[str, int]) -> dict[str, Split]:
     """The splits named in `num_samples` ({"train": n, "valid": m}) that data.split gives data to.
 
