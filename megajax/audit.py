@@ -419,8 +419,30 @@ def main(argv: list[str] | None = None) -> int:
     except config_lib.InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if not args.lower_for:
+        print(summary(report), file=sys.stderr)  # for a person; the JSON on stdout for scripts
     print(json.dumps(report, indent=2, default=lambda x: None if isinstance(x, float) and math.isnan(x) else x))
     return 0
+
+
+def summary(report: dict) -> str:
+    """The audit in two or three lines: whether the step fits and its peak against the device, and (GPU targets)
+    the communication a step, how much of it XLA left exposed, against the GEMMs' time at peak."""
+    layout, mem = report["layout"], report["memory_per_device"]
+    axes = " x ".join(f"{k} {layout[k]}" for k in ("data", "pipeline", "context", "tensor", "expert")
+                      if layout.get(k, 1) > 1) or "one device"
+    lines = [f"audit: {report['devices']} {report['target']} devices ({axes}), {layout['micro_batches']} micro "
+             f"batches of {layout['micro_batch_size']}"]
+    capacity = mem.get("device_memory_gib")
+    fits = "fits" if mem.get("fits") else "does not fit"
+    lines.append(f"memory: peak {mem['peak_estimate_gib']:.3g} GiB a device"
+                 + (f" of {capacity:.1f}: {fits}" if capacity else ""))
+    comm = report.get("communication")
+    if comm:
+        lines.append(f"communication: {comm['comm_s'] * 1e3:.3g} ms a step, {comm['exposed_comm_s'] * 1e3:.3g} ms of it "
+                     f"exposed (not under a GEMM), against {comm['gemm_s_at_peak'] * 1e3:.3g} ms of GEMMs at peak; "
+                     "per collective in the JSON's communication.groups")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -192,6 +192,7 @@ def test_cli_prints_json_with_memory_collectives_and_flops(tmp_path):
     assert "all-gather over tensor" in report["collectives"]
     assert report["megatron_flops_per_step"]["model_flops"] > 0 and report["xla_flops_per_device"] > 0
     assert "all-gather" in hlo_file.read_text()
+    assert "audit: 8 cpu devices (data 2 x tensor 4)" in out.stderr and "memory: peak" in out.stderr
 
 
 @gpu
