@@ -293,6 +293,13 @@ def test_paper_models_answer_on_a100(capsys):
                           "--compile", "0", "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert out.count("best: ") == 10
+    assert out.count("layout: d data, p pipeline, t tensor") == 10  # the table's legend
+    assert "is not a multiple of" not in out
+
+
+def test_an_odd_gpu_count_is_named(capsys):
+    assert plan_main(["--config", "configs/llama3-8b.yaml", "--target", "h100", "--gpus", "7", "--compile", "0"]) == 0
+    assert "note: 7 GPUs is not a multiple of 8 a node" in capsys.readouterr().out
 
 
 def test_every_key_fixed_scores_that_layout(capsys):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -158,6 +159,22 @@ def _terms(c: Candidate) -> dict:
             **{f"{k} comm": v for k, v in e.exposed_s.items()}}
 
 
+LEGEND = ("layout: d data, p pipeline, t tensor, c context (a2a: parallel.context_comm=a2a), e expert ranks; the "
+          "pipeline's schedule, v its chunks a stage; sp sequence parallelism, tpo tensor-parallel collective matmuls "
+          "(parallel.tp_comm_overlap), ogr the gradient reduction in the backward (parallel.overlap_grad_reduce), zero1 "
+          "the distributed optimizer, fsdp ZeRO-3 (/N: over N hybrid-sharding instances). mb: micro batch size; step s: "
+          "predicted (the compiled program's memory and exposed communication where compiled)")
+
+
+def _odd_count(gpus: int, per_node: int) -> str | None:
+    """A note on a GPU count that leaves a node part-filled (every layout's ranks must multiply to it)."""
+    if gpus % per_node == 0 or gpus < 2:
+        return None
+    return (f"note: {gpus} GPUs is not a multiple of {per_node} a node, so the layouts are those whose ranks multiply "
+            f"to {gpus} exactly (a prime count leaves one axis all of it); a count a multiple of the node's keeps "
+            "tensor parallelism inside a node")
+
+
 def _table(ranked: list[Candidate], peak: float, top: int) -> str:
     head = (f"{'#':>3} {'layout':<40} {'mb':>3} {'recompute':<9} {'GiB':>6} {'step s':>8} {'TFLOP/s':>7} {'MFU':>5} "
             f"{'bubble':>6}  exposed s: tensor data pipe expert context")
@@ -296,7 +313,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{counted['layouts']} layouts for {args.gpus} {hw.name}s ({args.gpus_per_node} a node): "
               f"{counted['fit']} fit, {counted['too_big']} too big, {counted['invalid']} invalid "
               f"({result['seconds']:.1f} s)")
+        odd = _odd_count(args.gpus, args.gpus_per_node)
+        if odd:
+            print(textwrap.fill(odd, 118))
         print(_table(ranked, hw.peak_flops, args.top))
+        print(textwrap.fill(LEGEND, 118))
         print(f"\nbest: {_label(best.settings)}, micro batch {best.settings['train.micro_batch_size']}, recompute "
               f"{best.settings['model.recompute']}: {best.step_s:.4g} s a step, "
               f"{rows[0]['tflops_per_gpu']:.0f} TFLOP/s a GPU, {best.memory_gib:.1f} GiB")
