@@ -160,10 +160,11 @@ def _terms(c: Candidate) -> dict:
 
 
 LEGEND = ("layout: d data, p pipeline, t tensor, c context (a2a: parallel.context_comm=a2a), e expert ranks; the "
-          "pipeline's schedule, v its chunks a stage; sp sequence parallelism, tpo tensor-parallel collective matmuls "
-          "(parallel.tp_comm_overlap), ogr the gradient reduction in the backward (parallel.overlap_grad_reduce), zero1 "
-          "the distributed optimizer, fsdp ZeRO-3 (/N: over N hybrid-sharding instances). mb: micro batch size; step s: "
-          "predicted (the compiled program's memory and exposed communication where compiled)")
+          "pipeline's schedule, v its chunks a stage; sp sequence parallelism, tpo tensor-parallel collective "
+          "matmuls (parallel.tp_comm_overlap), ogr the gradient reduction in the backward "
+          "(parallel.overlap_grad_reduce), zero1 the distributed optimizer, fsdp ZeRO-3 (/N: over N hybrid-sharding "
+          "instances). mb: micro batch size; step s: predicted (the compiled program's memory and exposed "
+          "communication where compiled)")
 
 
 def _odd_count(gpus: int, per_node: int) -> str | None:
