@@ -439,8 +439,8 @@ def summary(report: dict) -> str:
                  + (f" of {capacity:.1f}: {fits}" if capacity else ""))
     comm = report.get("communication")
     if comm:
-        lines.append(f"communication: {comm['comm_s'] * 1e3:.3g} ms a step, {comm['exposed_comm_s'] * 1e3:.3g} ms of it "
-                     f"exposed (not under a GEMM), against {comm['gemm_s_at_peak'] * 1e3:.3g} ms of GEMMs at peak; "
+        lines.append(f"communication: {comm['comm_s'] * 1e3:.3g} ms a step, {comm['exposed_comm_s'] * 1e3:.3g} ms "
+                     f"of it exposed (not under a GEMM), against {comm['gemm_s_at_peak'] * 1e3:.3g} ms of GEMMs at peak; "
                      "per collective in the JSON's communication.groups")
     return "\n".join(lines)
 
