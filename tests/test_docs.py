@@ -83,9 +83,16 @@ def _commands(block: str) -> list[list[str]]:
     return out
 
 
+def _preset_block(path: Path) -> str:
+    """The commands in a preset's header comment (lines "#   command", continued with a backslash)."""
+    lines = [line[4:] for line in path.read_text().splitlines() if line.startswith("#   ")]
+    return "\n".join(lines) + "\n"
+
+
 def _all_commands() -> list[tuple[str, list[str]]]:
-    return [(f"{path.relative_to(ROOT)}: {' '.join(cmd)}", cmd) for path in PAGES for block in _blocks(path)
-            for cmd in _commands(block)]
+    blocks = [(path, block) for path in PAGES for block in _blocks(path)]
+    blocks += [(path, _preset_block(path)) for path in sorted((ROOT / "configs").glob("*.yaml"))]
+    return [(f"{path.relative_to(ROOT)}: {' '.join(cmd)}", cmd) for path, block in blocks for cmd in _commands(block)]
 
 
 @cache
