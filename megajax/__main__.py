@@ -14,7 +14,7 @@ COMMANDS = {
     "audit": ("megajax.audit", "memory, FLOPs and collectives of a layout's compiled step, for CPU or GPU targets"),
     "generate": ("megajax.generate", "generate text from a checkpoint"),
     "convert": ("megajax.convert", "Hugging Face weights (GPT-2, Llama, Mixtral, Qwen2, Qwen2-MoE, DeepSeek-V3) to and from megajax checkpoints"),
-    "checkpoint": ("megajax.checkpoint", "inspect DIR (a checkpoint's steps and arrays) or export DIR OUT (its parameters)"),
+    "checkpoint": ("megajax.checkpoint", "a checkpoint: inspect DIR (steps, arrays) or export DIR OUT (parameters)"),
     "preprocess": ("megajax.data.preprocess", "tokenize a corpus into Megatron's .bin/.idx format"),
     "schedule": ("megajax.parallel.pipeline.schedule_cli", "print, check or draw a pipeline schedule"),
 }
