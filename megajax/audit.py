@@ -19,6 +19,7 @@ lower for the GPU rather than falling back to their CPU interpreter.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -257,10 +258,11 @@ def compile_step(cfg, devices, compiler_options: dict | None = None):
     resolved, the mesh, the compiled step, its StepSetup)."""
     import jax
 
-    from megajax import step as step_lib
+    from megajax import quiet, step as step_lib
 
     cfg, mesh, setup, state, batch = abstract_step(cfg, devices)
-    with jax.set_mesh(mesh):
+    gpu = devices[0].platform != "cpu"  # (XLA's memory warning explained: megajax/quiet.py)
+    with jax.set_mesh(mesh), quiet.rewritten_stderr(quiet.explain_remat) if gpu else contextlib.nullcontext():
         compiled = step_lib.jit_train_step(setup).lower(state, batch).compile(compiler_options)
     return cfg, mesh, compiled, setup
 

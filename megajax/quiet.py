@@ -1,4 +1,5 @@
-"""No CUDA-driver noise on a machine without an NVIDIA GPU.
+"""What XLA's C++ side prints to stderr, made readable: no CUDA-driver noise on a machine without an NVIDIA GPU,
+and XLA's memory warning of a GPU compile explained.
 
 With the CUDA plugin installed (the `gpu-audit` extra, for compile-only GPU programs), importing jax and starting
 its backends probe for a CUDA driver from C++, and each probe prints two lines to stderr ("All log messages before
@@ -12,8 +13,10 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
 import sys
 import tempfile
+import threading
 
 NOISE = (b"absl::InitializeLog()", b"cudart_stub.cc")
 
@@ -40,6 +43,48 @@ def _filtered_stderr():
             if kept:
                 sys.stderr.buffer.write(b"".join(kept))
                 sys.stderr.flush()
+
+
+_REMAT = re.compile(rb"Can't reduce memory use below ([0-9.]+)GiB.*only reduced to ([0-9.]+)GiB")
+
+
+def explain_remat(line: bytes) -> bytes:
+    """XLA's rematerialization warning of a GPU compile, with what its numbers are: the first is XLA's scheduling
+    limit (0.95 x (80% of the device less the program's inputs and outputs), those added back), not the device; above
+    it XLA schedules the program for memory rather than for overlap."""
+    m = _REMAT.search(line)
+    if not m:
+        return line
+    return line + (f"note: XLA's {m.group(1).decode()} GiB above is its scheduling limit (0.95 x (80% of the device "
+                   f"less the step's inputs and outputs), those added back), not the device's memory: this program "
+                   f"needs about {m.group(2).decode()} GiB by XLA's count, so XLA schedules it for memory rather than "
+                   "to hide communication; the audit's peak is the compiled program's\n").encode()
+
+
+@contextlib.contextmanager
+def rewritten_stderr(rewrite):
+    """File descriptor 2 through `rewrite` (a line of bytes -> the bytes to write), line by line as it comes (a
+    thread forwards them, so a crash loses at most an unfinished line): for C++ output Python does not see."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    read, write = os.pipe()
+    os.dup2(write, 2)
+    os.close(write)
+
+    def forward():
+        with os.fdopen(read, "rb") as lines:
+            for line in lines:
+                os.write(saved, rewrite(line))
+
+    thread = threading.Thread(target=forward, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)  # (closes the pipe's last writer: the thread reads to its end)
+        thread.join()
+        os.close(saved)
 
 
 def import_jax() -> None:

@@ -4,6 +4,7 @@ parallelism) of [b, s, d], and one gradient reduction over 'data' per step."""
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -564,3 +565,17 @@ def test_cudnn_attention_compiles_under_every_layout_on_h100(layout):
     if cfg.parallel.pipeline == 1:  # (a pipeline's ticks count every branch, and its schedule recomputes chunks)
         # one forward and one backward a layer and micro batch: the forward is not run again for the backward
         assert runs["__cudnn$fmhaSoftmax"] == runs["__cudnn$fmhaSoftmaxBackward"]
+
+
+def test_xla_memory_warning_is_explained_as_it_is_written(capfd):
+    """What the C++ side writes to file descriptor 2 during a GPU compile goes through quiet.explain_remat line by
+    line: XLA's rematerialization warning gets a note on what its figures are; other lines pass as they came."""
+    from megajax import quiet
+
+    warning = (b"W1128 hlo_rematerialization.cc:3005] Can't reduce memory use below 60.67GiB (65147079554 bytes) by "
+               b"rematerialization; only reduced to 65.41GiB (70232875960 bytes), down from 70.10GiB\n")
+    with quiet.rewritten_stderr(quiet.explain_remat):
+        os.write(2, b"an XLA line\n" + warning)
+    err = capfd.readouterr().err
+    assert err.startswith("an XLA line\n" + warning.decode())
+    assert "note: XLA's 60.67 GiB above is its scheduling limit" in err and "needs about 65.41 GiB" in err
