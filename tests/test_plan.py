@@ -299,7 +299,16 @@ def test_paper_models_answer_on_a100(capsys):
 
 def test_an_odd_gpu_count_is_named(capsys):
     assert plan_main(["--config", "configs/llama3-8b.yaml", "--target", "h100", "--gpus", "7", "--compile", "0"]) == 0
-    assert "note: 7 GPUs is not a multiple of 8 a node" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "note: 7 GPUs is not a multiple of 8 a node" in out
+    assert "the config's own layout does not run on this many GPUs" in out  # (the preset's is for 8)
+
+
+def test_the_config_s_own_layout_is_placed_against_the_best(capsys):
+    """The planner says where the preset's own layout stands: its predicted step against the best's."""
+    assert plan_main(["--config", "configs/llama3-8b.yaml", "--target", "h100", "--gpus", "8", "--compile", "0"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("the config's own layout"))
+    assert "(d2 p1 t4 sp tpo ogr zero1, mb 1, recompute selective)" in line and "against the best" in line
 
 
 def test_every_key_fixed_scores_that_layout(capsys):

@@ -23,7 +23,7 @@ import yaml
 
 from megajax.config import Config, InputError
 from megajax.plan.hardware import GIB, hardware
-from megajax.plan.search import KEYS, Candidate, compile_candidate, rank, search
+from megajax.plan.search import KEYS, Candidate, compile_candidate, own_layout, rank, search
 
 TARGETS = ("a100", "h100", "h200")
 
@@ -149,6 +149,21 @@ def _why(ranked: list[Candidate], too_big: list[Candidate]) -> list[str]:
         if len(notes) == 2:
             break
     return lines + notes
+
+
+def _own(own: Candidate | None, best: Candidate) -> str:
+    """Where the config's own layout stands against the best (the model's numbers for both, unless compiled)."""
+    if own is None:
+        return "the config's own layout does not run on this many GPUs"
+    s = own.settings
+    what = (f"the config's own layout ({_label(s)}, mb {s['train.micro_batch_size']}, recompute "
+            f"{s['model.recompute']})")
+    if not own.fits:
+        return f"{what} does not fit: the model says {own.memory_gib:.1f} GiB"
+    if own.settings == best.settings:
+        return f"{what} is the best"
+    return (f"{what}: {own.step_s:.4g} s a step by the model, {own.step_s / best.step_s - 1:+.1%} against the best, "
+            f"{own.memory_gib:.1f} GiB")
 
 
 def _terms(c: Candidate) -> dict:
@@ -323,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{best.settings['model.recompute']}: {best.step_s:.4g} s a step, "
               f"{rows[0]['tflops_per_gpu']:.0f} TFLOP/s a GPU, {best.memory_gib:.1f} GiB")
         print("\n".join(_why(ranked, result["too_big"]) + notes))
+        print(_own(own_layout(base, hw, args.gpus, args.gpus_per_node, args.memory_margin), best))
     if args.write:
         write_preset(args.write, raw, ranked[0], argv)
     return 0

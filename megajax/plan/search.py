@@ -225,6 +225,17 @@ def search(base: Config, hw: Hardware, gpus: int, gpus_per_node: int, fixed: dic
             "seconds": time.perf_counter() - start}
 
 
+def own_layout(base: Config, hw: Hardware, gpus: int, gpus_per_node: int, margin: float = 0.0) -> Candidate | None:
+    """The config's own layout (its values of KEYS) scored as the search scores a layout, on the schedule clock;
+    None where it does not run on `gpus` (another GPU count, or an invalid combination there)."""
+    settings = {key: getattr(getattr(base, key.split(".")[0]), key.split(".")[1]) for key in KEYS}
+    try:
+        cfg = configure(base, settings, gpus)
+        return Candidate(settings, cfg, estimate(cfg, hw, gpus_per_node, True), margin=margin)
+    except (ConfigError, InputError, ValueError):
+        return None
+
+
 def _complexity(s: dict) -> int:
     """Features a layout turns on beyond what it needs: FSDP, the overlaps, virtual stages."""
     return ((s["parallel.data_parallel_sharding_strategy"] == "optim_grads_params") + s["parallel.tp_comm_overlap"]
