@@ -5,7 +5,7 @@ With the CUDA plugin installed (the `gpu-audit` extra, for compile-only GPU prog
 its backends probe for a CUDA driver from C++, and each probe prints two lines to stderr ("All log messages before
 absl::InitializeLog() ...", "cudart_stub.cc ... Could not find cuda drivers on your machine") that no environment
 variable silences. Where there is no NVIDIA driver those lines say nothing, so the two steps that print them run
-with the process's stderr caught, and every other line is written back as it came.
+with the process's stderr through `rewritten_stderr`, which drops those lines and passes every other as it comes.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import importlib.util
 import os
 import re
 import sys
-import tempfile
 import threading
 
 NOISE = (b"absl::InitializeLog()", b"cudart_stub.cc")
@@ -25,24 +24,9 @@ def _no_driver() -> bool:
     return not os.path.exists("/dev/nvidiactl") and importlib.util.find_spec("jax_plugins") is not None
 
 
-@contextlib.contextmanager
-def _filtered_stderr():
-    """File descriptor 2 into a temporary file, whose lines but the CUDA probes' go back to stderr after."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as caught:
-        os.dup2(caught.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            caught.seek(0)
-            kept = [line for line in caught if not any(n in line for n in NOISE)]
-            if kept:
-                sys.stderr.buffer.write(b"".join(kept))
-                sys.stderr.flush()
+def drop_noise(line: bytes) -> bytes:
+    """A line of stderr, or nothing for the CUDA probes' (`rewritten_stderr`'s rewrite)."""
+    return b"" if any(n in line for n in NOISE) else line
 
 
 _REMAT = re.compile(rb"Can't reduce memory use below ([0-9.]+)GiB.*only reduced to ([0-9.]+)GiB")
@@ -91,7 +75,7 @@ def import_jax() -> None:
     """Imports jax, without the CUDA probes' lines where there is no NVIDIA driver."""
     if "jax" in sys.modules or not _no_driver():
         return
-    with _filtered_stderr():
+    with rewritten_stderr(drop_noise):
         import jax
 
         del jax
@@ -106,5 +90,5 @@ def discover_plugins() -> None:
 
     discover = getattr(xla_bridge, "_discover_and_register_pjrt_plugins", None)  # (jax 0.10-0.11)
     if discover is not None:
-        with _filtered_stderr():
+        with rewritten_stderr(drop_noise):
             discover()

@@ -76,7 +76,6 @@ def run(cfg: Config) -> dict:
     checkpoint directories (megajax.runlock): a second run on them exits naming this one.
     """
     from megajax import checkpoint, runlock
-
     from megajax.data.datasets import check_paths
 
     check_paths(cfg)  # before the run's directory gets anything

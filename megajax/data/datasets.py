@@ -25,7 +25,7 @@ from megajax.data.blended import BlendedDataset, normalize
 from megajax.data.corpus import bundled_prefix, default_cache_dir
 from megajax.data.gpt_dataset import GPTDataset
 from megajax.data.index_cache import IndexCache, describe, digest
-from megajax.data.indexed import DataError, IndexedDataset, strip_suffix
+from megajax.data.indexed import DataError, IndexedDataset, require_pair, strip_suffix
 from megajax.data.tokenizers import eod_of, resolve
 
 SPLITS = ("train", "valid", "test")
@@ -110,11 +110,7 @@ def check_paths(cfg: Config) -> None:
     """Raises DataError naming the first file of data.paths that is missing (each prefix needs its .bin and .idx),
     before a run writes anything."""
     for prefix in parse_blend(cfg.data.paths)[0]:
-        prefix = strip_suffix(prefix)
-        for path in (prefix + ".idx", prefix + ".bin"):
-            if not os.path.isfile(path):
-                raise DataError(f"{path}: file not found (an indexed dataset is the pair {prefix}.bin/.idx; "
-                                f"python -m megajax.data.preprocess writes them)")
+        require_pair(prefix)
 
 
 def build_datasets(cfg: Config, num_samples: dict[str, int]) -> dict[str, Split]:

@@ -60,6 +60,15 @@ def exists(prefix: str | os.PathLike) -> bool:
     return os.path.isfile(p + ".bin") and os.path.isfile(p + ".idx")
 
 
+def require_pair(prefix: str | os.PathLike) -> None:
+    """Raises DataError naming the first of prefix.idx, prefix.bin that is missing."""
+    p = strip_suffix(prefix)
+    for path in (p + ".idx", p + ".bin"):
+        if not os.path.isfile(path):
+            raise DataError(f"{path}: file not found (an indexed dataset is the pair {p}.bin/.idx; "
+                            "python -m megajax.data.preprocess writes them)")
+
+
 class IndexedDataset:
     """Read-only view of prefix.bin/.idx. `ds[i]` is sequence i as a NumPy array (a memmap view, no copy).
 
@@ -71,9 +80,7 @@ class IndexedDataset:
     def __init__(self, prefix: str | os.PathLike):
         self.prefix = strip_suffix(prefix)
         self.idx_path, self.bin_path = self.prefix + ".idx", self.prefix + ".bin"
-        for path in (self.idx_path, self.bin_path):
-            if not os.path.isfile(path):
-                raise DataError(f"{path}: file not found (an indexed dataset is the pair {self.prefix}.bin/.idx)")
+        require_pair(self.prefix)
         self._read_index(self.idx_path)
         self._check_bin()
         size = os.path.getsize(self.bin_path)
