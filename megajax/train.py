@@ -20,9 +20,11 @@ import jax
 
 from megajax import config as config_lib, distributed, xla_flags
 from megajax import metrics as metrics_lib
+from megajax.goodput import Ledger
 from megajax.config import io as config_io
 from megajax.config import Config, InputError
 from megajax.kernels import auto as kernel_choice
+from megajax.plan import elastic
 from megajax.step import (StepSetup, TrainState, init_state, jit_eval_step, jit_train_step, load_initial_params,
                           setup_for)
 
@@ -69,52 +71,83 @@ def _report_config_changes(cfg: Config, meta: dict, log) -> None:
         log.info(f"  {key}: {before!r} -> {now!r}{note}")
 
 
-def run(cfg: Config) -> dict:
+def run(cfg: Config, ledger: Ledger | None = None) -> dict:
     """Trains for cfg.train.steps (resuming from the newest checkpoint if there is one).
 
     Returns a summary: last logged metrics, eval loss, steps run in this process. The run holds its output and
-    checkpoint directories (megajax.runlock): a second run on them exits naming this one.
+    checkpoint directories (megajax.runlock): a second run on them exits naming this one. `ledger` counts the
+    process's time (megajax.goodput; the command's starts when the process did, else one starts now).
     """
     from megajax import checkpoint, runlock
     from megajax.data.datasets import check_paths
 
+    ledger = Ledger(start=time.time()) if ledger is None else ledger
     check_paths(cfg)  # before the run's directory gets anything
+    refit_line = None
+    if cfg.train.elastic and not elastic.fits(cfg, jax.device_count()):
+        cfg, refit_line = elastic.refit(cfg, jax.device_count(), jax.local_device_count(), jax.devices()[0].device_kind)
     setup = setup_for(cfg)
     with runlock.hold(setup.cfg.train.output_dir, checkpoint.checkpoint_dir(setup.cfg)):
-        return _run(setup)
+        try:
+            return _run(setup, ledger, refit_line)
+        finally:
+            ledger.switch("other")
+            ledger.write()
 
 
-def _run(setup: StepSetup) -> dict:
-    from megajax import checkpoint
+def _agreed_attempt(start: float) -> int:
+    """The attempt's id, the same on every process: process 0's start time in ms."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    ms = int(start * 1000)
+    mine = np.asarray([ms // 1_000_000, ms % 1_000_000], np.int32)  # int32 halves: without x64 no int64 crosses
+    high, low = (int(x) for x in multihost_utils.broadcast_one_to_all(mine))
+    return high * 1_000_000 + low
+
+
+def _run(setup: StepSetup, ledger: Ledger, refit_line: str | None) -> dict:
+    from megajax import checkpoint, watchdog
     from megajax.data.loader import BatchLoader, batch_shapes, build_datasets
 
     cfg, mesh = setup.cfg, setup.mesh
     gbs, steps = cfg.train.global_batch_size, cfg.train.steps
     is_main = jax.process_index() == 0
     metrics_lib.setup_logging(jax.process_index())
+    p = cfg.parallel
+    ledger.attach(cfg.train.output_dir, _agreed_attempt(ledger.start), jax.process_index(),
+                  processes=jax.process_count(), devices=jax.device_count(),
+                  layout=f"d{p.data} p{p.pipeline} c{p.context} t{p.tensor}")
     wandb = None
     if cfg.train.wandb_project:
         metrics_lib.require_wandb()
         wandb = dict(project=cfg.train.wandb_project, name=cfg.train.wandb_exp_name, config=cfg.to_dict())
     log = metrics_lib.MetricsLogger(cfg.train.output_dir, enabled=is_main, wandb=wandb)
-    num_eval = cfg.train.eval_batches * gbs if cfg.train.eval_every else 0
-    datasets = build_datasets(cfg, {"train": steps * gbs, **({"valid": num_eval} if num_eval else {})})
+    if refit_line:
+        log.info(refit_line)
 
     mgr = checkpoint.manager_for(cfg)
-    start, consumed = 0, 0
+    start, consumed, meta = 0, 0, {}
+    ledger.switch("restore")
     restored = checkpoint.restore_newest_readable(mgr, setup.abstract_state, setup.state_shardings, cfg, log)
+    ledger.switch("startup")
     if restored is not None:
-        fields, meta = restored
-        state = TrainState(**fields)
+        meta = restored[1]
         start, consumed = int(meta["step"]), int(meta["consumed_samples"])
         log.info(f"resumed from {checkpoint.checkpoint_dir(cfg)} step {start} ({consumed} samples consumed, "
                  f"written with layout {meta.get('layout')})")
         _report_config_changes(cfg, meta, log)
+        ledger.resumed_at(start)
         if start >= steps:
             log.info(f"the run in {cfg.train.output_dir} has finished: its checkpoint is at step {start} of "
                      f"train.steps={steps}, so there is nothing to train. To train on, raise train.steps (--set "
                      f"train.steps={2 * start}); for a new run, set another train.output_dir")
             return {"last": {}, "eval_loss": None, "steps_run": 0, "wall_s": 0.0}
+    num_eval = cfg.train.eval_batches * gbs if cfg.train.eval_every else 0
+    train_samples = _train_samples(cfg, meta, consumed, log)
+    datasets = build_datasets(cfg, {"train": train_samples, **({"valid": num_eval} if num_eval else {})})
+    if restored is not None:
+        state = TrainState(**restored[0])
     elif cfg.checkpoint.load_from:  # a converted or exported model: its params, a fresh optimizer
         state = init_state(setup, load_initial_params(setup, cfg.checkpoint.load_from))
         log.info(f"loaded params from {cfg.checkpoint.load_from} (checkpoint.load_from; fresh optimizer state)")
@@ -122,7 +155,6 @@ def _run(setup: StepSetup) -> dict:
         state = init_state(setup)
 
     n_params = sum(math.prod(a.shape) for a in jax.tree.leaves(setup.param_shapes))
-    p = cfg.parallel
     log.info(f"megajax: {n_params / 1e6:.2f}M parameters, {jax.device_count()} devices "
              f"(data={p.data} pipeline={p.pipeline}{f' context={p.context}' if p.context > 1 else ''} "
              f"tensor={p.tensor}"
@@ -142,16 +174,21 @@ def _run(setup: StepSetup) -> dict:
     peak, peak_src = metrics_lib.device_peak(cfg.model.compute_dtype)
     log.info(f"peak for MFU: {peak / 1e12:.4g} TFLOP/s per device ({peak_src})")
     # reads ahead on a background thread from here on, while the step compiles
-    loader = BatchLoader(datasets["train"], gbs, setup.batch_shardings, consumed, steps * gbs, cfg.data.prefetch)
+    loader = BatchLoader(datasets["train"], gbs, setup.batch_shardings, consumed, consumed + (steps - start) * gbs,
+                         cfg.data.prefetch)
     abstract_batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=setup.batch_shardings[k])
                       for k, (shape, dtype) in batch_shapes(gbs, cfg.model.seq_length).items()}
-    with jax.set_mesh(mesh), loader:
+    hang = watchdog.Watchdog(ledger, watchdog.progress_dir(cfg.train.output_dir), jax.process_index(),
+                             cfg.train.hang_report_s, cfg.train.hang_exit_s)
+    with jax.set_mesh(mesh), loader, hang:
+        ledger.switch("compile")
         t0 = time.perf_counter()
         compiled = step_fn.lower(state, abstract_batch).compile()
         log.info(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
         try:
             with _saving(cfg.train.output_dir, "the run's output"):  # metrics.jsonl, TensorBoard
-                return _loop(cfg, setup, compiled, eval_fn, state, datasets, start, consumed, loader, mgr, log, peak)
+                return _loop(cfg, setup, compiled, eval_fn, state, datasets, start, consumed, loader, mgr, log, peak,
+                             ledger)
         finally:  # a checkpoint started in the background completes even when the loop stops on an error
             try:
                 with _saving(mgr.directory):
@@ -160,6 +197,29 @@ def _run(setup: StepSetup) -> dict:
                 mgr.close()
                 with _saving(cfg.train.output_dir, "the run's output"):  # TensorBoard's last flush
                     log.close()
+
+
+def _train_samples(cfg: Config, meta: dict, consumed: int, log) -> int:
+    """The samples the train split's indices are built for: what the run needs, or what the checkpoint's run was
+    built for where that is more, so that a resumed run keeps the order its samples came in. A changed global batch
+    carries the samples consumed over: the run goes on at the next sample, whatever the batch."""
+    gbs, steps = cfg.train.global_batch_size, cfg.train.steps
+    start = int(meta.get("step", 0))
+    need = consumed + (steps - start) * gbs
+    old = meta.get("config", {}).get("train", {})
+    if not old:
+        return need
+    old_gbs = old.get("global_batch_size", gbs)
+    before = old.get("steps", steps) * old_gbs
+    if old_gbs != gbs:
+        log.info(f"train.global_batch_size changed from {old_gbs} to {gbs}: the run goes on at sample {consumed} "
+                 f"(the samples consumed are carried over) and step {start}; each step from here takes {gbs} samples, "
+                 "and the learning-rate schedule goes on counting steps")
+    if need > before:
+        log.info(f"note: the run now needs {need} training samples, more than the {before} its checkpoint's run built "
+                 "the data indices for (train.steps x global batch); where that takes more epochs of the data, the "
+                 "samples from here on come in another order than the earlier indices would have given")
+    return max(need, before)
 
 
 def _any_process(flag: bool) -> bool:
@@ -196,7 +256,7 @@ def _kernels_line(m, plan) -> str:
     return f"{kernels_now}; layers {how}{' (model.scan_layers auto)' if m.scan_layers is None else ''}"
 
 
-def _loop(cfg, setup, step_fn, eval_fn, state, datasets, start, consumed, loader, mgr, log, peak) -> dict:
+def _loop(cfg, setup, step_fn, eval_fn, state, datasets, start, consumed, loader, mgr, log, peak, ledger) -> dict:
     gbs, steps, seq = cfg.train.global_batch_size, cfg.train.steps, cfg.model.seq_length
     flops = metrics_lib.step_flops(cfg.model, gbs * seq, pipelined=cfg.parallel.pipeline > 1,
                                    platform=setup.plan.platform)
@@ -212,11 +272,17 @@ def _loop(cfg, setup, step_fn, eval_fn, state, datasets, start, consumed, loader
     step = start
     first, last = cfg.train.profile_start, cfg.train.profile_start + cfg.train.profile_steps  # traced: [first, last)
     tracing = False
+    stall = cfg.train.stall()
     for step in range(start, steps):
         if first <= step < last and not tracing:
             jax.profiler.start_trace(os.path.join(cfg.train.output_dir, "profile"))
             tracing = True
+        ledger.switch("data")
+        if stall and stall[:2] == (jax.process_index(), step + 1):
+            log.info(f"train.debug_stall: process {stall[0]} stalls before step {stall[1]}")
+            _stall(stall[2])
         batch = next(loader)
+        ledger.training(step + 1)
         state, stats = step_fn(state, batch)
         consumed += gbs
         if pending is not None:
@@ -243,6 +309,7 @@ def _loop(cfg, setup, step_fn, eval_fn, state, datasets, start, consumed, loader
                 "step_time_s": dt, **metrics_lib.step_rates(flops, gbs * seq, dt, n_dev, peak),
                 "consumed_samples": consumed,
                 "data_wait_s": data_wait,
+                **ledger.metrics(),
                 **{k: float(v) for k, v in host.items() if k.startswith("moe_")},
             }
             eta = metrics_lib.format_eta((steps - done) * dt)
@@ -251,7 +318,10 @@ def _loop(cfg, setup, step_fn, eval_fn, state, datasets, start, consumed, loader
                             f"grad norm {record['grad_norm']:.3f}{moe_line} | {record['tokens_per_s']:.0f} tok/s | "
                             f"{record['tflops_per_device']:.4f} TFLOP/s/dev | MFU {record['mfu']:.1%} | "
                             f"eta {eta}")
+            ledger.write()
+        ledger.completed(done)
         if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == steps) and "valid" in datasets:
+            ledger.switch("eval")
             eval_loss_value = _evaluate(cfg, setup, eval_fn, state, datasets["valid"])
             log.log({"step": done, "eval_loss": eval_loss_value, "eval_ppl": math.exp(min(eval_loss_value, 50))},
                     f"eval at step {done}: loss {eval_loss_value:.4f} | ppl {math.exp(min(eval_loss_value, 50)):.2f}")
@@ -260,15 +330,25 @@ def _loop(cfg, setup, step_fn, eval_fn, state, datasets, start, consumed, loader
         if jax.process_count() > 1:  # every process stops at the same step: agreed at each log step
             stopping = done % cfg.train.log_every == 0 and _any_process(stopping)
         if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == steps or stopping:
+            ledger.switch("checkpoint")
             log.log({"step": done, "checkpoint_blocking_s": _save(mgr, done, state, cfg, consumed, log)})
+            ledger.write()
         if stopping:
             why = stop.signal or ("train.exit_after_minutes" if timed_out else "a stop request on another process")
             log.info(f"stopping after step {done} ({why}): checkpoint saved")
             break
+    ledger.switch("other")
     if pending is not None:
         _check_health(cfg, *pending, log, on_fatal=lambda: _save(mgr, step + 1, state, cfg, consumed, log))
     return {"last": record, "eval_loss": eval_loss_value, "steps_run": step + 1 - start,
             "wall_s": time.perf_counter() - t_start}
+
+
+def _stall(seconds: float) -> None:
+    """train.debug_stall's pause (in slices, so that SIGTERM's handler still runs)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(min(1.0, end - time.monotonic()))
 
 
 def _save(mgr, step: int, state: TrainState, cfg: Config, consumed: int, log) -> float:
@@ -356,11 +436,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.config is None:
         print("no --config: the built-in defaults (a 2-layer GPT-2 on the bundled corpus; --help lists every key, "
               "configs/tiny.yaml is the tiny preset)")
+    ledger = Ledger()  # from the process's start
     try:
         cfg = config_io.load(args.config, args.set)
         distributed.initialize()
         distributed.check_backend()
-        run(cfg)
+        run(cfg, ledger)
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

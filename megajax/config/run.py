@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Literal
 
 from megajax.config.base import check, resumable, short
@@ -31,6 +32,16 @@ class TrainConfig:
     wandb_project: str | None = resumable(None)
     # the W&B run's name; null: the last part of train.output_dir
     wandb_exp_name: str | None = resumable(None)
+    # devices that do not match the layout (a restart on fewer hosts): train on the planner's best layout for the
+    # devices present, at the same global batch, instead of refusing
+    elastic: bool = resumable(False)
+    # report a step (or data wait, eval, checkpoint) open this long: its Python stacks and the process behind;
+    # null: 10x the median recent step, at least 120 s
+    hang_report_s: float | None = resumable(None)
+    # end a process whose step has been open this long (exit 86), so its launcher ends or restarts the job; null: never
+    hang_exit_s: float | None = resumable(None)
+    # testing the watchdog: "P@S" stalls process P before step S's batch (":SECONDS" for a while; else until killed)
+    debug_stall: str = resumable("")
 
     def __post_init__(self):
         check(self.steps >= 1, f"train.steps must be >= 1, got {self.steps}")
@@ -44,6 +55,16 @@ class TrainConfig:
         check(self.max_bad_steps >= 1, f"train.max_bad_steps must be >= 1, got {self.max_bad_steps}")
         check(self.profile_start >= 0 and self.profile_steps >= 0,
               "train.profile_start and train.profile_steps must be >= 0 (profile_steps 0: no trace)")
+        for key in ("hang_report_s", "hang_exit_s"):
+            value = getattr(self, key)
+            check(value is None or value > 0, f"train.{key} must be positive or null, got {value}")
+        check(not self.debug_stall or self.stall() is not None,
+              f"train.debug_stall={self.debug_stall!r}: write PROCESS@STEP or PROCESS@STEP:SECONDS (e.g. 1@5:30)")
+
+    def stall(self) -> tuple[int, int, float] | None:
+        """train.debug_stall as (process, step, seconds); None where unset or malformed."""
+        m = re.fullmatch(r"(\d+)@(\d+)(?::(\d+(?:\.\d*)?))?", self.debug_stall)
+        return (int(m.group(1)), int(m.group(2)), float(m.group(3) or "inf")) if m else None
 
 
 @dataclasses.dataclass(frozen=True)
