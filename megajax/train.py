@@ -54,8 +54,10 @@ def config_changes(cfg: Config, meta: dict) -> list[tuple[str, Any, Any, bool]]:
     out = []
     for key in sorted(old.keys() & new.keys()):
         if old[key] != new[key]:
-            # train.steps only sets how long the run goes once the decay has its own length
-            same = config_lib.may_change_on_resume(key) or (key == "train.steps" and cfg.optim.decay_steps is not None)
+            # train.steps only sets how long the run goes once the decay has its own length; without experts (whose
+            # routing and balancing loss work per micro batch) the micro batch only splits the same global batch
+            same = (config_lib.may_change_on_resume(key) or (key == "train.steps" and cfg.optim.decay_steps is not None)
+                    or (key == "train.micro_batch_size" and not cfg.model.num_experts))
             out.append((key, old[key], new[key], not same))
     return out
 
@@ -279,8 +281,7 @@ def _loop(cfg, setup, step_fn, eval_fn, state, datasets, start, consumed, loader
             tracing = True
         ledger.switch("data")
         if stall and stall[:2] == (jax.process_index(), step + 1):
-            log.info(f"train.debug_stall: process {stall[0]} stalls before step {stall[1]}")
-            _stall(stall[2])
+            _stall(cfg, *stall)
         batch = next(loader)
         ledger.training(step + 1)
         state, stats = step_fn(state, batch)
@@ -344,8 +345,14 @@ def _loop(cfg, setup, step_fn, eval_fn, state, datasets, start, consumed, loader
             "wall_s": time.perf_counter() - t_start}
 
 
-def _stall(seconds: float) -> None:
-    """train.debug_stall's pause (in slices, so that SIGTERM's handler still runs)."""
+def _stall(cfg: Config, process: int, step: int, seconds: float) -> None:
+    """train.debug_stall's pause, once a run (a marker file in the output dir: a restarted job does not stall again),
+    in slices so that SIGTERM's handler still runs."""
+    marker = os.path.join(cfg.train.output_dir, f"debug_stall-{process}@{step}")
+    if os.path.exists(marker):
+        return
+    open(marker, "w").close()
+    print(f"train.debug_stall: process {process} stalls before step {step}", file=sys.stderr, flush=True)
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         time.sleep(min(1.0, end - time.monotonic()))
