@@ -17,6 +17,8 @@ COMMANDS = {
     "checkpoint": ("megajax.checkpoint", "a checkpoint: inspect DIR (steps, arrays) or export DIR OUT (parameters)"),
     "preprocess": ("megajax.data.preprocess", "tokenize a corpus into Megatron's .bin/.idx format"),
     "schedule": ("megajax.parallel.pipeline.schedule_cli", "print, check or draw a pipeline schedule"),
+    "goodput": ("megajax.goodput", "where a run's wall time went, over all its restarts (RUN_DIR)"),
+    "watchdog": ("megajax.watchdog", "which process of a job is behind, from its heartbeats (PROGRESS_DIR)"),
 }
 
 

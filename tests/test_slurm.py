@@ -88,3 +88,24 @@ def test_sigterm_saves_and_the_job_completes_then_resumes(slurm, tmp_path, how):
     text = open(log2).read()
     assert info["JobState"] == "COMPLETED", text[-3000:]
     assert f"step {step}" in text and "resumed from" in text and f"step {step + 2}/{step + 2}" in text, text[-3000:]
+
+
+def test_a_hung_task_is_named_and_the_job_restarts(slurm, tmp_path):
+    """MEGAJAX_RESTARTS=1: task 1 stalls (train.debug_stall), the watchdogs end the tasks past train.hang_exit_s,
+    the batch script names the process behind from the heartbeats and runs the tasks again on the node still up;
+    the run resumes from its newest checkpoint and completes."""
+    run, log = tmp_path / "run", str(tmp_path / "job.out")
+    cmd = ["sbatch", "--parsable", "--export=ALL,MEGAJAX_RESTARTS=1", "--ntasks-per-node=2", "--cpus-per-task=1",
+           "--gpus-per-node=0", f"--chdir={REPO}", f"--output={log}", "scripts/slurm.sbatch", "configs/tiny.yaml",
+           *CLI_SMALL, "parallel.data=2", f"train.output_dir={run}", "train.steps=8", "checkpoint.every=2",
+           "train.debug_stall=1@5", "train.hang_report_s=3", "train.hang_exit_s=8"]
+    job = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, check=True).stdout.strip()
+    info = _wait(job.split(";")[0], timeout=300)
+    text = open(log).read()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, text[-3000:])
+    # srun returns the highest status: 86 from the watchdog, or the peer's abort (134) once the coordination
+    # service has seen the first one go
+    assert re.search(r"slurm\.sbatch: the tasks ended with (86|134); behind: process 1 in the batch of step 5", text), \
+        text[-3000:]
+    assert "slurm.sbatch: restart 1 of 1 on 1 node(s)" in text and "resumed from" in text
+    assert "step 8/8" in text
