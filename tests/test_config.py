@@ -126,6 +126,7 @@ def test_field_metadata_says_what_may_change_on_resume_and_what_defines_the_mode
         "train.log_update_norm", "train.eval_every", "train.eval_batches", "train.output_dir", "train.max_bad_steps",
         "train.exit_after_minutes",
         "train.profile_start", "train.profile_steps", "train.wandb_project", "train.wandb_exp_name",
+        "train.elastic", "train.hang_report_s", "train.hang_exit_s", "train.debug_stall",
         "data.prefetch", "data.cache_dir", "data.index_cache_dir"}
     assert not config_lib.may_change_on_resume("train.steps") and not config_lib.may_change_on_resume("nosuch.key")
     assert config_lib.model_defining_fields() == {
