@@ -181,7 +181,7 @@ def _run(setup: StepSetup, ledger: Ledger, refit_line: str | None) -> dict:
     abstract_batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=setup.batch_shardings[k])
                       for k, (shape, dtype) in batch_shapes(gbs, cfg.model.seq_length).items()}
     hang = watchdog.Watchdog(ledger, watchdog.progress_dir(cfg.train.output_dir), jax.process_index(),
-                             cfg.train.hang_report_s, cfg.train.hang_exit_s)
+                             cfg.train.hang_report_s, cfg.train.hang_exit_s, eval_batches=cfg.train.eval_batches)
     with jax.set_mesh(mesh), loader, hang:
         ledger.switch("compile")
         t0 = time.perf_counter()

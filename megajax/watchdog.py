@@ -3,7 +3,8 @@
 Every second the watchdog of each process writes a heartbeat, <progress dir>/process-<i>.json: the time, and where
 its ledger (megajax.goodput) stands: the open segment's kind (data, step, eval, checkpoint...), how long it has been
 open and the last step completed. A segment of the step loop open longer than train.hang_report_s (default: 10x the
-median of the recent steps, at least 120 s) is a stall: the watchdog writes to the process's log (stderr) what it is
+median of the recent steps, at least 120 s; an evaluation 10x that median per eval batch, a checkpoint's blocking
+part at least 600 s) is a stall: the watchdog writes to the process's log (stderr) what it is
 in, for how long, every thread's Python stack, and which process the heartbeats say is behind; once a stall, again
 only after progress. Past train.hang_exit_s it ends the process with HANG_EXIT, so the launcher (scripts/
 launch_local.sh, scripts/slurm.sbatch) can end or restart the job; the launchers print the same report of which
@@ -37,6 +38,7 @@ STALE_S = 10.0  # a heartbeat this much older than the newest one: its process h
 WATCHED = {"data": 0, "step": 1, "recomputed": 1, "eval": 2, "checkpoint": 3}  # the step loop's order in a step
 ORDER = {**WATCHED, "startup": -1, "restore": -1, "compile": -1, "other": 4}
 MIN_REPORT_S = 120.0
+MIN_CHECKPOINT_S = 600.0  # a first save, or a big state on a slow filesystem, may block this long
 FACTOR = 10.0
 
 
@@ -95,8 +97,8 @@ class Watchdog:
     """The heartbeat and stall detector of one process (a daemon thread); `stop()` ends it."""
 
     def __init__(self, ledger: Ledger, directory: str | os.PathLike, process: int, report_s: float | None = None,
-                 exit_s: float | None = None, log=None):
-        self.ledger, self.process = ledger, process
+                 exit_s: float | None = None, log=None, eval_batches: int = 1):
+        self.ledger, self.process, self.eval_batches = ledger, process, eval_batches
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / f"process-{process}.json"
@@ -117,12 +119,15 @@ class Watchdog:
         self._stop.set()
         self._thread.join(timeout=5)
 
-    def threshold(self) -> float:
-        """Seconds a watched segment may stay open before it is reported."""
+    def threshold(self, kind: str = "step") -> float:
+        """Seconds a watched segment of `kind` may stay open before it is reported."""
         if self.report_s is not None:
             return self.report_s
         recent = self.ledger.recent_steps()
-        return max(FACTOR * statistics.median(recent), MIN_REPORT_S) if recent else MIN_REPORT_S
+        step = FACTOR * statistics.median(recent) if recent else 0.0
+        if kind == "eval":
+            return max(step * self.eval_batches, MIN_REPORT_S)
+        return max(step, MIN_CHECKPOINT_S if kind == "checkpoint" else MIN_REPORT_S)
 
     def beat(self) -> dict:
         kind, open_s, step = self.ledger.open_segment()
@@ -145,7 +150,7 @@ class Watchdog:
         kind, open_s, step = record["kind"], record["open_s"], record["step"]
         if kind not in WATCHED:
             return
-        if open_s > self.threshold() and self.reported != (kind, step):
+        if open_s > self.threshold(kind) and self.reported != (kind, step):
             self.reported = (kind, step)
             self.report(record)
         if self.exit_s is not None and open_s > self.exit_s:
@@ -157,8 +162,9 @@ class Watchdog:
                 os._exit(HANG_EXIT)
 
     def report(self, record: dict) -> None:
-        self.log(f"watchdog: process {self.process} has been in {_where(record)}, over {self.threshold():.0f} s "
-                 f"(train.hang_report_s); last step completed {record['step']}. Its Python stacks:")
+        self.log(f"watchdog: process {self.process} has been in {_where(record)}, over "
+                 f"{self.threshold(record['kind']):.0f} s (train.hang_report_s); last step completed {record['step']}. "
+                 "Its Python stacks:")
         sys.stderr.flush()
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         self.log(f"watchdog: {behind(read_heartbeats(self.dir))}")

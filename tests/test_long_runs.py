@@ -297,3 +297,17 @@ def test_a_lost_process_restarts_on_the_ones_left_and_the_run_goes_on(tmp_path, 
     assert acct["wall_s"] == pytest.approx(wall, rel=0.02), (acct["wall_s"], wall)
     last = [json.loads(line) for line in open(run / "metrics.jsonl") if '"goodput"' in line][-1]
     assert 0 < last["goodput"] < 1 and last["time_step_s"] > 0
+
+
+def test_the_default_stall_threshold_follows_the_steps_and_allows_for_evaluations_and_saves(tmp_path):
+    clock = Clock()
+    ledger = goodput.Ledger(start=clock.t, clock=clock)
+    dog = watchdog.Watchdog(ledger, tmp_path, process=0, eval_batches=20)
+    assert dog.threshold("step") == watchdog.MIN_REPORT_S, "no step yet"
+    for step in range(1, 6):
+        ledger.training(step)
+        clock.t += 30.0
+    ledger.switch("data")
+    assert dog.threshold("step") == 300.0 and dog.threshold("data") == 300.0
+    assert dog.threshold("eval") == 6000.0 and dog.threshold("checkpoint") == watchdog.MIN_CHECKPOINT_S
+    assert watchdog.Watchdog(ledger, tmp_path, process=0, report_s=5).threshold("eval") == 5

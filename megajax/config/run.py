@@ -36,7 +36,7 @@ class TrainConfig:
     # devices present, at the same global batch, instead of refusing
     elastic: bool = resumable(False)
     # report a step (or data wait, eval, checkpoint) open this long: its Python stacks and the process behind;
-    # null: 10x the median recent step, at least 120 s
+    # null: 10x the median recent step, at least 120 s (an eval: per eval batch; a checkpoint: at least 600 s)
     hang_report_s: float | None = resumable(None)
     # end a process whose step has been open this long (exit 86), so its launcher ends or restarts the job; null: never
     hang_exit_s: float | None = resumable(None)
