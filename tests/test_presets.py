@@ -65,8 +65,7 @@ def test_preset_trains_in_bf16_with_fused_kernels_and_overlap(name):
     cfg = _load(name)
     m, p, o = cfg.model, cfg.parallel, cfg.optim
     assert m.compute_dtype == "bfloat16" and m.param_dtype == "float32" and m.fp8 == "none"
-    # the fused kernels on GPUs, chosen there (auto); cuDNN's attention is faster on one H100, but JAX's
-    # partitioning rule for it fails on a multi-device mesh
+    # the fused kernels on GPUs, chosen there (auto); cuDNN's attention is an override (model.attention_impl=cudnn)
     assert m.attention_impl == "auto" and m.norm_impl == "auto"
     assert kernel_choice.summary(m.attention_impl, m.norm_impl, head_dim=m.head_dim, width=m.hidden_size,
                                  dropout=m.attention_dropout > 0, platform="gpu").startswith(
