@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megajax import quiet
 from megajax.config import ConfigError
 
 TARGETS = ("cpu", "a100", "h100", "h200")
@@ -50,8 +51,9 @@ def _gpu_devices(target: str, n: int):
     if n % per_host:
         raise ConfigError(f"--devices {n} must be a multiple of {GPUS_PER_HOST} (GPUs per host) for a GPU target")
     try:
-        topo = topologies.get_topology_desc(platform="cuda", topology=f"1x{n // per_host}x{per_host}",
-                                            target_config=desc)
+        with quiet.without_probes():  # the CUDA plugin's first use probes for a driver
+            topo = topologies.get_topology_desc(platform="cuda", topology=f"1x{n // per_host}x{per_host}",
+                                                target_config=desc)
     except Exception as e:  # the plugin is missing or does not match jax
         raise ConfigError(
             f"cannot build compile-only {target} devices ({e}). Install the GPU compiler: "

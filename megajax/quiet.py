@@ -71,6 +71,11 @@ def rewritten_stderr(rewrite):
         os.close(saved)
 
 
+def without_probes():
+    """A context in which the CUDA probes' lines are dropped where there is no NVIDIA driver (elsewhere: nothing)."""
+    return rewritten_stderr(drop_noise) if _no_driver() else contextlib.nullcontext()
+
+
 def import_jax() -> None:
     """Imports jax, without the CUDA probes' lines where there is no NVIDIA driver."""
     if "jax" in sys.modules or not _no_driver():

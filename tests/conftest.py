@@ -30,6 +30,9 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="mega
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
+from megajax import quiet  # noqa: E402
+
+quiet.import_jax()  # without the CUDA-driver probe lines where there is no NVIDIA driver
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
