@@ -522,3 +522,21 @@ def test_rank_keeps_the_simplest_of_equals():
     keys = [(round(c.step_s, 9), round(c.memory_gib, 6), c.settings["model.recompute"],
              c.settings["parallel.data_parallel_sharding_strategy"]) for c in top]
     assert len(keys) == len(set(keys))
+
+
+def test_the_uncertainty_is_the_largest_miss_on_the_measured_steps(capsys):
+    """The ± beside the predictions is the model's largest miss on the steps measured on that kind of GPU, and rows
+    within it of the best are marked (~) and counted instead of being ordered by the model alone."""
+    for target in ("h100", "a100"):
+        assert checks.ERROR[target] == math.ceil(checks.largest_miss(target) * 100) / 100, target
+    assert checks.ERROR["h200"] == checks.ERROR["h100"]
+    assert plan_main(["--config", "configs/llama3-8b.yaml", "--target", "h100", "--gpus", "8", "--compile", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "predictions carry +-14%, the model's largest miss on the 9 single-H100 steps measured." in out
+    assert "  2~ d" in out and "within the model's +-14%" in out
+    assert plan_main(["--config", "configs/llama3-8b.yaml", "--target", "h100", "--gpus", "8", "--compile", "0",
+                      "--json", "-"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["uncertainty"] == 0.14
+    close = [r["within_error_of_best"] for r in result["rows"]]
+    assert close[0] and 1 < sum(close) < len(close)

@@ -22,6 +22,7 @@ from pathlib import Path
 import yaml
 
 from megajax.config import Config, InputError
+from megajax.plan.checks import ERROR, ERROR_SOURCE
 from megajax.plan.hardware import GIB, hardware
 from megajax.plan.search import KEYS, Candidate, compile_candidate, own_layout, rank, search
 
@@ -151,7 +152,7 @@ def _why(ranked: list[Candidate], too_big: list[Candidate]) -> list[str]:
     return lines + notes
 
 
-def _own(own: Candidate | None, best: Candidate) -> str:
+def _own(own: Candidate | None, best: Candidate, band: float = 0.0) -> str:
     """Where the config's own layout stands against the best (the model's numbers for both, unless compiled)."""
     if own is None:
         return "the config's own layout does not run on this many GPUs"
@@ -162,8 +163,9 @@ def _own(own: Candidate | None, best: Candidate) -> str:
         return f"{what} does not fit: the model says {own.memory_gib:.1f} GiB"
     if own.settings == best.settings:
         return f"{what} is the best"
-    return (f"{what}: {own.step_s:.4g} s a step by the model, {own.step_s / best.step_s - 1:+.1%} against the best, "
-            f"{own.memory_gib:.1f} GiB")
+    within = f", within the model's +-{band:.0%}" if band and own.step_s <= best.step_s * (1 + band) else ""
+    return (f"{what}: {own.step_s:.4g} s a step by the model, {own.step_s / best.step_s - 1:+.1%} against the "
+            f"best{within}, {own.memory_gib:.1f} GiB")
 
 
 def _terms(c: Candidate) -> dict:
@@ -191,14 +193,30 @@ def _odd_count(gpus: int, per_node: int) -> str | None:
             "tensor parallelism inside a node")
 
 
-def _table(ranked: list[Candidate], peak: float, top: int) -> str:
-    head = (f"{'#':>3} {'layout':<40} {'mb':>3} {'recompute':<9} {'GiB':>6} {'step s':>8} {'TFLOP/s':>7} {'MFU':>5} "
+def _close(ranked: list[Candidate], band: float) -> int:
+    """How many of the ranked layouts, from the first, are predicted within `band` of the first's step."""
+    return sum(c.step_s <= ranked[0].step_s * (1 + band) for c in ranked)
+
+
+def _uncertainty(ranked: list[Candidate], target: str, top: int) -> str:
+    """What the model's error means for this table: which rows it cannot order."""
+    band, n = ERROR[target], _close(ranked, ERROR[target])
+    said = (f"predictions carry +-{band:.0%}, the model's largest miss on {ERROR_SOURCE[target]}. ")
+    if n == 1:
+        return said + "The best is ahead of every other layout by more than that."
+    return (said + f"{n} layouts (~ in the table) are predicted within it of the first; the model alone does not order "
+            "them, and a compile (--compile) or a measured step decides between them.")
+
+
+def _table(ranked: list[Candidate], peak: float, top: int, band: float = 0.0) -> str:
+    head = (f"{'#':>4} {'layout':<40} {'mb':>3} {'recompute':<9} {'GiB':>6} {'step s':>8} {'TFLOP/s':>7} {'MFU':>5} "
             f"{'bubble':>6}  exposed s: tensor data pipe expert context")
     lines = [head]
     for i, c in enumerate(ranked[:top], 1):
         r = row(c, i, peak)
         x = r["exposed_comm_s"]
-        lines.append(f"{i:>3} {r['layout']:<40} {r['micro_batch_size']:>3} {r['recompute']:<9} "
+        close = "~" if band and c.step_s <= ranked[0].step_s * (1 + band) and i > 1 else " "
+        lines.append(f"{i:>3}{close} {r['layout']:<40} {r['micro_batch_size']:>3} {r['recompute']:<9} "
                      f"{r['memory_gib_per_gpu']:>6.1f} {r['predicted_step_s']:>8.4g} {r['tflops_per_gpu']:>7.1f} "
                      f"{r['mfu']:>5.1%} {r['bubble_fraction']:>6.1%}  {x['tensor']:.2f} {x['data']:.2f} "
                      f"{x['pipeline']:.2f} {x['expert']:.2f} {x['context']:.2f}"
@@ -318,8 +336,12 @@ def main(argv: list[str] | None = None) -> int:
     counted = result["counted"]
     rows = [row(c, i, hw.peak_flops) for i, c in enumerate(ranked, 1)]
     if args.json:
+        band = ERROR[args.target]
+        for r, c in zip(rows, ranked):
+            r["within_error_of_best"] = c.step_s <= ranked[0].step_s * (1 + band)
         text = json.dumps({"target": args.target, "hardware": hw.name, "gpus": args.gpus,
-                           "gpus_per_node": args.gpus_per_node, "counted": counted, "rows": rows}, indent=1)
+                           "gpus_per_node": args.gpus_per_node, "uncertainty": band, "counted": counted,
+                           "rows": rows}, indent=1)
         if args.json == "-":
             print(text)
         else:
@@ -332,13 +354,14 @@ def main(argv: list[str] | None = None) -> int:
         odd = _odd_count(args.gpus, args.gpus_per_node)
         if odd:
             print(textwrap.fill(odd, 118))
-        print(_table(ranked, hw.peak_flops, args.top))
+        print(_table(ranked, hw.peak_flops, args.top, ERROR[args.target]))
         print(textwrap.fill(LEGEND, 118))
+        print(textwrap.fill(_uncertainty(ranked, args.target, args.top), 118))
         print(f"\nbest: {_label(best.settings)}, micro batch {best.settings['train.micro_batch_size']}, recompute "
               f"{best.settings['model.recompute']}: {best.step_s:.4g} s a step, "
               f"{rows[0]['tflops_per_gpu']:.0f} TFLOP/s a GPU, {best.memory_gib:.1f} GiB")
         print("\n".join(_why(ranked, result["too_big"]) + notes))
-        print(_own(own_layout(base, hw, args.gpus, args.gpus_per_node, args.memory_margin), best))
+        print(_own(own_layout(base, hw, args.gpus, args.gpus_per_node, args.memory_margin), best, ERROR[args.target]))
     if args.write:
         write_preset(args.write, raw, ranked[0], argv)
     return 0
