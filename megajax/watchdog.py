@@ -131,8 +131,9 @@ class Watchdog:
 
     def beat(self) -> dict:
         kind, open_s, step = self.ledger.open_segment()
-        record = {"process": self.process, "attempt": self.ledger.identity.get("attempt", 0), "pid": os.getpid(), "host": socket.gethostname(), "time": time.time(),
-                  "kind": kind, "open_s": open_s, "step": step, "first_step": self.ledger.first_step}
+        record = {"process": self.process, "attempt": self.ledger.identity.get("attempt", 0), "pid": os.getpid(),
+                  "host": socket.gethostname(), "time": time.time(), "kind": kind, "open_s": open_s, "step": step,
+                  "first_step": self.ledger.first_step}
         tmp = self.path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(record))
         os.replace(tmp, self.path)

@@ -129,7 +129,8 @@ ORDER_LAYOUTS = [
     {}, {"parallel.data": 2, "parallel.tensor": 4, "parallel.sequence_parallel": True},
     {"parallel.data": 4, "parallel.pipeline": 2, "train.micro_batch_size": 1},
     {"parallel.data": 2, "parallel.context": 2, "parallel.tensor": 2},
-    {"parallel.data": 1, "parallel.pipeline": 4, "parallel.tensor": 2, "model.num_layers": 4, "train.micro_batch_size": 2},
+    {"parallel.data": 1, "parallel.pipeline": 4, "parallel.tensor": 2, "model.num_layers": 4,
+     "train.micro_batch_size": 2},
     {"parallel.data": 8, "train.micro_batch_size": 1},
     {"parallel.data": 8, "parallel.expert": 2, "model.num_experts": 4, "train.micro_batch_size": 1},
     {"parallel.data": 4, "parallel.tensor": 2, "parallel.data_parallel_sharding_strategy": "optim_grads_params"},
@@ -201,7 +202,8 @@ def _pid_of(out_dir, process: int) -> int:
             env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
         except OSError:
             continue
-        if f"MEGAJAX_PROCESS_ID={process}".encode() in env and b"megajax.train" in open(f"/proc/{pid}/cmdline", "rb").read():
+        cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+        if f"MEGAJAX_PROCESS_ID={process}".encode() in env and b"megajax.train" in cmdline:
             return int(pid)
     raise AssertionError(f"no process {process} of {out_dir}")
 
