@@ -178,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
                                      description="Which process of a job is behind, from its heartbeats.")
     parser.add_argument("progress_dir", help="$MEGAJAX_PROGRESS_DIR, or a run's <train.output_dir>/progress")
     args = parser.parse_args(argv)
+    if not Path(args.progress_dir).is_dir():
+        print(f"error: {args.progress_dir} is not a directory: give $MEGAJAX_PROGRESS_DIR, or a run's "
+              "<train.output_dir>/progress", file=sys.stderr)
+        return 2
     print(behind(read_heartbeats(args.progress_dir)))
     return 0
 

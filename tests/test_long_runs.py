@@ -84,6 +84,15 @@ def test_behind_names_the_stopped_process_then_the_one_furthest_back():
     assert watchdog.behind(old_attempt).startswith("no process is behind"), "a lost process's old file is ignored"
 
 
+def test_watchdog_command_reads_a_progress_dir(tmp_path, capsys):
+    (tmp_path / "process-0.json").write_text(json.dumps(_beat(0, 5, "step", 100.0)))
+    (tmp_path / "process-1.json").write_text(json.dumps(_beat(1, 4, "data", 99.0)))
+    assert watchdog.main([str(tmp_path)]) == 0
+    assert capsys.readouterr().out.startswith("behind: process 1 in the batch of step 5")
+    assert watchdog.main([str(tmp_path / "nothing")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+
+
 def test_watchdog_reports_a_stall_once_with_the_stacks(tmp_path, capfd):
     ledger = goodput.Ledger(start=time.time())
     lines = []
