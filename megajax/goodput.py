@@ -101,10 +101,6 @@ class Ledger:
             out[self.kind] += self.clock() - self.since
             return out
 
-    def goodput(self) -> float:
-        totals = self.totals()
-        return totals["step"] / max(sum(totals.values()), 1e-9)
-
     def metrics(self) -> dict:
         """The attempt's ledger as metrics: its goodput and the seconds by kind so far (TensorBoard, W&B)."""
         totals = self.totals()
@@ -133,20 +129,35 @@ class Ledger:
         now = self.clock()
         record = {**self.identity, "start": self.start, "written": now, "seconds": self.totals(),
                   "first_step": self.first_step, "step": self.step, "redo_until": self.redo_until}
-        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+        replace_json(self.path, record)
+
+
+def replace_json(path: Path, record: dict) -> None:
+    """Writes `record` to `path` through a temporary file renamed over it, so a reader never sees half of it (the
+    ledgers here, the watchdog's heartbeats)."""
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    try:
         tmp.write_text(json.dumps(record))
-        os.replace(tmp, self.path)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
-def read_ledgers(directory: str | os.PathLike) -> list[dict]:
-    """Every ledger file of the run in `directory` (a run's output_dir), unreadable ones skipped."""
+def read_json_files(directory: str | os.PathLike, pattern: str) -> list[dict]:
+    """The JSON files in `directory` matching `pattern`, in name order; unreadable ones (being replaced, cut short)
+    skipped."""
     out = []
-    for path in sorted((Path(directory) / "goodput").glob("attempt-*-process-*.json")):
+    for path in sorted(Path(directory).glob(pattern)):
         try:
             out.append(json.loads(path.read_text()))
         except (OSError, ValueError):
             continue
     return out
+
+
+def read_ledgers(directory: str | os.PathLike) -> list[dict]:
+    """Every ledger file of the run in `directory` (a run's output_dir), unreadable ones skipped."""
+    return read_json_files(Path(directory) / "goodput", "attempt-*-process-*.json")
 
 
 def account(directory: str | os.PathLike, process: int = 0) -> dict:

@@ -21,7 +21,6 @@ The progress dir is $MEGAJAX_PROGRESS_DIR where a launcher sets it, else <train.
 from __future__ import annotations
 
 import faulthandler
-import json
 import os
 import socket
 import statistics
@@ -30,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from megajax.goodput import Ledger
+from megajax.goodput import Ledger, read_json_files, replace_json
 
 HANG_EXIT = 86  # the exit status of a process the watchdog ended (the launchers restart on it)
 BEAT_S = 1.0
@@ -47,13 +46,7 @@ def progress_dir(output_dir: str) -> Path:
 
 
 def read_heartbeats(directory: str | os.PathLike) -> list[dict]:
-    out = []
-    for path in sorted(Path(directory).glob("process-*.json")):
-        try:
-            out.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            continue
-    return sorted(out, key=lambda b: b["process"])
+    return sorted(read_json_files(directory, "process-*.json"), key=lambda b: b["process"])
 
 
 def _position(beat: dict) -> tuple[int, int]:
@@ -134,9 +127,7 @@ class Watchdog:
         record = {"process": self.process, "attempt": self.ledger.identity.get("attempt", 0), "pid": os.getpid(),
                   "host": socket.gethostname(), "time": time.time(), "kind": kind, "open_s": open_s, "step": step,
                   "first_step": self.ledger.first_step}
-        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, self.path)
+        replace_json(self.path, record)
         return record
 
     def _run(self) -> None:

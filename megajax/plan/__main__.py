@@ -163,7 +163,7 @@ def _own(own: Candidate | None, best: Candidate, band: float = 0.0) -> str:
         return f"{what} does not fit: the model says {own.memory_gib:.1f} GiB"
     if own.settings == best.settings:
         return f"{what} is the best"
-    within = f", within the model's +-{band:.0%}" if band and own.step_s <= best.step_s * (1 + band) else ""
+    within = f", within the model's +-{band:.0%}" if band and _within(own, best, band) else ""
     return (f"{what}: {own.step_s:.4g} s a step by the model, {own.step_s / best.step_s - 1:+.1%} against the "
             f"best{within}, {own.memory_gib:.1f} GiB")
 
@@ -193,14 +193,15 @@ def _odd_count(gpus: int, per_node: int) -> str | None:
             "tensor parallelism inside a node")
 
 
-def _close(ranked: list[Candidate], band: float) -> int:
-    """How many of the ranked layouts, from the first, are predicted within `band` of the first's step."""
-    return sum(c.step_s <= ranked[0].step_s * (1 + band) for c in ranked)
+def _within(c: Candidate, best: Candidate, band: float) -> bool:
+    """Whether `c` is predicted within the model's error `band` of `best` (the model cannot order the two)."""
+    return c.step_s <= best.step_s * (1 + band)
 
 
-def _uncertainty(ranked: list[Candidate], target: str, top: int) -> str:
+def _uncertainty(ranked: list[Candidate], target: str) -> str:
     """What the model's error means for this table: which rows it cannot order."""
-    band, n = ERROR[target], _close(ranked, ERROR[target])
+    band = ERROR[target]
+    n = sum(_within(c, ranked[0], band) for c in ranked)
     said = (f"predictions carry +-{band:.0%}, the model's largest miss on {ERROR_SOURCE[target]}. ")
     if n == 1:
         return said + "The best is ahead of every other layout by more than that."
@@ -215,7 +216,7 @@ def _table(ranked: list[Candidate], peak: float, top: int, band: float = 0.0) ->
     for i, c in enumerate(ranked[:top], 1):
         r = row(c, i, peak)
         x = r["exposed_comm_s"]
-        close = "~" if band and c.step_s <= ranked[0].step_s * (1 + band) and i > 1 else " "
+        close = "~" if band and i > 1 and _within(c, ranked[0], band) else " "
         lines.append(f"{i:>3}{close} {r['layout']:<40} {r['micro_batch_size']:>3} {r['recompute']:<9} "
                      f"{r['memory_gib_per_gpu']:>6.1f} {r['predicted_step_s']:>8.4g} {r['tflops_per_gpu']:>7.1f} "
                      f"{r['mfu']:>5.1%} {r['bubble_fraction']:>6.1%}  {x['tensor']:.2f} {x['data']:.2f} "
@@ -338,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         band = ERROR[args.target]
         for r, c in zip(rows, ranked):
-            r["within_error_of_best"] = c.step_s <= ranked[0].step_s * (1 + band)
+            r["within_error_of_best"] = _within(c, ranked[0], band)
         text = json.dumps({"target": args.target, "hardware": hw.name, "gpus": args.gpus,
                            "gpus_per_node": args.gpus_per_node, "uncertainty": band, "counted": counted,
                            "rows": rows}, indent=1)
@@ -356,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
             print(textwrap.fill(odd, 118))
         print(_table(ranked, hw.peak_flops, args.top, ERROR[args.target]))
         print(textwrap.fill(LEGEND, 118))
-        print(textwrap.fill(_uncertainty(ranked, args.target, args.top), 118))
+        print(textwrap.fill(_uncertainty(ranked, args.target), 118))
         print(f"\nbest: {_label(best.settings)}, micro batch {best.settings['train.micro_batch_size']}, recompute "
               f"{best.settings['model.recompute']}: {best.step_s:.4g} s a step, "
               f"{rows[0]['tflops_per_gpu']:.0f} TFLOP/s a GPU, {best.memory_gib:.1f} GiB")
