@@ -148,30 +148,8 @@ def _run(setup: StepSetup, ledger: Ledger, refit_line: str | None) -> dict:
     num_eval = cfg.train.eval_batches * gbs if cfg.train.eval_every else 0
     train_samples = _train_samples(cfg, meta, consumed, log)
     datasets = build_datasets(cfg, {"train": train_samples, **({"valid": num_eval} if num_eval else {})})
-    if restored is not None:
-        state = TrainState(**restored[0])
-    elif cfg.checkpoint.load_from:  # a converted or exported model: its params, a fresh optimizer
-        state = init_state(setup, load_initial_params(setup, cfg.checkpoint.load_from))
-        log.info(f"loaded params from {cfg.checkpoint.load_from} (checkpoint.load_from; fresh optimizer state)")
-    else:
-        state = init_state(setup)
-
-    n_params = sum(math.prod(a.shape) for a in jax.tree.leaves(setup.param_shapes))
-    log.info(f"megajax: {n_params / 1e6:.2f}M parameters, {jax.device_count()} devices "
-             f"(data={p.data} pipeline={p.pipeline}{f' context={p.context}' if p.context > 1 else ''} "
-             f"tensor={p.tensor}"
-             f"{' sp' if p.sequence_parallel else ''}{_instances(p)}), {cfg.num_micro_batches} micro batches of "
-             f"{cfg.train.micro_batch_size}, global batch {gbs} x {cfg.model.seq_length} tokens")
-    log.info(f"kernels: {_kernels_line(cfg.model, setup.plan)}")
-    if steps < cfg.optim.warmup_steps:
-        share = steps / cfg.optim.warmup_steps
-        log.info(f"warning: train.steps={steps} ends before optim.warmup_steps={cfg.optim.warmup_steps}: the learning "
-                 f"rate rises to {cfg.optim.lr * share:.3g} ({share:.0%} of optim.lr={cfg.optim.lr:g}) and never "
-                 f"reaches it (set optim.warmup_steps below train.steps for a short run)")
-
-    if p.shards_optimizer and p.data > 1 and setup.zero_sharded_fraction() < 1:
-        log.info(f"warning: the distributed optimizer shards {setup.zero_sharded_fraction():.0%} of the optimizer "
-                 f"state over data={p.data}; the rest has no dimension divisible by {p.data} and stays replicated")
+    state = _first_state(setup, restored, log)
+    _describe(setup, log)
     step_fn, eval_fn = jit_train_step(setup), jit_eval_step(setup)
     peak, peak_src = metrics_lib.device_peak(cfg.model.compute_dtype)
     log.info(f"peak for MFU: {peak / 1e12:.4g} TFLOP/s per device ({peak_src})")
@@ -199,6 +177,41 @@ def _run(setup: StepSetup, ledger: Ledger, refit_line: str | None) -> dict:
                 mgr.close()
                 with _saving(cfg.train.output_dir, "the run's output"):  # TensorBoard's last flush
                     log.close()
+
+
+def _first_state(setup: StepSetup, restored, log) -> TrainState:
+    """The state the run starts from: the restored checkpoint's, a converted or exported model's parameters with a
+    fresh optimizer (checkpoint.load_from), or a new one."""
+    cfg = setup.cfg
+    if restored is not None:
+        return TrainState(**restored[0])
+    if cfg.checkpoint.load_from:
+        state = init_state(setup, load_initial_params(setup, cfg.checkpoint.load_from))
+        log.info(f"loaded params from {cfg.checkpoint.load_from} (checkpoint.load_from; fresh optimizer state)")
+        return state
+    return init_state(setup)
+
+
+def _describe(setup: StepSetup, log) -> None:
+    """The run's first lines: the model and layout, the kernels, and warnings about the schedule and the
+    distributed optimizer's reach."""
+    cfg, p = setup.cfg, setup.cfg.parallel
+    gbs, steps = cfg.train.global_batch_size, cfg.train.steps
+    n_params = sum(math.prod(a.shape) for a in jax.tree.leaves(setup.param_shapes))
+    log.info(f"megajax: {n_params / 1e6:.2f}M parameters, {jax.device_count()} devices "
+             f"(data={p.data} pipeline={p.pipeline}{f' context={p.context}' if p.context > 1 else ''} "
+             f"tensor={p.tensor}"
+             f"{' sp' if p.sequence_parallel else ''}{_instances(p)}), {cfg.num_micro_batches} micro batches of "
+             f"{cfg.train.micro_batch_size}, global batch {gbs} x {cfg.model.seq_length} tokens")
+    log.info(f"kernels: {_kernels_line(cfg.model, setup.plan)}")
+    if steps < cfg.optim.warmup_steps:
+        share = steps / cfg.optim.warmup_steps
+        log.info(f"warning: train.steps={steps} ends before optim.warmup_steps={cfg.optim.warmup_steps}: the learning "
+                 f"rate rises to {cfg.optim.lr * share:.3g} ({share:.0%} of optim.lr={cfg.optim.lr:g}) and never "
+                 f"reaches it (set optim.warmup_steps below train.steps for a short run)")
+    if p.shards_optimizer and p.data > 1 and setup.zero_sharded_fraction() < 1:
+        log.info(f"warning: the distributed optimizer shards {setup.zero_sharded_fraction():.0%} of the optimizer "
+                 f"state over data={p.data}; the rest has no dimension divisible by {p.data} and stays replicated")
 
 
 def _train_samples(cfg: Config, meta: dict, consumed: int, log) -> int:
@@ -302,23 +315,10 @@ def _loop(cfg, setup, step_fn, eval_fn, state, datasets, start, consumed, loader
             dt = (now - t_last) / max(done - step_last, 1)
             data_wait, wait_last = (loader.wait_s - wait_last) / max(done - step_last, 1), loader.wait_s
             t_last, step_last = now, done
-            record = {
-                "step": done, "loss": float(host["loss"]), "lr": float(host["lr"]),
-                "grad_norm": float(host["grad_norm"]), "param_norm": float(host["param_norm"]),
-                **({"update_norm": float(host["update_norm"])} if "update_norm" in host else {}),
-                "loss_scale": float(host["loss_scale"]),
-                "step_time_s": dt, **metrics_lib.step_rates(flops, gbs * seq, dt, n_dev, peak),
-                "consumed_samples": consumed,
-                "data_wait_s": data_wait,
-                **ledger.metrics(),
-                **{k: float(v) for k, v in host.items() if k.startswith("moe_")},
-            }
-            eta = metrics_lib.format_eta((steps - done) * dt)
-            moe_line = "".join(f" | {k[4:].replace('_', ' ')} {record[k]:.4f}" for k in record if k.startswith("moe_"))
-            log.log(record, f"step {done}/{steps} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
-                            f"grad norm {record['grad_norm']:.3f}{moe_line} | {record['tokens_per_s']:.0f} tok/s | "
-                            f"{record['tflops_per_device']:.4f} TFLOP/s/dev | MFU {record['mfu']:.1%} | "
-                            f"eta {eta}")
+            record = {"step": done, **_step_stats(host), "step_time_s": dt,
+                      **metrics_lib.step_rates(flops, gbs * seq, dt, n_dev, peak), "consumed_samples": consumed,
+                      "data_wait_s": data_wait, **ledger.metrics(), **_moe_stats(host)}
+            log.log(record, _step_line(record, steps))
             ledger.write()
         ledger.completed(done)
         if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == steps) and "valid" in datasets:
@@ -343,6 +343,27 @@ def _loop(cfg, setup, step_fn, eval_fn, state, datasets, start, consumed, loader
         _check_health(cfg, *pending, log, on_fatal=lambda: _save(mgr, step + 1, state, cfg, consumed, log))
     return {"last": record, "eval_loss": eval_loss_value, "steps_run": step + 1 - start,
             "wall_s": time.perf_counter() - t_start}
+
+
+def _step_stats(host: dict) -> dict:
+    """A logged step's loss, learning rate, norms and loss scale (floats)."""
+    names = ("loss", "lr", "grad_norm", "param_norm", "update_norm", "loss_scale")
+    return {k: float(host[k]) for k in names if k in host}
+
+
+def _moe_stats(host: dict) -> dict:
+    """The MoE layers' statistics of a logged step (moe_*: load balance, dropped tokens)."""
+    return {k: float(v) for k, v in host.items() if k.startswith("moe_")}
+
+
+def _step_line(record: dict, steps: int) -> str:
+    """The log line of a logged step."""
+    done = record["step"]
+    eta = metrics_lib.format_eta((steps - done) * record["step_time_s"])
+    moe = "".join(f" | {k[4:].replace('_', ' ')} {record[k]:.4f}" for k in record if k.startswith("moe_"))
+    return (f"step {done}/{steps} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
+            f"grad norm {record['grad_norm']:.3f}{moe} | {record['tokens_per_s']:.0f} tok/s | "
+            f"{record['tflops_per_device']:.4f} TFLOP/s/dev | MFU {record['mfu']:.1%} | eta {eta}")
 
 
 def _stall(cfg: Config, process: int, step: int, seconds: float) -> None:

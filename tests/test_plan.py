@@ -14,7 +14,7 @@ import yaml
 
 from conftest import REPO
 from megajax.config import io as config_io
-from megajax.plan import checks, cost, search as search_lib
+from megajax.plan import checks, cost, layout as layout_lib, memory, search as search_lib
 from megajax.plan.__main__ import main as plan_main
 from megajax.plan.hardware import _H100_KERNELS, _H100_MATMUL, H100_ATTENTION, H100_NORM_BYTES_PER_S, H100_SQUARE_GEMM, hardware
 
@@ -50,9 +50,9 @@ def test_copies_are_counted_for_looped_layers_only():
             "parallel.sequence_parallel=false", "parallel.distributed_optimizer=false"]
     cfg = lambda *more: config_io.load(ROOT / "configs/llama-1b.yaml", sets + list(more)).for_devices(1)  # noqa: E731
     looped = cost.estimate(cfg("model.scan_layers=true"), hw, 8)
-    layout = cost._Layout(cfg(), 8)
-    saved = cost.layer_activation_bytes(layout)["selective"]
-    weights = cost._layer_gemm_operands(layout)[2] * cost.B16
+    layout = layout_lib.Layout(cfg(), 8)
+    saved = memory.layer_activation_bytes(layout)["selective"]
+    weights = cost._layer_gemm_operands(layout)[2] * layout_lib.B16
     runs = layout.m * layout.layers
     assert looped.compute_s["copies"] == pytest.approx(runs * (4 * saved + 2 * weights) / hw.hbm_bytes_per_s)
     unrolled = cost.estimate(cfg("model.scan_layers=false"), hw, 8)
@@ -70,8 +70,8 @@ def test_copies_are_counted_for_looped_layers_only():
         "train.global_batch_size=16", "train.micro_batch_size=4", "parallel.tensor=1", "parallel.pipeline=2",
         "parallel.sequence_parallel=false", "parallel.distributed_optimizer=false", *more]).for_devices(2)
     looped, unrolled = cost.estimate(piped(), hw, 8), cost.estimate(piped("model.scan_layers=false"), hw, 8)
-    layout = cost._Layout(piped(), 8)
-    forward_copies = 2 * cost.layer_activation_bytes(layout)["selective"] / hw.hbm_bytes_per_s
+    layout = layout_lib.Layout(piped(), 8)
+    forward_copies = 2 * memory.layer_activation_bytes(layout)["selective"] / hw.hbm_bytes_per_s
     runs = layout.m * layout.layers
     assert looped.compute_s["recompute"] - unrolled.compute_s["recompute"] == pytest.approx(runs * forward_copies)
     full = [cost.estimate(cfg("model.recompute=full", f"model.scan_layers={s}"), hw, 8) for s in ("true", "false")]
@@ -88,11 +88,11 @@ def test_fp8_casts_and_gradient_accumulation():
     cfg = lambda *more: config_io.load(ROOT / "configs/llama-1b.yaml", sets + list(more)).for_devices(1)  # noqa: E731
     bf16, fp8 = (cost.estimate(cfg("train.global_batch_size=8", f"model.fp8={f}"), hw, 8) for f in ("none", "hybrid"))
     assert bf16.compute_s["fp8_casts"] == 0
-    layout = cost._Layout(cfg("train.global_batch_size=8", "model.fp8=hybrid"), 8)
+    layout = layout_lib.Layout(cfg("train.global_batch_size=8", "model.fp8=hybrid"), 8)
     x, dy, w = cost._layer_gemm_operands(layout)
     runs = layout.m * layout.layers
     assert fp8.compute_s["fp8_casts"] == pytest.approx(runs * 7 * (x + dy + w) / hw.elementwise_bytes_per_s)
-    params = cost.local_parameters(layout)["total"]
+    params = layout_lib.local_parameters(layout)["total"]
     assert bf16.compute_s["grad_accumulation"] == pytest.approx(2 * 12 * params / hw.elementwise_bytes_per_s)
     assert cost.estimate(cfg("train.global_batch_size=4"), hw, 8).compute_s["grad_accumulation"] == 0
     megatron = cost.estimate(cfg("train.global_batch_size=8"), hw, 8, framework="megatron")
@@ -234,7 +234,7 @@ def test_all_to_all_attention_is_counted_exposed():
         "parallel.tp_comm_overlap": False, "parallel.context_comm": comm}, 8), hw, 8)
     ring, a2a = step("ring"), step("a2a")
     m = base.model
-    layout = cost._Layout(search_lib.configure(base, {"parallel.context": 4, "parallel.data": 2, "parallel.tensor": 1,
+    layout = layout_lib.Layout(search_lib.configure(base, {"parallel.context": 4, "parallel.data": 2, "parallel.tensor": 1,
                                                       "parallel.sequence_parallel": False,
                                                       "parallel.tp_comm_overlap": False,
                                                       "parallel.context_comm": "a2a"}, 8), 8)
@@ -257,7 +257,7 @@ def test_hybrid_sharding_trades_memory_for_the_network():
     flat, hybrid = (cost.estimate(c, hw, 8) for c in cfgs)
     assert hybrid.memory["optimizer"] == pytest.approx(4 * flat.memory["optimizer"])
     (step_flat, _, micro_flat), (step_hybrid, _, micro_hybrid) = (
-        cost._data_comm_s(hw, layout, cost.local_parameters(layout)) for layout in (cost._Layout(c, 8) for c in cfgs))
+        cost._data_comm_s(hw, layout, layout_lib.local_parameters(layout)) for layout in (layout_lib.Layout(c, 8) for c in cfgs))
     assert micro_hybrid < micro_flat / 2  # NVLink, not 4 NICs
     assert step_flat == 0 < step_hybrid
     assert hybrid.exposed_s["data"] >= step_hybrid  # (the instances' all-reduce, after the micro batches)
@@ -398,7 +398,7 @@ def test_memory_terms():
 
 def test_the_scheduling_limit_is_xlas():
     """XLA's GPU scheduling limit, 0.95 x (0.8 x the device's memory - the program's inputs and outputs) + those
-    (cost.scheduling_limit): on the 32-layer Llama 3 8B ZeRO-3 program it is the 60.67 GiB of XLA's own warning, "Can't
+    (memory.scheduling_limit): on the 32-layer Llama 3 8B ZeRO-3 program it is the 60.67 GiB of XLA's own warning, "Can't
     reduce memory use below 60.67GiB by rematerialization" (benchmarks/2026-11-26-compile-only-fsdp-after-keeps-
     inputs.md). For every compiled row the model's inputs (fp32 weights and AdamW moments) are XLA's, and the model
     puts the program on XLA's side of the limit: Llama 3 70B on 2 stages (67.4 GiB compiled) only since it counts
@@ -429,8 +429,8 @@ def test_above_the_scheduling_limit_nothing_is_hidden():
     cfg = config(*checks.NO_OVERLAPS, "parallel.data_parallel_sharding_strategy=optim_grads_params")
     zero3 = cost.estimate(cfg, hw, 8)
     assert zero3.scheduled_for_memory
-    layout = cost._Layout(cfg, 8)
-    per_micro = cost._data_comm_s(hw, layout, cost.local_parameters(layout))[2]
+    layout = layout_lib.Layout(cfg, 8)
+    per_micro = cost._data_comm_s(hw, layout, layout_lib.local_parameters(layout))[2]
     assert zero3.exposed_s["data"] == pytest.approx(cfg.num_micro_batches * per_micro)
 
 
@@ -442,7 +442,7 @@ LAYER_KINDS = [("gpt2-1.3b", []), ("llama3-70b", ["parallel.schedule=1f1b", "par
 
 @pytest.mark.parametrize("preset,sets", LAYER_KINDS, ids=["gpt2", "llama", "moe-capacity", "moe-dropless"])
 def test_layer_activations_are_what_the_backward_keeps(preset, sets):
-    """`cost.layer_activation_bytes` against the residuals JAX keeps for one layer's backward (its vjp's saved
+    """`memory.layer_activation_bytes` against the residuals JAX keeps for one layer's backward (its vjp's saved
     values less the layer's weights), for each attention and norm kernel and each recompute mode, at one GPU.
     Nothing is computed: the layer is traced on abstract values."""
     import jax
@@ -468,7 +468,7 @@ def test_layer_activations_are_what_the_backward_keeps(preset, sets):
             weights = {math.prod(w.shape) for w in jax.tree.leaves(layer)}
             saved = sum(math.prod(r.shape) * np.dtype(r.dtype).itemsize for r in jax.tree.leaves(kept)
                         if math.prod(r.shape) not in weights)
-            counted = cost.layer_activation_bytes(cost._Layout(cfg, 8))[mode]
+            counted = memory.layer_activation_bytes(layout_lib.Layout(cfg, 8))[mode]
             assert counted == pytest.approx(saved, rel=0.025), (impl, mode, counted / saved - 1)
 
 

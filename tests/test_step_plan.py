@@ -160,3 +160,33 @@ def test_the_guard_sees_a_read():
     assert sorted(reads("def f(cfg):\n    return cfg.parallel.tensor, self.cfg.stage_split, plan.stage_split\n")) == [
         "parallel", "stage_split"]
     assert reads("m = config.num_micro_batches; n = plan.micro_batches") == ["num_micro_batches"]
+
+
+MODULE_LINES, FUNCTION_LINES = 600, 80  # a module a reader takes in whole, a function one screen
+
+
+def _oversized(path: pathlib.Path, text: str) -> list[str]:
+    """The module itself where it is over MODULE_LINES lines, and each function over FUNCTION_LINES (its
+    docstring and nested functions included)."""
+    found = [f"{path}: {len(text.splitlines())} lines"] if len(text.splitlines()) > MODULE_LINES else []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = node.end_lineno - node.lineno + 1
+            if length > FUNCTION_LINES:
+                found.append(f"{path}:{node.lineno} {node.name}: {length} lines")
+    return found
+
+
+def test_no_module_over_600_lines_and_no_function_over_80():
+    """Every module of megajax fits a reader's one sitting and every function one screen: split a module by
+    concern, or a function into named steps, rather than raise the limits."""
+    root = pathlib.Path(REPO) / "megajax"
+    found = [line for path in sorted(root.rglob("*.py"))
+             for line in _oversized(path.relative_to(root), path.read_text())]
+    assert found == []
+
+
+def test_the_size_guard_sees_a_long_function():
+    body = "\n".join(f"    x{i} = {i}" for i in range(FUNCTION_LINES))
+    assert _oversized(pathlib.Path("m.py"), f"def f():\n{body}\n") == ["m.py:1 f: 81 lines"]
+    assert len(_oversized(pathlib.Path("m.py"), "x = 1\n" * (MODULE_LINES + 1))) == 1

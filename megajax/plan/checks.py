@@ -13,7 +13,7 @@ path, not megajax's executor; no layer-stack copies; gradient accumulation fused
   paper's layout.
 - `takeaways`: at a fixed GPU count, the best predicted throughput per tensor size and per pipeline size.
 - `compiled_memory`: programs compiled for compile-only H100s (benchmarks/compile-only/): XLA's peak against the
-  model's memory, and which side of XLA's scheduling limit (`cost.scheduling_limit`) each puts the program on.
+  model's memory, and which side of XLA's scheduling limit (`memory.scheduling_limit`) each puts the program on.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import json
 from pathlib import Path
 
 from megajax.config import io as config_io
-from megajax.plan.cost import estimate, scheduling_limit
+from megajax.plan.cost import estimate
+from megajax.plan.memory import scheduling_limit
 from megajax.plan.hardware import hardware
 from megajax.plan.search import KEYS, search
 

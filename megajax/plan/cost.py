@@ -15,12 +15,10 @@ Time, per GPU (docs/guides/choosing-a-layout.md#the-time-model lists every const
 - Collectives as bytes over the link they cross at NCCL's bus bandwidth with ring factors, minus what runs under
   compute (tensor parallelism's rings under the GEMMs with tp_comm_overlap, the data-parallel reductions under the
   backward with overlap_grad_reduce, ...), and none of that for a program whose memory is above XLA's scheduling
-  limit (`XLA_SLOP`): XLA then schedules it for memory.
+  limit (`memory.XLA_SLOP`): XLA then schedules it for memory.
 - The pipeline: the schedule's own clock (`megajax.parallel.pipeline.schedule`) with these per-action costs.
 
-Memory, per GPU: fp32 weights, gradients and AdamW moments as the data ranks shard them, the activations the
-schedule keeps (what megajax's layer keeps for each recompute mode, `layer_activation_bytes`), the logits, and a
-reserve for workspaces XLA's estimate leaves out.
+Memory, per GPU: megajax/plan/memory.py; the layout's sizes and parameters: megajax/plan/layout.py.
 """
 
 from __future__ import annotations
@@ -29,15 +27,13 @@ import dataclasses
 import functools
 
 from megajax.config import Config
-from megajax.config.model import layer_forward_flops_per_token
-from megajax.kernels import auto as kernel_choice
 from megajax.model import context
 from megajax.parallel.pipeline import schedule
 from megajax.parallel.step_plan import StepPlan
-from megajax.plan.hardware import GIB, Hardware
+from megajax.plan import memory
+from megajax.plan.hardware import Hardware
+from megajax.plan.layout import B16, Layout, local_parameters, parameter_counts
 
-RESERVE_BYTES = 3 * GIB  # cuBLAS / NCCL workspaces and fragmentation, outside XLA's memory analysis
-B16 = 2  # bytes of a bf16 activation
 # Bytes the fusions between GEMMs read and write per element, forward (the backward: twice that). Per element of
 # the residual stream [tokens, hidden]: first norm (read, write), bias + residual add (read 2, write), second norm,
 # second residual add = 10 reads and writes of 2 bytes. Per element of the MLP's hidden activation: the activation
@@ -65,15 +61,6 @@ DROPOUT_BYTES, RESIDUAL_DROPOUT_BYTES = 5, 2
 # GEMMs at best (benchmarks/2026-11-26-compile-only-fsdp.md: 89% and 82%, Llama 3 8B on 8 H100s): what stays
 # exposed is each forward's first gather and the embedding's and output layer's, which nothing runs under.
 FSDP_HIDDEN = 0.85
-# XLA's GPU compiler schedules a program for memory, not for overlap, once it needs more than a limit
-# (xla/service/gpu/gpu_hlo_schedule.cc, GetSchedulerMemoryLimit): 80% of the device's memory less the program's
-# inputs and outputs (the donated fp32 weights and AdamW moments), times xla_gpu_memory_limit_slop_factor (95 by
-# default); the inputs and outputs come on top. On an H100 with 11.2 GiB of them that is 60.67 GiB, the figure of
-# XLA's "Can't reduce memory use below 60.67GiB by rematerialization"
-# (benchmarks/2026-11-26-compile-only-fsdp-after-keeps-inputs.md). Above it the latency-hiding scheduler hid
-# nothing in two of the three programs compiled there (0%; the third, ZeRO-1's overlapped reduce, 54%): the model
-# counts no overlap above it.
-XLA_DEVICE_SHARE, XLA_SLOP = 0.80, 0.95
 LOGIT_BYTES = 10  # the loss: fp32 logits read twice (log-softmax, its backward), a bf16 gradient written
 # FP8 (model.fp8): per element of each GEMM input x and weight w, the amax read (2) and the cast (read 2, write 1)
 # in the forward and the FP8 copy transposed for a backward GEMM (read 1, write 1); per element of each output
@@ -119,55 +106,13 @@ def group_bandwidth(hw: Hardware, size: int, stride: int, gpus_per_node: int) ->
     return min(hw.nvlink_bus_bytes_per_s, per_node * hw.network_bytes_per_s)
 
 
-@functools.lru_cache(maxsize=None)
-def parameter_counts(model) -> dict:
-    """Parameters of the model: per layer's attention and dense MLP (their matmuls), the experts of one MoE layer,
-    the shared experts and router, the embedding and output layer. Matmul weights only (norms and biases are
-    below 0.1%)."""
-    dense, _ = layer_forward_flops_per_token(model)
-    h, mats = model.hidden_size, 3 if model.arch == "llama" else 2
-    mlp = h * model.ffn_size * mats
-    moe = model.moe_layers
-    expert = h * model.moe_ffn_size * mats
-    moe_active = (model.experts_per_token + model.moe_shared_experts) * expert + h * model.num_experts if moe else 0
-    attention = dense / 2 - (moe * moe_active + (model.num_layers - moe) * mlp) / model.num_layers
-    vocab = model.padded_vocab_size * h
-    return {"attention": attention, "mlp": mlp, "dense_layers": model.num_layers - moe, "moe_layers": moe,
-            "experts": model.num_experts * expert, "shared": model.moe_shared_experts * expert + h * model.num_experts,
-            "embedding": vocab + (model.seq_length * h if model.arch == "gpt2" else 0),
-            "output": 0 if model.tied else vocab}
-
-
-class _Layout:
-    """The sizes of one resolved config that the terms below use."""
-
-    def __init__(self, cfg: Config, gpus_per_node: int):
-        m, p = cfg.model, cfg.parallel
-        self.cfg, self.model, self.par, self.node = cfg, m, p, gpus_per_node
-        self.plan = StepPlan.resolve(cfg, platform="gpu")  # the step's parallel decisions on the GPUs planned for
-        self.t, self.c, self.pp, self.d, self.e = p.tensor, p.context, p.pipeline, p.data, p.expert
-        self.r = p.num_distributed_optimizer_instances  # hybrid sharding's instances
-        self.shards = p.shard_ranks  # the ranks ZeRO shards over (one instance's data x context)
-        self.b = cfg.train.micro_batch_size
-        self.m = cfg.num_micro_batches
-        self.tokens = self.b * m.seq_length // self.c  # one micro batch's tokens on this GPU's context shard
-        self.layers = cfg.stage_split.busiest_rank_layers(p.pipeline)
-        self.moe_share = m.moe_layers / m.num_layers if m.num_experts else 0.0
-        self.sp = p.sequence_parallel and self.t > 1
-        self.dtype = "float8" if m.fp8 != "none" else "bfloat16"
-        # the ranks the embedding and output layer are split over (tensor, and the pipeline's with
-        # StepPlan.vocab_over_pipeline)
-        self.vocab_ranks = self.t * (self.pp if self.plan.vocab_over_pipeline else 1)
-        self.unfused = not kernel_choice.fused_attention(m.attention_impl, m.head_dim, m.attention_dropout > 0, "gpu")
-
-
 def _attention_widths(m) -> tuple[float, int]:
     """(the QKV projection's output width, the output projection's input width) of a layer, whole."""
     out_width = m.num_heads * m.value_dim
     return max(parameter_counts(m)["attention"] / m.hidden_size - out_width, 0), out_width
 
 
-def _layer_gemm_s(hw: Hardware, L: _Layout) -> float:
+def _layer_gemm_s(hw: Hardware, L: Layout) -> float:
     """One layer's forward GEMMs for one micro batch (the MoE share of layers with their experts)."""
     m, t, T, dt = L.model, L.t, L.tokens, L.dtype
     h, mats = m.hidden_size, 3 if m.arch == "llama" else 2
@@ -192,7 +137,7 @@ def _layer_gemm_s(hw: Hardware, L: _Layout) -> float:
     return s + L.moe_share * experts + (1 - L.moe_share) * dense_mlp
 
 
-def _attention_s(hw: Hardware, L: _Layout, framework: str = "megajax") -> tuple[float, float, float]:
+def _attention_s(hw: Hardware, L: Layout, framework: str = "megajax") -> tuple[float, float, float]:
     """(forward, backward, selective recompute) of one layer's attention core for one micro batch. Causal: a
     fused kernel skips the masked half (forward 2 b s^2 h (k + v) / 2 FLOPs, backward 2.5 forwards); megajax does
     not recompute it (it keeps no scores), Megatron's selective recomputation reruns its forward. The unfused one
@@ -218,7 +163,7 @@ def _attention_s(hw: Hardware, L: _Layout, framework: str = "megajax") -> tuple[
             qk + pv + scores * (SCORES_BYTES_RECOMPUTE + drop))
 
 
-def _layer_memory_bound_s(hw: Hardware, L: _Layout) -> float:
+def _layer_memory_bound_s(hw: Hardware, L: Layout) -> float:
     """One layer's forward fusions for one micro batch (the backward: twice)."""
     m = L.model
     mats = 3 if m.arch == "llama" else 2
@@ -230,7 +175,7 @@ def _layer_memory_bound_s(hw: Hardware, L: _Layout) -> float:
     return (residual + hidden) / hw.elementwise_bytes_per_s
 
 
-def _layer_gemm_operands(L: _Layout) -> tuple[float, float, float]:
+def _layer_gemm_operands(L: Layout) -> tuple[float, float, float]:
     """(input elements, output elements, weight elements) of one layer's GEMMs for one micro batch on this GPU;
     MoE layers (their share) with each routed copy of a token and the shared experts."""
     m, t, T = L.model, L.t, L.tokens
@@ -252,7 +197,7 @@ def _layer_gemm_operands(L: _Layout) -> tuple[float, float, float]:
     return inputs + dense[0], outputs + dense[1], counts["attention"] / t + dense[2]
 
 
-def _layer_fp8_s(hw: Hardware, L: _Layout, operands: tuple[float, float, float]) -> tuple[float, float]:
+def _layer_fp8_s(hw: Hardware, L: Layout, operands: tuple[float, float, float]) -> tuple[float, float]:
     """(forward, backward) of one layer's FP8 operand casts for one micro batch (0 without model.fp8), from its
     GEMMs' `operands` (`_layer_gemm_operands`)."""
     if L.dtype != "float8":
@@ -263,7 +208,7 @@ def _layer_fp8_s(hw: Hardware, L: _Layout, operands: tuple[float, float, float])
             (FP8_CAST_BYTES_BWD * (x + w) + FP8_GRAD_BYTES * dy) / rate)
 
 
-def _layer_copies_s(hw: Hardware, L: _Layout, saved: float, weights: float) -> tuple[float, float]:
+def _layer_copies_s(hw: Hardware, L: Layout, saved: float, weights: float) -> tuple[float, float]:
     """(forward, backward) of one layer's copies for one micro batch, at HBM bandwidth (each copy reads and
     writes its bytes): the forward copies the `saved` residual bytes into the layer stacks, the backward copies
     them out again with the layer's bf16 `weights` (elements; its GEMMs' operands; XLA's H100 program of llama-1b
@@ -272,7 +217,7 @@ def _layer_copies_s(hw: Hardware, L: _Layout, saved: float, weights: float) -> t
     return 2 * saved / hw.hbm_bytes_per_s, 2 * (saved + weight_bytes) / hw.hbm_bytes_per_s
 
 
-def _head_s(hw: Hardware, L: _Layout) -> float:
+def _head_s(hw: Hardware, L: Layout) -> float:
     """The output layer and the loss for one micro batch, forward and backward (vocabulary split over tensor; with
     the vocabulary over the pipeline, over its ranks too, which then share the last stage's output and send its
     gradient back, and the first stage's rows: four all-reduces of [tokens, hidden] over the pipeline ranks)."""
@@ -286,26 +231,11 @@ def _head_s(hw: Hardware, L: _Layout) -> float:
     return out
 
 
-def local_parameters(L: _Layout) -> dict:
-    """Parameters on the busiest GPU: its layers' matmuls over tensor (experts over expert x tensor), and the
-    embedding and output layer over tensor, and over the pipeline ranks with StepPlan.vocab_over_pipeline (else
-    every stage holds them whole: megajax's pipeline is one SPMD program). {"dense": what the data ranks all hold,
-    "experts": what data / expert of them hold, "total"}."""
-    counts = parameter_counts(L.model)
-    layers = L.layers
-    moe = round(layers * L.moe_share)
-    dense_layers = layers - moe
-    experts = moe * counts["experts"] / (L.e * L.t)
-    other = ((layers * counts["attention"] + dense_layers * counts["mlp"] + moe * counts["shared"]) / L.t
-             + (counts["embedding"] + counts["output"]) / L.vocab_ranks)
-    return {"dense": other, "experts": experts, "total": other + experts}
-
-
 def _collective_s(nbytes: float, ring: float, bandwidth: float) -> float:
     return nbytes * ring / bandwidth if bandwidth != float("inf") else 0.0
 
 
-def _tensor_comm_s(hw: Hardware, L: _Layout) -> float:
+def _tensor_comm_s(hw: Hardware, L: Layout) -> float:
     """One layer's tensor-parallel traffic for one micro batch, forward (the backward moves the same): two
     all-reduces of [tokens, hidden] (with sequence parallelism an all-gather and a reduce-scatter each, the same
     bytes) in a ring of t."""
@@ -316,7 +246,7 @@ def _tensor_comm_s(hw: Hardware, L: _Layout) -> float:
     return 2 * _collective_s(nbytes, 2 * _ring(L.t), bw)
 
 
-def _context_comm_s(hw: Hardware, L: _Layout) -> float:
+def _context_comm_s(hw: Hardware, L: Layout) -> float:
     """One layer's context-parallel exchange for one micro batch, forward: the ring passes this shard's keys and
     values c - 1 times (the backward: about twice that); the a2a exchange sends (c - 1) / c of the queries, keys,
     values (repeated to the query heads where theirs do not divide over tensor x context) and output, and as much
@@ -333,7 +263,7 @@ def _context_comm_s(hw: Hardware, L: _Layout) -> float:
     return (L.c - 1) * kv / bw
 
 
-def _pipeline_send_s(hw: Hardware, L: _Layout) -> float:
+def _pipeline_send_s(hw: Hardware, L: Layout) -> float:
     """One micro batch's activation (or gradient) sent to the next stage: [tokens, hidden] (split over tensor
     with sequence parallelism; else each tensor rank sends the whole over its own link) between stages t x c GPUs
     apart. In the lock step a tick waits for its slowest send: over the network once the stages span nodes."""
@@ -345,7 +275,7 @@ def _pipeline_send_s(hw: Hardware, L: _Layout) -> float:
     return nbytes / bw
 
 
-def _data_comm_s(hw: Hardware, L: _Layout, params: dict) -> tuple[float, float, float]:
+def _data_comm_s(hw: Hardware, L: Layout, params: dict) -> tuple[float, float, float]:
     """(reduction per step, gather per step, per micro batch) data-parallel traffic: the fp32 gradients' reduction
     (an all-reduce, or the distributed optimizer's reduce-scatter and weight all-gather: the same bytes) once a
     step; ZeRO-2 and 3 reduce every micro batch and ZeRO-3 gathers the weights (bf16) before each forward and
@@ -378,133 +308,7 @@ def _data_comm_s(hw: Hardware, L: _Layout, params: dict) -> tuple[float, float, 
     return grads - gather + across, gather, 0.0
 
 
-def layer_activation_bytes(L: _Layout) -> dict:
-    """Bytes one layer's backward keeps for one micro batch on this GPU, as megajax's layer saves them (counted
-    from its code: tests/test_plan.py checks the count against JAX's saved residuals, and
-    benchmarks/2026-11-26-compile-only-activation-memory.md against XLA's H100 program):
-    {"none": without recomputation, "selective": attention's core recomputed, "full": the layer's input}.
-
-    Per token, bf16 unless said: each norm's input (sequence parallelism splits it over t); each column-parallel
-    matmul's input, the norms' outputs (gathered whole with sequence parallelism, except that the collective
-    matmuls of tp_comm_overlap keep the local shard and gather again in the backward); attention's queries, keys,
-    values and output, and the fused kernels' log-sum-exp (fp32 a head); the unfused (xla) attention's scores,
-    11 bytes each (the causal mask, two fp32 copies, the bf16 probabilities), which selective recomputation drops;
-    the MLP's input to its activation and its output (SwiGLU: gate and up, 3 x ffn; GeLU 2 x ffn: the activations
-    keep only their input, megajax.model.layers.gelu); a mask byte for each of the two residual dropouts. MoE
-    layers keep the same for each routed copy of a token (k x capacity factor) and the routing's buffers (counted
-    at expert 1 and tensor 1; the exchanges of expert parallelism are not). Multi-latent attention's latent
-    projections are not counted (a few percent)."""
-    m, t, T = L.model, L.t, L.tokens
-    h = m.hidden_size
-    r = 1 / t if L.sp else 1.0  # the residual stream's share on this GPU
-    gemm_in = 1 / t if L.sp and L.par.tp_comm_overlap else 1.0
-    per_token = 2 * B16 * h * r + 2 * B16 * h * gemm_in
-    heads, kv = m.num_heads / t, m.kv_heads / t
-    per_token += B16 * (heads * (m.head_dim + m.value_dim) + kv * (m.head_dim + m.value_dim))
-    if m.multi_latent_attention:  # every head has its own keys and the values are padded to the query width
-        per_token += B16 * heads * (m.head_dim - m.value_dim) * 2
-    core = 11 * heads * m.seq_length if L.unfused else 4 * heads  # the scores, or the log-sum-exp
-    per_token += 2 * h * r if m.dropout else 0.0
-    mlp = (3 if m.arch == "llama" else 2) * B16
-    dense = mlp * m.ffn_size / t
-    if m.num_experts:
-        k, factor = m.experts_per_token, m.moe_capacity_factor
-        copies = k * (factor or 1.0)
-        split = 1 if L.par.folded_experts else t
-        # the experts' rows (with a capacity: the dispatched buffer and its copy), their MLPs, the shared experts';
-        # the routed copies' bookkeeping (masks and rows of [tokens x k, hidden]: 10 bytes an element with a
-        # capacity, 7 dropless), the router's fp32 input and probabilities
-        moe = (copies * (B16 * h * (2 if factor else 1) + mlp * m.moe_ffn_size / split)
-               + mlp * m.moe_shared_experts * m.moe_ffn_size / t + k * h * (10 if factor else 7)
-               + 4 * h + 4 * m.num_experts)
-        per_token += L.moe_share * moe + (1 - L.moe_share) * dense
-    else:
-        per_token += dense
-    none = T * (per_token + core)
-    selective = T * (per_token + (0.0 if L.unfused else core))
-    return {"none": none, "selective": selective, "full": T * B16 * h * r}
-
-
-def _memory(hw: Hardware, L: _Layout, params: dict, in_flight: int) -> dict:
-    """Bytes per GPU: fp32 weights (ZeRO-3 and overlap_param_gather: sharded) and the bf16 copy the backward
-    keeps (ZeRO-3: of the shards; none under full recomputation: each layer casts its weights again; a pipeline
-    that gathers its weights in the schedule, ZeRO-3's too: every layer of the rank, gathered), fp32
-    gradients (ZeRO-2/3: the layers' sharded; with overlap_grad_reduce and several micro batches one more copy),
-    AdamW's two fp32 moments (sharded with the distributed optimizer), the activations
-    (`layer_activation_bytes`), the logits, the reserve; and XLA's scheduling limit for this program."""
-    par, m = L.par, L.model
-    ranks = L.shards
-    n = params["total"]
-    shard = lambda x: x / ranks if ranks > 1 else x  # noqa: E731
-    acts = layer_activation_bytes(L)
-    stash, kept_per_layer = acts["full"], acts[m.recompute]
-    working = acts["none"] if m.recompute == "full" else 0.0  # the one layer full recomputation rebuilds
-    chunk = L.layers // L.par.virtual_stages
-    # the layers whose bf16 weights the backward keeps: all of them, or (a pipeline recomputes chunk by chunk) one
-    # chunk's; under full recomputation none (a layer's cast is rebuilt with it)
-    counts = parameter_counts(m)
-    ends = (counts["embedding"] + counts["output"]) / L.vocab_ranks  # the embedding's and output layer's weights here
-    per_layer = (n - ends) / max(L.layers, 1)
-    cast_layers = 0 if m.recompute == "full" else (chunk if L.pp > 1 else L.layers)
-    if par.shards_params and L.pp == 1:  # the bf16 casts of the layers' shards, which each layer's backward gathers
-        cast = 0.0 if m.recompute == "full" else B16 * shard(n - ends)
-    else:
-        cast = B16 * (n - per_layer * (L.layers - cast_layers))
-    if L.pp > 1 and L.plan.gather_in_forward:
-        # a pipeline that gathers its weights inside the schedule (overlap_param_gather) holds every layer of the
-        # rank gathered in bf16 from its first forward to the step's end (the executor's carry "whole"); with
-        # one chunk a rank the backward keeps that one, with more each chunk's backward keeps its slice besides
-        cast += B16 * per_layer * (L.layers - (cast_layers if L.par.virtual_stages == 1 else 0))
-    # fp32 weights: ZeRO-3 keeps every one as its shard; overlap_param_gather the distributed optimizer's shard
-    # (on a pipeline, of the layers only), gathered in the first forward (megajax.step.StepSetup.gathered_params)
-    if par.shards_params or (par.overlap_param_gather and par.shards_optimizer and L.pp == 1):
-        weights = 4 * shard(n) + cast
-    elif par.overlap_param_gather and par.shards_optimizer:
-        weights = 4 * (shard(n - ends) + ends) + cast
-    else:
-        weights = 4 * n + cast
-    # ZeRO-2/3 reduce-scatter the layers' gradients into their shards; the embedding's and output layer's
-    # gradients stay whole (StepSetup.gradient_bytes_per_device)
-    grads = 4 * (shard(n - ends) + ends if par.shards_grads else n) * (
-        2 if par.overlap_grad_reduce and L.m > 1 else 1)
-    optimizer = 8 * (shard(n) if par.shards_optimizer else n)
-    if L.pp > 1:  # chunk inputs in flight; the chunk being recomputed holds its layers' residuals for its backward
-        kept = in_flight * stash + chunk * kept_per_layer + working
-    else:
-        kept = L.layers * kept_per_layer + working
-    logits = L.tokens * (m.padded_vocab_size // L.vocab_ranks) * 10
-    out = {"weights": weights, "gradients": grads, "optimizer": optimizer, "activations": kept, "logits": logits,
-           "reserve": RESERVE_BYTES}
-    out["total"] = sum(out.values())
-    out["capacity"] = hw.memory_bytes
-    out["scheduling_limit"] = scheduling_limit(weights - cast + optimizer, hw.memory_bytes)  # (the step's inputs)
-    return out
-
-
-def scheduling_limit(inputs: float, capacity: float) -> float:
-    """XLA's scheduling limit in bytes (`XLA_SLOP`) for a program whose inputs and outputs (aliased ones once)
-    take `inputs` bytes of a GPU's `capacity`."""
-    return inputs + XLA_SLOP * (XLA_DEVICE_SHARE * capacity - inputs)
-
-
-def scheduled_for_memory(memory: dict) -> bool:
-    """Whether XLA's GPU compiler would schedule this program for memory (`XLA_SLOP`): what it allocates, less
-    the reserve that XLA's own count leaves out, above its scheduling limit."""
-    return memory["total"] - memory["reserve"] > memory["scheduling_limit"]
-
-
-def in_flight(cfg: Config) -> int:
-    """Micro batches whose chunk inputs the first pipeline rank keeps at once: p for 1F1B, Megatron's
-    (v - 1) p + 2 (p - 1) + 1 chunks for interleaved (capped at m v)."""
-    p, v, m = cfg.parallel.pipeline, cfg.parallel.virtual_stages, cfg.num_micro_batches
-    if p == 1:
-        return 1
-    if cfg.parallel.schedule == "interleaved" or v > 1:
-        return schedule.interleaved_depth(p, v, m, 0)
-    return min(m, p)
-
-
-def _expert_comm_s(hw: Hardware, L: _Layout) -> float:
+def _expert_comm_s(hw: Hardware, L: Layout) -> float:
     """One MoE layer's all-to-alls for one micro batch, forward (dispatch and combine of tokens x k rows; the
     backward moves the same), over the ranks that hold the experts."""
     m = L.model
@@ -535,30 +339,22 @@ def estimate(cfg: Config, hw: Hardware, gpus_per_node: int, simulate: bool = Tru
     the gradient accumulation fused into the weight-gradient GEMM."""
     from megajax import metrics
 
-    L = _Layout(cfg, gpus_per_node)
+    L = Layout(cfg, gpus_per_node)
     m, par = L.model, L.par
     gemm_f = _layer_gemm_s(hw, L)
     attn_f, attn_b, attn_r = _attention_s(hw, L, framework)
     mem_f = _layer_memory_bound_s(hw, L)
     operands = _layer_gemm_operands(L)
     fp8_f, fp8_b = _layer_fp8_s(hw, L, operands)
-    saved = layer_activation_bytes(L)[m.recompute]
+    saved = memory.layer_activation_bytes(L)[m.recompute]
     # unrolled layers keep their residuals in place
     stacked = framework == "megajax" and not L.plan.unroll_layers
     copy_f, copy_b = _layer_copies_s(hw, L, saved, operands[2]) if stacked else (0.0, 0.0)
-    tp, cp, a2a = _tensor_comm_s(hw, L), _context_comm_s(hw, L), _expert_comm_s(hw, L) * L.moe_share
+    a2a = _expert_comm_s(hw, L) * L.moe_share
     params = local_parameters(L)
-    mem = _memory(hw, L, params, in_flight(cfg))
-    packed = scheduled_for_memory(mem)  # then XLA hides nothing
-    overlap_tp = par.tp_comm_overlap and L.sp and not packed
-    if overlap_tp and L.t > L.node:  # the ring's ppermutes: a hop between nodes has one NIC, not all of them
-        tp *= group_bandwidth(hw, L.t, 1, L.node) / hw.network_bytes_per_s
-    tp_f, tp_b = (_overlapped(tp, gemm_f, overlap_tp, tp / L.t if L.t > 1 else 0.0),
-                  _overlapped(tp, 2 * gemm_f, overlap_tp, tp / L.t if L.t > 1 else 0.0))
-    if L.plan.context_comm == "a2a":  # (attention waits for its all-to-alls: nothing to hide them under)
-        cp_f, cp_b = cp, cp
-    else:
-        cp_f, cp_b = (cp, 2 * cp) if packed else (max(cp - attn_f, 0.0), max(2 * cp - attn_b, 0.0))
+    mem = memory.per_gpu(hw, L, params, memory.in_flight(cfg))
+    packed = memory.scheduled_for_memory(mem)  # then XLA hides nothing
+    tp_f, tp_b, cp_f, cp_b = _layer_comm_exposed_s(hw, L, gemm_f, attn_f, attn_b, packed)
     fwd = gemm_f + attn_f + mem_f + fp8_f + copy_f + tp_f + cp_f + a2a
     bwd = 2 * gemm_f + attn_b + 2 * mem_f + fp8_b + copy_b + tp_b + cp_b + a2a
     if L.pp > 1:  # the executor recomputes every chunk's forward before its backward (it stashes chunk inputs):
@@ -582,12 +378,7 @@ def estimate(cfg: Config, hw: Hardware, gpus_per_node: int, simulate: bool = Tru
     hides = par.overlap_grad_reduce and not par.shards_grads and not packed
     data = (_overlapped(reduce_s, idle + layers * bwd, hides)
             + _overlapped(gather_s, idle + layers * fwd, par.overlap_param_gather and not packed) + L.m * fsdp)
-    n_local = params["total"]
-    shard = L.shards if par.shards_optimizer else 1
-    optimizer = (ADAMW_BYTES * n_local / shard + 6 * n_local) / hw.elementwise_bytes_per_s
-    accumulated = n_local / L.shards if par.shards_grads else n_local  # ZeRO-2/3 accumulate their shard
-    accumulate = (L.m * GRAD_ACCUMULATION_BYTES * accumulated / hw.elementwise_bytes_per_s
-                  if L.m > 1 and framework == "megajax" else 0.0)
+    optimizer, accumulate = _optimizer_s(hw, L, params["total"], framework)
     step = step_compute + data + optimizer + accumulate
     micro = step_compute - bubble  # the busiest GPU's own work
     per_layer_exposed = L.m * layers
@@ -608,6 +399,34 @@ def estimate(cfg: Config, hw: Hardware, gpus_per_node: int, simulate: bool = Tru
                    "grad_accumulation": accumulate, "optimizer": optimizer, "schedule": step_compute},
         memory=mem, hardware_flops=flops["hardware_flops"] / gpus,
         model_flops=flops["model_flops"] / gpus, scheduled_for_memory=packed)
+
+
+def _layer_comm_exposed_s(hw: Hardware, L: Layout, gemm_f: float, attn_f: float, attn_b: float,
+                          packed: bool) -> tuple[float, float, float, float]:
+    """One layer's exposed tensor and context communication for one micro batch: (tensor forward, backward,
+    context forward, backward). `packed`: XLA schedules the program for memory and hides nothing."""
+    tp, cp = _tensor_comm_s(hw, L), _context_comm_s(hw, L)
+    overlap_tp = L.par.tp_comm_overlap and L.sp and not packed
+    if overlap_tp and L.t > L.node:  # the ring's ppermutes: a hop between nodes has one NIC, not all of them
+        tp *= group_bandwidth(hw, L.t, 1, L.node) / hw.network_bytes_per_s
+    first = tp / L.t if L.t > 1 else 0.0
+    tp_f, tp_b = _overlapped(tp, gemm_f, overlap_tp, first), _overlapped(tp, 2 * gemm_f, overlap_tp, first)
+    if L.plan.context_comm == "a2a":  # (attention waits for its all-to-alls: nothing to hide them under)
+        return tp_f, tp_b, cp, cp
+    if packed:
+        return tp_f, tp_b, cp, 2 * cp
+    return tp_f, tp_b, max(cp - attn_f, 0.0), max(2 * cp - attn_b, 0.0)
+
+
+def _optimizer_s(hw: Hardware, L: Layout, n_local: float, framework: str) -> tuple[float, float]:
+    """(AdamW's update of this GPU's share of its `n_local` parameters, the micro batches' gradient accumulation:
+    none in Megatron's fused accumulation)."""
+    shard = L.shards if L.par.shards_optimizer else 1
+    optimizer = (ADAMW_BYTES * n_local / shard + 6 * n_local) / hw.elementwise_bytes_per_s
+    accumulated = n_local / L.shards if L.par.shards_grads else n_local  # ZeRO-2/3 accumulate their shard
+    accumulate = (L.m * GRAD_ACCUMULATION_BYTES * accumulated / hw.elementwise_bytes_per_s
+                  if L.m > 1 and framework == "megajax" else 0.0)
+    return optimizer, accumulate
 
 
 def _pipeline(plan: StepPlan, fwd: float, again: float, bwd: float, head: float, send: float,

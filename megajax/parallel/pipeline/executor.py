@@ -107,6 +107,21 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
         if gathering:  # the whole weights, gathered into the carry's `whole` as the plan says
             layers = acts.whole_zeros()
             acts.layers = layers
+    carry = _first_carry(acts, layers, shared, sched, act_shape, act_dtype, reductions, every, gathering)
+    carry = _run_segments(acts, segments, table, kinds, p, v, carry)
+    if plan.vocab_over_pipeline:
+        carry = _fenced(carry)
+    grads = vocab.sum_shared(carry["g_shared"], plan.vocab_over_pipeline)
+    if reductions is None:
+        grads["layers"] = jax.tree.map(lambda g: g[:, None], carry["g_layers"])
+    else:
+        grads["layers"] = {"block": jax.tree.map(lambda f: f[:, None], carry["g_final"])}
+    return jax.lax.psum(carry["loss"], "pipeline"), grads
+
+
+def _first_carry(acts, layers, shared, sched, act_shape, act_dtype, reductions, every: bool, gathering: bool) -> dict:
+    """The schedule's carry before its first tick: the chunk inputs' and gradients' slots, the residuals, the
+    gradient accumulators (ZeRO-2's reduced shards in g_final), the loss, and the gathered weights' `whole`."""
     carry = vary({
         "act": jnp.zeros((sched.act_slots, *act_shape), act_dtype),  # chunk inputs: stashes and arrivals
         "grad": jnp.zeros((sched.grad_slots, *act_shape), act_dtype),
@@ -122,6 +137,11 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
         carry["g_final"] = acts.zero_final()
     if gathering:
         carry["whole"] = layers
+    return carry
+
+
+def _run_segments(acts, segments, table: dict, kinds: dict, p: int, v: int, carry: dict) -> dict:
+    """The schedule's ticks, segment by segment, each a scan over its rows of the tick table."""
     rank = jax.lax.axis_index("pipeline")
     for i, seg in enumerate(segments):
         xs = {k: jnp.asarray(table[k][seg.start:seg.stop]) for k in FIELDS}
@@ -140,21 +160,19 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
         else:
             carry, _ = jax.lax.scan(lambda carry, row, tick=tick, i=i: (
                 tick(carry, row, None, ticks.scope(i, 0), CollectiveOrder()), None), carry, xs)
-    if plan.vocab_over_pipeline:
-        # The slices' gradients leave the region unread by the psums below: the rest waits for the last conditional
-        # that wrote them (CPU runtime: a collective after the step's last, peeled tick would start beside it;
-        # sharding.CollectiveOrder)
-        fence = CollectiveOrder()
-        fence.after(jax.tree.leaves(carry["g_shared"]))
-        carry = {**{k: jax.tree.map(fence.before_if_varying, val) for k, val in carry.items() if k != "g_shared"},
-                 "g_shared": jax.tree_util.tree_map_with_path(
-                     lambda path, g: g if vocab.is_sliced(path) else fence.before_if_varying(g), carry["g_shared"])}
-    grads = vocab.sum_shared(carry["g_shared"], plan.vocab_over_pipeline)
-    if reductions is None:
-        grads["layers"] = jax.tree.map(lambda g: g[:, None], carry["g_layers"])
-    else:
-        grads["layers"] = {"block": jax.tree.map(lambda f: f[:, None], carry["g_final"])}
-    return jax.lax.psum(carry["loss"], "pipeline"), grads
+    return carry
+
+
+def _fenced(carry: dict) -> dict:
+    """With the vocabulary over the pipeline (StepPlan.vocab_over_pipeline): the carry behind a fence after the
+    slices' gradients. They leave the region unread by the psums after it, so the rest waits for the last
+    conditional that wrote them (CPU runtime: a collective after the step's last, peeled tick would start beside
+    it; sharding.CollectiveOrder)."""
+    fence = CollectiveOrder()
+    fence.after(jax.tree.leaves(carry["g_shared"]))
+    return {**{k: jax.tree.map(fence.before_if_varying, val) for k, val in carry.items() if k != "g_shared"},
+            "g_shared": jax.tree_util.tree_map_with_path(
+                lambda path, g: g if vocab.is_sliced(path) else fence.before_if_varying(g), carry["g_shared"])}
 
 
 def _code(seg: Segment, row: dict, key: str) -> jax.Array:
@@ -256,6 +274,19 @@ def _tick(acts: ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, r
             *((carry["whole"],) if gathering else ()), row)
     if gathering:
         carry["whole"] = whole[0]
+    g_self = _head(acts, seg, scope, order, carry, row, last_row, rank, p, y_kept, y_last, stash)
+    carry["act"] = carry["act"].at[row["f_slot"]].set(stash)  # (the trash slot when no forward)
+    carry["grad"] = carry["grad"].at[row["f_grad_slot"]].set(g_self)
+    _send(order, carry, row, p, v, rank, parity, send_act, send_grad)
+    _idle(acts, seg, scope, order, carry, row)
+    return carry
+
+
+def _head(acts: ChunkActions, seg: Segment, scope: str, order: CollectiveOrder, carry: dict, row: dict,
+          last_row: dict, rank, p: int, y_kept, y_last, stash) -> jax.Array:
+    """The head and loss after a tick's forward, where the last chunk's forward ran (under a two-way conditional,
+    scope_h1); adds to carry's loss and g_shared. Returns the gradient it seeds the chunk's backward with (zeros
+    where no head runs)."""
     g_self = jnp.zeros_like(stash)
     if any(ticks.runs_head(k) for k in seg.f):
         f_code = _code(seg, row, "f")
@@ -270,8 +301,12 @@ def _tick(acts: ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, r
         if acts.vocab:  # (y's gradient is every rank's; the last rank's backward reads it)
             g_self = jnp.where(rank == p - 1, g_self, jnp.zeros_like(g_self))
         carry["loss"] = carry["loss"] + loss
-    carry["act"] = carry["act"].at[row["f_slot"]].set(stash)  # (the trash slot when no forward)
-    carry["grad"] = carry["grad"].at[row["f_grad_slot"]].set(g_self)
+    return g_self
+
+
+def _send(order: CollectiveOrder, carry: dict, row: dict, p: int, v: int, rank, parity, send_act, send_grad) -> None:
+    """The tick's ppermutes over 'pipeline': activations forward and gradients back, into carry's receive slots
+    (with a ring of two ranks, one ppermute whose role alternates with the parity)."""
     perms = perm_pairs(p, v, parity is not None, parity or 0)  # none: p = 2 without a ring, after a swap
     if perms and parity is None:
         carry["act"] = carry["act"].at[row["recv_act"]].set(order.ppermute(send_act, "pipeline", perms[0]))
@@ -283,8 +318,12 @@ def _tick(acts: ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, r
     elif perms:
         carry["act"] = carry["act"].at[row["recv_act"]].set(order.ppermute(send_act, "pipeline", perms[0]))
         carry["grad"] = carry["grad"].at[row["recv_grad"]].set(order.ppermute(send_grad, "pipeline", perms[1]))
-    if "g_final" in carry:  # an idle tick's data-parallel reduction, after the sends (nothing waits for it)
-        with named("x"):
+
+
+def _idle(acts: ChunkActions, seg: Segment, scope: str, order: CollectiveOrder, carry: dict, row: dict) -> None:
+    """An idle tick's data-parallel reduction (X) and weight gather (G), after the sends: nothing waits for them."""
+    if "g_final" in carry:
+        with jax.named_scope(f"{scope}_x"):
             carry["g_final"] = order.switch(row["x_kind"], [acts.reduce_branch(k) for k in seg.x],
                                             carry["g_layers"], carry["g_final"], row)
     if "whole" in carry and seg.g != (NONE,):  # an idle tick's gather, after the sends (like X)
@@ -295,4 +334,3 @@ def _tick(acts: ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, r
             with jax.named_scope(f"{scope}_g{i}"):
                 carry["whole"] = order.cond(code == k, acts.gather_branch(k), lambda whole, row: whole,
                                             carry["whole"], row)
-    return carry
