@@ -140,18 +140,28 @@ def _in_schedule(cfg, plan, colls, peak: float, nvlink: float, network: float) -
 def megatron_expected(cfg) -> dict:
     """What Megatron's tensor (and sequence) parallelism moves over 'tensor' in one step: per micro batch
     and layer, 2 all-reduces forward and 2 backward (+2 forward again with full recomputation), or with
-    sequence parallelism an all-gather + reduce-scatter pair in place of each, of [b, s, d] activations."""
+    sequence parallelism an all-gather + reduce-scatter pair in place of each, of [b, s, d] activations; on the
+    busiest pipeline rank (`_busiest_rank_layers`)."""
     m, p = cfg.model, cfg.parallel
     if p.tensor == 1:
         return {}
     mb = cfg.train.micro_batch_size
     act_bytes = mb * m.seq_length * m.hidden_size * (2 if m.compute_dtype != "float32" else 4)
     per_layer = 4 + (2 if m.recompute == "full" else 0)
-    n = per_layer * cfg.stage_split.busiest_rank_layers(cfg.parallel.pipeline) * cfg.num_micro_batches
+    n = per_layer * _busiest_rank_layers(cfg) * cfg.num_micro_batches
     if p.sequence_parallel:
         return {"all-gather": {"count": n, "bytes_each": act_bytes},
                 "reduce-scatter": {"count": n, "bytes_each": act_bytes}}
     return {"all-reduce": {"count": n, "bytes_each": act_bytes}}
+
+
+def _busiest_rank_layers(cfg) -> int:
+    """The transformer layers of the busiest pipeline rank, the last one's with the multi-token prediction modules'
+    (model.mtp_num_layers)."""
+    p, split = cfg.parallel.pipeline, cfg.stage_split
+    ranks = [sum(split.layers[r::p]) for r in range(p)]
+    ranks[-1] += cfg.model.mtp_num_layers
+    return max(ranks)
 
 
 def expected_all_to_all(cfg) -> dict:
@@ -167,7 +177,8 @@ def expected_all_to_all(cfg) -> dict:
     `bytes_each`: what each all-to-all moves, the buffer, or with parallel.expert_all_to_all=ragged (dropless) the
     routed rows alone (at most the receiving buffer), the program's ragged all-to-alls. With
     folded experts (parallel.expert_tensor=1) over `axes` 'expert' x 'tensor', the tokens are a tensor rank's
-    sequence shard and n = expert x tensor."""
+    sequence shard and n = expert x tensor. Without a pipeline, the multi-token prediction modules' layers count
+    (with a pipeline, the count is the ranks' mean of the stack's MoE layers)."""
     from megajax.model import moe
 
     m, p = cfg.model, cfg.parallel
@@ -189,7 +200,9 @@ def expected_all_to_all(cfg) -> dict:
         table = ticks.plan(p.schedule, p.pipeline, p.virtual_stages, cfg.num_micro_batches)[1]
         again = float((table["r_chunk"] >= 0).sum()) / (p.pipeline * p.virtual_stages * cfg.num_micro_batches)
     ragged = m.moe_capacity_factor is None and p.expert_all_to_all == "ragged"
-    return {"count": (4 + 2 * again) * (m.moe_layers // p.pipeline) * cfg.num_micro_batches,
+    # (the multi-token prediction modules' layers, MoE too, on the last pipeline rank)
+    moe_layers = m.moe_layers // p.pipeline + (m.mtp_num_layers if p.pipeline == 1 else 0)
+    return {"count": (4 + 2 * again) * moe_layers * cfg.num_micro_batches,
             "routed_bytes_each": tokens * k * row, "buffer_bytes_each": buffer,
             "exchange": "ragged-all-to-all" if ragged else "all-to-all",
             "bytes_each": min(tokens * k * row, buffer) if ragged else buffer,
@@ -218,7 +231,7 @@ def expected_context_exchange(cfg, plan) -> dict:
         return {}
     kv = (2 * cfg.train.micro_batch_size * (m.seq_length // c) * (m.kv_heads // p.tensor) * m.head_dim
           * (2 if m.compute_dtype != "float32" else 4))
-    layers = cfg.stage_split.busiest_rank_layers(cfg.parallel.pipeline) * cfg.num_micro_batches
+    layers = _busiest_rank_layers(cfg) * cfg.num_micro_batches
     comm, platform = plan.context_comm, plan.platform
     recomputed = m.recompute == "full" or (m.recompute == "selective" and not kernel_choice.fused_attention(
         m.attention_impl, m.head_dim, m.attention_dropout > 0, platform))

@@ -24,6 +24,7 @@ if __name__ == "__main__":  # pick the platform before JAX is imported (it reads
     prefer_cpu_without_gpu()
 
 import argparse
+import dataclasses
 import json
 import math
 import shutil
@@ -74,6 +75,7 @@ def from_hf(model_dir: str | Path, output: str | Path, config_out: str | Path | 
     except hf.ConversionError as e:
         raise hf.ConversionError(f"{model_dir / 'config.json'}: {e}") from None
     reader = hf.SafetensorsReader(model_dir, model_cfg.arch)
+    model_cfg = _without_absent_mtp(model_cfg, reader.names())
     params = hf.params_from_hf(model_cfg, reader.get, reader.names(), source=str(model_dir),
                                rope_interleave=hf_cfg.get("rope_interleave", True))
     checkpoint.check_params_fit(params, _expected_shapes(model_cfg), str(model_dir))
@@ -97,6 +99,18 @@ def from_hf(model_dir: str | Path, output: str | Path, config_out: str | Path | 
     if config_out is not None:
         write_preset(cfg, output, Path(config_out))
     return cfg
+
+
+def _without_absent_mtp(cfg: ModelConfig, names) -> ModelConfig:
+    """`cfg` without multi-token prediction modules where config.json counts some (num_nextn_predict_layers:
+    transformers writes 1 by default) but the folder holds none of their layers (transformers neither builds nor
+    saves them), with a note."""
+    if not cfg.mtp_num_layers or f"model.layers.{cfg.num_layers}.eh_proj.weight" in set(names):
+        return cfg
+    print(f"note: config.json has num_nextn_predict_layers={cfg.mtp_num_layers} but the folder holds no multi-token "
+          f"prediction layer (model.layers.{cfg.num_layers}.*): converted without it (model.mtp_num_layers=0)",
+          file=sys.stderr)
+    return dataclasses.replace(cfg, mtp_num_layers=0)
 
 
 FINE_TUNE_SEQ_LENGTH = 4096  # the preset's sequence length when the model's context is longer (Llama 3.1: 131072)

@@ -43,15 +43,18 @@ def step_flops(cfg: ModelConfig, tokens: int, pipelined: bool = False, platform:
     with model.recompute=selective where the core is not a fused kernel (kernels.auto.fused_attention).
     """
     dense, core = layer_forward_flops_per_token(cfg)
-    layer_fwd = cfg.num_layers * (dense + core)
-    logits_fwd = 2 * cfg.hidden_size * cfg.padded_vocab_size
+    # the multi-token prediction modules (model.mtp_num_layers): a layer, eh_proj [2d, d] and the logits each
+    mtp = cfg.mtp_num_layers
+    layers = cfg.num_layers + mtp
+    layer_fwd = layers * (dense + core) + mtp * 2 * 2 * cfg.hidden_size ** 2
+    logits_fwd = (1 + mtp) * 2 * cfg.hidden_size * cfg.padded_vocab_size
     model = 3 * (layer_fwd + logits_fwd) * tokens
     hardware = model
     if cfg.recompute == "full" or pipelined:
         hardware += layer_fwd * tokens
     if cfg.recompute == "selective" and not kernel_choice.fused_attention(
             cfg.attention_impl, cfg.head_dim, cfg.attention_dropout > 0, platform):
-        hardware += cfg.num_layers * core * tokens
+        hardware += layers * core * tokens
     return {"model_flops": float(model), "hardware_flops": float(hardware)}
 
 

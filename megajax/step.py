@@ -63,11 +63,14 @@ class StepSetup:
 
     def whole_batch(self, batch: dict) -> dict:
         """A batch of whole sequences with what the model reads besides tokens: the packed documents' segment ids
-        and positions (data.reset_attention_mask, data.reset_position_ids)."""
+        and positions (data.reset_attention_mask, data.reset_position_ids), the multi-token prediction modules'
+        inputs (model.mtp_num_layers)."""
         d = self.cfg.data
-        if not (d.reset_attention_mask or d.reset_position_ids):
-            return batch
-        out = model.documents(batch, self.eod, d.reset_position_ids)
+        out = batch
+        if d.reset_attention_mask or d.reset_position_ids:
+            out = model.documents(batch, self.eod, d.reset_position_ids)
+        if self.cfg.model.mtp_num_layers:  # each module's inputs (from whole sequences, in their documents)
+            out = model.mtp_batch(out, self.cfg.model.mtp_num_layers)
         return out if d.reset_attention_mask else {k: v for k, v in out.items() if k != "segment_ids"}
 
     def local_batch(self, batch: dict) -> dict:

@@ -579,3 +579,24 @@ def test_xla_memory_warning_is_explained_as_it_is_written(capfd):
     err = capfd.readouterr().err
     assert err.startswith("an XLA line\n" + warning.decode())
     assert "note: XLA's 60.67 GiB above is its scheduling limit" in err and "needs about 65.41 GiB" in err
+
+
+@gpu
+def test_multi_token_prediction_module_in_the_h100_program():
+    """A multi-token prediction module (model.mtp_num_layers=1) is one more layer in the compiled H100 program: the
+    sequence-parallel all-gathers and reduce-scatters of [b, s, d] activations over 'tensor' (counted in
+    activations: XLA combines some into one collective) grow by at least the layer's 4 per micro batch, as
+    audit.megatron_expected counts them, and by at most 2 more (the module's embedding lookup, its head's gather)."""
+    sets = LAYOUT + ["model.compute_dtype=bfloat16", "parallel.sequence_parallel=true"]
+    counts = {}
+    for mtp in (0, 1):
+        cfg, colls = _collectives(sets + [f"model.mtp_num_layers={mtp}"], target="h100",
+                                  options={"xla_gpu_enable_pipelined_all_reduce": False})
+        size = _act_bytes(cfg)
+        counts[mtp] = {k: sum(c.bytes // size * c.count for c in colls if c.kind == k and c.axes == ("tensor",))
+                       for k in ("all-gather", "reduce-scatter")}
+        counts[mtp]["expected"] = audit.megatron_expected(cfg)["all-gather"]["count"]
+    m = cfg.num_micro_batches
+    assert counts[1]["expected"] - counts[0]["expected"] == 4 * m
+    for kind in ("all-gather", "reduce-scatter"):
+        assert 4 * m <= counts[1][kind] - counts[0][kind] <= 6 * m, counts

@@ -135,7 +135,7 @@ def test_field_metadata_says_what_may_change_on_resume_and_what_defines_the_mode
         "make_vocab_size_divisible_by": "padded_vocab_size", "norm_eps": "norm_eps", "rope_theta": "rope_theta",
         "tie_embeddings": "tied", "multi_latent_attention": "multi_latent_attention", "num_experts": "num_experts",
         "moe_layer_freq": "layer_period", "moe_first_dense_layers": "first_dense_layers",
-        "moe_router_score_function": "moe_router_score_function"}
+        "moe_router_score_function": "moe_router_score_function", "mtp_num_layers": "mtp_num_layers"}
 
 
 def test_interleaved_needs_at_least_p_micro_batches():

@@ -541,3 +541,73 @@ def test_a_damaged_or_hostile_hf_folder_is_one_line_and_exit_2(tmp_path, capsys,
     assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and len(err[0]) < 500, err
     assert str(src) in err[0]
     assert not (tmp_path / "out").exists()
+
+
+def _with_mtp_layer(hf_model, src, seed: int = 5) -> dict:
+    """Adds DeepSeek-V3's multi-token prediction layer (layer num_hidden_layers: its norms, eh_proj, a decoder layer
+    with experts, shared_head's norm, and its copies of the embedding and output layer) to the saved folder `src`,
+    as DeepSeek's checkpoint holds it (transformers neither builds nor saves it), and sets
+    num_nextn_predict_layers=1. Returns the folder's tensors."""
+    from safetensors.numpy import load_file, save_file
+
+    n = hf_model.config.num_hidden_layers
+    donor = build_hf_model(seed=seed, **{**CASES["deepseek-v3"], "num_hidden_layers": n + 1})  # its layer n
+    p = f"model.layers.{n}."
+    donor.save_pretrained(src / "donor")  # (as save_pretrained names each expert's tensors)
+    tensors = load_file(src / "model.safetensors")
+    tensors.update({k: v for k, v in load_file(src / "donor" / "model.safetensors").items() if k.startswith(p)})
+    d = hf_model.config.hidden_size
+    rng = np.random.default_rng(seed)
+    tensors.update({p + "enorm.weight": 1 + 0.2 * rng.standard_normal(d, np.float32),
+                    p + "hnorm.weight": 1 + 0.2 * rng.standard_normal(d, np.float32),
+                    p + "eh_proj.weight": 0.2 * rng.standard_normal((d, 2 * d), np.float32),
+                    p + "shared_head.norm.weight": 1 + 0.2 * rng.standard_normal(d, np.float32),
+                    p + "embed_tokens.weight": tensors["model.embed_tokens.weight"],
+                    p + "shared_head.head.weight": tensors["lm_head.weight"]})
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    import shutil
+
+    shutil.rmtree(src / "donor")
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    return tensors
+
+
+def test_deepseek_v3_multi_token_prediction_converts_both_ways(tmp_path):
+    from safetensors.numpy import load_file
+
+    hf_model = build_hf_model(**CASES["deepseek-v3"])
+    src = tmp_path / "src"
+    hf_model.save_pretrained(src)
+    tensors = _with_mtp_layer(hf_model, src)
+    convert.from_hf(src, tmp_path / "megajax")
+    source = checkpoint.find_params(tmp_path / "megajax")
+    cfg = source.config.model
+    assert cfg.mtp_num_layers == 1
+    params = checkpoint.load_params(source)
+    np.testing.assert_array_equal(params["mtp_1"]["eh_proj"], tensors["model.layers.3.eh_proj.weight"].T)
+    tokens = _tokens()
+    ours = np.asarray(jax.jit(model.GPT(cfg).apply)({"params": params}, tokens))
+    with torch.no_grad():
+        ref = hf_model(torch.tensor(tokens)).logits.numpy()
+    assert np.abs(ours[..., :VOCAB] - ref).max() < 1e-4  # the main logits, with the module beside them
+    convert.to_hf(tmp_path / "megajax", tmp_path / "out")
+    again = load_file(tmp_path / "out" / "model.safetensors")
+    assert set(again) == set(tensors)
+    for name, want in tensors.items():
+        np.testing.assert_array_equal(again[name], want, err_msg=name)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+
+
+def test_a_multi_token_prediction_layer_with_its_own_head_is_refused(tmp_path, capsys):
+    from safetensors.numpy import load_file, save_file
+
+    hf_model = build_hf_model(**CASES["deepseek-v3"])
+    hf_model.save_pretrained(tmp_path / "src")
+    _with_mtp_layer(hf_model, tmp_path / "src")
+    tensors = load_file(tmp_path / "src" / "model.safetensors")
+    tensors["model.layers.3.shared_head.head.weight"] = tensors["model.layers.3.shared_head.head.weight"] + 1
+    save_file(tensors, tmp_path / "src" / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()  # (save_pretrained's progress)
+    message = _convert_error(capsys, ["from-hf", "--model", str(tmp_path / "src"), "--output", str(tmp_path / "out")])
+    assert "model.layers.3.shared_head.head.weight" in message and "share the model's embedding" in message

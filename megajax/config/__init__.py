@@ -50,6 +50,30 @@ class Config:
 
     def __post_init__(self):
         m, p = self.model, self.parallel
+        self._check_tensor()
+        chunks = p.pipeline * p.virtual_stages
+        check(
+            chunks <= m.num_layers,
+            f"parallel.pipeline * parallel.virtual_stages = {chunks} is more than model.num_layers={m.num_layers}: "
+            "every pipeline chunk needs at least one layer",
+        )
+        self.stage_split  # noqa: B018 - raises ConfigError naming the fix when the layers do not split
+        self._check_experts()
+        check(not (m.mtp_num_layers and p.vocab_over_pipeline),
+              "model.mtp_num_layers runs the multi-token prediction modules on the last pipeline stage with the whole "
+              "embedding and output layer, which parallel.vocab_over_pipeline=true splits over the pipeline ranks: "
+              "set parallel.vocab_over_pipeline=false (or null)")
+        check(not self.data.reset_attention_mask or m.attention_impl != "cudnn",
+              "data.reset_attention_mask needs segment masks, which model.attention_impl=cudnn does not take here: "
+              "use model.attention_impl=pallas or xla")
+        if p.context > 1:
+            self._check_context()
+        if p.data is not None:
+            self._check_batch(p.data)
+
+    def _check_tensor(self) -> None:
+        """What the tensor (and with vocab_over_pipeline, pipeline) ranks split divides by them."""
+        m, p = self.model, self.parallel
         check(
             m.num_heads % p.tensor == 0,
             f"model.num_heads={m.num_heads} is not divisible by parallel.tensor={p.tensor}: "
@@ -96,13 +120,10 @@ class Config:
             f"sequence parallelism shards model.seq_length={m.seq_length} over parallel.tensor={p.tensor}: "
             "make the sequence length a multiple of the tensor size",
         )
-        chunks = p.pipeline * p.virtual_stages
-        check(
-            chunks <= m.num_layers,
-            f"parallel.pipeline * parallel.virtual_stages = {chunks} is more than model.num_layers={m.num_layers}: "
-            "every pipeline chunk needs at least one layer",
-        )
-        self.stage_split  # noqa: B018 - raises ConfigError naming the fix when the layers do not split
+
+    def _check_experts(self) -> None:
+        """The experts' ranks, and the ragged exchange's needs."""
+        m, p = self.model, self.parallel
         if p.expert > 1:
             check(m.num_experts > 0, f"parallel.expert={p.expert} needs an MoE model: set model.num_experts "
                   "(a multiple of parallel.expert) or parallel.expert=1")
@@ -125,13 +146,6 @@ class Config:
                   "ranks: it needs model.num_experts, model.moe_capacity_factor=null (capacity buffers are fixed-size "
                   "already) and parallel.expert > 1 or parallel.expert_tensor=1; else set "
                   "parallel.expert_all_to_all=padded")
-        check(not self.data.reset_attention_mask or m.attention_impl != "cudnn",
-              "data.reset_attention_mask needs segment masks, which model.attention_impl=cudnn does not take here: "
-              "use model.attention_impl=pallas or xla")
-        if p.context > 1:
-            self._check_context()
-        if p.data is not None:
-            self._check_batch(p.data)
 
     def _check_context(self) -> None:
         m, p = self.model, self.parallel

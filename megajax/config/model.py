@@ -97,10 +97,22 @@ class ModelConfig:
     moe_router_num_groups: int | None = None  # group-limited routing (DeepSeek): experts in this many groups
     moe_router_group_topk: int | None = None  # group-limited routing: each token's experts from its best groups
     moe_router_topk_scaling_factor: float | None = None  # the k weights times this (DeepSeek's routed_scaling_factor)
+    # Multi-token prediction (DeepSeek-V3; Megatron's --mtp-num-layers): this many modules after the layers, module
+    # k predicting the token k + 1 ahead from module k - 1's output and the embedding of the token k ahead, each
+    # one transformer block sharing the embedding and output layer; 0: none
+    mtp_num_layers: int = defines_model(0)
+    # the modules' loss joins the gradient at this weight over their mean (lambda / D); the logged loss is the
+    # main one's, the modules' is logged as mtp_loss
+    mtp_loss_scaling_factor: float = 0.1
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_length"):
             check(getattr(self, name) > 0, f"model.{name} must be positive, got {getattr(self, name)}")
+        check(self.mtp_num_layers >= 0, f"model.mtp_num_layers must be >= 0 (0: no multi-token prediction), got "
+              f"{self.mtp_num_layers}")
+        check(self.mtp_num_layers < self.seq_length, f"model.mtp_num_layers={self.mtp_num_layers} predicts further "
+              f"ahead than the sequence (model.seq_length={self.seq_length}): lower it")
+        check(self.mtp_loss_scaling_factor >= 0, "model.mtp_loss_scaling_factor must be >= 0")
         check(
             self.hidden_size % self.num_heads == 0,
             f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads={self.num_heads}: "

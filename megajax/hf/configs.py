@@ -184,7 +184,8 @@ def _deepseek_v3_config(hf: dict) -> ModelConfig:
     """DeepSeek-V3: multi-latent attention, sigmoid routing with a correction bias (imported as the
     auxiliary-loss-free balancing bias, updated at DEEPSEEK_BIAS_RATE when trained on), group-limited top k, the
     weights scaled by routed_scaling_factor, shared experts, the first first_k_dense_replace layers dense
-    (model.moe_first_dense_layers; all of them: a dense model with multi-latent attention)."""
+    (model.moe_first_dense_layers; all of them: a dense model with multi-latent attention), and
+    num_nextn_predict_layers multi-token prediction modules (model.mtp_num_layers)."""
     layers, dense = hf["num_hidden_layers"], hf.get("first_k_dense_replace", 0)
     _require(hf.get("rms_norm_eps", 1e-6) == 1e-6, "DeepSeek-V3 rms_norm_eps must be 1e-6 here: Hugging Face's "
              "latent norms always use 1e-6 and megajax uses one epsilon for every norm")
@@ -205,7 +206,8 @@ def _deepseek_v3_config(hf: dict) -> ModelConfig:
         attention_dropout=hf.get("attention_dropout", 0.0), tie_embeddings=hf.get("tie_word_embeddings", False),
         init_std=hf.get("initializer_range", 0.02), multi_latent_attention=True, q_lora_rank=hf.get("q_lora_rank"),
         kv_lora_rank=hf["kv_lora_rank"], qk_head_dim=hf["qk_nope_head_dim"],
-        qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"], **scaling)
+        qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
+        mtp_num_layers=hf.get("num_nextn_predict_layers") or 0, **scaling)
     if dense >= layers:
         return cfg
     return dataclasses.replace(
@@ -246,6 +248,9 @@ def require_convertible(cfg: ModelConfig) -> None:
     if _deepseek(cfg):
         _require_deepseek(cfg)
         return
+    _require(not cfg.mtp_num_layers, f"model.mtp_num_layers={cfg.mtp_num_layers}: multi-token prediction converts as "
+             "DeepSeek-V3's (its layers after the model's in Hugging Face's folder), which has multi-latent attention: "
+             "set model.multi_latent_attention=true, or model.mtp_num_layers=0")
     if not cfg.num_experts:
         return
     _require(cfg.arch == "llama", f"model.num_experts={cfg.num_experts} with model.arch=gpt2 has no Hugging Face "
@@ -328,7 +333,7 @@ def _deepseek_v3_fields(cfg: ModelConfig) -> dict:
     out = dict(q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_head_dim,
                qk_rope_head_dim=cfg.qk_pos_emb_head_dim, v_head_dim=cfg.v_head_dim,
                qk_head_dim=cfg.qk_head_dim + cfg.qk_pos_emb_head_dim, head_dim=cfg.qk_pos_emb_head_dim,
-               rope_interleave=True, attention_bias=False, num_nextn_predict_layers=0,
+               rope_interleave=True, attention_bias=False, num_nextn_predict_layers=cfg.mtp_num_layers,
                first_k_dense_replace=cfg.first_dense_layers if cfg.num_experts else cfg.num_layers)
     if cfg.num_experts:
         out.update(n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,

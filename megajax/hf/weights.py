@@ -125,7 +125,8 @@ def _llama_rules(cfg: ModelConfig, rope_interleave: bool = True) -> list[Rule]:
                                                    rope_interleave)]
         return [*_vocab_rules(cfg, "model.embed_tokens.weight"), *first,
                 *_deepseek_layer_rules(cfg, p, blk, cfg.num_experts > 0, rope_interleave),
-                _same(("head", "final_norm", "scale"), "model.norm.weight", (d,))]
+                _same(("head", "final_norm", "scale"), "model.norm.weight", (d,)),
+                *[rule for k in range(1, cfg.mtp_num_layers + 1) for rule in _mtp_rules(cfg, k, rope_interleave)]]
     wqkv = Rule(blk + ("attn", "wqkv"), (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
                 ((h * k, d), (g * k, d), (g * k, d)), fuse_qkv, split_qkv)
     wo = Rule(blk + ("attn", "wo"), (attn + "o_proj.weight",), ((d, h * k),),
@@ -160,11 +161,12 @@ def _swiglu_rules(path: tuple[str, ...], prefix: str, d: int, f: int) -> list[Ru
             _transposed(path + ("w_out",), prefix + "down_proj.weight", (d, f))]
 
 
-def _expert_rules(cfg: ModelConfig, moe: str, names: tuple[str, str, str]) -> list[Rule]:
+def _expert_rules(cfg: ModelConfig, moe: str, names: tuple[str, str, str],
+                  mlp: tuple[str, ...] = ("layers", "block", "mlp")) -> list[Rule]:
     """The router (`moe`gate.weight, [e, d]) and each expert's gate, up [f, d] and down [d, f] projections
-    (`names`), one tensor per expert, the way save_pretrained writes them, stacked as [e, d, f, 2] and [e, f, d]."""
+    (`names`), one tensor per expert, the way save_pretrained writes them, stacked as [e, d, f, 2] and [e, f, d];
+    `mlp`: the megajax path of the layer's MoE."""
     d, f, e = cfg.hidden_size, cfg.moe_ffn_size, cfg.num_experts
-    mlp = ("layers", "block", "mlp")
     w1, w3, w2 = ([moe + f"experts.{j}.{w}.weight" for j in range(e)] for w in names)
     gate_up = Rule(mlp + ("w_gate_up",), (*w1, *w3), ((f, d),) * (2 * e),
                    lambda *ws: np.stack([np.stack([g.T, u.T], axis=-1) for g, u in zip(ws[:e], ws[e:])]),
@@ -192,10 +194,35 @@ def _qwen2_moe_rules(cfg: ModelConfig) -> list[Rule]:
 def _deepseek_layer_rules(cfg: ModelConfig, p: str, blk: tuple[str, ...], moe: bool, interleaved: bool) -> list[Rule]:
     """One DeepSeek-V3 layer (`p`: its HF prefix; `blk`: its megajax path), with experts or a dense MLP."""
     d = cfg.hidden_size
-    mlp = _deepseek_moe_rules(cfg) if moe else _swiglu_rules(blk + ("mlp",), p + "mlp.", d, cfg.ffn_size)
+    mlp = _deepseek_moe_rules(cfg, p + "mlp.", blk + ("mlp",)) if moe else _swiglu_rules(blk + ("mlp",), p + "mlp.",
+                                                                                          d, cfg.ffn_size)
     return [_same(blk + ("attn_norm", "scale"), p + "input_layernorm.weight", (d,)),
             *_latent_attention_rules(cfg, p + "self_attn.", blk + ("attn",), interleaved),
             _same(blk + ("mlp_norm", "scale"), p + "post_attention_layernorm.weight", (d,)), *mlp]
+
+
+def _mtp_rules(cfg: ModelConfig, k: int, interleaved: bool) -> list[Rule]:
+    """DeepSeek-V3's multi-token prediction module k: Hugging Face's layer num_layers + k - 1 (layer 61 of
+    DeepSeek-V3), its norms of the embedding (enorm) and of the hidden states (hnorm), eh_proj ([d, 2d], the
+    embedding's half first), a decoder layer with experts, and shared_head's norm. Its copies of the embedding and
+    output layer (embed_tokens, shared_head.head) are `_mtp_copies`."""
+    d, p, own = cfg.hidden_size, f"model.layers.{cfg.num_layers + k - 1}.", (f"mtp_{k}",)
+    return [_same(own + ("enorm", "scale"), p + "enorm.weight", (d,)),
+            _same(own + ("hnorm", "scale"), p + "hnorm.weight", (d,)),
+            _transposed(own + ("eh_proj",), p + "eh_proj.weight", (d, 2 * d)),
+            *_deepseek_layer_rules(cfg, p, own + ("block",), cfg.num_experts > 0, interleaved),
+            _same(own + ("final_norm", "scale"), p + "shared_head.norm.weight", (d,))]
+
+
+def _mtp_copies(cfg: ModelConfig) -> dict[str, str]:
+    """Each multi-token prediction module's copies of the shared embedding and output layer in a Hugging Face
+    folder (DeepSeek-V3 saves both in the module's layer), by the tensor each copies."""
+    out = {}
+    for k in range(1, cfg.mtp_num_layers + 1):
+        p = f"model.layers.{cfg.num_layers + k - 1}."
+        out[p + "embed_tokens.weight"] = "model.embed_tokens.weight"
+        out[p + "shared_head.head.weight"] = "model.embed_tokens.weight" if cfg.tied else "lm_head.weight"
+    return out
 
 
 def _latent_attention_rules(cfg: ModelConfig, attn: str, blk: tuple[str, ...], interleaved: bool) -> list[Rule]:
@@ -231,15 +258,16 @@ def _latent_attention_rules(cfg: ModelConfig, attn: str, blk: tuple[str, ...], i
             heads("wq_up", "q_b_proj.weight", cfg.q_lora_rank), *out]
 
 
-def _deepseek_moe_rules(cfg: ModelConfig) -> list[Rule]:
-    """DeepSeek-V3's mlp: the router (gate), its e_score_correction_bias (megajax's auxiliary-loss-free balancing
-    bias, when the model has one), the experts and the ungated shared experts."""
+def _deepseek_moe_rules(cfg: ModelConfig, moe: str, mlp: tuple[str, ...]) -> list[Rule]:
+    """DeepSeek-V3's mlp (`moe`: its HF prefix, `mlp`: its megajax path): the router (gate), its
+    e_score_correction_bias (megajax's auxiliary-loss-free balancing bias, when the model has one), the experts and
+    the ungated shared experts."""
     from megajax.model.moe import ROUTER_BIAS
 
-    moe, mlp, e = "model.layers.{i}.mlp.", ("layers", "block", "mlp"), cfg.num_experts
+    e = cfg.num_experts
     bias = ([_same(mlp + (ROUTER_BIAS,), moe + "gate.e_score_correction_bias", (e,))]
             if cfg.moe_router_bias_update_rate else [])
-    return [*_expert_rules(cfg, moe, ("gate_proj", "up_proj", "down_proj")), *bias,
+    return [*_expert_rules(cfg, moe, ("gate_proj", "up_proj", "down_proj"), mlp), *bias,
             *_swiglu_rules(mlp + ("shared",), moe + "shared_experts.", cfg.hidden_size,
                            cfg.moe_shared_experts * cfg.moe_ffn_size)]
 
@@ -290,17 +318,42 @@ def params_from_hf(cfg: ModelConfig, get: Callable[[str], np.ndarray | None], na
         for key in rule.path[:-1]:
             node = node.setdefault(key, {})
         node[rule.path[-1]] = value
-    if cfg.num_experts:  # the routing statistics' zero parameter (megajax.model.moe.STATS) has no HF tensor
-        from megajax.model.moe import STATS
-
-        params["layers"]["block"]["mlp"][STATS] = np.zeros((cfg.stacked_layers, cfg.num_experts + 3), dtype)
-    ignorable = _BUFFERS[cfg.arch]
+    _zero_channels(cfg, params, dtype)
+    ignorable, copies = _BUFFERS[cfg.arch], _mtp_copies(cfg)
     for name in sorted(set(names) - used):
         if ignorable.search(name) or (cfg.tied and name == "lm_head.weight"):
             continue  # a buffer, or the tied output layer saved twice
+        if name in copies:  # a multi-token prediction module's copy of the embedding or output layer
+            _require_copy(get, name, copies[name], source)
+            continue
         raise ConversionError(f"unexpected tensor {name!r} in {source}: not part of a {cfg.arch} model with "
                               f"{_config_summary(cfg)} (does config.json describe these weights?)")
     return params
+
+
+def _zero_channels(cfg: ModelConfig, params: dict, dtype) -> None:
+    """The statistics channels' zero parameters, which have no HF tensor: each MoE layer's
+    (megajax.model.moe.STATS) and each multi-token prediction module's (model_state.MTP_STATS)."""
+    from megajax.model.model_state import MTP_STATS
+    from megajax.model.moe import STATS
+
+    width = cfg.num_experts + 3
+    if cfg.num_experts:
+        params["layers"]["block"]["mlp"][STATS] = np.zeros((cfg.stacked_layers, width), dtype)
+    for k in range(1, cfg.mtp_num_layers + 1):
+        params[f"mtp_{k}"][MTP_STATS] = np.zeros((2,), dtype)
+        if cfg.num_experts:
+            params[f"mtp_{k}"]["block"]["mlp"][STATS] = np.zeros((width,), dtype)
+
+
+def _require_copy(get, name: str, original: str, source: str) -> None:
+    """A multi-token prediction module's copy `name` of the shared tensor `original` must equal it: megajax's
+    modules share the embedding and output layer."""
+    copy, shared = get(name), get(original)
+    if shared is None or copy.shape != shared.shape or not np.array_equal(copy, shared):
+        raise ConversionError(f"tensor {name!r} in {source} differs from {original!r}: megajax's multi-token "
+                              "prediction modules share the model's embedding and output layer, so a module "
+                              "trained with its own does not convert")
 
 
 def _leaf(params: dict, path: tuple[str, ...], where: str) -> np.ndarray:
@@ -332,6 +385,8 @@ def params_to_hf(cfg: ModelConfig, params: dict, dtype: str | None = None,
                                           f"{tuple(w.shape)}, but its config ({_config_summary(cfg)}) needs {shape}")
                 w = np.ascontiguousarray(w)
                 out[name] = w.astype(_np_dtype(dtype)) if dtype else w
+    for name, original in _mtp_copies(cfg).items():  # (DeepSeek-V3's folders carry them: vLLM reads them)
+        out[name] = out[original]
     return out
 
 

@@ -20,8 +20,10 @@ import jax.numpy as jnp
 
 from megajax.config import ModelConfig
 from megajax.model.layers import (MLP, NO_SIDE, RESIDUAL, TAP_GRADS, TAP_INPUTS, Attention, Embed, KVCache, Norm,
-                                  Side, dropout, gather_sequence, layers_unrolled, recomputed_module)
+                                  Side, dropout, gather_sequence, layers_unrolled, param, recomputed_module)
+from megajax.model.model_state import MTP_STATS
 from megajax.model.moe import MoE
+from megajax.model.moe.routing import attach_loss, report
 from megajax.parallel import step_plan
 from megajax.parallel.sharding import constrain
 
@@ -149,15 +151,46 @@ class Head(nn.Module):
     def __call__(self, x_bsd: jax.Array, tied_table_vd: jax.Array | None = None) -> jax.Array:
         """Returns fp32 logits [b, s, v_padded], sharded over v. tied_table: the embedding, if tied."""
         cfg = self.cfg
-        x = gather_sequence(Norm(cfg, name="final_norm")(x_bsd))
-        if cfg.tied:
-            logits = jnp.einsum("bsd,vd->bsv", x, tied_table_vd.astype(jnp.dtype(cfg.compute_dtype)))
-        else:
-            w = self.param("output", nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std),
-                                                                  ("embed", "vocab")),
-                           (cfg.hidden_size, cfg.padded_vocab_size), jnp.dtype(cfg.param_dtype))
-            logits = jnp.einsum("bsd,dv->bsv", x, w.astype(jnp.dtype(cfg.compute_dtype)))
-        return constrain(logits.astype(jnp.float32), ("batch", None, "vocab"))
+        x = Norm(cfg, name="final_norm")(x_bsd)
+        if not cfg.tied:
+            tied_table_vd = None
+            output = self.param("output", nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std),
+                                                                       ("embed", "vocab")),
+                                (cfg.hidden_size, cfg.padded_vocab_size), jnp.dtype(cfg.param_dtype))
+        return output_logits(cfg, x, tied_table_vd if cfg.tied else output)
+
+
+def output_logits(cfg: ModelConfig, normed_bsd: jax.Array, weight: jax.Array) -> jax.Array:
+    """fp32 logits [b, s, v_padded], sharded over v, of the normed hidden states: the output layer's
+    ([d, v]), or the embedding table's ([v, d]) when tied."""
+    x = gather_sequence(normed_bsd)
+    w = weight.astype(jnp.dtype(cfg.compute_dtype))
+    logits = jnp.einsum("bsd,vd->bsv" if cfg.tied else "bsd,dv->bsv", x, w)
+    return constrain(logits.astype(jnp.float32), ("batch", None, "vocab"))
+
+
+class MultiTokenPrediction(nn.Module):
+    """DeepSeek-V3's multi-token prediction module `depth` (k of model.mtp_num_layers): from the previous depth's
+    hidden states h_i (the main model's last layer's output at depth 1) and the embedding of token t_{i+k}, one
+    transformer block over W [RMSNorm(Emb(t_{i+k})); RMSNorm(h_i)] (the order of Hugging Face's eh_proj and
+    Megatron's); its logits, of t_{i+k+1}, are the shared output layer's after the module's own final norm.
+    Returns (the block's output, for the next depth; its normed output, for the logits)."""
+
+    cfg: ModelConfig
+    depth: int
+
+    @nn.compact
+    def __call__(self, h_bsd: jax.Array, e_bsd: jax.Array, side: Side | None) -> tuple[jax.Array, jax.Array]:
+        cfg = self.cfg
+        both = jnp.concatenate([Norm(cfg, name="enorm")(e_bsd), Norm(cfg, name="hnorm")(h_bsd)], axis=-1)
+        w = self.param("eh_proj", nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std),
+                                                               (None, "embed")),
+                       (2 * cfg.hidden_size, cfg.hidden_size), jnp.dtype(cfg.param_dtype))
+        x = constrain(jnp.einsum("bsk,kd->bsd", both, w.astype(jnp.dtype(cfg.compute_dtype))), RESIDUAL)
+        # (its layer index, which salts its dropout, follows the model's: Hugging Face's layer 61 of DeepSeek-V3)
+        x, _ = recomputed_module(cfg, Block)(cfg, name="block")(x, cfg.num_layers + self.depth - 1, side)
+        param(self, MTP_STATS, (2,), (None,), 0, jnp.float32)  # (`head_loss` reports through it)
+        return x, Norm(cfg, name="final_norm")(x)
 
 
 def cross_entropy(logits_bsv: jax.Array, targets_bs: jax.Array, vocab_size: int, shard=None) -> jax.Array:
@@ -207,13 +240,18 @@ class GPT(nn.Module):
             self.first_dense = Blocks(self.cfg, period=False)
         self.layers = LayerStack(self.cfg, self.cfg.stacked_layers // self.cfg.layer_period)
         self.head = Head(self.cfg)
+        self.mtp = [MultiTokenPrediction(self.cfg, k, name=f"mtp_{k}") for k in range(1, self.cfg.mtp_num_layers + 1)]
 
     def __call__(self, tokens_bs: jax.Array, side: Side | None = None) -> jax.Array:
-        """tokens [b, s] -> fp32 logits [b, s, v_padded]."""
+        """tokens [b, s] -> fp32 logits [b, s, v_padded] (the main model's; the multi-token prediction modules
+        run only to be initialised)."""
         x = self.embed(tokens_bs, side)
         if self.cfg.first_dense_layers:
             x = self.first_dense(x, 0, side)[0]
         x = self.layers(x, side)
+        h = x
+        for module in self.mtp:
+            h = module(h, self.embed(tokens_bs, side), side)[0]
         return self.head(x, self.embed.embedding if self.cfg.tied else None)
 
 
@@ -315,7 +353,7 @@ def side_inputs(cfg: ModelConfig, seed: int, mb: dict, dropout: bool = True,
     being differentiated (`objective_scale`: the MoE layers' auxiliary losses join the gradient at that scale)."""
     return Side(keys=dropout_keys(cfg, seed, mb["sample_ids"]) if dropout else None,
                 segment_ids=mb.get("segment_ids"), positions=mb.get("positions"),
-                objective_scale=objective_scale if cfg.num_experts else None)
+                objective_scale=objective_scale if cfg.num_experts or cfg.mtp_num_layers else None)
 
 
 def documents(batch: dict, eod: int, reset_positions: bool) -> dict:
@@ -343,7 +381,55 @@ def forward_loss(cfg: ModelConfig, params: dict, batch: dict, side: Side | None,
     chex.assert_rank(batch["tokens"], 2)  # [b, s]: checked once, when the step is traced
     chex.assert_equal_shape([batch["tokens"], batch["targets"], batch["loss_mask"]])
     x = embed_apply(cfg, params, batch["tokens"], side)
-    return head_apply(cfg, params, layers(x), batch["targets"], batch["loss_mask"])
+    return head_loss(cfg, params, layers(x), batch, side)
+
+
+def head_loss(cfg: ModelConfig, params: dict, x_bsd: jax.Array, batch: dict, side: Side | None,
+              shard=None, embed=None) -> jax.Array:
+    """The summed token loss of the last layer's output x (`head_apply`), to which, in a loss being differentiated
+    (side.objective_scale), the multi-token prediction modules' summed loss joins the gradient at
+    model.mtp_loss_scaling_factor / model.mtp_num_layers (`attach_loss`: the value returned stays the main
+    loss's, and the modules' loss and token count leave through their `MTP_STATS` channel). shard: `head_apply`'s;
+    embed(tokens) [b, s] -> [b, s, d]: the shared embedding's lookup (default `embed_tokens`)."""
+    loss = head_apply(cfg, params, x_bsd, batch["targets"], batch["loss_mask"], shard)
+    if not cfg.mtp_num_layers or side is None or side.objective_scale is None:
+        return loss
+    embed = embed or (lambda tokens: embed_tokens(cfg, params, tokens, side))
+    weight = params["embed"]["embedding"] if cfg.tied else params["head"]["output"]
+    vocab = cfg.vocab_size if shard is None else shard[2]
+    h, total = x_bsd, jnp.zeros((), jnp.float32)
+    for k in range(1, cfg.mtp_num_layers + 1):
+        mine = params[f"mtp_{k}"]
+        h, normed = MultiTokenPrediction(cfg, k).apply({"params": mine}, h, embed(batch[f"mtp_tokens_{k}"]), side)
+        losses = cross_entropy(output_logits(cfg, normed, weight), batch[f"mtp_targets_{k}"], vocab,
+                               None if shard is None else shard[:2])
+        mask = batch[f"mtp_mask_{k}"]
+        module_sum = jnp.sum(losses * mask)
+        total = total + module_sum
+        loss = report(loss, mine[MTP_STATS], jnp.stack([module_sum, jnp.sum(mask)]))
+    return attach_loss(loss, total, side.objective_scale * cfg.mtp_loss_scaling_factor / cfg.mtp_num_layers)
+
+
+def mtp_batch(batch: dict, depths: int) -> dict:
+    """The batch with each multi-token prediction module's inputs, from whole sequences (before context
+    parallelism splits them): module k reads token t_{i+k} at position i (mtp_tokens_k, the targets k - 1 ahead)
+    and predicts t_{i+k+1} (mtp_targets_k), counted where the main loss counts that token (mtp_mask_k) and, with
+    packed documents' segment ids, where it is in position i's document; the last k positions predict nothing."""
+    targets, mask = batch["targets"], batch["loss_mask"]
+    s = targets.shape[1]
+    out = dict(batch)
+
+    def ahead(x, k):  # x[:, i + k], zeros past the end
+        return jnp.pad(x[:, k:], ((0, 0), (0, k)))
+
+    for k in range(1, depths + 1):
+        out[f"mtp_tokens_{k}"] = ahead(targets, k - 1)
+        out[f"mtp_targets_{k}"] = ahead(targets, k)
+        counted = ahead(mask, k)
+        if "segment_ids" in batch:
+            counted = counted * (ahead(batch["segment_ids"], k) == batch["segment_ids"]).astype(mask.dtype)
+        out[f"mtp_mask_{k}"] = counted * (jnp.arange(s) < s - k).astype(mask.dtype)
+    return out
 
 
 def loss_sum(cfg: ModelConfig, params: dict, batch: dict, side: Side | None) -> jax.Array:

@@ -363,7 +363,8 @@ def estimate(cfg: Config, hw: Hardware, gpus_per_node: int, simulate: bool = Tru
         fwd -= copy_f
     else:  # full recomputation rebuilds a layer's residuals inside its backward, not into a stack
         again = {"full": fwd - copy_f, "selective": attn_r, "none": 0.0}[m.recompute]
-    head = _head_s(hw, L)
+    # the head, and each multi-token prediction module's layer and head after it (on the last stage)
+    head = _head_s(hw, L) * (1 + m.mtp_num_layers) + m.mtp_num_layers * (fwd + again + bwd)
     send = _pipeline_send_s(hw, L)
     layers = L.layers
     if L.pp == 1:

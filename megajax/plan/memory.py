@@ -116,8 +116,9 @@ def per_gpu(hw: Hardware, L: Layout, params: dict, in_flight: int) -> dict:
     if L.pp > 1:  # chunk inputs in flight; the chunk being recomputed holds its layers' residuals for its backward
         kept = in_flight * stash + chunk * kept_per_layer + working
     else:
-        kept = L.layers * kept_per_layer + working
-    logits = L.tokens * (m.padded_vocab_size // L.vocab_ranks) * 10
+        kept = (L.layers + m.mtp_num_layers) * kept_per_layer + working  # (and the prediction modules' layers)
+    # the logits' loss, and each multi-token prediction module's beside it until the backward
+    logits = L.tokens * (m.padded_vocab_size // L.vocab_ranks) * 10 * (1 + m.mtp_num_layers)
     out = {"weights": weights, "gradients": grads, "optimizer": optimizer, "activations": kept, "logits": logits,
            "reserve": RESERVE_BYTES}
     out["total"] = sum(out.values())

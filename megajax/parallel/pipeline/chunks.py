@@ -250,12 +250,12 @@ class ChunkActions:
         """(loss, its gradient in y, g_shared plus the head's gradients) of the last chunk's output y on micro
         batch row["f_micro"]. With the vocabulary over the pipeline (vocab.py), every rank runs it in lock step
         on the last rank's y and row, each on its slice: the loss and y's gradient are the last rank's."""
-        mb = self.micro_batch(row, "f_")
+        mb, side = self.micro(row, "f_")
         if self.vocab:
             head = lambda sh, y: vocab.head_loss(self.mcfg, sh, y, mb)  # noqa: E731
             y = vocab.broadcast(y, step_plan.in_force().pipeline - 1)
-        else:
-            head = lambda sh, y: model.head_apply(self.mcfg, sh, y, mb["targets"], mb["loss_mask"])  # noqa: E731
+        else:  # (with the multi-token prediction modules' loss: model.head_loss)
+            head = lambda sh, y: model.head_loss(self.mcfg, sh, y, mb, side)  # noqa: E731
         loss, pullback = jax.vjp(head, self.shared, y)
         dsh, g_y = pullback(self.seed_scale)
         return vary((loss, g_y.astype(y.dtype), jax.tree.map(lambda a, d: a + d.astype(jnp.float32), g_shared, dsh)))

@@ -101,8 +101,7 @@ def _forward_rounds(cfg: Config, layers, shared, mbs, train: bool, objective_sca
                                          lambda: vary(jnp.zeros((), jnp.float32)))
             elif i == v - 1:
                 loss = loss + order.cond(active & (rank == p - 1),
-                                         lambda: vary(model.head_apply(mcfg, shared, y, mb["targets"],
-                                                                       mb["loss_mask"])),
+                                         lambda: vary(model.head_loss(mcfg, shared, y, mb, side)),
                                          lambda: vary(jnp.zeros((), jnp.float32)))
             recv = order.ppermute(y, "pipeline", perm_pairs(p, v, roles=False, parity=0)[0])
             if returned is not None:  # the micro batch rank p - 1 just finished reaches rank 0 around the ring
