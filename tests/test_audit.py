@@ -582,6 +582,7 @@ def test_xla_memory_warning_is_explained_as_it_is_written(capfd):
 
 
 @gpu
+@pytest.mark.slow  # (two compiles for 8 compile-only H100s: about a minute)
 def test_multi_token_prediction_module_in_the_h100_program():
     """A multi-token prediction module (model.mtp_num_layers=1) is one more layer in the compiled H100 program: the
     sequence-parallel all-gathers and reduce-scatters of [b, s, d] activations over 'tensor' (counted in

