@@ -385,22 +385,21 @@ def forward_loss(cfg: ModelConfig, params: dict, batch: dict, side: Side | None,
 
 
 def head_loss(cfg: ModelConfig, params: dict, x_bsd: jax.Array, batch: dict, side: Side | None,
-              shard=None, embed=None) -> jax.Array:
+              shard=None) -> jax.Array:
     """The summed token loss of the last layer's output x (`head_apply`), to which, in a loss being differentiated
     (side.objective_scale), the multi-token prediction modules' summed loss joins the gradient at
     model.mtp_loss_scaling_factor / model.mtp_num_layers (`attach_loss`: the value returned stays the main
-    loss's, and the modules' loss and token count leave through their `MTP_STATS` channel). shard: `head_apply`'s;
-    embed(tokens) [b, s] -> [b, s, d]: the shared embedding's lookup (default `embed_tokens`)."""
+    loss's, and the modules' loss and token count leave through their `MTP_STATS` channel). shard: `head_apply`'s."""
     loss = head_apply(cfg, params, x_bsd, batch["targets"], batch["loss_mask"], shard)
     if not cfg.mtp_num_layers or side is None or side.objective_scale is None:
         return loss
-    embed = embed or (lambda tokens: embed_tokens(cfg, params, tokens, side))
     weight = params["embed"]["embedding"] if cfg.tied else params["head"]["output"]
     vocab = cfg.vocab_size if shard is None else shard[2]
     h, total = x_bsd, jnp.zeros((), jnp.float32)
     for k in range(1, cfg.mtp_num_layers + 1):
         mine = params[f"mtp_{k}"]
-        h, normed = MultiTokenPrediction(cfg, k).apply({"params": mine}, h, embed(batch[f"mtp_tokens_{k}"]), side)
+        e = embed_tokens(cfg, params, batch[f"mtp_tokens_{k}"], side)
+        h, normed = MultiTokenPrediction(cfg, k).apply({"params": mine}, h, e, side)
         losses = cross_entropy(output_logits(cfg, normed, weight), batch[f"mtp_targets_{k}"], vocab,
                                None if shard is None else shard[:2])
         mask = batch[f"mtp_mask_{k}"]
