@@ -346,8 +346,9 @@ def _loop(cfg, setup, step_fn, eval_fn, state, datasets, start, consumed, loader
 
 
 def _step_stats(host: dict) -> dict:
-    """A logged step's loss, learning rate, norms and loss scale (floats)."""
-    names = ("loss", "lr", "grad_norm", "param_norm", "update_norm", "loss_scale")
+    """A logged step's loss, learning rate, norms and loss scale, and the multi-token prediction modules' loss
+    (floats)."""
+    names = ("loss", "lr", "grad_norm", "param_norm", "update_norm", "loss_scale", "mtp_loss")
     return {k: float(host[k]) for k in names if k in host}
 
 
@@ -361,7 +362,8 @@ def _step_line(record: dict, steps: int) -> str:
     done = record["step"]
     eta = metrics_lib.format_eta((steps - done) * record["step_time_s"])
     moe = "".join(f" | {k[4:].replace('_', ' ')} {record[k]:.4f}" for k in record if k.startswith("moe_"))
-    return (f"step {done}/{steps} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
+    mtp = f" | mtp loss {record['mtp_loss']:.4f}" if "mtp_loss" in record else ""
+    return (f"step {done}/{steps} | loss {record['loss']:.4f}{mtp} | lr {record['lr']:.3e} | "
             f"grad norm {record['grad_norm']:.3f}{moe} | {record['tokens_per_s']:.0f} tok/s | "
             f"{record['tflops_per_device']:.4f} TFLOP/s/dev | MFU {record['mfu']:.1%} | eta {eta}")
 

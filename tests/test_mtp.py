@@ -160,3 +160,15 @@ def test_a_layout_with_the_modules_matches_one_device(name, sets, n):
 @shared_across_workers
 def _one_device(settings: tuple) -> list:
     return _train({**BASE, **dict(settings)}, 1)
+
+
+def test_the_run_logs_the_modules_loss():
+    """The train loop's record and line carry mtp_loss beside the main loss (megajax.train)."""
+    from megajax import train
+
+    host = {"loss": 5.0, "lr": 1e-4, "grad_norm": 1.0, "param_norm": 2.0, "loss_scale": 1.0, "mtp_loss": 5.5}
+    record = {"step": 2, **train._step_stats(host), "step_time_s": 1.0, "tokens_per_s": 1.0,
+              "tflops_per_device": 1.0, "mfu": 0.1}
+    assert record["mtp_loss"] == 5.5
+    assert "loss 5.0000 | mtp loss 5.5000 |" in train._step_line(record, 4)
+    assert "mtp" not in train._step_line({k: v for k, v in record.items() if k != "mtp_loss"}, 4)
