@@ -152,12 +152,12 @@ class Head(nn.Module):
         """Returns fp32 logits [b, s, v_padded], sharded over v. tied_table: the embedding, if tied."""
         cfg = self.cfg
         x = Norm(cfg, name="final_norm")(x_bsd)
+        weight = tied_table_vd
         if not cfg.tied:
-            tied_table_vd = None
-            output = self.param("output", nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std),
+            weight = self.param("output", nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std),
                                                                        ("embed", "vocab")),
                                 (cfg.hidden_size, cfg.padded_vocab_size), jnp.dtype(cfg.param_dtype))
-        return output_logits(cfg, x, tied_table_vd if cfg.tied else output)
+        return output_logits(cfg, x, weight)
 
 
 def output_logits(cfg: ModelConfig, normed_bsd: jax.Array, weight: jax.Array) -> jax.Array:
@@ -249,9 +249,10 @@ class GPT(nn.Module):
         if self.cfg.first_dense_layers:
             x = self.first_dense(x, 0, side)[0]
         x = self.layers(x, side)
-        h = x
-        for module in self.mtp:
-            h = module(h, self.embed(tokens_bs, side), side)[0]
+        if self.is_initializing():  # (the modules' parameters; their loss is `head_loss`'s)
+            h = x
+            for module in self.mtp:
+                h = module(h, self.embed(tokens_bs, side), side)[0]
         return self.head(x, self.embed.embedding if self.cfg.tied else None)
 
 
@@ -384,24 +385,21 @@ def forward_loss(cfg: ModelConfig, params: dict, batch: dict, side: Side | None,
     return head_loss(cfg, params, layers(x), batch, side)
 
 
-def head_loss(cfg: ModelConfig, params: dict, x_bsd: jax.Array, batch: dict, side: Side | None,
-              shard=None) -> jax.Array:
+def head_loss(cfg: ModelConfig, params: dict, x_bsd: jax.Array, batch: dict, side: Side | None) -> jax.Array:
     """The summed token loss of the last layer's output x (`head_apply`), to which, in a loss being differentiated
     (side.objective_scale), the multi-token prediction modules' summed loss joins the gradient at
     model.mtp_loss_scaling_factor / model.mtp_num_layers (`attach_loss`: the value returned stays the main
-    loss's, and the modules' loss and token count leave through their `MTP_STATS` channel). shard: `head_apply`'s."""
-    loss = head_apply(cfg, params, x_bsd, batch["targets"], batch["loss_mask"], shard)
+    loss's, and the modules' loss and token count leave through their `MTP_STATS` channel)."""
+    loss = head_apply(cfg, params, x_bsd, batch["targets"], batch["loss_mask"])
     if not cfg.mtp_num_layers or side is None or side.objective_scale is None:
         return loss
     weight = params["embed"]["embedding"] if cfg.tied else params["head"]["output"]
-    vocab = cfg.vocab_size if shard is None else shard[2]
     h, total = x_bsd, jnp.zeros((), jnp.float32)
     for k in range(1, cfg.mtp_num_layers + 1):
         mine = params[f"mtp_{k}"]
         e = embed_tokens(cfg, params, batch[f"mtp_tokens_{k}"], side)
         h, normed = MultiTokenPrediction(cfg, k).apply({"params": mine}, h, e, side)
-        losses = cross_entropy(output_logits(cfg, normed, weight), batch[f"mtp_targets_{k}"], vocab,
-                               None if shard is None else shard[:2])
+        losses = cross_entropy(output_logits(cfg, normed, weight), batch[f"mtp_targets_{k}"], cfg.vocab_size)
         mask = batch[f"mtp_mask_{k}"]
         module_sum = jnp.sum(losses * mask)
         total = total + module_sum
@@ -415,7 +413,6 @@ def mtp_batch(batch: dict, depths: int) -> dict:
     and predicts t_{i+k+1} (mtp_targets_k), counted where the main loss counts that token (mtp_mask_k) and, with
     packed documents' segment ids, where it is in position i's document; the last k positions predict nothing."""
     targets, mask = batch["targets"], batch["loss_mask"]
-    s = targets.shape[1]
     out = dict(batch)
 
     def ahead(x, k):  # x[:, i + k], zeros past the end
@@ -427,7 +424,7 @@ def mtp_batch(batch: dict, depths: int) -> dict:
         counted = ahead(mask, k)
         if "segment_ids" in batch:
             counted = counted * (ahead(batch["segment_ids"], k) == batch["segment_ids"]).astype(mask.dtype)
-        out[f"mtp_mask_{k}"] = counted * (jnp.arange(s) < s - k).astype(mask.dtype)
+        out[f"mtp_mask_{k}"] = counted
     return out
 
 

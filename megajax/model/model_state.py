@@ -78,8 +78,8 @@ def mtp_stats(grads) -> dict:
     """The step's multi-token prediction loss (`mtp_loss`: the modules' token mean, unscaled) from the gradients of
     their MTP_STATS channels (summed loss, tokens); {} without the modules."""
     found = []
-    jax.tree_util.tree_map_with_path(lambda path, g: found.append(g) if is_state(path) and str(
-        getattr(path[-1], "key", "")) == MTP_STATS else None, grads)
+    jax.tree_util.tree_map_with_path(
+        lambda path, g: found.append(g) if getattr(path[-1], "key", None) == MTP_STATS else None, grads)
     if not found:
         return {}
     total = sum(found)
