@@ -8,6 +8,7 @@ reduce to the papers' formulas:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -149,12 +150,14 @@ class MetricsLogger:
             print(message, flush=True)
 
     def close(self) -> None:
-        if self._jsonl:
-            self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()
-        if self._wandb is not None:
-            self._wandb.finish()
+        """Closes every sink, even when one fails (a full disk): the first failure is raised after the rest."""
+        with contextlib.ExitStack() as sinks:
+            if self._wandb is not None:
+                sinks.callback(self._wandb.finish)
+            if self._tb is not None:
+                sinks.callback(self._tb.close)
+            if self._jsonl:
+                sinks.callback(self._jsonl.close)
 
 
 class TensorBoardEvents:

@@ -91,10 +91,16 @@ def run(cfg: Config, ledger: Ledger | None = None) -> dict:
     setup = setup_for(cfg)
     with runlock.hold(setup.cfg.train.output_dir, checkpoint.checkpoint_dir(setup.cfg)):
         try:
-            return _run(setup, ledger, refit_line)
-        finally:
+            summary = _run(setup, ledger, refit_line)
+        except BaseException:
             ledger.switch("other")
+            with contextlib.suppress(OSError):  # the run's own error is the one to report (a full disk fails both)
+                ledger.write()
+            raise
+        ledger.switch("other")
+        with _saving(setup.cfg.train.output_dir, "the run's goodput ledger"):
             ledger.write()
+        return summary
 
 
 def _agreed_attempt(start: float) -> int:
@@ -174,9 +180,12 @@ def _run(setup: StepSetup, ledger: Ledger, refit_line: str | None) -> dict:
                 with _saving(mgr.directory):
                     mgr.wait_until_finished()
             finally:
-                mgr.close()
-                with _saving(cfg.train.output_dir, "the run's output"):  # TensorBoard's last flush
-                    log.close()
+                try:
+                    with _saving(mgr.directory):
+                        mgr.close()
+                finally:
+                    with _saving(cfg.train.output_dir, "the run's output"):  # TensorBoard's last flush
+                        log.close()
 
 
 def _first_state(setup: StepSetup, restored, log) -> TrainState:
