@@ -115,9 +115,10 @@ def initial_params(model_cfg: config_lib.ModelConfig, seed: int):
 
 
 def run_steps(cfg: config_lib.Config, num_devices: int, steps: int, *, return_state: bool = False,
-              grad_norms: list | None = None):
+              grad_norms: list | None = None, stats: list | None = None):
     """Trains `steps` steps on the first `num_devices` devices in this process; returns the losses
-    (and appends each step's gradient norm to `grad_norms` if given)."""
+    (and appends each step's gradient norm to `grad_norms`, and its statistics as floats to `stats`, if given).
+    Each layout's compiled program passes `assert_collectives_ordered`."""
     from megajax import step as step_lib
     from megajax.data.loader import build_datasets, global_batch
 
@@ -134,10 +135,12 @@ def run_steps(cfg: config_lib.Config, num_devices: int, steps: int, *, return_st
             if i == 0:
                 step_fn = step_fn.lower(state, batch).compile()
                 assert_collectives_ordered(step_fn.as_text())
-            state, stats = step_fn(state, batch)
-            losses.append(float(stats["loss"]))
+            state, out = step_fn(state, batch)
+            losses.append(float(out["loss"]))
             if grad_norms is not None:
-                grad_norms.append(float(stats["grad_norm"]))
+                grad_norms.append(float(out["grad_norm"]))
+            if stats is not None:
+                stats.append({k: float(v) for k, v in out.items() if getattr(v, "ndim", None) == 0})
     return (losses, state, setup) if return_state else losses
 
 

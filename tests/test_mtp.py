@@ -13,7 +13,7 @@ from megajax import model
 from megajax.config import ConfigError
 from megajax.model import gpt, model_state
 
-from conftest import initial_params, shared_across_workers, small_config
+from conftest import run_steps, shared_across_workers, small_config
 
 MTP = {"model.arch": "llama", "model.num_layers": 2, "model.mtp_num_layers": 2, "model.mtp_loss_scaling_factor": 0.3}
 
@@ -107,21 +107,9 @@ def test_the_config_names_the_fix():
 
 def _train(sets: dict, n: int, steps: int = 2) -> list[tuple[float, float, float]]:
     """(loss, gradient norm, mtp_loss) of each of `steps` steps on `n` devices."""
-    from megajax import step as step_lib
-    from megajax.data.loader import build_datasets, global_batch
-
-    setup = step_lib.setup_for(small_config(**sets), jax.devices()[:n])
-    cfg = setup.cfg
-    state = step_lib.init_state(setup, initial_params(cfg.model, cfg.train.seed))
-    data = build_datasets(cfg, {"train": steps * cfg.train.global_batch_size})["train"]
-    fn = step_lib.jit_train_step(setup)
-    out = []
-    with jax.set_mesh(setup.mesh):
-        for i in range(steps):
-            gbs = cfg.train.global_batch_size
-            state, stats = fn(state, global_batch(data, i * gbs, gbs, setup.batch_shardings))
-            out.append((float(stats["loss"]), float(stats["grad_norm"]), float(stats["mtp_loss"])))
-    return out
+    stats = []
+    run_steps(small_config(**sets), n, steps, stats=stats)
+    return [(s["loss"], s["grad_norm"], s["mtp_loss"]) for s in stats]
 
 
 BASE = {**MTP, "model.num_layers": 4, "model.mtp_num_layers": 1}

@@ -212,9 +212,17 @@ class CollectiveOrder:
     `megajax.hlo.unordered_collectives` finds what it leaves out in a compiled CPU program (the layout tests
     check every program they run)."""
 
-    def __init__(self):
+    def __init__(self, mark: jax.Array | None = None):
         self.on = step_plan.in_force().platform == "cpu"
-        self._last = None  # a scalar the last ordered operation wrote
+        self._last = mark if self.on else None  # a scalar the last ordered operation wrote (or `mark`, the `mark` of
+        # an order before this one: a loop's previous iteration)
+
+    @property
+    def mark(self) -> jax.Array | None:
+        """A scalar written once every ordered operation so far has finished (None: off, or none yet): what a
+        loop carries to the next iteration's order, and what a fence after the loop waits for without reading
+        the loop's results (an element of an array sharded over an automatic axis is a collective to read)."""
+        return self._last
 
     def before(self, x: jax.Array) -> jax.Array:
         """x, read only once the last ordered operation has finished (the same value)."""
@@ -239,8 +247,8 @@ class CollectiveOrder:
             given = {id(a) for a in jax.tree.leaves(inputs)}
             made = [a.reshape(-1)[0].astype(jnp.float32) for a in jax.tree.leaves(outputs)
                     if id(a) not in given and a.size]
-            if made:
-                self._last = functools.reduce(jnp.add, made)
+            if made:  # (and the mark before: outputs XLA folds to constants would end the chain)
+                self._last = functools.reduce(jnp.add, made if self._last is None else [self._last, *made])
         return outputs
 
     def cond(self, pred, true_fn, false_fn, *operands):
@@ -260,8 +268,10 @@ class CollectiveOrder:
 def _after(x: jax.Array, last: jax.Array) -> jax.Array:
     """x, computed from `last` too: `last < -inf` is false for every float (NaN too), but XLA's simplifier does not
     know it (a constant false behind an optimization barrier did not survive XLA's CPU passes). `megajax.divergence`
-    proves it false, so the gate adds nothing to what the result may differ over."""
-    return jnp.where(last < -jnp.inf, x + last.astype(x.dtype), x)
+    proves it false, so the gate adds nothing to what the result may differ over. (A boolean x takes its negation
+    there: `x + last` is x | last, which XLA folds to true where x is a constant true, a peeled tick's predicate.)"""
+    other = jnp.logical_not(x) if x.dtype == jnp.bool_ else x + last.astype(x.dtype)
+    return jnp.where(last < -jnp.inf, other, x)
 
 
 def psum(x, axis: Axis):

@@ -108,9 +108,7 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
             layers = acts.whole_zeros()
             acts.layers = layers
     carry = _first_carry(acts, layers, shared, sched, act_shape, act_dtype, reductions, every, gathering)
-    carry = _run_segments(acts, segments, table, kinds, p, v, carry)
-    if plan.vocab_over_pipeline:
-        carry = _fenced(carry)
+    carry = _fenced(_run_segments(acts, segments, table, kinds, p, v, carry))
     grads = vocab.sum_shared(carry["g_shared"], plan.vocab_over_pipeline)
     if reductions is None:
         grads["layers"] = jax.tree.map(lambda g: g[:, None], carry["g_layers"])
@@ -137,6 +135,8 @@ def _first_carry(acts, layers, shared, sched, act_shape, act_dtype, reductions, 
         carry["g_final"] = acts.zero_final()
     if gathering:
         carry["whole"] = layers
+    if CollectiveOrder().on:  # the mark of the last tick's ordered operations (CPU runtime: CollectiveOrder)
+        carry["order"] = vary(jnp.zeros((), jnp.float32))
     return carry
 
 
@@ -152,27 +152,40 @@ def _run_segments(acts, segments, table: dict, kinds: dict, p: int, v: int, carr
             xs = jax.tree.map(lambda x: x.reshape(-1, 2, *x.shape[1:]), xs)
 
             def pair(carry, row2, tick=tick, parity=seg.parity, i=i):
-                order = CollectiveOrder()
+                order = CollectiveOrder(carry.get("order"))
                 carry = tick(carry, jax.tree.map(lambda x: x[0], row2), parity, ticks.scope(i, 0), order)
-                return tick(carry, jax.tree.map(lambda x: x[1], row2), 1 - parity, ticks.scope(i, 1), order), None
+                return _marked(tick(carry, jax.tree.map(lambda x: x[1], row2), 1 - parity, ticks.scope(i, 1), order),
+                               order), None
 
             carry, _ = jax.lax.scan(pair, carry, xs)
         else:
-            carry, _ = jax.lax.scan(lambda carry, row, tick=tick, i=i: (
-                tick(carry, row, None, ticks.scope(i, 0), CollectiveOrder()), None), carry, xs)
+            def single(carry, row, tick=tick, i=i):
+                order = CollectiveOrder(carry.get("order"))
+                return _marked(tick(carry, row, None, ticks.scope(i, 0), order), order), None
+
+            carry, _ = jax.lax.scan(single, carry, xs)
+    return carry
+
+
+def _marked(carry: dict, order: CollectiveOrder) -> dict:
+    """The carry with the tick's order mark, which the next tick's first ordered operation waits for (XLA peels
+    and unrolls the loop: the ticks' operations may end up in one computation)."""
+    if "order" in carry:
+        carry["order"] = order.mark
     return carry
 
 
 def _fenced(carry: dict) -> dict:
-    """With the vocabulary over the pipeline (StepPlan.vocab_over_pipeline): the carry behind a fence after the
-    slices' gradients. They leave the region unread by the psums after it, so the rest waits for the last
-    conditional that wrote them (CPU runtime: a collective after the step's last, peeled tick would start beside
-    it; sharding.CollectiveOrder)."""
-    fence = CollectiveOrder()
-    fence.after(jax.tree.leaves(carry["g_shared"]))
-    return {**{k: jax.tree.map(fence.before_if_varying, val) for k, val in carry.items() if k != "g_shared"},
-            "g_shared": jax.tree_util.tree_map_with_path(
-                lambda path, g: g if vocab.is_sliced(path) else fence.before_if_varying(g), carry["g_shared"])}
+    """The carry without its order mark, each array behind a fence on it: whatever runs after the schedule (the
+    psums over 'pipeline', the resharding of the gradients) waits for the last tick's last ordered operation (CPU
+    runtime: a collective after the step's last, peeled tick would start beside it; sharding.CollectiveOrder).
+    The fence reads no result of the schedule (an element of an array sharded over 'tensor' is an all-gather to
+    read, which could run beside that operation)."""
+    if "order" not in carry:
+        return carry
+    carry = dict(carry)
+    fence = CollectiveOrder(carry.pop("order"))
+    return jax.tree.map(fence.before_if_varying, carry)
 
 
 def _code(seg: Segment, row: dict, key: str) -> jax.Array:
