@@ -158,10 +158,7 @@ def megatron_expected(cfg) -> dict:
 def _busiest_rank_layers(cfg) -> int:
     """The transformer layers of the busiest pipeline rank, the last one's with the multi-token prediction modules'
     (model.mtp_num_layers)."""
-    p, split = cfg.parallel.pipeline, cfg.stage_split
-    ranks = [sum(split.layers[r::p]) for r in range(p)]
-    ranks[-1] += cfg.model.mtp_num_layers
-    return max(ranks)
+    return cfg.stage_split.busiest_rank_layers(cfg.parallel.pipeline, cfg.model.mtp_num_layers)
 
 
 def expected_all_to_all(cfg) -> dict:

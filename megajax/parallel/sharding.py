@@ -245,7 +245,7 @@ class CollectiveOrder:
         of its own (XLA moves a loop's reductions out of it), so the mark reads an element of every one."""
         if self.on:
             given = {id(a) for a in jax.tree.leaves(inputs)}
-            made = [a.reshape(-1)[0].astype(jnp.float32) for a in jax.tree.leaves(outputs)
+            made = [a[(0,) * a.ndim].astype(jnp.float32) for a in jax.tree.leaves(outputs)
                     if id(a) not in given and a.size]
             if made:  # (and the mark before: outputs XLA folds to constants would end the chain)
                 self._last = functools.reduce(jnp.add, made if self._last is None else [self._last, *made])

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 from pathlib import Path
@@ -129,7 +130,14 @@ def _as_run(row: dict) -> list[str]:
 
 
 def _paper_config(row: dict):
-    return config_io.load(ROOT / row["config"]).for_devices(row["gpus"])
+    return _config_on(row["config"], row["gpus"])
+
+
+@functools.lru_cache(maxsize=None)
+def _config_on(path: str, gpus: int):
+    """The config at `path` (from the repository's root) on `gpus` GPUs, loaded once (the fits estimate each row
+    many times)."""
+    return config_io.load(ROOT / path).for_devices(gpus)
 
 
 def table1() -> list[dict]:

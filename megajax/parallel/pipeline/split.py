@@ -31,9 +31,10 @@ class StageSplit:
         """The stack index of each chunk's first unit."""
         return tuple(sum(self.units[:c]) for c in range(len(self.units)))
 
-    def busiest_rank_layers(self, p: int) -> int:
-        """The transformer layers of the pipeline rank (of p) that holds the most: its chunks are r, r + p, ..."""
-        return max(sum(self.layers[r::p]) for r in range(p))
+    def busiest_rank_layers(self, p: int, last_extra: int = 0) -> int:
+        """The transformer layers of the pipeline rank (of p) that holds the most: its chunks are r, r + p, ...; the
+        last rank with `last_extra` more (the multi-token prediction modules' layers, after its head)."""
+        return max(sum(self.layers[r::p]) + (last_extra if r == p - 1 else 0) for r in range(p))
 
 
 def pipeline_split(num_layers: int, p: int, v: int = 1, first: int | None = None, last: int | None = None,
