@@ -245,8 +245,7 @@ class CollectiveOrder:
         of its own (XLA moves a loop's reductions out of it), so the mark reads an element of every one."""
         if self.on:
             given = {id(a) for a in jax.tree.leaves(inputs)}
-            made = [a[(0,) * a.ndim].astype(jnp.float32) for a in jax.tree.leaves(outputs)
-                    if id(a) not in given and a.size]
+            made = [_first(a).astype(jnp.float32) for a in jax.tree.leaves(outputs) if id(a) not in given and a.size]
             if made:  # (and the mark before: outputs XLA folds to constants would end the chain)
                 self._last = functools.reduce(jnp.add, made if self._last is None else [self._last, *made])
         return outputs
@@ -262,6 +261,31 @@ class CollectiveOrder:
     def ppermute(self, x, axis_name, perm):
         """jax.lax.ppermute, in order."""
         return self.after(jax.lax.ppermute(self.before(x), axis_name, perm))
+
+
+def _first(a: jax.Array) -> jax.Array:
+    """a's first element, read by index: through a flattening reshape, GSPMD gathers a whole tensor-sharded array.
+    A float's gradient is zeros broadcast from the cotangent (read from it, so the backward stays ordered), not
+    the cotangent padded into a's first element, which on a tensor-sharded array is a collective-permute."""
+    if not jnp.issubdtype(a.dtype, jnp.inexact):
+        return a[(0,) * a.ndim]
+    return _first_inexact(a)
+
+
+@jax.custom_vjp
+def _first_inexact(a: jax.Array) -> jax.Array:
+    return a[(0,) * a.ndim]
+
+
+def _first_fwd(a: jax.Array):
+    return a[(0,) * a.ndim], jax.ShapeDtypeStruct(a.shape, a.dtype)
+
+
+def _first_bwd(like, g: jax.Array):
+    return (jnp.broadcast_to(jnp.where(g < -jnp.inf, g, jnp.zeros_like(g)), like.shape).astype(like.dtype),)
+
+
+_first_inexact.defvjp(_first_fwd, _first_bwd)
 
 
 @jax.jit
