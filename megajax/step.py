@@ -139,7 +139,7 @@ class StepSetup:
             else:
                 shape = list(a.shape)
             for i, axis in enumerate(list(spec) + [None] * (len(shape) - len(spec))):
-                shape[i] //= math.prod(mesh[x] for x in sharding.axes_of(axis))
+                shape[i] //= math.prod(mesh[x] for x in step_plan.axes_of(axis))
             return math.prod(shape) * a.dtype.itemsize
 
         param_logical, _ = model_state.split(self.logical)
@@ -155,7 +155,7 @@ class StepSetup:
 
 def _layout_spec(plan: StepPlan, names: tuple) -> P:
     """The parameter's PartitionSpec as the model computes with it (staged layer layout under a pipeline)."""
-    return sharding.param_spec(layout.layout_names(names, plan.pipelined), plan.moe_folds > 1,
+    return step_plan.param_spec(layout.layout_names(names, plan.pipelined), plan.moe_folds > 1,
                                plan.vocab_over_pipeline)
 
 
@@ -221,7 +221,7 @@ def build(cfg: Config, mesh: jax.sharding.Mesh) -> StepSetup:
         step=named(P()), params=jax.tree.map(named, state_param_specs, is_leaf=is_spec),
         model_state=jax.tree.map(named, state_specs, is_leaf=is_spec), opt_state=opt_shardings,
         loss_scale=named(P()), good_steps=named(P()), bad_steps=named(P()))
-    batch_shardings = {k: named(P(sharding.DATA)) for k in ("tokens", "targets", "loss_mask", "sample_ids")}
+    batch_shardings = {k: named(P(step_plan.DATA)) for k in ("tokens", "targets", "loss_mask", "sample_ids")}
     eod = None
     if cfg.data.reset_attention_mask or cfg.data.reset_position_ids:
         from megajax.data.tokenizers import eod_of
@@ -294,7 +294,7 @@ def load_initial_params(setup: StepSetup, directory: str):
     checkpoint.check_same_model(source.config.model, cfg.model, directory)
     canonical = model.abstract_params(cfg.model)
     target = jax.tree.map(lambda names, a: jax.ShapeDtypeStruct(
-        a.shape, a.dtype, sharding=NamedSharding(mesh, sharding.param_spec(names, setup.plan.moe_folds > 1,
+        a.shape, a.dtype, sharding=NamedSharding(mesh, step_plan.param_spec(names, setup.plan.moe_folds > 1,
                                                           setup.plan.vocab_over_pipeline))),
         setup.logical, canonical, is_leaf=lambda x: isinstance(x, tuple))
     return checkpoint.load_params(source, target)
@@ -357,14 +357,14 @@ def eval_loss(setup: StepSetup, params, batch: dict) -> tuple[jax.Array, jax.Arr
             def local(params, batch):
                 batch = setup.local_batch(batch)
                 if plan.pipelined:
-                    return sharding.psum(gpipe.pipeline_loss(cfg, params, batch), sharding.GRAD)
+                    return sharding.psum(gpipe.pipeline_loss(cfg, params, batch), step_plan.GRAD)
                 loss, _ = jax.lax.scan(lambda total, mb: (total + model.loss_sum(
                     cfg.model, params, mb, model.side_inputs(cfg.model, 0, mb, False)), None),
-                    sharding.vary(jnp.zeros((), jnp.float32), sharding.GRAD), micro_batches(batch, m))
-                return sharding.psum(loss, sharding.GRAD)
+                    step_plan.vary(jnp.zeros((), jnp.float32), step_plan.GRAD), micro_batches(batch, m))
+                return sharding.psum(loss, step_plan.GRAD)
 
             # (the weights as the model computes with them: whole where the state keeps their optimizer shard)
-            specs = (setup.compute_param_specs(), {k: P(sharding.DATA) for k in batch})
+            specs = (setup.compute_param_specs(), {k: P(step_plan.DATA) for k in batch})
             loss = engines.in_manual_region(plan, setup.mesh, local, specs, P())(params, batch)
         else:
             def body(total, mb):

@@ -25,7 +25,7 @@ def _traced(body, axes=("pipeline", "data"), shape=(2, 2)):
 
 
 def _varying(x):
-    return sharding.vary(x, ("pipeline", "data"))
+    return step_plan.vary(x, ("pipeline", "data"))
 
 
 def test_a_collective_under_a_predicate_that_differs_over_its_group_is_found():

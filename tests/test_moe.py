@@ -183,7 +183,7 @@ def test_folded_experts_route_and_drop_per_sequence_shard(factor, grouped, ragge
         return jax.grad(lambda q: jnp.sum(layer.apply({"params": q}, x) ** 2))(q)[moe.STATS]
 
     mesh = sharding.make_mesh(ParallelConfig(data=1, tensor=2, sequence_parallel=True), jax.devices()[:2])
-    specs = {k: sharding.param_spec(n, folded_experts=True) for k, n in {
+    specs = {k: step_plan.param_spec(n, folded_experts=True) for k, n in {
         "router": ("embed", None), "w_gate_up": ("expert", "embed", "mlp", None),
         "w_out": ("expert", "mlp", "embed"), moe.STATS: (None,)}.items()}
     assert specs["w_gate_up"] == jax.sharding.PartitionSpec(("expert", "tensor"), None, None, None)
@@ -229,7 +229,7 @@ def test_ragged_receiving_buffer_drops_what_does_not_fit(factor):
     mesh = sharding.make_mesh(ParallelConfig(data=1, tensor=2, sequence_parallel=True), jax.devices()[:2])
     names = {"router": ("embed", None), "w_gate_up": ("expert", "embed", "mlp", None),
              "w_out": ("expert", "mlp", "embed"), moe.STATS: (None,)}
-    q = {k: jax.device_put(v, jax.sharding.NamedSharding(mesh, sharding.param_spec(names[k], folded_experts=True)))
+    q = {k: jax.device_put(v, jax.sharding.NamedSharding(mesh, step_plan.param_spec(names[k], folded_experts=True)))
          for k, v in p.items()}
     plan = StepPlan(tensor=2, sequence_parallel=True, moe_folds=2, moe_ragged=True, moe_buffer_factor=factor)
     with jax.set_mesh(mesh), step_plan.use(plan):

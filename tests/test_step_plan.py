@@ -68,7 +68,7 @@ def test_every_layout_resolves_to_one_consistent_plan():
         seen += 1
         if devices <= len(jax.devices()):
             mesh = sharding.make_mesh(par, jax.devices()[:devices])
-            assert dict(mesh.shape) == {a: getattr(plan, a) for a in sharding.AXES}
+            assert dict(mesh.shape) == {a: getattr(plan, a) for a in step_plan.AXES}
         sizes = {a: getattr(plan, a) for a in MANUAL}
         assert plan.manual == tuple(a for a in MANUAL if sizes[a] > 1)
         assert plan.data * plan.expert == par.data and plan.pipelined == (par.pipeline > 1)
@@ -110,12 +110,39 @@ def test_the_plan_in_force_is_the_innermost_and_outside_a_step_one_device():
 
 def test_megajax_has_one_context_variable_and_the_model_reads_no_mesh():
     """The step plan is megajax's one trace-time context; model code asks the plan, never the mesh, for a
-    decision (sharding.current_manual_axes answers only "is this axis manual in the current region")."""
+    decision (step_plan.current_manual_axes answers only "is this axis manual in the current region")."""
     sources = {p: p.read_text() for p in (pathlib.Path(REPO) / "megajax").rglob("*.py")}
     holders = [p.name for p, text in sources.items() if re.search(r"ContextVar\(", text)]
     assert holders == ["step_plan.py"]
     readers = [p.name for p, text in sources.items() if "model" in p.parts and "get_abstract_mesh" in text]
     assert readers == []
+
+
+def _parallel_imports(tree) -> set[str]:
+    """The modules of megajax.parallel a module's ast imports (`from megajax.parallel import x` names module x)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("megajax.parallel")}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megajax.parallel"):
+            found |= ({f"{node.module}.{a.name}" for a in node.names} if node.module == "megajax.parallel"
+                      else {node.module})
+    return found
+
+
+def test_the_model_and_the_kernels_reach_parallel_only_through_the_plan():
+    """model/ and kernels/ import megajax.parallel.step_plan and no other module of parallel/: the mesh, the
+    region's reductions and order, the engines and the pipeline sit below the model and call it."""
+    root = pathlib.Path(REPO) / "megajax"
+    found = {f"{path.relative_to(root)}: {module}"
+             for package in ("model", "kernels") for path in sorted((root / package).rglob("*.py"))
+             for module in _parallel_imports(ast.parse(path.read_text()))
+             if module != "megajax.parallel.step_plan"}
+    assert found == set()
+    code = ("from megajax.parallel import sharding, step_plan\nfrom megajax.parallel.pipeline.layout import x\n"
+            "import megajax.parallel.overlap")
+    assert _parallel_imports(ast.parse(code)) == {"megajax.parallel.sharding", "megajax.parallel.step_plan",
+                                                  "megajax.parallel.pipeline.layout", "megajax.parallel.overlap"}
 
 
 # Below the step's build, a parallel decision is read from the plan, never from the config: these read the config's

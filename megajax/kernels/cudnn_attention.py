@@ -22,7 +22,7 @@ import functools
 import jax
 
 from megajax.kernels.launch import SHARDS, match_varying, shard_kernel, strip_varying
-from megajax.parallel.sharding import varying_axes
+from megajax.parallel.step_plan import varying_axes
 
 Q_NAMES = ("batch", None, "heads", None)
 KV_NAMES = ("batch", None, "kv_heads", None)

@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from megajax.kernels.launch import dot, match_varying, next_power_of_2, pallas_call, shard_kernel
-from megajax.parallel.sharding import varying_axes
+from megajax.parallel.step_plan import varying_axes
 
 LOG2E = math.log2(math.e)
 # Finite, so a fully masked row (only ever a padded one) yields uniform weights rather than NaNs that would

@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from megajax.kernels.launch import match_varying, next_power_of_2, pallas_call, shard_kernel
-from megajax.parallel.sharding import varying_axes
+from megajax.parallel.step_plan import varying_axes
 
 MAX_DIM = 32768  # one row must fit in a program's registers (the 1T-parameter GPT has d = 25600)
 TILE_ELEMENTS = 4096  # elements of x per forward tile: ~16 fp32 per thread at 8 warps

@@ -11,7 +11,7 @@ Two concerns every kernel in this package shares, kept out of the kernels themse
 2. **Partitioning.** A pallas_call is an opaque custom call that GSPMD cannot split. `shard_kernel` runs
    kernels shard by shard in a nested `jax.shard_map` over the mesh axes still left to GSPMD ('tensor'
    inside the train step's manual 'data'/'pipeline' region; every axis under plain jit), each operand
-   split by its logical axis names (megajax.parallel.sharding's activation rules: heads over 'tensor', the sequence
+   split by its logical axis names (megajax.parallel.step_plan's activation rules: heads over 'tensor', the sequence
    over 'tensor' with sequence parallelism, batch over 'data') and replicated over the other axes, which
    costs no communication.
 
@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from megajax.parallel import sharding, step_plan
+from megajax.parallel import step_plan
 
 Names = Sequence[str | None]
 # The logical name of a dim that stacks one block per shard (split over every axis `shard_kernel` makes manual):
@@ -50,7 +50,7 @@ def pallas_call(kernel: Callable, *, interpret: bool | None = None, **params: An
     def call(*args):
         # In a shard_map that checks varying axes and has nothing left to make manual (shard_kernel could
         # not open an unchecked region), Pallas needs the outputs' varying axes: those of the inputs.
-        axes = frozenset().union(*(sharding.varying_axes(a) for a in jax.tree.leaves(args)))
+        axes = frozenset().union(*(step_plan.varying_axes(a) for a in jax.tree.leaves(args)))
         shapes = jax.tree.map(lambda s: _struct(s.shape, s.dtype, axes), out_shape)
         compiled = pl.pallas_call(kernel, interpret=False, out_shape=shapes, **params)
 
@@ -80,19 +80,19 @@ def shard_kernel(fn: Callable, args: Sequence[jax.Array | None], in_names: Seque
     auto, in_specs, out_specs = kernel_specs(args, in_names, out_names)
     if not auto:
         return tuple(fn(*args))
-    split = sorted(set().union(*(sharding.spec_axes(spec) for spec in in_specs if spec is not None)))
+    split = sorted(set().union(*(step_plan.spec_axes(spec) for spec in in_specs if spec is not None)))
 
     def local(*a):
         out = list(fn(*a))
         for j in summed:
-            axes = tuple(ax for ax in split if ax not in sharding.spec_axes(out_specs[j]))
+            axes = tuple(ax for ax in split if ax not in step_plan.spec_axes(out_specs[j]))
             out[j] = jax.lax.psum(out[j], axes) if axes else out[j]
         return tuple(out)
 
     # Every automatic axis becomes manual: the operands are replicated over those that split nothing.
     out = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=auto,
                         check_vma=False)(*args)
-    axes = frozenset().union(*(sharding.varying_axes(a) for a in jax.tree.leaves(args)))
+    axes = frozenset().union(*(step_plan.varying_axes(a) for a in jax.tree.leaves(args)))
     return tuple(match_varying(o, axes) for o in out)
 
 
@@ -105,19 +105,19 @@ def kernel_specs(args: Sequence[jax.Array | None], in_names: Sequence[Names | No
     auto = set() if mesh.empty else set(mesh.axis_names) - manual
     if not auto:
         return auto, (), ()
-    # The model's rules inside sharding.activation_sharding, else the defaults (no sequence parallelism).
-    rules = sharding.current_activation_rules()
-    live = {k: sharding.keep_axes(v, lambda a: a in auto and mesh.shape[a] > 1) for k, v in rules.items()}
+    # The activation rules of the plan in force, else the defaults (no sequence parallelism).
+    rules = step_plan.current_activation_rules()
+    live = {k: step_plan.keep_axes(v, lambda a: a in auto and mesh.shape[a] > 1) for k, v in rules.items()}
     # An axis that does not divide every dim it would split (flax's init traces the model on a batch of
     # one) is dropped from all specs, so that, e.g., query and kv heads are always split together.
     for arg, names in zip(args, in_names):
         for size, name in zip([] if arg is None else arg.shape, names or ()):
-            axes = sharding.axes_of(live.get(name) if name is not None else None)
+            axes = step_plan.axes_of(live.get(name) if name is not None else None)
             if axes and size % math.prod(mesh.shape[a] for a in axes):
-                live = {k: sharding.keep_axes(v, lambda a: a not in axes) for k, v in live.items()}
+                live = {k: step_plan.keep_axes(v, lambda a: a not in axes) for k, v in live.items()}
     live[SHARDS] = tuple(a for a in sorted(auto) if mesh.shape[a] > 1) or None
-    in_specs = tuple(None if n is None else sharding.spec_for(n, live) for n in in_names)
-    out_specs = tuple(sharding.spec_for(n, live) for n in out_names)
+    in_specs = tuple(None if n is None else step_plan.spec_for(n, live) for n in in_names)
+    out_specs = tuple(step_plan.spec_for(n, live) for n in out_names)
     return auto, in_specs, out_specs
 
 
@@ -126,7 +126,7 @@ def match_varying(x: jax.Array | None, axes: frozenset) -> jax.Array | None:
     cotangent of a value that was broadcast over that axis). Only for code that is not differentiated."""
     if x is None:
         return None
-    have = sharding.varying_axes(x)
+    have = step_plan.varying_axes(x)
     if have - axes:
         x = jax.lax.psum(x, tuple(sorted(have - axes)))
     if axes - have:

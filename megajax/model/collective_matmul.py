@@ -45,8 +45,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from megajax.model import fp8
-from megajax.parallel import sharding, step_plan
-from megajax.parallel.sharding import tensor_manual
+from megajax.parallel import step_plan
+from megajax.parallel.step_plan import tensor_manual
 
 def _mode() -> str | None:
     """The step plan's tp_overlap: "ring", "chunks" (inside a pipeline's per-rank branches) or None."""
@@ -57,14 +57,14 @@ def active() -> bool:
     """Whether the model's tensor-parallel matmuls run with their collectives decomposed here: the step plan's
     tp_overlap (parallel.tp_comm_overlap with sequence parallelism and 'tensor' > 1), outside a region that
     makes 'tensor' manual."""
-    return _mode() is not None and "tensor" not in sharding.current_manual_axes()
+    return _mode() is not None and "tensor" not in step_plan.current_manual_axes()
 
 
 def _letters(spec: str, w_names) -> tuple[str, str, str, set[str]]:
     """(input, weight and output letters of the einsum `spec`, the letters of the weight's dims split over
     'tensor')."""
     x, w, out = _subscripts(spec)
-    split = {c for c, axis in zip(w, sharding.param_spec(w_names)) if "tensor" in sharding.axes_of(axis)}
+    split = {c for c, axis in zip(w, step_plan.param_spec(w_names)) if "tensor" in step_plan.axes_of(axis)}
     return x, w, out, split
 
 

@@ -49,7 +49,7 @@ from megajax import kernels
 from megajax.kernels.auto import attention_fallback, by_platform
 from megajax.kernels.launch import match_varying
 from megajax.parallel import step_plan
-from megajax.parallel.sharding import constrain, varying_axes, vary
+from megajax.parallel.step_plan import constrain, vary, varying_axes
 
 AXIS = "context"
 

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from megajax.kernels.grouped_matmul import group_of_rows, grouped_dot, grouped_weight_dot
-from megajax.parallel.sharding import vary, varying_axes
+from megajax.parallel.step_plan import vary, varying_axes
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 # (forward operands, output gradient) per model.fp8

@@ -25,7 +25,7 @@ from megajax.model.model_state import MTP_STATS
 from megajax.model.moe import MoE
 from megajax.model.moe.routing import attach_loss, report
 from megajax.parallel import step_plan
-from megajax.parallel.sharding import constrain
+from megajax.parallel.step_plan import constrain
 
 
 class Block(nn.Module):

@@ -2,7 +2,7 @@
 
 Dimension letters: b batch, s sequence, d model, h heads, g kv heads, k head dim, f MLP, v vocabulary.
 
-Every parameter carries logical axis names (see megajax.parallel.sharding): QKV and the MLP input are
+Every parameter carries logical axis names (see megajax.parallel.step_plan): QKV and the MLP input are
 column-parallel (their output dim is 'heads'/'mlp', sharded over 'tensor'), the attention output and MLP
 output are row-parallel (their input dim is sharded), so each layer costs two all-reduces forward and two
 backward. With sequence parallelism the residual stream is sharded over the sequence ('seq' -> 'tensor'):
@@ -26,7 +26,7 @@ from megajax.kernels import auto as kernel_choice
 from megajax.model import collective_matmul, context, fp8
 from megajax.model.recipe import recipe
 from megajax.parallel import step_plan
-from megajax.parallel.sharding import constrain
+from megajax.parallel.step_plan import constrain
 
 @flax.struct.dataclass
 class Side:

@@ -64,17 +64,17 @@ def accumulate_grads(cfg: Config, params, batch: dict, seed_scale: jax.Array, re
     def body(carry, mb):
         loss, grads = carry
         # The weights marked varying over the data axes keep the transpose from reducing per micro batch.
-        g, raw = grad_fn(sharding.vary(weights, sharding.GRAD), mb)
+        g, raw = grad_fn(step_plan.vary(weights, step_plan.GRAD), mb)
         return (loss + raw, jax.tree.map(jnp.add, grads, g)), None
 
     mbs = micro_batches(batch, m)
-    loss = sharding.vary(jnp.zeros((), jnp.float32), sharding.GRAD)
+    loss = step_plan.vary(jnp.zeros((), jnp.float32), step_plan.GRAD)
     weights, acc = params, None
     if reductions is None and m == 1:  # one micro batch: its gradient, without a scan and a zero accumulator
-        grads, raw = grad_fn(sharding.vary(weights, sharding.GRAD), jax.tree.map(lambda x: x[0], mbs))
+        grads, raw = grad_fn(step_plan.vary(weights, step_plan.GRAD), jax.tree.map(lambda x: x[0], mbs))
         return loss + raw, grads
     if reductions is None:
-        (loss, grads), _ = jax.lax.scan(body, (loss, jax.tree.map(jnp.zeros_like, sharding.vary(params))), mbs)
+        (loss, grads), _ = jax.lax.scan(body, (loss, jax.tree.map(jnp.zeros_like, step_plan.vary(params))), mbs)
         return loss, grads
     differentiate = jax.grad(overlap.reducing_loss, has_aux=True)
     # each part below starts once the collectives of the one before have finished (CPU runtime: CollectiveOrder)
@@ -89,8 +89,8 @@ def accumulate_grads(cfg: Config, params, batch: dict, seed_scale: jax.Array, re
         reductions = jax.tree.map(lambda r: dataclasses.replace(r, gather=False), reductions)
     if jax.tree.leaves(mbs)[0].shape[0] > 1:
         if acc is None:
-            acc = jax.tree.map(jnp.zeros_like, sharding.vary(weights))
-        (loss, acc), _ = order.after(jax.lax.scan(body, (loss, sharding.vary(acc)), at(slice(None, -1))))
+            acc = jax.tree.map(jnp.zeros_like, step_plan.vary(weights))
+        (loss, acc), _ = order.after(jax.lax.scan(body, (loss, step_plan.vary(acc)), at(slice(None, -1))))
     grads, (raw, _) = differentiate(overlap.sinks(weights, reductions), cfg, weights, acc, reductions, at(-1),
                                     seed_scale)
     return loss + raw, grads
@@ -116,7 +116,7 @@ def sharded_grads(cfg: Config, params, batch: dict, seed_scale: jax.Array, reduc
     # each part below starts once the collectives of the one before have finished (CPU runtime: CollectiveOrder)
     order = sharding.CollectiveOrder()
     at = lambda idx: jax.tree.map(lambda x: order.before(x[idx]), mbs)  # noqa: E731
-    loss = sharding.vary(jnp.zeros((), jnp.float32), sharding.GRAD)
+    loss = step_plan.vary(jnp.zeros((), jnp.float32), step_plan.GRAD)
 
     def run(mb, reductions, weights):
         return differentiate(overlap.sinks(weights, reductions), cfg, weights, None, reductions, mb, seed_scale,
@@ -214,7 +214,7 @@ def compute_grads(setup, params, batch: dict, seed_scale: jax.Array):
             # those ranks.
             grads = jax.tree.map(lambda g, z, a: sharding.psum(g, a) if z is None else optim.zero_pad(g, z)[None],
                                  grads, zero, reduce_axes, is_leaf=is_none)
-        return sharding.psum(loss, sharding.GRAD), grads
+        return sharding.psum(loss, step_plan.GRAD), grads
 
     p_specs = setup.compute_param_specs()
     # per weight, the data-parallel axes its gradient is summed over
@@ -236,7 +236,7 @@ def compute_grads(setup, params, batch: dict, seed_scale: jax.Array):
     else:
         g_specs = jax.tree.map(lambda s, z: s if z is None else P(sharding.unsplit_data_axes(s), *s), p_specs, zero,
                                is_leaf=is_none)
-    in_specs = (setup.variable_specs(), {k: P(sharding.DATA) for k in batch}, P())
+    in_specs = (setup.variable_specs(), {k: P(step_plan.DATA) for k in batch}, P())
     loss, grads = in_manual_region(plan, setup.mesh, local, in_specs, (P(), g_specs))(params, batch, seed_scale)
 
     def scatter(g, z, spec):

@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from megajax import model, optim
 from megajax.config import Config
-from megajax.parallel import sharding
+from megajax.parallel import sharding, step_plan
 
 
 def _tensor_manual(fn, x: jax.Array, spec: P) -> jax.Array:
@@ -42,7 +42,7 @@ def _tensor_manual(fn, x: jax.Array, spec: P) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.shape.get("tensor", 1) == 1:
         return fn(x)
-    spec = P(*[sharding.keep_axes(a, lambda x: x == "tensor") for a in spec])
+    spec = P(*[step_plan.keep_axes(a, lambda x: x == "tensor") for a in spec])
     return jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, axis_names={"tensor"})(x)
 
 
@@ -81,7 +81,7 @@ class Reduction:
                                    spec=P(*self.spec[lead:]))
 
     def _manual(self) -> tuple[str, ...]:
-        return tuple(a for a in self.axes if a in sharding.current_manual_axes())
+        return tuple(a for a in self.axes if a in step_plan.current_manual_axes())
 
     def _scattered(self) -> tuple[str, ...]:
         """The manual axes the gradient is scattered over and the weight gathered over: those of the optimizer
@@ -120,7 +120,7 @@ class Reduction:
         all of them but the summed axes after an all-reduce; all of them after a reduce-scatter (the shards), but
         the instances it is summed `across`."""
         summed = self.axes if self.zero is None else self._instances() if self.across else ()
-        return tuple(a for a in sharding.current_manual_axes() if a not in summed)
+        return tuple(a for a in step_plan.current_manual_axes() if a not in summed)
 
     def gathered(self, w: jax.Array) -> jax.Array:
         """The whole weight from its optimizer shard (`gather`), or w as it is."""
@@ -138,7 +138,7 @@ class Reduction:
     def sink(self, w: jax.Array) -> jax.Array:
         """Zeros shaped (and varying) as this reduction leaves the gradient of w (the weight as it arrives)
         inside the step's shard_map."""
-        shape, axes = list(w.shape), tuple(sharding.varying_axes(w))
+        shape, axes = list(w.shape), tuple(step_plan.varying_axes(w))
         if self.zero is not None and self.local and self.gather:  # the whole weight, gathered from its shard
             shape[self.zero.dim] = self.length or self.zero.size
         elif self.zero is not None and not self.local:  # the optimizer shard
@@ -148,7 +148,7 @@ class Reduction:
             axes += self.axes
         elif self.zero is not None:  # (a shard: varies over the data ranks, but the instances it is summed across)
             axes += tuple(a for a in self.axes if not (self.across and a in self._instances()))
-        return sharding.vary(jnp.zeros(shape, self.grad_dtype or w.dtype), axes)
+        return step_plan.vary(jnp.zeros(shape, self.grad_dtype or w.dtype), axes)
 
 
 @functools.lru_cache(maxsize=None)
@@ -158,12 +158,12 @@ def reducing_identity(r: Reduction):
     local gradient, None when there are none)."""
     @jax.custom_vjp
     def hook(w, acc, sink):
-        return sharding.vary(w, r.axes)
+        return step_plan.vary(w, r.axes)
 
     def bwd(acc, ct):
         return None, None, r(ct if acc is None else ct.astype(acc.dtype) + acc)
 
-    hook.defvjp(lambda w, acc, sink: (sharding.vary(w, r.axes), acc), bwd)
+    hook.defvjp(lambda w, acc, sink: (step_plan.vary(w, r.axes), acc), bwd)
     return hook
 
 
@@ -175,7 +175,7 @@ def tapped_identity(r: Reduction, reduce: bool):
     last backward) r(gradient + that) becomes the cotangent of `sink`, else the gradient goes to w as usual.
     The forward does not depend on `reduce`: one linearization serves both backwards."""
     def primal(w):
-        return w, sharding.vary(jnp.zeros(w.shape, jnp.float32), sharding.varying_axes(w))
+        return w, step_plan.vary(jnp.zeros(w.shape, jnp.float32), step_plan.varying_axes(w))
 
     @jax.custom_vjp
     def hook(w, sink):
@@ -185,7 +185,7 @@ def tapped_identity(r: Reduction, reduce: bool):
         ct_w, acc = cts
         if not reduce:
             return ct_w, None
-        return None, sharding.vary(r(ct_w.astype(jnp.float32) + acc), r.result_axes())
+        return None, step_plan.vary(r(ct_w.astype(jnp.float32) + acc), r.result_axes())
 
     hook.defvjp(lambda w, sink: (primal(w), None), bwd)
     return hook
@@ -219,7 +219,7 @@ def gathering_identity(r: Reduction):
     marked varying over r.axes; backward: r(cotangent), the reduce-scatter onto the shard, as the cotangent of
     `sink`. One custom_vjp whose primal all-gathers: what `_leaves_gathers_out` keeps out of the residuals."""
     def primal(w):
-        return sharding.vary(r.gathered(w), r.axes)
+        return step_plan.vary(r.gathered(w), r.axes)
 
     @jax.custom_vjp
     def hook(w, sink):
@@ -254,11 +254,11 @@ def _leaves_gathers_out(axes: tuple[str, ...]):
     jax.checkpoint: with the unfused (xla) attention this policy keeps its scores."""
     def saveable(prim, *avals, **params) -> bool:
         if prim.name == "all_gather":
-            return not set(sharding.axes_of(params["axis_name"])) & set(axes)
+            return not set(step_plan.axes_of(params["axis_name"])) & set(axes)
         if prim.name == "custom_vjp_call" and _all_gathers(params["call_jaxpr"].jaxpr):
             return False
         arrays = [a for a in avals if getattr(a, "ndim", 0)]
-        return not arrays or any(set(axes) & sharding.varying_axes(a) for a in arrays)
+        return not arrays or any(set(axes) & step_plan.varying_axes(a) for a in arrays)
 
     return saveable
 
@@ -273,7 +273,7 @@ def _regathered_layers(mcfg, side, x, stack, stack_sink, stack_r):
                              else reducing_identity(r)(v, None, sink), stack_r, w, s)
         return model.block_apply(mcfg, whole, x, i, side).astype(x.dtype)
 
-    axes = tuple(a for a in sharding.GRAD if a in sharding.current_manual_axes())
+    axes = tuple(a for a in step_plan.GRAD if a in step_plan.current_manual_axes())
     # FP8 recomputes the whole layer: with FP8's custom_vjp matmuls under a policy that saves anything, the step's
     # losses came out NaN (jax 0.10.2; without the checkpoint, or saving nothing, they equal one device's)
     keep = model.KEEP_INPUTS if mcfg.fp8 != "none" else _leaves_gathers_out(axes)

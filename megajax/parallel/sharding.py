@@ -1,4 +1,5 @@
-"""The device mesh and the one table that maps logical axis names to mesh axes.
+"""The device mesh and the train step's manual region: its collectives' order, its reductions and the one split
+of a batch into micro batches. The logical-axis table and what model code runs under the plan are step_plan's.
 
 Mesh axes, outermost first: replica, data, expert, pipeline, context, tensor. Tensor is innermost so that its
 all-reduces stay inside a node (NVLink); the data ranks are outermost so that their once-per-step gradient reduction
@@ -9,13 +10,7 @@ shards over the data ranks of one instance ('data' x 'expert', `shard_axes`) and
 experts are sharded over 'expert' and exchange tokens over it (all-to-all); every other weight is data-parallel over
 all three. 'context' splits every sequence (megajax/model/context.py): its
 ranks hold other tokens of the same samples, so their gradients are summed like the data ranks' (GRAD).
-
-Logical names (one vocabulary for parameters and activations):
-  batch, seq, embed, heads, kv_heads, head_dim, mlp, vocab, layers (and chunk, stage under a pipeline)
-Parameters and activations have separate rules: the sequence axis of the residual stream is sharded over
-'tensor' only with sequence parallelism, and only activations are sharded over 'data'.
 """
-
 from __future__ import annotations
 
 import functools
@@ -28,48 +23,8 @@ from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 from megajax.config import ConfigError, ParallelConfig
 from megajax.parallel import step_plan
-
-AXES = ("replica", "data", "expert", "pipeline", "context", "tensor")
-REPLICA = "replica"  # hybrid sharding's instances (parallel.num_distributed_optimizer_instances)
-DATA = ("replica", "data", "expert")  # the data-parallel ranks: the batch is split over all three
-GRAD = (*DATA, "context")  # the ranks that see other tokens of the batch: gradients and losses are summed over them
-
-Axis = str | tuple[str, ...] | None
-
-# logical name -> mesh axis (None: replicated)
-PARAM_RULES: dict[str, Axis] = {
-    "vocab": "tensor",
-    "embed": None,
-    "heads": "tensor",
-    "kv_heads": "tensor",
-    "head_dim": None,
-    "mlp": "tensor",
-    "expert": "expert",
-    "layers": None,
-    "chunk": None,  # the staged pipeline layout [chunk, stage, layers, ...] (megajax.parallel.pipeline.layout)
-    "stage": "pipeline",
-}
-VOCAB_OVER_PIPELINE = ("pipeline", "tensor")  # the vocabulary's ranks with StepPlan.vocab_over_pipeline
-FOLDED = ("expert", "tensor")  # the experts' ranks with parallel.expert_tensor=1 (Megatron's MoE parallel folding)
-
-
-def activation_rules(sequence_parallel: bool) -> dict[str, Axis]:
-    return {
-        "batch": DATA,
-        "seq": "tensor" if sequence_parallel else None,
-        "embed": None,
-        "heads": "tensor",
-        "kv_heads": "tensor",
-        "head_dim": None,
-        "mlp": "tensor",
-        "vocab": "tensor",
-        "folded_expert": FOLDED,  # the folded experts' buffers (parallel.expert_tensor=1): one expert rank a device
-    }
-
-
-def current_activation_rules() -> dict[str, Axis]:
-    """The activation rules of the step plan in force (step_plan.use), else those without sequence parallelism."""
-    return activation_rules(step_plan.in_force().sequence_parallel)
+from megajax.parallel.step_plan import (AXES, GRAD, REPLICA, Axis, axes_of, current_manual_axes, keep_axes, spec_axes,
+                                       varying_axes)
 
 
 def make_mesh(parallel: ParallelConfig, devices: Sequence | None = None) -> Mesh:
@@ -94,63 +49,6 @@ def make_mesh(parallel: ParallelConfig, devices: Sequence | None = None) -> Mesh
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
-def axes_of(axis: Axis) -> tuple[str, ...]:
-    """The mesh axes of one PartitionSpec entry (None, a name or a tuple of names)."""
-    return () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
-
-
-def spec_axes(spec: P) -> set[str]:
-    """Every mesh axis a PartitionSpec splits over."""
-    return {a for entry in spec for a in axes_of(entry)}
-
-
-def keep_axes(axis: Axis, keep) -> Axis:
-    """One PartitionSpec entry with only the mesh axes for which keep(axis) holds (None when none does)."""
-    kept = tuple(a for a in axes_of(axis) if keep(a))
-    return None if not kept else kept[0] if len(kept) == 1 else kept
-
-
-def spec_for(names: Sequence[str | None], rules: dict[str, Axis]) -> P:
-    """Logical names -> PartitionSpec. A mesh axis is used at most once (later dims fall back to None)."""
-    used, out = set(), []
-    for name in names:
-        axis = keep_axes(rules.get(name) if name is not None else None, lambda a: a not in used)
-        used.update(axes_of(axis))
-        out.append(axis)
-    return P(*out)
-
-
-def param_spec(names: Sequence[str | None], folded_experts: bool = False, vocab_over_pipeline: bool = False) -> P:
-    """A parameter's PartitionSpec. With folded_experts (parallel.expert_tensor=1) the experts are spread over
-    'expert' x 'tensor' and each one stays whole (its 'mlp' dim falls back to None: 'tensor' is taken). With
-    vocab_over_pipeline (StepPlan's) the vocabulary is split over 'pipeline' x 'tensor' (pipeline/vocab.py)."""
-    rules = dict(PARAM_RULES)
-    if folded_experts:
-        rules["expert"] = FOLDED
-    if vocab_over_pipeline:
-        rules["vocab"] = VOCAB_OVER_PIPELINE
-    return spec_for(names, rules)
-
-
-def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-    """Pins an activation's sharding by logical names (while a step plan is in force, step_plan.use; else a no-op).
-
-    Mesh axes that are manual in the surrounding shard_map (data and pipeline inside the pipeline) or
-    absent from the mesh are dropped, so the same model code runs under GSPMD and inside shard_map.
-    """
-    plan = step_plan.current()
-    if plan is None:
-        return x
-    rules = activation_rules(plan.sequence_parallel)
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return x
-    manual = set(getattr(mesh, "manual_axes", ()))
-    live = {k: keep_axes(v, lambda a: a in mesh.axis_names and a not in manual and mesh.shape[a] > 1)
-            for k, v in rules.items()}
-    return jax.lax.with_sharding_constraint(x, spec_for(names, live))
-
-
 # ----------------------------------------------------------------------------------------------------
 # The train step's manual region (shard_map over 'data', 'expert', 'pipeline' and 'context', 'tensor' left to
 # GSPMD; step_plan.MANUAL)
@@ -159,42 +57,6 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
 def manual_spec(spec: P, manual: Sequence[str]) -> P:
     """`spec` with only the manual axes kept (shard_map's specs may name nothing else)."""
     return P(*[keep_axes(a, lambda x: x in manual) for a in spec])
-
-
-def current_manual_axes() -> tuple[str, ...]:
-    mesh = jax.sharding.get_abstract_mesh()
-    return () if mesh.empty else tuple(getattr(mesh, "manual_axes", ()))
-
-
-def varying_axes(x) -> frozenset:
-    """The manual mesh axes x (an array, or its abstract value: a remat policy's arguments) varies over."""
-    aval = x if hasattr(x, "manual_axis_type") else jax.typeof(x)
-    return frozenset(aval.manual_axis_type.varying)
-
-
-def vary(tree, axes: Sequence[str] | None = None):
-    """Marks every leaf as varying over `axes` (default: every manual axis of the current region): scan
-    carries, switch branches and vjp cotangents inside shard_map must agree on their varying axes."""
-    want = current_manual_axes() if axes is None else tuple(a for a in axes if a in current_manual_axes())
-
-    def one(x):
-        need = tuple(a for a in want if a not in varying_axes(x))
-        return jax.lax.pcast(x, need, to="varying") if need else x
-
-    return jax.tree.map(one, tree)
-
-
-def tensor_manual(fn, args, in_specs, out_spec):
-    """fn(*args) with 'tensor' manual (a shard_map nested in the train step's region), without jax's varying-axes
-    checks inside: under the train step's manual 'data', they add input-free equations (pvary of literals) that a
-    layer scan's linearization moves out of the region as residual inputs, to which jax 0.10.2 gives a sharding
-    XLA rejects ("manual axis tensor after free axis data"). The results vary over every outer manual axis the
-    arguments vary over, as checked ones would. jax 0.10.2 cannot differentiate such a region: its callers give
-    it a custom VJP."""
-    mesh = jax.sharding.get_abstract_mesh()
-    out = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec, axis_names={"tensor"},
-                        check_vma=False)(*args)
-    return vary(out, sorted(set().union(*map(varying_axes, args))))
 
 
 class CollectiveOrder:

@@ -7,15 +7,20 @@ the one context variable of megajax, kept because passing the plan explicitly wo
 layer of every architecture. Outside a step (generation, a test that applies a module) no plan is in force and
 the model runs on one device's terms: no constraint, no exchange, whole sequences.
 
+This module is all of parallel/ that the model and the kernels see: the plan in force, the one table from logical
+axis names to mesh axes that the plan applies (`param_spec`, `constrain`), and the typing of values inside the step's
+manual region (`vary`, `varying_axes`, `tensor_manual`). The mesh, the region's collectives and their order are
+sharding.py's, below the model.
+
 What the plan holds, and who reads it:
 
 | field | the decision | read by |
 |---|---|---|
 | replica, data, expert, pipeline, context, tensor | the mesh's sizes | everything below |
-| manual | the axes the step's shard_map region makes manual (each of MANUAL with more than one device) | step, sharding |
+| manual | the axes the step's shard_map region makes manual (each of MANUAL with more than one device) | step, engines |
 | pipelined, engine, schedule, virtual_stages, micro_batches, stage_split | the gradient engine: a schedule, or a scan over micro batches; the layers of each pipeline chunk | engines, executor, gpipe, ticks |
-| vocab_over_pipeline | the embedding and output layer split over the pipeline ranks, run in lock step | sharding, pipeline |
-| sequence_parallel | the residual stream sharded over 'tensor' (the activation rules) | sharding.constrain |
+| vocab_over_pipeline | the embedding and output layer split over the pipeline ranks, run in lock step | `param_spec`, pipeline |
+| sequence_parallel | the residual stream sharded over 'tensor' (the activation rules) | `constrain` |
 | context_comm | how attention crosses the context ranks: ring, all_gather or a2a | model/context.py |
 | tp_overlap | sequence parallelism's collectives as rings ("ring"), chunks ("chunks", in a pipeline) or plain (None) | model/collective_matmul.py |
 | moe_folds, moe_ragged, moe_buffer_factor | the experts' exchange (parallel folding, ragged all-to-all) | model/moe/exchange.py |
@@ -40,6 +45,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import PartitionSpec as P
 
 from megajax.config import Config, StageSplit
 
@@ -208,9 +217,154 @@ def platform_dependent(*args, cpu, default):
     choice is `lax.platform_dependent`'s, made when the program is lowered; its conditional stays in the jaxpr,
     and XLA's GPU scheduler hid less around it (59% of a pipeline's chunked reduce-scatters under GEMMs, against
     89% without: tests/test_audit.py::test_tp_comm_overlap_hides_the_tensor_collectives_in_a_pipeline_on_h100)."""
-    import jax  # (here: the plan itself is plain Python, read by the NumPy-only tick tables)
-
     platform = in_force().platform
     if platform is None:
         return jax.lax.platform_dependent(*args, cpu=cpu, default=default)
     return (cpu if platform == "cpu" else default)(*args)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The one table from logical axis names to mesh axes, and the plan in force applied to an activation.
+#
+# Logical names (one vocabulary for parameters and activations):
+#   batch, seq, embed, heads, kv_heads, head_dim, mlp, vocab, layers (and chunk, stage under a pipeline)
+# Parameters and activations have separate rules: the sequence axis of the residual stream is sharded over
+# 'tensor' only with sequence parallelism, and only activations are sharded over 'data'.
+
+AXES = ("replica", "data", "expert", "pipeline", "context", "tensor")
+REPLICA = "replica"  # hybrid sharding's instances (parallel.num_distributed_optimizer_instances)
+DATA = ("replica", "data", "expert")  # the data-parallel ranks: the batch is split over all three
+GRAD = (*DATA, "context")  # the ranks that see other tokens of the batch: gradients and losses are summed over them
+
+Axis = str | tuple[str, ...] | None
+
+# logical name -> mesh axis (None: replicated)
+PARAM_RULES: dict[str, Axis] = {
+    "vocab": "tensor",
+    "embed": None,
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "head_dim": None,
+    "mlp": "tensor",
+    "expert": "expert",
+    "layers": None,
+    "chunk": None,  # the staged pipeline layout [chunk, stage, layers, ...] (megajax.parallel.pipeline.layout)
+    "stage": "pipeline",
+}
+VOCAB_OVER_PIPELINE = ("pipeline", "tensor")  # the vocabulary's ranks with StepPlan.vocab_over_pipeline
+FOLDED = ("expert", "tensor")  # the experts' ranks with parallel.expert_tensor=1 (Megatron's MoE parallel folding)
+
+
+def activation_rules(sequence_parallel: bool) -> dict[str, Axis]:
+    return {
+        "batch": DATA,
+        "seq": "tensor" if sequence_parallel else None,
+        "embed": None,
+        "heads": "tensor",
+        "kv_heads": "tensor",
+        "head_dim": None,
+        "mlp": "tensor",
+        "vocab": "tensor",
+        "folded_expert": FOLDED,  # the folded experts' buffers (parallel.expert_tensor=1): one expert rank a device
+    }
+
+
+def current_activation_rules() -> dict[str, Axis]:
+    """The activation rules of the step plan in force (`use`), else those without sequence parallelism."""
+    return activation_rules(in_force().sequence_parallel)
+
+
+def axes_of(axis: Axis) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, a name or a tuple of names)."""
+    return () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
+
+
+def spec_axes(spec: P) -> set[str]:
+    """Every mesh axis a PartitionSpec splits over."""
+    return {a for entry in spec for a in axes_of(entry)}
+
+
+def keep_axes(axis: Axis, keep) -> Axis:
+    """One PartitionSpec entry with only the mesh axes for which keep(axis) holds (None when none does)."""
+    kept = tuple(a for a in axes_of(axis) if keep(a))
+    return None if not kept else kept[0] if len(kept) == 1 else kept
+
+
+def spec_for(names: Sequence[str | None], rules: dict[str, Axis]) -> P:
+    """Logical names -> PartitionSpec. A mesh axis is used at most once (later dims fall back to None)."""
+    used, out = set(), []
+    for name in names:
+        axis = keep_axes(rules.get(name) if name is not None else None, lambda a: a not in used)
+        used.update(axes_of(axis))
+        out.append(axis)
+    return P(*out)
+
+
+def param_spec(names: Sequence[str | None], folded_experts: bool = False, vocab_over_pipeline: bool = False) -> P:
+    """A parameter's PartitionSpec. With folded_experts (parallel.expert_tensor=1) the experts are spread over
+    'expert' x 'tensor' and each one stays whole (its 'mlp' dim falls back to None: 'tensor' is taken). With
+    vocab_over_pipeline (StepPlan's) the vocabulary is split over 'pipeline' x 'tensor' (pipeline/vocab.py)."""
+    rules = dict(PARAM_RULES)
+    if folded_experts:
+        rules["expert"] = FOLDED
+    if vocab_over_pipeline:
+        rules["vocab"] = VOCAB_OVER_PIPELINE
+    return spec_for(names, rules)
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Pins an activation's sharding by logical names (while a step plan is in force, `use`; else a no-op).
+
+    Mesh axes that are manual in the surrounding shard_map (data and pipeline inside the pipeline) or
+    absent from the mesh are dropped, so the same model code runs under GSPMD and inside shard_map.
+    """
+    plan = current()
+    if plan is None:
+        return x
+    rules = activation_rules(plan.sequence_parallel)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    manual = set(getattr(mesh, "manual_axes", ()))
+    live = {k: keep_axes(v, lambda a: a in mesh.axis_names and a not in manual and mesh.shape[a] > 1)
+            for k, v in rules.items()}
+    return jax.lax.with_sharding_constraint(x, spec_for(names, live))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The step's manual region, as model code sees it (shard_map over MANUAL's axes with more than one device)
+
+def current_manual_axes() -> tuple[str, ...]:
+    mesh = jax.sharding.get_abstract_mesh()
+    return () if mesh.empty else tuple(getattr(mesh, "manual_axes", ()))
+
+
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes x (an array, or its abstract value: a remat policy's arguments) varies over."""
+    aval = x if hasattr(x, "manual_axis_type") else jax.typeof(x)
+    return frozenset(aval.manual_axis_type.varying)
+
+
+def vary(tree, axes: Sequence[str] | None = None):
+    """Marks every leaf as varying over `axes` (default: every manual axis of the current region): scan
+    carries, switch branches and vjp cotangents inside shard_map must agree on their varying axes."""
+    want = current_manual_axes() if axes is None else tuple(a for a in axes if a in current_manual_axes())
+
+    def one(x):
+        need = tuple(a for a in want if a not in varying_axes(x))
+        return jax.lax.pcast(x, need, to="varying") if need else x
+
+    return jax.tree.map(one, tree)
+
+
+def tensor_manual(fn, args, in_specs, out_spec):
+    """fn(*args) with 'tensor' manual (a shard_map nested in the train step's region), without jax's varying-axes
+    checks inside: under the train step's manual 'data', they add input-free equations (pvary of literals) that a
+    layer scan's linearization moves out of the region as residual inputs, to which jax 0.10.2 gives a sharding
+    XLA rejects ("manual axis tensor after free axis data"). The results vary over every outer manual axis the
+    arguments vary over, as checked ones would. jax 0.10.2 cannot differentiate such a region: its callers give
+    it a custom VJP."""
+    mesh = jax.sharding.get_abstract_mesh()
+    out = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec, axis_names={"tensor"},
+                        check_vma=False)(*args)
+    return vary(out, sorted(set().union(*map(varying_axes, args))))

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from megajax.parallel import step_plan
-from megajax.parallel.sharding import FOLDED, constrain, current_manual_axes, tensor_manual, vary, varying_axes
+from megajax.parallel.step_plan import FOLDED, constrain, current_manual_axes, tensor_manual, vary, varying_axes
 
 
 class Exchange(NamedTuple):

@@ -32,7 +32,7 @@ from megajax.model.moe.routing import (ROUTER_BIAS, STATS, Routing, attach_loss,
                                        z_loss)
 from megajax.model.recipe import recipe
 from megajax.parallel import step_plan
-from megajax.parallel.sharding import constrain
+from megajax.parallel.step_plan import constrain
 
 
 def expert_mlps(cfg: ModelConfig, w: dict, meta, lead: str | None, xs: jax.Array,

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from megajax.config import ModelConfig
-from megajax.parallel.sharding import vary, varying_axes
+from megajax.parallel.step_plan import vary, varying_axes
 
 
 class Routing(NamedTuple):

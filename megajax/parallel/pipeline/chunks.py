@@ -21,7 +21,8 @@ from megajax.parallel import overlap, step_plan
 from megajax.parallel.pipeline import layout
 from megajax.parallel.pipeline import ticks, vocab
 from megajax.parallel.pipeline.ticks import FIRST, LAST_KEEP, MID, NONE
-from megajax.parallel.sharding import CollectiveOrder, vary
+from megajax.parallel.sharding import CollectiveOrder
+from megajax.parallel.step_plan import vary
 
 
 def shared_params(params: dict) -> dict:

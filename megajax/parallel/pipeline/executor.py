@@ -64,7 +64,8 @@ from megajax.parallel.pipeline.layout import local_chunks
 from megajax.parallel.pipeline.schedule import perm_pairs
 from megajax.parallel.pipeline.ticks import ACTIONS, FIELDS, FINAL, LAST_KEEP, NONE, Segment
 from megajax.parallel.pipeline.zero_bubble import SplitChunkActions
-from megajax.parallel.sharding import CollectiveOrder, micro_batches, vary
+from megajax.parallel.sharding import CollectiveOrder, micro_batches
+from megajax.parallel.step_plan import vary
 
 
 def _local_kinds(present: tuple[int, ...], kinds: np.ndarray) -> jax.Array:

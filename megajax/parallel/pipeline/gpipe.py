@@ -17,7 +17,8 @@ from megajax.parallel.pipeline import layout, vocab
 from megajax.parallel.pipeline.chunks import shared_params, run_slots
 from megajax.parallel.pipeline.layout import local_chunks
 from megajax.parallel.pipeline.schedule import perm_pairs
-from megajax.parallel.sharding import CollectiveOrder, micro_batches, vary
+from megajax.parallel.sharding import CollectiveOrder, micro_batches
+from megajax.parallel.step_plan import vary
 
 
 def gpipe_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array):

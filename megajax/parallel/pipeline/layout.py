@@ -6,7 +6,7 @@ has S = max(units) slots: element [i, r, j] of the staged array is unit starts[i
 fewer units (uneven stages: parallel.decoder_first/last_pipeline_num_layers, parallel.account_for_*) leaves its
 last slots empty: zero weights that the executor skips (chunks.unless_empty), which get zero gradients and stay
 zero. With an even split S = L / (p v) and staging is a plain reshape. The staged dims have logical names
-("chunk", "stage", "layers"), and the rules table (megajax.parallel.sharding) maps "stage" to 'pipeline', so each rank
+("chunk", "stage", "layers"), and the rules table (megajax.parallel.step_plan) maps "stage" to 'pipeline', so each rank
 holds its chunks.
 """
 

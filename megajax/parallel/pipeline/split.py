@@ -5,6 +5,7 @@ checks a layout with it and the schedule CLI draws it."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from megajax.config.base import check
 
@@ -37,6 +38,7 @@ class StageSplit:
         return max(sum(self.layers[r::p]) + (last_extra if r == p - 1 else 0) for r in range(p))
 
 
+@functools.lru_cache(maxsize=4096)  # (a property of every Config: the planner builds thousands)
 def pipeline_split(num_layers: int, p: int, v: int = 1, first: int | None = None, last: int | None = None,
                    embedding: bool = False, loss: bool = False, first_dense: int = 0, period: int = 1) -> StageSplit:
     """The layers of each of the p x v pipeline chunks, as Megatron's get_num_layers_to_build splits them: the first

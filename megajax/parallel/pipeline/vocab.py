@@ -3,7 +3,7 @@
 Without it every pipeline rank holds the whole (tensor-sharded) embedding and output layer, though only the first
 stage embeds and only the last computes the logits: at a 128k vocabulary that is 1-2 B parameters, with their
 gradients, on every rank. With it, rank r of p holds rows [r V/p, (r + 1) V/p) of the (padded) vocabulary, split
-further over 'tensor' as before (sharding.VOCAB_OVER_PIPELINE), and the ranks run both ends in lock step, each on
+further over 'tensor' as before (step_plan.VOCAB_OVER_PIPELINE), and the ranks run both ends in lock step, each on
 its slice, in the ticks the schedule's table says the first chunk embeds or the last chunk's output reaches the head
 (the same table on every rank, so every rank takes the same branch and joins every collective):
 
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from megajax import model
 from megajax.parallel import step_plan
-from megajax.parallel.sharding import vary
+from megajax.parallel.step_plan import vary
 
 SLICED = (("embed", "embedding"), ("head", "output"))  # the weights a rank holds a slice of (the rest stay whole)
 

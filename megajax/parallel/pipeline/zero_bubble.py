@@ -19,7 +19,7 @@ from megajax.model import fp8
 from megajax.model import layers as layers_lib
 from megajax.parallel.pipeline.chunks import ChunkActions
 from megajax.parallel.pipeline.ticks import NONE
-from megajax.parallel.sharding import vary, varying_axes
+from megajax.parallel.step_plan import vary, varying_axes
 
 
 def split_weights(w: dict, taps: dict) -> tuple[dict, dict]:
