@@ -278,6 +278,7 @@ _FSDP_70B = ["parallel.data=8", "parallel.pipeline=1", "parallel.tensor=8", "mod
              "parallel.virtual_stages=1", "parallel.data_parallel_sharding_strategy=optim_grads_params"]
 _PRESETS, _FSDP = "2026-11-26-presets-after-activations", "2026-11-26-fsdp-after-keeps-inputs"
 _PIPELINES = "2026-11-27-pipeline-forward-in-place"  # (the pipelines compiled again after the forward's change)
+_ZERO3 = "2026-11-29-fsdp-embedding"  # (ZeRO-3 compiled again with the embedding and head sharded per micro batch)
 _70B_1F1B = ["parallel.schedule=1f1b", "parallel.virtual_stages=1"]
 # Programs compiled for 8 or 64 compile-only H100s, on both sides of XLA's scheduling limit: (the folder under
 # benchmarks/compile-only/, the row, the preset, GPUs, --set). Each report has its command.
@@ -297,19 +298,25 @@ COMPILED = [
         "parallel.overlap_param_gather=true"]),
     (_FSDP, "llama3-8b-16layers-zero2", "llama3-8b", 8, _HALF + [
         "parallel.data_parallel_sharding_strategy=optim_grads", "parallel.overlap_param_gather=true"]),
-    (_FSDP, "llama3-8b-16layers-zero3", "llama3-8b", 8,
+    (_ZERO3, "llama3-8b-16layers-zero3", "llama3-8b", 8,
      _HALF + ["parallel.data_parallel_sharding_strategy=optim_grads_params"]),
     (_FSDP, "llama3-8b-32layers-zero1", "llama3-8b", 8,
      NO_OVERLAPS + ["parallel.data_parallel_sharding_strategy=optim"]),
     (_FSDP, "llama3-8b-32layers-zero1-full", "llama3-8b", 8,
      NO_OVERLAPS + ["parallel.data_parallel_sharding_strategy=optim", "model.recompute=full"]),
-    (_FSDP, "llama3-8b-32layers-zero3", "llama3-8b", 8,
+    (_ZERO3, "llama3-8b-32layers-zero3", "llama3-8b", 8,
      NO_OVERLAPS + ["parallel.data_parallel_sharding_strategy=optim_grads_params"]),
-    (_FSDP, "llama3-8b-32layers-zero3-full", "llama3-8b", 8,
+    (_ZERO3, "llama3-8b-32layers-zero3-full", "llama3-8b", 8,
      NO_OVERLAPS + ["parallel.data_parallel_sharding_strategy=optim_grads_params", "model.recompute=full"]),
-    (_FSDP, "llama3-70b-64gpus-d8t8-fsdp-mb1", "llama3-70b", 64, _FSDP_70B + ["train.micro_batch_size=1"]),
-    (_FSDP, "llama3-70b-64gpus-d8t8-fsdp-mb2", "llama3-70b", 64, _FSDP_70B + ["train.micro_batch_size=2"]),
+    (_ZERO3, "llama3-70b-64gpus-d8t8-fsdp-mb1", "llama3-70b", 64, _FSDP_70B + ["train.micro_batch_size=1"]),
+    (_ZERO3, "llama3-70b-64gpus-d8t8-fsdp-mb2", "llama3-70b", 64, _FSDP_70B + ["train.micro_batch_size=2"]),
 ]
+
+
+# The audit's peak (arguments + outputs - aliases + temporaries) is not quite XLA's own count: a program this close
+# above the limit is one XLA fitted under it (it warned of no rematerialization short of the limit: the 32-layer
+# ZeRO-3 row, 60.71 GiB against 60.67)
+AT_LIMIT = 0.002
 
 
 def compiled_memory() -> list[dict]:
@@ -329,7 +336,7 @@ def compiled_memory() -> list[dict]:
                     "set": sets, "pipeline": cfg.parallel.pipeline, "xla_peak_gib": xla["peak_estimate_gib"],
                     "model_gib": model / 2**30, "xla_limit_gib": limit / 2**30,
                     "model_limit_gib": e.memory["scheduling_limit"] / 2**30,
-                    "xla_scheduled_for_memory": xla["peak_estimate_gib"] * 2**30 > limit,
+                    "xla_scheduled_for_memory": xla["peak_estimate_gib"] * 2**30 > limit * (1 + AT_LIMIT),
                     "model_scheduled_for_memory": e.scheduled_for_memory})
     return out
 

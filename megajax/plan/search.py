@@ -14,6 +14,7 @@ same bytes as an all-reduce), unless fixed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import time
 
@@ -189,9 +190,16 @@ def configure(base: Config, settings: dict, gpus: int) -> Config:
     for key, value in settings.items():
         section, name = key.split(".")
         sections[section][name] = value
-    cfg = dataclasses.replace(base, **{s: dataclasses.replace(getattr(base, s), **kw)
+    cfg = dataclasses.replace(base, **{s: _replaced(getattr(base, s), tuple(sorted(kw.items())))
                                        for s, kw in sections.items() if kw})
     return cfg.for_devices(gpus)
+
+
+@functools.lru_cache(maxsize=4096)
+def _replaced(section, items: tuple):
+    """A config section with `items` (KEYS' scalar values) set and checked: the search builds the same few model
+    and train sections for thousands of layouts."""
+    return dataclasses.replace(section, **dict(items))
 
 
 def search(base: Config, hw: Hardware, gpus: int, gpus_per_node: int, fixed: dict, keep: int = 20,
