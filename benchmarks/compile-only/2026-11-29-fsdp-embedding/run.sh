@@ -23,3 +23,5 @@ for mb in 1 2; do
     parallel.data_parallel_sharding_strategy=optim_grads_params parallel.schedule=1f1b parallel.virtual_stages=1 \
     > $out/llama3-70b-64gpus-d8t8-fsdp-mb$mb.json
 done
+# the DeepSeek-V3 preset as it is, 1024 GPUs (about 2 minutes)
+python -m megajax.audit --config configs/deepseek-v3.yaml --target h100 --devices 1024 > $out/deepseek-v3-preset.json
