@@ -271,12 +271,15 @@ def test_a_stopped_process_is_named_when_the_job_ends(tmp_path):
     assert "[launcher] behind: process 1 (last heard" in text and "stopped or hung outside Python" in text, text[-3000:]
 
 
+TEARDOWN_S = 2.0
+
+
 @pytest.mark.parametrize("second_restart", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_a_lost_process_restarts_on_the_ones_left_and_the_run_goes_on(tmp_path, second_restart):
     """2 processes x 4 devices (data 2 x tensor 4); kill -9 process 1 after step 5: the launcher starts the job
     again on 1 x 4, the run takes the planner's layout for 4 devices, resumes from its newest checkpoint and its
     losses are the uninterrupted run's. With a second restart (a hang the watchdog ends), the ledger over the three
-    attempts adds up to the wall time within 2%."""
+    attempts adds up to the wall time within 2% and the last process's teardown."""
     steps = 12 if second_restart else 10
     layout = ["parallel.data=2", "parallel.tensor=4", "parallel.sequence_parallel=true", "checkpoint.every=2",
               f"optim.decay_steps={steps}"]
@@ -305,7 +308,9 @@ def test_a_lost_process_restarts_on_the_ones_left_and_the_run_goes_on(tmp_path, 
     assert [r["processes"] for r in acct["attempts"]][:2] == [2, 1]
     assert acct["total"]["down"] > 0 and acct["total"]["step"] > 0
     assert acct["accounted_s"] == pytest.approx(acct["wall_s"], rel=1e-6)
-    assert acct["wall_s"] == pytest.approx(wall, rel=0.02), (acct["wall_s"], wall)
+    # (the last process's interpreter teardown after its ledger's last write, which no ledger can record: 0.7 s on an
+    # idle 2-core machine, up to 1.6 s with the suite beside it)
+    assert acct["wall_s"] == pytest.approx(wall, abs=0.02 * wall + TEARDOWN_S), (acct["wall_s"], wall)
     last = [json.loads(line) for line in open(run / "metrics.jsonl") if '"goodput"' in line][-1]
     assert 0 < last["goodput"] < 1 and last["time_step_s"] > 0
 
