@@ -126,14 +126,14 @@ class StepSetup:
     def gradient_bytes_per_device(self) -> int:
         """Bytes of the gradient one device accumulates over a step's micro batches (in the weights' dtype): the
         whole gradient of the weights it computes with, or with ZeRO-2 and ZeRO-3 (StepPlan.shard_grads) the
-        layers' optimizer shards, and the embedding's and head's too with ZeRO-3 without a pipeline (else those
-        are summed whole: engines.sharded_grads)."""
+        layers' optimizer shards, and the embedding's and head's too where StepPlan.shard_ends (else those are
+        summed whole)."""
         mesh = dict(self.mesh.shape)
         is_none = lambda x: x is None  # noqa: E731
 
         def one(path, a, z, names):
             spec = _layout_spec(self.plan, names)
-            sharded = getattr(path[0], "key", "") == "layers" or (self.plan.shard_params and not self.plan.pipelined)
+            sharded = getattr(path[0], "key", "") == "layers" or self.plan.shard_ends
             if self.plan.shard_grads and z is not None and z.data_only and sharded:
                 spec = optim.zero_spec(spec, z, a.ndim)
                 shape = list(a.shape)

@@ -133,7 +133,7 @@ def sharded_grads(cfg: Config, params, batch: dict, seed_scale: jax.Array, reduc
         return {k: jax.tree.map(lambda r: dataclasses.replace(r, **change), v) if k != "layers" or layers else v
                 for k, v in tree.items()}
 
-    ends_once = not plan.shard_params  # ZeRO-2: the embedding's and head's gradients reduced after the micro batches
+    ends_once = not plan.shard_ends  # ZeRO-2: the embedding's and head's gradients reduced after the micro batches
     if ends_once:
         reductions = changed(reductions, local=True)
     weights, grads, first = params, None, 0

@@ -31,6 +31,7 @@ What the plan holds, and who reads it:
 | gather_in_forward | the weights kept as optimizer shards, gathered under the next forward | step, ticks |
 | shard_grads | ZeRO-2/3: every micro batch's gradients reduce-scattered in its backward, summed as shards | step |
 | shard_params | ZeRO-3: the weights kept as shards, gathered by layer in each forward and backward | step, overlap |
+| shard_ends | ZeRO-3 without a pipeline: the embedding and head sharded like the layers, in every micro batch | engines, step, the planner's memory |
 | platform | the platform of the mesh's devices ("cpu", "gpu"), set by `step.build`; None where the step is lowered for another (an export) | `platform_dependent`: the kernels, collective matmuls, MoE, the loss; `sharding.CollectiveOrder` (CPU) |
 | unroll_layers | every loop over layers unrolled in the program (model.scan_layers, or its auto rule) | model.scan_layers, the planner |
 
@@ -102,6 +103,13 @@ class StepPlan:
     @property
     def pipelined(self) -> bool:
         return self.pipeline > 1
+
+    @property
+    def shard_ends(self) -> bool:
+        """ZeRO-3 without a pipeline: the embedding, final norm and output layer gathered in every micro batch and
+        their gradients reduce-scattered in its backward, like the layers' (else summed whole over the micro batches
+        and reduced once, engines.sharded_grads; a pipeline keeps them whole on the ranks that use them)."""
+        return self.shard_params and not self.pipelined
 
     @property
     def engine(self) -> str:

@@ -109,8 +109,8 @@ def per_gpu(hw: Hardware, L: Layout, params: dict, in_flight: int) -> dict:
     else:
         weights = 4 * n + cast
     # ZeRO-2/3 reduce-scatter the layers' gradients into their shards; the embedding's and output layer's stay
-    # whole but with ZeRO-3 without a pipeline (StepSetup.gradient_bytes_per_device)
-    whole = 0.0 if par.shards_params and L.pp == 1 else ends
+    # whole but where StepPlan.shard_ends (StepSetup.gradient_bytes_per_device)
+    whole = 0.0 if L.plan.shard_ends else ends
     grads = 4 * (shard(n - whole) + whole if par.shards_grads else n) * (
         2 if par.overlap_grad_reduce and L.m > 1 else 1)
     optimizer = 8 * (shard(n) if par.shards_optimizer else n)
