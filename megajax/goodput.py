@@ -94,11 +94,11 @@ class Ledger:
         with self._lock:
             return self.kind, self.clock() - self.since, self.step
 
-    def totals(self) -> dict:
-        """Seconds by kind with the open segment counted up to now."""
+    def totals(self, now: float | None = None) -> dict:
+        """Seconds by kind with the open segment counted up to `now` (this clock's time; None: the time now)."""
         with self._lock:
             out = dict(self.seconds)
-            out[self.kind] += self.clock() - self.since
+            out[self.kind] += (self.clock() if now is None else now) - self.since
             return out
 
     def metrics(self) -> dict:
@@ -126,8 +126,8 @@ class Ledger:
         """Replaces this process's ledger file (atomically) with the totals up to now."""
         if self.path is None:
             return
-        now = self.clock()
-        record = {**self.identity, "start": self.start, "written": now, "seconds": self.totals(),
+        now = self.clock()  # one reading: the record's seconds add up to written - start exactly
+        record = {**self.identity, "start": self.start, "written": now, "seconds": self.totals(now),
                   "first_step": self.first_step, "step": self.step, "redo_until": self.redo_until}
         replace_json(self.path, record)
 

@@ -65,6 +65,25 @@ def test_ledger_counts_every_second_once_and_the_account_spans_attempts(tmp_path
     assert goodput.main([str(tmp_path / "nothing")]) == 2
 
 
+def test_a_written_ledger_adds_up_to_its_own_span_on_a_moving_clock(tmp_path):
+    """The record's seconds and its `written` come from one clock reading: on a clock that moves at every read, the
+    seconds still add up to written - start exactly (two readings left them apart by the time between them)."""
+    class Ticking(Clock):
+        def __call__(self):
+            self.t += 0.125
+            return self.t
+
+    ledger = goodput.Ledger(start=1000.0, clock=Ticking())
+    ledger.attach(tmp_path, attempt=1, process=0)
+    for kind in ("compile", "step", "checkpoint"):
+        ledger.switch(kind)
+    ledger.write()
+    (record,) = goodput.read_ledgers(tmp_path)
+    assert sum(record["seconds"].values()) == record["written"] - record["start"]
+    acct = goodput.account(tmp_path)
+    assert acct["accounted_s"] == acct["wall_s"]
+
+
 def _beat(process, step, kind, t, attempt=1, open_s=30.0):
     return {"process": process, "attempt": attempt, "pid": 100 + process, "host": "h", "time": t, "kind": kind,
             "open_s": open_s, "step": step, "first_step": 0}
