@@ -131,10 +131,10 @@ STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")  # zero 
 
 def zeros(d: int, p: int, schedule: str) -> tuple[int, ...]:
     """The ZeRO levels (STRATEGIES' indices) at data size d: ZeRO-2 and ZeRO-3 without a pipeline and on the schedules
-    that reduce inside their backwards (1f1b, interleaved)."""
+    that reduce inside their backwards (all but GPipe)."""
     if d == 1:
         return (0,)
-    return (0, 1, 2, 3) if p == 1 or schedule in ("1f1b", "interleaved") else (0, 1)
+    return (0, 1, 2, 3) if p == 1 or schedule != "gpipe" else (0, 1)
 
 
 def instances(d: int, ep: int, zero: int) -> tuple[int, ...]:

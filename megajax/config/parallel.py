@@ -181,11 +181,10 @@ class ParallelConfig:
             "parallel.overlap_grad_reduce=true (or parallel.overlap_param_gather=false)",
         )
         check(
-            not self.shards_grads or self.pipeline == 1 or self.schedule in ("1f1b", "interleaved"),
+            not self.shards_grads or self.pipeline == 1 or self.schedule != "gpipe",
             f"parallel.data_parallel_sharding_strategy={self.data_parallel_sharding_strategy} reduce-scatters the "
-            f"gradients in every backward of a chunk, which the {self.schedule} schedule does not run as one step "
-            f"(GPipe differentiates its whole forward, zero_bubble splits off the weight gradients): use "
-            f"parallel.schedule=1f1b or interleaved",
+            f"gradients in every backward of a chunk, which the gpipe schedule does not run as one step (it "
+            f"differentiates its whole forward): use parallel.schedule=1f1b, interleaved or zero_bubble",
         )
         check(
             not self.tp_comm_overlap or self.sequence_parallel,

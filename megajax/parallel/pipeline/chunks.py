@@ -54,6 +54,8 @@ class ChunkActions:
     """What one rank can do with one (local chunk, micro batch) in a tick: the branches of the forward,
     recompute and backward switches, by where the chunk sits in the model (NONE / FIRST / MID / LAST)."""
 
+    REDUCING_PULLBACK = True  # with reductions, a FINAL backward runs a pullback whose hooks reduce (not zero_bubble)
+
     def __init__(self, cfg: Config, layers, shared, mbs, seed_scale, act_shape, act_dtype, reductions=None):
         self.cfg, self.mcfg = cfg, cfg.model
         self.layers, self.shared, self.mbs, self.seed_scale = layers, shared, mbs, seed_scale
@@ -194,7 +196,7 @@ class ChunkActions:
         elif avals != self._res_avals:
             raise AssertionError("the chunk's residuals differ between the forward and the recompute")
         self._res_tree = tree  # the backward unflattens with the latest trace's (the same function)
-        if self.reductions is not None and self._res_tree_final is None:
+        if self.reductions is not None and self.REDUCING_PULLBACK and self._res_tree_final is None:
             def final_leaves():
                 leaves, self._res_tree_final = jax.tree.flatten(self.linearize(w, x, side, at, reduce=True)[1])
                 return leaves

@@ -99,15 +99,15 @@ def pipeline_grads(cfg: Config, params: dict, batch: dict, seed_scale: jax.Array
     mbs = vary(micro_batches(batch, m))
     act_shape = (batch["tokens"].shape[0] // m, batch["tokens"].shape[1], cfg.model.hidden_size)
     act_dtype = jnp.dtype(cfg.model.compute_dtype)
-    if sched.split_backward:
-        assert reductions is None, "zero_bubble reduces its gradients after the schedule"
-        acts = SplitChunkActions(cfg, layers, shared, mbs, vary(seed_scale), act_shape, act_dtype)
+    block = None if reductions is None else reductions["block"]
+    if sched.split_backward:  # (reductions: ZeRO-2/3, whose B and W each reduce what they compute)
+        assert reductions is None or every, "zero_bubble reduces in its backwards only under ZeRO-2/3"
+        acts = SplitChunkActions(cfg, layers, shared, mbs, vary(seed_scale), act_shape, act_dtype, block)
     else:
-        acts = ChunkActions(cfg, layers, shared, mbs, vary(seed_scale), act_shape, act_dtype,
-                             None if reductions is None else reductions["block"])
-        if gathering:  # the whole weights, gathered into the carry's `whole` as the plan says
-            layers = acts.whole_zeros()
-            acts.layers = layers
+        acts = ChunkActions(cfg, layers, shared, mbs, vary(seed_scale), act_shape, act_dtype, block)
+    if gathering:  # the whole weights, gathered into the carry's `whole` as the plan says
+        layers = acts.whole_zeros()
+        acts.layers = layers
     carry = _first_carry(acts, layers, shared, sched, act_shape, act_dtype, reductions, every, gathering)
     carry = _fenced(_run_segments(acts, segments, table, kinds, p, v, carry))
     grads = vocab.sum_shared(carry["g_shared"], plan.vocab_over_pipeline)
@@ -254,15 +254,15 @@ def _tick(acts: ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, r
     # forward's switches so that only the branches with something to add touch them.
     split = "dys" in carry
     if split:  # the weight gradients of the last backward, before R or F replace its residuals
+        into = "g_final" if "g_final" in carry else "g_layers"  # (ZeRO-2/3: reduced onto their shards)
         with named("w"):
-            carry["g_layers"] = order.switch(row["w_kind"], [acts.weight_branch(k) for k in seg.w], carry["res"],
-                                             carry["dys"], carry["g_layers"], row)
-    extra = "dys" if split else "g_final" if "g_final" in carry else None
+            carry[into] = order.switch(row["w_kind"], [acts.weight_branch(k) for k in seg.w], carry["res"],
+                                       carry["dys"], carry[into], row)
+    extras = (("dys",) if split else ()) + (("g_final",) if "g_final" in carry else ())
     b_out = backward(acts, seg, row, scope, order, carry["res"], carry["grad"][row["b_grad_slot"]],
-                     carry["g_layers"], carry["g_shared"], *((carry[extra],) if extra else ()), first_row=first_row)
+                     carry["g_layers"], carry["g_shared"], *(carry[k] for k in extras), first_row=first_row)
     send_grad, carry["g_layers"], carry["g_shared"] = b_out[:3]
-    if extra:
-        carry[extra] = b_out[3]
+    carry.update(zip(extras, b_out[3:]))
     # The recompute reads its stash before the forward may reuse the slot; the last chunk's forward that keeps its
     # residuals (LAST_KEEP) runs in the same switch (never beside a recompute) and reads the forward's slot. The
     # residuals come out of that switch alone (zeros when it has nothing to keep: the backward above has read the

@@ -101,28 +101,48 @@ class SplitChunkActions(ChunkActions):
         y, pullback, inputs = split_linearize(self.mcfg, w, x, taps, side, *self.slots(at))
         return y, (pullback, inputs)
 
+    REDUCING_PULLBACK = False  # (ZeRO-2/3: B and W reduce the gradients they compute, `_reduced`)
+
     def backward_branch(self, final: bool):
-        """(residuals, g, g_layers, g_shared, dys, row) -> (the input gradient, g_layers, g_shared, dys): the
-        input gradient, the small parameters' gradients and the taps' gradients (the new dys). (No FINAL kinds:
-        zero_bubble reduces after the schedule.)"""
-        def run(res, g, g_layers, g_shared, dys, row):
+        """(residuals, g, g_layers, g_shared, dys[, g_final], row) -> (the input gradient, g_layers, g_shared,
+        dys[, g_final]): the input gradient, the small parameters' gradients and the taps' gradients (the new
+        dys). The small parameters' gradients go to g_layers, or under ZeRO-2/3 (FINAL: every backward) onto
+        their shards in g_final."""
+        def run(res, g, g_layers, g_shared, dys, *rest):
+            *g_final, row = rest
             pullback, _ = jax.tree.unflatten(self._res_tree, res)
             dx, dys, dsmall = pullback(g)
-            g_layers = self._accumulate(g_layers, dsmall, row["b_chunk"])
-            return vary((dx.astype(g.dtype), g_layers, g_shared, dys))
+            if final:
+                g_final = [self._reduced(g_final[0], dsmall, row["b_chunk"])]
+            else:
+                g_layers = self._accumulate(g_layers, dsmall, row["b_chunk"])
+            return (*vary((dx.astype(g.dtype), g_layers, g_shared, dys)), *g_final)
 
         return run
 
     def weight_branch(self, kind):
-        """(residuals, dys, g_layers, row) -> g_layers plus the weight gradients of the last backward."""
-        def run(res, dys, g_layers, row):
+        """(residuals, dys, acc, row) -> acc plus the weight gradients of the last backward: acc is g_layers, or
+        under ZeRO-2/3 g_final, onto whose shards they are reduce-scattered."""
+        def run(res, dys, acc, row):
             if kind == NONE:
-                return vary(g_layers)
+                return acc if self.reductions is not None else vary(acc)
             _, inputs = jax.tree.unflatten(self._res_tree, res)
             dw = split_weight_grads(self.chunk(row, "w_")[0], inputs, dys, self.mcfg)
-            return vary(self._accumulate(g_layers, dw, row["w_chunk"]))
+            if self.reductions is not None:
+                return self._reduced(acc, dw, row["w_chunk"])
+            return vary(self._accumulate(acc, dw, row["w_chunk"]))
 
         return run
+
+    def _reduced(self, g_final, flat_grads, c):
+        """g_final ([v, Lc, ...] per weight, as the reductions leave it) with the flat {path: [Lc, ...]} gradients of
+        local chunk c reduced over the data ranks (`overlap.Reduction`: ZeRO-2/3's reduce-scatter) and added."""
+        reductions = flax.traverse_util.flatten_dict(self.run_reductions)
+        flat = flax.traverse_util.flatten_dict(g_final)
+        for k, d in flat_grads.items():
+            r = reductions[k]
+            flat[k] = flat[k].at[c].add(vary(r(d.astype(jnp.float32)), r.result_axes()))
+        return flax.traverse_util.unflatten_dict(flat)
 
     @staticmethod
     def _accumulate(g_layers, flat_grads, c):
