@@ -1,12 +1,10 @@
 """Fully sharded data parallelism (parallel.data_parallel_sharding_strategy optim_grads and optim_grads_params)
 beyond tests/test_layouts.py's matrix (which has ZeRO-2 and ZeRO-3 with tensor and sequence parallelism and experts):
-with context parallelism (and hybrid sharding over it), FP8, full recomputation, padded shards and data 1 on a pipeline,
-each equal to one device;
+with context parallelism (and hybrid sharding over it), FP8, full recomputation, padded shards, the zero-bubble
+schedule and data 1 on a pipeline, each equal to one device; what the zero-bubble schedule keeps under ZeRO-2;
 and the config's refusals."""
 
 from __future__ import annotations
-
-import itertools
 
 import numpy as np
 import pytest
@@ -29,6 +27,10 @@ CASES = {
     "pipeline-data1-zero2": ({"parallel.data": 1, "parallel.pipeline": 2, "parallel.tensor": 2,
                               "parallel.data_parallel_sharding_strategy": "optim_grads", "train.micro_batch_size": 6},
                              {"model.num_layers": 4}),
+    # the zero-bubble schedule, two chunks a rank: B and W reduce-scatter what they compute, the weights gathered in
+    # the idle ticks before each rank's first forward
+    "zero-bubble": ({"parallel.data": 2, "parallel.pipeline": 2, "parallel.schedule": "zero_bubble",
+                     "parallel.virtual_stages": 2, "train.micro_batch_size": 3}, {"model.num_layers": 4}),
     "recompute-full-zero2": ({"parallel.data": 2, "parallel.tensor": 2, "parallel.sequence_parallel": True,
                               "parallel.data_parallel_sharding_strategy": "optim_grads", "train.micro_batch_size": 2},
                              {"model.recompute": "full"}),
@@ -63,10 +65,12 @@ def test_the_strategy_resolves_and_refuses_what_it_cannot_run():
     zero3 = small_config(**ZERO3).parallel
     assert zero3.shards_optimizer and zero3.shards_grads and zero3.shards_params
     assert small_config(**ZERO3, **{"parallel.pipeline": 2}).parallel.shards_params  # (gathered in the ticks)
-    for schedule, strategy in itertools.product(("gpipe", "zero_bubble"), ("optim_grads", "optim_grads_params")):
-        with pytest.raises(ConfigError, match="parallel.schedule=1f1b or interleaved"):
+    for strategy in ("optim_grads", "optim_grads_params"):
+        with pytest.raises(ConfigError, match="parallel.schedule=1f1b, interleaved or zero_bubble"):
             small_config(**{"parallel.data_parallel_sharding_strategy": strategy, "parallel.pipeline": 2,
-                            "parallel.schedule": schedule})
+                            "parallel.schedule": "gpipe"})
+        assert small_config(**{"parallel.data_parallel_sharding_strategy": strategy, "parallel.pipeline": 2,
+                               "parallel.schedule": "zero_bubble"}).parallel.shards_grads
     # hybrid sharding: instances of something sharded, dividing the data ranks, each with more than one rank
     hybrid = {**ZERO3, "parallel.data": 8, "parallel.num_distributed_optimizer_instances": 2}
     assert small_config(**hybrid).parallel.num_distributed_optimizer_instances == 2
@@ -106,3 +110,27 @@ def test_zero3_carries_the_embedding_and_head_gradients_as_shards(strategy):
     total = sum(x.size * 4 for x in jax.tree.leaves(state.params))
     expected = (total - ends) / 4 + ends if whole else total / 4
     assert setup.gradient_bytes_per_device() == pytest.approx(expected, rel=0.02)
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads"])
+def test_zero2_on_the_zero_bubble_schedule_keeps_no_whole_gradient(strategy):
+    """Under the zero-bubble schedule ZeRO-2's ticks carry each layer weight's gradient as its shard only (B and W
+    reduce-scatter what they compute); ZeRO-1's carry the rank's whole fp32 gradients through the schedule. Traced
+    on data 2 x pipeline 2."""
+    import jax
+
+    from conftest import jaxpr_eqns
+    from megajax import audit, step as step_lib
+
+    cfg = small_config(**{**BASE, "model.num_layers": 4, "parallel.data": 2, "parallel.pipeline": 2,
+                          "parallel.schedule": "zero_bubble", "train.micro_batch_size": 3,
+                          "parallel.data_parallel_sharding_strategy": strategy})
+    cfg, mesh, setup, state, batch = audit.abstract_step(cfg, jax.devices()[:4])
+    with jax.set_mesh(mesh):
+        jaxpr = step_lib.jit_train_step(setup).trace(state, batch).jaxpr
+    m = cfg.model
+    # the MLP's down projection of the rank's chunk, [v, Lc, ffn, hidden], as a whole fp32 gradient
+    whole = (1, m.num_layers // 2, m.ffn_hidden_size, m.hidden_size)
+    carried = {(tuple(v.aval.shape), str(v.aval.dtype)) for e in jaxpr_eqns(jaxpr.jaxpr)
+               if e.primitive.name == "scan" for v in e.outvars}
+    assert ((whole, "float32") in carried) == (strategy == "optim"), sorted(carried)

@@ -71,8 +71,8 @@ class ParallelConfig:
     # the gradients, reduce-scattered layer by layer in every micro batch's backward (ZeRO-2); optim_grads_params =
     # also the weights, each layer's all-gathered before its forward and again for its backward (ZeRO-3, fully
     # sharded data parallelism; with a pipeline, each rank's layers are gathered once a step in its schedule's idle
-    # ticks and kept for the step, as torchtitan keeps them unsharded between micro batches under pipelining). The
-    # old key parallel.distributed_optimizer=true still reads as optim.
+    # ticks and kept for the step, as torchtitan keeps them unsharded between micro batches under pipelining; ZeRO-2
+    # and 3 run on every schedule but gpipe). The old key parallel.distributed_optimizer=true still reads as optim.
     data_parallel_sharding_strategy: Literal["no_shard", "optim", "optim_grads", "optim_grads_params"] = "no_shard"
     # Hybrid sharding (Megatron's --num-distributed-optimizer-instances, torchtitan's data_parallel_replicate_degree;
     # HSDP): the data ranks split into this many instances (outer: across nodes), each of which shards what the
