@@ -38,7 +38,8 @@ sends), or, on a rank with none, in the backward that ends each chunk (kind FINA
 (overlap.tapped_identity; the same residuals, unflattened into the pullback whose hooks reduce). The reduced
 gradients go to `g_final`.
 ZeRO-2 (data_parallel_sharding_strategy=optim_grads): every backward is FINAL, and g_final sums the reduced shards
-of the micro batches (no whole gradient is kept).
+of the micro batches (no whole gradient is kept); under zero_bubble B reduces the small parameters' gradients and W
+the weight matmuls', each in its own tick (zero_bubble.py).
 parallel.overlap_param_gather, the mirror: the layers' weights arrive as their optimizer shards, and each rank
 all-gathers them into the carry's `whole` (what every action reads) before their first forward (`ticks._gathers`): in
 runs of layers in the idle ticks before its first forward (G, after the tick's sends), or, on a rank with none (rank

@@ -2,8 +2,9 @@
 gradient only (and the norms' and biases' gradients), sent at once, and W the weight gradients from each weight
 matmul's kept input and the output gradient B found for it (model.layers.weight_einsum's taps), run in the rank's
 next tick, first in it (executor._tick). `SplitChunkActions` changes the chunk actions' (chunks.py) backward and
-the linearization its recompute keeps, and adds W. `split_linearize`, `split_weight_grads` and `zero_taps` are
-also what scripts/bench_split_backward.py times.
+the linearization its recompute keeps, and adds W. Under ZeRO-2/3 each of B and W reduce-scatters the gradients
+it computes onto their shards (`SplitChunkActions._reduced`). `split_linearize`, `split_weight_grads` and
+`zero_taps` are also what scripts/bench_split_backward.py times.
 """
 
 from __future__ import annotations
