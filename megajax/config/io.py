@@ -70,7 +70,8 @@ def _unknown_key(path: str, key: str, known: list[str], what: str) -> str:
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Checks (and gently converts) `value` to the annotated type `tp`."""
+    """Checks (and gently converts) `value` to the annotated type `tp`. (Each message is formatted only on a failure:
+    a config is built for every layout a planner or a test enumerates.)"""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -87,19 +88,22 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         raise ConfigError(errors[0] if errors else f"{where}: bad value {short(value)}")
     if origin is Literal:
         choices = typing.get_args(tp)
-        check(value in choices, f"{where}={short(value)} is not one of {', '.join(map(str, choices))}")
+        if value not in choices:
+            raise ConfigError(f"{where}={short(value)} is not one of {', '.join(map(str, choices))}")
         return value
     if origin is list:
-        check(isinstance(value, (list, tuple)), f"{where} must be a list, got {short(value)}")
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where} must be a list, got {short(value)}")
         return list(value)
     if tp is Any:
         return value
     if tp is bool:
-        check(isinstance(value, bool), f"{where} must be true or false, got {short(value)}")
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false, got {short(value)}")
         return value
     if tp is int:
-        check(isinstance(value, int) and not isinstance(value, bool),
-              f"{where} must be an integer, got {short(value)}")
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"{where} must be an integer, got {short(value)}")
         return value
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
@@ -107,11 +111,12 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 return float(value)
             except ValueError:
                 pass
-        check(isinstance(value, (int, float)) and not isinstance(value, bool),
-              f"{where} must be a number, got {short(value)}")
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{where} must be a number, got {short(value)}")
         return float(value)
     if tp is str:
-        check(isinstance(value, str), f"{where} must be a string, got {short(value)}")
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} must be a string, got {short(value)}")
         return value
     raise ConfigError(f"{where}: unsupported type {tp}")
 
