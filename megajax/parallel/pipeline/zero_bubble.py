@@ -89,6 +89,8 @@ class SplitChunkActions(ChunkActions):
     gradients and the taps' gradients (each weight matmul's output gradient, kept in `dys`); W turns those and
     the kept matmul inputs into the weight gradients, one matmul per weight."""
 
+    REDUCING_PULLBACK = False  # (ZeRO-2/3: B and W reduce the gradients they compute, `_reduced`)
+
     def zero_dys(self):
         """Zeros shaped like the chunk's taps [Lc, ...] (their gradients, kept between B and W)."""
         row = {"f_chunk": jnp.zeros((), jnp.int32), "f_micro": jnp.zeros((), jnp.int32)}
@@ -101,8 +103,6 @@ class SplitChunkActions(ChunkActions):
         taps = vary(zero_taps(self.mcfg, w, x, side))
         y, pullback, inputs = split_linearize(self.mcfg, w, x, taps, side, *self.slots(at))
         return y, (pullback, inputs)
-
-    REDUCING_PULLBACK = False  # (ZeRO-2/3: B and W reduce the gradients they compute, `_reduced`)
 
     def backward_branch(self, final: bool):
         """(residuals, g, g_layers, g_shared, dys[, g_final], row) -> (the input gradient, g_layers, g_shared,
@@ -139,16 +139,22 @@ class SplitChunkActions(ChunkActions):
         """g_final ([v, Lc, ...] per weight, as the reductions leave it) with the flat {path: [Lc, ...]} gradients of
         local chunk c reduced over the data ranks (`overlap.Reduction`: ZeRO-2/3's reduce-scatter) and added."""
         reductions = flax.traverse_util.flatten_dict(self.run_reductions)
-        flat = flax.traverse_util.flatten_dict(g_final)
-        for k, d in flat_grads.items():
-            r = reductions[k]
-            flat[k] = flat[k].at[c].add(vary(r(d.astype(jnp.float32)), r.result_axes()))
-        return flax.traverse_util.unflatten_dict(flat)
+
+        def reduced(k, d):
+            return vary(reductions[k](d.astype(jnp.float32)), reductions[k].result_axes())
+
+        return _added_at(g_final, flat_grads, c, reduced)
 
     @staticmethod
     def _accumulate(g_layers, flat_grads, c):
         """g_layers (fp32 [v, Lc, ...]) with the flat {path: [Lc, ...]} gradients added at local chunk c."""
-        flat = flax.traverse_util.flatten_dict(g_layers["block"])
-        for k, d in flat_grads.items():
-            flat[k] = flat[k].at[c].add(d.astype(jnp.float32))
-        return {"block": flax.traverse_util.unflatten_dict(flat)}
+        return {"block": _added_at(g_layers["block"], flat_grads, c, lambda k, d: d.astype(jnp.float32))}
+
+
+def _added_at(tree: dict, flat_grads: dict, c, each) -> dict:
+    """tree (per weight [v, Lc, ...]) with each(path, gradient) of the flat {path: [Lc, ...]} gradients added at local
+    chunk c."""
+    flat = flax.traverse_util.flatten_dict(tree)
+    for k, d in flat_grads.items():
+        flat[k] = flat[k].at[c].add(each(k, d))
+    return flax.traverse_util.unflatten_dict(flat)
