@@ -83,7 +83,9 @@ def _ring(c: int, impl: str):
                                              pytest.param(4, "xla", "all_gather", marks=pytest.mark.slow),
                                              pytest.param(2, "pallas", "ring", marks=pytest.mark.slow),
                                              (4, "pallas", "all_gather"), (4, "xla", "a2a"),
-                                             pytest.param(2, "pallas", "a2a", marks=pytest.mark.slow)])
+                                             pytest.param(2, "pallas", "a2a", marks=pytest.mark.slow),
+                                             (4, "xla", "a2a+ring"), (8, "pallas", "a2a+ring"),
+                                             pytest.param(8, "xla", "a2a+ring", marks=pytest.mark.slow)])
 def test_ring_attention_equals_whole_sequence_attention(c, impl, exchange):
     b, s, h, g, d = 2, 8 * c, 4, 2, 8
     keys = jax.random.split(jax.random.key(c), 5)
@@ -101,8 +103,12 @@ def test_ring_attention_equals_whole_sequence_attention(c, impl, exchange):
         return (out, *vjp(do))
 
     # as in the train step: jitted, under the mesh the kernels' region reads and a step plan with 'context' manual
-    # (a2a: 2 key-value heads over 4 context ranks, repeated to the 4 query heads)
-    with jax.set_mesh(_mesh(c)), step_plan.use(StepPlan(context=c, manual=("context",), context_comm=exchange)):
+    # (a2a: 2 key-value heads over 4 context ranks, repeated to the 4 query heads; a2a+ring: all-to-alls in groups
+    # of 2, a ring of c / 2 across them, or at c = 8 with the Pallas blocks groups of 4 and a ring of 2, the keys
+    # and values repeated)
+    n = (4 if impl == "pallas" else 2) if exchange == "a2a+ring" else 1
+    plan = StepPlan(context=c, manual=("context",), context_comm=exchange, context_a2a=n)
+    with jax.set_mesh(_mesh(c)), step_plan.use(plan):
         got = jax.jit(lambda *a: value_and_grads(ring, *a))(q, k, v, do)
     want = value_and_grads(reference, q, k, v, do)
     for name, a, w in zip(("o", "dq", "dk", "dv"), got, want):
@@ -145,14 +151,17 @@ def context_space() -> list[dict]:
         if c * d * p * t > 8:
             continue
         for arch, sp, comm, schedule in itertools.product(
-                ARCHS, (False, True) if t > 1 else (False,), ("auto", "ring", "all_gather", "a2a") if p == 1 else
-                ("auto", "all_gather", "a2a"), ("1f1b", "interleaved", "zero_bubble", "gpipe") if p > 1 else ("1f1b",)):
-            if comm == "a2a" and ARCHS[arch]["model.num_heads"] % (c * t):
-                continue  # (the heads split over tensor x context)
+                ARCHS, (False, True) if t > 1 else (False,), ("auto", "ring", "all_gather", "a2a", "a2a+ring")
+                if p == 1 else ("auto", "all_gather", "a2a"),
+                ("1f1b", "interleaved", "zero_bubble", "gpipe") if p > 1 else ("1f1b",)):
+            groups = c if comm == "a2a" else 2 if comm == "a2a+ring" else 1
+            if ARCHS[arch]["model.num_heads"] % (groups * t) or (comm == "a2a+ring" and c == 2):
+                continue  # (the heads split over tensor x the all-to-all group; a2a+ring needs 2 groups or more)
             out.append({"arch": arch, "n": c * d * p * t, "sets": {
                 **SIZE, **ARCHS[arch], "model.seq_length": 64, "parallel.context": c, "parallel.data": d,
                 "parallel.pipeline": p, "parallel.tensor": t, "parallel.sequence_parallel": sp,
                 "parallel.context_comm": comm, "parallel.schedule": schedule,
+                "parallel.context_a2a_size": 2 if comm == "a2a+ring" else None,
                 "parallel.virtual_stages": 2 if schedule == "interleaved" else 1,
                 "train.micro_batch_size": 8 // (d * p) if p > 1 else 8 // d}})
     return out
@@ -176,6 +185,15 @@ def test_the_context_space_is_accepted():
     ({"parallel.context": 2, "model.num_experts": 4}, "parallel.context=1"),
     ({"parallel.context": 2, "model.attention_impl": "cudnn"}, "pallas or xla"),
     ({"parallel.context": 4, "parallel.tensor": 2, "parallel.context_comm": "a2a"}, "must divide by parallel.tensor"),
+    ({"parallel.context": 2, "parallel.pipeline": 2, "parallel.context_comm": "a2a+ring"}, "context_comm=a2a or"),
+    ({"parallel.context": 4, "parallel.context_a2a_size": 2}, "context_comm=a2a\\+ring: set that"),
+    ({"parallel.context": 4, "parallel.context_comm": "a2a+ring", "parallel.context_a2a_size": 4}, "1 is ring"),
+    ({"parallel.context": 8, "parallel.context_comm": "a2a+ring", "parallel.context_a2a_size": 3}, "must divide"),
+    ({"parallel.context": 8, "parallel.context_comm": "a2a+ring", "parallel.context_a2a_size": 8, "model.num_heads": 8,
+      "model.seq_length": 64}, "lie between 1 and it"),
+    ({"parallel.context": 4, "parallel.tensor": 2, "parallel.context_comm": "a2a+ring", "parallel.context_a2a_size": 2,
+      "model.num_heads": 2}, "a divisor of 4 that it does"),
+    ({"parallel.context": 4, "parallel.context_comm": "a2a+ring", "model.attention_impl": "cudnn"}, "pallas or xla"),
     ({"data.reset_attention_mask": True, "model.attention_impl": "cudnn"}, "pallas or xla"),
 ])
 def test_bad_context_layouts_name_the_fix(sets, fix):
@@ -210,8 +228,21 @@ LAYOUTS = {
     "llama-c4-a2a-packed-documents": ("llama", 4, {"parallel.context": 4, "parallel.context_comm": "a2a",
                                                    "model.seq_length": 128, "data.reset_attention_mask": True,
                                                    "data.reset_position_ids": True}),
+    # hierarchical: all-to-alls in groups of 2 adjacent ranks, a ring of 2 across them, packed documents (-m slow:
+    # with tensor and sequence parallelism and the Pallas blocks, ZeRO-3 with MLA, groups of 4 with recomputation)
+    "gpt2-c4-a2a+ring-packed-documents": ("gpt2", 4, {"parallel.context": 4, "parallel.context_comm": "a2a+ring",
+                                                      "model.seq_length": 64, "data.reset_attention_mask": True}),
 }
 SLOW_LAYOUTS = {
+    "llama-c4t2-a2a+ring-sp-pallas": ("llama", 8, {
+        "parallel.context": 4, "parallel.tensor": 2, "parallel.context_comm": "a2a+ring",
+        "parallel.sequence_parallel": True, "model.attention_impl": "pallas"}),
+    "deepseek-d2c4-a2a+ring-zero3": ("deepseek", 8, {
+        "parallel.data": 2, "parallel.context": 4, "parallel.context_comm": "a2a+ring",
+        "parallel.data_parallel_sharding_strategy": "optim_grads_params"}),
+    "gpt2-c8-a2a+ring-groups-of-4-full-recompute": ("gpt2", 8, {
+        "parallel.context": 8, "parallel.context_comm": "a2a+ring", "parallel.context_a2a_size": 4,
+        "model.seq_length": 64, "model.recompute": "full"}),
     "gpt2-c2t2-a2a-sp-pallas": ("gpt2", 4, {"parallel.context": 2, "parallel.tensor": 2, "parallel.context_comm": "a2a",
                                             "parallel.sequence_parallel": True, "model.attention_impl": "pallas"}),
     "deepseek-p2c2-a2a-interleaved-zero1": ("deepseek", 8, {

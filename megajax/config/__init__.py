@@ -27,7 +27,7 @@ import dataclasses
 
 from megajax.config.base import MODEL, RESUME, ConfigError, InputError, check, divisors, resumable
 from megajax.config.model import ModelConfig
-from megajax.config.parallel import ParallelConfig
+from megajax.config.parallel import NODE_GPUS, ParallelConfig
 from megajax.config.run import FP16_MAX, CheckpointConfig, DataConfig, OptimConfig, TrainConfig
 from megajax.parallel.pipeline.split import StageSplit, pipeline_split
 
@@ -169,6 +169,22 @@ class Config:
               "parallel.context_comm=ring is not supported with a pipeline (the ring's collective-permutes would run "
               "inside the schedule's per-rank branches, where XLA's permute waits for every device): set "
               "parallel.context_comm=all_gather or auto")
+        check(p.context_comm != "a2a+ring" or p.pipeline == 1,
+              "parallel.context_comm=a2a+ring is not supported with a pipeline (its ring's collective-permutes would "
+              "run inside the schedule's per-rank branches, where XLA's permute waits for every device): set "
+              "parallel.context_comm=a2a or all_gather")
+        check(p.context_a2a_size is None or p.context_comm == "a2a+ring",
+              f"parallel.context_a2a_size={p.context_a2a_size} sizes the all-to-all groups of "
+              "parallel.context_comm=a2a+ring: set that (or parallel.context_a2a_size=null)")
+        if p.context_comm == "a2a+ring":
+            n = self.context_a2a_size
+            check(1 < n < c and c % n == 0,
+                  f"parallel.context_a2a_size={n} must divide parallel.context={c} and lie between 1 and it (all of "
+                  "it is parallel.context_comm=a2a, 1 is ring)")
+            check(m.num_heads % (p.tensor * n) == 0,
+                  f"parallel.context_comm=a2a+ring gives each rank of an all-to-all group num_heads / (tensor x "
+                  f"context_a2a_size) heads: model.num_heads={m.num_heads} must divide by {p.tensor * n} (set "
+                  f"parallel.context_a2a_size to a divisor of {c} that it does)")
         check(m.attention_impl != "cudnn" or p.context_comm == "a2a",
               "model.attention_impl=cudnn takes parallel.context > 1 only with parallel.context_comm=a2a (the ring "
               "and the all-gather need each block's log-sum-exp, which cuDNN's call does not give): set "
@@ -220,6 +236,18 @@ class Config:
         return pipeline_split(m.num_layers, p.pipeline, p.virtual_stages, p.decoder_first_pipeline_num_layers,
                               p.decoder_last_pipeline_num_layers, p.account_for_embedding_in_pipeline_split,
                               p.account_for_loss_in_pipeline_split, m.first_dense_layers, m.layer_period)
+
+    @property
+    def context_a2a_size(self) -> int | None:
+        """parallel.context_a2a_size resolved (context_comm=a2a+ring; else None): null takes the largest divisor of
+        parallel.context below it that keeps tensor x it within a node (NODE_GPUS) and splits the heads, or 2."""
+        m, p = self.model, self.parallel
+        if p.context_comm != "a2a+ring":
+            return None
+        if p.context_a2a_size is not None:
+            return p.context_a2a_size
+        fits = [n for n in divisors(p.context)[1:-1] if p.tensor * n <= NODE_GPUS and m.num_heads % (p.tensor * n) == 0]
+        return max(fits, default=2)
 
     @property
     def num_micro_batches(self) -> int:

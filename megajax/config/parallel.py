@@ -9,6 +9,9 @@ from typing import Literal
 
 from megajax.config.base import ConfigError, check, divisors
 
+NODE_GPUS = 8  # the GPUs of a node that share NVLink, on every target here (H100, H200, A100 HGX)
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     """The mesh (data, pipeline, context, tensor) and how it is used. data=None takes every device left over.
@@ -49,7 +52,14 @@ class ParallelConfig:
     # all-to-all each way moves the queries, keys, values and output (needs num_heads divisible by tensor x
     # context). auto: ring without a pipeline, all_gather with one (a collective-permute inside the pipeline's
     # per-rank branches waits for every device of the mesh and deadlocks).
-    context_comm: Literal["auto", "ring", "all_gather", "a2a"] = "auto"
+    # a2a+ring = both, as Megatron's hierarchical a2a+p2p and MaxText's usp: all-to-alls inside groups of
+    # context_a2a_size adjacent context ranks (inside a node, with tensor) and a ring across the groups (between
+    # nodes), each group's tokens being two of the ring's 2 x context / context_a2a_size chunks.
+    context_comm: Literal["auto", "ring", "all_gather", "a2a", "a2a+ring"] = "auto"
+    # a2a+ring's all-to-all group: this many adjacent context ranks (Megatron's --hierarchical-context-parallel-sizes
+    # first entry); it divides context and is less than it. null: the largest that keeps tensor x it within a node
+    # of 8 GPUs and splits model.num_heads.
+    context_a2a_size: int | None = None
     sequence_parallel: bool = False  # shard the activations outside attention and the MLP over tensor
     virtual_stages: int = 1  # model chunks per pipeline stage (the interleaved or zero_bubble schedule)
     schedule: Literal["gpipe", "1f1b", "interleaved", "zero_bubble"] = "1f1b"  # the pipeline schedule

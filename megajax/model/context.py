@@ -93,8 +93,9 @@ def split_batch(batch: dict) -> dict:
 class _Static:
     impl: str
     scale: float
-    c: int
+    c: int  # the ring's ranks
     comm: str  # "ring" (ppermute, one hop per step) or "all_gather" (every rank's keys at once)
+    stride: int = 1  # the ring's ranks lie this far apart on 'context' (a2a+ring: the all-to-all groups' size)
 
 
 def _block_forward(st: _Static, q, k, v, q_seg, k_seg, causal: bool):
@@ -132,14 +133,26 @@ def _above(x, axis: int):
     return jnp.concatenate([x, jnp.zeros_like(x)], axis)
 
 
-def _source(step: int, c: int):
-    """The rank whose keys and values this rank holds at ring step `step`."""
-    return (jax.lax.axis_index(AXIS) - step) % c
+def _rank(st: _Static):
+    """This rank's place on its ring (its 'context' index without a2a+ring)."""
+    return jax.lax.axis_index(AXIS) // st.stride
 
 
-def _pass(tree, c: int):
-    """Everything in `tree` one hop along the ring (rank j sends to j + 1)."""
-    perm = [(j, (j + 1) % c) for j in range(c)]
+def _source(st: _Static, step: int):
+    """The ring rank whose keys and values this rank holds at ring step `step`."""
+    return (_rank(st) - step) % st.c
+
+
+def _rings(st: _Static) -> list[list[int]] | None:
+    """The 'context' indices of each ring (None: one ring over every context rank)."""
+    n = st.stride
+    return None if n == 1 else [[j * n + i for j in range(st.c)] for i in range(n)]
+
+
+def _pass(tree, st: _Static):
+    """Everything in `tree` one hop along the ring (ring rank j sends to j + 1)."""
+    n, c = st.stride, st.c
+    perm = [(j * n + i, (j + 1) % c * n + i) for j in range(c) for i in range(n)]
     return jax.tree.map(lambda x: None if x is None else jax.lax.ppermute(x, AXIS, perm), tree,
                         is_leaf=lambda x: x is None)
 
@@ -152,10 +165,10 @@ def _merge(o, lse, o_b, lse_b):
     return o * weight(lse) + o_b * weight(lse_b), new
 
 
-def _gather(tree):
-    """Every context rank's leaves, stacked on a new leading axis [c, ...] (the all_gather exchange)."""
-    return jax.tree.map(lambda x: None if x is None else jax.lax.all_gather(x, AXIS), tree,
-                        is_leaf=lambda x: x is None)
+def _gather(tree, st: _Static):
+    """Every ring rank's leaves, stacked on a new leading axis [c, ...] (the all_gather exchange)."""
+    return jax.tree.map(lambda x: None if x is None else jax.lax.all_gather(x, AXIS, axis_index_groups=_rings(st)),
+                        tree, is_leaf=lambda x: x is None)
 
 
 def _take(tree, j):
@@ -166,20 +179,20 @@ def _take(tree, j):
 def _forward(st: _Static, q, k, v, seg):
     c = st.c
     if st.comm == "all_gather":
-        everyone = _gather((k, v, seg))
+        everyone = _gather((k, v, seg), st)
         o, lse = _block_forward(st, q, k, v, seg, seg, causal=True)
         for step in range(1, c):
-            o, lse = _merge(o, lse, *_step_forward(st, step, q, seg, *_take(everyone, _source(step, c))))
+            o, lse = _merge(o, lse, *_step_forward(st, step, q, seg, *_take(everyone, _source(st, step))))
         return o.astype(q.dtype), lse
     # ring: each hop is issued before the block that does not need it and tied to that block's result, so that it
     # runs under the block's compute (without the tie XLA's scheduler sends every hop first, then computes)
-    arriving = _pass((k, v, seg), c)
+    arriving = _pass((k, v, seg), st)
     o, lse = _block_forward(st, q, k, v, seg, seg, causal=True)
     arriving, (o, lse) = jax.lax.optimization_barrier((arriving, (o, lse)))
     for step in range(1, c):
         here = arriving
         if step < c - 1:
-            arriving = _pass(here, c)
+            arriving = _pass(here, st)
         o_b, lse_b = _step_forward(st, step, q, seg, *here)
         if step < c - 1:
             arriving, (o_b, lse_b) = jax.lax.optimization_barrier((arriving, (o_b, lse_b)))
@@ -197,7 +210,7 @@ def _step_forward(st: _Static, step: int, q, seg, k_j, v_j, seg_j):
         o_b, lse_b = _block_forward(st, _second(q), k_j, v_j, _second(seg), seg_j, causal=False)
         return vary((_below(o_b, 1), jnp.concatenate([jnp.full_like(lse_b, -jnp.inf), lse_b], 2)))
 
-    return jax.lax.cond(_source(step, st.c) < jax.lax.axis_index(AXIS), early, late)
+    return jax.lax.cond(_source(st, step) < _rank(st), early, late)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -220,20 +233,20 @@ def _ring_bwd(st: _Static, res, do):
     # As in the forward, every hop is tied to the block it runs under: the keys and values of the next step, and
     # the gradient buffer of this step's keys (it travels with them, one hop behind, and reaches their owner
     # after c hops), which the block does not need until it adds its share.
-    arriving = _pass((k, v, seg), c)
+    arriving = _pass((k, v, seg), st)
     arriving, (dq, dk, dv) = jax.lax.optimization_barrier((arriving, (dq, dk, dv)))
     dkv = (dk.astype(k.dtype), dv.astype(v.dtype))
     for step in range(1, c):
         here = arriving  # the keys and values of rank i - step
         if step < c - 1:
-            arriving = _pass(here, c)
-        moving = _pass(dkv, c)  # their gradient buffer, with the shares of ranks i - step .. i - 1
+            arriving = _pass(here, st)
+        moving = _pass(dkv, st)  # their gradient buffer, with the shares of ranks i - step .. i - 1
         grads = _step_backward(st, step, q, do, lse, delta, seg, *here)
         (arriving, moving), (dq_b, dk_b, dv_b) = jax.lax.optimization_barrier(((arriving, moving), grads))
         dq = dq + dq_b
         dkv = ((moving[0].astype(jnp.float32) + dk_b).astype(k.dtype),
                (moving[1].astype(jnp.float32) + dv_b).astype(v.dtype))
-    dk, dv = _pass(dkv, c)  # the last hop takes each buffer home
+    dk, dv = _pass(dkv, st)  # the last hop takes each buffer home
     return _cotangents(q, k, v, dq, dk, dv)
 
 
@@ -249,24 +262,24 @@ def _step_backward(st: _Static, step: int, q, do, lse, delta, seg, k_j, v_j, seg
                                            _second(seg), seg_j, causal=False)
         return vary((_below(dq_b, 1), dk_b, dv_b))
 
-    return jax.lax.cond(_source(step, st.c) < jax.lax.axis_index(AXIS), early, late)
+    return jax.lax.cond(_source(st, step) < _rank(st), early, late)
 
 
 def _gathered_backward(st: _Static, q, k, v, seg, do, lse, delta, dq, dk, dv):
     """The all_gather exchange's backward: every rank's keys gathered again, each block's dk, dv added at its
     owner's index of a [c, ...] buffer, and one reduce-scatter over 'context' hands each owner the sum."""
-    c, i = st.c, jax.lax.axis_index(AXIS)
-    everyone = _gather((k, v, seg))
+    c, i = st.c, _rank(st)
+    everyone = _gather((k, v, seg), st)
     put = lambda buf, j, x: jax.lax.dynamic_update_index_in_dim(  # noqa: E731
         buf, jax.lax.dynamic_index_in_dim(buf, j, 0, keepdims=False) + x, j, 0)
     dks = put(jnp.zeros((c, *k.shape), jnp.float32), i, dk)
     dvs = put(jnp.zeros((c, *v.shape), jnp.float32), i, dv)
     for step in range(1, c):
-        j = _source(step, c)
+        j = _source(st, step)
         dq_b, dk_b, dv_b = _step_backward(st, step, q, do, lse, delta, seg, *_take(everyone, j))
         dq, dks, dvs = dq + dq_b, put(dks, j, dk_b), put(dvs, j, dv_b)
     scatter = lambda x, like: jax.lax.psum_scatter(x.astype(like.dtype), AXIS, scatter_dimension=0,  # noqa: E731
-                                                   tiled=True)[0]
+                                                   tiled=True, axis_index_groups=_rings(st))[0]
     return _cotangents(q, k, v, dq, scatter(dks, k), scatter(dvs, v))
 
 
@@ -293,53 +306,69 @@ def _ranks_order(x: jax.Array, c: int) -> jax.Array:
     return jnp.stack([x[:, 0], x[:, 1, ::-1]], axis=2).reshape(b, s, *rest)
 
 
-def _heads_split(x: jax.Array, c: int, t: int) -> jax.Array:
-    """[b, 2h, n, k] (this rank's tokens, n heads split over 'tensor' by GSPMD) -> [b, c x 2h, n / c, k]: every
-    context rank's tokens (in the ranks' order) of this rank's group of heads, group i of each tensor rank's."""
-    b, s, n, k = x.shape
-    x = constrain(x.reshape(b, s, t, c, n // (t * c), k), ("batch", None, "heads", None, None, "head_dim"))
-    x = jax.lax.all_to_all(x, AXIS, 3, 1, tiled=True)
-    return x.reshape(b, c * s, n // c, k)
+def _a2a_groups(n: int, c: int) -> list[list[int]] | None:
+    """The all-to-all groups: n adjacent 'context' indices each (None: one group of every context rank)."""
+    return None if n == c else [[j * n + i for i in range(n)] for j in range(c // n)]
 
 
-def _sequence_split(x: jax.Array, c: int, t: int) -> jax.Array:
-    """The inverse of `_heads_split`: [b, c x 2h, m, k] -> [b, 2h, c x m, k]."""
+def _heads_split(x: jax.Array, n: int, c: int, t: int) -> jax.Array:
+    """[b, 2h, m, k] (this rank's tokens, m heads split over 'tensor' by GSPMD) -> [b, n x 2h, m / n, k]: every
+    token of this rank's all-to-all group of n context ranks (in the ranks' order) for this rank's group of heads,
+    group i of each tensor rank's."""
+    b, s, m, k = x.shape
+    x = constrain(x.reshape(b, s, t, n, m // (t * n), k), ("batch", None, "heads", None, None, "head_dim"))
+    x = jax.lax.all_to_all(x, AXIS, 3, 1, tiled=True, axis_index_groups=_a2a_groups(n, c))
+    return x.reshape(b, n * s, m // n, k)
+
+
+def _sequence_split(x: jax.Array, n: int, c: int, t: int) -> jax.Array:
+    """The inverse of `_heads_split`: [b, n x 2h, m, k] -> [b, 2h, n x m, k]."""
     b, s, m, k = x.shape
     x = constrain(x.reshape(b, s, t, 1, m // t, k), ("batch", None, "heads", None, None, "head_dim"))
-    x = jax.lax.all_to_all(x, AXIS, 1, 3, tiled=True)
-    return x.reshape(b, s // c, c * m, k)
+    x = jax.lax.all_to_all(x, AXIS, 1, 3, tiled=True, axis_index_groups=_a2a_groups(n, c))
+    return x.reshape(b, s // n, n * m, k)
 
 
 def a2a_groups(heads: int, groups: int, ranks: int) -> int:
-    """The key-value heads the all-to-alls move over `ranks` (tensor x context): `groups` where they divide, else
-    repeated to the query `heads`."""
+    """The key-value heads the all-to-alls move over `ranks` (tensor x the all-to-all group's context ranks):
+    `groups` where they divide, else repeated to the query `heads`."""
     return groups if groups % ranks == 0 else heads
 
 
 def a2a_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Array | None = None,
                   impl: str = "xla", scale: float | None = None) -> jax.Array:
     """Causal attention of this rank's queries over the whole sequence by all-to-alls over 'context' (see the
-    module docstring): the arguments and result as `ring_attention`'s. Inside the train step's manual region only."""
-    c, t = size(), step_plan.in_force().tensor
-    if c == 1:
-        raise ValueError("a2a_attention runs inside the train step's region with parallel.context > 1")
+    module docstring), or with the step plan's context_comm a2a+ring, all-to-alls inside groups of
+    context_a2a adjacent ranks and a ring across the groups: the arguments and result as `ring_attention`'s.
+    Inside the train step's manual region only."""
+    plan = step_plan.in_force()
+    c, t = size(), plan.tensor
+    n = plan.context_a2a if plan.context_comm == "a2a+ring" else c
+    if c == 1 or c % n:
+        raise ValueError(f"a2a_attention runs inside the train step's region with parallel.context > 1, in groups "
+                         f"that divide it (context {c}, groups of {n})")
     heads, groups = q.shape[2], k.shape[2]
-    if heads % (t * c):
-        raise ValueError(f"all-to-all attention splits the {heads} heads over tensor x context = {t * c}")
-    if a2a_groups(heads, groups, t * c) != groups:  # (grouped-query keys and values: each repeated to its heads)
+    if heads % (t * n):
+        raise ValueError(f"all-to-all attention splits the {heads} heads over tensor x {n} context ranks = {t * n}")
+    if a2a_groups(heads, groups, t * n) != groups:  # (grouped-query keys and values: each repeated to its heads)
         k, v = (jnp.repeat(x, heads // groups, axis=2) for x in (k, v))
-    q, k, v = (_token_order(_heads_split(x, c, t), c) for x in (q, k, v))
+    q, k, v = (_token_order(_heads_split(x, n, c, t), n) for x in (q, k, v))
     if segment_ids is not None:
-        segment_ids = _token_order(jax.lax.all_gather(segment_ids.astype(jnp.int32), AXIS, axis=1, tiled=True), c)
-    o = kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl, scale=scale)
-    return _sequence_split(_ranks_order(o, c), c, t)
+        segment_ids = _token_order(jax.lax.all_gather(segment_ids.astype(jnp.int32), AXIS, axis=1, tiled=True,
+                                                      axis_index_groups=_a2a_groups(n, c)), n)
+    if n == c:
+        o = kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl, scale=scale)
+    else:  # the group's tokens are chunks j and 2 (c / n) - 1 - j of the sequence: ring j of c / n
+        o = _ring_over(q, k, v, segment_ids, impl, scale, _Static("", 0.0, c // n, "ring", stride=n))
+    return _sequence_split(_ranks_order(o, n), n, c, t)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Array | None = None,
               impl: str = "xla", scale: float | None = None) -> jax.Array:
     """Context parallelism's causal attention, by the step plan's exchange (parallel.context_comm): all-to-alls
-    (`a2a_attention`), or a ring or an all-gather of the keys and values (`ring_attention`)."""
-    if step_plan.in_force().context_comm == "a2a":
+    (`a2a_attention`; a2a+ring: in groups, with a ring across them), or a ring or an all-gather of the keys and
+    values (`ring_attention`)."""
+    if step_plan.in_force().context_comm in ("a2a", "a2a+ring"):
         return a2a_attention(q, k, v, segment_ids=segment_ids, impl=impl, scale=scale)
     return ring_attention(q, k, v, segment_ids=segment_ids, impl=impl, scale=scale)
 
@@ -353,18 +382,25 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax
     c = size()
     if c == 1:
         raise ValueError("ring_attention runs inside the train step's region with parallel.context > 1")
+    exchange = step_plan.in_force().context_comm if exchange is None else exchange
+    if exchange not in ("ring", "all_gather"):
+        raise ValueError(f"the context exchange is 'ring' or 'all_gather', got {exchange!r}")
+    return _ring_over(q, k, v, segment_ids, impl, scale, _Static("", 0.0, c, exchange))
+
+
+def _ring_over(q, k, v, segment_ids, impl: str, scale: float | None, ring: _Static) -> jax.Array:
+    """`_ring` with `ring`'s ranks and exchange, its blocks by `impl` (auto: the Pallas kernels on GPUs, XLA's on
+    CPU, megajax/kernels/auto.py) at `scale` (None: 1 / sqrt(head dim))."""
     if impl not in ("auto", "xla", "pallas"):
         raise ValueError(f"ring attention runs impl 'auto', 'xla' or 'pallas', got {impl!r}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if segment_ids is not None:
         segment_ids = segment_ids.astype(jnp.int32)
-    exchange = step_plan.in_force().context_comm if exchange is None else exchange
-    if exchange not in ("ring", "all_gather"):
-        raise ValueError(f"the context exchange is 'ring' or 'all_gather', got {exchange!r}")
-    if impl == "auto":  # the Pallas blocks on GPUs, XLA's on CPU (megajax/kernels/auto.py)
+    static = lambda impl: dataclasses.replace(ring, impl=impl, scale=scale)  # noqa: E731
+    if impl == "auto":
         if attention_fallback(q.shape[-1], dropout=False):
             impl = "xla"
         else:
-            return by_platform(q, k, v, cpu=lambda *a: _ring(_Static("xla", scale, c, exchange), *a, segment_ids),
-                               gpu=lambda *a: _ring(_Static("pallas", scale, c, exchange), *a, segment_ids))
-    return _ring(_Static(impl, scale, c, exchange), q, k, v, segment_ids)
+            return by_platform(q, k, v, cpu=lambda *a: _ring(static("xla"), *a, segment_ids),
+                               gpu=lambda *a: _ring(static("pallas"), *a, segment_ids))
+    return _ring(static(impl), q, k, v, segment_ids)
