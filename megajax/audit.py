@@ -214,7 +214,8 @@ def expected_context_exchange(cfg, plan) -> dict:
     size) c times; the all_gather exchange gathers c x KV in the forward and again in the backward and
     reduce-scatters c x KV of gradients; the a2a exchange sends the queries, keys, values (repeated to the query
     heads where theirs do not divide over tensor x context) and the output once each way, and their gradients in the
-    backward. A forward run again in the backward (full recomputation, or selective
+    backward; a2a+ring does that inside its groups of n and runs the ring over c / n of them. A forward run again
+    in the backward (full recomputation, or selective
     where the attention core is not a fused kernel on `platform`, kernels.auto.fused_attention) sends its c - 1
     ring hops again, except the first, which is the backward's own first hop (the same collective
     on the same keys: XLA merges them), and its all-gather is the backward's. Exact for the H100 program without
@@ -232,16 +233,20 @@ def expected_context_exchange(cfg, plan) -> dict:
     comm, platform = plan.context_comm, plan.platform
     recomputed = m.recompute == "full" or (m.recompute == "selective" and not kernel_choice.fused_attention(
         m.attention_impl, m.head_dim, m.attention_dropout > 0, platform))
+    ring = lambda kv, c: kv * (2 * (c - 1) + (c - 2 if recomputed else 0) + c)  # noqa: E731
     if comm == "ring":
-        again = c - 2 if recomputed else 0
-        per_layer = {"collective-permute": kv * (2 * (c - 1) + again + c)}
-    elif comm == "a2a":
+        per_layer = {"collective-permute": ring(kv, c)}
+    elif comm in ("a2a", "a2a+ring"):
         # the queries, keys, values and output each cross once in the forward, their gradients once in the backward,
-        # and a recomputed core crosses again; keys and values whose heads do not divide are repeated to the queries'
-        t = p.tensor
-        groups = a2a_groups(m.num_heads, m.kv_heads, t * c)
+        # and a recomputed core crosses again; keys and values whose heads do not divide are repeated to the queries'.
+        # a2a+ring: the same inside groups of n, then the ring over c / n groups on n times the tokens and 1 / n of
+        # the (moved) key-value heads
+        t, n = p.tensor, plan.context_a2a if comm == "a2a+ring" else c
+        groups = a2a_groups(m.num_heads, m.kv_heads, t * n)
         one = kv // (2 * (m.kv_heads // t))  # one head of this rank's tokens
         per_layer = {"all-to-all": one * 2 * (m.num_heads + groups) // t * (3 if recomputed else 2)}
+        if n < c:
+            per_layer["collective-permute"] = ring(kv * groups // m.kv_heads, c // n)
     else:
         per_layer = {"all-gather": 2 * c * kv, "reduce-scatter": c * kv}
     return {"exchange": comm, "kv_bytes_per_layer": kv, "bytes_per_step": {k: v * layers for k, v in per_layer.items()}}

@@ -305,7 +305,8 @@ def test_context_layout_matches_one_device(name):
 
 @pytest.mark.parametrize("exchange,recompute", [
     pytest.param("ring", "none", marks=pytest.mark.slow), ("ring", "selective"),
-    pytest.param("all_gather", "full", marks=pytest.mark.slow), pytest.param("a2a", "full", marks=pytest.mark.slow)])
+    pytest.param("all_gather", "full", marks=pytest.mark.slow), pytest.param("a2a", "full", marks=pytest.mark.slow),
+    ("a2a+ring", "selective"), pytest.param("a2a+ring", "full", marks=pytest.mark.slow)])
 def test_the_exchange_on_h100_is_the_analytic_volume_and_the_ring_runs_under_the_kernels(exchange, recompute):
     """XLA's GPU program (compile-only H100s) moves exactly the analytic bytes over 'context' (audit's
     expected_context_exchange), and every ring hop has attention compute scheduled between its start and done."""
@@ -322,3 +323,9 @@ def test_the_exchange_on_h100_is_the_analytic_volume_and_the_ring_runs_under_the
     assert moved == audit.expected_context_exchange(cfg, setup.plan)["bytes_per_step"]
     if exchange == "ring":
         assert all(c.is_async and c.flops_under > 0 for c in colls), [(c.name, c.flops_under) for c in colls]
+    if exchange == "a2a+ring":  # the all-to-alls inside groups of 2 adjacent ranks, the ring's hops between groups
+        # (but the hop that takes the keys' gradients home: the backward's all-to-all waits for it at once)
+        hops = [c for c in colls if c.kind == "collective-permute"]
+        assert all(c.is_async for c in hops) and sum(c.flops_under == 0 for c in hops) == 1 < len(hops), [
+            (c.name, c.flops_under) for c in hops]
+        assert {c.group_size for c in colls if c.kind == "all-to-all"} == {2}

@@ -228,7 +228,14 @@ def test_search_space_enumerated():
     assert {r["parallel.num_distributed_optimizer_instances"] for r in flat} == {1, 128}
     assert {r["parallel.num_distributed_optimizer_instances"] for r in rows if r["parallel.tensor"] == 8} == {1}
     # context parallelism (8192-token sequences) by its auto exchange or the all-to-alls
-    assert {r["parallel.context_comm"] for r in rows if r["parallel.context"] > 1} == {"auto", "a2a"}
+    # (a2a+ring without a pipeline: all-to-alls in groups of a node's context ranks, 8 / tensor of them at most)
+    cp = [r for r in rows if r["parallel.context"] > 1]
+    assert {r["parallel.context_comm"] for r in cp} == {"auto", "a2a", "a2a+ring"}
+    assert {r["parallel.context_comm"] for r in cp if r["parallel.pipeline"] > 1} == {"auto", "a2a"}
+    hierarchical = [r for r in cp if r["parallel.context_comm"] == "a2a+ring"]
+    assert all(1 < r["parallel.context_a2a_size"] < r["parallel.context"] and
+               r["parallel.context_a2a_size"] * r["parallel.tensor"] <= 8 for r in hierarchical)
+    assert all(r["parallel.context_a2a_size"] is None for r in rows if r["parallel.context_comm"] != "a2a+ring")
     assert {r["parallel.context_comm"] for r in rows if r["parallel.context"] == 1} == {"auto"}
 
 
@@ -247,8 +254,32 @@ def test_all_to_all_attention_is_counted_exposed():
                                                       "parallel.tp_comm_overlap": False,
                                                       "parallel.context_comm": "a2a"}, 8), 8)
     moved = layout.tokens * m.head_dim * 2 * 2 * (m.num_heads + m.kv_heads) * 3 / 4
-    assert cost._context_comm_s(hw, layout) == pytest.approx(moved / hw.nvlink_bus_bytes_per_s)
+    assert cost._context_comm_s(hw, layout) == pytest.approx((moved / hw.nvlink_bus_bytes_per_s, 0))
     assert a2a.exposed_s["context"] > 0 and a2a.exposed_s["context"] != ring.exposed_s["context"]
+
+
+def test_hierarchical_context_keeps_the_all_to_alls_in_a_node():
+    """Context 16 over two nodes: a2a+ring's all-to-alls run inside each node's 8 ranks on NVLink, and its ring of
+    2 passes a node's keys and values (8 times the tokens, 1 / 8 of the heads) once across the network, under the
+    attention blocks; the flat all-to-all sends every GPU's off-node rows through its own NIC, exposed."""
+    hw = hardware("h100")
+    base = config_io.load(ROOT / "configs/llama3.2-1b-long.yaml", ["model.seq_length=131072"])
+    sets = {"parallel.context": 16, "parallel.data": 1, "parallel.tensor": 1, "parallel.sequence_parallel": False,
+            "parallel.tp_comm_overlap": False, "train.global_batch_size": 4}
+    layout = lambda comm: layout_lib.Layout(search_lib.configure(  # noqa: E731
+        base, {**sets, "parallel.context_comm": comm}, 16), 8)
+    both = layout("a2a+ring")
+    assert both.plan.context_a2a == 8  # (null: the largest group a node holds)
+    m = base.model
+    moved = both.tokens * m.head_dim * 2 * 2 * (m.num_heads + m.kv_heads) * 7 / 8
+    kv = 2 * both.tokens * m.kv_heads * m.head_dim * 2
+    assert cost._context_comm_s(hw, both) == pytest.approx((moved / hw.nvlink_bus_bytes_per_s,
+                                                            kv / hw.network_bytes_per_s))
+    step = lambda comm: cost.estimate(search_lib.configure(  # noqa: E731
+        base, {**sets, "parallel.context_comm": comm}, 16), hw, 8).exposed_s["context"]
+    # (the flat all-to-all's 15 / 16 of the bytes leave half of them through each GPU's NIC; at this length the
+    # plain ring hides under attention too)
+    assert step("a2a+ring") < step("a2a") / 5
 
 
 def test_hybrid_sharding_trades_memory_for_the_network():

@@ -34,6 +34,13 @@ kernel; a second all-to-all brings the output back to the sequence split. Its by
 size (each rank sends (c - 1) / c of its queries, keys, values and output), against the ring's c - 1 hops of the
 keys and values, but the heads must divide over tensor x context (grouped-query keys and values whose heads do not
 are repeated to the query heads first).
+
+Hierarchical attention (parallel.context_comm=a2a+ring; Megatron's a2a+p2p, MaxText's usp). The context ranks form
+c / n groups of n adjacent ranks (plan.context_a2a; with tensor, inside a node). The all-to-alls run inside each
+group, and group j's tokens, put in token order, are exactly chunks j and 2 (c / n) - 1 - j of the sequence cut into
+2c / n: the ring layout above for c / n ranks. So the ring runs unchanged over the groups (ring rank j is 'context'
+index j n + i for each i < n, `_Static.stride`) on n times the tokens and 1 / n of the heads: its hops cross nodes,
+once per group, and the all-to-alls stay inside them.
 """
 
 from __future__ import annotations

@@ -106,6 +106,12 @@ def group_bandwidth(hw: Hardware, size: int, stride: int, gpus_per_node: int) ->
     return min(hw.nvlink_bus_bytes_per_s, per_node * hw.network_bytes_per_s)
 
 
+def all_to_all_bandwidth(hw: Hardware, size: int, stride: int, gpus_per_node: int) -> float:
+    """The rate of an all-to-all over `size` ranks `stride` apart: NVLink inside a node; once the group spans
+    nodes every GPU sends its own rows through its own NIC (no ring to share the NICs)."""
+    return hw.nvlink_bus_bytes_per_s if size * stride <= gpus_per_node else hw.network_bytes_per_s
+
+
 def _attention_widths(m) -> tuple[float, int]:
     """(the QKV projection's output width, the output projection's input width) of a layer, whole."""
     out_width = m.num_heads * m.value_dim
@@ -246,21 +252,24 @@ def _tensor_comm_s(hw: Hardware, L: Layout) -> float:
     return 2 * _collective_s(nbytes, 2 * _ring(L.t), bw)
 
 
-def _context_comm_s(hw: Hardware, L: Layout) -> float:
-    """One layer's context-parallel exchange for one micro batch, forward: the ring passes this shard's keys and
-    values c - 1 times (the backward: about twice that); the a2a exchange sends (c - 1) / c of the queries, keys,
-    values (repeated to the query heads where theirs do not divide over tensor x context) and output, and as much
-    in the backward."""
+def _context_comm_s(hw: Hardware, L: Layout) -> tuple[float, float]:
+    """One layer's context-parallel exchange for one micro batch, forward, as (all-to-alls, ring): the ring passes
+    this shard's keys and values c - 1 times (the backward: about twice that); the a2a exchange sends (c - 1) / c of
+    the queries, keys, values (repeated to the query heads where theirs do not divide over tensor x context) and
+    output, and as much in the backward; a2a+ring does that inside groups of n adjacent ranks and passes the
+    group's keys and values for 1 / n of the heads around a ring of c / n, n x t GPUs apart."""
     if L.c == 1:
-        return 0.0
-    m = L.model
-    bw = group_bandwidth(hw, L.c, L.t, L.node)
-    if L.plan.context_comm == "a2a":
-        groups = context.a2a_groups(m.num_heads, m.kv_heads, L.t * L.c)
-        moved = L.tokens * m.head_dim * B16 * 2 * (m.num_heads + groups) / L.t
-        return moved * (L.c - 1) / L.c / bw
-    kv = 2 * L.tokens * (m.kv_heads // L.t) * m.head_dim * B16
-    return (L.c - 1) * kv / bw
+        return 0.0, 0.0
+    m, comm = L.model, L.plan.context_comm
+    n = L.plan.context_a2a if comm == "a2a+ring" else L.c if comm == "a2a" else 1
+    ring, a2a = L.c // n, 0.0
+    heads = m.kv_heads
+    if n > 1:
+        heads = context.a2a_groups(m.num_heads, m.kv_heads, L.t * n)
+        moved = L.tokens * m.head_dim * B16 * 2 * (m.num_heads + heads) / L.t
+        a2a = moved * (n - 1) / n / all_to_all_bandwidth(hw, n, L.t, L.node)
+    kv = 2 * L.tokens * (heads // L.t) * m.head_dim * B16
+    return a2a, (ring - 1) * kv / group_bandwidth(hw, ring, L.t * n, L.node)
 
 
 def _pipeline_send_s(hw: Hardware, L: Layout) -> float:
@@ -320,9 +329,7 @@ def _expert_comm_s(hw: Hardware, L: Layout) -> float:
     tokens = L.tokens // (L.t if L.par.folded_experts else 1)
     nbytes = tokens * m.experts_per_token * m.hidden_size * B16 * (m.moe_capacity_factor or 1.0)
     stride = 1 if L.par.folded_experts else L.pp * L.c * L.t
-    # every GPU sends its own rows through its own NIC once the group spans nodes (no ring to share the NICs)
-    bw = hw.nvlink_bus_bytes_per_s if ranks * stride <= L.node else hw.network_bytes_per_s
-    return 2 * _collective_s(nbytes, _ring(ranks), bw)
+    return 2 * _collective_s(nbytes, _ring(ranks), all_to_all_bandwidth(hw, ranks, stride, L.node))
 
 
 def _overlapped(comm: float, under: float, on: bool, first_step: float = 0.0) -> float:
@@ -406,17 +413,16 @@ def _layer_comm_exposed_s(hw: Hardware, L: Layout, gemm_f: float, attn_f: float,
                           packed: bool) -> tuple[float, float, float, float]:
     """One layer's exposed tensor and context communication for one micro batch: (tensor forward, backward,
     context forward, backward). `packed`: XLA schedules the program for memory and hides nothing."""
-    tp, cp = _tensor_comm_s(hw, L), _context_comm_s(hw, L)
+    tp, (a2a, cp) = _tensor_comm_s(hw, L), _context_comm_s(hw, L)
     overlap_tp = L.par.tp_comm_overlap and L.sp and not packed
     if overlap_tp and L.t > L.node:  # the ring's ppermutes: a hop between nodes has one NIC, not all of them
         tp *= group_bandwidth(hw, L.t, 1, L.node) / hw.network_bytes_per_s
     first = tp / L.t if L.t > 1 else 0.0
     tp_f, tp_b = _overlapped(tp, gemm_f, overlap_tp, first), _overlapped(tp, 2 * gemm_f, overlap_tp, first)
-    if L.plan.context_comm == "a2a":  # (attention waits for its all-to-alls: nothing to hide them under)
-        return tp_f, tp_b, cp, cp
+    # (attention waits for its all-to-alls: nothing to hide them under; a ring's hops run under its blocks)
     if packed:
-        return tp_f, tp_b, cp, 2 * cp
-    return tp_f, tp_b, max(cp - attn_f, 0.0), max(2 * cp - attn_b, 0.0)
+        return tp_f, tp_b, a2a + cp, a2a + 2 * cp
+    return tp_f, tp_b, a2a + max(cp - attn_f, 0.0), a2a + max(2 * cp - attn_b, 0.0)
 
 
 def _optimizer_s(hw: Hardware, L: Layout, n_local: float, framework: str) -> tuple[float, float]:

@@ -28,7 +28,7 @@ KEYS = ("parallel.data", "parallel.pipeline", "parallel.tensor", "parallel.conte
         "parallel.schedule", "parallel.virtual_stages", "train.micro_batch_size", "model.recompute",
         "parallel.sequence_parallel", "parallel.tp_comm_overlap", "parallel.data_parallel_sharding_strategy",
         "parallel.overlap_grad_reduce", "parallel.overlap_param_gather", "parallel.num_distributed_optimizer_instances",
-        "parallel.context_comm",
+        "parallel.context_comm", "parallel.context_a2a_size",
         "parallel.decoder_first_pipeline_num_layers", "parallel.decoder_last_pipeline_num_layers",
         "parallel.account_for_embedding_in_pipeline_split", "parallel.account_for_loss_in_pipeline_split")
 EVEN = {"parallel.decoder_first_pipeline_num_layers": None, "parallel.decoder_last_pipeline_num_layers": None,
@@ -157,6 +157,10 @@ def _inner(base: Config, fixed: dict, pick, d: int, p: int, t: int, c: int, e: i
     instances = [1] + ([d // in_node] if 2 <= in_node < d and d % in_node == 0 else [])
     rows = []
     comms = ["auto", "a2a"] if c > 1 and m.num_heads % (t * c) == 0 else ["auto"]
+    # hierarchical: all-to-alls inside a node, the ring across nodes (no pipeline: the ring's permutes)
+    in_node = [n for n in divisors(c)[1:-1] if t * n <= gpus_per_node and m.num_heads % (t * n) == 0]
+    if in_node and p == 1:
+        comms.append("a2a+ring")
     for (schedule, v), b, recompute, shard, tpo, ogr, r, comm in itertools.product(
             schedules, pick("train.micro_batch_size", micro), pick("model.recompute", ["none", "selective", "full"]),
             pick("parallel.data_parallel_sharding_strategy", sharding),
@@ -176,6 +180,8 @@ def _inner(base: Config, fixed: dict, pick, d: int, p: int, t: int, c: int, e: i
                "parallel.tp_comm_overlap": tpo, "parallel.data_parallel_sharding_strategy": shard,
                "parallel.overlap_grad_reduce": ogr, "parallel.num_distributed_optimizer_instances": r,
                "parallel.context_comm": comm,
+               "parallel.context_a2a_size": fixed.get("parallel.context_a2a_size", max(in_node, default=None))
+               if comm == "a2a+ring" else None,
                "parallel.overlap_param_gather": fixed.get("parallel.overlap_param_gather",
                                                           ogr and shard == "optim")}
         if row["parallel.tp_comm_overlap"] and not row["parallel.sequence_parallel"]:
