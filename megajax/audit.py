@@ -241,7 +241,7 @@ def expected_context_exchange(cfg, plan) -> dict:
         # and a recomputed core crosses again; keys and values whose heads do not divide are repeated to the queries'.
         # a2a+ring: the same inside groups of n, then the ring over c / n groups on n times the tokens and 1 / n of
         # the (moved) key-value heads
-        t, n = p.tensor, plan.context_a2a if comm == "a2a+ring" else c
+        t, n = p.tensor, plan.context_a2a
         groups = a2a_groups(m.num_heads, m.kv_heads, t * n)
         one = kv // (2 * (m.kv_heads // t))  # one head of this rank's tokens
         per_layer = {"all-to-all": one * 2 * (m.num_heads + groups) // t * (3 if recomputed else 2)}

@@ -106,7 +106,7 @@ def test_ring_attention_equals_whole_sequence_attention(c, impl, exchange):
     # (a2a: 2 key-value heads over 4 context ranks, repeated to the 4 query heads; a2a+ring: all-to-alls in groups
     # of 2, a ring of c / 2 across them, or at c = 8 with the Pallas blocks groups of 4 and a ring of 2, the keys
     # and values repeated)
-    n = (4 if impl == "pallas" else 2) if exchange == "a2a+ring" else 1
+    n = {"a2a": c, "a2a+ring": 4 if impl == "pallas" else 2}.get(exchange, 1)
     plan = StepPlan(context=c, manual=("context",), context_comm=exchange, context_a2a=n)
     with jax.set_mesh(_mesh(c)), step_plan.use(plan):
         got = jax.jit(lambda *a: value_and_grads(ring, *a))(q, k, v, do)

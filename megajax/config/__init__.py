@@ -27,7 +27,7 @@ import dataclasses
 
 from megajax.config.base import MODEL, RESUME, ConfigError, InputError, check, divisors, resumable
 from megajax.config.model import ModelConfig
-from megajax.config.parallel import NODE_GPUS, ParallelConfig
+from megajax.config.parallel import ParallelConfig, context_a2a_sizes
 from megajax.config.run import FP16_MAX, CheckpointConfig, DataConfig, OptimConfig, TrainConfig
 from megajax.parallel.pipeline.split import StageSplit, pipeline_split
 
@@ -240,14 +240,13 @@ class Config:
     @property
     def context_a2a_size(self) -> int | None:
         """parallel.context_a2a_size resolved (context_comm=a2a+ring; else None): null takes the largest divisor of
-        parallel.context below it that keeps tensor x it within a node (NODE_GPUS) and splits the heads, or 2."""
+        parallel.context below it that keeps tensor x it within a node and splits the heads, or 2."""
         m, p = self.model, self.parallel
         if p.context_comm != "a2a+ring":
             return None
         if p.context_a2a_size is not None:
             return p.context_a2a_size
-        fits = [n for n in divisors(p.context)[1:-1] if p.tensor * n <= NODE_GPUS and m.num_heads % (p.tensor * n) == 0]
-        return max(fits, default=2)
+        return max(context_a2a_sizes(p.context, p.tensor, m.num_heads), default=2)
 
     @property
     def num_micro_batches(self) -> int:

@@ -12,6 +12,12 @@ from megajax.config.base import ConfigError, check, divisors
 NODE_GPUS = 8  # the GPUs of a node that share NVLink, on every target here (H100, H200, A100 HGX)
 
 
+def context_a2a_sizes(context: int, tensor: int, num_heads: int, node_gpus: int = NODE_GPUS) -> list[int]:
+    """The all-to-all group sizes context_comm=a2a+ring can take: the divisors of `context` between 1 and it whose
+    group, with its tensor ranks, fits in a node of `node_gpus` and splits the heads."""
+    return [n for n in divisors(context)[1:-1] if tensor * n <= node_gpus and num_heads % (tensor * n) == 0]
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     """The mesh (data, pipeline, context, tensor) and how it is used. data=None takes every device left over.

@@ -350,7 +350,7 @@ def a2a_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.
     Inside the train step's manual region only."""
     plan = step_plan.in_force()
     c, t = size(), plan.tensor
-    n = plan.context_a2a if plan.context_comm == "a2a+ring" else c
+    n = plan.context_a2a
     if c == 1 or c % n:
         raise ValueError(f"a2a_attention runs inside the train step's region with parallel.context > 1, in groups "
                          f"that divide it (context {c}, groups of {n})")

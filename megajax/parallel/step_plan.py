@@ -74,7 +74,9 @@ class StepPlan:
     vocab_over_pipeline: bool = False  # the embedding and output layer vocab-parallel over pipeline x tensor
     sequence_parallel: bool = False
     context_comm: str = "ring"  # "ring", "all_gather", "a2a" or "a2a+ring" (parallel.context_comm's auto resolved)
-    context_a2a: int = 1  # a2a+ring: the adjacent context ranks of one all-to-all group (parallel.context_a2a_size)
+    # the adjacent context ranks of one all-to-all group: context under a2a, parallel.context_a2a_size under
+    # a2a+ring, 1 (none) under ring and all_gather
+    context_a2a: int = 1
     tp_overlap: str | None = None  # "ring", "chunks" or None
     moe_folds: int = 1  # tensor ranks that route their own sequence shard and hold whole experts (expert_tensor=1)
     moe_ragged: bool = False  # dropless rows exchanged by exact counts (parallel.expert_all_to_all=ragged)
@@ -152,7 +154,7 @@ class StepPlan:
                 _tables_outweigh_moves(cfg.model, cfg.train.micro_batch_size, cfg.num_micro_batches, par.tensor,
                                        par.context, par.sequence_parallel)),
             sequence_parallel=par.sequence_parallel,
-            context_comm=comm, context_a2a=cfg.context_a2a_size if comm == "a2a+ring" else 1,
+            context_comm=comm, context_a2a={"a2a": par.context, "a2a+ring": cfg.context_a2a_size}.get(comm, 1),
             # a ppermute inside the pipeline's per-rank branches deadlocks: chunked collectives there
             tp_overlap=("chunks" if pipelined else "ring") if par.tp_comm_overlap and shape["tensor"] > 1 else None,
             moe_folds=shape["tensor"] if par.folded_experts else 1, moe_ragged=par.expert_all_to_all == "ragged",

@@ -260,8 +260,8 @@ def _context_comm_s(hw: Hardware, L: Layout) -> tuple[float, float]:
     group's keys and values for 1 / n of the heads around a ring of c / n, n x t GPUs apart."""
     if L.c == 1:
         return 0.0, 0.0
-    m, comm = L.model, L.plan.context_comm
-    n = L.plan.context_a2a if comm == "a2a+ring" else L.c if comm == "a2a" else 1
+    m = L.model
+    n = L.plan.context_a2a
     ring, a2a = L.c // n, 0.0
     heads = m.kv_heads
     if n > 1:

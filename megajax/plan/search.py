@@ -20,6 +20,7 @@ import time
 
 from megajax.config import Config, ConfigError, InputError
 from megajax.config.base import divisors
+from megajax.config.parallel import context_a2a_sizes
 from megajax.plan.cost import Estimate, estimate
 from megajax.plan.hardware import GIB, Hardware
 
@@ -158,8 +159,8 @@ def _inner(base: Config, fixed: dict, pick, d: int, p: int, t: int, c: int, e: i
     rows = []
     comms = ["auto", "a2a"] if c > 1 and m.num_heads % (t * c) == 0 else ["auto"]
     # hierarchical: all-to-alls inside a node, the ring across nodes (no pipeline: the ring's permutes)
-    in_node = [n for n in divisors(c)[1:-1] if t * n <= gpus_per_node and m.num_heads % (t * n) == 0]
-    if in_node and p == 1:
+    a2a_sizes = context_a2a_sizes(c, t, m.num_heads, gpus_per_node)
+    if a2a_sizes and p == 1:
         comms.append("a2a+ring")
     for (schedule, v), b, recompute, shard, tpo, ogr, r, comm in itertools.product(
             schedules, pick("train.micro_batch_size", micro), pick("model.recompute", ["none", "selective", "full"]),
@@ -180,7 +181,7 @@ def _inner(base: Config, fixed: dict, pick, d: int, p: int, t: int, c: int, e: i
                "parallel.tp_comm_overlap": tpo, "parallel.data_parallel_sharding_strategy": shard,
                "parallel.overlap_grad_reduce": ogr, "parallel.num_distributed_optimizer_instances": r,
                "parallel.context_comm": comm,
-               "parallel.context_a2a_size": fixed.get("parallel.context_a2a_size", max(in_node, default=None))
+               "parallel.context_a2a_size": fixed.get("parallel.context_a2a_size", max(a2a_sizes, default=None))
                if comm == "a2a+ring" else None,
                "parallel.overlap_param_gather": fixed.get("parallel.overlap_param_gather",
                                                           ogr and shard == "optim")}
