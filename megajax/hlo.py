@@ -323,11 +323,12 @@ def _own_gemm_flops(op, shapes: dict[str, str]) -> float:
 
 
 def _is_fp8(op, shapes: dict[str, str]) -> bool:
-    """A GEMM with FP8 operands: cuBLASLt's FP8 call, a grouped-GEMM kernel whose row operand is FP8, or a dot (a
-    Triton GEMM's) whose left operand is FP8."""
+    """A GEMM with FP8 operands: cuBLASLt's FP8 call, a grouped-GEMM or block-scaled kernel with an FP8 operand, or
+    a dot (a Triton GEMM's) whose left operand is FP8."""
     _, _, opcode, rest = op
     if opcode == "custom-call":
-        kernel = _kernel_operand_types(op, 'name = "grouped_matmul') or []
+        kernel = (_kernel_operand_types(op, 'name = "grouped_matmul')
+                  or _kernel_operand_types(op, 'name = "block_fp8_matmul') or [])
         return 'custom_call_target="__cublas$lt$matmul$f8"' in rest or any(t.startswith("f8") for t in kernel)
     first = re.match(r"\s*(?:([a-z][a-z0-9]*\[[0-9,]*\])\S*\s+)?%?([\w.\-]+)", rest)
     lhs = (first.group(1) or shapes.get(first.group(2), "")) if first else ""
@@ -350,7 +351,7 @@ def gemm_flops(hlo_text: str, branch_runs: dict | None = None) -> dict[str, floa
             continue
         shapes = {name: shape_text for name, shape_text, _, _ in ops}
         for op in ops:
-            own = _own_gemm_flops(op, shapes) + _grouped_gemm_flops(op)
+            own = _own_gemm_flops(op, shapes) + _grouped_gemm_flops(op) + _block_fp8_flops(op)
             if not own:
                 continue
             flops = own * mult
@@ -395,14 +396,24 @@ def _grouped_gemm_flops(op) -> float:
     return 2.0 * rows * k * n
 
 
+def _block_fp8_flops(op) -> float:
+    """The FLOPs of one block-scaled FP8 kernel (megajax.kernels.block_fp8), 2 x m x k x n from its operands
+    a [m, k], its scales, b [k, n] and its scales (rows and columns padded to whole tiles)."""
+    dims = _kernel_operands(op, 'name = "block_fp8_matmul')
+    if not dims or len(dims) != 4:
+        return 0.0
+    (m, k), (_, n) = dims[0], dims[2]
+    return 2.0 * m * k * n
+
+
 def _own_kernel_flops(op) -> float:
     """An estimate of the matmul FLOPs of one flash-attention Pallas kernel (a Triton custom call that GEMM counting
     cannot see): 4 x b x s x h x d x t from its q [b, s, h, d] and k [b, t, g, d] operands (twice that for the dk/dv
     kernel, which also recomputes the probabilities), not halved for causal masking; a grouped GEMM's
-    (`_grouped_gemm_flops`). 0 for anything else."""
+    (`_grouped_gemm_flops`) or a block-scaled FP8 GEMM's (`_block_fp8_flops`). 0 for anything else."""
     dims = _kernel_operands(op, "flash_attention")
     if not dims or len(dims) < 2 or len(dims[0]) != 4 or len(dims[1]) != 4:
-        return _grouped_gemm_flops(op)
+        return _grouped_gemm_flops(op) + _block_fp8_flops(op)
     return (8.0 if "flash_attention_dkv" in op[3] else 4.0) * math.prod(dims[0]) * dims[1][1]
 
 

@@ -44,7 +44,10 @@ class ModelConfig:
     # and has no collectives inside its layers for XLA to move (StepPlan.unroll_layers), a loop elsewhere
     scan_layers: bool | None = resumable(None)
     fp8: Literal["none", "hybrid", "e4m3"] = "none"  # FP8 linear layers: hybrid = e4m3 forward, e5m2 gradients
-    fp8_recipe: Literal["current", "delayed"] = "current"  # FP8 scales: each tensor's own, or from an amax history
+    # FP8 scales: each tensor's own (current), from an amax history (delayed), or per 1 x fp8_block tile of the
+    # activations and gradients and fp8_block x fp8_block block of the weights (blockwise: DeepSeek-V3's, e4m3 only)
+    fp8_recipe: Literal["current", "delayed", "blockwise"] = "current"
+    fp8_block: int = 128  # blockwise: the tile and block width
     fp8_amax_history: int = 16  # delayed scaling: steps of amax history (the scale uses their max)
     fp8_margin: int = 0  # FP8 scales are divided by 2^margin (headroom against growing values)
     norm_eps: float = defines_model(1e-5)  # LayerNorm / RMSNorm epsilon
@@ -159,6 +162,8 @@ class ModelConfig:
               "weights and set model.compute_dtype=float16")
         check(self.fp8_amax_history >= 1 and self.fp8_margin >= 0,
               "model.fp8_amax_history must be >= 1 and model.fp8_margin >= 0")
+        if self.fp8 != "none" and self.fp8_recipe == "blockwise":
+            self._check_blockwise()
         if self.rope_scaling != "none":
             check(self.arch == "llama", f"model.rope_scaling={self.rope_scaling} needs RoPE: set model.arch=llama")
             check(self.rope_scaling_factor >= 1 and self.rope_original_max_positions > 0
@@ -167,6 +172,15 @@ class ModelConfig:
                   "rope_high_freq_factor > rope_low_freq_factor > 0 (Llama 3.1: 8, 8192, 4 and 1)")
             check(self.rope_scaling != "yarn" or self.rope_yarn_beta_fast > self.rope_yarn_beta_slow > 0,
                   "model.rope_scaling=yarn needs rope_yarn_beta_fast > rope_yarn_beta_slow > 0 (YaRN: 32 and 1)")
+
+    def _check_blockwise(self) -> None:
+        block = self.fp8_block
+        check(self.fp8 == "e4m3", "model.fp8_recipe=blockwise scales every operand finely enough for e4m3 (DeepSeek-V3's "
+              "and Megatron's recipe has no e5m2 gradients): set model.fp8=e4m3")
+        check(block >= 16 and block & (block - 1) == 0,
+              f"model.fp8_block={block} must be a power of two >= 16 (a Triton tile; DeepSeek-V3: 128)")
+        check(self.num_experts == 0, "model.fp8_recipe=blockwise does not run the experts' matmuls yet: use "
+              "model.fp8_recipe=current for a mixture of experts")
 
     def _check_group_routing(self) -> None:
         groups, best = self.moe_router_num_groups, self.moe_router_group_topk

@@ -104,7 +104,12 @@ def weight_einsum(module: nn.Module, name: str, x: jax.Array, w: jax.Array) -> j
     module.sow(TAP_INPUTS, name, x, init_fn=lambda: None, reduce_fn=lambda _, new: new)
     spec = WEIGHT_EINSUMS[name]
     fmt, meta = _fp8_of(module, name)
-    y = jnp.einsum(spec, x, w) if fmt is None else fp8.einsum(spec, *fmt, x, w, meta)
+    if fmt is None:
+        y = jnp.einsum(spec, x, w)
+    elif module.cfg.fp8_recipe == "blockwise":
+        y = fp8.block_einsum(spec, module.cfg.fp8_block, WEIGHT_NAMES[name], x, w)
+    else:
+        y = fp8.einsum(spec, *fmt, x, w, meta)
     return module.perturb(name, y, collection=TAP_GRADS)
 
 
@@ -161,6 +166,8 @@ def weight_grad(name: str, cfg: ModelConfig, x: jax.Array, dy: jax.Array, w: jax
     if collective_matmul.active() and name not in LATENT:
         return collective_matmul.weight_grad(WEIGHT_EINSUMS[name], name in COLUMN_PARALLEL, x, dy, w,
                                              WEIGHT_NAMES[name], fmt, meta)
+    if fmt is not None and cfg.fp8_recipe == "blockwise":
+        return fp8.block_weight_grad(WEIGHT_EINSUMS[name], cfg.fp8_block, WEIGHT_NAMES[name], x, dy, w).astype(w.dtype)
     if fmt is not None:
         return fp8.weight_grad(WEIGHT_EINSUMS[name], cfg.fp8, cfg.fp8_margin, x, dy, meta).astype(w.dtype)
     return jax.vjp(lambda w: jnp.einsum(WEIGHT_EINSUMS[name], x, w.astype(x.dtype)), w)[1](dy)[0]
