@@ -13,8 +13,9 @@ are. megajax/model/fp8.py quantizes and calls this.
 
 A program per [block_m, block_n] output tile loops over the blocks of k. The rows and columns are padded to the
 tiles; k must be a multiple of `group` (>= 16: Triton's dot). The jnp oracle `reference` dequantizes and
-multiplies in fp32; the tests compare both in Pallas interpret mode, and `jax.export(..., platforms=["cuda"])`
-lowers the kernel to Triton (the audit names it `block_fp8_matmul` and counts its FLOPs as FP8).
+multiplies in fp32, and is what runs on CPU; the tests compare the kernel with it in Pallas interpret mode, and
+`jax.export(..., platforms=["cuda"])` lowers the kernel to Triton (the audit names it `block_fp8_matmul` and
+counts its FLOPs as FP8).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from megajax.kernels.launch import dot, next_power_of_2, pallas_call
+from megajax.parallel import step_plan
 
 NAME = "block_fp8_matmul"
 MIN_BLOCK = 16  # Triton's dot needs every dim >= 16
@@ -67,11 +69,22 @@ def _tile(size: int, most: int) -> int:
 def matmul(a: jax.Array, sa: jax.Array, b: jax.Array, sb: jax.Array, group: int, out_dtype,
            blocks: Blocks = Blocks()) -> jax.Array:
     """[m, n] in out_dtype = a [m, k] (FP8) x b [k, n] (FP8), block kb of k dequantized by sa [k/group, m] and
-    sb [k/group, n] (fp32)."""
+    sb [k/group, n] (fp32). On CPU, `reference` (the same products in XLA: the interpreted kernel would make a
+    CPU training run ten times slower) unless blocks.interpret says True (the kernel's tests)."""
     (m, k), n = a.shape, b.shape[1]
     if k % group or group < MIN_BLOCK:
         raise ValueError(f"block-scaled FP8: the contraction ({k}) must be a multiple of the block ({group}), "
                          f"which must be at least {MIN_BLOCK}")
+    if blocks.interpret is not None:
+        return _call(a, sa, b, sb, group, out_dtype, blocks)
+    compiled = dataclasses.replace(blocks, interpret=False)
+    return step_plan.platform_dependent(a, sa, b, sb, cpu=lambda *ops: reference(*ops, group, out_dtype),
+                                        default=lambda *ops: _call(*ops, group, out_dtype, compiled))
+
+
+def _call(a, sa, b, sb, group: int, out_dtype, blocks: Blocks) -> jax.Array:
+    """The kernel on operands padded to whole tiles."""
+    (m, k), n = a.shape, b.shape[1]
     bm, bn = _tile(m, blocks.m), _tile(n, blocks.n)
     mp, np_ = _round_up(m, bm), _round_up(n, bn)
     a, sa = jnp.pad(a, ((0, mp - m), (0, 0))), jnp.pad(sa, ((0, 0), (0, mp - m)))
