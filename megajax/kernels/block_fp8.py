@@ -71,7 +71,7 @@ def matmul(a: jax.Array, sa: jax.Array, b: jax.Array, sb: jax.Array, group: int,
     """[m, n] in out_dtype = a [m, k] (FP8) x b [k, n] (FP8), block kb of k dequantized by sa [k/group, m] and
     sb [k/group, n] (fp32). On CPU, `reference` (the same products in XLA: the interpreted kernel would make a
     CPU training run ten times slower) unless blocks.interpret says True (the kernel's tests)."""
-    (m, k), n = a.shape, b.shape[1]
+    k = a.shape[1]
     if k % group or group < MIN_BLOCK:
         raise ValueError(f"block-scaled FP8: the contraction ({k}) must be a multiple of the block ({group}), "
                          f"which must be at least {MIN_BLOCK}")
