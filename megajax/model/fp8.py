@@ -345,36 +345,33 @@ def update_meta(state, seen: dict, history: int):
 # (launch.shard_kernel) and its own tokens: where a shard's dims and a rank's tokens are whole tiles (model dims
 # of 128s split over powers of two), the tiles are one device's. The backward keeps x's B x 1 tiles and w's
 # blocks in FP8 (one byte an element).
-def _padded(x2: jax.Array, block: int) -> jax.Array:
-    """x2 [r, c] with zeros up to whole blocks in both dims (a zero changes no tile's maximum and no product)."""
-    return jnp.pad(x2, ((0, -x2.shape[0] % block), (0, -x2.shape[1] % block)))
+def _padded(x2: jax.Array, rows: int, cols: int) -> jax.Array:
+    """x2 [r, c] with zeros up to multiples of rows and cols (a zero changes no tile's maximum and no product)."""
+    return jnp.pad(x2, ((0, -x2.shape[0] % rows), (0, -x2.shape[1] % cols)))
 
 
 def _row_tiles(x2: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
     """(x2 [r, c] in e4m3, c padded to c', its dequantization scales [c' / block, r]) in 1 x block tiles along c."""
     r = x2.shape[0]
-    tiles = jnp.pad(x2, ((0, 0), (0, -x2.shape[1] % block))).astype(jnp.float32).reshape(r, -1, block)
+    tiles = _padded(x2, 1, block).astype(jnp.float32).reshape(r, -1, block)
     scale = _pow2_scale(jnp.max(jnp.abs(tiles), axis=-1), E4M3)
-    top = float(jnp.finfo(E4M3).max)
-    q = jnp.clip(tiles * scale[..., None], -top, top).astype(E4M3).reshape(r, -1)
-    return q, (1.0 / scale).T
+    return quantize(tiles, E4M3, scale[..., None])[0].reshape(r, -1), (1.0 / scale).T
 
 
 def _column_tiles(x2: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
     """(x2 [m, c] transposed, [c, m'], in e4m3, its scales [m' / block, c]) in block x 1 tiles along m, zero rows
     padding m to m'."""
-    return _row_tiles(jnp.pad(x2, ((0, -x2.shape[0] % block), (0, 0))).T, block)
+    return _row_tiles(_padded(x2, block, 1).T, block)
 
 
 def _weight_blocks(w2: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
     """(w2 [k, n] in e4m3, its dequantization scales [k' / block, n' / block]) in block x block blocks, k and n
     padded to k' and n' (partial blocks at the ends: DeepSeek-V3's 576-wide key-value down-projection)."""
     k, n = w2.shape
-    blocks = _padded(w2, block).astype(jnp.float32)
+    blocks = _padded(w2, block, block).astype(jnp.float32)
     blocks = blocks.reshape(blocks.shape[0] // block, block, blocks.shape[1] // block, block)
     scale = _pow2_scale(jnp.max(jnp.abs(blocks), axis=(1, 3)), E4M3)
-    top = float(jnp.finfo(E4M3).max)
-    q = jnp.clip(blocks * scale[:, None, :, None], -top, top).astype(E4M3).reshape(scale.shape[0] * block, -1)
+    q = quantize(blocks, E4M3, scale[:, None, :, None])[0].reshape(scale.shape[0] * block, -1)
     return q[:k, :n], 1.0 / scale
 
 
@@ -394,7 +391,7 @@ def _block_forward_local(nk: int, block: int, x, w):
     x2 = x.reshape(-1, k)
     xq, sx = _row_tiles(x2, block)
     wq, sw = _weight_blocks(w.reshape(k, n), block)
-    y = block_fp8.matmul(xq, sx, _padded(wq, block), jnp.repeat(sw, block, axis=1), block, x.dtype)[:, :n]
+    y = block_fp8.matmul(xq, sx, _padded(wq, block, block), jnp.repeat(sw, block, axis=1), block, x.dtype)[:, :n]
     return (y.reshape(*x.shape[:-nk], *w.shape[nk:]), *_column_tiles(x2, block), wq.reshape(w.shape), sw)
 
 
@@ -402,7 +399,7 @@ def _block_input_grad_local(nk: int, block: int, dy, wq, sw):
     """One shard's input gradient dy . w^T, dy in 1 x block tiles along w's free dims."""
     k = math.prod(wq.shape[:nk])
     dyq, sdy = _row_tiles(dy.reshape(-1, wq.size // k), block)
-    wt = _padded(wq.reshape(k, -1), block).T
+    wt = _padded(wq.reshape(k, -1), block, block).T
     dx = block_fp8.matmul(dyq, sdy, wt, jnp.repeat(sw.T, block, axis=1), block, dy.dtype)[:, :k]
     return dx.reshape(*dy.shape[:dy.ndim - (wq.ndim - nk)], *wq.shape[:nk])
 
@@ -415,17 +412,18 @@ def _block_weight_grad_local(w_shape: tuple, block: int, xt, sxt, dy):
 
 
 def _block_names(spec: str, w_names) -> tuple:
-    """The logical names of x, y, and of the residuals (x's tiles [k, m'] and scales, w's blocks and scales): a
-    token dim is 'batch', the sequence whole (a column-parallel input is gathered, a row-parallel output not yet
-    scattered). A merged dim (w's contracted or free dims) takes the name of the one of its dims that is split:
-    the residuals are each shard's own, stacked, and read back by the same shards."""
+    """(the contracted dims' count, the logical names of x, of y, and of the residuals: x's tiles [k, m'] and
+    scales, w's blocks and scales). A token dim is 'batch', the sequence whole (a column-parallel input is
+    gathered, a row-parallel output not yet scattered). A merged dim (w's contracted or free dims) takes the name
+    of the one of its dims that is split: the residuals are each shard's own, stacked, and read back by the same
+    shards."""
     x, w, out = _operands(spec)
     of = dict(zip(w, w_names)) | {"b": "batch", "s": None}
     nk = _contraction(spec)
     k_name = next((n for n in w_names[:nk] if n is not None), None)
     n_name = next((n for n in w_names[nk:] if n is not None), None)
     residuals = ((k_name, "batch"), ("batch", k_name), tuple(w_names), (k_name, n_name))
-    return tuple(of.get(c) for c in x), tuple(of.get(c) for c in out), residuals
+    return nk, tuple(of.get(c) for c in x), tuple(of.get(c) for c in out), residuals
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -437,16 +435,15 @@ def block_einsum(spec: str, block: int, w_names: tuple, x: jax.Array, w: jax.Arr
 
 
 def _block_forward(spec, block, w_names, x, w):
-    x_names, y_names, res_names = _block_names(spec, w_names)
-    fn = functools.partial(_block_forward_local, _contraction(spec), block)
+    nk, x_names, y_names, res_names = _block_names(spec, w_names)
+    fn = functools.partial(_block_forward_local, nk, block)
     y, *res = shard_kernel(fn, (x, w), (x_names, w_names), (y_names, *res_names), summed=(0,))
     return y, tuple(res)
 
 
 def _block_backward(spec, block, w_names, residuals, dy):
     xt, sxt, wq, sw = residuals
-    x_names, y_names, res_names = _block_names(spec, w_names)
-    nk = _contraction(spec)
+    nk, x_names, y_names, res_names = _block_names(spec, w_names)
     dx, = shard_kernel(lambda dy, wq, sw: (_block_input_grad_local(nk, block, dy, wq, sw),), (dy, wq, sw),
                        (y_names, *res_names[2:]), (x_names,), summed=(0,))
     dw, = shard_kernel(lambda xt, sxt, dy, wq: (_block_weight_grad_local(wq.shape, block, xt, sxt, dy),),
@@ -460,8 +457,7 @@ block_einsum.defvjp(_block_forward, _block_backward)
 def block_weight_grad(spec: str, block: int, w_names: tuple, x: jax.Array, dy: jax.Array, w: jax.Array) -> jax.Array:
     """The weight gradient of `block_einsum(spec, block, w_names, x, w)` from x and the output gradient, as its
     backward computes it (the zero-bubble schedule's deferred W pass)."""
-    x_names, y_names, _ = _block_names(spec, w_names)
-    nk = _contraction(spec)
+    nk, x_names, y_names, _ = _block_names(spec, w_names)
 
     def local(x, dy, w):
         xt, sxt = _column_tiles(x.reshape(-1, math.prod(w.shape[:nk])), block)
