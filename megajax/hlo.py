@@ -328,7 +328,7 @@ def _is_fp8(op, shapes: dict[str, str]) -> bool:
     _, _, opcode, rest = op
     if opcode == "custom-call":
         kernel = (_kernel_operand_types(op, 'name = "grouped_matmul')
-                  or _kernel_operand_types(op, 'name = "block_fp8_matmul') or [])
+                  or _kernel_operand_types(op, 'name = "block_fp8_') or [])
         return 'custom_call_target="__cublas$lt$matmul$f8"' in rest or any(t.startswith("f8") for t in kernel)
     first = re.match(r"\s*(?:([a-z][a-z0-9]*\[[0-9,]*\])\S*\s+)?%?([\w.\-]+)", rest)
     lhs = (first.group(1) or shapes.get(first.group(2), "")) if first else ""
@@ -351,7 +351,7 @@ def gemm_flops(hlo_text: str, branch_runs: dict | None = None) -> dict[str, floa
             continue
         shapes = {name: shape_text for name, shape_text, _, _ in ops}
         for op in ops:
-            own = _own_gemm_flops(op, shapes) + _grouped_gemm_flops(op) + _block_fp8_flops(op)
+            own = _own_gemm_flops(op, shapes) + _kernel_gemm_flops(op)
             if not own:
                 continue
             flops = own * mult
@@ -406,14 +406,31 @@ def _block_fp8_flops(op) -> float:
     return 2.0 * m * k * n
 
 
+def _kernel_gemm_flops(op) -> float:
+    """The FLOPs of one of megajax's GEMM kernels (grouped, block-scaled, block-scaled grouped); 0 for anything else."""
+    return _grouped_gemm_flops(op) + _block_fp8_flops(op) + _block_fp8_grouped_flops(op)
+
+
+def _block_fp8_grouped_flops(op) -> float:
+    """The FLOPs of one block-scaled FP8 grouped kernel (megajax.kernels.block_fp8's grouped_matmul and
+    grouped_weight_matmul), 2 x padded rows x k x n: a [.., rows, k] and b [.., e, k, n] (forward, input gradient),
+    a [.., rows, k] and b [.., rows, n] (weight gradient), each after its table(s) and beside its scales; a leading
+    dim (blocks of experts) multiplies."""
+    dims = _kernel_operands(op, 'name = "block_fp8_grouped')
+    if not dims or len(dims) < 5:
+        return 0.0
+    a, b = (dims[2], dims[4]) if 'name = "block_fp8_grouped_weight' in op[3] else (dims[1], dims[3])
+    return 2.0 * math.prod(a) * b[-1]
+
+
 def _own_kernel_flops(op) -> float:
     """An estimate of the matmul FLOPs of one flash-attention Pallas kernel (a Triton custom call that GEMM counting
     cannot see): 4 x b x s x h x d x t from its q [b, s, h, d] and k [b, t, g, d] operands (twice that for the dk/dv
-    kernel, which also recomputes the probabilities), not halved for causal masking; a grouped GEMM's
-    (`_grouped_gemm_flops`) or a block-scaled FP8 GEMM's (`_block_fp8_flops`). 0 for anything else."""
+    kernel, which also recomputes the probabilities), not halved for causal masking; or one of megajax's GEMM
+    kernels' (`_kernel_gemm_flops`). 0 for anything else."""
     dims = _kernel_operands(op, "flash_attention")
     if not dims or len(dims) < 2 or len(dims[0]) != 4 or len(dims[1]) != 4:
-        return _grouped_gemm_flops(op) + _block_fp8_flops(op)
+        return _kernel_gemm_flops(op)
     return (8.0 if "flash_attention_dkv" in op[3] else 4.0) * math.prod(dims[0]) * dims[1][1]
 
 

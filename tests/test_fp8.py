@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO, gpu, run_steps, small_config
 from megajax.config import io as config_io
 from megajax.config import ConfigError
-from megajax.model import fp8
+from megajax.model import fp8, fp8_blockwise
 
 
 def _rel(a, b) -> float:
@@ -424,8 +424,8 @@ def test_blockwise_einsum_multiplies_the_dequantized_tiles():
     x = jax.random.normal(kx, (b, s, h, k)) * jnp.linspace(0.01, 30, h * k).reshape(h, k)  # channel outliers
     w = jax.random.normal(kw, (h, k, d)) * 0.05
     dy = jax.random.normal(kd, (b, s, d)) * 1e-3
-    y, vjp = jax.vjp(lambda x, w: fp8.block_einsum("bshk,hkd->bsd", block, ("heads", "head_dim", "embed"), x, w),
-                     x, w)
+    names = ("heads", "head_dim", "embed")
+    y, vjp = jax.vjp(lambda x, w: fp8_blockwise.block_einsum("bshk,hkd->bsd", block, names, x, w), x, w)
     dx, dw = vjp(dy)
     x2, w2, dy2 = x.reshape(b * s, h * k), w.reshape(h * k, d), dy.reshape(b * s, d)
     hi = jax.lax.Precision.HIGHEST
@@ -437,8 +437,7 @@ def test_blockwise_einsum_multiplies_the_dequantized_tiles():
                                atol=1e-5 * float(jnp.abs(want_dx).max()))
     np.testing.assert_allclose(dw.reshape(h * k, d), want_dw, rtol=1e-5, atol=1e-5 * float(jnp.abs(want_dw).max()))
     # the zero-bubble schedule's deferred weight gradient is the same product
-    np.testing.assert_array_equal(fp8.block_weight_grad("bshk,hkd->bsd", block, ("heads", "head_dim", "embed"),
-                                                        x, dy, w), dw)
+    np.testing.assert_array_equal(fp8_blockwise.block_weight_grad("bshk,hkd->bsd", block, names, x, dy, w), dw)
 
 
 def test_blockwise_keeps_an_outlier_in_its_tile():
@@ -450,7 +449,7 @@ def test_blockwise_keeps_an_outlier_in_its_tile():
     exact = x @ w
     rows = np.arange(256) != 3  # the outlier's own row is dominated by it either way
     per_tensor = _rel(fp8.einsum("mk,kn->mn", "e4m3", 0, x, w)[rows], exact[rows])
-    blockwise = _rel(fp8.block_einsum("mk,kn->mn", 128, (None, None), x, w)[rows], exact[rows])
+    blockwise = _rel(fp8_blockwise.block_einsum("mk,kn->mn", 128, (None, None), x, w)[rows], exact[rows])
     assert blockwise < 0.05 and per_tensor > 3 * blockwise, (blockwise, per_tensor)
 
 
@@ -475,6 +474,66 @@ def test_block_fp8_kernel_matches_its_reference_and_lowers_to_triton_in_fp8():
     assert 'name = "block_fp8_matmul"' in text and "tt.ptr<f8E4M3FN>" in text
 
 
+def test_blockwise_expert_matmuls_multiply_the_dequantized_tiles():
+    """The experts' grouped matmul and both its gradients equal fp32 products of operands rounded per tile, as for a
+    linear layer: each row in 1 x B tiles, each expert's weight in B x B blocks, and for the weight gradient each
+    expert's own tokens in B x 1 tiles (from its first row: its rows start a tile). Rows past the groups give zeros;
+    an expert with no rows gets a zero gradient. The capacity buffers' form, a block of one expert each, is the
+    same product."""
+    block, k, n = 16, 40, 24
+    sizes = jnp.array([13, 0, 30])
+    kx, kw, kd = jax.random.split(jax.random.PRNGKey(0), 3)
+    x = jax.random.normal(kx, (50, k)) * jnp.linspace(0.01, 30, k)
+    w = jax.random.normal(kw, (3, k, n)) * 0.05
+    dy = jax.random.normal(kd, (50, n)) * 1e-3
+    y, vjp = jax.vjp(lambda x, w: fp8_blockwise.block_ragged_dot(block, None, x, w, sizes), x, w)
+    dx, dw = vjp(dy)
+    hi = jax.lax.Precision.HIGHEST
+    wq = jnp.stack([_fake_quant(we, (block, block)) for we in w])
+    want_y = jax.lax.ragged_dot(_fake_quant(x, (1, block)), wq, sizes, precision=hi)
+    want_dx = jax.lax.ragged_dot(_fake_quant(dy, (1, block)), wq.swapaxes(1, 2), sizes, precision=hi)
+    for got, want in ((y, want_y), (dx, want_dx)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+        assert float(jnp.abs(want - jax.lax.ragged_dot(*(x, w) if got is y else (dy, w.swapaxes(1, 2)), sizes))
+                     .max()) > 0  # (FP8 rounding is there to see)
+    assert not np.asarray(y[43:]).any() and not np.asarray(dx[43:]).any()
+    for g, (lo, hi_) in enumerate(((0, 13), (13, 13), (13, 43))):
+        want = _fake_quant(x[lo:hi_], (block, 1)).T @ _fake_quant(dy[lo:hi_], (block, 1))
+        np.testing.assert_allclose(dw[g], want, rtol=1e-5, atol=1e-5 * max(float(jnp.abs(want).max()), 1e-30))
+    # capacity buffers [e, c, k]: each a block with one expert of c rows
+    buf, full = x[:48].reshape(3, 16, k), jnp.full((3, 1), 16)
+    got = fp8_blockwise.block_ragged_dot(block, None, buf, w[:, None], full)
+    want = jnp.einsum("eck,ekn->ecn", _fake_quant(x[:48], (1, block)).reshape(3, 16, k), wq, precision=hi)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+
+
+def test_block_fp8_grouped_kernels_match_their_references_and_lower_to_triton_in_fp8():
+    from megajax.kernels import block_fp8
+    from megajax.kernels.grouped_matmul import plan_rows
+
+    keys = jax.random.split(jax.random.PRNGKey(3), 6)
+    group, k, n = 16, 48, 40
+    _, tile_group, first, count, rows = plan_rows(jnp.array([20, 0, 9]), 40, group)  # an empty expert, padding
+    a = (jax.random.normal(keys[0], (rows, k)) * 10).astype(fp8.E4M3)
+    b = jax.random.normal(keys[1], (3, k, n)).astype(fp8.E4M3)
+    dy = jax.random.normal(keys[2], (rows, n)).astype(fp8.E4M3)
+    sa = jax.random.uniform(keys[3], (k // group, rows)) + 0.5
+    sb = jax.random.uniform(keys[4], (3, k // group, n)) + 0.5
+    sat, sdyt = jax.random.uniform(keys[5], (rows // group, k)) + 0.5, jax.random.uniform(keys[0], (rows // group, n))
+    products = (
+        (block_fp8.grouped_matmul, block_fp8.grouped_reference, (a, sa, b, sb, tile_group)),
+        (block_fp8.grouped_weight_matmul, block_fp8.grouped_weight_reference, (a, sat, dy, sdyt, first, count)))
+    for kernel, reference, ops in products:
+        got = kernel(*ops, group, jnp.float32, block_fp8.Blocks(interpret=True))
+        want = reference(*ops, group, jnp.float32)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+        exported = jax.export.export(jax.jit(lambda *ops: kernel(*ops, group, jnp.bfloat16)), platforms=["cuda"],
+                                     disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(
+                                         "__gpu$xla.gpu.triton")])(*ops)
+        text = exported.mlir_module()
+        assert 'name = "block_fp8_grouped' in text and "tt.ptr<f8E4M3FN>" in text
+
+
 BLOCKWISE_LAYOUTS = {
     "d2-t2-sp": LAYOUTS["d2-t2-sp"],
     "t4-sp-llama": ({**LAYOUTS["t4-sp-llama-e4m3"][0]}, 4),
@@ -486,6 +545,11 @@ BLOCKWISE_LAYOUTS = {
                       "model.arch": "llama", "model.multi_latent_attention": True, "model.q_lora_rank": 32,
                       "model.kv_lora_rank": 32, "model.qk_head_dim": 16, "model.qk_pos_emb_head_dim": 8,
                       "model.v_head_dim": 16}, 4),
+    # the experts' matmuls as block-scaled grouped GEMMs: dropless (tensor-split experts, folded experts, the
+    # ragged exchange) and with a capacity (unfolded and folded buffers)
+    **{name: LAYOUTS[name] for name in ("moe-dropless-d2-e2-t2", "moe-dropless-fold-d2-e2-t2",
+                                        "moe-ragged-grouped-d2-e2", "moe-capacity-d4-e2",
+                                        "moe-capacity-fold-d2-e2-t2")},
 }
 
 
@@ -503,7 +567,6 @@ def test_fp8_blockwise_layout_matches_one_device(name):
 @pytest.mark.parametrize("sets, match", [
     ({"model.fp8": "hybrid"}, "set model.fp8=e4m3"),
     ({"model.fp8_block": 96}, "power of two"),
-    ({"model.num_experts": 4, "model.experts_per_token": 2}, "model.fp8_recipe=current for a mixture of experts"),
     ({"parallel.tensor": 2, "parallel.sequence_parallel": True, "parallel.tp_comm_overlap": True},
      "parallel.tp_comm_overlap=false"),
 ])
@@ -533,3 +596,28 @@ def test_h100_program_multiplies_blockwise_in_block_scaled_fp8_kernels(tmp_path)
         (ta, a), (tsa, sa), (tb, _), (tsb, _) = re.findall(r"([a-z][a-z0-9]*)\[([0-9,]*)\]", listed)[:4]
         assert (ta, tb, tsa, tsb) == ("f8e4m3fn", "f8e4m3fn", "f32", "f32"), line
         assert int(sa.split(",")[0]) == int(a.split(",")[1]) // 128  # a scale row per 128 of the contraction
+
+
+@pytest.mark.slow  # a compile-only H100 build of the MoE step (about 30 s)
+@gpu
+def test_h100_expert_gemms_multiply_blockwise_in_grouped_block_scaled_kernels(tmp_path):
+    """The dropless experts' forward, input and weight gradients are block-scaled grouped FP8 kernels in the H100
+    program: FP8 rows beside one fp32 scale row per 128 of the contraction, each expert's FP8 weight beside its
+    block scales."""
+    import re
+
+    from megajax import audit
+
+    sets = ["model.fp8=e4m3", "model.fp8_recipe=blockwise", "model.compute_dtype=bfloat16", "parallel.data=2",
+            "parallel.expert=2"]
+    report = audit.audit(config_io.load(f"{REPO}/configs/tiny-moe.yaml", sets), "h100", 2, str(tmp_path / "step.hlo"))
+    assert report["fp8"]["fp8_flop_share"] > 0.9, report["fp8"]  # the expert matmuls are most of the FLOPs
+    calls = [line for line in (tmp_path / "step.hlo").read_text().splitlines() if "custom-call(" in line]
+    forward = [line for line in calls if 'name = "block_fp8_grouped_matmul"' in line]
+    weight = [line for line in calls if 'name = "block_fp8_grouped_weight_matmul"' in line]
+    assert len(forward) == 4 and len(weight) == 2  # w_in and w_out: forward and input gradient; weight gradient
+    for line in forward:
+        listed = line[line.index("operand_layout_constraints={"):]
+        _, (ta, a), (tsa, sa), (tb, _), (tsb, _) = re.findall(r"([a-z][a-z0-9]*)\[([0-9,]*)\]", listed)[:5]
+        assert (ta, tb, tsa, tsb) == ("f8e4m3fn", "f8e4m3fn", "f32", "f32"), line
+        assert int(sa.split(",")[0]) == int(a.split(",")[1]) // 128

@@ -179,8 +179,6 @@ class ModelConfig:
               "and Megatron's recipe has no e5m2 gradients): set model.fp8=e4m3")
         check(block >= 16 and block & (block - 1) == 0,
               f"model.fp8_block={block} must be a power of two >= 16 (a Triton tile; DeepSeek-V3: 128)")
-        check(self.num_experts == 0, "model.fp8_recipe=blockwise does not run the experts' matmuls yet: use "
-              "model.fp8_recipe=current for a mixture of experts")
 
     def _check_group_routing(self) -> None:
         groups, best = self.moe_router_num_groups, self.moe_router_group_topk

@@ -5,7 +5,7 @@ groups are padding and give zeros): out[i] = x[i] @ w[group of i], the contract 
 GPU lowering (jax 0.10.2) computes every row against every group's weight (e times the FLOPs).
 
 Layout: each group's rows are copied into a buffer where every group starts at a multiple of the row block
-(`_plan`), so a tile of block_m rows belongs to one group; a small table names each tile's group. The buffer
+(`plan_rows`), so a tile of block_m rows belongs to one group; a small table names each tile's group. The buffer
 has a static size, a + e (block_m - 1) rows rounded up: at most e - 1 tiles of padding beyond the rows.
 Kernels, each a program per output tile:
   forward   (tile, block of n): the tile's rows times its group's [k, block_n] weight, a loop over k
@@ -57,7 +57,7 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def _plan(sizes: jax.Array, rows: int, block_m: int):
+def plan_rows(sizes: jax.Array, rows: int, block_m: int):
     """(each row's position in the padded buffer (`padded_rows` for a padding row: dropped), each tile's
     group (e past the last group's tiles), each group's first tile, its tile count, the buffer's rows)."""
     e = sizes.shape[0]
@@ -152,7 +152,8 @@ def _fit(b: Blocks, k: int, n: int) -> tuple[Blocks, int, int]:
     return b, _round_up(k, b.k), _round_up(n, b.n)
 
 
-def _scatter(x, dest, padded_rows):
+def scatter_rows(x, dest, padded_rows):
+    """x's rows [a, ...] at their places `dest` in a zeroed buffer of padded_rows (a dest past it: dropped)."""
     return jnp.zeros((padded_rows, x.shape[1]), x.dtype).at[dest].set(x, mode="drop")
 
 
@@ -162,7 +163,7 @@ def _pad_cols(x, width):
 
 def _prepare(x, w, sizes, b: Blocks):
     """What the forward and the backward both build (cheap next to the matmuls): the fitted blocks, the plan
-    (`_plan`), x scattered into the padded buffer and w padded to the blocks."""
+    (`plan_rows`), x scattered into the padded buffer and w padded to the blocks."""
     k, n = w.shape[1:]
     b, plan, x_pad = _layout(x, sizes, n, b)
     w_pad = jnp.pad(w, ((0, 0), (0, x_pad.shape[1] - k), (0, _round_up(n, b.n) - n)))
@@ -173,8 +174,8 @@ def _layout(x, sizes, n: int, b: Blocks):
     """(the blocks fitted to x's [a, k] and an output width n, the plan, x scattered into the padded buffer)."""
     rows, k = x.shape
     b, kp, _ = _fit(b, k, n)
-    plan = _plan(sizes, rows, b.m)
-    return b, plan, _pad_cols(_scatter(x, plan[0], plan[-1]), kp)
+    plan = plan_rows(sizes, rows, b.m)
+    return b, plan, _pad_cols(scatter_rows(x, plan[0], plan[-1]), kp)
 
 
 def _forward(x, w, sizes, b: Blocks, out_dtype=None):
@@ -188,7 +189,7 @@ def _weight_dot(x, dy, sizes, b: Blocks):
     """The local per-group x^T dy: [e, k, n] in fp32."""
     k, n = x.shape[1], dy.shape[1]
     b, (dest, _, first, count, padded), x_pad = _layout(x, sizes, n, b)
-    dy_pad = _pad_cols(_scatter(dy, dest, padded), _round_up(n, b.n))
+    dy_pad = _pad_cols(scatter_rows(dy, dest, padded), _round_up(n, b.n))
     return _tgmm(x_pad, dy_pad, first, count, b, jnp.float32)[:, :k, :n]
 
 
@@ -196,7 +197,7 @@ def _backward(x, w, sizes, dy, b: Blocks):
     """The local (dx, dw); the plan and the padded rows are rebuilt from x rather than kept from the forward."""
     k, n = w.shape[1:]
     b, (dest, tile_group, first, count, padded), x_pad, w_pad = _prepare(x, w, sizes, b)
-    dy_pad = _pad_cols(_scatter(dy, dest, padded), w_pad.shape[2])
+    dy_pad = _pad_cols(scatter_rows(dy, dest, padded), w_pad.shape[2])
     # the input gradient: the forward's kernel with the weight transposed (k and n swap roles)
     w_t = jnp.swapaxes(w_pad, 1, 2).astype(dy.dtype)
     dx = _gmm(dy_pad, w_t, tile_group, dataclasses.replace(b, k=b.n, n=b.k), dy.dtype)

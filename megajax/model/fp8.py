@@ -1,4 +1,5 @@
-"""FP8 matmuls for the linear layers (model.fp8): Transformer Engine's formats, current, delayed or blockwise scaling.
+"""FP8 matmuls for the linear layers (model.fp8): Transformer Engine's formats, current or delayed scaling (blockwise:
+megajax/model/fp8_blockwise.py).
 
 Each operand is scaled by a power of two (current scaling: the largest 2^e with amax x 2^e <= the format's
 maximum, from the operand itself; delayed scaling: from the amax history, below), cast to FP8, multiplied with
@@ -25,9 +26,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from megajax.kernels import block_fp8
 from megajax.kernels.grouped_matmul import group_of_rows, grouped_dot, grouped_weight_dot
-from megajax.kernels.launch import shard_kernel
 from megajax.parallel.step_plan import vary, varying_axes
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -35,7 +34,7 @@ E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 FORMATS = {"hybrid": (E4M3, E5M2), "e4m3": (E4M3, E4M3)}
 
 
-def _pow2_scale(amax: jax.Array, dtype) -> jax.Array:
+def pow2_scale(amax: jax.Array, dtype) -> jax.Array:
     """The powers of two that map absolute maxima to at most the format's maximum (1 for an all-zero or
     non-finite operand, so a NaN reaches the loss instead of being hidden by the scale)."""
     _, exponent = jnp.frexp(float(jnp.finfo(dtype).max) / amax)  # = mantissa in [0.5, 1) x 2^exponent, exactly
@@ -45,7 +44,7 @@ def _pow2_scale(amax: jax.Array, dtype) -> jax.Array:
 
 def scale_for(x: jax.Array, dtype) -> jax.Array:
     """The power of two that maps x's absolute maximum to at most the format's maximum."""
-    return _pow2_scale(jnp.max(jnp.abs(x)).astype(jnp.float32), dtype)
+    return pow2_scale(jnp.max(jnp.abs(x)).astype(jnp.float32), dtype)
 
 
 def expert_amax(x: jax.Array, rows_of: jax.Array | None = None, experts: int = 0) -> jax.Array:
@@ -73,7 +72,7 @@ def quantize(x: jax.Array, dtype, scale: jax.Array | None = None) -> tuple[jax.A
     return jnp.clip(x.astype(jnp.float32) * scale, -top, top).astype(dtype), scale
 
 
-def _operands(spec: str) -> tuple[str, str, str]:
+def einsum_operands(spec: str) -> tuple[str, str, str]:
     inputs, out = spec.split("->")
     x, w = inputs.split(",")
     return x, w, out
@@ -126,7 +125,7 @@ def delayed_scale(counters: jax.Array, amax: jax.Array, dtype, margin: int) -> j
     none, the scale of its absolute maximum amax [...]: current scaling), divided by 2^margin."""
     top = jnp.max(jnp.where(counters > 0, jnp.arange(BINS), -1), axis=-1)
     k = jnp.clip(_max_exponent(dtype) - (top - BINS // 2) - margin, -126, 126)
-    return jnp.where(top >= 0, jnp.ldexp(jnp.ones_like(amax), k), _pow2_scale(amax, dtype))
+    return jnp.where(top >= 0, jnp.ldexp(jnp.ones_like(amax), k), pow2_scale(amax, dtype))
 
 
 def _quantize(x, dtype, counters, margin):
@@ -146,7 +145,7 @@ def _counters(meta):
 
 def _scales(amax, dtype, counters, margin):
     """Per expert [..., e]: current scales of the experts' absolute maxima, or delayed from their histories."""
-    return _pow2_scale(amax, dtype) if counters is None else delayed_scale(counters, amax, dtype, margin)
+    return pow2_scale(amax, dtype) if counters is None else delayed_scale(counters, amax, dtype, margin)
 
 
 def _seen(bins, meta):
@@ -223,7 +222,7 @@ def _backward(spec, fmt, margin, by_expert, residuals, dy):
     gradient = expert_gradient if by_expert else quantize_gradient
     dyq, sdy, g_meta = gradient(fmt, margin, dy, dy_counters, seen)
     sx, sw, sdy = _lead(sx), _lead(sw), _lead(sdy)
-    x_sub, w_sub, y_sub = _operands(spec)
+    x_sub, w_sub, y_sub = einsum_operands(spec)
     dx = dot(f"{y_sub},{w_sub}->{x_sub}", dyq, wq, 1.0 / (sdy * sw), dy.dtype)
     dw = dot(f"{x_sub},{y_sub}->{w_sub}", xq, dyq, 1.0 / (sx * sdy), dy.dtype)
     return dx, dw, g_meta
@@ -237,7 +236,7 @@ def weight_grad(spec: str, fmt: str, margin: int, x: jax.Array, dy: jax.Array,
     """The weight gradient of `einsum(spec, fmt, margin, x, w, meta)` from x and the output gradient, as its
     backward computes it (for the zero-bubble schedule's deferred W pass)."""
     xq, sx, dyq, sdy = weight_grad_operands(fmt, margin, x, dy, meta)
-    x_sub, w_sub, y_sub = _operands(spec)
+    x_sub, w_sub, y_sub = einsum_operands(spec)
     return dot(f"{x_sub},{y_sub}->{w_sub}", xq, dyq, 1.0 / (sx * sdy), dy.dtype)
 
 
@@ -333,134 +332,3 @@ def update_meta(state, seen: dict, history: int):
         return jnp.where(hit, jnp.float32(history), jnp.maximum(p - 1, 0)).astype(p.dtype)
 
     return jax.tree_util.tree_map_with_path(one, state)
-
-
-# Blockwise scaling (model.fp8_recipe=blockwise: DeepSeek-V3's fine-grained FP8, Megatron's "blockwise" recipe).
-# Every operand is e4m3 with a scale per tile of B = model.fp8_block elements (128): activations and output
-# gradients per 1 x B tile along the contraction (a token's B features), weights per B x B block, and the weight
-# gradient's operands, whose contraction runs over tokens, per B x 1 tile (B tokens of one feature). An outlier
-# then costs precision only in its own tile. The scales are powers of two as above and need no state and no
-# reduction across ranks; the products are the block-scaled kernel (megajax/kernels/block_fp8.py), which
-# dequantizes each block of the contraction in fp32 as it accumulates. Each rank quantizes its own shard
-# (launch.shard_kernel) and its own tokens: where a shard's dims and a rank's tokens are whole tiles (model dims
-# of 128s split over powers of two), the tiles are one device's. The backward keeps x's B x 1 tiles and w's
-# blocks in FP8 (one byte an element).
-def _padded(x2: jax.Array, rows: int, cols: int) -> jax.Array:
-    """x2 [r, c] with zeros up to multiples of rows and cols (a zero changes no tile's maximum and no product)."""
-    return jnp.pad(x2, ((0, -x2.shape[0] % rows), (0, -x2.shape[1] % cols)))
-
-
-def _row_tiles(x2: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
-    """(x2 [r, c] in e4m3, c padded to c', its dequantization scales [c' / block, r]) in 1 x block tiles along c."""
-    r = x2.shape[0]
-    tiles = _padded(x2, 1, block).astype(jnp.float32).reshape(r, -1, block)
-    scale = _pow2_scale(jnp.max(jnp.abs(tiles), axis=-1), E4M3)
-    return quantize(tiles, E4M3, scale[..., None])[0].reshape(r, -1), (1.0 / scale).T
-
-
-def _column_tiles(x2: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
-    """(x2 [m, c] transposed, [c, m'], in e4m3, its scales [m' / block, c]) in block x 1 tiles along m, zero rows
-    padding m to m'."""
-    return _row_tiles(_padded(x2, block, 1).T, block)
-
-
-def _weight_blocks(w2: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
-    """(w2 [k, n] in e4m3, its dequantization scales [k' / block, n' / block]) in block x block blocks, k and n
-    padded to k' and n' (partial blocks at the ends: DeepSeek-V3's 576-wide key-value down-projection)."""
-    k, n = w2.shape
-    blocks = _padded(w2, block, block).astype(jnp.float32)
-    blocks = blocks.reshape(blocks.shape[0] // block, block, blocks.shape[1] // block, block)
-    scale = _pow2_scale(jnp.max(jnp.abs(blocks), axis=(1, 3)), E4M3)
-    q = quantize(blocks, E4M3, scale[:, None, :, None])[0].reshape(scale.shape[0] * block, -1)
-    return q[:k, :n], 1.0 / scale
-
-
-def _contraction(spec: str) -> int:
-    """How many trailing dims of x (leading dims of w) an einsum contracts; x [free, contracted], w [contracted,
-    free] and out [x's free, w's free], as every weight einsum of megajax/model/layers.py is."""
-    x, w, out = _operands(spec)
-    contracted = "".join(c for c in x if c in w)
-    if not (x.endswith(contracted) and w.startswith(contracted) and out == x[:-len(contracted)] + w[len(contracted):]):
-        raise ValueError(f"blockwise FP8 takes einsums of x [free, contracted] and w [contracted, free], not {spec}")
-    return len(contracted)
-
-
-def _block_forward_local(nk: int, block: int, x, w):
-    """One shard's forward: (y, x's block x 1 tiles [k, m'] and their scales, w's blocks (w's shape) and scales)."""
-    k, n = math.prod(w.shape[:nk]), math.prod(w.shape[nk:])
-    x2 = x.reshape(-1, k)
-    xq, sx = _row_tiles(x2, block)
-    wq, sw = _weight_blocks(w.reshape(k, n), block)
-    y = block_fp8.matmul(xq, sx, _padded(wq, block, block), jnp.repeat(sw, block, axis=1), block, x.dtype)[:, :n]
-    return (y.reshape(*x.shape[:-nk], *w.shape[nk:]), *_column_tiles(x2, block), wq.reshape(w.shape), sw)
-
-
-def _block_input_grad_local(nk: int, block: int, dy, wq, sw):
-    """One shard's input gradient dy . w^T, dy in 1 x block tiles along w's free dims."""
-    k = math.prod(wq.shape[:nk])
-    dyq, sdy = _row_tiles(dy.reshape(-1, wq.size // k), block)
-    wt = _padded(wq.reshape(k, -1), block, block).T
-    dx = block_fp8.matmul(dyq, sdy, wt, jnp.repeat(sw.T, block, axis=1), block, dy.dtype)[:, :k]
-    return dx.reshape(*dy.shape[:dy.ndim - (wq.ndim - nk)], *wq.shape[:nk])
-
-
-def _block_weight_grad_local(w_shape: tuple, block: int, xt, sxt, dy):
-    """One shard's weight gradient x^T . dy from x's block x 1 tiles, dy's tiled the same way (over tokens)."""
-    k = xt.shape[0]
-    dyt, sdyt = _column_tiles(dy.reshape(-1, math.prod(w_shape) // k), block)
-    return block_fp8.matmul(xt, sxt, dyt.T, sdyt, block, dy.dtype).reshape(w_shape)
-
-
-def _block_names(spec: str, w_names) -> tuple:
-    """(the contracted dims' count, the logical names of x, of y, and of the residuals: x's tiles [k, m'] and
-    scales, w's blocks and scales). A token dim is 'batch', the sequence whole (a column-parallel input is
-    gathered, a row-parallel output not yet scattered). A merged dim (w's contracted or free dims) takes the name
-    of the one of its dims that is split: the residuals are each shard's own, stacked, and read back by the same
-    shards."""
-    x, w, out = _operands(spec)
-    of = dict(zip(w, w_names)) | {"b": "batch", "s": None}
-    nk = _contraction(spec)
-    k_name = next((n for n in w_names[:nk] if n is not None), None)
-    n_name = next((n for n in w_names[nk:] if n is not None), None)
-    residuals = ((k_name, "batch"), ("batch", k_name), tuple(w_names), (k_name, n_name))
-    return nk, tuple(of.get(c) for c in x), tuple(of.get(c) for c in out), residuals
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def block_einsum(spec: str, block: int, w_names: tuple, x: jax.Array, w: jax.Array) -> jax.Array:
-    """jnp.einsum(spec, x, w) with blockwise-scaled e4m3 operands (x and w of one dtype; the result has it too):
-    1 x block tiles of x and of the output gradient, block x block blocks of w. w_names: w's logical axis names
-    (megajax/model/layers.py's WEIGHT_NAMES), by which each tensor rank takes its shard."""
-    return _block_forward(spec, block, w_names, x, w)[0]
-
-
-def _block_forward(spec, block, w_names, x, w):
-    nk, x_names, y_names, res_names = _block_names(spec, w_names)
-    fn = functools.partial(_block_forward_local, nk, block)
-    y, *res = shard_kernel(fn, (x, w), (x_names, w_names), (y_names, *res_names), summed=(0,))
-    return y, tuple(res)
-
-
-def _block_backward(spec, block, w_names, residuals, dy):
-    xt, sxt, wq, sw = residuals
-    nk, x_names, y_names, res_names = _block_names(spec, w_names)
-    dx, = shard_kernel(lambda dy, wq, sw: (_block_input_grad_local(nk, block, dy, wq, sw),), (dy, wq, sw),
-                       (y_names, *res_names[2:]), (x_names,), summed=(0,))
-    dw, = shard_kernel(lambda xt, sxt, dy, wq: (_block_weight_grad_local(wq.shape, block, xt, sxt, dy),),
-                       (xt, sxt, dy, wq), (*res_names[:2], y_names, w_names), (w_names,), summed=(0,))
-    return dx, dw
-
-
-block_einsum.defvjp(_block_forward, _block_backward)
-
-
-def block_weight_grad(spec: str, block: int, w_names: tuple, x: jax.Array, dy: jax.Array, w: jax.Array) -> jax.Array:
-    """The weight gradient of `block_einsum(spec, block, w_names, x, w)` from x and the output gradient, as its
-    backward computes it (the zero-bubble schedule's deferred W pass)."""
-    nk, x_names, y_names, _ = _block_names(spec, w_names)
-
-    def local(x, dy, w):
-        xt, sxt = _column_tiles(x.reshape(-1, math.prod(w.shape[:nk])), block)
-        return (_block_weight_grad_local(w.shape, block, xt, sxt, dy),)
-
-    return shard_kernel(local, (x, dy, w), (x_names, y_names, w_names), (w_names,), summed=(0,))[0]

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from megajax import kernels
 from megajax.config import ModelConfig
 from megajax.kernels import auto as kernel_choice
-from megajax.model import collective_matmul, context, fp8
+from megajax.model import collective_matmul, context, fp8, fp8_blockwise
 from megajax.model.recipe import recipe
 from megajax.parallel import step_plan
 from megajax.parallel.step_plan import constrain
@@ -107,7 +107,7 @@ def weight_einsum(module: nn.Module, name: str, x: jax.Array, w: jax.Array) -> j
     if fmt is None:
         y = jnp.einsum(spec, x, w)
     elif module.cfg.fp8_recipe == "blockwise":
-        y = fp8.block_einsum(spec, module.cfg.fp8_block, WEIGHT_NAMES[name], x, w)
+        y = fp8_blockwise.block_einsum(spec, module.cfg.fp8_block, WEIGHT_NAMES[name], x, w)
     else:
         y = fp8.einsum(spec, *fmt, x, w, meta)
     return module.perturb(name, y, collection=TAP_GRADS)
@@ -167,7 +167,8 @@ def weight_grad(name: str, cfg: ModelConfig, x: jax.Array, dy: jax.Array, w: jax
         return collective_matmul.weight_grad(WEIGHT_EINSUMS[name], name in COLUMN_PARALLEL, x, dy, w,
                                              WEIGHT_NAMES[name], fmt, meta)
     if fmt is not None and cfg.fp8_recipe == "blockwise":
-        return fp8.block_weight_grad(WEIGHT_EINSUMS[name], cfg.fp8_block, WEIGHT_NAMES[name], x, dy, w).astype(w.dtype)
+        dw = fp8_blockwise.block_weight_grad(WEIGHT_EINSUMS[name], cfg.fp8_block, WEIGHT_NAMES[name], x, dy, w)
+        return dw.astype(w.dtype)
     if fmt is not None:
         return fp8.weight_grad(WEIGHT_EINSUMS[name], cfg.fp8, cfg.fp8_margin, x, dy, meta).astype(w.dtype)
     return jax.vjp(lambda w: jnp.einsum(WEIGHT_EINSUMS[name], x, w.astype(x.dtype)), w)[1](dy)[0]

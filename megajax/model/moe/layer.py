@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from megajax.config import ModelConfig
 from megajax.kernels.grouped_matmul import group_of_rows, grouped_matmul
-from megajax.model import fp8
+from megajax.model import fp8, fp8_blockwise
 from megajax.model.layers import MLP, RESIDUAL, fp8_state, gather_sequence, gelu, param, swiglu
 from megajax.model.moe.exchange import (capacity, combine, dispatch, exchange_capacity, exchange_dropless,
                                         exchange_folded, exchange_folded_dropless, exchange_in_force,
@@ -43,14 +43,23 @@ def expert_mlps(cfg: ModelConfig, w: dict, meta, lead: str | None, xs: jax.Array
     [g, el / g], block r for the experts r el / g ... `meta(name)`: an FP8 operand's delayed-scaling state."""
     cdt = jnp.dtype(cfg.compute_dtype)
     el = next(iter(w.values())).shape[0]
-    fmt = cfg.fp8
+    fmt = "none" if cfg.fp8 == "none" else ("blockwise" if cfg.fp8_recipe == "blockwise" else cfg.fp8)
     meta = meta or (lambda name: None)
+
+    def io_names(name):  # the logical names of a matmul's input and output dims: (embed, mlp) or (mlp, embed)
+        return ("mlp", "embed") if name == "w_out" else ("embed", "mlp")
+
     if sizes is None:
         spec = "ecd,edf->ecf"
 
         def matmul(x, w, name):
             if fmt == "none":
                 return jnp.einsum(spec, x, w)
+            if fmt == "blockwise":  # each buffer a block of one expert's c rows
+                a, z = io_names(name)
+                sizes = jnp.full((el, 1), x.shape[1], jnp.int32)
+                names = ((lead, None, a), (lead, None, a, z), (lead, None, z))
+                return fp8_blockwise.block_ragged_dot(cfg.fp8_block, names, x, w[:, None], sizes)
             return fp8.einsum(spec, fmt, cfg.fp8_margin, x, w, meta(name), True)  # scaled (and histories) by expert
 
         bias = lambda b_ef: b_ef[:, None]  # noqa: E731
@@ -62,10 +71,12 @@ def expert_mlps(cfg: ModelConfig, w: dict, meta, lead: str | None, xs: jax.Array
 
         def matmul(x, w, name):
             w = w.reshape(*sizes.shape, *w.shape[1:])  # folded: [g, el / g, ...], block r on tensor rank r
-            a, z = ("mlp", "embed") if name == "w_out" else ("embed", "mlp")
+            a, z = io_names(name)
             # the Pallas grouped GEMM, run per tensor shard (these names), or jax.lax.ragged_dot
             names = ((lead, None, a), (lead, None, a, z), (lead, None, z)) if blocks else (
                 (None, a), ("expert", a, z), (None, z))
+            if fmt == "blockwise":  # the block-scaled grouped kernels (on CPU their references)
+                return fp8_blockwise.block_ragged_dot(cfg.fp8_block, names, x, w, sizes)
             m = meta(name) if fmt != "none" else None
             m = None if m is None else m.reshape(*sizes.shape, -1)  # delayed-scaling histories cut as the weights
 
