@@ -547,6 +547,11 @@ BLOCKWISE_LAYOUTS = {
                       "model.v_head_dim": 16}, 4),
     # the experts' matmuls as block-scaled grouped GEMMs: dropless (tensor-split experts, folded experts, the
     # ragged exchange) and with a capacity (unfolded and folded buffers)
+    # parallel.tp_comm_overlap: each ring step's products blockwise on its sequence block (in a pipeline, its
+    # chunks: at sequence 64 a chunk is 16 tokens, one tile)
+    "d2-t2-sp-ring": LAYOUTS["d2-t2-sp-ring"],
+    **{name: ({**LAYOUTS[name][0], "model.seq_length": 64}, LAYOUTS[name][1])
+       for name in ("d2-p2-t2-1f1b-sp-chunks-llama", "d2-p2-t2-zero_bubble-sp-chunks")},
     **{name: LAYOUTS[name] for name in ("moe-dropless-d2-e2-t2", "moe-dropless-fold-d2-e2-t2",
                                         "moe-ragged-grouped-d2-e2", "moe-capacity-d4-e2",
                                         "moe-capacity-fold-d2-e2-t2")},
@@ -567,8 +572,6 @@ def test_fp8_blockwise_layout_matches_one_device(name):
 @pytest.mark.parametrize("sets, match", [
     ({"model.fp8": "hybrid"}, "set model.fp8=e4m3"),
     ({"model.fp8_block": 96}, "power of two"),
-    ({"parallel.tensor": 2, "parallel.sequence_parallel": True, "parallel.tp_comm_overlap": True},
-     "parallel.tp_comm_overlap=false"),
 ])
 def test_blockwise_config_errors_name_the_fix(sets, match):
     with pytest.raises(ConfigError, match=match):

@@ -205,21 +205,24 @@ def test_the_chunks_reduce_scatter_is_chosen_when_the_step_is_traced(platform, s
 
 
 @pytest.mark.parametrize("mode", ["ring", "chunks"])
-@pytest.mark.parametrize("recipe", ["current", "delayed"])
+@pytest.mark.parametrize("recipe", ["current", "delayed", "blockwise"])
 @pytest.mark.parametrize("kind", ["gather", "scatter"])
 def test_fp8_collective_matmuls_equal_the_fp8_matmul(mode, recipe, kind):
     """With model.fp8 the rings and chunks move FP8 blocks (quantized before the collectives with the whole
     tensor's amax): output, both gradients and the delayed-scaling state's gradient (the amax exponents seen)
-    equal `fp8.einsum` on the gathered input, t 2 under a 2 x 2 (data, tensor) mesh."""
+    equal `fp8.einsum` on the gathered input, t 2 under a 2 x 2 (data, tensor) mesh. Blockwise, each ring step's
+    products are blockwise on its piece (blocks in the compute dtype travel): equal to `block_einsum` where the
+    pieces are whole tiles of tokens (sequence 64: blocks of 32 tokens, chunks of 16, tiles of 16)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
     from megajax.model import collective_matmul as cm
-    from megajax.model import fp8
+    from megajax.model import fp8, fp8_blockwise
 
-    spec, x_shape, w_shape, w_names = (("bsd,df->bsf", (2, 8, 16), (16, 24), ("embed", "mlp")) if kind == "gather"
-                                       else ("bsf,fd->bsd", (2, 8, 24), (24, 16), ("mlp", "embed")))
+    s = 64 if recipe == "blockwise" else 8
+    spec, x_shape, w_shape, w_names = (("bsd,df->bsf", (2, s, 16), (16, 24), ("embed", "mlp")) if kind == "gather"
+                                       else ("bsf,fd->bsd", (2, s, 24), (24, 16), ("mlp", "embed")))
     mesh = jax.make_mesh((2, 2), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:4])
     x = jax.random.normal(jax.random.key(0), x_shape)
     w = jax.random.normal(jax.random.key(1), w_shape) * 0.1
@@ -241,9 +244,13 @@ def test_fp8_collective_matmuls_equal_the_fp8_matmul(mode, recipe, kind):
             x_in = jax.device_put(x, NamedSharding(mesh, x_spec))
             return jax.jit(jax.value_and_grad(lambda x, w, m: loss(f, x, w, m), argnums=(0, 1, 2)))(x_in, w, meta)
 
-    got = run(lambda a, b, m: ring(spec, a, b, w_names, ("hybrid", 0), m),
+    fmt = ("blockwise", 16) if recipe == "blockwise" else ("hybrid", 0)
+    got = run(lambda a, b, m: ring(spec, a, b, w_names, fmt, m),
               P("data", "tensor") if kind == "gather" else P("data"), True)
-    want = run(lambda a, b, m: fp8.einsum(spec, "hybrid", 0, a, b, m), P("data"), False)
+    if recipe == "blockwise":
+        want = run(lambda a, b, m: fp8_blockwise.block_einsum(spec, 16, w_names, a, b), P("data"), False)
+    else:
+        want = run(lambda a, b, m: fp8.einsum(spec, "hybrid", 0, a, b, m), P("data"), False)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)

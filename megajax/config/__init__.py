@@ -66,9 +66,6 @@ class Config:
         check(not self.data.reset_attention_mask or m.attention_impl != "cudnn",
               "data.reset_attention_mask needs segment masks, which model.attention_impl=cudnn does not take here: "
               "use model.attention_impl=pallas or xla")
-        check(m.fp8 == "none" or m.fp8_recipe != "blockwise" or not p.tp_comm_overlap,
-              "model.fp8_recipe=blockwise does not run under parallel.tp_comm_overlap's rings yet: set "
-              "parallel.tp_comm_overlap=false or model.fp8_recipe=current")
         if p.context > 1:
             self._check_context()
         if p.data is not None:

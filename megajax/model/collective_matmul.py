@@ -32,19 +32,22 @@ one all-gather of a matmul's chunks before its first GEMM and one reduce-scatter
 and FLOPs as the ring.
 
 With model.fp8 the products are the FP8 matmul's (megajax/model/fp8.py), its operands quantized before they travel:
-the blocks a ring gathers cross 'tensor' in FP8, the partial sums in the compute dtype. With the zero_bubble
+the blocks a ring gathers cross 'tensor' in FP8, the partial sums in the compute dtype. With blockwise scaling
+(megajax/model/fp8_blockwise.py) each step's products are blockwise on the piece in hand, which travels in the
+compute dtype (the weight gradient tiles its tokens B x 1, the forward 1 x B: one copy serves both). With the zero_bubble
 schedule the backward is split: B's VJP leaves the weight gradients out and W (`weight_grad`) gathers for them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from megajax.model import fp8
+from megajax.model import fp8, fp8_blockwise
 from megajax.parallel import step_plan
 from megajax.parallel.step_plan import tensor_manual
 
@@ -248,11 +251,11 @@ def _scattered(a, part, s: int) -> jax.Array:
 
 
 def _quantized(fp8_fmt, x, w, meta):
-    """(x and w as the rings multiply them, the backward's quantization state): themselves (state None), or with
-    model.fp8 ((format, margin)) their FP8 copies and scales, quantized here, before the collectives, with the
-    amax of the whole tensor as the FP8 matmul's: the sequence blocks then cross 'tensor' in FP8, half the bytes
-    of bf16 (Transformer Engine's FP8 all-gather)."""
-    if fp8_fmt is None:
+    """(x and w as the rings multiply them, the backward's quantization state): themselves (state None; also with
+    blockwise FP8, whose products quantize each piece), or with per-tensor FP8 ((format, margin)) their FP8 copies
+    and scales, quantized here, before the collectives, with the amax of the whole tensor as the FP8 matmul's: the
+    sequence blocks then cross 'tensor' in FP8, half the bytes of bf16 (Transformer Engine's FP8 all-gather)."""
+    if fp8_fmt is None or _tile_width(fp8_fmt):
         return x, w, None
     xq, sx, wq, sw, dy_counters, seen = fp8.quantize_operands(*fp8_fmt, x, w, meta)
     return xq, wq, (sx, sw, dy_counters, seen)
@@ -292,6 +295,38 @@ def _mul(spec: str, a: jax.Array, b: jax.Array, inv: tuple, dtype) -> jax.Array:
     return fp8.dot(spec, a, b, inv[0], dtype)
 
 
+def _tile_width(fp8_fmt) -> int | None:
+    """The tile width of blockwise FP8 (fp8_fmt ("blockwise", block)), else None."""
+    return fp8_fmt[1] if fp8_fmt is not None and fp8_fmt[0] == "blockwise" else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Products:
+    """The three products of a ring step for the layer einsum `spec`: in the compute dtype or per-tensor FP8 (inv:
+    1 / the operands' scales' product, `_mul`), or with `block` blockwise FP8 (fp8_blockwise's local products)."""
+
+    spec: str
+    block: int | None = None
+
+    def forward(self, x, w, inv, dtype):
+        if self.block:
+            return fp8_blockwise.local_forward(self.spec, self.block, x, w)
+        return _mul(self.spec, x, w, inv, dtype)
+
+    def input_grad(self, dy, w, inv, dtype):
+        if self.block:
+            return fp8_blockwise.local_input_grad(self.spec, self.block, dy, w)
+        xl, wl, ol = _subscripts(self.spec)
+        return _mul(f"{ol},{wl}->{xl}", dy, w, inv, dtype)
+
+    def weight_term(self, x, dy, inv):
+        """A term of the weight gradient, in fp32."""
+        if self.block:
+            return fp8_blockwise.local_weight_grad(self.spec, self.block, x, dy)
+        xl, wl, ol = _subscripts(self.spec)
+        return _mul(f"{xl},{ol}->{wl}", x, dy, inv, jnp.float32)
+
+
 def _ring_sum(pieces: list, dtype) -> jax.Array:
     """The sum of a weight gradient's fp32 terms (one per block or chunk), as `dtype`: rounded once, as the
     gathered GEMM's single fp32 accumulation is."""
@@ -306,7 +341,7 @@ def gather_matmul(spec: str, x: jax.Array, w: jax.Array, w_names, fp8_fmt: tuple
     Backward: the input gradient reduce-scattered by the ring (or chunks) while the weight gradient's GEMMs run on
     the x blocks coming round again (Megatron gathers the input again in the backward too, rather than keeping it
     whole). With fp8_fmt ((model.fp8, model.fp8_margin); `meta`: the delayed-scaling state) the products are
-    `fp8.einsum`'s, on FP8 blocks. With `weights` off (the zero-bubble schedule's B) the backward leaves the
+    `fp8.einsum`'s, on FP8 blocks; with ("blockwise", block) blockwise on each piece. With `weights` off (the zero-bubble schedule's B) the backward leaves the
     weight gradient (zeros) to `weight_grad` (its W)."""
     return _gather_matmul_fwd(spec, x, w, w_names, fp8_fmt, meta, weights)[0]
 
@@ -316,9 +351,11 @@ def _gather_matmul_fwd(spec, x, w, w_names, fp8_fmt, meta, weights):
     xq, wq, state = _quantized(fp8_fmt, x, w, meta)
     inv = _inverse(*state[:2]) if state else ()
 
+    products = _Products(spec, _tile_width(fp8_fmt))
+
     def run(x, w, *inv):
         gather, _, in_order = _gather_plan(x)
-        return in_order(gather(lambda piece, j: _mul(spec, piece, w, inv, out_dtype)))
+        return in_order(gather(lambda piece, j: products.forward(piece, w, inv, out_dtype)))
 
     out_dtype = x.dtype if state else None
     y = tensor_manual(run, (xq, wq, *inv), (_seq_spec(x.ndim), _spec(wl, split), *[P()] * len(inv)), _spec(ol, split))
@@ -330,11 +367,12 @@ def _gather_matmul_bwd(spec, w_names, fp8_fmt, weights, res, dy):
     xl, wl, ol, split = _letters(spec, w_names)
     dyq, g_meta, (x_dtype, w_dtype), (inv_x, inv_w) = _backward_operands(fp8_fmt, dy, wq, state)
 
+    products = _Products(spec, _tile_width(fp8_fmt))
+
     def run(x, w, dy, *invs):
         inv_w, inv_x = invs[:len(invs) // 2], invs[len(invs) // 2:]
-        dw = _gathered_input_dw(spec, x, dy, inv_w, w_dtype) if weights else jnp.zeros(w.shape, w_dtype)
-        dx = _scattered((dy, w), lambda rows, a: _mul(f"{ol},{wl}->{xl}", rows(a[0]), a[1], inv_x, x_dtype),
-                        dy.shape[1])
+        dw = _gathered_input_dw(products, x, dy, inv_w, w_dtype) if weights else jnp.zeros(w.shape, w_dtype)
+        dx = _scattered((dy, w), lambda rows, a: products.input_grad(rows(a[0]), a[1], inv_x, x_dtype), dy.shape[1])
         return dx, dw
 
     invs = (*inv_w, *inv_x)
@@ -361,8 +399,10 @@ def _matmul_scatter_fwd(spec, h, w, w_names, fp8_fmt, meta, weights):
     hq, wq, state = _quantized(fp8_fmt, h, w, meta)
     inv = _inverse(*state[:2]) if state else ()
 
+    products = _Products(spec, _tile_width(fp8_fmt))
+
     def run(h, w, *inv):
-        return _scattered((h, w), lambda rows, a: _mul(spec, rows(a[0]), a[1], inv, out_dtype), h.shape[1])
+        return _scattered((h, w), lambda rows, a: products.forward(rows(a[0]), a[1], inv, out_dtype), h.shape[1])
 
     out_dtype = h.dtype if state else None
     y = tensor_manual(run, (hq, wq, *inv), (_spec(hl, split), _spec(wl, split), *[P()] * len(inv)), _seq_spec(len(ol)))
@@ -374,12 +414,13 @@ def _matmul_scatter_bwd(spec, w_names, fp8_fmt, weights, res, dy):
     hl, wl, ol, split = _letters(spec, w_names)
     dyq, g_meta, (h_dtype, w_dtype), (inv_h, inv_w) = _backward_operands(fp8_fmt, dy, wq, state)
 
+    products = _Products(spec, _tile_width(fp8_fmt))
+
     def run(h, w, dy, *invs):
         inv_h, inv_w = invs[:len(invs) // 2], invs[len(invs) // 2:]
         gather, rows, in_order = _gather_plan(dy)
-        pieces = gather(lambda piece, j: (_mul(f"{ol},{wl}->{hl}", piece, w, inv_h, h_dtype),
-                                          _mul(f"{hl},{ol}->{wl}", rows(h, j), piece, inv_w, jnp.float32)
-                                          if weights else None))
+        pieces = gather(lambda piece, j: (products.input_grad(piece, w, inv_h, h_dtype),
+                                          products.weight_term(rows(h, j), piece, inv_w) if weights else None))
         dw = _ring_sum([dw for _, dw in pieces], w_dtype) if weights else jnp.zeros(w.shape, w_dtype)
         return in_order([dh for dh, _ in pieces]), dw
 
@@ -392,22 +433,18 @@ def _matmul_scatter_bwd(spec, w_names, fp8_fmt, weights, res, dy):
 matmul_scatter.defvjp(_matmul_scatter_fwd, _matmul_scatter_bwd)
 
 
-def _gathered_input_dw(spec, x, dy, inv, w_dtype) -> jax.Array:
+def _gathered_input_dw(products: _Products, x, dy, inv, w_dtype) -> jax.Array:
     """Inside the manual region: gather_matmul's weight gradient, x's blocks (or chunks) gathered again under the
     GEMMs of their terms with dy's rows."""
-    xl, wl, ol = _subscripts(spec)
     gather, rows, _ = _gather_plan(x)
-    return _ring_sum(gather(lambda piece, j: _mul(f"{xl},{ol}->{wl}", piece, rows(dy, j), inv, jnp.float32)),
-                     w_dtype)
+    return _ring_sum(gather(lambda piece, j: products.weight_term(piece, rows(dy, j), inv)), w_dtype)
 
 
-def _gathered_grad_dw(spec, h, dy, inv, w_dtype) -> jax.Array:
+def _gathered_grad_dw(products: _Products, h, dy, inv, w_dtype) -> jax.Array:
     """Inside the manual region: matmul_scatter's weight gradient, dy's blocks (or chunks) gathered under the GEMMs
     of their terms with h's rows."""
-    hl, wl, ol = _subscripts(spec)
     gather, rows, _ = _gather_plan(dy)
-    return _ring_sum(gather(lambda piece, j: _mul(f"{hl},{ol}->{wl}", rows(h, j), piece, inv, jnp.float32)),
-                     w_dtype)
+    return _ring_sum(gather(lambda piece, j: products.weight_term(rows(h, j), piece, inv)), w_dtype)
 
 
 def weight_grad(spec: str, column: bool, a: jax.Array, dy: jax.Array, w: jax.Array, w_names,
@@ -418,15 +455,16 @@ def weight_grad(spec: str, column: bool, a: jax.Array, dy: jax.Array, w: jax.Arr
     (`matmul_scatter`: dy sequence-sharded) gathers dy's, which B gathered too (W runs later, and keeping dy whole
     between them would cost t times its memory). In FP8 with fp8_fmt (quantized before the gathers)."""
     al, wl, ol, split = _letters(spec, w_names)
-    if fp8_fmt is None:
+    if fp8_fmt is None or _tile_width(fp8_fmt):
         ops, inv = (a, dy), ()
     else:
         aq, s_a, dyq, s_dy = fp8.weight_grad_operands(*fp8_fmt, a, dy, meta)
         ops, inv = (aq, dyq), _inverse(s_a, s_dy)
     dtype = w.dtype
+    products = _Products(spec, _tile_width(fp8_fmt))
 
     def run(a, dy, *inv):
-        return (_gathered_input_dw if column else _gathered_grad_dw)(spec, a, dy, inv, dtype)
+        return (_gathered_input_dw if column else _gathered_grad_dw)(products, a, dy, inv, dtype)
 
     specs = (_seq_spec(a.ndim), _spec(ol, split)) if column else (_spec(al, split), _seq_spec(dy.ndim))
     return tensor_manual(run, (*ops, *inv), (*specs, *[P()] * len(inv)), _spec(wl, split))

@@ -91,11 +91,12 @@ def _block_input_grad_local(nk: int, block: int, dy, wq, sw):
     return dx.reshape(*dy.shape[:dy.ndim - (wq.ndim - nk)], *wq.shape[:nk])
 
 
-def _block_weight_grad_local(w_shape: tuple, block: int, xt, sxt, dy):
-    """One shard's weight gradient x^T . dy from x's block x 1 tiles, dy's tiled the same way (over tokens)."""
+def _block_weight_grad_local(w_shape: tuple, block: int, xt, sxt, dy, dtype=None):
+    """One shard's weight gradient x^T . dy (in dtype, else dy's) from x's block x 1 tiles, dy's tiled the same way
+    (over tokens)."""
     k = xt.shape[0]
     dyt, sdyt = _column_tiles(dy.reshape(-1, math.prod(w_shape) // k), block)
-    return block_fp8.matmul(xt, sxt, dyt.T, sdyt, block, dy.dtype).reshape(w_shape)
+    return block_fp8.matmul(xt, sxt, dyt.T, sdyt, block, dtype or dy.dtype).reshape(w_shape)
 
 
 def _block_names(spec: str, w_names) -> tuple:
@@ -151,6 +152,30 @@ def block_weight_grad(spec: str, block: int, w_names: tuple, x: jax.Array, dy: j
         return (_block_weight_grad_local(w.shape, block, xt, sxt, dy),)
 
     return shard_kernel(local, (x, dy, w), (x_names, y_names, w_names), (w_names,), summed=(0,))[0]
+
+
+# One rank's products on its pieces of the operands, without shard_kernel: the steps of a tensor-parallel ring
+# (megajax/model/collective_matmul.py), inside its manual region. Each quantizes its operands as the products above
+# do: the ring's pieces are whole sequence blocks (or chunks), so where those are whole tiles the tiles are one
+# device's.
+def local_forward(spec: str, block: int, x: jax.Array, w: jax.Array) -> jax.Array:
+    """einsum(spec, x, w) in x's dtype, blockwise FP8."""
+    return _block_forward_local(_contraction(spec), block, x, w)[0]
+
+
+def local_input_grad(spec: str, block: int, dy: jax.Array, w: jax.Array) -> jax.Array:
+    """The input gradient of einsum(spec, x, w) from the output gradient dy, in dy's dtype, blockwise FP8."""
+    nk = _contraction(spec)
+    wq, sw = _weight_blocks(w.reshape(math.prod(w.shape[:nk]), -1), block)
+    return _block_input_grad_local(nk, block, dy, wq.reshape(w.shape), sw)
+
+
+def local_weight_grad(spec: str, block: int, x: jax.Array, dy: jax.Array) -> jax.Array:
+    """The weight gradient of einsum(spec, x, w) from x and the output gradient dy, in fp32 (a term of a sum),
+    blockwise FP8."""
+    free = x.ndim - _contraction(spec)
+    xt, sxt = _column_tiles(x.reshape(-1, math.prod(x.shape[free:])), block)
+    return _block_weight_grad_local(x.shape[free:] + dy.shape[free:], block, xt, sxt, dy, jnp.float32)
 
 
 def _token_tiles(x_pad: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:

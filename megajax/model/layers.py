@@ -106,19 +106,25 @@ def weight_einsum(module: nn.Module, name: str, x: jax.Array, w: jax.Array) -> j
     fmt, meta = _fp8_of(module, name)
     if fmt is None:
         y = jnp.einsum(spec, x, w)
-    elif module.cfg.fp8_recipe == "blockwise":
-        y = fp8_blockwise.block_einsum(spec, module.cfg.fp8_block, WEIGHT_NAMES[name], x, w)
+    elif fmt[0] == "blockwise":
+        y = fp8_blockwise.block_einsum(spec, fmt[1], WEIGHT_NAMES[name], x, w)
     else:
         y = fp8.einsum(spec, *fmt, x, w, meta)
     return module.perturb(name, y, collection=TAP_GRADS)
 
 
 def _fp8_of(module: nn.Module, name: str) -> tuple[tuple | None, jax.Array | None]:
-    """((model.fp8, model.fp8_margin) or None without FP8, the delayed-scaling state of weight `name` or None)."""
+    """(`fp8_format(cfg)`, the delayed-scaling state of weight `name` or None)."""
     cfg = module.cfg
+    return fp8_format(cfg), (fp8_state(module, name) if cfg.fp8 != "none" and cfg.fp8_recipe == "delayed" else None)
+
+
+def fp8_format(cfg: ModelConfig) -> tuple | None:
+    """How the linear layers multiply: None (the compute dtype), (model.fp8, model.fp8_margin) with per-tensor
+    scales, or ("blockwise", model.fp8_block)."""
     if cfg.fp8 == "none":
-        return None, None
-    return (cfg.fp8, cfg.fp8_margin), (fp8_state(module, name) if cfg.fp8_recipe == "delayed" else None)
+        return None
+    return ("blockwise", cfg.fp8_block) if cfg.fp8_recipe == "blockwise" else (cfg.fp8, cfg.fp8_margin)
 
 
 def column_matmul(module: nn.Module, name: str, x_bsd: jax.Array, w: jax.Array) -> jax.Array:
@@ -162,15 +168,15 @@ def weight_grad(name: str, cfg: ModelConfig, x: jax.Array, dy: jax.Array, w: jax
     """The gradient of parameter `name` (w's shape and dtype) from its matmul's input x and output gradient dy,
     computed in x's dtype (or in FP8 with model.fp8; `meta`: its delayed-scaling state) as the fused backward
     does: with parallel.tp_comm_overlap (`_collective_matmul`) its gathers under the GEMMs too."""
-    fmt = None if cfg.fp8 == "none" else (cfg.fp8, cfg.fp8_margin)
+    fmt = fp8_format(cfg)
     if collective_matmul.active() and name not in LATENT:
         return collective_matmul.weight_grad(WEIGHT_EINSUMS[name], name in COLUMN_PARALLEL, x, dy, w,
                                              WEIGHT_NAMES[name], fmt, meta)
-    if fmt is not None and cfg.fp8_recipe == "blockwise":
-        dw = fp8_blockwise.block_weight_grad(WEIGHT_EINSUMS[name], cfg.fp8_block, WEIGHT_NAMES[name], x, dy, w)
+    if fmt is not None and fmt[0] == "blockwise":
+        dw = fp8_blockwise.block_weight_grad(WEIGHT_EINSUMS[name], fmt[1], WEIGHT_NAMES[name], x, dy, w)
         return dw.astype(w.dtype)
     if fmt is not None:
-        return fp8.weight_grad(WEIGHT_EINSUMS[name], cfg.fp8, cfg.fp8_margin, x, dy, meta).astype(w.dtype)
+        return fp8.weight_grad(WEIGHT_EINSUMS[name], *fmt, x, dy, meta).astype(w.dtype)
     return jax.vjp(lambda w: jnp.einsum(WEIGHT_EINSUMS[name], x, w.astype(x.dtype)), w)[1](dy)[0]
 
 
