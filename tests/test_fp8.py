@@ -547,6 +547,10 @@ BLOCKWISE_LAYOUTS = {
                       "model.v_head_dim": 16}, 4),
     # the experts' matmuls as block-scaled grouped GEMMs: dropless (tensor-split experts, folded experts, the
     # ragged exchange) and with a capacity (unfolded and folded buffers)
+    # context parallelism: each rank's two chunks of the sequence (16 tokens each at sequence 64: whole tiles)
+    "d2-c2-llama": ({"parallel.data": 2, "parallel.context": 2, "model.arch": "llama", "model.seq_length": 64}, 4),
+    "d2-p2-1f1b": ({"parallel.data": 2, "parallel.pipeline": 2, "parallel.schedule": "1f1b"}, 4),
+    "p2-gpipe-fp16": ({"parallel.pipeline": 2, "parallel.schedule": "gpipe", "model.compute_dtype": "float16"}, 2),
     # parallel.tp_comm_overlap: each ring step's products blockwise on its sequence block (in a pipeline, its
     # chunks: at sequence 64 a chunk is 16 tokens, one tile)
     "d2-t2-sp-ring": LAYOUTS["d2-t2-sp-ring"],

@@ -6,7 +6,7 @@ GPU lowering (jax 0.10.2) computes every row against every group's weight (e tim
 
 Layout: each group's rows are copied into a buffer where every group starts at a multiple of the row block
 (`plan_rows`), so a tile of block_m rows belongs to one group; a small table names each tile's group. The buffer
-has a static size, a + e (block_m - 1) rows rounded up: at most e - 1 tiles of padding beyond the rows.
+has a static size, a + e (block_m - 1) rows rounded down to whole tiles (the most the groups' tiles can take).
 Kernels, each a program per output tile:
   forward   (tile, block of n): the tile's rows times its group's [k, block_n] weight, a loop over k
   input grad  the forward's kernel with w transposed ([e, n, k])
@@ -62,8 +62,9 @@ def plan_rows(sizes: jax.Array, rows: int, block_m: int):
     group (e past the last group's tiles), each group's first tile, its tile count, the buffer's rows)."""
     e = sizes.shape[0]
     sizes = sizes.astype(jnp.int32)
-    padded_rows = _round_up(rows + e * (block_m - 1), block_m)
-    tiles = padded_rows // block_m
+    # each group's rows rounded up to whole tiles take at most (rows + e (block_m - 1)) / block_m tiles in all
+    tiles = max((rows + e * (block_m - 1)) // block_m, 1)
+    padded_rows = tiles * block_m
     start = jnp.cumsum(sizes) - sizes
     group_tiles = (sizes + block_m - 1) // block_m
     first_tile = jnp.cumsum(group_tiles) - group_tiles
