@@ -74,7 +74,8 @@ def from_hf(model_dir: str | Path, output: str | Path, config_out: str | Path | 
         model_cfg = hf.model_config_from_hf(hf_cfg)
     except hf.ConversionError as e:
         raise hf.ConversionError(f"{model_dir / 'config.json'}: {e}") from None
-    reader = hf.SafetensorsReader(model_dir, model_cfg.arch)
+    block = (hf_cfg.get("quantization_config") or {}).get("weight_block_size") or (128, 128)
+    reader = hf.SafetensorsReader(model_dir, model_cfg.arch, tuple(block))
     model_cfg = _without_absent_mtp(model_cfg, reader.names())
     params = hf.params_from_hf(model_cfg, reader.get, reader.names(), source=str(model_dir),
                                rope_interleave=hf_cfg.get("rope_interleave", True))

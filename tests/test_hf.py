@@ -611,3 +611,65 @@ def test_a_multi_token_prediction_layer_with_its_own_head_is_refused(tmp_path, c
     capsys.readouterr()  # (save_pretrained's progress)
     message = _convert_error(capsys, ["from-hf", "--model", str(tmp_path / "src"), "--output", str(tmp_path / "out")])
     assert "model.layers.3.shared_head.head.weight" in message and "share the model's embedding" in message
+
+
+def _block_fp8(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """w [r, c] as DeepSeek-V3 releases its weights: e4m3, and one fp32 factor a block x block block
+    (its amax / 448: weight = e4m3 value x factor)."""
+    import ml_dtypes
+
+    r, c = w.shape
+    padded = np.pad(w, ((0, -r % block), (0, -c % block)))
+    blocks = padded.reshape(padded.shape[0] // block, block, padded.shape[1] // block, block)
+    factor = np.maximum(np.abs(blocks).max(axis=(1, 3)), 1e-12) / 448.0
+    spread = np.repeat(np.repeat(factor, block, axis=0), block, axis=1)[:r, :c]
+    return (w / spread).astype(ml_dtypes.float8_e4m3fn), factor.astype(np.float32)
+
+
+def test_deepseek_v3_fp8_folder_converts_dequantized(tmp_path, capsys):
+    """DeepSeek-V3's released folders hold every linear layer's weight in e4m3 beside `<name>_scale_inv`, one fp32
+    factor a 128 x 128 block (config.json's quantization_config), the router, norms, embedding and output layer in
+    bf16. Converted, each weight is its FP8 value times its block's factor: the same checkpoint as converting a
+    folder of those products (here at blocks of 16, so that the small weights hold several and partial ones). The
+    export is unquantized and says nothing of FP8; a scale of the wrong shape, or an FP8 weight without one, is a
+    one-line error."""
+    from safetensors.numpy import load_file, save_file
+
+    hf_model = build_hf_model(**CASES["deepseek-v3"])
+    hf_model.save_pretrained(tmp_path / "bf16")
+    capsys.readouterr()  # (save_pretrained's progress)
+    tensors = load_file(tmp_path / "bf16" / "model.safetensors")
+    config = {**json.loads((tmp_path / "bf16" / "config.json").read_text()), "num_nextn_predict_layers": 0}
+    linear = re.compile(r"(self_attn\.\w+_proj\w*|mlp\.(experts\.\d+\.|shared_experts\.)?\w+_proj)\.weight$")
+    fp8, dequantized = {}, {}
+    for name, w in tensors.items():
+        if linear.search(name):
+            q, factor = _block_fp8(w.astype(np.float32), 16)
+            fp8[name], fp8[name + "_scale_inv"] = q, factor
+            spread = np.repeat(np.repeat(factor, 16, axis=0), 16, axis=1)
+            dequantized[name] = q.astype(np.float32) * spread[:w.shape[0], :w.shape[1]]
+        else:
+            fp8[name] = dequantized[name] = w
+    assert sum(n.endswith("_scale_inv") for n in fp8) >= 20
+    for folder, weights, extra in (("fp8", fp8, {"quantization_config": {
+            "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [16, 16]}}),
+            ("plain", dequantized, {})):
+        (tmp_path / folder).mkdir()
+        save_file(weights, tmp_path / folder / "model.safetensors", metadata={"format": "pt"})
+        (tmp_path / folder / "config.json").write_text(json.dumps({**config, **extra}))
+        convert.from_hf(tmp_path / folder, tmp_path / f"{folder}-megajax")
+    got = checkpoint.load_params(checkpoint.find_params(tmp_path / "fp8-megajax"))
+    want = checkpoint.load_params(checkpoint.find_params(tmp_path / "plain-megajax"))
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+    convert.to_hf(tmp_path / "fp8-megajax", tmp_path / "out")
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
+    assert not any(n.endswith("_scale_inv") for n in load_file(tmp_path / "out" / "model.safetensors"))
+    name = "model.layers.0.self_attn.o_proj.weight"
+    for change, match in (({name + "_scale_inv": fp8[name + "_scale_inv"][:1]}, "weight_block_size"),
+                          ({name + "_scale_inv": None}, "no block scales")):
+        broken = {k: v for k, v in {**fp8, **change}.items() if v is not None}
+        save_file(broken, tmp_path / "fp8" / "model.safetensors", metadata={"format": "pt"})
+        message = _convert_error(capsys, ["from-hf", "--model", str(tmp_path / "fp8"), "--output",
+                                          str(tmp_path / "broken"), "--force"])
+        assert name in message and match in message and message.count("\n") == 1, message

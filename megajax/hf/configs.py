@@ -286,7 +286,8 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", base: dict | 
     """config.json for `cfg`. `base` (the config.json a model was imported from) keeps its other fields,
     such as token ids; without it, bos and eos are `eos_token_id`."""
     model_type = _hf_model_type(cfg)
-    out = {k: v for k, v in (base or {}).items() if k != "transformers_version"}
+    # (an FP8 source's quantization_config: the weights written are dequantized, in `dtype`)
+    out = {k: v for k, v in (base or {}).items() if k not in ("transformers_version", "quantization_config")}
     if base is None:
         out.update(bos_token_id=eos_token_id, eos_token_id=eos_token_id)
     out.update(architectures=[ARCHITECTURES[model_type]], model_type=model_type, vocab_size=cfg.vocab_size,

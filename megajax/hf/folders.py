@@ -1,7 +1,12 @@
 """Hugging Face model folders on disk: the safetensors weights (one file, or shards listed by
 model.safetensors.index.json), read tensor by tensor and written in shards, and the tokenizer and generation
 files that travel with them. NumPy only (safetensors' NumPy API; bfloat16 through ml_dtypes, registered by the
-import below); the layouts and names are megajax/hf/weights.py's."""
+import below); the layouts and names are megajax/hf/weights.py's.
+
+FP8 weights with block scales (DeepSeek-V3's released folders: e4m3 weights, each beside a `<name>_scale_inv`
+of one fp32 factor per weight_block_size block, config.json's quantization_config) are read dequantized, in fp32:
+weight x its block's factor. safetensors' NumPy API cannot read FP8 (NumPy has no such dtype), so those tensors
+are read from the file's bytes as ml_dtypes' float8."""
 
 from __future__ import annotations
 
@@ -11,11 +16,14 @@ import re
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy, so safetensors' NumPy API reads and writes it)
+import ml_dtypes  # (also registers bfloat16 with NumPy, so safetensors' NumPy API reads and writes it)
 import numpy as np
 
 from megajax.hf.errors import ConversionError, read_json
 
+# FP8 weights: safetensors' dtype names, and each weight's block scales beside it (DeepSeek-V3's folders).
+FP8_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+SCALE_SUFFIX = "_scale_inv"
 # Tokenizer and generation files copied along with the weights in both directions.
 SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
               "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
@@ -25,7 +33,9 @@ class SafetensorsReader:
     """The tensors of an HF model folder: model.safetensors, or the shards that
     model.safetensors.index.json lists. Tensors are read one at a time, when asked for."""
 
-    def __init__(self, model_dir: str | Path, arch: str):
+    def __init__(self, model_dir: str | Path, arch: str, weight_block: tuple[int, int] = (128, 128)):
+        """weight_block: the rows and columns of an FP8 weight's scale block (config.json's
+        quantization_config.weight_block_size)."""
         from safetensors import safe_open
 
         self._open = safe_open
@@ -50,6 +60,7 @@ class SafetensorsReader:
         # GPT2LMHeadModel.save_pretrained writes.
         self._files = {self._canonical(n, arch): (n, file) for n, file in files.items()}
         self._handles: dict[str, Any] = {}
+        self.weight_block = tuple(weight_block)
 
     @staticmethod
     def _canonical(name: str, arch: str) -> str:
@@ -58,12 +69,26 @@ class SafetensorsReader:
         return name
 
     def names(self) -> list[str]:
-        return list(self._files)
+        """The tensors' names, less the FP8 weights' scales (read with their weights)."""
+        return [n for n in self._files if not (n.endswith(SCALE_SUFFIX) and n[:-len(SCALE_SUFFIX)] in self._files)]
 
     def get(self, name: str) -> np.ndarray | None:
         if name not in self._files:
             return None
         stored, file = self._files[name]
+        handle = self._handle(name, file)
+        with self._safe(self.dir / file):
+            if handle.get_slice(stored).get_dtype() not in FP8_DTYPES:
+                return handle.get_tensor(stored)
+            w = self._fp8(stored, file)
+        scale = self.get(name + SCALE_SUFFIX)
+        if scale is None:
+            raise ConversionError(f"{self.dir}: FP8 tensor {name!r} has no block scales {name + SCALE_SUFFIX!r}: "
+                                  "megajax reads FP8 weights with DeepSeek-V3's block scales only; dequantize the "
+                                  "folder to bf16 first")
+        return self._dequantized(name, w, scale)
+
+    def _handle(self, name: str, file: str):
         if file not in self._handles:
             path = self.dir / file
             if not path.exists():
@@ -71,8 +96,30 @@ class SafetensorsReader:
                                       f"but {path} does not exist")
             with self._safe(path):
                 self._handles[file] = self._open(path, framework="numpy")
-        with self._safe(self.dir / file):
-            return self._handles[file].get_tensor(stored)
+        return self._handles[file]
+
+    def _fp8(self, stored: str, file: str) -> np.ndarray:
+        """An FP8 tensor from the file's bytes (its header's offsets), as ml_dtypes' float8."""
+        path = self.dir / file
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            entry = json.loads(f.read(size))[stored]
+            start, end = entry["data_offsets"]
+            f.seek(8 + size + start)
+            data = f.read(end - start)
+        dtype = FP8_DTYPES[entry["dtype"]]
+        return np.frombuffer(data, dtype).reshape(entry["shape"])
+
+    def _dequantized(self, name: str, w: np.ndarray, scale: np.ndarray) -> np.ndarray:
+        """w [rows, cols] (FP8) x each block's factor scale [ceil(rows / br), ceil(cols / bc)], in fp32."""
+        br, bc = self.weight_block
+        want = tuple(-(-d // b) for d, b in zip(w.shape, (br, bc)))
+        if w.ndim != 2 or tuple(scale.shape) != want:
+            raise ConversionError(f"{self.dir}: FP8 tensor {name!r} of shape {tuple(w.shape)} has scales "
+                                  f"{name + SCALE_SUFFIX!r} of shape {tuple(scale.shape)}, not {want} for blocks of "
+                                  f"{br} x {bc} (config.json's quantization_config.weight_block_size)")
+        factors = np.repeat(np.repeat(scale.astype(np.float32), br, axis=0), bc, axis=1)
+        return w.astype(np.float32) * factors[:w.shape[0], :w.shape[1]]
 
     @staticmethod
     @contextlib.contextmanager
