@@ -44,7 +44,7 @@ def measure(arch: str, hidden: int, heads: int, layers: int, seq: int, mb: int, 
         return jax.vjp(forward, w, x)[1](g)
 
     def split_b(w, x, g):
-        _, pullback, inputs = split_linearize(cfg, w, x, taps, None, 0)
+        _, pullback, inputs = split_linearize(cfg, w, x, taps, None, jnp.arange(layers), None)
         dx, dys, dsmall = pullback(g)
         return dx, dys, dsmall, inputs
 
@@ -52,7 +52,7 @@ def measure(arch: str, hidden: int, heads: int, layers: int, seq: int, mb: int, 
     t_f = time_fn(jax.jit(forward), w, x)
     t_fused = time_fn(jax.jit(fused), w, x, g) - t_f
     t_b = time_fn(jax.jit(split_b), w, x, g) - t_f
-    t_w = time_fn(jax.jit(split_weight_grads), w, inputs, dys)
+    t_w = time_fn(jax.jit(lambda w, inputs, dys: split_weight_grads(w, inputs, dys, cfg)), w, inputs, dys)
     return {"arch": arch, "hidden": hidden, "layers": layers, "seq": seq, "mb": mb, "device": jax.devices()[0].device_kind,
             "F_ms": 1e3 * t_f, "fused_backward_ms": 1e3 * t_fused, "B_ms": 1e3 * t_b, "W_ms": 1e3 * t_w,
             "fused_over_F": t_fused / t_f, "B_over_F": t_b / t_f, "W_over_F": t_w / t_f,

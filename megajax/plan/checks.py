@@ -9,8 +9,8 @@ The paper's runs are predicted with the paper's bubble, (p - 1) / (v m), as Mega
 (`estimate(..., simulate=False, framework="megatron")`): Megatron's schedules, whose recompute sits on the critical
 path, not megajax's executor; no layer-stack copies; gradient accumulation fused into the GEMMs.
 - `choices`: the planner's pick for each row, in the paper's feature space (Megatron of 2021: no sequence
-  parallelism, no distributed optimizer, full recomputation, no overlaps) or in megajax's whole one, against the
-  paper's layout.
+  parallelism, no distributed optimizer, full recomputation, no overlaps, no zero-bubble schedule) or in megajax's
+  whole one, against the paper's layout.
 - `takeaways`: at a fixed GPU count, the best predicted throughput per tensor size and per pipeline size.
 - `compiled_memory`: programs compiled for compile-only H100s (benchmarks/compile-only/): XLA's peak against the
   model's memory, and which side of XLA's scheduling limit (`memory.scheduling_limit`) each puts the program on.
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PAPER_SPACE = {"parallel.sequence_parallel": False, "model.recompute": "full",
                "parallel.data_parallel_sharding_strategy": "no_shard",
                "parallel.tp_comm_overlap": False, "parallel.overlap_grad_reduce": False,
-               "parallel.overlap_param_gather": False}
+               "parallel.overlap_param_gather": False, "parallel.schedule": ("1f1b", "interleaved")}
 
 
 def _paper() -> list[dict]:
@@ -280,6 +280,8 @@ _PRESETS, _FSDP = "2026-11-26-presets-after-activations", "2026-11-26-fsdp-after
 _PIPELINES = "2026-11-27-pipeline-forward-in-place"  # (the pipelines compiled again after the forward's change)
 _ZERO3 = "2026-11-29-fsdp-embedding"  # (ZeRO-3 compiled again with the embedding and head sharded per micro batch)
 _70B_1F1B = ["parallel.schedule=1f1b", "parallel.virtual_stages=1"]
+_ZB = "2026-11-29-zero-bubble-fsdp"  # (the 70B preset's layout under the zero-bubble schedule, ZeRO-1, 2 and 3)
+_ZB_SETS = ["parallel.overlap_grad_reduce=false", "parallel.overlap_param_gather=false"]
 # Programs compiled for 8 or 64 compile-only H100s, on both sides of XLA's scheduling limit: (the folder under
 # benchmarks/compile-only/, the row, the preset, GPUs, --set). Each report has its command.
 COMPILED = [
@@ -310,6 +312,11 @@ COMPILED = [
      NO_OVERLAPS + ["parallel.data_parallel_sharding_strategy=optim_grads_params", "model.recompute=full"]),
     (_ZERO3, "llama3-70b-64gpus-d8t8-fsdp-mb1", "llama3-70b", 64, _FSDP_70B + ["train.micro_batch_size=1"]),
     (_ZERO3, "llama3-70b-64gpus-d8t8-fsdp-mb2", "llama3-70b", 64, _FSDP_70B + ["train.micro_batch_size=2"]),
+    *[(_ZB, f"llama3-70b-zero_bubble-{s}", "llama3-70b", 64,
+       _ZB_SETS + ["parallel.schedule=zero_bubble", f"parallel.data_parallel_sharding_strategy={s}"])
+      for s in ("optim", "optim_grads", "optim_grads_params")],
+    (_ZB, "llama3-70b-interleaved-optim_grads", "llama3-70b", 64,
+     _ZB_SETS + ["parallel.data_parallel_sharding_strategy=optim_grads"]),
 ]
 
 

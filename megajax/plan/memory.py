@@ -70,13 +70,27 @@ def layer_activation_bytes(L: Layout) -> dict:
     return {"none": none, "selective": selective, "full": T * B16 * h * r}
 
 
+def split_backward_bytes(L: Layout) -> float:
+    """Bytes the zero-bubble schedule keeps between a chunk's B and its W beyond what another schedule keeps: each
+    weight matmul's output gradient (zero_bubble.SplitChunkActions' `dys`) for one chunk and micro batch, bf16:
+    the column-parallel outputs (queries, keys and values; the MLP's up projections) split over tensor, the
+    row-parallel ones (attention's output, the MLP's down projection) whole. The experts' matmuls are not split
+    (their gradients come with B)."""
+    m, t = L.model, L.t
+    attention = (m.num_heads * m.head_dim + 2 * m.kv_heads * m.head_dim) / t + m.hidden_size
+    mlp = (2 if m.arch == "llama" else 1) * m.ffn_size / t + m.hidden_size
+    per_token = attention + (1 - L.moe_share) * mlp
+    return B16 * per_token * L.tokens * L.layers / L.par.virtual_stages
+
+
 def per_gpu(hw: Hardware, L: Layout, params: dict, in_flight: int) -> dict:
     """Bytes per GPU: fp32 weights (ZeRO-3 and overlap_param_gather: sharded) and the bf16 copy the backward
     keeps (ZeRO-3: of the shards; none under full recomputation: each layer casts its weights again; a pipeline
     that gathers its weights in the schedule, ZeRO-3's too: every layer of the rank, gathered), fp32
     gradients (ZeRO-2/3: the layers' sharded; with overlap_grad_reduce and several micro batches one more copy),
     AdamW's two fp32 moments (sharded with the distributed optimizer), the activations
-    (`layer_activation_bytes`), the logits, the reserve; and XLA's scheduling limit for this program."""
+    (`layer_activation_bytes`; the zero-bubble schedule's output gradients, `split_backward_bytes`), the logits,
+    the reserve; and XLA's scheduling limit for this program."""
     par, m = L.par, L.model
     ranks = L.shards
     n = params["total"]
@@ -116,6 +130,7 @@ def per_gpu(hw: Hardware, L: Layout, params: dict, in_flight: int) -> dict:
     optimizer = 8 * (shard(n) if par.shards_optimizer else n)
     if L.pp > 1:  # chunk inputs in flight; the chunk being recomputed holds its layers' residuals for its backward
         kept = in_flight * stash + chunk * kept_per_layer + working
+        kept += split_backward_bytes(L) if L.plan.schedule == "zero_bubble" else 0.0
     else:
         kept = (L.layers + m.mtp_num_layers) * kept_per_layer + working  # (and the prediction modules' layers)
     # the logits' loss, and each multi-token prediction module's beside it until the backward

@@ -1,14 +1,14 @@
 """The layout search: every valid layout of a model on a cluster, pruned by the analytical memory model, ranked by
 the predicted step time (`megajax.plan.cost`), the closest few compiled for the target GPU.
 
-The space: tensor, pipeline, context and expert sizes (data takes the rest), the schedule and its virtual stages,
-the micro batch size, recomputation, the data-parallel sharding (the distributed optimizer, or FSDP), sequence
-parallelism with and without tp_comm_overlap, overlap_grad_reduce with overlap_param_gather, and hybrid sharding
-(the sharded state's instances: one over every data rank, or one a node where the data ranks span nodes), and with
-context parallelism the exchange (auto, or the all-to-alls where the heads divide). Keys the user fixes
-(`--set parallel.tensor=8`) are not varied. Sequence parallelism is on whenever tensor > 1 (it moves the same bytes
-as tensor parallelism alone and needs less memory) and the distributed optimizer whenever data > 1 (the
-same bytes as an all-reduce), unless fixed.
+The space: tensor, pipeline, context and expert sizes (data takes the rest), the schedule (1F1B, interleaved,
+zero-bubble) and its virtual stages, the micro batch size, recomputation, the data-parallel sharding (the distributed
+optimizer, or FSDP), sequence parallelism with and without tp_comm_overlap, overlap_grad_reduce with
+overlap_param_gather, and hybrid sharding (the sharded state's instances: one over every data rank, or one a node
+where the data ranks span nodes), and with context parallelism the exchange (auto, or the all-to-alls where the
+heads divide). Keys the user fixes (`--set parallel.tensor=8`) are not varied. Sequence parallelism is on whenever
+tensor > 1 (it moves the same bytes as tensor parallelism alone and needs less memory) and the distributed optimizer
+whenever data > 1 (the same bytes as an all-reduce), unless fixed.
 """
 
 from __future__ import annotations
@@ -147,7 +147,11 @@ def _inner(base: Config, fixed: dict, pick, d: int, p: int, t: int, c: int, e: i
     if p > 1 and not uneven:
         total = m.num_layers + 2 * split["parallel.account_for_loss_in_pipeline_split"]
         schedules += [("interleaved", v) for v in (2, 3, 4, 5, 6, 8) if (total // p) % v == 0]
-    if "parallel.schedule" in fixed or "parallel.virtual_stages" in fixed:
+    if p > 1:  # the split backward on 1F1B's table, and on the interleaved ones
+        schedules += [("zero_bubble", v) for s, v in list(schedules) if s != "zero_bubble"]
+    if isinstance(fixed.get("parallel.schedule"), tuple):  # the schedules to choose among (checks.PAPER_SPACE)
+        schedules = [(s, v) for s, v in schedules if s in fixed["parallel.schedule"]]
+    elif "parallel.schedule" in fixed or "parallel.virtual_stages" in fixed:
         schedules = [(fixed.get("parallel.schedule", s), fixed.get("parallel.virtual_stages", v))
                      for s, v in schedules]
         schedules = list(dict.fromkeys(schedules))
@@ -168,8 +172,8 @@ def _inner(base: Config, fixed: dict, pick, d: int, p: int, t: int, c: int, e: i
             pick("parallel.tp_comm_overlap", [False, True] if t > 1 else [False]),
             pick("parallel.overlap_grad_reduce", [False, True] if d * c > 1 else [False]),
             pick("parallel.num_distributed_optimizer_instances", instances), pick("parallel.context_comm", comms)):
-        if r > 1 and shard == "no_shard":
-            continue
+        if r > 1 and shard == "no_shard" or schedule == "zero_bubble" and ogr:
+            continue  # (zero_bubble reduces in B and W, not in the overlapped reduction's ticks)
         if p > 1 and recompute == "full" and "model.recompute" not in fixed:
             continue  # (a pipeline recomputes every chunk anyway: full only repeats selective's layout)
         if p > 1 and per_rank // b < p:
@@ -252,9 +256,10 @@ def own_layout(base: Config, hw: Hardware, gpus: int, gpus_per_node: int, margin
 
 
 def _complexity(s: dict) -> int:
-    """Features a layout turns on beyond what it needs: FSDP, the overlaps, virtual stages."""
+    """Features a layout turns on beyond what it needs: FSDP, the overlaps, virtual stages, the split backward."""
     return ((s["parallel.data_parallel_sharding_strategy"] == "optim_grads_params") + s["parallel.tp_comm_overlap"]
-            + s["parallel.overlap_grad_reduce"] + (s["parallel.virtual_stages"] > 1))
+            + s["parallel.overlap_grad_reduce"] + (s["parallel.virtual_stages"] > 1)
+            + (s["parallel.schedule"] == "zero_bubble"))
 
 
 def rank(candidates: list[Candidate], tie: float = 0.002) -> None:
