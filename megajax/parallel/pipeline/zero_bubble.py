@@ -9,7 +9,6 @@ it computes onto their shards (`SplitChunkActions._reduced`). `split_linearize`,
 
 from __future__ import annotations
 
-import functools
 
 import flax.traverse_util
 import jax
