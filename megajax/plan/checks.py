@@ -280,7 +280,7 @@ _PRESETS, _FSDP = "2026-11-26-presets-after-activations", "2026-11-26-fsdp-after
 _PIPELINES = "2026-11-27-pipeline-forward-in-place"  # (the pipelines compiled again after the forward's change)
 _ZERO3 = "2026-11-29-fsdp-embedding"  # (ZeRO-3 compiled again with the embedding and head sharded per micro batch)
 _70B_1F1B = ["parallel.schedule=1f1b", "parallel.virtual_stages=1"]
-_ZB = "2026-11-29-zero-bubble-fsdp"  # (the 70B preset's layout under the zero-bubble schedule, ZeRO-1, 2 and 3)
+_ZB = "2026-12-06-zero-bubble-weight-loop"  # (the 70B preset's layout under the zero-bubble schedule, W layer by layer)
 _ZB_SETS = ["parallel.overlap_grad_reduce=false", "parallel.overlap_param_gather=false"]
 # Programs compiled for 8 or 64 compile-only H100s, on both sides of XLA's scheduling limit: (the folder under
 # benchmarks/compile-only/, the row, the preset, GPUs, --set). Each report has its command.
