@@ -75,15 +75,16 @@ def weight_grads_into(acc, w: dict, inputs: dict, dys: dict, mcfg, add):
     big, rest = split_weights(w, dys)
     x, dy = flax.traverse_util.flatten_dict(inputs), flax.traverse_util.flatten_dict(dys)
 
-    def layer(l, acc):
+    def layer(acc, l):
         at = lambda a: jax.lax.dynamic_index_in_dim(a, l, keepdims=False)  # noqa: E731
         for k, val in big.items():
             meta = rest.get(k[:-1] + (fp8.META_PREFIX + k[-1],))
             args = (at(x[k]), at(dy[k]), at(val)) + (() if meta is None else (at(meta),))
             acc = add(acc, k, l, layers_lib.weight_grad(k[-1], mcfg, *args))
-        return acc
+        return acc, None
 
-    return jax.lax.fori_loop(0, jax.tree.leaves(big)[0].shape[0], layer, acc)
+    # (a loop over layers like the others: unrolled where model.scan_layers says)
+    return model.scan_layers(mcfg, layer, acc, jnp.arange(jax.tree.leaves(big)[0].shape[0]))[0]
 
 
 def split_weight_grads(w: dict, inputs: dict, dys: dict, mcfg) -> dict:
