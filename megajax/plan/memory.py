@@ -70,17 +70,17 @@ def layer_activation_bytes(L: Layout) -> dict:
     return {"none": none, "selective": selective, "full": T * B16 * h * r}
 
 
-def split_backward_bytes(L: Layout) -> float:
+def split_backward_bytes(L: Layout, chunk: int) -> float:
     """Bytes the zero-bubble schedule keeps between a chunk's B and its W beyond what another schedule keeps: each
-    weight matmul's output gradient (zero_bubble.SplitChunkActions' `dys`) for one chunk and micro batch, bf16:
-    the column-parallel outputs (queries, keys and values; the MLP's up projections) split over tensor, the
-    row-parallel ones (attention's output, the MLP's down projection) whole. The experts' matmuls are not split
-    (their gradients come with B)."""
+    weight matmul's output gradient (zero_bubble.SplitChunkActions' `dys`) for one chunk (of `chunk` layers) and
+    micro batch, bf16: the column-parallel outputs (queries, keys and values; the MLP's up projections) split over
+    tensor, the row-parallel ones (attention's output, the MLP's down projection) whole. The experts' matmuls are
+    not split (their gradients come with B)."""
     m, t = L.model, L.t
     attention = (m.num_heads * m.head_dim + 2 * m.kv_heads * m.head_dim) / t + m.hidden_size
     mlp = (2 if m.arch == "llama" else 1) * m.ffn_size / t + m.hidden_size
     per_token = attention + (1 - L.moe_share) * mlp
-    return B16 * per_token * L.tokens * L.layers / L.par.virtual_stages
+    return B16 * per_token * L.tokens * chunk
 
 
 def per_gpu(hw: Hardware, L: Layout, params: dict, in_flight: int) -> dict:
@@ -130,7 +130,7 @@ def per_gpu(hw: Hardware, L: Layout, params: dict, in_flight: int) -> dict:
     optimizer = 8 * (shard(n) if par.shards_optimizer else n)
     if L.pp > 1:  # chunk inputs in flight; the chunk being recomputed holds its layers' residuals for its backward
         kept = in_flight * stash + chunk * kept_per_layer + working
-        kept += split_backward_bytes(L) if L.plan.schedule == "zero_bubble" else 0.0
+        kept += split_backward_bytes(L, chunk) if L.plan.schedule == "zero_bubble" else 0.0
     else:
         kept = (L.layers + m.mtp_num_layers) * kept_per_layer + working  # (and the prediction modules' layers)
     # the logits' loss, and each multi-token prediction module's beside it until the backward

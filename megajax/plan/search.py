@@ -148,7 +148,7 @@ def _inner(base: Config, fixed: dict, pick, d: int, p: int, t: int, c: int, e: i
         total = m.num_layers + 2 * split["parallel.account_for_loss_in_pipeline_split"]
         schedules += [("interleaved", v) for v in (2, 3, 4, 5, 6, 8) if (total // p) % v == 0]
     if p > 1:  # the split backward on 1F1B's table, and on the interleaved ones
-        schedules += [("zero_bubble", v) for s, v in list(schedules) if s != "zero_bubble"]
+        schedules += [("zero_bubble", v) for _, v in schedules]
     if isinstance(fixed.get("parallel.schedule"), tuple):  # the schedules to choose among (checks.PAPER_SPACE)
         schedules = [(s, v) for s, v in schedules if s in fixed["parallel.schedule"]]
     elif "parallel.schedule" in fixed or "parallel.virtual_stages" in fixed:

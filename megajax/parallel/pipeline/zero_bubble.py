@@ -9,7 +9,6 @@ it computes onto their shards (`SplitChunkActions._reduced`). `split_linearize`,
 
 from __future__ import annotations
 
-
 import flax.traverse_util
 import jax
 import jax.numpy as jnp
@@ -141,18 +140,11 @@ class SplitChunkActions(ChunkActions):
                 return acc if self.reductions is not None else vary(acc)
             _, inputs = jax.tree.unflatten(self._res_tree, res)
             c = row["w_chunk"]
-            if self.reductions is not None:  # each layer's reduce-scattered onto its shard, [v, Lc, ...] there
-                per_layer = flax.traverse_util.flatten_dict(self.reductions)
-
-                def add(acc, k, l, d):
-                    reduced = vary(per_layer[k](d.astype(jnp.float32)), per_layer[k].result_axes())
-                    return {**acc, k: acc[k].at[c, l].add(reduced)}
-            else:
-                def add(acc, k, l, d):
-                    return {**acc, k: acc[k].at[c, l].add(d.astype(jnp.float32))}
+            # each layer's reduce-scattered onto its shard ([v, Lc, ...] there) under ZeRO-2/3, else summed in fp32
+            each = _fp32 if self.reductions is None else _reducing(self.reductions)
             tree = acc if self.reductions is not None else vary(acc["block"])
             flat = weight_grads_into(flax.traverse_util.flatten_dict(tree), self.chunk(row, "w_")[0], inputs, dys,
-                                     self.mcfg, add)
+                                     self.mcfg, lambda acc, k, l, d: {**acc, k: acc[k].at[c, l].add(each(k, d))})
             tree = flax.traverse_util.unflatten_dict(flat)
             return tree if self.reductions is not None else vary({"block": tree})
 
@@ -161,17 +153,24 @@ class SplitChunkActions(ChunkActions):
     def _reduced(self, g_final, flat_grads, c):
         """g_final ([v, Lc, ...] per weight, as the reductions leave it) with the flat {path: [Lc, ...]} gradients of
         local chunk c reduced over the data ranks (`overlap.Reduction`: ZeRO-2/3's reduce-scatter) and added."""
-        reductions = flax.traverse_util.flatten_dict(self.run_reductions)
-
-        def reduced(k, d):
-            return vary(reductions[k](d.astype(jnp.float32)), reductions[k].result_axes())
-
-        return _added_at(g_final, flat_grads, c, reduced)
+        return _added_at(g_final, flat_grads, c, _reducing(self.run_reductions))
 
     @staticmethod
     def _accumulate(g_layers, flat_grads, c):
         """g_layers (fp32 [v, Lc, ...]) with the flat {path: [Lc, ...]} gradients added at local chunk c."""
-        return {"block": _added_at(g_layers["block"], flat_grads, c, lambda k, d: d.astype(jnp.float32))}
+        return {"block": _added_at(g_layers["block"], flat_grads, c, _fp32)}
+
+
+def _fp32(path, d: jax.Array) -> jax.Array:
+    """A gradient as the fp32 accumulators add it."""
+    return d.astype(jnp.float32)
+
+
+def _reducing(reductions: dict):
+    """each(path, gradient): the gradient in fp32 reduced by its weight's `overlap.Reduction` in `reductions` (the
+    chunks' tree of them: ZeRO-2/3's reduce-scatter), varying as the reduction leaves it."""
+    flat = flax.traverse_util.flatten_dict(reductions)
+    return lambda k, d: vary(flat[k](_fp32(k, d)), flat[k].result_axes())
 
 
 def _added_at(tree: dict, flat_grads: dict, c, each) -> dict:
