@@ -321,6 +321,8 @@ def audit(cfg, target: str = "cpu", devices: int | None = None, dump_hlo: str | 
         "peak_estimate_gib": (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
                               + mem.temp_size_in_bytes) / gib,
     }
+    copies = hlo.copied_bytes(text, runs)  # (buffers XLA could not update in place)
+    memory.update(copied_bytes_per_step=copies["per_step"], largest_copy_bytes=copies["largest"])
     if target != "cpu":
         capacity = _target_value(target, "device_memory_size")
         memory["device_memory_gib"] = capacity / gib

@@ -171,13 +171,14 @@ def _callees(opcode: str, rest: str, branch_runs: dict | None = None) -> list[tu
         found = re.search(r"branch_computations=\{([^}]*)\}", rest) or re.search(r"(true_computation=.*)", rest)
         branches = re.findall(r"%([\w.\-]+)", found.group(1))
         # a pipeline switch `scope`, or its group i run under a two-way conditional named scope + i, true when the
-        # group runs (pipeline.executor.backward): XLA prints a predicated conditional's true branch first
+        # group runs (pipeline.executor.backward): a two-way switch whose first branch passes everything through
+        # (sharding.cond); a predicated conditional (jax.lax.cond) XLA prints with its true branch first
         link = re.search(r'op_name="[^"]*/(pipeline_s\d+t\d_[a-z])(\d*)/cond"', rest)
         scope = link.group(1) if link else ""
         runs = (branch_runs or {}).get(scope)
-        if runs is not None and link.group(2) and "true_computation=" in rest and int(link.group(2)) < len(runs):
+        if runs is not None and link.group(2) and len(branches) == 2 and int(link.group(2)) < len(runs):
             taken = runs[int(link.group(2))]
-            runs = [taken, 1 - taken]
+            runs = [taken, 1 - taken] if "true_computation=" in rest else [1 - taken, taken]
         elif runs is None or link.group(2) or len(runs) != len(branches):
             runs = [1] * len(branches)
         return [(b, r, scope) for b, r in zip(branches, runs)]
@@ -362,6 +363,28 @@ def gemm_flops(hlo_text: str, branch_runs: dict | None = None) -> dict[str, floa
                 fp8 += flops
                 fp8_sites += 1
     return {"total": total, "in_conditional": in_cond, "fp8": fp8, "gemms": sites, "fp8_gemms": fp8_sites}
+
+
+def copied_bytes(hlo_text: str, branch_runs: dict | None = None) -> dict[str, float]:
+    """The bytes XLA's copy instructions write in one step of a compiled module (each reads as many): copies at the
+    level of a computation, not inside a fusion, times the executions of their computation, branches weighted by
+    `branch_runs` as `gemm_flops` weighs them. `largest`: the largest one copy writes. XLA inserts copies where a
+    buffer cannot be updated in place (a loop's carry passed through a conditional, layout changes); on a GPU
+    each is HBM traffic no kernel needed (about 2 x bytes / the HBM bandwidth)."""
+    comps, multiplicity, _, _ = _walk(hlo_text, branch_runs)
+    fused = {c for ops in comps.values() for _, _, opcode, rest in ops if opcode == "fusion"
+             for c in re.findall(r"calls=%?([\w.\-]+)", rest)}
+    total, largest = 0.0, 0
+    for comp, ops in comps.items():
+        mult = multiplicity.get(comp, 0)
+        if not mult or comp in fused:
+            continue
+        for _, shape_text, opcode, _ in ops:
+            if opcode == "copy":
+                size = _total(_parse_shape_tree(shape_text))
+                total += size * mult
+                largest = max(largest, size)
+    return {"per_step": total, "largest": largest}
 
 
 def _kernel_operand_types(op, name: str) -> list[str] | None:

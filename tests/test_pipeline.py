@@ -141,27 +141,70 @@ def _two_way_conds(schedule: str, v: int, extra: tuple = ()) -> list:
      {"b1", "b2", "e1", "h1", "g1"})])
 def test_the_ticks_update_their_accumulators_in_place(schedule, v, extra, groups):
     """`executor.backward`: each group of backward kinds (adding to the accumulators; FINAL, reducing) runs under
-    its own two-way conditional whose first branch passes everything through, whatever chunk position it runs,
-    and the first chunk's embedding backward under another; the head (`executor._tick`) under a third: the form in
-    which XLA's GPU compiler updates the fp32 gradient accumulators and the embedding's and head's gradients in
-    place; an idle tick's gather the same, one two-way conditional per layer count. One switch over the kinds made
-    it copy them in each branch
-    (benchmarks/2026-11-27-compile-only-pipeline-backward-in-place.md). The forward's switch takes neither the
-    residuals nor g_shared: it returns the activation to send, the stash and the last chunk's output alone
-    (benchmarks/2026-11-27-compile-only-pipeline-forward-in-place.md)."""
+    its own two-way conditional whose first branch makes zeros, whatever chunk position it runs, and what it adds
+    goes to the layers' accumulators after it: no layer accumulator is a conditional's operand passed through
+    (XLA's GPU compiler copied them: `test_the_compiled_ticks_copy_no_layer_gradients`). The first chunk's embedding
+    backward runs under another, the head (`executor._tick`) under a third, each passing the shared weights'
+    gradients through in its first branch; an idle tick's gather the same, one two-way conditional per layer count.
+    The forward's switch takes neither the residuals nor g_shared: it returns the activation to send, the stash and
+    the last chunk's output alone (benchmarks/2026-11-27-compile-only-pipeline-forward-in-place.md)."""
     conds = _two_way_conds(schedule, v, extra)
     assert {name.split("_")[-1] for name, _ in conds} == groups
     for name, branches in conds:
         assert len(branches) == 2, name
-        # (the head's makes its zero loss and output gradient; nothing else computes)
-        assert not branches[0].eqns or name.endswith("_h1"), name
+        # (the head's makes its zero loss and output gradient, the backward's its zeros; nothing else computes)
+        assert not branches[0].eqns or name.endswith(("_h1", "_b1", "_b2")), name
         assert {e.primitive.name for e in branches[0].eqns} <= {"broadcast_in_dim", "pvary"}, name
         made = {v for e in branches[0].eqns for v in e.outvars}
         assert set(branches[0].outvars) <= set(branches[0].invars) | made, name
+        if re.search(r"_b\d$", name):  # (zero_bubble's B passes on the taps' gradients it keeps for W)
+            passed = [v for v in branches[0].outvars if v in set(branches[0].invars)]
+            assert bool(passed) == (schedule == "zero_bubble"), name
     forwards = [e for name, e in _tick_conds(schedule, v, extra) if name.endswith("_f")]
     assert forwards
     if "g1" not in groups:  # (a forward that gathers also returns the gathered weights)
         assert all(len(e.outvars) <= 3 for e in forwards)  # (JAX forwards an output all branches pass)
+
+
+def _accumulator_copies(schedule: str, v: int, extra: tuple = ()) -> tuple[list, list]:
+    """(the copies of a rank's layer-gradient accumulators, f32 [v, Lc, ...] per weight, in the train step of the
+    tiny preset on 2 stages compiled for 2 compile-only H100s, as (shape, computation) pairs; those shapes)."""
+    import jax
+
+    from megajax import audit
+
+    cfg = config_io.load("configs/tiny.yaml", [
+        "parallel.data=1", "parallel.pipeline=2", "parallel.tensor=1", "train.micro_batch_size=1",
+        "train.global_batch_size=4", f"parallel.schedule={schedule}", f"parallel.virtual_stages={v}", *extra])
+    cfg, _, compiled, setup = audit.compile_step(cfg, audit._gpu_devices("h100", 2 * cfg.parallel.data))
+    staged = jax.tree.leaves(setup.abstract_state.params["layers"])  # [v, p, Lc, ...]
+    shapes = {(a.shape[0], *a.shape[2:]) for a in staged if a.ndim > 3}
+    copies, comp = [], None
+    for line in compiled.as_text().splitlines():
+        head = re.match(r"(?:ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{$", line)
+        comp = head.group(1) if head else comp
+        op = re.search(r"= f32\[([\d,]+)\]\{[^}]*\} copy\(", line)
+        inside_fusion = (comp or "").startswith(("fused_", "wrapped_"))  # (a copy in a fusion moves no buffer)
+        if op and not inside_fusion and tuple(int(d) for d in op.group(1).split(",")) in shapes:
+            copies.append((op.group(1), comp))
+    return copies, shapes
+
+
+@pytest.mark.parametrize("schedule,v,extra", [
+    ("interleaved", 2, ()),
+    pytest.param("1f1b", 1, (), marks=pytest.mark.slow),
+    pytest.param("zero_bubble", 1, (), marks=pytest.mark.slow),
+    pytest.param("1f1b", 1, ("parallel.data=2", "train.global_batch_size=8", "parallel.distributed_optimizer=true",
+                             "parallel.overlap_grad_reduce=true"), marks=pytest.mark.slow)])
+def test_the_compiled_ticks_copy_no_layer_gradients(schedule, v, extra, repo_root, monkeypatch):
+    """XLA's GPU program of a pipelined step copies none of a rank's fp32 layer-gradient accumulators: each tick's
+    backward hands what it adds out of its conditional, and the tick adds it to the loop's carry in place
+    (`executor.backward`). With the accumulators as the conditional's operands, passed through in one branch and
+    updated in the other, XLA copied every one of them in one branch or the other, in every tick
+    (benchmarks/2026-12-06-compile-only-accumulators-outside-conditionals.md)."""
+    monkeypatch.chdir(repo_root)
+    copies, shapes = _accumulator_copies(schedule, v, extra)
+    assert shapes and not copies, copies
 
 
 def test_evaluation_runs_through_the_pipeline_without_gathering_layers():

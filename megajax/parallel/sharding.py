@@ -113,8 +113,8 @@ class CollectiveOrder:
         return outputs
 
     def cond(self, pred, true_fn, false_fn, *operands):
-        """jax.lax.cond, in order."""
-        return self.after(jax.lax.cond(self.before(pred), true_fn, false_fn, *operands), operands)
+        """`cond`, in order."""
+        return self.after(cond(self.before(pred), true_fn, false_fn, *operands), operands)
 
     def switch(self, index, branches, *operands):
         """jax.lax.switch, in order."""
@@ -123,6 +123,15 @@ class CollectiveOrder:
     def ppermute(self, x, axis_name, perm):
         """jax.lax.ppermute, in order."""
         return self.after(jax.lax.ppermute(self.before(x), axis_name, perm))
+
+
+def cond(pred, true_fn, false_fn, *operands):
+    """jax.lax.cond as a two-way switch whose first branch is false_fn. jax.lax.cond lowers to a case on
+    convert(pred), which XLA turns into a conditional on the predicate with the true branch first; with a branch that
+    updates a buffer in place first and one that passes it through second, XLA's GPU compiler copies the buffer in
+    both (the pipeline's fp32 gradient accumulators in every tick). The switch's clamped index keeps the pass-through
+    branch (false_fn, by the pipeline's convention) first, where XLA updates the buffer in place."""
+    return jax.lax.switch(jnp.asarray(pred).astype(jnp.int32), (false_fn, true_fn), *operands)
 
 
 def _first(a: jax.Array) -> jax.Array:

@@ -285,36 +285,37 @@ class ChunkActions:
         return run
 
     def backward_branch(self, final: bool):
-        """(residuals, g, g_layers, g_shared[, g_final], row) -> (the input gradient, g_layers, g_shared[,
-        g_final]): the backward of chunk row["b_chunk"], wherever it sits (`executor.backward` sends the input
-        gradient on, or runs the embedding's backward with it). g_final with reductions: `final` (FINAL kinds:
-        the chunk's last backward) reduces the chunk's gradients into it; the other backwards add theirs to
-        g_layers."""
-        def run(res, g, g_layers, g_shared, *rest):
-            *g_final, row = rest
-            c = row["b_chunk"]
+        """(residuals, g, g_layers, row) -> (the input gradient, what the backward adds): the backward of chunk
+        row["b_chunk"], wherever it sits (`executor.backward` sends the input gradient on, or runs the embedding's
+        backward with it). What it adds, `add_backward` adds to an accumulator after the conditional the backward
+        runs under: the chunk's weight gradients in fp32, to g_layers; with reductions, `final` (FINAL kinds: the
+        chunk's last backward) their sum with the earlier backwards' (read from g_layers) reduced over the data
+        ranks, to g_final. No accumulator is a conditional's output: XLA's GPU compiler copied them (every tick's
+        fp32 gradients of a rank's layers) in one branch or the other (`executor.backward`)."""
+        def run(res, g, g_layers, row):
             if self.reductions is None:
                 dw, dx = jax.tree.unflatten(self._res_tree, res)(g)
-                g_layers = jax.tree.map(lambda acc, d: acc.at[c].add(d.astype(jnp.float32)), g_layers, dw)
-            else:
-                g_final, = g_final
-                pullback = jax.tree.unflatten(self._res_tree_final if final else self._res_tree, res)
-                if not g_layers:  # ZeRO-2: nothing summed locally, every backward reduces
-                    acc = vary(jax.tree.map(lambda w: jnp.zeros(w.shape[1:], jnp.float32), self.layers["block"]))
-                else:
-                    acc = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, c, keepdims=False),
-                                       g_layers["block"])
-                if not final:  # (the earlier micro batches' sum is read only by the reducing backward)
-                    acc = jax.tree.map(jnp.zeros_like, acc)
-                dw, dx, reduced = pullback((g, acc))
-                if final:  # (added: ZeRO-2 reduces every micro batch's; else once per chunk, into zeros)
-                    g_final = jax.tree.map(lambda f, d: f.at[c].add(d), g_final, reduced)
-                else:
-                    g_layers = jax.tree.map(lambda a, d: a.at[c].add(d.astype(jnp.float32)), g_layers, dw)
-                g_final = (g_final,)
-            return (*vary((dx.astype(g.dtype), g_layers, g_shared)), *g_final)  # (g_final as the reductions leave it)
+                return vary((dx.astype(g.dtype), jax.tree.map(lambda d: d.astype(jnp.float32), dw)))
+            pullback = jax.tree.unflatten(self._res_tree_final if final else self._res_tree, res)
+            if final and g_layers:
+                acc = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, row["b_chunk"], keepdims=False),
+                                   g_layers["block"])
+            else:  # (the earlier micro batches' sum is read only by the reducing backward; ZeRO-2 keeps none)
+                acc = vary(jax.tree.map(lambda w: jnp.zeros(w.shape[1:], jnp.float32), self.layers["block"]))
+            dw, dx, reduced = pullback((g, acc))
+            if final:  # (ZeRO-2 reduces every micro batch's; else once per chunk, what the backwards summed)
+                return vary(dx.astype(g.dtype)), reduced  # (reduced as the reductions leave it)
+            return vary((dx.astype(g.dtype), jax.tree.map(lambda d: d.astype(jnp.float32), dw)))
 
         return run
+
+    @staticmethod
+    def add_backward(final: bool, g_layers, g_final, added, row):
+        """(g_layers, g_final) with what `backward_branch(final)` returned added at local chunk row["b_chunk"]."""
+        c = row["b_chunk"]
+        if final:
+            return g_layers, jax.tree.map(lambda f, d: f.at[c].add(d), g_final, added)
+        return jax.tree.map(lambda a, d: a.at[c].add(d), g_layers, added), g_final
 
     def reduce_branch(self, k):
         """(g_layers, g_final, row) -> g_final with the k layers from row["x_first"] (counted over the rank's

@@ -66,7 +66,7 @@ from megajax.parallel.pipeline.schedule import perm_pairs
 from megajax.parallel.pipeline.ticks import ACTIONS, FIELDS, FINAL, LAST_KEEP, NONE, Segment
 from megajax.parallel.pipeline.zero_bubble import SplitChunkActions
 from megajax.parallel.sharding import CollectiveOrder, micro_batches
-from megajax.parallel.step_plan import vary
+from megajax.parallel.step_plan import vary, varying_axes
 
 
 def _local_kinds(present: tuple[int, ...], kinds: np.ndarray) -> jax.Array:
@@ -195,32 +195,49 @@ def _code(seg: Segment, row: dict, key: str) -> jax.Array:
     return jnp.asarray(getattr(seg, key))[row[key + "_kind"]]
 
 
-def backward(acts: ChunkActions, seg: Segment, row: dict, scope: str, order: CollectiveOrder, res, g, g_layers,
-             g_shared, *more, first_row=None) -> tuple:
-    """B: (gradient to send, g_layers, g_shared, *more) after the tick's backward, whatever chunk it runs, the
-    accumulators (g_layers, g_shared, and g_final or zero_bubble's dys) as `ChunkActions.backward_branch`
-    leaves them, or as they are when the tick runs none. Each group of backward kinds (`ticks.backward_groups`:
-    FINAL or not) runs under its own two-way conditional, named scope_b<group>, whose first branch passes
-    everything through; then the first chunk's input gradient goes into the embedding's backward, under a
-    two-way conditional of its own (scope_e1), instead of to the rank before. With the vocabulary over the
-    pipeline (vocab.py) every rank then adds its slice of the table's gradient, under a conditional taken by every
-    rank alike (rank 0's row, `first_row`: scope_t1); with first dense layers, whose backward needs the rows, every
-    rank looks them up again first (scope_k1).
+def backward(acts: ChunkActions, seg: Segment, row: dict, scope: str, order: CollectiveOrder, carry: dict,
+             first_row=None) -> jax.Array:
+    """B: the gradient to send after the tick's backward, whatever chunk it runs (zeros where it runs none, or runs
+    the first chunk, whose input gradient goes into the embedding's backward instead); the accumulators in `carry`
+    (g_layers, g_shared, g_final; zero_bubble's dys) updated. Each group of backward kinds (`ticks.backward_groups`:
+    FINAL or not) runs under its own two-way conditional, named scope_b<group>, whose first branch makes zeros;
+    what the group's backward adds (`ChunkActions.backward_branch`) is added to its accumulator after the
+    conditional (`add_backward`: in place, the loop's carry). Then the first chunk's input gradient goes into the
+    embedding's backward, under a two-way conditional of its own (scope_e1), instead of to the rank before. With
+    the vocabulary over the pipeline (vocab.py) every rank then adds its slice of the table's gradient, under a
+    conditional taken by every rank alike (rank 0's row, `first_row`: scope_t1); with first dense layers, whose
+    backward needs the rows, every rank looks them up again first (scope_k1).
 
-    Why not one switch over the kinds: XLA's copy insertion copies a buffer that a conditional of more than two
-    branches updates in place in some branches and passes through in others (the fp32 gradient accumulators,
-    the embedding's gradients), in each such branch, and holds the copy beside the original; a two-way
-    conditional whose first branch passes it through updates it in place. Each conditional is in `order`."""
+    Why the accumulators pass through no conditional: XLA's copy insertion copies a buffer that a conditional
+    updates in place in one branch and passes through in the other, in one branch or the other, and holds the copy
+    beside the original (the rank's fp32 layer gradients: 12 GB a tick for Llama 3.1 405B's preset;
+    benchmarks/2026-12-06-compile-only-accumulators-outside-conditionals.md); the order of the branches, and what
+    else the tick runs, decided which, not whether. Nor one switch over the kinds, for the same reason. Each
+    conditional is in `order`."""
     code = _code(seg, row, "b")
-    out = (jnp.zeros_like(g), g_layers, g_shared, *more)
+    res, g = carry["res"], carry["grad"][row["b_grad_slot"]]
+    dx = jnp.zeros_like(g)
+    state = (carry["dys"],) if "dys" in carry else ()  # (zero_bubble: the taps' gradients, kept from B to W)
     for i, final in enumerate(ticks.backward_groups(seg.b), 1):
-        def run(out, final=final):
-            return tuple(acts.backward_branch(final)(res, g, *out[1:], row))
+        on, branch = ticks.in_backward_group(code, final), acts.backward_branch(final)
+
+        def run(state, branch=branch):
+            return branch(res, g, carry["g_layers"], *state, row)
+
+        def skip(state, run=run):  # (zeros as the backward's outputs are, made in the branch; the state as it is)
+            made = jax.eval_shape(run, state)[:2]
+            return (*jax.tree.map(lambda a: vary(jnp.zeros(a.shape, a.dtype), varying_axes(a)), made), *state)
 
         with jax.named_scope(f"{scope}_b{i}"):
-            out = order.cond(ticks.in_backward_group(code, final), run, lambda out: out, out)
-    dx, g_layers, g_shared, *more = out
+            dx_i, added, *state = order.cond(on, run, skip, tuple(state))
+        dx = dx_i if i == 1 else jnp.where(on, dx_i, dx)
+        carry["g_layers"], g_final = acts.add_backward(final, carry["g_layers"], carry.get("g_final"), added, row)
+        if g_final is not None:
+            carry["g_final"] = g_final
+    if state:
+        carry["dys"] = state[0]
     first = ticks.first_backward(code)
+    g_shared = carry["g_shared"]
     if any(ticks.first_backward(k) for k in seg.b) and not acts.vocab:
         with jax.named_scope(f"{scope}_e1"):
             g_shared = order.cond(first, lambda gs: vary(acts.embedding_backward(dx, row, gs)), lambda gs: gs,
@@ -237,7 +254,8 @@ def backward(acts: ChunkActions, seg: Segment, row: dict, scope: str, order: Col
         with jax.named_scope(f"{scope}_t1"):
             g_shared = order.cond(on, lambda gs: acts.table_backward(d_rows, first_row, gs), lambda gs: gs,
                                   g_shared)
-    return (jnp.where(first, jnp.zeros_like(dx), dx), g_layers, g_shared, *more)
+    carry["g_shared"] = g_shared
+    return jnp.where(first, jnp.zeros_like(dx), dx)
 
 
 def _tick(acts: ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, row: dict, parity, scope: str,
@@ -251,19 +269,15 @@ def _tick(acts: ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, r
     named = lambda key: jax.named_scope(f"{scope}_{key}")  # noqa: E731
     if "whole" in carry:  # the weights gathered so far (parallel.overlap_param_gather): what the actions read
         acts.layers = carry["whole"]
-    # Only the slices an action reads go into a switch; the accumulators go through the backward's and the
-    # forward's switches so that only the branches with something to add touch them.
+    # Only the slices an action reads go into a switch; the backward hands what it adds out of its conditionals,
+    # and the tick adds it to the layers' accumulators (`backward`).
     split = "dys" in carry
     if split:  # the weight gradients of the last backward, before R or F replace its residuals
         into = "g_final" if "g_final" in carry else "g_layers"  # (ZeRO-2/3: reduced onto their shards)
         with named("w"):
             carry[into] = order.switch(row["w_kind"], [acts.weight_branch(k) for k in seg.w], carry["res"],
                                        carry["dys"], carry[into], row)
-    extras = (("dys",) if split else ()) + (("g_final",) if "g_final" in carry else ())
-    b_out = backward(acts, seg, row, scope, order, carry["res"], carry["grad"][row["b_grad_slot"]],
-                     carry["g_layers"], carry["g_shared"], *(carry[k] for k in extras), first_row=first_row)
-    send_grad, carry["g_layers"], carry["g_shared"] = b_out[:3]
-    carry.update(zip(extras, b_out[3:]))
+    send_grad = backward(acts, seg, row, scope, order, carry, first_row=first_row)
     # The recompute reads its stash before the forward may reuse the slot; the last chunk's forward that keeps its
     # residuals (LAST_KEEP) runs in the same switch (never beside a recompute) and reads the forward's slot. The
     # residuals come out of that switch alone (zeros when it has nothing to keep: the backward above has read the

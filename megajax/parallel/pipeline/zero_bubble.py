@@ -3,7 +3,7 @@ gradient only (and the norms' and biases' gradients), sent at once, and W the we
 matmul's kept input and the output gradient B found for it (model.layers.weight_einsum's taps), run in the rank's
 next tick, first in it (executor._tick). `SplitChunkActions` changes the chunk actions' (chunks.py) backward and
 the linearization its recompute keeps, and adds W. Under ZeRO-2/3 each of B and W reduce-scatters the gradients
-it computes onto their shards (`SplitChunkActions._reduced`). `split_linearize`, `split_weight_grads` and
+it computes onto their shards (`_reducing`). `split_linearize`, `split_weight_grads` and
 `zero_taps` are also what scripts/bench_split_backward.py times.
 """
 
@@ -100,7 +100,7 @@ class SplitChunkActions(ChunkActions):
     gradients and the taps' gradients (each weight matmul's output gradient, kept in `dys`); W turns those and
     the kept matmul inputs into the weight gradients, one matmul per weight."""
 
-    REDUCING_PULLBACK = False  # (ZeRO-2/3: B and W reduce the gradients they compute, `_reduced`)
+    REDUCING_PULLBACK = False  # (ZeRO-2/3: B and W reduce the gradients they compute, `_reducing`)
 
     def zero_dys(self):
         """Zeros shaped like the chunk's taps [Lc, ...] (their gradients, kept between B and W)."""
@@ -116,21 +116,27 @@ class SplitChunkActions(ChunkActions):
         return y, (pullback, inputs)
 
     def backward_branch(self, final: bool):
-        """(residuals, g, g_layers, g_shared, dys[, g_final], row) -> (the input gradient, g_layers, g_shared,
-        dys[, g_final]): the input gradient, the small parameters' gradients and the taps' gradients (the new
-        dys). The small parameters' gradients go to g_layers, or under ZeRO-2/3 (FINAL: every backward) onto
-        their shards in g_final."""
-        def run(res, g, g_layers, g_shared, dys, *rest):
-            *g_final, row = rest
+        """(residuals, g, g_layers, dys, row) -> (the input gradient, what the backward adds, dys): the input
+        gradient, the small parameters' gradients and the taps' gradients (the new dys). The small parameters'
+        gradients in fp32 (flat {path: [Lc, ...]}) go to g_layers, or under ZeRO-2/3 (FINAL: every backward)
+        reduced onto their shards, to g_final (`add_backward`, after the conditional)."""
+        def run(res, g, g_layers, dys, row):
             pullback, _ = jax.tree.unflatten(self._res_tree, res)
             dx, dys, dsmall = pullback(g)
             if final:
-                g_final = [self._reduced(g_final[0], dsmall, row["b_chunk"])]
-            else:
-                g_layers = self._accumulate(g_layers, dsmall, row["b_chunk"])
-            return (*vary((dx.astype(g.dtype), g_layers, g_shared, dys)), *g_final)
+                each = _reducing(self.run_reductions)
+                return vary(dx.astype(g.dtype)), {k: each(k, d) for k, d in dsmall.items()}, vary(dys)
+            return vary((dx.astype(g.dtype), {k: _fp32(k, d) for k, d in dsmall.items()}, dys))
 
         return run
+
+    @staticmethod
+    def add_backward(final: bool, g_layers, g_final, added, row):
+        """(g_layers, g_final) with what `backward_branch(final)` returned added at local chunk row["b_chunk"]."""
+        c = row["b_chunk"]
+        if final:
+            return g_layers, _added_at(g_final, added, c, lambda k, d: d)
+        return {"block": _added_at(g_layers["block"], added, c, lambda k, d: d)}, g_final
 
     def weight_branch(self, kind):
         """(residuals, dys, acc, row) -> acc plus the weight gradients of the last backward: acc is g_layers, or
@@ -149,16 +155,6 @@ class SplitChunkActions(ChunkActions):
             return tree if self.reductions is not None else vary({"block": tree})
 
         return run
-
-    def _reduced(self, g_final, flat_grads, c):
-        """g_final ([v, Lc, ...] per weight, as the reductions leave it) with the flat {path: [Lc, ...]} gradients of
-        local chunk c reduced over the data ranks (`overlap.Reduction`: ZeRO-2/3's reduce-scatter) and added."""
-        return _added_at(g_final, flat_grads, c, _reducing(self.run_reductions))
-
-    @staticmethod
-    def _accumulate(g_layers, flat_grads, c):
-        """g_layers (fp32 [v, Lc, ...]) with the flat {path: [Lc, ...]} gradients added at local chunk c."""
-        return {"block": _added_at(g_layers["block"], flat_grads, c, _fp32)}
 
 
 def _fp32(path, d: jax.Array) -> jax.Array:
