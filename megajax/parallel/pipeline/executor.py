@@ -272,11 +272,10 @@ def _tick(acts: ChunkActions, seg: Segment, p: int, v: int, rank, carry: dict, r
     # Only the slices an action reads go into a switch; the backward hands what it adds out of its conditionals,
     # and the tick adds it to the layers' accumulators (`backward`).
     split = "dys" in carry
-    if split:  # the weight gradients of the last backward, before R or F replace its residuals
+    if split and seg.w != (NONE,):  # the weight gradients of the last backward, before R or F replace its residuals
         into = "g_final" if "g_final" in carry else "g_layers"  # (ZeRO-2/3: reduced onto their shards)
-        with named("w"):
-            carry[into] = order.switch(row["w_kind"], [acts.weight_branch(k) for k in seg.w], carry["res"],
-                                       carry["dys"], carry[into], row)
+        carry[into] = acts.weight_grads(carry["res"], carry["dys"], carry[into], row, _code(seg, row, "w") != NONE,
+                                        order, f"{scope}_w1")
     send_grad = backward(acts, seg, row, scope, order, carry, first_row=first_row)
     # The recompute reads its stash before the forward may reuse the slot; the last chunk's forward that keeps its
     # residuals (LAST_KEEP) runs in the same switch (never beside a recompute) and reads the forward's slot. The

@@ -279,7 +279,8 @@ def branch_runs(step_plan: StepPlan, model: ModelConfig) -> dict[str, list[float
     groups (`backward_groups`), group i under its own conditional named '<scope>_b<i>'; '<scope>_e': how often
     it does not and does run the first chunk, whose embedding backward runs under '<scope>_e1'; '<scope>_h': how
     often the forward does not and does run the last chunk, whose head runs under '<scope>_h1'; '<scope>_g': how
-    often the gather runs none and each of its layer counts, count i under '<scope>_g<i>'. With the vocabulary
+    often the gather runs none and each of its layer counts, count i under '<scope>_g<i>'; '<scope>_w': how often
+    zero_bubble's W does not and does run, each of its layers under '<scope>_w1'. With the vocabulary
     over the pipeline (executor.py) every rank runs the embedding's lookup ('<scope>_l1'), its backward's
     ('<scope>_k1', '<scope>_t1') and the head where the first (last) rank's column says: those weigh by that
     column alone."""
@@ -308,5 +309,8 @@ def branch_runs(step_plan: StepPlan, model: ModelConfig) -> dict[str, list[float
                 if key == "f" and vocab and any(embeds(k) for k in seg.f):  # (the lookup, under '<scope>_l1')
                     look = float(np.mean(embeds(rows[:, 0])))
                     out[f"{scope(i, t)}_l"] = [1 - look, look]
+                if key == "w":  # (W's layers each under a two-way conditional, '<scope>_w1': zero_bubble.py)
+                    out[f"{scope(i, t)}_w"] = [float(np.mean(rows == NONE)), float(np.mean(rows != NONE))]
+                    continue
                 out[f"{scope(i, t)}_{key}"] = [float(np.mean(rows == k)) for k in getattr(seg, key)]
     return out

@@ -17,7 +17,7 @@ from megajax import model
 from megajax.model import fp8
 from megajax.model import layers as layers_lib
 from megajax.parallel.pipeline.chunks import ChunkActions
-from megajax.parallel.pipeline.ticks import NONE
+from megajax.parallel.sharding import CollectiveOrder
 from megajax.parallel.step_plan import vary, varying_axes
 
 
@@ -65,32 +65,45 @@ def split_linearize(mcfg, w: dict, x: jax.Array, taps: dict, side, ids, on):
     return jax.vjp(run, x, taps, small, has_aux=True)
 
 
-def weight_grads_into(acc, w: dict, inputs: dict, dys: dict, mcfg, add):
-    """W layer by layer: `acc` after add(acc, path, l, dW) for each tapped weight (flat path) of each layer l of
-    the chunk, from its matmul's input and output gradient (in FP8 with model.fp8, with the weight's delayed-scaling
-    state where it has one). A loop over the chunk's layers keeps one layer's weight gradients live at a time; all
-    at once, a chunk held each of its layers' (2.3 GiB a layer more than the fused backward at Llama 3 70B's
-    tensor 8 x 8192 tokens)."""
+def weight_grads_into(acc, w: dict, inputs: dict, dys: dict, mcfg, add, each=None, guard=None, mark=None):
+    """W layer by layer: (`acc` after add(acc, path, l, each(path, dW)) for each tapped weight (flat path) of each
+    layer l of the chunk, from its matmul's input and output gradient (in FP8 with model.fp8, with the weight's
+    delayed-scaling state where it has one); `mark`). guard(layer_grads, mark) -> (layer_grads() or what stands in
+    for it, mark): what runs each layer's gradients (the pipeline's tick: a conditional, in the CPU runtime's order
+    that `mark` carries from layer to layer). A loop over the chunk's layers keeps one layer's weight gradients live
+    at a time; all at once, a chunk held each of its layers' (2.3 GiB a layer more than the fused backward at
+    Llama 3 70B's tensor 8 x 8192 tokens)."""
     big, rest = split_weights(w, dys)
     x, dy = flax.traverse_util.flatten_dict(inputs), flax.traverse_util.flatten_dict(dys)
+    each = each or (lambda k, d: d)
+    guard = guard or (lambda layer_grads, mark: (layer_grads(), mark))
 
-    def layer(acc, l):
+    def layer(carry, l):
+        acc, mark = carry
         at = lambda a: jax.lax.dynamic_index_in_dim(a, l, keepdims=False)  # noqa: E731
-        for k, val in big.items():
-            meta = rest.get(k[:-1] + (fp8.META_PREFIX + k[-1],))
-            args = (at(x[k]), at(dy[k]), at(val)) + (() if meta is None else (at(meta),))
-            acc = add(acc, k, l, layers_lib.weight_grad(k[-1], mcfg, *args))
-        return acc, None
+
+        def layer_grads():
+            grads = {}
+            for k, val in big.items():
+                meta = rest.get(k[:-1] + (fp8.META_PREFIX + k[-1],))
+                args = (at(x[k]), at(dy[k]), at(val)) + (() if meta is None else (at(meta),))
+                grads[k] = each(k, layers_lib.weight_grad(k[-1], mcfg, *args))
+            return grads
+
+        grads, mark = guard(layer_grads, mark)
+        for k, d in grads.items():
+            acc = add(acc, k, l, d)
+        return (acc, mark), None
 
     # (a loop over layers like the others: unrolled where model.scan_layers says)
-    return model.scan_layers(mcfg, layer, acc, jnp.arange(jax.tree.leaves(big)[0].shape[0]))[0]
+    return model.scan_layers(mcfg, layer, (acc, mark), jnp.arange(jax.tree.leaves(big)[0].shape[0]))[0]
 
 
 def split_weight_grads(w: dict, inputs: dict, dys: dict, mcfg) -> dict:
     """W: the gradients of the chunk's tapped weights, flat {path: [Lc, ...]} (`weight_grads_into`)."""
     big, _ = split_weights(w, dys)
     zeros = {k: jnp.zeros(val.shape, val.dtype) for k, val in big.items()}
-    return weight_grads_into(zeros, w, inputs, dys, mcfg, lambda acc, k, l, d: {**acc, k: acc[k].at[l].set(d)})
+    return weight_grads_into(zeros, w, inputs, dys, mcfg, lambda acc, k, l, d: {**acc, k: acc[k].at[l].set(d)})[0]
 
 
 class SplitChunkActions(ChunkActions):
@@ -138,23 +151,35 @@ class SplitChunkActions(ChunkActions):
             return g_layers, _added_at(g_final, added, c, lambda k, d: d)
         return {"block": _added_at(g_layers["block"], added, c, lambda k, d: d)}, g_final
 
-    def weight_branch(self, kind):
-        """(residuals, dys, acc, row) -> acc plus the weight gradients of the last backward: acc is g_layers, or
-        under ZeRO-2/3 g_final, onto whose shards they are reduce-scattered."""
-        def run(res, dys, acc, row):
-            if kind == NONE:
-                return acc if self.reductions is not None else vary(acc)
-            _, inputs = jax.tree.unflatten(self._res_tree, res)
-            c = row["w_chunk"]
-            # each layer's reduce-scattered onto its shard ([v, Lc, ...] there) under ZeRO-2/3, else summed in fp32
-            each = _fp32 if self.reductions is None else _reducing(self.reductions)
-            tree = acc if self.reductions is not None else vary(acc["block"])
-            flat = weight_grads_into(flax.traverse_util.flatten_dict(tree), self.chunk(row, "w_")[0], inputs, dys,
-                                     self.mcfg, lambda acc, k, l, d: {**acc, k: acc[k].at[c, l].add(each(k, d))})
-            tree = flax.traverse_util.unflatten_dict(flat)
-            return tree if self.reductions is not None else vary({"block": tree})
+    def weight_grads(self, res, dys, acc, row, on, order: CollectiveOrder, scope: str):
+        """acc (g_layers, or under ZeRO-2/3 g_final) plus the weight gradients of the last backward where the tick
+        runs W (`on`), layer by layer: each layer's gradients (reduce-scattered onto their shards under ZeRO-2/3,
+        else in fp32) made under a two-way conditional named `scope` (zeros where `on` is false, made in its first
+        branch) and added to acc after it, in place. acc passes through no conditional (`executor.backward`: XLA
+        copied it, in most ticks, under one conditional over W). Each conditional in `order`, one after another."""
+        _, inputs = jax.tree.unflatten(self._res_tree, res)
+        c = row["w_chunk"]
+        tree = acc if self.reductions is not None else vary(acc["block"])
 
-        return run
+        def guard(layer_grads, mark):
+            inner = CollectiveOrder(mark)
+
+            def skip():
+                made = jax.eval_shape(layer_grads)
+                return jax.tree.map(lambda a: vary(jnp.zeros(a.shape, a.dtype), varying_axes(a)), made)
+
+            with jax.named_scope(scope):
+                grads = inner.cond(on, layer_grads, skip)
+            return grads, inner.mark
+
+        flat, mark = weight_grads_into(
+            flax.traverse_util.flatten_dict(tree), self.chunk(row, "w_")[0], inputs, dys, self.mcfg,
+            lambda acc, k, l, d: {**acc, k: acc[k].at[c, l].add(d)},
+            _fp32 if self.reductions is None else _reducing(self.reductions), guard, order.mark)
+        if mark is not None:
+            order.after(mark)
+        tree = flax.traverse_util.unflatten_dict(flat)
+        return tree if self.reductions is not None else vary({"block": tree})
 
 
 def _fp32(path, d: jax.Array) -> jax.Array:
