@@ -366,11 +366,9 @@ def gemm_flops(hlo_text: str, branch_runs: dict | None = None) -> dict[str, floa
 
 
 def copied_bytes(hlo_text: str, branch_runs: dict | None = None) -> dict[str, float]:
-    """The bytes XLA's copy instructions write in one step of a compiled module (each reads as many): copies at the
-    level of a computation, not inside a fusion, times the executions of their computation, branches weighted by
-    `branch_runs` as `gemm_flops` weighs them. `largest`: the largest one copy writes. XLA inserts copies where a
-    buffer cannot be updated in place (a loop's carry passed through a conditional, layout changes); on a GPU
-    each is HBM traffic no kernel needed (about 2 x bytes / the HBM bandwidth)."""
+    """The bytes XLA's copies (not inside fusions) write in one step of a compiled module, times the executions of
+    their computation as `gemm_flops` counts them; `largest`: one copy's most. XLA copies a buffer it cannot update
+    in place (a loop's carry through a conditional, a layout change): on a GPU, 2 x bytes of HBM traffic."""
     comps, multiplicity, _, _ = _walk(hlo_text, branch_runs)
     fused = {c for ops in comps.values() for _, _, opcode, rest in ops if opcode == "fusion"
              for c in re.findall(r"calls=%?([\w.\-]+)", rest)}
