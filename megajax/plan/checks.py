@@ -280,7 +280,8 @@ _PRESETS, _FSDP = "2026-11-26-presets-after-activations", "2026-11-26-fsdp-after
 _PIPELINES = "2026-11-27-pipeline-forward-in-place"  # (the pipelines compiled again after the forward's change)
 _ZERO3 = "2026-11-29-fsdp-embedding"  # (ZeRO-3 compiled again with the embedding and head sharded per micro batch)
 _70B_1F1B = ["parallel.schedule=1f1b", "parallel.virtual_stages=1"]
-_ZB = "2026-12-06-zero-bubble-weight-loop"  # (the 70B preset's layout under the zero-bubble schedule, W layer by layer)
+# (the 70B preset and its layout under the zero-bubble schedule, the accumulators outside the ticks' conditionals)
+_ZB = "2026-12-06-accumulators-outside-conditionals/after"
 _ZB_SETS = ["parallel.overlap_grad_reduce=false", "parallel.overlap_param_gather=false"]
 # Programs compiled for 8 or 64 compile-only H100s, on both sides of XLA's scheduling limit: (the folder under
 # benchmarks/compile-only/, the row, the preset, GPUs, --set). Each report has its command.
@@ -290,7 +291,7 @@ COMPILED = [
      ["parallel.overlap_grad_reduce=false", "parallel.overlap_param_gather=false"]),
     (_PRESETS, "llama3-8b-t2", "llama3-8b", 8, ["parallel.tensor=2", "parallel.data=4"]),
     (_PRESETS, "llama3-8b-t8", "llama3-8b", 8, ["parallel.tensor=8", "parallel.data=1"]),
-    (_PIPELINES, "llama3-70b", "llama3-70b", 64, []),
+    (_ZB, "llama3-70b", "llama3-70b", 64, []),
     (_PIPELINES, "llama3-70b-1f1b-p4", "llama3-70b", 64, _70B_1F1B),
     (_PIPELINES, "llama3-70b-p2", "llama3-70b", 64, ["parallel.pipeline=2", "parallel.data=4"]),
     (_PRESETS, "llama3-70b-p1", "llama3-70b", 64, ["parallel.pipeline=1", "parallel.data=8", *_70B_1F1B]),
