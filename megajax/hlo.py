@@ -171,7 +171,7 @@ def _callees(opcode: str, rest: str, branch_runs: dict | None = None) -> list[tu
         found = re.search(r"branch_computations=\{([^}]*)\}", rest) or re.search(r"(true_computation=.*)", rest)
         branches = re.findall(r"%([\w.\-]+)", found.group(1))
         # a pipeline switch `scope`, or its group i run under a two-way conditional named scope + i, true when the
-        # group runs (pipeline.executor.backward): a two-way switch whose first branch passes everything through
+        # group runs (pipeline.executor.backward): a two-way switch whose first branch is the false one
         # (sharding.cond); a predicated conditional (jax.lax.cond) XLA prints with its true branch first
         link = re.search(r'op_name="[^"]*/(pipeline_s\d+t\d_[a-z])(\d*)/cond"', rest)
         scope = link.group(1) if link else ""
@@ -365,24 +365,21 @@ def gemm_flops(hlo_text: str, branch_runs: dict | None = None) -> dict[str, floa
     return {"total": total, "in_conditional": in_cond, "fp8": fp8, "gemms": sites, "fp8_gemms": fp8_sites}
 
 
-def copied_bytes(hlo_text: str, branch_runs: dict | None = None) -> dict[str, float]:
-    """The bytes XLA's copies (not inside fusions) write in one step of a compiled module, times the executions of
-    their computation as `gemm_flops` counts them; `largest`: one copy's most. XLA copies a buffer it cannot update
-    in place (a loop's carry through a conditional, a layout change): on a GPU, 2 x bytes of HBM traffic."""
-    comps, multiplicity, _, _ = _walk(hlo_text, branch_runs)
+def copies(hlo_text: str, branch_runs: dict | None = None) -> list[tuple[str, str, float]]:
+    """XLA's copies outside fusions in a compiled module: (the pipeline switch they run under, "" if none; shape;
+    executions a step as `gemm_flops` counts them). XLA copies a buffer it cannot update in place (a loop's carry
+    through a conditional, a layout change): on a GPU, 2 x its bytes of HBM traffic."""
+    comps, multiplicity, _, scopes = _walk(hlo_text, branch_runs)
     fused = {c for ops in comps.values() for _, _, opcode, rest in ops if opcode == "fusion"
              for c in re.findall(r"calls=%?([\w.\-]+)", rest)}
-    total, largest = 0.0, 0
-    for comp, ops in comps.items():
-        mult = multiplicity.get(comp, 0)
-        if not mult or comp in fused:
-            continue
-        for _, shape_text, opcode, _ in ops:
-            if opcode == "copy":
-                size = _total(_parse_shape_tree(shape_text))
-                total += size * mult
-                largest = max(largest, size)
-    return {"per_step": total, "largest": largest}
+    return [(scopes.get(comp, ""), shape, multiplicity[comp]) for comp, ops in comps.items()
+            if multiplicity.get(comp) and comp not in fused for _, shape, opcode, _ in ops if opcode == "copy"]
+
+
+def copied_bytes(hlo_text: str, branch_runs: dict | None = None) -> dict[str, float]:
+    """The bytes `copies` write in one step, and the largest one copy writes."""
+    sizes = [(_total(_parse_shape_tree(shape)), runs) for _, shape, runs in copies(hlo_text, branch_runs)]
+    return {"per_step": sum(size * runs for size, runs in sizes), "largest": max((s for s, _ in sizes), default=0)}
 
 
 def _kernel_operand_types(op, name: str) -> list[str] | None:

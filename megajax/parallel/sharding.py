@@ -126,11 +126,11 @@ class CollectiveOrder:
 
 
 def cond(pred, true_fn, false_fn, *operands):
-    """jax.lax.cond as a two-way switch whose first branch is false_fn. jax.lax.cond lowers to a case on
-    convert(pred), which XLA turns into a conditional on the predicate with the true branch first; with a branch that
-    updates a buffer in place first and one that passes it through second, XLA's GPU compiler copies the buffer in
-    both (the pipeline's fp32 gradient accumulators in every tick). The switch's clamped index keeps the pass-through
-    branch (false_fn, by the pipeline's convention) first, where XLA updates the buffer in place."""
+    """jax.lax.cond as a two-way switch whose first branch is false_fn (the pipeline's pass-through or zeros).
+    jax.lax.cond lowers to a case on convert(pred), which XLA turns into a conditional on the predicate with the true
+    branch first: a buffer the true branch updates in place and the false one passes through is then copied. With
+    the pass-through first XLA copied less, but not never (the executor keeps its accumulators out of conditionals:
+    `executor.backward`)."""
     return jax.lax.switch(jnp.asarray(pred).astype(jnp.int32), (false_fn, true_fn), *operands)
 
 

@@ -49,6 +49,7 @@ import dataclasses
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from megajax.config import Config, StageSplit
@@ -366,6 +367,12 @@ def vary(tree, axes: Sequence[str] | None = None):
         return jax.lax.pcast(x, need, to="varying") if need else x
 
     return jax.tree.map(one, tree)
+
+
+def zeros_varying_like(shapes):
+    """Zeros shaped, typed and varying like each leaf of `shapes` (arrays, or jax.eval_shape's): what a branch that
+    runs nothing returns in place of the other branch's results."""
+    return jax.tree.map(lambda a: vary(jnp.zeros(a.shape, a.dtype), varying_axes(a)), shapes)
 
 
 def tensor_manual(fn, args, in_specs, out_spec):

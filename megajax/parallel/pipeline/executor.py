@@ -66,7 +66,7 @@ from megajax.parallel.pipeline.schedule import perm_pairs
 from megajax.parallel.pipeline.ticks import ACTIONS, FIELDS, FINAL, LAST_KEEP, NONE, Segment
 from megajax.parallel.pipeline.zero_bubble import SplitChunkActions
 from megajax.parallel.sharding import CollectiveOrder, micro_batches
-from megajax.parallel.step_plan import vary, varying_axes
+from megajax.parallel.step_plan import vary, zeros_varying_like
 
 
 def _local_kinds(present: tuple[int, ...], kinds: np.ndarray) -> jax.Array:
@@ -225,8 +225,7 @@ def backward(acts: ChunkActions, seg: Segment, row: dict, scope: str, order: Col
             return branch(res, g, carry["g_layers"], *state, row)
 
         def skip(state, run=run):  # (zeros as the backward's outputs are, made in the branch; the state as it is)
-            made = jax.eval_shape(run, state)[:2]
-            return (*jax.tree.map(lambda a: vary(jnp.zeros(a.shape, a.dtype), varying_axes(a)), made), *state)
+            return (*zeros_varying_like(jax.eval_shape(run, state)[:2]), *state)
 
         with jax.named_scope(f"{scope}_b{i}"):
             dx_i, added, *state = order.cond(on, run, skip, tuple(state))

@@ -18,7 +18,7 @@ from megajax.model import fp8
 from megajax.model import layers as layers_lib
 from megajax.parallel.pipeline.chunks import ChunkActions
 from megajax.parallel.sharding import CollectiveOrder
-from megajax.parallel.step_plan import vary, varying_axes
+from megajax.parallel.step_plan import vary, zeros_varying_like
 
 
 def split_weights(w: dict, taps: dict) -> tuple[dict, dict]:
@@ -54,8 +54,7 @@ def split_linearize(mcfg, w: dict, x: jax.Array, taps: dict, side, ids, on):
             if on_l is None:
                 return block()
             def empty():
-                zero = lambda a: vary(jnp.zeros(a.shape, a.dtype), varying_axes(a))  # noqa: E731
-                return x, jax.tree.map(zero, jax.eval_shape(block)[1])
+                return x, zeros_varying_like(jax.eval_shape(block)[1])
 
             return jax.lax.cond(on_l, block, empty)
 
@@ -165,8 +164,7 @@ class SplitChunkActions(ChunkActions):
             inner = CollectiveOrder(mark)
 
             def skip():
-                made = jax.eval_shape(layer_grads)
-                return jax.tree.map(lambda a: vary(jnp.zeros(a.shape, a.dtype), varying_axes(a)), made)
+                return zeros_varying_like(jax.eval_shape(layer_grads))
 
             with jax.named_scope(scope):
                 grads = inner.cond(on, layer_grads, skip)
