@@ -276,10 +276,13 @@ def compile_step(cfg, devices, compiler_options: dict | None = None):
     import jax
 
     from megajax import quiet, step as step_lib
+    from megajax.model import fp8
 
     cfg, mesh, setup, state, batch = abstract_step(cfg, devices)
     gpu = devices[0].platform != "cpu"  # (XLA's memory warning explained: megajax/quiet.py)
-    with jax.set_mesh(mesh), quiet.rewritten_stderr(quiet.explain_remat) if gpu else contextlib.nullcontext():
+    # (every step's program but a run's first: with delayed FP8 scaling the first step's differs, step.TrainSteps)
+    with jax.set_mesh(mesh), quiet.rewritten_stderr(quiet.explain_remat) if gpu else contextlib.nullcontext(), \
+            fp8.histories_only():
         compiled = step_lib.jit_train_step(setup).lower(state, batch).compile(compiler_options)
     return cfg, mesh, compiled, setup
 

@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from megajax import model, optim
 from megajax.config import Config
-from megajax.model import context, model_state
+from megajax.model import context, fp8, model_state
 from megajax.parallel import engines, sharding, step_plan
 from megajax.parallel.pipeline import gpipe, layout
 from megajax.parallel.sharding import micro_batches
@@ -381,6 +381,30 @@ def jit_train_step(setup: StepSetup):
     return jax.jit(lambda s, b: train_step(setup, s, b),
                    in_shardings=(setup.state_shardings, setup.batch_shardings),
                    out_shardings=(setup.state_shardings, None), donate_argnums=0)
+
+
+@dataclasses.dataclass
+class TrainSteps:
+    """The compiled train step(s) of a run, called as fn(state, batch): `programs[0]` runs the run's first step and
+    the last one every step after it. Two with delayed FP8 scaling (model/fp8.py): the first step's, where an
+    operand without an amax history takes its own scale, and the later steps', whose scales come from the histories
+    alone (`fp8.histories_only`: no cast waits for a reduction over its operand)."""
+    programs: list
+    steps: int = 0
+
+    def __call__(self, state, batch):
+        program = self.programs[min(self.steps, len(self.programs) - 1)]
+        self.steps += 1
+        return program(state, batch)
+
+
+def compile_train_step(setup: StepSetup, state, batch, compiler_options: dict | None = None) -> TrainSteps:
+    """The run's train step(s) lowered for `state` and `batch` (arrays or ShapeDtypeStructs) and compiled."""
+    programs = [jit_train_step(setup).lower(state, batch).compile(compiler_options)]
+    if fp8.delays(setup.cfg.model):
+        with fp8.histories_only():
+            programs.append(jit_train_step(setup).lower(state, batch).compile(compiler_options))
+    return TrainSteps(programs)
 
 
 def jit_eval_step(setup: StepSetup):

@@ -25,7 +25,7 @@ from megajax.config import io as config_io
 from megajax.config import Config, InputError
 from megajax.kernels import auto as kernel_choice
 from megajax.plan import elastic
-from megajax.step import (StepSetup, TrainState, init_state, jit_eval_step, jit_train_step, load_initial_params,
+from megajax.step import (StepSetup, TrainState, compile_train_step, init_state, jit_eval_step, load_initial_params,
                           setup_for)
 
 
@@ -156,7 +156,7 @@ def _run(setup: StepSetup, ledger: Ledger, refit_line: str | None) -> dict:
     datasets = build_datasets(cfg, {"train": train_samples, **({"valid": num_eval} if num_eval else {})})
     state = _first_state(setup, restored, log)
     _describe(setup, log)
-    step_fn, eval_fn = jit_train_step(setup), jit_eval_step(setup)
+    eval_fn = jit_eval_step(setup)
     peak, peak_src = metrics_lib.device_peak(cfg.model.compute_dtype)
     log.info(f"peak for MFU: {peak / 1e12:.4g} TFLOP/s per device ({peak_src})")
     # reads ahead on a background thread from here on, while the step compiles
@@ -169,8 +169,9 @@ def _run(setup: StepSetup, ledger: Ledger, refit_line: str | None) -> dict:
     with jax.set_mesh(mesh), loader, hang:
         ledger.switch("compile")
         t0 = time.perf_counter()
-        compiled = step_fn.lower(state, abstract_batch).compile()
-        log.info(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
+        compiled = compile_train_step(setup, state, abstract_batch)
+        two = " (two programs: the first step's and the later steps', model.fp8_recipe=delayed)"
+        log.info(f"compiled the train step in {time.perf_counter() - t0:.1f} s{two if len(compiled.programs) > 1 else ''}")
         try:
             with _saving(cfg.train.output_dir, "the run's output"):  # metrics.jsonl, TensorBoard
                 return _loop(cfg, setup, compiled, eval_fn, state, datasets, start, consumed, loader, mgr, log, peak,

@@ -116,7 +116,7 @@ def weight_einsum(module: nn.Module, name: str, x: jax.Array, w: jax.Array) -> j
 def _fp8_of(module: nn.Module, name: str) -> tuple[tuple | None, jax.Array | None]:
     """(`fp8_format(cfg)`, the delayed-scaling state of weight `name` or None)."""
     cfg = module.cfg
-    return fp8_format(cfg), (fp8_state(module, name) if cfg.fp8 != "none" and cfg.fp8_recipe == "delayed" else None)
+    return fp8_format(cfg), (fp8_state(module, name) if fp8.delays(cfg) else None)
 
 
 def fp8_format(cfg: ModelConfig) -> tuple | None:

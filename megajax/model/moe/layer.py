@@ -187,9 +187,8 @@ class MoE(nn.Module):
                  "b_in": param(self, "b_in", (el, f), ("expert", "mlp"), 0, pdt)}
         w["w_out"] = param(self, "w_out", (el, f, d), ("expert", "mlp", "embed"), out_std, pdt)
 
-        delayed = cfg.fp8 != "none" and cfg.fp8_recipe == "delayed"
-        experts = functools.partial(expert_mlps, cfg, w, (lambda name: fp8_state(self, name, el)) if delayed else None,
-                                    lead)
+        state = (lambda name: fp8_state(self, name, el)) if fp8.delays(cfg) else None
+        experts = functools.partial(expert_mlps, cfg, w, state, lead)
 
         y, sizes, dropped = run_experts(x_gtd, ids.reshape(g, -1, k), weights.reshape(g, -1, k), cfg, ep, experts)
         y = y.reshape(g, b, s // g, d).swapaxes(0, 1)  # group r back to sequence shard r
