@@ -276,13 +276,12 @@ def compile_step(cfg, devices, compiler_options: dict | None = None):
     import jax
 
     from megajax import quiet, step as step_lib
-    from megajax.model import fp8
 
     cfg, mesh, setup, state, batch = abstract_step(cfg, devices)
+    # every step's program but a run's first (with delayed FP8 scaling the first step's differs: step.TrainSteps)
+    setup = dataclasses.replace(setup, plan=dataclasses.replace(setup.plan, fp8_histories_only=True))
     gpu = devices[0].platform != "cpu"  # (XLA's memory warning explained: megajax/quiet.py)
-    # (every step's program but a run's first: with delayed FP8 scaling the first step's differs, step.TrainSteps)
-    with jax.set_mesh(mesh), quiet.rewritten_stderr(quiet.explain_remat) if gpu else contextlib.nullcontext(), \
-            fp8.histories_only():
+    with jax.set_mesh(mesh), quiet.rewritten_stderr(quiet.explain_remat) if gpu else contextlib.nullcontext():
         compiled = step_lib.jit_train_step(setup).lower(state, batch).compile(compiler_options)
     return cfg, mesh, compiled, setup
 
@@ -315,6 +314,7 @@ def audit(cfg, target: str = "cpu", devices: int | None = None, dump_hlo: str | 
     runs = ticks.branch_runs(setup.plan, cfg.model)  # how often the schedule runs each branch of its switches
     colls = hlo.parse(text, dict(mesh.shape), None if target == "cpu" else GPUS_PER_HOST, runs)
     gemm = hlo.gemm_flops(text, runs)
+    casts = hlo.fp8_casts(text)
     flops = metrics.step_flops(cfg.model, cfg.train.global_batch_size * cfg.model.seq_length,
                                pipelined=cfg.parallel.pipeline > 1, platform=mesh.devices.flat[0].platform)
     gib = 2**30
@@ -351,7 +351,9 @@ def audit(cfg, target: str = "cpu", devices: int | None = None, dump_hlo: str | 
         "megatron_flops_per_step": flops,
         "program_gemm_flops_per_device": gemm,
         "fp8": {"format": cfg.model.fp8, "gemms": gemm["gemms"], "fp8_gemms": gemm["fp8_gemms"],
-                "fp8_flop_share": gemm["fp8"] / gemm["total"] if gemm["total"] else 0.0},
+                "fp8_flop_share": gemm["fp8"] / gemm["total"] if gemm["total"] else 0.0,
+                # the fusions that cast to FP8, a step, and those that take the operand's amax in the same pass
+                "casts": sum(n for _, n in casts), "casts_with_amax": sum(n for amax, n in casts if amax)},
         "megatron_hardware_flops_per_device": flops["hardware_flops"] / len(devs),
         "megatron_expected_tensor_collectives": megatron_expected(cfg),
         "expected_expert_all_to_all": expected_all_to_all(cfg),

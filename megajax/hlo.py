@@ -85,9 +85,7 @@ def _split_top(text: str) -> list[str]:
 
 def _iota(dims: list[int], perm: list[int] | None, reshape: list[int]) -> np.ndarray:
     arr = np.arange(math.prod(reshape)).reshape(reshape)
-    if perm:
-        arr = arr.transpose(perm)
-    return arr.reshape(dims)
+    return (arr.transpose(perm) if perm else arr).reshape(dims)
 
 
 def parse_groups(attrs: str, num_devices: int) -> list[list[int]] | None:
@@ -123,12 +121,7 @@ def parse_groups(attrs: str, num_devices: int) -> list[list[int]] | None:
 def _axes_of_groups(groups, coords: np.ndarray, axis_names) -> tuple[str, ...]:
     if groups is None:
         return tuple(n for i, n in enumerate(axis_names) if coords[:, i].max() > 0)
-    varying = set()
-    for g in groups:
-        c = coords[g]
-        for i, n in enumerate(axis_names):
-            if len(set(c[:, i])) > 1:
-                varying.add(n)
+    varying = {n for g in groups for i, n in enumerate(axis_names) if len(set(coords[g][:, i])) > 1}
     return tuple(n for n in axis_names if n in varying)
 
 
@@ -148,11 +141,8 @@ def _bytes(kind: str, opcode: str, shape_text: str, group_size: int) -> int:
     if kind == "ragged-all-to-all":  # (operand, output, 4 offsets and sizes)[, output]: the smaller buffer
         operands = tree[0] if opcode.endswith("-start") else tree
         return min(_total(operands[0]), _total(operands[1])) if isinstance(operands, list) else _total(operands)
-    if opcode.endswith("-start") and isinstance(tree, list) and kind != "all-reduce":
-        # async start ops return (operands, results[, contexts])
-        if kind == "all-gather":
-            return _total(tree[1])
-        return _total(tree[0])
+    if opcode.endswith("-start") and isinstance(tree, list) and kind != "all-reduce":  # (operands, results[, ...])
+        return _total(tree[1] if kind == "all-gather" else tree[0])
     if kind == "reduce-scatter":
         return _total(tree) * group_size
     return _total(tree)
@@ -365,15 +355,28 @@ def gemm_flops(hlo_text: str, branch_runs: dict | None = None) -> dict[str, floa
     return {"total": total, "in_conditional": in_cond, "fp8": fp8, "gemms": sites, "fp8_gemms": fp8_sites}
 
 
+def _kernels(hlo_text: str, branch_runs: dict | None = None):
+    """(computations, [(the pipeline switch, "" if none; an op outside fusions; its executions a step)])."""
+    comps, multiplicity, _, scopes = _walk(hlo_text, branch_runs)
+    fused = {c for ops in comps.values() for _, _, opcode, rest in ops if opcode == "fusion"
+             for c in re.findall(r"calls=%?([\w.\-]+)", rest)}
+    return comps, [(scopes.get(comp, ""), op, multiplicity[comp]) for comp, ops in comps.items()
+                   if multiplicity.get(comp) and comp not in fused for op in ops]
+
+
 def copies(hlo_text: str, branch_runs: dict | None = None) -> list[tuple[str, str, float]]:
     """XLA's copies outside fusions in a compiled module: (the pipeline switch they run under, "" if none; shape;
     executions a step as `gemm_flops` counts them). XLA copies a buffer it cannot update in place (a loop's carry
     through a conditional, a layout change): on a GPU, 2 x its bytes of HBM traffic."""
-    comps, multiplicity, _, scopes = _walk(hlo_text, branch_runs)
-    fused = {c for ops in comps.values() for _, _, opcode, rest in ops if opcode == "fusion"
-             for c in re.findall(r"calls=%?([\w.\-]+)", rest)}
-    return [(scopes.get(comp, ""), shape, multiplicity[comp]) for comp, ops in comps.items()
-            if multiplicity.get(comp) and comp not in fused for _, shape, opcode, _ in ops if opcode == "copy"]
+    return [(scope, shape, n) for scope, (_, shape, op, _), n in _kernels(hlo_text, branch_runs)[1] if op == "copy"]
+
+
+def fp8_casts(hlo_text: str) -> list[tuple[bool, float]]:
+    """The fusions that write FP8 arrays (the matmuls' operands cast): (whether the fusion also reduces, as a cast
+    that computes its operand's amax in the same pass does; executions a step)."""
+    comps, ops = _kernels(hlo_text)
+    return [(any(o[2] == "reduce" for c in re.findall(r"calls=%?([\w.\-]+)", rest) for o in comps.get(c, ())), runs)
+            for _, (_, shape, op, rest), runs in ops if op == "fusion" and "f8e" in re.sub(r"\{[^}]*\}", "", shape)]
 
 
 def copied_bytes(hlo_text: str, branch_runs: dict | None = None) -> dict[str, float]:

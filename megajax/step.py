@@ -388,7 +388,7 @@ class TrainSteps:
     """The compiled train step(s) of a run, called as fn(state, batch): `programs[0]` runs the run's first step and
     the last one every step after it. Two with delayed FP8 scaling (model/fp8.py): the first step's, where an
     operand without an amax history takes its own scale, and the later steps', whose scales come from the histories
-    alone (`fp8.histories_only`: no cast waits for a reduction over its operand)."""
+    alone (StepPlan.fp8_histories_only: no cast waits for a reduction over its operand)."""
     programs: list
     steps: int = 0
 
@@ -402,8 +402,8 @@ def compile_train_step(setup: StepSetup, state, batch, compiler_options: dict | 
     """The run's train step(s) lowered for `state` and `batch` (arrays or ShapeDtypeStructs) and compiled."""
     programs = [jit_train_step(setup).lower(state, batch).compile(compiler_options)]
     if fp8.delays(setup.cfg.model):
-        with fp8.histories_only():
-            programs.append(jit_train_step(setup).lower(state, batch).compile(compiler_options))
+        later = dataclasses.replace(setup, plan=dataclasses.replace(setup.plan, fp8_histories_only=True))
+        programs.append(jit_train_step(later).lower(state, batch).compile(compiler_options))
     return TrainSteps(programs)
 
 

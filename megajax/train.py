@@ -171,7 +171,8 @@ def _run(setup: StepSetup, ledger: Ledger, refit_line: str | None) -> dict:
         t0 = time.perf_counter()
         compiled = compile_train_step(setup, state, abstract_batch)
         two = " (two programs: the first step's and the later steps', model.fp8_recipe=delayed)"
-        log.info(f"compiled the train step in {time.perf_counter() - t0:.1f} s{two if len(compiled.programs) > 1 else ''}")
+        log.info(f"compiled the train step in {time.perf_counter() - t0:.1f} s"
+                 f"{two if len(compiled.programs) > 1 else ''}")
         try:
             with _saving(cfg.train.output_dir, "the run's output"):  # metrics.jsonl, TensorBoard
                 return _loop(cfg, setup, compiled, eval_fn, state, datasets, start, consumed, loader, mgr, log, peak,

@@ -126,15 +126,15 @@ def run_steps(cfg: config_lib.Config, num_devices: int, steps: int, *, return_st
     cfg, mesh = setup.cfg, setup.mesh
     state = step_lib.init_state(setup, initial_params(cfg.model, cfg.train.seed))
     data = build_datasets(cfg, {"train": steps * cfg.train.global_batch_size})["train"]
-    step_fn = step_lib.jit_train_step(setup)
     losses = []
     with jax.set_mesh(mesh):
         for i in range(steps):
             batch = global_batch(data, i * cfg.train.global_batch_size, cfg.train.global_batch_size,
                                  setup.batch_shardings)
-            if i == 0:
-                step_fn = step_fn.lower(state, batch).compile()
-                assert_collectives_ordered(step_fn.as_text())
+            if i == 0:  # (with delayed FP8 scaling, the first step's program and the later steps')
+                step_fn = step_lib.compile_train_step(setup, state, batch)
+                for program in step_fn.programs[:steps]:
+                    assert_collectives_ordered(program.as_text())
             state, out = step_fn(state, batch)
             losses.append(float(out["loss"]))
             if grad_norms is not None:

@@ -20,8 +20,6 @@ values are exact, the products are taken in fp32).
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import math
 
@@ -29,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from megajax.kernels.grouped_matmul import group_of_rows, grouped_dot, grouped_weight_dot
+from megajax.parallel import step_plan
 from megajax.parallel.step_plan import vary, varying_axes
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -101,25 +100,13 @@ def dot(spec: str, a: jax.Array, b: jax.Array, inv_scale: jax.Array, dtype) -> j
 # in the step, whose max is the step's amax. After the step, `seen_of` reads these gradients and `update_meta` sets
 # the counters; the state is checkpointed and restored onto any layout as the weights are.
 # A run's first step has no history: there an operand takes its own scale (current scaling). Every later step runs
-# another program (`histories_only`), where the scales come from the histories alone, an operand without one scaling
-# by 1 (one whose amax was zero or not finite in every step of its history): no cast then waits for a reduction over
-# its own operand, so XLA computes each operand's amax (for the history) in the same pass as its cast, fused into
-# the operation that produces it, where current scaling reads the operand (or recomputes its producer) twice.
+# another program (StepPlan.fp8_histories_only), where the scales come from the histories alone, an operand without
+# one scaling by 1 (one whose amax was zero or not finite in every step of its history): no cast then waits for a
+# reduction over its own operand, so XLA computes each operand's amax (for the history) in the same pass as its
+# cast, fused into the operation that produces it, where current scaling reads the operand (or recomputes its
+# producer) twice.
 BINS = 256
 META_PREFIX = "fp8_"
-_HISTORIES_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("megajax_fp8_histories_only", default=False)
-
-
-@contextlib.contextmanager
-def histories_only():
-    """While a step is traced inside it, delayed scaling takes every scale from its operand's history (scale 1
-    without one) and none from the operand's own amax: the program of every step after a run's first
-    (step.compile_train_step)."""
-    token = _HISTORIES_ONLY.set(True)
-    try:
-        yield
-    finally:
-        _HISTORIES_ONLY.reset(token)
 
 
 def delays(mcfg) -> bool:
@@ -147,10 +134,10 @@ def amax_bin(x: jax.Array) -> jax.Array:
 def delayed_scale(counters: jax.Array, amax: jax.Array, dtype, margin: int) -> jax.Array:
     """The powers of two for the largest exponents still in the histories (counters [..., BINS]), divided by
     2^margin; where one has none, the scale of its absolute maximum amax [...] (current scaling), or 1 under
-    `histories_only` (amax unread)."""
+    StepPlan.fp8_histories_only (amax unread)."""
     top = jnp.max(jnp.where(counters > 0, jnp.arange(BINS), -1), axis=-1)
     k = jnp.clip(_max_exponent(dtype) - (top - BINS // 2) - margin, -126, 126)
-    without = jnp.ones_like(amax) if _HISTORIES_ONLY.get() else pow2_scale(amax, dtype)
+    without = jnp.ones_like(amax) if step_plan.in_force().fp8_histories_only else pow2_scale(amax, dtype)
     return jnp.where(top >= 0, jnp.ldexp(jnp.ones_like(amax), k), without)
 
 

@@ -34,6 +34,7 @@ What the plan holds, and who reads it:
 | shard_ends | ZeRO-3 without a pipeline: the embedding and head sharded like the layers, in every micro batch | engines, step, the planner's memory |
 | platform | the platform of the mesh's devices ("cpu", "gpu"), set by `step.build`; None where the step is lowered for another (an export) | `platform_dependent`: the kernels, collective matmuls, MoE, the loss; `sharding.CollectiveOrder` (CPU) |
 | unroll_layers | every loop over layers unrolled in the program (model.scan_layers, or its auto rule) | model.scan_layers, the planner |
+| fp8_histories_only | delayed FP8 scales from the amax histories alone: the program of every step but a run's first (`step.compile_train_step`) | model/fp8.py |
 
 A mesh axis of size 1 is never manual: XLA rejects a reduction over a manual axis of size 1 when every manual axis
 has size 1 (jax 0.10.2: "Cross-partition allreduce must be in (partial) manual partitioning mode"), and such an
@@ -91,6 +92,7 @@ class StepPlan:
     shard_params: bool = False  # data_parallel_sharding_strategy optim_grads_params, with data ranks
     platform: str | None = None  # the devices' platform (step.build, from the mesh): see `platform_dependent`
     unroll_layers: bool = False  # model.scan_layers=false, or null on a layout `_unrolls` keeps in memory
+    fp8_histories_only: bool = False  # no delayed FP8 scale from an operand's own amax (after a run's first step)
 
     @property
     def data_ranks(self) -> int:
