@@ -76,7 +76,8 @@ fp8)
             --set train.global_batch_size=8 train.micro_batch_size=4 model.attention_impl=pallas \
             model.norm_impl=pallas model.fp8=$fp8 $base
     done
-    bench "llama-1b mb4 pallas fp8=hybrid delayed" 120 --config configs/llama-1b.yaml --steps 5 \
+    # (delayed scaling compiles two programs: the first step's and the later steps', which the timed steps run)
+    bench "llama-1b mb4 pallas fp8=hybrid delayed" 200 --config configs/llama-1b.yaml --steps 5 \
         --set train.global_batch_size=8 train.micro_batch_size=4 model.attention_impl=pallas model.norm_impl=pallas \
         model.fp8=hybrid model.fp8_recipe=delayed $base
     for fp8 in none hybrid; do
