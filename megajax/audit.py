@@ -278,8 +278,7 @@ def compile_step(cfg, devices, compiler_options: dict | None = None):
     from megajax import quiet, step as step_lib
 
     cfg, mesh, setup, state, batch = abstract_step(cfg, devices)
-    # every step's program but a run's first (with delayed FP8 scaling the first step's differs: step.TrainSteps)
-    setup = dataclasses.replace(setup, plan=dataclasses.replace(setup.plan, fp8_histories_only=True))
+    setup = step_lib.later_steps(setup)  # (with delayed FP8 scaling a run's first step runs another program)
     gpu = devices[0].platform != "cpu"  # (XLA's memory warning explained: megajax/quiet.py)
     with jax.set_mesh(mesh), quiet.rewritten_stderr(quiet.explain_remat) if gpu else contextlib.nullcontext():
         compiled = step_lib.jit_train_step(setup).lower(state, batch).compile(compiler_options)

@@ -402,9 +402,13 @@ def compile_train_step(setup: StepSetup, state, batch, compiler_options: dict | 
     """The run's train step(s) lowered for `state` and `batch` (arrays or ShapeDtypeStructs) and compiled."""
     programs = [jit_train_step(setup).lower(state, batch).compile(compiler_options)]
     if fp8.delays(setup.cfg.model):
-        later = dataclasses.replace(setup, plan=dataclasses.replace(setup.plan, fp8_histories_only=True))
-        programs.append(jit_train_step(later).lower(state, batch).compile(compiler_options))
+        programs.append(jit_train_step(later_steps(setup)).lower(state, batch).compile(compiler_options))
     return TrainSteps(programs)
+
+
+def later_steps(setup: StepSetup) -> StepSetup:
+    """The setup of every step but a run's first (`TrainSteps`): delayed FP8 scales from the histories alone."""
+    return dataclasses.replace(setup, plan=dataclasses.replace(setup.plan, fp8_histories_only=True))
 
 
 def jit_eval_step(setup: StepSetup):
