@@ -133,6 +133,7 @@ def _cut_largest(ckpt, step):
     os.truncate(path, os.path.getsize(path) // 2)
 
 
+@pytest.mark.slow  # suite time (35 s; a crash mid-save and the bad-streak rotation run by default)
 def test_a_damaged_checkpoint_is_set_aside_and_the_run_resumes_from_the_newest_readable_one(tmp_path):
     """Step 6 with an array file cut in half (TensorStore cannot read it) and step 4 with bytes flipped inside
     one (it reads, but not as written: the checksum saved with it differs): the rerun names each in one line,
@@ -233,6 +234,7 @@ def test_signal_saves_and_exits_zero(tmp_path, how):
     assert 3 <= latest < 100
 
 
+@pytest.mark.slow  # suite time (7 s; the signal's save and exit run by default)
 def test_exit_after_minutes(tmp_path):
     proc = train_cli(tmp_path, "train.steps=100000", "train.exit_after_minutes=0.0001")
     assert "train.exit_after_minutes" in proc.stdout
@@ -299,7 +301,8 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
-@pytest.mark.parametrize("async_", ["true", pytest.param("false", marks=pytest.mark.slow)])  # suite time
+@pytest.mark.slow  # suite time (20 s a case; a crash mid-save runs by default)
+@pytest.mark.parametrize("async_", ["true", "false"])
 def test_a_full_disk_ends_the_run_in_one_line_and_loses_nothing(small_disk, async_):
     """The disk fills up during a save: the run exits 1 with one line naming the directory and the cause, the
     earlier checkpoint reads, and with more room the rerun cleans the failed save's temporary directory and
@@ -412,6 +415,7 @@ def test_fsdp_weights_move_between_layouts_and_data_sizes(tmp_path):
     mgr.close()
 
 
+@pytest.mark.slow  # suite time (27 s; test_fsdp_weights_move_between_layouts_and_data_sizes runs by default)
 def test_uneven_pipeline_stages_move_to_even_stages_and_no_pipeline(tmp_path):
     """A checkpoint of uneven stages (Megatron's accounting of the embedding and the loss: 6 layers in 2 stages of 2
     chunks hold 1, 2, 2, 1; the embedding and output layer split over the pipeline ranks) restores onto another

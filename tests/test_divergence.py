@@ -138,6 +138,7 @@ def test_a_deadlock_ends_in_seconds_naming_its_collective():
     assert "Termination timeout for `all reduce" in proc.stderr and "global_devices=[0, 1]" in proc.stderr
 
 
+@pytest.mark.slow  # suite time (18 s; a deadlock ending in seconds, named, runs by default)
 def test_a_deadlocked_test_fails_naming_its_layout(tmp_path):
     """Under pytest-xdist, as the suite runs, a test that deadlocks fails within the timeout and pytest names it,
     with its layout in the test's id (XLA's message goes to the worker's captured output, which pytest drops)."""

@@ -535,6 +535,7 @@ def test_block_fp8_kernel_matches_its_reference_and_lowers_to_triton_in_fp8():
     assert 'name = "block_fp8_matmul"' in text and "tt.ptr<f8E4M3FN>" in text
 
 
+@pytest.mark.slow  # suite time (17 s; the einsum's tiles run by default)
 def test_blockwise_expert_matmuls_multiply_the_dequantized_tiles():
     """The experts' grouped matmul and both its gradients equal fp32 products of operands rounded per tile, as for a
     linear layer: each row in 1 x B tiles, each expert's weight in B x B blocks, and for the weight gradient each
@@ -624,6 +625,7 @@ BLOCKWISE_LAYOUTS = {
 
 
 # suite time: tensor 2 with sequence parallelism by default (10 s); the rest with -m slow
+@pytest.mark.slow  # suite time (21 s a case; the H100 program's blockwise kernels and the einsum's tiles by default)
 @pytest.mark.parametrize("name", [n if n == "d2-t2-sp" else pytest.param(n, marks=pytest.mark.slow)
                                   for n in BLOCKWISE_LAYOUTS])
 def test_fp8_blockwise_layout_matches_one_device(name):

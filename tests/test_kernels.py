@@ -374,7 +374,7 @@ def gpu_mesh(target: str):
     return topologies.make_mesh(topo, (1,), ("x",))
 
 
-@pytest.mark.parametrize("target", ["h100", "a100"])
+@pytest.mark.parametrize("target", ["h100", pytest.param("a100", marks=pytest.mark.slow)])  # suite time
 def test_kernels_compile_for_gpus(target):
     """XLA's GPU compiler (compile-only devices) compiles every BLOCK_TABLE entry's three attention kernels
     and both norms at Llama-sized widths to PTX: tiles that overflow shared memory fail here."""

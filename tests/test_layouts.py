@@ -193,8 +193,8 @@ def space() -> list[dict]:
     return out
 
 
-# The default run's MoE layouts, (d, p, t) -> expert-parallel size: without expert parallelism on a 1F1B pipeline
-# folded over 'tensor' (suite time: MoE on zero_bubble compiled for 56 s, test_moe runs it with -m slow; and the
+# The MoE layouts, (d, p, t) -> expert-parallel size: without expert parallelism on a 1F1B pipeline folded over
+# 'tensor' (its triple in SLOW_TRIPLES; MoE on zero_bubble compiled for 56 s, test_moe runs it with -m slow; the
 # unfolded one on a 6-stage 1F1B pipeline, 61 s, runs with -m slow);
 # experts over all data ranks (with tensor and sequence parallelism and ZeRO-3, folded over 'expert' x 'tensor',
 # dropless) and over some of them (d 4, e 2, with an interleaved pipeline). Suite time: the experts over 2 data ranks
@@ -203,10 +203,9 @@ def space() -> list[dict]:
 # interleaved pipeline, and folded over 'tensor' alone on a 1F1B pipeline (its counts' cumulative sums once
 # deadlocked there).
 DEFAULT_MOE = {(1, 2, 2): 1, (2, 1, 2): 2, (4, 2, 1): 2}
-# and their models: Mixtral's llama MoE, and DeepSeek's on the interleaved pipeline (its dense first layer on the first
-# stage, with the vocabulary over the pipeline; suite time: its latent attention compiles for 35 s more there, so the
-# others run with -m slow)
-DEFAULT_MOE_ARCH = {(1, 2, 2): "llama", (2, 1, 2): "llama", (4, 2, 1): "deepseek"}
+# and their models: Mixtral's llama MoE (suite time: DeepSeek's MoE model, its dense first layer on the first stage,
+# compiled its latent attention for 35 s more on the interleaved pipeline; its pipelines run with -m slow)
+DEFAULT_MOE_ARCH = {(1, 2, 2): "llama", (2, 1, 2): "llama", (4, 2, 1): "llama"}
 # (sequence parallelism, its rings) where the rotation below would not give expert parallelism sequence parallelism
 DEFAULT_SP = {(2, 1, 2): (True, False)}
 DEFAULT_RAGGED = {(1, 2, 2), (2, 1, 2), (4, 2, 1)}
@@ -241,7 +240,11 @@ DEFAULT_WHOLE_VOCAB = {(2, 2, 2), (1, 2, 2), (2, 3, 1), (2, 4, 1)}
 # instance, ZeRO-3 with tensor parallelism, and ZeRO-1 gathering under the forward on an interleaved pipeline with
 # experts over the two data ranks of an instance.
 DEFAULT_INSTANCES = {(6, 1, 1): 2, (4, 1, 2): 2, (4, 2, 1): 2}
-SLOW_TRIPLES = {(1, 1, 2), (1, 2, 1), (1, 2, 3), (1, 4, 2), (2, 2, 1), (1, 3, 2), (1, 8, 1)}
+# Suite time (the default run within its budget, docs/development.md): tensor 6 and 6 stages alone (the other sizes'
+# code paths), and MoE without expert parallelism, folded over 'tensor' on a 1F1B pipeline (48 s; test_moe trains MoE
+# without expert parallelism by default, and the folded experts without a pipeline run here).
+SLOW_TRIPLES = {(1, 1, 2), (1, 2, 1), (1, 2, 3), (1, 4, 2), (2, 2, 1), (1, 3, 2), (1, 8, 1), (1, 1, 6), (1, 6, 1),
+                (1, 2, 2)}
 
 
 def default_cases() -> list[dict]:
@@ -300,12 +303,14 @@ def name(c: dict) -> str:
 
 # The layouts that hung on CPU devices until the pipeline's ticks ran their collectives one at a time
 # (sharding.CollectiveOrder): the interleaved schedule with tensor 2 and sequence parallelism, alone and with data 2,
-# ZeRO-2 and the overlapped reduction (tests/test_divergence.py runs each in 20 fresh processes, -m slow).
+# ZeRO-2 and the overlapped reduction (tests/test_divergence.py runs each in 20 fresh processes, -m slow). The default
+# run trains the second (suite time: the first, 15 s, runs with -m slow) and checks their class in every compiled
+# program (conftest.assert_collectives_ordered) and over the guard's combinations below.
 HUNG = [case("gpt2", 1, 2, 2, True, 0, "interleaved", 2), case("gpt2", 2, 2, 2, True, 2, "interleaved", 2, overlap=1)]
-DEFAULT = default_cases() + HUNG
+DEFAULT = default_cases() + HUNG[1:]
 _DEFAULT_NAMES = {name(c) for c in DEFAULT}
 SPACE = space()
-CASES = DEFAULT + [c for c in SPACE if name(c) not in _DEFAULT_NAMES]
+CASES = DEFAULT + [c for c in SPACE if name(c) not in _DEFAULT_NAMES] + [c for c in HUNG if c not in SPACE]
 
 
 def zero_of(sets: dict) -> int:
@@ -318,8 +323,9 @@ def test_the_space_is_accepted():
         cfg = small_config(**c["sets"]).for_devices(c["n"])
         assert cfg.num_micro_batches * cfg.parallel.data * cfg.train.micro_batch_size == BATCH
     assert len(triples()) == 29 and len({triple(c) for c in DEFAULT}) == 28 - len(SLOW_TRIPLES)
-    for k in range(3):  # every data, pipeline (but 8) and tensor size
-        assert {triple(c)[k] for c in DEFAULT} == {x[k] for x in triples()} - ({8} if k == 1 else set())
+    for k, slow in enumerate((set(), {6, 8}, {6})):  # every data size, and every pipeline and tensor size but these
+        assert {triple(c)[k] for c in DEFAULT} == {x[k] for x in triples()} - slow
+    assert REPRESENTATIVE <= {name(c) for c in CASES} - {name(c) for c in DEFAULT}
     data1 = [c["sets"] for c in DEFAULT if c["sets"]["parallel.data"] == 1 and c["sets"]["parallel.tensor"] > 1]
     assert {s["parallel.sequence_parallel"] for s in data1} == {False, True}
     assert any(s["parallel.pipeline"] > 1 for s in data1)
@@ -351,7 +357,8 @@ def test_the_space_is_accepted():
     spread = [c for c in DEFAULT if c["sets"]["parallel.vocab_over_pipeline"]]
     assert {c["sets"]["parallel.schedule"] for c in spread} == {"gpipe", "1f1b", "interleaved", "zero_bubble"}
     assert {c["arch"] for c in spread} == set(ARCHS), "the vocabulary over the pipeline, tied and with dense layers"
-    assert any(c["moe"] and c["arch"] == "deepseek" for c in spread), "... with DeepSeek's dense first layer"
+    assert any(c["moe"] and c["arch"] == "deepseek" and c["sets"]["parallel.vocab_over_pipeline"]
+               for c in SPACE), "... with DeepSeek's dense first layer (-m slow)"
     assert any(c["sets"]["parallel.vocab_over_pipeline"] is False for c in DEFAULT), "and whole on every rank"
     hybrid = [c for c in DEFAULT if c["sets"]["parallel.num_distributed_optimizer_instances"] > 1]
     assert {zero_of(c["sets"]) for c in hybrid} == {1, 3}, "hybrid sharding of ZeRO-1 and ZeRO-3"
@@ -360,14 +367,17 @@ def test_the_space_is_accepted():
     assert {c["arch"] for c in DEFAULT} == set(ARCHS)
     moe = [c["sets"] for c in DEFAULT if c["moe"]]
     ep = lambda s: s["parallel.expert"]  # noqa: E731
-    assert {ep(s) == 1 for s in moe} == {True, False}, "MoE with and without expert parallelism"
+    assert all(ep(s) > 1 for s in moe) and any(c["moe"] and c["sets"]["parallel.expert"] == 1 for c in SPACE), \
+        "MoE with expert parallelism (without: -m slow, and test_moe)"
     assert any(1 < ep(s) == s["parallel.data"] for s in moe) and any(1 < ep(s) < s["parallel.data"] for s in moe)
     assert {s["parallel.sequence_parallel"] for s in moe if ep(s) > 1} == {False, True}
     # the experts' weights sharded over their data ranks by ZeRO-1 and ZeRO-3 (all-reduced without ZeRO: test_moe.py)
     assert {zero_of(s) for s in moe if ep(s) > 1} >= {1, 3}, "expert parallelism with ZeRO-1 and ZeRO-3"
     assert {s["parallel.pipeline"] > 1 for s in moe if ep(s) > 1} == {False, True}
     assert {s["parallel.data"] == ep(s) for s in moe} >= {True}
-    assert any(s.get("parallel.expert_tensor") == 1 and s["parallel.pipeline"] > 1 for s in moe), "folded experts"
+    assert any(s.get("parallel.expert_tensor") == 1 for s in moe), "folded experts"
+    assert any(c["sets"].get("parallel.expert_tensor") == 1 and c["sets"]["parallel.pipeline"] > 1
+               for c in SPACE), "folded experts on a pipeline (-m slow)"
     uneven = [c for c in DEFAULT if not small_config(**c["sets"]).stage_split.even]
     assert {c["sets"]["parallel.schedule"] for c in uneven} == {"gpipe", "1f1b", "interleaved", "zero_bubble"}, \
         "uneven stages on every schedule"
@@ -395,8 +405,19 @@ def reference(arch: str, moe_micro_batch: int | None, layers: int | None = None
     return tuple(losses), tuple(norms)
 
 
-@pytest.mark.parametrize("c", [c if c in DEFAULT else pytest.param(c, marks=pytest.mark.slow) for c in CASES],
-                         ids=[name(c) for c in CASES])
+# The slow layouts that stand for a feature no default layout trains (-m representative; docs/development.md):
+# DeepSeek's MoE model on a pipeline, MoE folded over 'tensor' on a pipeline without expert parallelism, 6 stages,
+# tensor 6, and the first layout that once hung.
+REPRESENTATIVE = {"deepseek-moe-d4e2p2t1-zero1-overlap-gather-ragged-hsdp2-interleavedv2",
+                  "llama-moe-d1e1p2t2-sp-fold-ragged-whole-1f1bv1", "llama-d1p6t1-1f1bv1", "llama-d1p1t6",
+                  "gpt2-d1p2t2-sp-interleavedv2"}
+
+
+def _marks(c: dict) -> list:
+    return [] if c in DEFAULT else [pytest.mark.slow] + [pytest.mark.representative] * (name(c) in REPRESENTATIVE)
+
+
+@pytest.mark.parametrize("c", [pytest.param(c, marks=_marks(c)) for c in CASES], ids=[name(c) for c in CASES])
 def test_layout_matches_one_device(c):
     norms = []
     got = run_steps(small_config(**c["sets"]), c["n"], STEPS, grad_norms=norms)
@@ -423,7 +444,7 @@ UNROLLED = {
     "gpipe": case("gpt2", 1, 2, 1, False, 0, "gpipe", 1),
 }
 UNROLLED["full recompute"]["sets"]["model.recompute"] = "full"
-UNROLLED_DEFAULT = {"layer stack", "pipeline, gathers in the schedule"}  # the rest: -m slow
+UNROLLED_DEFAULT = {"layer stack"}  # the rest: -m slow (suite time; the pipeline's loops: 24 s)
 
 
 def _layer_scans(sets: dict, n: int) -> list[tuple[int, int]]:

@@ -333,7 +333,8 @@ def test_moe_training_equals_one_device(arch, layout):
 
 @pytest.mark.parametrize("layout", [
     {"parallel.data": 2, "parallel.expert": 2},
-    {**FOLD, "model.moe_capacity_factor": None, "parallel.expert_all_to_all": "ragged"}])
+    pytest.param({**FOLD, "model.moe_capacity_factor": None, "parallel.expert_all_to_all": "ragged"},
+                 marks=pytest.mark.slow)])  # suite time
 def test_evaluation_exchanges_rows_as_training_does(layout):
     """With expert parallelism the eval step runs in the train step's manual region: the experts' rows go by
     all-to-all over the expert ranks as in training (under GSPMD it all-reduced every expert's partial outputs over

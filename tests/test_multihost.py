@@ -79,6 +79,7 @@ def test_a_dead_process_stops_the_others(tmp_path, victim):
     assert time.time() - start < 60, "the survivor notices within the heartbeat timeout (10 s here)"
 
 
+@pytest.mark.slow  # suite time (19 s; a dead process stopping the others runs by default)
 def test_launcher_kills_the_rest_when_one_fails(tmp_path):
     cmd = ["bash", "scripts/launch_local.sh", "-n", "2", "-d", "2", "--", sys.executable, "-m", "megajax.train",
            "--config", "configs/tiny.yaml", "--set", *CLI_SMALL, f"train.output_dir={tmp_path}",
@@ -104,6 +105,7 @@ def test_launcher_kills_the_rest_when_one_fails(tmp_path):
     assert not [pid for pid in left if int(pid) != os.getpid()], "no process left behind"
 
 
+@pytest.mark.slow  # suite time (17 s; test_checkpoint's signal save runs by default)
 def test_sigterm_to_the_launcher_saves_one_checkpoint_and_keeps_the_output(tmp_path):
     """SIGTERM to scripts/launch_local.sh (as SLURM or a terminal sends it): passed on to both processes, which
     agree on a step, save one checkpoint and exit 0; the launcher waits for them, keeps their output, exits 0."""

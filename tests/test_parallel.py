@@ -299,8 +299,8 @@ TP_CASES = {
 
 # suite time: the rest with -m slow (the layout matrix runs the ring on its sequence-parallel layouts by default, t 4
 # among them)
-@pytest.mark.parametrize("case", [c if c in ("llama-d2p2t2-zero_bubble",) else
-                                  pytest.param(c, marks=pytest.mark.slow) for c in TP_CASES])
+@pytest.mark.slow  # suite time (25 s a case; test_layouts trains the collective matmuls on three layouts by default)
+@pytest.mark.parametrize("case", TP_CASES)
 def test_tp_comm_overlap_matches_one_device(case):
     sets = {**TP_CASES[case], **TP}
     n = math.prod(sets.get(f"parallel.{a}", 1) for a in ("data", "pipeline", "tensor", "context"))

@@ -400,6 +400,7 @@ def test_hf_config_json(tmp_path, capsys):
         assert rows[0]["fits"]
 
 
+@pytest.mark.slow  # suite time (15 s; test_hf's written preset trains by default)
 def test_written_preset_trains_as_it_is(tmp_path, capsys):
     """--write gives a preset with every searched key set; it loads, equals the winner, and trains on the 8 CPU
     devices as it is."""
