@@ -274,9 +274,11 @@ def logical_axes(boxed_params) -> dict:
                         is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
 
 
-def embed_apply(cfg: ModelConfig, params: dict, tokens_bs: jax.Array, side: Side | None) -> jax.Array:
-    """The embedding, and the first dense layers of a model with model.moe_first_dense_layers: [b, s] -> [b, s, d]."""
-    return first_dense_apply(cfg, params, embed_tokens(cfg, params, tokens_bs, side), side)
+def embed_apply(cfg: ModelConfig, params: dict, tokens_bs: jax.Array, side: Side | None, lookup=None) -> jax.Array:
+    """The model's first part: the embedding, and the first dense layers of a model with
+    model.moe_first_dense_layers: [b, s] -> [b, s, d]. lookup: as `embed_tokens`'s (a pipeline whose ranks each
+    hold a slice of the vocabulary gives the rows they looked up; `cfg` is that slice's)."""
+    return first_dense_apply(cfg, params, embed_tokens(cfg, params, tokens_bs, side, lookup), side)
 
 
 def embed_tokens(cfg: ModelConfig, params: dict, tokens_bs: jax.Array, side: Side | None, lookup=None) -> jax.Array:
@@ -374,25 +376,28 @@ def documents(batch: dict, eod: int, reset_positions: bool) -> dict:
 
 
 def forward_loss(cfg: ModelConfig, params: dict, batch: dict, side: Side | None, layers) -> jax.Array:
-    """The model's one assembly: the summed token loss of one micro batch, embed -> `layers` -> head and loss.
-    `layers` (x_bsd -> x_bsd) runs the stack as its caller needs: the plain scan (`loss_sum`), or the overlapped
-    reductions' and ZeRO-3's loops with their gathers and reductions (parallel/overlap.py). A pipeline runs the
-    same three parts, split over its ranks (parallel/pipeline/chunks.py): the embedding on its first chunk, the
-    head on its last."""
+    """The model's one assembly: the summed token loss of one micro batch, `embed_apply` -> `layers` ->
+    `head_loss`. `layers` (x_bsd -> x_bsd) runs the stack as its caller needs: the plain scan (`loss_sum`), or the
+    overlapped reductions' and ZeRO-3's loops with their gathers and reductions (parallel/overlap.py). A pipeline
+    calls the same two parts on its ranks (Megatron's pre_process / post_process stages): `embed_apply` on its first
+    chunk, `head_loss` on its last (parallel/pipeline/ends.py), with the layers' chunks between."""
     chex.assert_rank(batch["tokens"], 2)  # [b, s]: checked once, when the step is traced
     chex.assert_equal_shape([batch["tokens"], batch["targets"], batch["loss_mask"]])
     x = embed_apply(cfg, params, batch["tokens"], side)
     return head_loss(cfg, params, layers(x), batch, side)
 
 
-def head_loss(cfg: ModelConfig, params: dict, x_bsd: jax.Array, batch: dict, side: Side | None) -> jax.Array:
-    """The summed token loss of the last layer's output x (`head_apply`), to which, in a loss being differentiated
-    (side.objective_scale), the multi-token prediction modules' summed loss joins the gradient at
-    model.mtp_loss_scaling_factor / model.mtp_num_layers (`attach_loss`: the value returned stays the main
-    loss's, and the modules' loss and token count leave through their `MTP_STATS` channel)."""
-    loss = head_apply(cfg, params, x_bsd, batch["targets"], batch["loss_mask"])
+def head_loss(cfg: ModelConfig, params: dict, x_bsd: jax.Array, batch: dict, side: Side | None,
+              shard=None) -> jax.Array:
+    """The model's last part: the summed token loss of the last layer's output x (`head_apply`; shard: its
+    vocabulary slice's), to which, in a loss being differentiated (side.objective_scale), the multi-token
+    prediction modules' summed loss joins the gradient at model.mtp_loss_scaling_factor / model.mtp_num_layers
+    (`attach_loss`: the value returned stays the main loss's, and the modules' loss and token count leave through
+    their `MTP_STATS` channel). The modules read the whole vocabulary: none with a shard (Config's check)."""
+    loss = head_apply(cfg, params, x_bsd, batch["targets"], batch["loss_mask"], shard)
     if not cfg.mtp_num_layers or side is None or side.objective_scale is None:
         return loss
+    assert shard is None, "the multi-token prediction modules read the whole vocabulary"
     weight = params["embed"]["embedding"] if cfg.tied else params["head"]["output"]
     h, total = x_bsd, jnp.zeros((), jnp.float32)
     for k in range(1, cfg.mtp_num_layers + 1):

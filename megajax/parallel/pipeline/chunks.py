@@ -231,7 +231,7 @@ class ChunkActions:
             (w, at), (mb, side) = self.chunk(row, "f_"), self.micro(row, "f_")
             position = kind & ~ticks.GATHER
             if position == FIRST and self.vocab:  # x: the rows every rank looked up (executor._tick)
-                x = vocab.first_input(self.mcfg, self.shared, x, mb["tokens"], side).astype(x.dtype)
+                x = vocab.embed_apply(self.mcfg, self.shared, x, mb["tokens"], side).astype(x.dtype)
             elif position == FIRST:
                 x = model.embed_apply(self.mcfg, self.shared, mb["tokens"], side).astype(x.dtype)
             if kind & ticks.GATHER:
@@ -362,7 +362,7 @@ class ChunkActions:
             _, vjp = jax.vjp(lambda sh: model.embed_apply(self.mcfg, sh, mb["tokens"], side), self.shared)
             (dsh,) = vjp(dx)
             return jax.tree.map(lambda a, d: a + d.astype(jnp.float32), g_shared, dsh)
-        _, vjp = jax.vjp(lambda sh, r: vocab.first_input(self.mcfg, sh, r, mb["tokens"], side), self.shared,
+        _, vjp = jax.vjp(lambda sh, r: vocab.embed_apply(self.mcfg, sh, r, mb["tokens"], side), self.shared,
                          token_rows)
         dsh, d_rows = vjp(dx)
         return jax.tree.map(lambda a, d: a + d.astype(jnp.float32), g_shared, dsh), d_rows.astype(dx.dtype)

@@ -79,11 +79,14 @@ def _forward_rounds(cfg: Config, layers, shared, mbs, train: bool, objective_sca
             if i == 0 and plan.vocab_over_pipeline:  # every rank looks up rank 0's micro batch t (vocab.py)
                 rows = order.cond(t < m, lambda: vocab.rows(mcfg, shared, at(t)["tokens"]),
                                   lambda: vary(jnp.zeros(shape, dtype)))
-                first = lambda: vary(vocab.first_input(mcfg, shared, rows, mb["tokens"], side).astype(dtype))  # noqa: E731
-            elif i == 0:
-                first = lambda: vary(model.embed_apply(mcfg, shared, mb["tokens"], side).astype(dtype))  # noqa: E731
+                embed = lambda: vocab.embed_apply(mcfg, shared, rows, mb["tokens"], side)  # noqa: E731
             else:
-                first = lambda: jax.lax.dynamic_index_in_dim(returned, jnp.clip(k, 0, m - 1), keepdims=False)  # noqa: E731
+                embed = lambda: model.embed_apply(mcfg, shared, mb["tokens"], side)  # noqa: E731
+            if i == 0:
+                first = lambda: vary(embed().astype(dtype))  # noqa: E731
+            else:  # the micro batch that came back around the ring
+                first = lambda: jax.lax.dynamic_index_in_dim(returned, jnp.clip(k, 0, m - 1),  # noqa: E731
+                                                             keepdims=False)
             x = order.cond(rank == 0, first, lambda: x_in)
 
             def run(x=x, side=side, w=w, i=i):

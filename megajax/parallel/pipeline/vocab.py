@@ -104,11 +104,10 @@ def slice_config(mcfg):
     return dataclasses.replace(mcfg, vocab_size=rows, make_vocab_size_divisible_by=1)
 
 
-def first_input(mcfg, shared: dict, token_rows: jax.Array, tokens: jax.Array, side) -> jax.Array:
-    """The first chunk's input from the looked-up rows: the embedding's positions and dropout, and the first dense
-    layers (model.moe_first_dense_layers), on the first rank alone."""
-    x = model.embed_tokens(slice_config(mcfg), shared, tokens, side, lookup=lambda table, tokens: token_rows)
-    return model.first_dense_apply(mcfg, shared, x, side)
+def embed_apply(mcfg, shared: dict, token_rows: jax.Array, tokens: jax.Array, side) -> jax.Array:
+    """The first chunk's input from the looked-up rows (`rows`): model.embed_apply on this rank's slice, the rows
+    given (the positions, dropout and first dense layers are the first rank's alone)."""
+    return model.embed_apply(slice_config(mcfg), shared, tokens, side, lookup=lambda table, tokens: token_rows)
 
 
 def head_loss(mcfg, shared: dict, y: jax.Array, mb: dict) -> jax.Array:
@@ -119,6 +118,5 @@ def head_loss(mcfg, shared: dict, y: jax.Array, mb: dict) -> jax.Array:
     mine = slice_config(mcfg)
     y = _marked(y)  # (y's gradient, the transpose of the mark, is summed over the ranks' slices)
     reduce = (lambda x: jax.lax.pmax(x, "pipeline"), lambda x: jax.lax.psum(x, "pipeline"))
-    loss = model.head_apply(mine, shared, y, mb["targets"], mb["loss_mask"],
-                            shard=(rank * mine.vocab_size, reduce, mcfg.vocab_size))
+    loss = model.head_loss(mine, shared, y, mb, None, shard=(rank * mine.vocab_size, reduce, mcfg.vocab_size))
     return jnp.where(rank == step_plan.in_force().pipeline - 1, loss, jnp.zeros((), loss.dtype))
