@@ -24,7 +24,7 @@ def _cell(text: str) -> str:
 
 
 def render() -> str:
-    rows = config_io.keys_help()
+    rows, titles = config_io.keys_help(), config_io.concern_starts()
     lines = ["# Configuration keys", "",
              "Every key of the configuration tree (`megajax/config/`: a module per section), "
              "as a YAML preset spells it and as `--set section.key=value` overrides it. `python -m megajax.train "
@@ -38,10 +38,13 @@ def render() -> str:
         doc = inspect.getdoc(cls)
         if doc and not doc.startswith(cls.__name__ + "("):
             lines += [doc, ""]
-        lines += ["| key | type | default | meaning |", "|---|---|---|---|"]
-        for key, kind, default, meaning in rows:
-            if key.split(".")[0] == section.name:
-                lines.append(f"| `{key}` | {_cell(kind)} | `{_cell(default)}` | {_cell(meaning)} |")
+        mine = [row for row in rows if row[0].split(".")[0] == section.name]
+        for i, (key, kind, default, meaning) in enumerate(mine):
+            if key in titles:  # a concern of the section starts here (megajax/config/base.py `concerns`)
+                lines += [""] * bool(i) + [f"### {titles[key][:1].upper()}{titles[key][1:]}", ""]
+            if i == 0 or key in titles:
+                lines += ["| key | type | default | meaning |", "|---|---|---|---|"]
+            lines.append(f"| `{key}` | {_cell(kind)} | `{_cell(default)}` | {_cell(meaning)} |")
         lines.append("")
     return "\n".join(lines)
 

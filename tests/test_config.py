@@ -187,6 +187,30 @@ def test_the_cli_lists_every_key_and_applies_every_set(capsys):
     assert (cfg.model.num_layers, cfg.optim.lr, cfg.train.steps) == (3, 1e-3, 7)
 
 
+def test_the_model_and_parallel_keys_read_by_concern():
+    """The model and parallel sections' keys are grouped by concern (each class's CONCERNS): every group's keys
+    share it (MoE, RoPE, FP8, multi-latent attention; the mesh, the pipeline, ZeRO), and --help prints each
+    title above its keys."""
+    import argparse
+
+    from megajax.config import base
+
+    groups = {title: names for title, names in base.concerns(config_lib.ModelConfig)}
+    assert all(n.startswith("moe_") for n in groups["mixture of experts"][2:])
+    assert all(n.startswith("rope_") for n in groups["positions (RoPE)"])
+    assert all(n.startswith("fp8") for n in groups["FP8"])
+    assert groups["multi-latent attention"][0] == "multi_latent_attention"
+    mesh = {title: names for title, names in base.concerns(config_lib.ParallelConfig)}
+    assert mesh["the mesh"] == ["data", "pipeline", "tensor", "expert", "context"]
+    assert mesh["data parallelism: ZeRO and overlap"][0] == "data_parallel_sharding_strategy"
+    assert base.concerns(config_lib.TrainConfig)[0][0] is None  # a section without CONCERNS: one group
+    parser = argparse.ArgumentParser()
+    config_io.add_cli_arguments(parser)
+    helptext = parser.format_help()
+    at = [helptext.index(f"-- model: {title} --") for title in groups]
+    assert at == sorted(at) and helptext.index("-- model: mixture of experts --") < helptext.index("model.num_experts")
+
+
 def test_the_defaults_fit_the_default_data():
     """`python -m megajax.train` with no config trains on the bundled corpus with the byte tokenizer: the
     default vocabulary holds its end-of-document id."""

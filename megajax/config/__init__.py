@@ -14,6 +14,12 @@ Every section checks itself in `__post_init__`; `Config.__post_init__` checks wh
 device count run in `Config.for_devices`, which returns the resolved config every step is built from. The pipeline's
 split of the layers lives beside the pipeline (megajax/parallel/pipeline/split.py).
 
+A section's keys are flat (`model.moe_router_topk_scaling_factor`, not `model.moe.router...`), as Megatron's
+arguments and Hugging Face's model configs spell them, and grouped by concern: each class's CONCERNS names its groups
+(the model's architecture, precision and kernels, FP8, RoPE, multi-latent attention, experts and multi-token
+prediction; the parallel section's mesh, tensor, experts, context, pipeline and data-parallel keys), which the
+fields follow in order and `--help` and docs/reference/config.md print as titles.
+
 A key's meaning is the comment on its line (`--help` and docs/reference/config.md print it). Two facts about a
 key are field metadata, read by `may_change_on_resume` and `model_defining_fields` at the end of this file:
 whether it may change when a run resumes without the run becoming another one, and whether it defines the model

@@ -55,3 +55,19 @@ def defines_model(default: Any, through: str | None = None) -> Any:
 def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
+
+
+def concerns(cls) -> list[tuple[str | None, list[str]]]:
+    """A section's fields by concern, in field order: (title, its fields) from the class's CONCERNS (each title and
+    the field its group starts at); one untitled group where the class has none."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    starts = dict((first, title) for title, first in getattr(cls, "CONCERNS", ()))
+    unknown = set(starts) - set(names)
+    assert not unknown, f"{cls.__name__}.CONCERNS starts at fields it does not have: {sorted(unknown)}"
+    assert not starts or names[0] in starts, f"{cls.__name__}.CONCERNS must start at its first field, {names[0]}"
+    groups: list[tuple[str | None, list[str]]] = []
+    for name in names:
+        if name in starts or not groups:
+            groups.append((starts.get(name), []))
+        groups[-1][1].append(name)
+    return groups

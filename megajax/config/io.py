@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 
 from megajax.config import KEY_ALIASES, Config, ConfigError
+from megajax.config import base
 from megajax.config.base import check, short
 
 log = logging.getLogger("megajax.config")
@@ -259,6 +260,15 @@ def keys_help() -> list[tuple[str, str, str, str]]:
     return rows
 
 
+def concern_starts() -> dict[str, str]:
+    """The key (as `keys_help` spells it) each concern of a section starts at -> the concern's title
+    (megajax/config/base.py `concerns`): --help and docs/reference/config.md print the titles there."""
+    aliases = {v: k for k, v in KEY_ALIASES.items()}
+    return {f"{section.name}.{aliases.get(names[0], names[0])}": title
+            for section in dataclasses.fields(Config)
+            for title, names in base.concerns(type(section.default)) if title}
+
+
 def add_cli_arguments(parser) -> None:
     """--config and --set (repeatable, each taking one or more KEY=VALUE), and every config key listed in the
     parser's --help (type, default, meaning), for the entry points that take a config."""
@@ -270,8 +280,10 @@ def add_cli_arguments(parser) -> None:
                         help="override config keys, e.g. --set model.num_layers=4 parallel.tensor=2 (repeatable)")
     import textwrap
 
-    lines = []
+    lines, titles = [], concern_starts()
     for key, kind, default, meaning in keys_help():
+        if key in titles:
+            lines.append(f"  -- {key.split('.')[0]}: {titles[key]} --")
         lines.append(f"  {key}  ({kind}, default {default})")
         lines += textwrap.wrap(meaning, width=100, initial_indent="      ", subsequent_indent="      ")
     parser.epilog = "config keys (--set KEY=VALUE, or in the YAML preset):\n" + "\n".join(lines)

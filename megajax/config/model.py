@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
+from typing import ClassVar, Literal
 
 from megajax.config.base import check, defines_model, divisors, resumable
 
@@ -14,6 +14,13 @@ from megajax.config.base import check, defines_model, divisors, resumable
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture. `arch` picks the family defaults; every field can still be set by hand."""
+
+    # The keys by concern: each title, and the field it starts at (megajax/config/base.py `concerns`; --help and
+    # docs/reference/config.md print the titles)
+    CONCERNS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("architecture", "arch"), ("precision, kernels and recomputation", "compute_dtype"), ("FP8", "fp8"),
+        ("positions (RoPE)", "rope_theta"), ("multi-latent attention", "multi_latent_attention"),
+        ("mixture of experts", "num_experts"), ("multi-token prediction", "mtp_num_layers"))
 
     # gpt2: LayerNorm, GELU, learned positions; llama: RMSNorm, SwiGLU, RoPE
     arch: Literal["gpt2", "llama"] = defines_model("gpt2")
@@ -28,8 +35,14 @@ class ModelConfig:
     # Megatron pads the vocabulary to a multiple of this
     make_vocab_size_divisible_by: int = defines_model(128, "padded_vocab_size")
     seq_length: int = 128  # tokens per training sample
+    norm_eps: float = defines_model(1e-5)  # LayerNorm / RMSNorm epsilon
+    # output layer = embedding table; null: tied for gpt2, not for llama
+    tie_embeddings: bool | None = defines_model(None, "tied")
+    add_qkv_bias: bool = False  # llama: biases on the Q, K and V projections (Qwen; gpt2 always has them)
+    init_std: float = 0.02  # standard deviation of the weights' normal init
     dropout: float = 0.0  # on the embeddings and each block's residual branches
     attention_dropout: float = 0.0  # on the attention probabilities
+
     compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # matmuls and activations
     param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # the stored (master) weights
     # activation recomputation in the backward. selective: the attention core's (unfused: its [s, s] scores; a
@@ -43,6 +56,7 @@ class ModelConfig:
     # residuals into and out of per-layer stacks, for a longer compile. null: unrolled where the step runs on GPUs
     # and has no collectives inside its layers for XLA to move (StepPlan.unroll_layers), a loop elsewhere
     scan_layers: bool | None = resumable(None)
+
     fp8: Literal["none", "hybrid", "e4m3"] = "none"  # FP8 linear layers: hybrid = e4m3 forward, e5m2 gradients
     # FP8 scales: each tensor's own (current), from an amax history (delayed), or per 1 x fp8_block tile of the
     # activations and gradients and fp8_block x fp8_block block of the weights (blockwise: DeepSeek-V3's, e4m3 only)
@@ -50,7 +64,7 @@ class ModelConfig:
     fp8_block: int = 128  # blockwise: the tile and block width
     fp8_amax_history: int = 16  # delayed scaling: steps of amax history (the scale uses their max)
     fp8_margin: int = 0  # FP8 scales are divided by 2^margin (headroom against growing values)
-    norm_eps: float = defines_model(1e-5)  # LayerNorm / RMSNorm epsilon
+
     rope_theta: float = defines_model(10000.0)  # RoPE base (llama)
     rope_scaling: Literal["none", "llama3", "yarn"] = "none"  # llama3: Llama 3.1's frequency scaling; yarn: YaRN's
     rope_scaling_factor: float = 8.0  # llama3 scaling: low frequencies are divided by this
@@ -61,10 +75,7 @@ class ModelConfig:
     rope_yarn_beta_slow: float = 1.0  # yarn: those rotating less often than this are interpolated fully
     rope_yarn_mscale: float = 0.0  # yarn: the RoPE amplitude ratio's numerator mscale (0: sqrt of the plain ratio)
     rope_yarn_mscale_all_dim: float = 0.0  # yarn: its denominator; with MLA also the softmax scale's (DeepSeek)
-    # output layer = embedding table; null: tied for gpt2, not for llama
-    tie_embeddings: bool | None = defines_model(None, "tied")
-    add_qkv_bias: bool = False  # llama: biases on the Q, K and V projections (Qwen; gpt2 always has them)
-    init_std: float = 0.02  # standard deviation of the weights' normal init
+
     # Multi-latent attention (DeepSeek-V2/V3; Megatron's --multi-latent-attention), llama only: keys and values
     # from one compressed latent of kv_lora_rank per token, queries through a q_lora_rank one (null: a plain
     # projection), each head's query and key = a qk_head_dim part without position and a qk_pos_emb_head_dim part
@@ -75,6 +86,7 @@ class ModelConfig:
     qk_head_dim: int = 128  # each head's query/key dimensions without RoPE
     qk_pos_emb_head_dim: int = 64  # each head's query/key dimensions with RoPE (the key's shared by the heads)
     v_head_dim: int = 128  # each head's value dimensions
+
     # Mixture of experts (Mixtral / DeepSeek style): 0 experts = the dense MLP
     num_experts: int = defines_model(0)  # experts per MoE layer (0: the dense MLP)
     experts_per_token: int = 2  # experts each token is routed to (top-k)
@@ -100,6 +112,7 @@ class ModelConfig:
     moe_router_num_groups: int | None = None  # group-limited routing (DeepSeek): experts in this many groups
     moe_router_group_topk: int | None = None  # group-limited routing: each token's experts from its best groups
     moe_router_topk_scaling_factor: float | None = None  # the k weights times this (DeepSeek's routed_scaling_factor)
+
     # Multi-token prediction (DeepSeek-V3; Megatron's --mtp-num-layers): this many modules after the layers, module
     # k predicting the token k + 1 ahead from module k - 1's output and the embedding of the token k ahead, each
     # one transformer block sharing the embedding and output layer; 0: none

@@ -5,7 +5,7 @@ those that need another section are Config's (megajax/config/__init__.py)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import ClassVar, Literal
 
 from megajax.config.base import ConfigError, check, divisors
 
@@ -30,10 +30,24 @@ class ParallelConfig:
     'context' ranks for every layer (rank i holds chunks i and 2c - 1 - i of 2c) and attention passes keys and
     values around them in a ring (megajax/model/context.py)."""
 
+    # The keys by concern: each title, and the field it starts at (megajax/config/base.py `concerns`)
+    CONCERNS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("the mesh", "data"), ("tensor and sequence parallelism", "sequence_parallel"), ("experts", "expert_tensor"),
+        ("context parallelism", "context_comm"), ("pipeline", "virtual_stages"),
+        ("data parallelism: ZeRO and overlap", "data_parallel_sharding_strategy"))
+
     data: int | None = None  # data-parallel size (null: every device left over)
     pipeline: int = 1  # pipeline stages
     tensor: int = 1  # tensor-parallel size (Megatron's column/row-parallel layers)
     expert: int = 1  # expert-parallel size; divides data
+    context: int = 1  # context-parallel size: every sequence split over this many ranks, attention by a ring
+
+    sequence_parallel: bool = False  # shard the activations outside attention and the MLP over tensor
+    # Sequence parallelism's all-gather and reduce-scatter as rings of ppermutes under the matmuls they feed
+    # (Megatron's --tp-comm-overlap; megajax/model/collective_matmul.py); with a pipeline as chunked all-gathers
+    # and reduce-scatters (a ppermute inside the schedule's per-rank branches deadlocks). Needs sequence_parallel.
+    tp_comm_overlap: bool = False
+
     # The experts' tensor-parallel size (Megatron's --expert-tensor-parallel-size): null = parallel.tensor, each
     # expert's width split over 'tensor' as the dense MLP's. 1 = every expert whole on one device, the experts
     # spread over 'expert' x 'tensor' (Megatron's MoE parallel folding): each tensor rank routes its own sequence
@@ -50,7 +64,7 @@ class ParallelConfig:
     # it receives; MaxText's ragged_buffer_factor), not the most it can get, and the rows that do not fit are
     # dropped (the higher source ranks' last rows first; moe_dropped_fraction counts them). null: dropless.
     expert_buffer_factor: float | None = None
-    context: int = 1  # context-parallel size: every sequence split over this many ranks, attention by a ring
+
     # How attention crosses the context ranks (Megatron's --cp-comm-type): ring = the keys and values passed one hop
     # per step under the previous block's compute (p2p); all_gather = every rank's keys and values at once, the
     # gradients reduce-scattered; a2a = all-to-alls that trade the sequence split for a split of the heads (Ulysses,
@@ -66,7 +80,7 @@ class ParallelConfig:
     # first entry); it divides context and is less than it. null: the largest that keeps tensor x it within a node
     # of 8 GPUs and splits model.num_heads.
     context_a2a_size: int | None = None
-    sequence_parallel: bool = False  # shard the activations outside attention and the MLP over tensor
+
     virtual_stages: int = 1  # model chunks per pipeline stage (the interleaved or zero_bubble schedule)
     schedule: Literal["gpipe", "1f1b", "interleaved", "zero_bubble"] = "1f1b"  # the pipeline schedule
     # Uneven pipeline stages (Megatron's --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers):
@@ -81,6 +95,17 @@ class ParallelConfig:
     # Not with the two keys above.
     account_for_embedding_in_pipeline_split: bool = False
     account_for_loss_in_pipeline_split: bool = False  # the output layer and the loss count as a layer
+    # Under a pipeline, where the embedding and the output layer live: true = each pipeline rank holds a slice of the
+    # vocabulary (vocab-parallel over pipeline x tensor), and every rank looks up the first stage's tokens and
+    # computes the last stage's logits and loss on its slice in lock step (megajax/parallel/pipeline/vocab.py): no
+    # rank holds what only the first or the last stage reads, and the last stage's head work is spread over the
+    # ranks, for two all-reduces of a micro batch's activations over the pipeline ranks at each end; false = every
+    # rank holds the whole (tensor-sharded) embedding and output layer, the first stage embeds, the last computes
+    # the loss. null: true where the padded vocabulary divides over pipeline x tensor and the tables' fp32 weights
+    # and gradients on a rank outweigh the activations the lock step moves a step (docs/features/
+    # pipeline-schedules.md).
+    vocab_over_pipeline: bool | None = None
+
     # How far the data-parallel ranks (x context) shard the training state (Megatron's
     # --data-parallel-sharding-strategy; docs/features/fsdp.md): no_shard = every rank holds it all; optim = the
     # optimizer state (ZeRO-1, the distributed optimizer: Megatron's --use-distributed-optimizer); optim_grads = also
@@ -116,20 +141,6 @@ class ParallelConfig:
     # schedule's last (first) tick, where they cost what reducing after (gathering before) the schedule costs.
     # 0: no cap.
     overlap_comm_ratio: float = 0.0
-    # Sequence parallelism's all-gather and reduce-scatter as rings of ppermutes under the matmuls they feed
-    # (Megatron's --tp-comm-overlap; megajax/model/collective_matmul.py); with a pipeline as chunked all-gathers
-    # and reduce-scatters (a ppermute inside the schedule's per-rank branches deadlocks). Needs sequence_parallel.
-    tp_comm_overlap: bool = False
-    # Under a pipeline, where the embedding and the output layer live: true = each pipeline rank holds a slice of the
-    # vocabulary (vocab-parallel over pipeline x tensor), and every rank looks up the first stage's tokens and
-    # computes the last stage's logits and loss on its slice in lock step (megajax/parallel/pipeline/vocab.py): no
-    # rank holds what only the first or the last stage reads, and the last stage's head work is spread over the
-    # ranks, for two all-reduces of a micro batch's activations over the pipeline ranks at each end; false = every
-    # rank holds the whole (tensor-sharded) embedding and output layer, the first stage embeds, the last computes
-    # the loss. null: true where the padded vocabulary divides over pipeline x tensor and the tables' fp32 weights
-    # and gradients on a rank outweigh the activations the lock step moves a step (docs/features/
-    # pipeline-schedules.md).
-    vocab_over_pipeline: bool | None = None
 
     def __post_init__(self):
         self._check_mesh()
