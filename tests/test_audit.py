@@ -199,6 +199,7 @@ def test_cli_prints_json_with_memory_collectives_and_flops(tmp_path):
 
 
 @gpu
+@pytest.mark.slow  # suite time (16 s; the H100 programs compile by default, the A100's refusal of FP8 in test_fp8)
 def test_a100_programs_compile():
     """A step whose GEMMs XLA's compile-only sm_80 cannot tile as Triton fusions (gpt2-124m's bf16[8192, 768];
     "Couldn't find output tile sizes", jax 0.10.2) compiles for the A100 target with its options

@@ -113,6 +113,7 @@ def test_check_same_model_names_the_keys_that_differ():
         checkpoint.check_same_model(stored, dataclasses.replace(stored, seq_length=256), "ckpt")
 
 
+@pytest.mark.slow  # suite time (14 s: it trains a run first)
 def test_inspect_lists_steps_and_arrays(tmp_path):
     # the same run checks the profiler hook and that megajax's Python logging reaches stderr on process 0
     proc = train_cli(tmp_path, "train.steps=4", "checkpoint.every=2", "train.profile_start=1", "train.profile_steps=2",

@@ -310,7 +310,7 @@ HUNG = [case("gpt2", 1, 2, 2, True, 0, "interleaved", 2), case("gpt2", 2, 2, 2, 
 DEFAULT = default_cases() + HUNG[1:]
 _DEFAULT_NAMES = {name(c) for c in DEFAULT}
 SPACE = space()
-CASES = DEFAULT + [c for c in SPACE if name(c) not in _DEFAULT_NAMES] + [c for c in HUNG if c not in SPACE]
+CASES = DEFAULT + [c for c in SPACE if name(c) not in _DEFAULT_NAMES]  # (the first of HUNG is in the space)
 
 
 def zero_of(sets: dict) -> int:
