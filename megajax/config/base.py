@@ -56,7 +56,6 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-
 def concerns(cls) -> list[tuple[str | None, list[str]]]:
     """A section's fields by concern, in field order: (title, its fields) from the class's CONCERNS (each title and
     the field its group starts at); one untitled group where the class has none."""

@@ -380,7 +380,8 @@ def forward_loss(cfg: ModelConfig, params: dict, batch: dict, side: Side | None,
     `head_loss`. `layers` (x_bsd -> x_bsd) runs the stack as its caller needs: the plain scan (`loss_sum`), or the
     overlapped reductions' and ZeRO-3's loops with their gathers and reductions (parallel/overlap.py). A pipeline
     calls the same two parts on its ranks (Megatron's pre_process / post_process stages): `embed_apply` on its first
-    chunk, `head_loss` on its last (parallel/pipeline/ends.py), with the layers' chunks between."""
+    chunk, `head_loss` on its last (parallel/pipeline/chunks.py, gpipe.py; vocab.py gives them a vocabulary slice),
+    with the layers' chunks between."""
     chex.assert_rank(batch["tokens"], 2)  # [b, s]: checked once, when the step is traced
     chex.assert_equal_shape([batch["tokens"], batch["targets"], batch["loss_mask"]])
     x = embed_apply(cfg, params, batch["tokens"], side)
