@@ -45,6 +45,11 @@ class TrainState:
     bad_steps: jax.Array  # int32: non-finite steps in a row
 
 
+# A batch's fields (megajax/data/loader.py), each split over the data ranks by its rows: the packed documents'
+# segment ids and positions where data.reset_attention_mask / data.reset_position_ids ask for them
+BATCH_FIELDS = ("tokens", "targets", "loss_mask", "sample_ids", "segment_ids", "positions")
+
+
 @dataclasses.dataclass(frozen=True)
 class StepSetup:
     """Everything the step needs that follows from (config, mesh); no arrays."""
@@ -59,16 +64,14 @@ class StepSetup:
     batch_shardings: dict[str, NamedSharding]
     zero_dims: Any  # per parameter: where the distributed optimizer shards its state (optim.ZeroDim or None)
     param_shapes: Any  # per parameter, its jax.ShapeDtypeStruct as the model computes with it (no ZeRO-3 padding)
-    eod: int | None = None  # the end-of-document token, where packed documents are separated (data.reset_*)
 
     def whole_batch(self, batch: dict) -> dict:
         """A batch of whole sequences with what the model reads besides tokens: the packed documents' segment ids
-        and positions (data.reset_attention_mask, data.reset_position_ids), the multi-token prediction modules'
-        inputs (model.mtp_num_layers)."""
+        and positions (data.reset_attention_mask, data.reset_position_ids: the data loader's, Megatron-Core's
+        GPTDataset's attention mask and position ids), the multi-token prediction modules' inputs
+        (model.mtp_num_layers)."""
         d = self.cfg.data
         out = batch
-        if d.reset_attention_mask or d.reset_position_ids:
-            out = model.documents(batch, self.eod, d.reset_position_ids)
         if self.cfg.model.mtp_num_layers:  # each module's inputs (from whole sequences, in their documents)
             out = model.mtp_batch(out, self.cfg.model.mtp_num_layers)
         return out if d.reset_attention_mask else {k: v for k, v in out.items() if k != "segment_ids"}
@@ -223,14 +226,9 @@ def build(cfg: Config, mesh: jax.sharding.Mesh) -> StepSetup:
         step=named(P()), params=jax.tree.map(named, state_param_specs, is_leaf=is_spec),
         model_state=jax.tree.map(named, state_specs, is_leaf=is_spec), opt_state=opt_shardings,
         loss_scale=named(P()), good_steps=named(P()), bad_steps=named(P()))
-    batch_shardings = {k: named(P(step_plan.DATA)) for k in ("tokens", "targets", "loss_mask", "sample_ids")}
-    eod = None
-    if cfg.data.reset_attention_mask or cfg.data.reset_position_ids:
-        from megajax.data.tokenizers import eod_of
-
-        eod = eod_of(cfg.data.tokenizer)
+    batch_shardings = {k: named(P(step_plan.DATA)) for k in BATCH_FIELDS}
     return StepSetup(cfg, mesh, plan, logical, tx, abstract_state, state_shardings, batch_shardings, zero_dims,
-                     params, eod)
+                     params)
 
 
 def setup_for(cfg: Config, devices=None) -> StepSetup:

@@ -163,7 +163,8 @@ def _run(setup: StepSetup, ledger: Ledger, refit_line: str | None) -> dict:
     loader = BatchLoader(datasets["train"], gbs, setup.batch_shardings, consumed, consumed + (steps - start) * gbs,
                          cfg.data.prefetch)
     abstract_batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=setup.batch_shardings[k])
-                      for k, (shape, dtype) in batch_shapes(gbs, cfg.model.seq_length).items()}
+                      for k, (shape, dtype) in batch_shapes(gbs, cfg.model.seq_length,
+                                                            datasets["train"].documents).items()}
     hang = watchdog.Watchdog(ledger, watchdog.progress_dir(cfg.train.output_dir), jax.process_index(),
                              cfg.train.hang_report_s, cfg.train.hang_exit_s, eval_batches=cfg.train.eval_batches)
     with jax.set_mesh(mesh), loader, hang:

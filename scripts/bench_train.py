@@ -25,6 +25,7 @@ import numpy as np  # noqa: E402
 
 from megajax import distributed, metrics, step as step_lib  # noqa: E402
 from megajax.config import io as config_io  # noqa: E402
+from megajax.data.datasets import document_fields  # noqa: E402
 from megajax.data.loader import batch_shapes  # noqa: E402
 from megajax.kernels import auto as kernel_choice  # noqa: E402
 
@@ -33,11 +34,14 @@ def random_batch(cfg, shardings) -> dict:
     rng = np.random.default_rng(0)
     gbs, seq = cfg.train.global_batch_size, cfg.model.seq_length
     arrays = {}
-    for name, (shape, dtype) in batch_shapes(gbs, seq).items():
+    for name, (shape, dtype) in batch_shapes(gbs, seq, document_fields(cfg.data)).items():
         if name == "loss_mask":
             value = np.ones(shape, dtype)
         elif name == "sample_ids":
             value = np.arange(gbs, dtype=dtype)
+        elif name in ("segment_ids", "positions"):  # one document a row
+            value = np.zeros(shape, dtype) if name == "segment_ids" else np.broadcast_to(np.arange(seq, dtype=dtype),
+                                                                                         shape)
         else:
             value = rng.integers(0, cfg.model.vocab_size, shape, dtype=dtype)
         arrays[name] = jax.device_put(value, shardings[name])

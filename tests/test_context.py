@@ -22,6 +22,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 from conftest import run_steps, small_config
 from megajax import config as config_lib
 from megajax import kernels, model
+from megajax.data import datasets
 from megajax.model import context
 from megajax.parallel import step_plan
 from megajax.parallel.step_plan import StepPlan
@@ -119,11 +120,11 @@ def test_documents_give_segments_and_positions():
     """Megatron's reset_attention_mask / reset_position_ids: the end-of-document token belongs to the document
     it ends; the next token starts a new one at position 0."""
     eod = 9
-    batch = {"tokens": jnp.array([[5, eod, 7, 8, eod, 3, eod, eod]])}
-    out = model.documents(batch, eod, reset_positions=True)
+    tokens = np.array([[5, eod, 7, 8, eod, 3, eod, eod]])
+    out = datasets.documents(tokens, eod, positions=True)
     np.testing.assert_array_equal(out["segment_ids"], [[0, 0, 1, 1, 1, 2, 2, 3]])
     np.testing.assert_array_equal(out["positions"], [[0, 1, 0, 1, 2, 0, 1, 0]])
-    assert "positions" not in model.documents(batch, eod, reset_positions=False)
+    assert "positions" not in datasets.documents(tokens, eod, positions=False)
 
 
 @pytest.mark.parametrize("arch", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
@@ -137,7 +138,7 @@ def test_a_packed_document_does_not_see_the_one_before(arch):
     other = tokens.at[:, :5].set(jnp.array([40, 41, 42, 43, 44]))
 
     def logits(tokens, packed):
-        fields = model.documents({"tokens": tokens}, eod, reset_positions=True) if packed else {}
+        fields = datasets.documents(tokens, eod, positions=True) if packed else {}
         side = model.Side(segment_ids=fields.get("segment_ids"), positions=fields.get("positions"))
         return model.GPT(cfg).apply({"params": params}, tokens, side)[:, 6:]
 

@@ -41,12 +41,38 @@ class Split:
     seq_length: int
     vocab_size: int
     eod_mask_id: int | None = None  # zero the loss where the input token is this id (data.eod_mask_loss)
+    documents: tuple[str, ...] = ()  # the packed documents' fields its batches carry (`document_fields`)
+    document_eod: int | None = None  # the end-of-document token that separates them
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.dataset[i]
+
+
+def document_fields(data) -> tuple[str, ...]:
+    """The packed documents' fields a batch carries, as Megatron-Core's GPTDataset makes its attention mask and
+    position ids: the segment ids with data.reset_attention_mask or data.reset_position_ids (the multi-token
+    prediction modules count within a document with either), the positions restarting at each document with the
+    second; none without them."""
+    if not (data.reset_attention_mask or data.reset_position_ids):
+        return ()
+    return ("segment_ids", "positions") if data.reset_position_ids else ("segment_ids",)
+
+
+def documents(tokens: np.ndarray, eod: int, positions: bool) -> dict[str, np.ndarray]:
+    """The packed documents of token rows [b, s]: their segment ids (a token after an end-of-document token starts
+    a new document; the end token belongs to the one it ends) and, with `positions`, positions that restart at 0
+    in each document. int32 [b, s] each."""
+    ends = (np.asarray(tokens) == eod).astype(np.int32)
+    segments = np.cumsum(ends, axis=1, dtype=np.int32) - ends
+    out = {"segment_ids": segments}
+    if positions:
+        index = np.broadcast_to(np.arange(segments.shape[1], dtype=np.int32), segments.shape)
+        starts = np.where(np.diff(segments, axis=1, prepend=-1) != 0, index, 0)
+        out["positions"] = (index - np.maximum.accumulate(starts, axis=1)).astype(np.int32)
+    return out
 
 
 def parse_blend(paths: Sequence) -> tuple[list[str], list[float] | None]:
@@ -137,7 +163,9 @@ def build_datasets(cfg: Config, num_samples: dict[str, int]) -> dict[str, Split]
             dataset = GPTDataset(indexed[0], ranges[0], cfg.model.seq_length, n, cfg.train.seed, name, caches[0])
         else:
             dataset = _blend(cfg, indexed, ranges, weights, n, name, caches)
-        out[name] = Split(name, dataset, cfg.model.seq_length, cfg.model.vocab_size, eod)
+        fields = document_fields(cfg.data)
+        out[name] = Split(name, dataset, cfg.model.seq_length, cfg.model.vocab_size, eod, fields,
+                          eod_of(cfg.data.tokenizer) if fields else None)
     return out
 
 

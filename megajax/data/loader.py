@@ -14,29 +14,34 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Sharding
 
-from megajax.data.datasets import SPLITS, Split, build_datasets  # noqa: F401  (build_datasets: public here)
+from megajax.data.datasets import SPLITS, Split, build_datasets, documents  # noqa: F401  (build_datasets: public)
 from megajax.data.indexed import DataError
 
 Rows = tuple[int, int]  # [start, stop) rows of the global batch
 
 
-def batch_shapes(global_batch: int, seq_length: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """Shapes and dtypes of a batch: tokens, targets, loss_mask [b, s]; sample_ids [b]."""
+def batch_shapes(global_batch: int, seq_length: int, packed: Sequence[str] = ()
+                 ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Shapes and dtypes of a batch: tokens, targets, loss_mask [b, s]; sample_ids [b]; and `packed`, the packed
+    documents' fields (datasets.document_fields: segment_ids, positions [b, s])."""
     return {
         "tokens": ((global_batch, seq_length), np.dtype(np.int32)),
         "targets": ((global_batch, seq_length), np.dtype(np.int32)),
         "loss_mask": ((global_batch, seq_length), np.dtype(np.float32)),
         "sample_ids": ((global_batch,), np.dtype(np.int32)),
+        **{name: ((global_batch, seq_length), np.dtype(np.int32)) for name in packed},
     }
 
 
 def host_rows(split: Split, first: int, rows: range) -> dict[str, np.ndarray]:
-    """The batch fields of samples first + r, r in rows: tokens, targets, loss_mask [len(rows), s]."""
+    """The batch fields of samples first + r, r in rows: tokens, targets, loss_mask [len(rows), s], sample_ids, and
+    the split's packed documents' fields."""
     seq = split.seq_length
     samples = np.stack([split[first + r] for r in rows]) if len(rows) else np.zeros((0, seq + 1), np.int64)
     if samples.size and int(samples.max()) >= split.vocab_size:
@@ -46,12 +51,14 @@ def host_rows(split: Split, first: int, rows: range) -> dict[str, np.ndarray]:
     loss_mask = np.ones(tokens.shape, np.float32)
     if split.eod_mask_id is not None:
         loss_mask[tokens == split.eod_mask_id] = 0.0  # Megatron masks where the *input* is the eod
+    fields = documents(tokens, split.document_eod, "positions" in split.documents) if split.documents else {}
     return {"tokens": tokens, "targets": targets, "loss_mask": loss_mask,
-            "sample_ids": np.arange(first + rows.start, first + rows.stop, dtype=np.int32)}
+            "sample_ids": np.arange(first + rows.start, first + rows.stop, dtype=np.int32), **fields}
 
 
 def local_rows(shardings: dict[str, Sharding], global_batch_size: int, seq_length: int) -> list[Rows]:
-    """The distinct row blocks of the global batch held by this process's devices (any field)."""
+    """The distinct row blocks of the global batch held by this process's devices (any field: every field is split
+    by its rows alike)."""
     blocks = set()
     for name, (shape, _) in batch_shapes(global_batch_size, seq_length).items():
         for index in shardings[name].addressable_devices_indices_map(shape).values():
@@ -73,14 +80,14 @@ def read_rows(split: Split, consumed: int, blocks: list[Rows]) -> dict[Rows, dic
 
 
 def assemble(host: dict[Rows, dict[str, np.ndarray]], global_batch_size: int, seq_length: int,
-             shardings: dict[str, Sharding]) -> dict[str, jax.Array]:
+             shardings: dict[str, Sharding], packed: Sequence[str] = ()) -> dict[str, jax.Array]:
     """Global arrays from this process's rows (each device gets its slice of its block)."""
     def piece(name, index):
         start, stop, _ = index[0].indices(global_batch_size)
         return host[(start, stop)][name][(slice(None),) + tuple(index[1:])]
 
     return {name: jax.make_array_from_callback(shape, shardings[name], lambda idx, n=name: piece(n, idx))
-            for name, (shape, _) in batch_shapes(global_batch_size, seq_length).items()}
+            for name, (shape, _) in batch_shapes(global_batch_size, seq_length, packed).items()}
 
 
 def global_batch(split: Split, consumed: int, global_batch_size: int,
@@ -89,7 +96,7 @@ def global_batch(split: Split, consumed: int, global_batch_size: int,
     read now (BatchLoader reads ahead)."""
     seq = split.seq_length
     blocks = local_rows(shardings, global_batch_size, seq)
-    return assemble(read_rows(split, consumed, blocks), global_batch_size, seq, shardings)
+    return assemble(read_rows(split, consumed, blocks), global_batch_size, seq, shardings, split.documents)
 
 
 class BatchLoader:
@@ -113,7 +120,7 @@ class BatchLoader:
 
     def _load(self, consumed: int) -> dict[str, jax.Array]:
         host = read_rows(self.split, consumed, self._blocks)
-        return assemble(host, self.gbs, self.split.seq_length, self.shardings)
+        return assemble(host, self.gbs, self.split.seq_length, self.shardings, self.split.documents)
 
     def _fill(self) -> None:
         try:

@@ -359,22 +359,6 @@ def side_inputs(cfg: ModelConfig, seed: int, mb: dict, dropout: bool = True,
                 objective_scale=objective_scale if cfg.num_experts or cfg.mtp_num_layers else None)
 
 
-def documents(batch: dict, eod: int, reset_positions: bool) -> dict:
-    """The batch with the packed documents' segment ids [b, s] (Megatron's --reset-attention-mask: a token after an
-    end-of-document token starts a new document; the end token belongs to the one it ends) and, with
-    `reset_positions` (--reset-position-ids), positions that restart at 0 in each document. Computed on whole
-    sequences, before context parallelism splits them."""
-    ends = (batch["tokens"] == eod).astype(jnp.int32)
-    segments = jnp.cumsum(ends, axis=1) - ends
-    out = dict(batch, segment_ids=segments)
-    if reset_positions:
-        s = batch["tokens"].shape[1]
-        index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), segments.shape)
-        starts = jnp.where(jnp.diff(segments, axis=1, prepend=-1) != 0, index, 0)
-        out["positions"] = index - jax.lax.cummax(starts, axis=1)
-    return out
-
-
 def forward_loss(cfg: ModelConfig, params: dict, batch: dict, side: Side | None, layers) -> jax.Array:
     """The model's one assembly: the summed token loss of one micro batch, `embed_apply` -> `layers` ->
     `head_loss`. `layers` (x_bsd -> x_bsd) runs the stack as its caller needs: the plain scan (`loss_sum`), or the
