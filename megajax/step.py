@@ -45,9 +45,9 @@ class TrainState:
     bad_steps: jax.Array  # int32: non-finite steps in a row
 
 
-# A batch's fields (megajax/data/loader.py), each split over the data ranks by its rows: the packed documents'
-# segment ids and positions where data.reset_attention_mask / data.reset_position_ids ask for them
-BATCH_FIELDS = ("tokens", "targets", "loss_mask", "sample_ids", "segment_ids", "positions")
+# A batch's fields (megajax/data/loader.py), each split over the data ranks by its rows, and the packed documents'
+# where data.reset_attention_mask / data.reset_position_ids ask for them (DataConfig.document_fields)
+BATCH_FIELDS = ("tokens", "targets", "loss_mask", "sample_ids")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,7 +226,7 @@ def build(cfg: Config, mesh: jax.sharding.Mesh) -> StepSetup:
         step=named(P()), params=jax.tree.map(named, state_param_specs, is_leaf=is_spec),
         model_state=jax.tree.map(named, state_specs, is_leaf=is_spec), opt_state=opt_shardings,
         loss_scale=named(P()), good_steps=named(P()), bad_steps=named(P()))
-    batch_shardings = {k: named(P(step_plan.DATA)) for k in BATCH_FIELDS}
+    batch_shardings = {k: named(P(step_plan.DATA)) for k in BATCH_FIELDS + cfg.data.document_fields}
     return StepSetup(cfg, mesh, plan, logical, tx, abstract_state, state_shardings, batch_shardings, zero_dims,
                      params)
 

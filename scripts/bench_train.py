@@ -25,7 +25,6 @@ import numpy as np  # noqa: E402
 
 from megajax import distributed, metrics, step as step_lib  # noqa: E402
 from megajax.config import io as config_io  # noqa: E402
-from megajax.data.datasets import document_fields  # noqa: E402
 from megajax.data.loader import batch_shapes  # noqa: E402
 from megajax.kernels import auto as kernel_choice  # noqa: E402
 
@@ -34,7 +33,7 @@ def random_batch(cfg, shardings) -> dict:
     rng = np.random.default_rng(0)
     gbs, seq = cfg.train.global_batch_size, cfg.model.seq_length
     arrays = {}
-    for name, (shape, dtype) in batch_shapes(gbs, seq, document_fields(cfg.data)).items():
+    for name, (shape, dtype) in batch_shapes(gbs, seq, cfg.data.document_fields).items():
         if name == "loss_mask":
             value = np.ones(shape, dtype)
         elif name == "sample_ids":

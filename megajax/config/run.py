@@ -136,6 +136,16 @@ class DataConfig:
             check(isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0,
                   f"data.paths weight {short(w)} must be a positive number")
 
+    @property
+    def document_fields(self) -> tuple[str, ...]:
+        """The packed documents' fields a batch carries besides its tokens (the data loader computes them, as
+        Megatron-Core's GPTDataset makes its attention mask and position ids): the segment ids with
+        reset_attention_mask or reset_position_ids (the multi-token prediction modules count within a document with
+        either), the positions restarting at each document with the second."""
+        if not (self.reset_attention_mask or self.reset_position_ids):
+            return ()
+        return ("segment_ids", "positions") if self.reset_position_ids else ("segment_ids",)
+
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:

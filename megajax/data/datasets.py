@@ -41,7 +41,7 @@ class Split:
     seq_length: int
     vocab_size: int
     eod_mask_id: int | None = None  # zero the loss where the input token is this id (data.eod_mask_loss)
-    documents: tuple[str, ...] = ()  # the packed documents' fields its batches carry (`document_fields`)
+    documents: tuple[str, ...] = ()  # the packed documents' fields its batches carry (DataConfig.document_fields)
     document_eod: int | None = None  # the end-of-document token that separates them
 
     def __len__(self) -> int:
@@ -49,16 +49,6 @@ class Split:
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.dataset[i]
-
-
-def document_fields(data) -> tuple[str, ...]:
-    """The packed documents' fields a batch carries, as Megatron-Core's GPTDataset makes its attention mask and
-    position ids: the segment ids with data.reset_attention_mask or data.reset_position_ids (the multi-token
-    prediction modules count within a document with either), the positions restarting at each document with the
-    second; none without them."""
-    if not (data.reset_attention_mask or data.reset_position_ids):
-        return ()
-    return ("segment_ids", "positions") if data.reset_position_ids else ("segment_ids",)
 
 
 def documents(tokens: np.ndarray, eod: int, positions: bool) -> dict[str, np.ndarray]:
@@ -163,7 +153,7 @@ def build_datasets(cfg: Config, num_samples: dict[str, int]) -> dict[str, Split]
             dataset = GPTDataset(indexed[0], ranges[0], cfg.model.seq_length, n, cfg.train.seed, name, caches[0])
         else:
             dataset = _blend(cfg, indexed, ranges, weights, n, name, caches)
-        fields = document_fields(cfg.data)
+        fields = cfg.data.document_fields
         out[name] = Split(name, dataset, cfg.model.seq_length, cfg.model.vocab_size, eod, fields,
                           eod_of(cfg.data.tokenizer) if fields else None)
     return out

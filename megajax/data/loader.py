@@ -29,7 +29,7 @@ Rows = tuple[int, int]  # [start, stop) rows of the global batch
 def batch_shapes(global_batch: int, seq_length: int, packed: Sequence[str] = ()
                  ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Shapes and dtypes of a batch: tokens, targets, loss_mask [b, s]; sample_ids [b]; and `packed`, the packed
-    documents' fields (datasets.document_fields: segment_ids, positions [b, s])."""
+    documents' fields (DataConfig.document_fields: segment_ids, positions [b, s])."""
     return {
         "tokens": ((global_batch, seq_length), np.dtype(np.int32)),
         "targets": ((global_batch, seq_length), np.dtype(np.int32)),
