@@ -241,8 +241,8 @@ DEFAULT_WHOLE_VOCAB = {(2, 2, 2), (1, 2, 2), (2, 3, 1), (2, 4, 1)}
 # experts over the two data ranks of an instance.
 DEFAULT_INSTANCES = {(6, 1, 1): 2, (4, 1, 2): 2, (4, 2, 1): 2}
 # Suite time (the default run within its budget, docs/development.md): tensor 6 and 6 stages alone (the other sizes'
-# code paths), and MoE without expert parallelism, folded over 'tensor' on a 1F1B pipeline (48 s; test_moe trains MoE
-# without expert parallelism by default, and the folded experts without a pipeline run here).
+# code paths), and MoE without expert parallelism, folded over 'tensor' on a 1F1B pipeline (48 s; test_moe's folded
+# experts route per sequence shard by default, and the default run here trains folded experts without a pipeline).
 SLOW_TRIPLES = {(1, 1, 2), (1, 2, 1), (1, 2, 3), (1, 4, 2), (2, 2, 1), (1, 3, 2), (1, 8, 1), (1, 1, 6), (1, 6, 1),
                 (1, 2, 2)}
 

@@ -293,7 +293,7 @@ def test_a_stopped_process_is_named_when_the_job_ends(tmp_path):
 TEARDOWN_S = 2.0
 
 
-@pytest.mark.slow  # suite time (55 s a case): the default run checks the watchdog's stall and the launcher's restarts
+@pytest.mark.slow  # suite time (55 s a case): the default run has the watchdogs and the launcher name a stalled process
 @pytest.mark.parametrize("second_restart", [False, True])
 def test_a_lost_process_restarts_on_the_ones_left_and_the_run_goes_on(tmp_path, second_restart):
     """2 processes x 4 devices (data 2 x tensor 4); kill -9 process 1 after step 5: the launcher starts the job
