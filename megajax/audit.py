@@ -258,16 +258,13 @@ def abstract_step(cfg, devices):
     import jax
 
     from megajax import step as step_lib
-    from megajax.data.loader import batch_shapes
+    from megajax.data.loader import abstract_batch
 
     setup = step_lib.setup_for(cfg, devices)
     cfg, mesh = setup.cfg, setup.mesh
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                          setup.abstract_state, setup.state_shardings)
-    shapes = batch_shapes(cfg.train.global_batch_size, cfg.model.seq_length, cfg.data.document_fields)
-    batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=setup.batch_shardings[k]) for k, (shape, dtype) in
-             shapes.items()}
-    return cfg, mesh, setup, state, batch
+    return cfg, mesh, setup, state, abstract_batch(cfg, setup.batch_shardings)
 
 
 def compile_step(cfg, devices, compiler_options: dict | None = None):

@@ -70,11 +70,9 @@ class StepSetup:
         and positions (data.reset_attention_mask, data.reset_position_ids: the data loader's, Megatron-Core's
         GPTDataset's attention mask and position ids), the multi-token prediction modules' inputs
         (model.mtp_num_layers)."""
-        d = self.cfg.data
-        out = batch
-        if self.cfg.model.mtp_num_layers:  # each module's inputs (from whole sequences, in their documents)
-            out = model.mtp_batch(out, self.cfg.model.mtp_num_layers)
-        return out if d.reset_attention_mask else {k: v for k, v in out.items() if k != "segment_ids"}
+        depths = self.cfg.model.mtp_num_layers  # each module's inputs (from whole sequences, in their documents)
+        out = model.mtp_batch(batch, depths) if depths else batch
+        return out if self.cfg.data.reset_attention_mask else {k: v for k, v in out.items() if k != "segment_ids"}
 
     def local_batch(self, batch: dict) -> dict:
         """Inside the step's manual region: `whole_batch`, cut to this context rank's tokens of every sequence."""

@@ -116,7 +116,7 @@ def _agreed_attempt(start: float) -> int:
 
 def _run(setup: StepSetup, ledger: Ledger, refit_line: str | None) -> dict:
     from megajax import checkpoint, watchdog
-    from megajax.data.loader import BatchLoader, batch_shapes, build_datasets
+    from megajax.data.loader import BatchLoader, abstract_batch, build_datasets
 
     cfg, mesh = setup.cfg, setup.mesh
     gbs, steps = cfg.train.global_batch_size, cfg.train.steps
@@ -162,15 +162,13 @@ def _run(setup: StepSetup, ledger: Ledger, refit_line: str | None) -> dict:
     # reads ahead on a background thread from here on, while the step compiles
     loader = BatchLoader(datasets["train"], gbs, setup.batch_shardings, consumed, consumed + (steps - start) * gbs,
                          cfg.data.prefetch)
-    abstract_batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=setup.batch_shardings[k])
-                      for k, (shape, dtype) in batch_shapes(gbs, cfg.model.seq_length,
-                                                            datasets["train"].documents).items()}
+    batch_spec = abstract_batch(cfg, setup.batch_shardings)
     hang = watchdog.Watchdog(ledger, watchdog.progress_dir(cfg.train.output_dir), jax.process_index(),
                              cfg.train.hang_report_s, cfg.train.hang_exit_s, eval_batches=cfg.train.eval_batches)
     with jax.set_mesh(mesh), loader, hang:
         ledger.switch("compile")
         t0 = time.perf_counter()
-        compiled = compile_train_step(setup, state, abstract_batch)
+        compiled = compile_train_step(setup, state, batch_spec)
         two = " (two programs: the first step's and the later steps', model.fp8_recipe=delayed)"
         log.info(f"compiled the train step in {time.perf_counter() - t0:.1f} s"
                  f"{two if len(compiled.programs) > 1 else ''}")

@@ -18,10 +18,10 @@ from typing import Any, Literal
 import yaml
 
 from megajax.config import KEY_ALIASES, Config, ConfigError
-from megajax.config import base
-from megajax.config.base import check, short
+from megajax.config.base import check, concerns, short
 
 log = logging.getLogger("megajax.config")
+SPELLED = {attr: key for key, attr in KEY_ALIASES.items()}  # attribute name -> its key where the two differ
 
 # Renamed keys: old key -> (the key that decides now, the old value as the new key's). Where both are set, the new
 # key decides and the old one is not read (as before the rename).
@@ -240,7 +240,6 @@ def _field_comments(cls) -> dict[str, str]:
 
 def keys_help() -> list[tuple[str, str, str, str]]:
     """(key, type, default, meaning) of every config key, as `--set` spells it."""
-    aliases = {v: k for k, v in KEY_ALIASES.items()}
     rows = []
     for section in dataclasses.fields(Config):
         cls = type(section.default)
@@ -254,7 +253,7 @@ def keys_help() -> list[tuple[str, str, str, str]]:
                 literal = parts[0] if len(parts) == 1 and typing.get_origin(parts[0]) is typing.Literal else hint
                 kind = "|".join(typing.get_args(literal)) + ("|null" if literal is not hint else "")
             meaning = comments.get(f.name, "")
-            rows.append((f"{section.name}.{aliases.get(f.name, f.name)}", kind.replace("typing.", ""),
+            rows.append((f"{section.name}.{SPELLED.get(f.name, f.name)}", kind.replace("typing.", ""),
                          yaml.safe_dump(default, default_flow_style=True).removesuffix("\n...\n").strip(),
                          meaning))
     return rows
@@ -263,10 +262,9 @@ def keys_help() -> list[tuple[str, str, str, str]]:
 def concern_starts() -> dict[str, str]:
     """The key (as `keys_help` spells it) each concern of a section starts at -> the concern's title
     (megajax/config/base.py `concerns`): --help and docs/reference/config.md print the titles there."""
-    aliases = {v: k for k, v in KEY_ALIASES.items()}
-    return {f"{section.name}.{aliases.get(names[0], names[0])}": title
+    return {f"{section.name}.{SPELLED.get(names[0], names[0])}": title
             for section in dataclasses.fields(Config)
-            for title, names in base.concerns(type(section.default)) if title}
+            for title, names in concerns(type(section.default)) if title}
 
 
 def add_cli_arguments(parser) -> None:

@@ -39,6 +39,12 @@ def batch_shapes(global_batch: int, seq_length: int, packed: Sequence[str] = ()
     }
 
 
+def abstract_batch(cfg, shardings: dict[str, Sharding]) -> dict[str, jax.ShapeDtypeStruct]:
+    """A global batch of config `cfg` as the step takes it, abstract (shapes, dtypes, `shardings`; nothing read)."""
+    shapes = batch_shapes(cfg.train.global_batch_size, cfg.model.seq_length, cfg.data.document_fields)
+    return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=shardings[k]) for k, (shape, dtype) in shapes.items()}
+
+
 def host_rows(split: Split, first: int, rows: range) -> dict[str, np.ndarray]:
     """The batch fields of samples first + r, r in rows: tokens, targets, loss_mask [len(rows), s], sample_ids, and
     the split's packed documents' fields."""

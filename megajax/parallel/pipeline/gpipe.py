@@ -80,7 +80,7 @@ def _forward_rounds(cfg: Config, layers, shared, mbs, train: bool, objective_sca
                 rows = order.cond(t < m, lambda: vocab.rows(mcfg, shared, at(t)["tokens"]),
                                   lambda: vary(jnp.zeros(shape, dtype)))
                 embed = lambda: vocab.embed_apply(mcfg, shared, rows, mb["tokens"], side)  # noqa: E731
-            else:
+            elif i == 0:
                 embed = lambda: model.embed_apply(mcfg, shared, mb["tokens"], side)  # noqa: E731
             if i == 0:
                 first = lambda: vary(embed().astype(dtype))  # noqa: E731
