@@ -15,7 +15,7 @@ import yaml
 from conftest import REPO
 from megajax.config import io as config_io
 from megajax.plan import checks, cost, layout as layout_lib, memory, search as search_lib
-from megajax.plan.__main__ import main as plan_main
+from megajax.plan.__main__ import _label as plan_label, main as plan_main
 from megajax.plan.hardware import _H100_KERNELS, _H100_MATMUL, H100_ATTENTION, H100_NORM_BYTES_PER_S, H100_SQUARE_GEMM, hardware
 
 ROOT = Path(REPO)
@@ -308,6 +308,24 @@ def test_hybrid_sharding_trades_memory_for_the_network():
     assert micro_hybrid < micro_flat / 2  # NVLink, not 4 NICs
     assert step_flat == 0 < step_hybrid
     assert hybrid.exposed_s["data"] >= step_hybrid  # (the instances' all-reduce, after the micro batches)
+
+
+def test_a_layout_that_fits_only_with_the_tables_split_is_found():
+    """Llama 3 8B on 8 H100s at data 4 x pipeline 2: null's rule keeps the embedding and output layer whole (80.7 GiB,
+    too big); the search tries them split over the pipeline ranks, which fits, and says so in the settings (and the
+    label). Held whole (--set parallel.vocab_over_pipeline=false), the layout stays too big."""
+    base = config_io.load(ROOT / "configs/llama3-8b.yaml")
+    hw = hardware("h100")
+    fixed = {"parallel.data": 4, "parallel.pipeline": 2, "parallel.tensor": 1, "parallel.context": 1,
+             "parallel.expert": 1, "parallel.schedule": "1f1b", "train.micro_batch_size": 1,
+             "model.recompute": "selective", "parallel.data_parallel_sharding_strategy": "optim",
+             "parallel.overlap_grad_reduce": False, "parallel.num_distributed_optimizer_instances": 1}
+    found = search_lib.search(base, hw, 8, 8, fixed)
+    (best,) = found["ranked"]
+    assert best.settings["parallel.vocab_over_pipeline"] is True and best.cfg.parallel.vocab_over_pipeline is True
+    assert "vp" in plan_label(best.settings).split()
+    held = search_lib.search(base, hw, 8, 8, {**fixed, "parallel.vocab_over_pipeline": False})
+    assert held["ranked"] == [] and held["too_big"][0].memory_gib > best.memory_gib + 8
 
 
 def test_plans_the_1t_model_on_3072_gpus_fast():

@@ -98,7 +98,8 @@ def _label(s: dict) -> str:
         parts.append(s["parallel.schedule"] + (f" v{s['parallel.virtual_stages']}"
                                                if s["parallel.virtual_stages"] > 1 else ""))
     flags = [name for key, name in (("parallel.sequence_parallel", "sp"), ("parallel.tp_comm_overlap", "tpo"),
-                                    ("parallel.overlap_grad_reduce", "ogr")) if s[key]]
+                                    ("parallel.overlap_grad_reduce", "ogr"), ("parallel.vocab_over_pipeline", "vp"))
+             if s.get(key)]
     shard = s["parallel.data_parallel_sharding_strategy"]
     flags.append({"optim": "zero1", "optim_grads_params": "fsdp"}.get(shard, ""))
     instances = s.get("parallel.num_distributed_optimizer_instances", 1)
@@ -182,7 +183,8 @@ LEGEND = ("layout: d data, p pipeline, t tensor, c context (a2a: parallel.contex
           "groups of N), e expert ranks; the "
           "pipeline's schedule, v its chunks a stage; sp sequence parallelism, tpo tensor-parallel collective "
           "matmuls (parallel.tp_comm_overlap), ogr the gradient reduction in the backward "
-          "(parallel.overlap_grad_reduce), zero1 the distributed optimizer, fsdp ZeRO-3 (/N: over N hybrid-sharding "
+          "(parallel.overlap_grad_reduce), vp the embedding and output layer split over the pipeline ranks "
+          "(parallel.vocab_over_pipeline), zero1 the distributed optimizer, fsdp ZeRO-3 (/N: over N hybrid-sharding "
           "instances). mb: micro batch size; step s: predicted (the compiled program's memory and exposed "
           "communication where compiled)")
 

@@ -36,7 +36,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PAPER_SPACE = {"parallel.sequence_parallel": False, "model.recompute": "full",
                "parallel.data_parallel_sharding_strategy": "no_shard",
                "parallel.tp_comm_overlap": False, "parallel.overlap_grad_reduce": False,
-               "parallel.overlap_param_gather": False, "parallel.schedule": ("1f1b", "interleaved")}
+               "parallel.overlap_param_gather": False, "parallel.schedule": ("1f1b", "interleaved"),
+               "parallel.vocab_over_pipeline": None}
 
 
 def _paper() -> list[dict]:

@@ -87,6 +87,7 @@ class Estimate:
     hardware_flops: float  # per GPU per step (with recomputation)
     model_flops: float
     scheduled_for_memory: bool = False  # above XLA's scheduling limit: counted without overlap
+    vocab_over_pipeline: bool = False  # the plan's: the embedding and output layer split over the pipeline ranks
 
 
 def _ring(n: int) -> float:
@@ -406,7 +407,8 @@ def estimate(cfg: Config, hw: Hardware, gpus_per_node: int, simulate: bool = Tru
                    "copies": runs * (copy_f + copy_b), "recompute": runs * again, "head": L.m * head,
                    "grad_accumulation": accumulate, "optimizer": optimizer, "schedule": step_compute},
         memory=mem, hardware_flops=flops["hardware_flops"] / gpus,
-        model_flops=flops["model_flops"] / gpus, scheduled_for_memory=packed)
+        model_flops=flops["model_flops"] / gpus, scheduled_for_memory=packed,
+        vocab_over_pipeline=L.plan.vocab_over_pipeline)
 
 
 def _layer_comm_exposed_s(hw: Hardware, L: Layout, gemm_f: float, attn_f: float, attn_b: float,

@@ -4,11 +4,13 @@ the predicted step time (`megajax.plan.cost`), the closest few compiled for the 
 The space: tensor, pipeline, context and expert sizes (data takes the rest), the schedule (1F1B, interleaved,
 zero-bubble) and its virtual stages, the micro batch size, recomputation, the data-parallel sharding (the distributed
 optimizer, or FSDP), sequence parallelism with and without tp_comm_overlap, overlap_grad_reduce with
-overlap_param_gather, and hybrid sharding (the sharded state's instances: one over every data rank, or one a node
-where the data ranks span nodes), and with context parallelism the exchange (auto, or the all-to-alls where the
-heads divide). Keys the user fixes (`--set parallel.tensor=8`) are not varied. Sequence parallelism is on whenever
-tensor > 1 (it moves the same bytes as tensor parallelism alone and needs less memory) and the distributed optimizer
-whenever data > 1 (the same bytes as an all-reduce), unless fixed.
+overlap_param_gather, hybrid sharding (the sharded state's instances: one over every data rank, or one a node where
+the data ranks span nodes), and with context parallelism the exchange (auto, or the all-to-alls where the heads
+divide). With a pipeline the embedding and output layer are as parallel.vocab_over_pipeline=null's rule has them,
+and split over the pipeline ranks where a layout does not fit with them whole. Keys the user fixes
+(`--set parallel.tensor=8`) are not varied. Sequence parallelism is on whenever tensor > 1 (it moves the same bytes
+as tensor parallelism alone and needs less memory) and the distributed optimizer whenever data > 1 (the same bytes
+as an all-reduce), unless fixed.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ KEYS = ("parallel.data", "parallel.pipeline", "parallel.tensor", "parallel.conte
         "parallel.schedule", "parallel.virtual_stages", "train.micro_batch_size", "model.recompute",
         "parallel.sequence_parallel", "parallel.tp_comm_overlap", "parallel.data_parallel_sharding_strategy",
         "parallel.overlap_grad_reduce", "parallel.overlap_param_gather", "parallel.num_distributed_optimizer_instances",
-        "parallel.context_comm", "parallel.context_a2a_size",
+        "parallel.context_comm", "parallel.context_a2a_size", "parallel.vocab_over_pipeline",
         "parallel.decoder_first_pipeline_num_layers", "parallel.decoder_last_pipeline_num_layers",
         "parallel.account_for_embedding_in_pipeline_split", "parallel.account_for_loss_in_pipeline_split")
 EVEN = {"parallel.decoder_first_pipeline_num_layers": None, "parallel.decoder_last_pipeline_num_layers": None,
@@ -166,12 +168,13 @@ def _inner(base: Config, fixed: dict, pick, d: int, p: int, t: int, c: int, e: i
     a2a_sizes = context_a2a_sizes(c, t, m.num_heads, gpus_per_node)
     if a2a_sizes and p == 1:
         comms.append("a2a+ring")
-    for (schedule, v), b, recompute, shard, tpo, ogr, r, comm in itertools.product(
+    for (schedule, v), b, recompute, shard, tpo, ogr, r, comm, vp in itertools.product(
             schedules, pick("train.micro_batch_size", micro), pick("model.recompute", ["none", "selective", "full"]),
             pick("parallel.data_parallel_sharding_strategy", sharding),
             pick("parallel.tp_comm_overlap", [False, True] if t > 1 else [False]),
             pick("parallel.overlap_grad_reduce", [False, True] if d * c > 1 else [False]),
-            pick("parallel.num_distributed_optimizer_instances", instances), pick("parallel.context_comm", comms)):
+            pick("parallel.num_distributed_optimizer_instances", instances), pick("parallel.context_comm", comms),
+            pick("parallel.vocab_over_pipeline", [None])):
         if r > 1 and shard == "no_shard" or schedule == "zero_bubble" and ogr:
             continue  # (zero_bubble reduces in B and W, not in the overlapped reduction's ticks)
         if p > 1 and recompute == "full" and "model.recompute" not in fixed:
@@ -184,7 +187,7 @@ def _inner(base: Config, fixed: dict, pick, d: int, p: int, t: int, c: int, e: i
                "parallel.sequence_parallel": fixed.get("parallel.sequence_parallel", t > 1),
                "parallel.tp_comm_overlap": tpo, "parallel.data_parallel_sharding_strategy": shard,
                "parallel.overlap_grad_reduce": ogr, "parallel.num_distributed_optimizer_instances": r,
-               "parallel.context_comm": comm,
+               "parallel.context_comm": comm, "parallel.vocab_over_pipeline": vp,
                "parallel.context_a2a_size": fixed.get("parallel.context_a2a_size", max(a2a_sizes, default=None))
                if comm == "a2a+ring" else None,
                "parallel.overlap_param_gather": fixed.get("parallel.overlap_param_gather",
@@ -226,14 +229,15 @@ def search(base: Config, hw: Hardware, gpus: int, gpus_per_node: int, fixed: dic
     fits, too_big, invalid = [], [], 0
     settings = layouts(base, gpus, gpus_per_node, fixed)
     for row in settings:
-        try:
-            cfg = configure(base, row, gpus)
-            est = estimate(cfg, hw, gpus_per_node, simulate=False)
-        except (ConfigError, InputError, ValueError):
+        c = _scored(base, hw, gpus, gpus_per_node, row, margin)
+        if c is not None and not c.fits and row["parallel.pipeline"] > 1 and not c.estimate.vocab_over_pipeline \
+                and "parallel.vocab_over_pipeline" not in fixed:  # (the tables split: it may fit)
+            spread = _scored(base, hw, gpus, gpus_per_node, {**row, "parallel.vocab_over_pipeline": True}, margin)
+            c = spread if spread is not None and spread.fits else c
+        if c is None:
             invalid += 1
-            continue
-        c = Candidate(row, cfg, est, margin=margin)
-        (fits if c.fits else too_big).append(c)
+        else:
+            (fits if c.fits else too_big).append(c)
     fits.sort(key=lambda c: c.step_s)
     ranked = [Candidate(c.settings, c.cfg, estimate(c.cfg, hw, gpus_per_node, clock), margin=margin)
               for c in fits[:keep]]
@@ -244,22 +248,36 @@ def search(base: Config, hw: Hardware, gpus: int, gpus_per_node: int, fixed: dic
             "seconds": time.perf_counter() - start}
 
 
+def _scored(base: Config, hw: Hardware, gpus: int, gpus_per_node: int, row: dict, margin: float) -> Candidate | None:
+    """The layout `row` scored by the bubble formula (the search's first pass), with the plan's choice of the tables
+    in its settings; None where the config rejects it."""
+    try:
+        cfg = configure(base, row, gpus)
+        est = estimate(cfg, hw, gpus_per_node, simulate=False)
+    except (ConfigError, InputError, ValueError):
+        return None
+    return Candidate({**row, "parallel.vocab_over_pipeline": est.vocab_over_pipeline}, cfg, est, margin=margin)
+
+
 def own_layout(base: Config, hw: Hardware, gpus: int, gpus_per_node: int, margin: float = 0.0) -> Candidate | None:
     """The config's own layout (its values of KEYS) scored as the search scores a layout, on the schedule clock;
     None where it does not run on `gpus` (another GPU count, or an invalid combination there)."""
     settings = {key: getattr(getattr(base, key.split(".")[0]), key.split(".")[1]) for key in KEYS}
     try:
         cfg = configure(base, settings, gpus)
-        return Candidate(settings, cfg, estimate(cfg, hw, gpus_per_node, True), margin=margin)
+        est = estimate(cfg, hw, gpus_per_node, True)
+        settings["parallel.vocab_over_pipeline"] = est.vocab_over_pipeline  # (null: the plan's rule)
+        return Candidate(settings, cfg, est, margin=margin)
     except (ConfigError, InputError, ValueError):
         return None
 
 
 def _complexity(s: dict) -> int:
-    """Features a layout turns on beyond what it needs: FSDP, the overlaps, virtual stages, the split backward."""
+    """Features a layout turns on beyond what it needs: FSDP, the overlaps, virtual stages, the split backward, the
+    tables over the pipeline."""
     return ((s["parallel.data_parallel_sharding_strategy"] == "optim_grads_params") + s["parallel.tp_comm_overlap"]
             + s["parallel.overlap_grad_reduce"] + (s["parallel.virtual_stages"] > 1)
-            + (s["parallel.schedule"] == "zero_bubble"))
+            + (s["parallel.schedule"] == "zero_bubble") + bool(s.get("parallel.vocab_over_pipeline")))
 
 
 def rank(candidates: list[Candidate], tie: float = 0.002) -> None:
