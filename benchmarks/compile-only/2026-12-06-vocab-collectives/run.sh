@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The rows of benchmarks/2026-12-06-compile-only-vocab-collectives.md (compile-only H100s;
+# pip install -e '.[gpu-audit]'), from the repository root at the report's commit. The Llama 3.1 405B preset's rows
+# with and without parallel.vocab_over_pipeline are benchmarks/compile-only/2026-12-06-accumulators-outside-
+# conditionals/after/ (the same executor). The lookup-outside-conditionals row runs with
+# lookup-outside-conditionals.patch applied (git apply), the other rows without it.
+set -euo pipefail
+out=benchmarks/compile-only/2026-12-06-vocab-collectives
+small="parallel.data=1 parallel.pipeline=4 parallel.tensor=2 parallel.schedule=interleaved parallel.virtual_stages=2
+  parallel.vocab_over_pipeline=true train.global_batch_size=16 train.micro_batch_size=1 model.num_layers=16
+  parallel.overlap_grad_reduce=false parallel.overlap_param_gather=false parallel.data_parallel_sharding_strategy=no_shard"
+python -m megajax.audit --config configs/llama3-8b.yaml --target h100 --devices 8 --set $small \
+  > $out/${1:-lookup-in-conditional}.json
+if [ -z "${1:-}" ]; then
+  overlap="parallel.overlap_grad_reduce=true parallel.overlap_param_gather=true"
+  python -m megajax.audit --config configs/llama3.1-405b.yaml --target h100 --devices 1024 \
+    --set train.steps=1 $overlap > $out/llama3.1-405b-overlap.json
+  python -m megajax.audit --config configs/llama3.1-405b.yaml --target h100 --devices 1024 \
+    --set train.steps=1 $overlap parallel.vocab_over_pipeline=true > $out/llama3.1-405b-overlap-vocab-over-pipeline.json
+fi
+# with the patch: git apply $out/lookup-outside-conditionals.patch && bash $out/run.sh lookup-outside-conditionals
