@@ -160,10 +160,10 @@ def _callees(opcode: str, rest: str, branch_runs: dict | None = None) -> list[tu
     if opcode == "conditional":
         found = re.search(r"branch_computations=\{([^}]*)\}", rest) or re.search(r"(true_computation=.*)", rest)
         branches = re.findall(r"%([\w.\-]+)", found.group(1))
-        # a pipeline switch `scope`, or its group i run under a two-way conditional named scope + i, true when the
-        # group runs (pipeline.executor.backward): a two-way switch whose first branch is the false one
-        # (sharding.cond); a predicated conditional (jax.lax.cond) XLA prints with its true branch first
-        link = re.search(r'op_name="[^"]*/(pipeline_s\d+t\d_[a-z])(\d*)/cond"', rest)
+        # a pipeline switch `scope` (or ticks.LAST_RANK's, differentiated too), or its group i run under a two-way
+        # conditional named scope + i, true when the group runs (pipeline.executor.backward): a two-way switch whose
+        # first branch is the false one (sharding.cond); a predicated conditional (jax.lax.cond): true branch first
+        link = re.search(r'op_name="[^"]*/(?:[a-z]+\()*(pipeline_s\d+t\d_[a-z]|pipeline_last)(\d*)\)*/cond"', rest)
         scope = link.group(1) if link else ""
         runs = (branch_runs or {}).get(scope)
         if runs is not None and link.group(2) and len(branches) == 2 and int(link.group(2)) < len(runs):

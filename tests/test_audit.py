@@ -231,6 +231,25 @@ def test_replica_group_formats():
     assert mesh  # groups above are the 'tensor' groups of a (2, 1, 4) mesh
 
 
+def test_a_conditional_the_last_pipeline_rank_alone_takes_weighs_one_rank_of_p():
+    """The multi-token prediction modules' blocks with the tables over the pipeline run under a conditional on the
+    rank (vocab.Ranks.owned, named ticks.LAST_RANK), in the forward and, differentiated, in the backward: the audit,
+    which averages over the pipeline ranks, counts its branches 1 - 1/p and 1/p, not both as taken."""
+    from megajax.config import ModelConfig
+    from megajax.parallel.step_plan import StepPlan
+    line = ('branch_computations={%skip.1, %run.2}, metadata={op_name="jit(<lambda>)/shard_map/while/body/'
+            'closed_call/pipeline_s1t0_h1/cond/branch_1_fun/OPEN(pipeline_last)CLOSE/cond"}')
+    runs = {ticks.LAST_RANK: [0.75, 0.25]}
+    for wrapped, closed in (("jvp", ""), ("transpose(jvp", ")")):  # (as the compiled program names them)
+        named = line.replace("OPEN", wrapped).replace("CLOSE", closed)
+        assert hlo._callees("conditional", named, runs) == [
+            ("skip.1", 0.75, "pipeline_last"), ("run.2", 0.25, "pipeline_last")]
+    assert [r for _, r, _ in hlo._callees("conditional", named, {})] == [1, 1]
+    plan = StepPlan(replica=1, data=1, expert=1, pipeline=4, context=1, tensor=1, manual=("pipeline",),
+                    schedule="1f1b", virtual_stages=1, micro_batches=4, vocab_over_pipeline=True)
+    assert ticks.branch_runs(plan, ModelConfig(num_layers=4))[ticks.LAST_RANK] == [0.75, 0.25]
+
+
 def test_a_ring_across_nodes_runs_at_the_nics_of_its_members_on_a_node():
     """On 2 nodes of 4 devices (a data 4 x tensor 2 mesh, tensor innermost): a ring over 'data' has 2 members on
     each node, so NCCL's channels cross the network through 2 NICs; a ring over 'tensor' stays in its node; a

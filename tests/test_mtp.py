@@ -95,14 +95,12 @@ def test_inputs_shift_within_whole_sequences_and_documents():
 
 
 def test_the_config_names_the_fix():
-    with pytest.raises(ConfigError, match="vocab_over_pipeline=false"):
-        small_config(**MTP, **{"parallel.pipeline": 2, "parallel.vocab_over_pipeline": True})
     with pytest.raises(ConfigError, match="mtp_num_layers must be >= 0"):
         small_config(**{"model.mtp_num_layers": -1})
-    # null never splits the tables with the modules on
+    # null splits the tables over the pipeline ranks by its bytes rule, the modules on or off
     from megajax.parallel.step_plan import StepPlan
     cfg = small_config(**{**MTP, "parallel.pipeline": 2, "model.vocab_size": 50000}).for_devices(2)
-    assert not StepPlan.resolve(cfg).vocab_over_pipeline
+    assert StepPlan.resolve(cfg).vocab_over_pipeline
 
 
 def _train(sets: dict, n: int, steps: int = 2) -> list[tuple[float, float, float]]:
@@ -116,8 +114,10 @@ BASE = {**MTP, "model.num_layers": 4, "model.mtp_num_layers": 1}
 MOE = {"model.num_experts": 4, "model.experts_per_token": 2, "model.moe_ffn_hidden_size": 64,
        "train.micro_batch_size": 2}
 # (name, extra settings, devices): each run with the modules equals one device's
+VOCAB = {"parallel.vocab_over_pipeline": True}  # the modules' lookups, blocks and logits in the ranks' lock step
 LAYOUTS = [
     ("d2-p2-1f1b", {"parallel.data": 2, "parallel.pipeline": 2}, 4),
+    ("d2-p2-1f1b-vocab", {"parallel.data": 2, "parallel.pipeline": 2, **VOCAB}, 4),
     ("c2-documents", {"parallel.context": 2, "data.reset_attention_mask": True}, 2),
 ]
 SLOW_LAYOUTS = [
@@ -135,6 +135,14 @@ SLOW_LAYOUTS = [
     ("d2-full-recompute", {"parallel.data": 2, "model.recompute": "full"}, 2),
     ("d2-e2-moe", {"parallel.data": 2, "parallel.expert": 2, **MOE}, 2),
     ("d2-p2-moe", {"parallel.data": 2, "parallel.pipeline": 2, **MOE}, 4),
+    ("p2-interleaved-vocab", {"parallel.pipeline": 2, "parallel.schedule": "interleaved", "parallel.virtual_stages": 2,
+                              "train.micro_batch_size": 2, **VOCAB}, 2),
+    ("p2-zero-bubble-vocab", {"parallel.pipeline": 2, "parallel.schedule": "zero_bubble", **VOCAB}, 2),
+    ("p2-t2-gpipe-vocab", {"parallel.pipeline": 2, "parallel.tensor": 2, "parallel.schedule": "gpipe", **VOCAB}, 4),
+    ("d2-e2-p2-moe-vocab", {"parallel.data": 2, "parallel.expert": 2, "parallel.pipeline": 2, **MOE, **VOCAB}, 4),
+    ("d2-p2-t2-zero3-vocab", {"parallel.data": 2, "parallel.pipeline": 2, "parallel.tensor": 2,
+                              "parallel.sequence_parallel": True, **VOCAB,
+                              "parallel.data_parallel_sharding_strategy": "optim_grads_params"}, 8),
 ]
 
 

@@ -65,10 +65,6 @@ class Config:
         )
         self.stage_split  # noqa: B018 - raises ConfigError naming the fix when the layers do not split
         self._check_experts()
-        check(not (m.mtp_num_layers and p.vocab_over_pipeline),
-              "model.mtp_num_layers runs the multi-token prediction modules on the last pipeline stage with the whole "
-              "embedding and output layer, which parallel.vocab_over_pipeline=true splits over the pipeline ranks: "
-              "set parallel.vocab_over_pipeline=false (or null)")
         check(not self.data.reset_attention_mask or m.attention_impl != "cudnn",
               "data.reset_attention_mask needs segment masks, which model.attention_impl=cudnn does not take here: "
               "use model.attention_impl=pallas or xla")

@@ -373,27 +373,36 @@ def forward_loss(cfg: ModelConfig, params: dict, batch: dict, side: Side | None,
 
 
 def head_loss(cfg: ModelConfig, params: dict, x_bsd: jax.Array, batch: dict, side: Side | None,
-              shard=None) -> jax.Array:
+              shard=None, ranks=None) -> jax.Array:
     """The model's last part: the summed token loss of the last layer's output x (`head_apply`; shard: its
     vocabulary slice's), to which, in a loss being differentiated (side.objective_scale), the multi-token
     prediction modules' summed loss joins the gradient at model.mtp_loss_scaling_factor / model.mtp_num_layers
     (`attach_loss`: the value returned stays the main loss's, and the modules' loss and token count leave through
-    their `MTP_STATS` channel). The modules read the whole vocabulary: none with a shard (Config's check)."""
+    their `MTP_STATS` channel). ranks, with a shard: the lock step of the ranks that share the vocabulary
+    (megajax/parallel/pipeline/vocab.py's `Ranks`): each module's tokens are looked up in every rank's slice
+    (ranks.lookup), its block runs on the rank that owns x and shares its normed output for every rank's slice of
+    the logits (ranks.owned), and its loss counts on that rank alone (ranks.once)."""
     loss = head_apply(cfg, params, x_bsd, batch["targets"], batch["loss_mask"], shard)
     if not cfg.mtp_num_layers or side is None or side.objective_scale is None:
         return loss
-    assert shard is None, "the multi-token prediction modules read the whole vocabulary"
+    assert (shard is None) == (ranks is None), "a vocabulary slice's modules run in its ranks' lock step"
     weight = params["embed"]["embedding"] if cfg.tied else params["head"]["output"]
+    vocab, reduce = (cfg.vocab_size, None) if shard is None else (shard[2], shard[:2])
     h, total = x_bsd, jnp.zeros((), jnp.float32)
     for k in range(1, cfg.mtp_num_layers + 1):
         mine = params[f"mtp_{k}"]
-        e = embed_tokens(cfg, params, batch[f"mtp_tokens_{k}"], side)
-        h, normed = MultiTokenPrediction(cfg, k).apply({"params": mine}, h, e, side)
-        losses = cross_entropy(output_logits(cfg, normed, weight), batch[f"mtp_targets_{k}"], cfg.vocab_size)
+        e = embed_tokens(cfg, params, batch[f"mtp_tokens_{k}"], side, None if ranks is None else ranks.lookup)
+
+        def block(h, e, mine=mine, k=k):
+            return MultiTokenPrediction(cfg, k).apply({"params": mine}, h, e, side)
+
+        h, normed = block(h, e) if ranks is None else ranks.owned(block, h, e)
+        losses = cross_entropy(output_logits(cfg, normed, weight), batch[f"mtp_targets_{k}"], vocab, reduce)
         mask = batch[f"mtp_mask_{k}"]
-        module_sum = jnp.sum(losses * mask)
-        total = total + module_sum
-        loss = report(loss, mine[MTP_STATS], jnp.stack([module_sum, jnp.sum(mask)]))
+        counted = jnp.stack([jnp.sum(losses * mask), jnp.sum(mask)])
+        counted = counted if ranks is None else ranks.once(counted)
+        total = total + counted[0]
+        loss = report(loss, mine[MTP_STATS], counted)
     return attach_loss(loss, total, side.objective_scale * cfg.mtp_loss_scaling_factor / cfg.mtp_num_layers)
 
 

@@ -152,7 +152,6 @@ class StepPlan:
             # XLA's CPU runtime does not keep: docs/features/pipeline-schedules.md#limits)
             vocab_over_pipeline=par.vocab_over_pipeline if par.vocab_over_pipeline is not None else (
                 pipelined and cfg.model.padded_vocab_size % (par.pipeline * par.tensor) == 0 and
-                not cfg.model.mtp_num_layers and
                 not (par.overlap_grad_reduce and not par.shards_grads) and
                 _tables_outweigh_moves(cfg.model, cfg.train.micro_batch_size, cfg.num_micro_batches, par.tensor,
                                        par.context, par.sequence_parallel)),

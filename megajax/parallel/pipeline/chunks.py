@@ -255,9 +255,9 @@ class ChunkActions:
         on the last rank's y and row, each on its slice: the loss and y's gradient are the last rank's."""
         mb, side = self.micro(row, "f_")
         if self.vocab:
-            head = lambda sh, y: vocab.head_loss(self.mcfg, sh, y, mb)  # noqa: E731
+            head = lambda sh, y: vocab.head_loss(self.mcfg, sh, y, mb, side)  # noqa: E731
             y = vocab.broadcast(y, step_plan.in_force().pipeline - 1)
-        else:  # (with the multi-token prediction modules' loss: model.head_loss)
+        else:
             head = lambda sh, y: model.head_loss(self.mcfg, sh, y, mb, side)  # noqa: E731
         loss, pullback = jax.vjp(head, self.shared, y)
         dsh, g_y = pullback(self.seed_scale)

@@ -99,9 +99,12 @@ def _forward_rounds(cfg: Config, layers, shared, mbs, train: bool, objective_sca
             y = order.cond(active, run, lambda: x)
             if i == v - 1 and plan.vocab_over_pipeline:  # every rank's slice of rank p - 1's head (vocab.py)
                 last = t - (p - 1)
+                head_mb = at(last)
+                head_side = model.side_inputs(mcfg, cfg.train.seed, head_mb, dropout=train,
+                                              objective_scale=objective_scale)
                 loss = loss + order.cond((last >= 0) & (last < m),
                                          lambda: vary(vocab.head_loss(mcfg, shared, vocab.broadcast(y, p - 1),
-                                                                      at(last))),
+                                                                      head_mb, head_side)),
                                          lambda: vary(jnp.zeros((), jnp.float32)))
             elif i == v - 1:
                 loss = loss + order.cond(active & (rank == p - 1),

@@ -193,6 +193,9 @@ def plan(name: str, p: int, v: int, m: int, reduce_layers: int = 0, gather_layer
     return s, table, {k: np.array(val, np.int32) for k, val in kinds.items()}, tuple(segments)
 
 
+LAST_RANK = "pipeline_last"  # the name scope of a conditional the last pipeline rank alone takes (vocab.Ranks.owned)
+
+
 def scope(segment: int, tick: int) -> str:
     """The name scope of a tick's switches (`tick`: its place in the scan body, 0 or 1 for a pair of ticks): the
     compiled program keeps it in each conditional's op_name, where the audit finds it (`branch_runs`)."""
@@ -283,12 +286,13 @@ def branch_runs(step_plan: StepPlan, model: ModelConfig) -> dict[str, list[float
     zero_bubble's W does not and does run, each of its layers under '<scope>_w1'. With the vocabulary
     over the pipeline (executor.py) every rank runs the embedding's lookup ('<scope>_l1'), its backward's
     ('<scope>_k1', '<scope>_t1') and the head where the first (last) rank's column says: those weigh by that
-    column alone."""
+    column alone, and a conditional under LAST_RANK (the multi-token prediction modules' blocks) by the one rank
+    of p that takes it."""
     if step_plan.pipeline == 1 or step_plan.schedule == "gpipe":
         return {}
     _, _, kinds, segments = plan_of(step_plan, model)
     vocab = step_plan.vocab_over_pipeline
-    out = {}
+    out = {LAST_RANK: [1 - 1 / step_plan.pipeline, 1 / step_plan.pipeline]} if vocab else {}
     for i, seg in enumerate(segments):
         step = 2 if seg.roles else 1
         for t in range(step):

@@ -28,8 +28,9 @@ import jax
 import jax.numpy as jnp
 
 from megajax import model
-from megajax.parallel import step_plan
-from megajax.parallel.step_plan import vary
+from megajax.parallel import sharding, step_plan
+from megajax.parallel.pipeline import ticks
+from megajax.parallel.step_plan import vary, zeros_varying_like
 
 SLICED = (("embed", "embedding"), ("head", "output"))  # the weights a rank holds a slice of (the rest stay whole)
 
@@ -110,13 +111,43 @@ def embed_apply(mcfg, shared: dict, token_rows: jax.Array, tokens: jax.Array, si
     return model.embed_apply(slice_config(mcfg), shared, tokens, side, lookup=lambda table, tokens: token_rows)
 
 
-def head_loss(mcfg, shared: dict, y: jax.Array, mb: dict) -> jax.Array:
+class Ranks:
+    """The multi-token prediction modules in the lock step (model.head_loss's `ranks`): the last rank owns the
+    hidden states. Every rank looks up a module's tokens in its slice (`lookup`, a psum); the module's block runs
+    on the last rank alone (`owned`: under a conditional on the rank, whose collectives, over 'tensor', 'data' or
+    'expert', join ranks of the same pipeline rank), which shares its normed output with every rank (a psum) for
+    its slice of the logits; and its loss counts on the last rank alone (`once`), so that its gradient seeds
+    there and the psums' transposes carry it to every rank's slice."""
+
+    @staticmethod
+    def lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
+        return _marked(lookup(table, tokens))
+
+    @staticmethod
+    def owned(block, h: jax.Array, e: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(the block's hidden states on the last rank, zeros elsewhere; its normed output on every rank)."""
+        last = step_plan.in_force().pipeline - 1
+        run = lambda args: vary(block(*args))  # noqa: E731
+        skip = lambda args: zeros_varying_like(jax.eval_shape(run, args))  # noqa: E731
+        with jax.named_scope(ticks.LAST_RANK):  # (the audit weighs it by that one rank of p)
+            h, normed = sharding.cond(jax.lax.axis_index("pipeline") == last, run, skip, vary((h, e)))
+        return h, broadcast(normed, last)
+
+    @staticmethod
+    def once(x: jax.Array) -> jax.Array:
+        rank = jax.lax.axis_index("pipeline")
+        return jnp.where(rank == step_plan.in_force().pipeline - 1, x, jnp.zeros_like(x))
+
+
+def head_loss(mcfg, shared: dict, y: jax.Array, mb: dict, side=None) -> jax.Array:
     """The last rank's summed token loss of output y (every rank's the same y: `broadcast`), each rank's logits
     those of its slice of the vocabulary; zero on the other ranks, so that the loss is counted once and its
-    gradient seeds the last rank's alone (summed back to every rank through the psums)."""
+    gradient seeds the last rank's alone (summed back to every rank through the psums). side: the micro batch's,
+    for the multi-token prediction modules (`Ranks`)."""
     rank = jax.lax.axis_index("pipeline")
     mine = slice_config(mcfg)
     y = _marked(y)  # (y's gradient, the transpose of the mark, is summed over the ranks' slices)
     reduce = (lambda x: jax.lax.pmax(x, "pipeline"), lambda x: jax.lax.psum(x, "pipeline"))
-    loss = model.head_loss(mine, shared, y, mb, None, shard=(rank * mine.vocab_size, reduce, mcfg.vocab_size))
-    return jnp.where(rank == step_plan.in_force().pipeline - 1, loss, jnp.zeros((), loss.dtype))
+    loss = model.head_loss(mine, shared, y, mb, side, shard=(rank * mine.vocab_size, reduce, mcfg.vocab_size),
+                           ranks=Ranks)
+    return Ranks.once(loss)
