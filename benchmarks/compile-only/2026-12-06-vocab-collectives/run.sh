@@ -17,5 +17,16 @@ if [ -z "${1:-}" ]; then
     --set train.steps=1 $overlap > $out/llama3.1-405b-overlap.json
   python -m megajax.audit --config configs/llama3.1-405b.yaml --target h100 --devices 1024 \
     --set train.steps=1 $overlap parallel.vocab_over_pipeline=true > $out/llama3.1-405b-overlap-vocab-over-pipeline.json
+  # DeepSeek-V3 in DeepSeek's layout with its multi-token prediction module (the preset's, on)
+  ds="parallel.expert=64 parallel.pipeline=16 parallel.tensor=1 parallel.expert_tensor=null parallel.sequence_parallel=false
+    parallel.tp_comm_overlap=false parallel.data_parallel_sharding_strategy=optim parallel.decoder_first_pipeline_num_layers=4
+    parallel.decoder_last_pipeline_num_layers=1 train.micro_batch_size=1 model.recompute=selective train.steps=1"
+  python -m megajax.audit --config configs/deepseek-v3.yaml --target h100 --devices 2048 \
+    --set $ds parallel.data=128 train.global_batch_size=6144 > $out/deepseek-v3-deepseek-layout-2048.json
+  python -m megajax.audit --config configs/deepseek-v3.yaml --target h100 --devices 2048 \
+    --set $ds parallel.data=128 train.global_batch_size=6144 parallel.vocab_over_pipeline=false \
+    > $out/deepseek-v3-deepseek-layout-2048-whole.json
+  python -m megajax.audit --config configs/deepseek-v3.yaml --target h100 --devices 1024 \
+    --set $ds parallel.data=64 > $out/deepseek-v3-deepseek-layout-1024.json
 fi
 # with the patch: git apply $out/lookup-outside-conditionals.patch && bash $out/run.sh lookup-outside-conditionals
