@@ -168,13 +168,12 @@ def _inner(base: Config, fixed: dict, pick, d: int, p: int, t: int, c: int, e: i
     a2a_sizes = context_a2a_sizes(c, t, m.num_heads, gpus_per_node)
     if a2a_sizes and p == 1:
         comms.append("a2a+ring")
-    for (schedule, v), b, recompute, shard, tpo, ogr, r, comm, vp in itertools.product(
+    for (schedule, v), b, recompute, shard, tpo, ogr, r, comm in itertools.product(
             schedules, pick("train.micro_batch_size", micro), pick("model.recompute", ["none", "selective", "full"]),
             pick("parallel.data_parallel_sharding_strategy", sharding),
             pick("parallel.tp_comm_overlap", [False, True] if t > 1 else [False]),
             pick("parallel.overlap_grad_reduce", [False, True] if d * c > 1 else [False]),
-            pick("parallel.num_distributed_optimizer_instances", instances), pick("parallel.context_comm", comms),
-            pick("parallel.vocab_over_pipeline", [None])):
+            pick("parallel.num_distributed_optimizer_instances", instances), pick("parallel.context_comm", comms)):
         if r > 1 and shard == "no_shard" or schedule == "zero_bubble" and ogr:
             continue  # (zero_bubble reduces in B and W, not in the overlapped reduction's ticks)
         if p > 1 and recompute == "full" and "model.recompute" not in fixed:
@@ -187,7 +186,8 @@ def _inner(base: Config, fixed: dict, pick, d: int, p: int, t: int, c: int, e: i
                "parallel.sequence_parallel": fixed.get("parallel.sequence_parallel", t > 1),
                "parallel.tp_comm_overlap": tpo, "parallel.data_parallel_sharding_strategy": shard,
                "parallel.overlap_grad_reduce": ogr, "parallel.num_distributed_optimizer_instances": r,
-               "parallel.context_comm": comm, "parallel.vocab_over_pipeline": vp,
+               "parallel.context_comm": comm,
+               "parallel.vocab_over_pipeline": fixed.get("parallel.vocab_over_pipeline"),  # (null: `search` tries)
                "parallel.context_a2a_size": fixed.get("parallel.context_a2a_size", max(a2a_sizes, default=None))
                if comm == "a2a+ring" else None,
                "parallel.overlap_param_gather": fixed.get("parallel.overlap_param_gather",
@@ -248,12 +248,13 @@ def search(base: Config, hw: Hardware, gpus: int, gpus_per_node: int, fixed: dic
             "seconds": time.perf_counter() - start}
 
 
-def _scored(base: Config, hw: Hardware, gpus: int, gpus_per_node: int, row: dict, margin: float) -> Candidate | None:
-    """The layout `row` scored by the bubble formula (the search's first pass), with the plan's choice of the tables
-    in its settings; None where the config rejects it."""
+def _scored(base: Config, hw: Hardware, gpus: int, gpus_per_node: int, row: dict, margin: float,
+            clock: bool = False) -> Candidate | None:
+    """The layout `row` scored by the bubble formula (the search's first pass; `clock`: on the schedule's clock),
+    with the plan's choice of the tables in its settings; None where the config rejects it."""
     try:
         cfg = configure(base, row, gpus)
-        est = estimate(cfg, hw, gpus_per_node, simulate=False)
+        est = estimate(cfg, hw, gpus_per_node, simulate=clock)
     except (ConfigError, InputError, ValueError):
         return None
     return Candidate({**row, "parallel.vocab_over_pipeline": est.vocab_over_pipeline}, cfg, est, margin=margin)
@@ -263,13 +264,7 @@ def own_layout(base: Config, hw: Hardware, gpus: int, gpus_per_node: int, margin
     """The config's own layout (its values of KEYS) scored as the search scores a layout, on the schedule clock;
     None where it does not run on `gpus` (another GPU count, or an invalid combination there)."""
     settings = {key: getattr(getattr(base, key.split(".")[0]), key.split(".")[1]) for key in KEYS}
-    try:
-        cfg = configure(base, settings, gpus)
-        est = estimate(cfg, hw, gpus_per_node, True)
-        settings["parallel.vocab_over_pipeline"] = est.vocab_over_pipeline  # (null: the plan's rule)
-        return Candidate(settings, cfg, est, margin=margin)
-    except (ConfigError, InputError, ValueError):
-        return None
+    return _scored(base, hw, gpus, gpus_per_node, settings, margin, clock=True)
 
 
 def _complexity(s: dict) -> int:
