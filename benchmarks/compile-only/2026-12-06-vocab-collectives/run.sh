@@ -28,5 +28,8 @@ if [ -z "${1:-}" ]; then
     > $out/deepseek-v3-deepseek-layout-2048-whole.json
   python -m megajax.audit --config configs/deepseek-v3.yaml --target h100 --devices 1024 \
     --set $ds parallel.data=64 > $out/deepseek-v3-deepseek-layout-1024.json
+  python -m megajax.audit --config configs/deepseek-v3.yaml --target h100 --devices 2048 \
+    --set $ds parallel.data=128 train.global_batch_size=6144 model.fp8=e4m3 model.fp8_recipe=blockwise \
+    > $out/deepseek-v3-deepseek-layout-2048-blockwise-fp8.json
 fi
 # with the patch: git apply $out/lookup-outside-conditionals.patch && bash $out/run.sh lookup-outside-conditionals
