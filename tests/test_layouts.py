@@ -549,6 +549,10 @@ def guard_space() -> dict[str, dict]:
                                                                   "parallel.expert_all_to_all": "ragged"}),
         # the embedding and output layer whole on every pipeline rank (elsewhere they are split over the ranks)
         "whole-vocab": guard_case("interleaved", 2, True, 1, 1, False, **{"parallel.vocab_over_pipeline": False}),
+        # the multi-token prediction module with the tables split: its block under a conditional on the last rank,
+        # with the experts' exchange and the tensor collectives inside it
+        "mtp-vocab-moe": guard_case("interleaved", 2, True, 1, 0, True, **{"model.mtp_num_layers": 1}),
+        "mtp-vocab-gpipe": guard_case("gpipe", 2, True, 0, 0, True, **{"model.mtp_num_layers": 1}),
         # hybrid sharding: ZeRO-3 over two instances of two data ranks, on a pipeline and not; ZeRO-1's sum over the
         # instances in the idle ticks' reductions of a pipeline
         "hybrid-pipeline-overlap": guard_case("1f1b", 1, False, 1, 1, False, **{
