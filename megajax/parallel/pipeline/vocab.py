@@ -14,6 +14,8 @@ its slice, in the ticks the schedule's table says the first chunk embeds or the 
   layer; Megatron's vocab-parallel cross entropy reduces the max, the exponentials' sum and the target logit over
   'pipeline' (and 'tensor', by GSPMD) as well. The loss is the last rank's; the gradient of the output comes back
   summed over the ranks by autodiff (the psum's transpose), and each rank keeps its slice's weight gradient.
+- multi-token prediction modules (`Ranks`): each module's tokens looked up as the embedding's, its block on the
+  last rank alone, its normed output shared by a psum for every rank's slice of its logits.
 
 Cost: per micro batch four all-reduces over 'pipeline' of one activation ([mb, s, d]) and three of [mb, s]
 scalars; the head's matmuls are split p ways (the last stage no longer does them alone). The final norm and the
