@@ -328,6 +328,26 @@ def test_a_layout_that_fits_only_with_the_tables_split_is_found():
     assert held["ranked"] == [] and held["too_big"][0].memory_gib > best.memory_gib + 8
 
 
+@pytest.mark.parametrize("tables", ["split", "whole"])
+def test_a_pipeline_rank_holds_the_dense_first_layers_and_its_experts_state_by_their_replicas(tables):
+    """DeepSeek-V3 in DeepSeek's layout on 2048 H100s (pipeline 16, experts over 64, ZeRO-1): in one SPMD program
+    every pipeline rank holds the 3 dense first layers and its chunk's 4 layer slots, and ZeRO shards an expert's
+    AdamW state over the 2 data ranks that replicate it, not all 128. The model's weights and optimizer state a GPU
+    against the compiled program's (benchmarks/2026-12-06-compile-only-vocab-collectives.md)."""
+    sets = ["parallel.data=128", "parallel.expert=64", "parallel.pipeline=16", "parallel.tensor=1",
+            "parallel.expert_tensor=null", "parallel.sequence_parallel=false", "parallel.tp_comm_overlap=false",
+            "parallel.data_parallel_sharding_strategy=optim", "parallel.decoder_first_pipeline_num_layers=4",
+            "parallel.decoder_last_pipeline_num_layers=1", "train.micro_batch_size=1", "model.recompute=selective",
+            "train.global_batch_size=6144", f"parallel.vocab_over_pipeline={tables == 'split'}".lower()]
+    cfg = config_io.load(ROOT / "configs/deepseek-v3.yaml", sets).for_devices(2048)
+    est = cost.estimate(cfg, hardware("h100"), 8)
+    name = "deepseek-v3-deepseek-layout-2048" + ("-whole" if tables == "whole" else "")
+    compiled = json.loads((ROOT / f"benchmarks/compile-only/2026-12-06-vocab-collectives/{name}.json").read_text())
+    params = layout_lib.local_parameters(layout_lib.Layout(cfg, 8))["total"]
+    assert 4 * params == pytest.approx(compiled["parameter_bytes_per_device"], rel=0.04)
+    assert est.memory["optimizer"] == pytest.approx(compiled["optimizer_state_bytes_per_device"], rel=0.01)
+
+
 def test_plans_the_1t_model_on_3072_gpus_fast():
     """The whole search for the paper's 1T model on 3,072 A100s (the model alone) takes seconds."""
     base = config_io.load(ROOT / "configs/paper/gpt-1t.yaml")

@@ -56,20 +56,28 @@ class Layout:
 
 
 def local_parameters(L: Layout) -> dict:
-    """Parameters on the busiest GPU: its layers' matmuls over tensor (experts over expert x tensor), and the
+    """Parameters on a GPU: its layers' matmuls over tensor (experts over expert x tensor; with a pipeline, as every
+    rank holds them in one SPMD program: the largest chunk's slots in each of its chunks, and the dense first layers
+    of a model with model.moe_first_dense_layers), and the
     embedding and output layer over tensor, and over the pipeline ranks with StepPlan.vocab_over_pipeline (else
     every stage holds them whole: megajax's pipeline is one SPMD program), and the multi-token prediction modules'
     layers (model.mtp_num_layers, every stage). {"dense": what the data ranks all hold,
     "experts": what data / expert of them hold, "total"}."""
     counts = parameter_counts(L.model)
-    layers = L.layers
-    moe = round(layers * L.moe_share)
+    m = L.model
+    if L.pp > 1:
+        stacked = L.cfg.stage_split.slots * L.par.virtual_stages * m.layer_period
+        moe = stacked // m.layer_period if m.num_experts else 0
+        layers = stacked + m.first_dense_layers
+    else:
+        layers = L.layers
+        moe = round(layers * L.moe_share)
     dense_layers = layers - moe
     experts = moe * counts["experts"] / (L.e * L.t)
-    mtp = L.model.mtp_num_layers  # the multi-token prediction modules: every rank holds them, MoE where the model is
-    if L.model.num_experts:
+    mtp = m.mtp_num_layers  # the multi-token prediction modules: every rank holds them, MoE where the model is
+    if m.num_experts:
         experts += mtp * counts["experts"] / (L.e * L.t)
     other = ((layers * counts["attention"] + dense_layers * counts["mlp"] + moe * counts["shared"]) / L.t
-             + mtp * (counts["attention"] + (counts["shared"] if L.model.num_experts else counts["mlp"])) / L.t
+             + mtp * (counts["attention"] + (counts["shared"] if m.num_experts else counts["mlp"])) / L.t
              + (counts["embedding"] + counts["output"]) / L.vocab_ranks)
     return {"dense": other, "experts": experts, "total": other + experts}

@@ -94,7 +94,10 @@ def per_gpu(hw: Hardware, L: Layout, params: dict, in_flight: int) -> dict:
     par, m = L.par, L.model
     ranks = L.shards
     n = params["total"]
-    shard = lambda x: x / ranks if ranks > 1 else x  # noqa: E731
+    # ZeRO shards a weight over the data ranks that replicate it: an expert's over data / expert of them (of the
+    # local parameters x, params["experts"] are the experts')
+    expert_ranks = max(1, ranks // (L.c * L.e))
+    shard = lambda x: (x - params["experts"]) / ranks + params["experts"] / expert_ranks  # noqa: E731
     acts = layer_activation_bytes(L)
     stash, kept_per_layer = acts["full"], acts[m.recompute]
     working = acts["none"] if m.recompute == "full" else 0.0  # the one layer full recomputation rebuilds
