@@ -32,7 +32,7 @@ from megajax.parallel.pipeline import schedule
 from megajax.parallel.step_plan import StepPlan
 from megajax.plan import memory
 from megajax.plan.hardware import Hardware
-from megajax.plan.layout import B16, Layout, local_parameters, parameter_counts
+from megajax.plan.layout import B16, Layout, local_parameters, parameter_counts, zero_share
 
 # Bytes the fusions between GEMMs read and write per element, forward (the backward: twice that). Per element of
 # the residual stream [tokens, hidden]: first norm (read, write), bias + residual add (read 2, write), second norm,
@@ -295,15 +295,14 @@ def _data_comm_s(hw: Hardware, L: Layout, params: dict) -> tuple[float, float, f
     ranks = L.shards
     stride = L.pp * L.c * L.t if L.d > 1 else L.t  # (context ranks, tensor apart, reduce with the data ranks)
     bw = group_bandwidth(hw, ranks, stride, L.node)
-    inner_e = L.d // (L.e * L.r)  # an expert weight's data ranks in one instance
+    inner_e = L.expert_shards  # an expert weight's data ranks in one instance
     bw_e = group_bandwidth(hw, inner_e, stride * L.e, L.node)
     grads = _collective_s(4 * params["dense"], 2 * _ring(ranks), bw) + _collective_s(
         4 * params["experts"], 2 * _ring(inner_e), bw_e)
     across = 0.0
     if L.r > 1:  # every instance's shards all-reduced over the instances, the data ranks of one instance apart
         bw_r = group_bandwidth(hw, L.r, stride * L.d // L.r, L.node)
-        across = _collective_s(4 * (params["dense"] / ranks + params["experts"] / max(inner_e, 1)),
-                               2 * _ring(L.r), bw_r)
+        across = _collective_s(4 * zero_share(L, params), 2 * _ring(L.r), bw_r)
     if par.shards_grads:
         # ZeRO-3 gathers the bf16 weights for every forward and backward; under a pipeline once a step, in the
         # schedule's ticks (kept whole for the step), as ZeRO-2 and ZeRO-1 gather their fp32 shards' bf16 casts
@@ -387,7 +386,7 @@ def estimate(cfg: Config, hw: Hardware, gpus_per_node: int, simulate: bool = Tru
     hides = par.overlap_grad_reduce and not par.shards_grads and not packed
     data = (_overlapped(reduce_s, idle + layers * bwd, hides)
             + _overlapped(gather_s, idle + layers * fwd, par.overlap_param_gather and not packed) + L.m * fsdp)
-    optimizer, accumulate = _optimizer_s(hw, L, params["total"], framework)
+    optimizer, accumulate = _optimizer_s(hw, L, params, framework)
     step = step_compute + data + optimizer + accumulate
     micro = step_compute - bubble  # the busiest GPU's own work
     per_layer_exposed = L.m * layers
@@ -427,12 +426,13 @@ def _layer_comm_exposed_s(hw: Hardware, L: Layout, gemm_f: float, attn_f: float,
     return tp_f, tp_b, a2a + max(cp - attn_f, 0.0), a2a + max(2 * cp - attn_b, 0.0)
 
 
-def _optimizer_s(hw: Hardware, L: Layout, n_local: float, framework: str) -> tuple[float, float]:
-    """(AdamW's update of this GPU's share of its `n_local` parameters, the micro batches' gradient accumulation:
-    none in Megatron's fused accumulation)."""
-    shard = L.shards if L.par.shards_optimizer else 1
-    optimizer = (ADAMW_BYTES * n_local / shard + 6 * n_local) / hw.elementwise_bytes_per_s
-    accumulated = n_local / L.shards if L.par.shards_grads else n_local  # ZeRO-2/3 accumulate their shard
+def _optimizer_s(hw: Hardware, L: Layout, params: dict, framework: str) -> tuple[float, float]:
+    """(AdamW's update of this GPU's share of its local parameters `params`, the micro batches' gradient
+    accumulation: none in Megatron's fused accumulation)."""
+    n_local = params["total"]
+    updated = zero_share(L, params) if L.par.shards_optimizer else n_local
+    optimizer = (ADAMW_BYTES * updated + 6 * n_local) / hw.elementwise_bytes_per_s
+    accumulated = zero_share(L, params) if L.par.shards_grads else n_local  # ZeRO-2/3 accumulate their shard
     accumulate = (L.m * GRAD_ACCUMULATION_BYTES * accumulated / hw.elementwise_bytes_per_s
                   if L.m > 1 and framework == "megajax" else 0.0)
     return optimizer, accumulate

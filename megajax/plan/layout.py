@@ -42,6 +42,7 @@ class Layout:
         self.t, self.c, self.pp, self.d, self.e = p.tensor, p.context, p.pipeline, p.data, p.expert
         self.r = p.num_distributed_optimizer_instances  # hybrid sharding's instances
         self.shards = p.shard_ranks  # the ranks ZeRO shards over (one instance's data x context)
+        self.expert_shards = max(1, self.shards // (self.c * self.e))  # an expert weight's: data / expert of them
         self.b = cfg.train.micro_batch_size
         self.m = cfg.num_micro_batches
         self.tokens = self.b * m.seq_length // self.c  # one micro batch's tokens on this GPU's context shard
@@ -81,3 +82,11 @@ def local_parameters(L: Layout) -> dict:
              + mtp * (counts["attention"] + (counts["shared"] if m.num_experts else counts["mlp"])) / L.t
              + (counts["embedding"] + counts["output"]) / L.vocab_ranks)
     return {"dense": other, "experts": experts, "total": other + experts}
+
+
+def zero_share(L: Layout, params: dict, total: float | None = None) -> float:
+    """What ZeRO leaves a GPU of `total` of its local parameters (`local_parameters`' params; default: all of them;
+    a part holding all the experts): the experts' over the data ranks that replicate them (L.expert_shards), the
+    rest over L.shards."""
+    total = params["total"] if total is None else total
+    return (total - params["experts"]) / L.shards + params["experts"] / L.expert_shards

@@ -8,7 +8,7 @@ from __future__ import annotations
 from megajax.config import Config
 from megajax.parallel.pipeline import schedule
 from megajax.plan.hardware import GIB, Hardware
-from megajax.plan.layout import B16, Layout, parameter_counts
+from megajax.plan.layout import B16, Layout, parameter_counts, zero_share
 
 RESERVE_BYTES = 3 * GIB  # cuBLAS / NCCL workspaces and fragmentation, outside XLA's memory analysis
 
@@ -92,12 +92,8 @@ def per_gpu(hw: Hardware, L: Layout, params: dict, in_flight: int) -> dict:
     (`layer_activation_bytes`; the zero-bubble schedule's output gradients, `split_backward_bytes`), the logits,
     the reserve; and XLA's scheduling limit for this program."""
     par, m = L.par, L.model
-    ranks = L.shards
     n = params["total"]
-    # ZeRO shards a weight over the data ranks that replicate it: an expert's over data / expert of them (of the
-    # local parameters x, params["experts"] are the experts')
-    expert_ranks = max(1, ranks // (L.c * L.e))
-    shard = lambda x: (x - params["experts"]) / ranks + params["experts"] / expert_ranks  # noqa: E731
+    shard = lambda x: zero_share(L, params, x)  # noqa: E731  (an expert's over the data ranks that replicate it)
     acts = layer_activation_bytes(L)
     stash, kept_per_layer = acts["full"], acts[m.recompute]
     working = acts["none"] if m.recompute == "full" else 0.0  # the one layer full recomputation rebuilds
