@@ -58,8 +58,9 @@ def _round_up(x: int, m: int) -> int:
 
 
 def plan_rows(sizes: jax.Array, rows: int, block_m: int):
-    """(each row's position in the padded buffer (`padded_rows` for a padding row: dropped), each tile's
-    group (e past the last group's tiles), each group's first tile, its tile count, the buffer's rows)."""
+    """(each row's position in the padded buffer (past `padded_rows` for a padding row, each its own: dropped),
+    each tile's group (e past the last group's tiles), each group's first tile, its tile count, the buffer's
+    rows)."""
     e = sizes.shape[0]
     sizes = sizes.astype(jnp.int32)
     # each group's rows rounded up to whole tiles take at most (rows + e (block_m - 1)) / block_m tiles in all
@@ -71,7 +72,7 @@ def plan_rows(sizes: jax.Array, rows: int, block_m: int):
     row = jnp.arange(rows, dtype=jnp.int32)
     group = group_of_rows(sizes, rows).astype(jnp.int32)  # e for padding rows
     safe = jnp.minimum(group, e - 1)
-    dest = jnp.where(group < e, first_tile[safe] * block_m + row - start[safe], padded_rows)
+    dest = jnp.where(group < e, first_tile[safe] * block_m + row - start[safe], padded_rows + row)
     tile_group = group_of_rows(group_tiles, tiles).astype(jnp.int32)  # e past the last group's tiles
     return dest, tile_group, first_tile.astype(jnp.int32), group_tiles.astype(jnp.int32), padded_rows
 
@@ -154,8 +155,8 @@ def _fit(b: Blocks, k: int, n: int) -> tuple[Blocks, int, int]:
 
 
 def scatter_rows(x, dest, padded_rows):
-    """x's rows [a, ...] at their places `dest` in a zeroed buffer of padded_rows (a dest past it: dropped)."""
-    return jnp.zeros((padded_rows, x.shape[1]), x.dtype).at[dest].set(x, mode="drop")
+    """x's rows [a, ...] at their places `dest` (unique) in a zeroed buffer of padded_rows (a dest past it: dropped)."""
+    return jnp.zeros((padded_rows, x.shape[1]), x.dtype).at[dest].set(x, mode="drop", unique_indices=True)
 
 
 def _pad_cols(x, width):

@@ -57,10 +57,10 @@ def layer_activation_bytes(L: Layout) -> dict:
         copies = k * (factor or 1.0)
         split = 1 if L.par.folded_experts else t
         # the experts' rows (with a capacity: the dispatched buffer and its copy), their MLPs, the shared experts';
-        # the routed copies' bookkeeping (masks and rows of [tokens x k, hidden]: 10 bytes an element with a
-        # capacity, 7 dropless), the router's fp32 input and probabilities
+        # the routed copies sorted by expert and unsorted ([tokens x k, hidden], bf16 each), the router's fp32 input
+        # and probabilities
         moe = (copies * (B16 * h * (2 if factor else 1) + mlp * m.moe_ffn_size / split)
-               + mlp * m.moe_shared_experts * m.moe_ffn_size / t + k * h * (10 if factor else 7)
+               + mlp * m.moe_shared_experts * m.moe_ffn_size / t + 2 * B16 * k * h
                + 4 * h + 4 * m.num_experts)
         per_token += L.moe_share * moe + (1 - L.moe_share) * dense
     else:
