@@ -278,7 +278,6 @@ def test_the_layer_s_derivative_scatters_rows_without_masks(factor, folds, ragge
     import jax.numpy as jnp
 
     from megajax.config import ParallelConfig
-    from megajax.model import moe
     from megajax.parallel import sharding
 
     from conftest import jaxpr_eqns
