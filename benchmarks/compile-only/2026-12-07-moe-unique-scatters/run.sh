@@ -18,3 +18,19 @@ audit capacity
 audit dropless-grouped model.moe_capacity_factor=null model.moe_grouped_gemm=true
 audit dropless-ragged-dot model.moe_capacity_factor=null model.moe_grouped_gemm=false
 python benchmarks/compile-only/2026-12-06-fp8-delayed-casts/fusion_bytes.py /tmp/moe-$tag-*.hlo > $out/$tag/fusion_bytes.txt
+# DeepSeek-V3 in DeepSeek's layout with its multi-token prediction module (the preset's, on), and the preset itself
+ds="parallel.expert=64 parallel.pipeline=16 parallel.tensor=1 parallel.expert_tensor=null parallel.sequence_parallel=false
+  parallel.tp_comm_overlap=false parallel.data_parallel_sharding_strategy=optim parallel.decoder_first_pipeline_num_layers=4
+  parallel.decoder_last_pipeline_num_layers=1 train.micro_batch_size=1 model.recompute=selective train.steps=1"
+deepseek() {  # name, devices, extra --set values
+  local name=$1 devices=$2; shift 2
+  python -m megajax.audit --config configs/deepseek-v3.yaml --target h100 --devices $devices --set "$@" \
+    > $out/$tag/$name.json
+}
+deepseek deepseek-v3-deepseek-layout-2048 2048 $ds parallel.data=128 train.global_batch_size=6144
+deepseek deepseek-v3-deepseek-layout-2048-whole 2048 $ds parallel.data=128 train.global_batch_size=6144 \
+  parallel.vocab_over_pipeline=false
+deepseek deepseek-v3-deepseek-layout-1024 1024 $ds parallel.data=64
+deepseek deepseek-v3-deepseek-layout-2048-blockwise-fp8 2048 $ds parallel.data=128 train.global_batch_size=6144 \
+  model.fp8=e4m3 model.fp8_recipe=blockwise
+deepseek deepseek-v3-preset 1024 train.steps=1
