@@ -34,3 +34,7 @@ deepseek deepseek-v3-deepseek-layout-1024 1024 $ds parallel.data=64
 deepseek deepseek-v3-deepseek-layout-2048-blockwise-fp8 2048 $ds parallel.data=128 train.global_batch_size=6144 \
   model.fp8=e4m3 model.fp8_recipe=blockwise
 deepseek deepseek-v3-preset 1024 train.steps=1
+# the planner's uncompiled first choice for the preset's model on 1024 GPUs
+deepseek deepseek-v3-d1024-e8-zero3 1024 parallel.data=1024 parallel.expert=8 parallel.pipeline=1 parallel.tensor=1 \
+  parallel.expert_tensor=null parallel.sequence_parallel=false parallel.tp_comm_overlap=false \
+  parallel.data_parallel_sharding_strategy=optim_grads_params train.micro_batch_size=3 model.recompute=full train.steps=1
