@@ -184,12 +184,8 @@ def expected_all_to_all(cfg) -> dict:
     tokens = cfg.train.micro_batch_size * m.seq_length // (p.tensor if p.folded_experts else 1)
     row = m.hidden_size * (2 if m.compute_dtype != "float32" else 4)
     k, e = m.experts_per_token, m.num_experts
-    if m.moe_capacity_factor is None:
-        ranks = p.expert * (p.tensor if p.folded_experts else 1)  # the ranks that hold experts
-        bound = moe.dropless_bound(tokens, k, e, ranks)
-        buffer = moe.receive_rows(tokens * k, bound, ranks, p.expert_buffer_factor) * row
-    else:
-        buffer = e * moe.capacity(tokens, k, e, m.moe_capacity_factor) * row
+    ranks = p.expert * (p.tensor if p.folded_experts else 1)  # the ranks that hold experts
+    buffer = moe.buffer_rows(tokens, k, e, ranks, m.moe_capacity_factor, p.expert_buffer_factor) * row
     again = 1.0 if m.recompute == "full" else 0.0  # the share of chunk forwards run twice
     if m.recompute != "full" and p.pipeline > 1 and p.schedule != "gpipe":
         from megajax.parallel.pipeline import ticks

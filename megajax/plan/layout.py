@@ -57,20 +57,17 @@ class Layout:
 
     @property
     def expert_rows(self) -> float:
-        """Rows a GPU's experts run for each token of one micro batch (`tokens`), as megajax.model.moe sizes their
-        buffers: k x the capacity factor in capacity buffers; dropless on one rank k; dropless across the n ranks
-        that hold experts the receiving buffer's rows (moe.receive_rows: the most a rank can get, n x min(k, e / n)
-        a token, or with the ragged exchange's parallel.expert_buffer_factor that factor x k). Folded experts
-        (parallel.expert_tensor=1) route each tensor rank's sequence shard, over n = expert x tensor ranks."""
+        """Rows a GPU's experts run for each token of one micro batch (`tokens`): megajax.model.moe.buffer_rows (k x
+        the capacity factor in capacity buffers; dropless, k on one rank, and across the n ranks that hold experts
+        the receiving buffer: the most a rank can get, n x min(k, e / n) a token, or the ragged exchange's
+        parallel.expert_buffer_factor x k). Folded experts (parallel.expert_tensor=1) route each tensor rank's
+        sequence shard, over n = expert x tensor ranks."""
         from megajax.model import moe
 
         m, folds = self.model, self.plan.moe_folds
-        k, shard = m.experts_per_token, self.tokens // folds  # the tokens one routing group holds
-        if m.moe_capacity_factor is not None or self.e * folds == 1:
-            return k * (m.moe_capacity_factor or 1.0) / folds
-        n = self.e * folds
-        factor = self.plan.moe_buffer_factor if self.plan.moe_ragged else None
-        return moe.receive_rows(shard * k, moe.dropless_bound(shard, k, m.num_experts, n), n, factor) / self.tokens
+        shard = self.tokens // folds  # the tokens one routing group holds
+        return moe.buffer_rows(shard, m.experts_per_token, m.num_experts, self.e * folds, m.moe_capacity_factor,
+                               self.plan.moe_buffer_factor) / self.tokens
 
 
 def local_parameters(L: Layout) -> dict:

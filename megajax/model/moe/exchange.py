@@ -75,6 +75,19 @@ def capacity(tokens: int, k: int, e: int, factor: float) -> int:
     return max(1, math.ceil(tokens * k / e * factor))
 
 
+def buffer_rows(tokens: int, k: int, e: int, ranks: int, capacity_factor: float | None,
+                buffer_factor: float | None = None) -> int:
+    """Rows a rank's experts run for one routing group of `tokens` tokens, the experts on `ranks` ranks: e capacity
+    buffers (`capacity`) with a capacity factor; dropless, the routed rows on one rank, and across ranks the
+    receiving buffer (`receive_rows`: the most a rank can get, or with the ragged exchange buffer_factor x the routed
+    rows)."""
+    if capacity_factor is not None:
+        return e * capacity(tokens, k, e, capacity_factor)
+    if ranks == 1:
+        return tokens * k
+    return receive_rows(tokens * k, dropless_bound(tokens, k, e, ranks), ranks, buffer_factor)
+
+
 def _place(into: jax.Array, at, rows: jax.Array) -> jax.Array:
     """`into` with rows written at the indices `at`, which are unique (rows at an index past `into` dropped). Said
     unique to JAX: otherwise its scatter's derivative scatters an id per element to find which update won and keeps
