@@ -21,15 +21,15 @@ The public names are re-exported here, so callers write `from megajax.model impo
 
 from megajax.model.moe.routing import (ROUTER_BIAS, STATS, Routing, attach_loss, load_balancing_loss, report, route,
                                        step_stats, update_router_bias, z_loss)
-from megajax.model.moe.exchange import (Exchange, buffer_rows, capacity, combine, dispatch, dropless_bound, exchange_capacity,
-                                        exchange_dropless, exchange_folded, exchange_folded_dropless,
-                                        expert_parallel_size, folded_all_to_all, folds, from_buffers, ragged_move,
-                                        ragged_plan, receive_rows, to_buffers)
+from megajax.model.moe.exchange import (Exchange, buffer_rows, capacity, combine, dispatch, dropless_bound,
+                                        exchange_capacity, exchange_dropless, exchange_folded,
+                                        exchange_folded_dropless, expert_parallel_size, folded_all_to_all, folds,
+                                        from_buffers, ragged_move, ragged_plan, receive_rows, to_buffers)
 from megajax.model.moe.layer import MoE, expert_mlps, run_experts
 
 __all__ = ["ROUTER_BIAS", "STATS", "Routing", "attach_loss", "load_balancing_loss", "report", "route", "step_stats",
            "update_router_bias", "z_loss",
-           "Exchange", "buffer_rows", "capacity", "combine", "dispatch", "dropless_bound", "exchange_capacity", "exchange_dropless",
-           "exchange_folded", "exchange_folded_dropless", "expert_parallel_size", "folded_all_to_all", "folds",
-           "from_buffers", "ragged_move", "ragged_plan", "receive_rows", "to_buffers",
+           "Exchange", "buffer_rows", "capacity", "combine", "dispatch", "dropless_bound", "exchange_capacity",
+           "exchange_dropless", "exchange_folded", "exchange_folded_dropless", "expert_parallel_size",
+           "folded_all_to_all", "folds", "from_buffers", "ragged_move", "ragged_plan", "receive_rows", "to_buffers",
            "MoE", "expert_mlps", "run_experts"]

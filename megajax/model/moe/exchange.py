@@ -141,8 +141,8 @@ def exchange_capacity(buf_ecd: jax.Array, ep: int, experts) -> jax.Array:
 
 
 def to_buffers(rows_ad: jax.Array, ids_tk: jax.Array, sizes_e: jax.Array, c: int):
-    """dispatch's rows [a, d] -> (capacity buffers [e, c, d], each row's expert, slot and whether it was kept):
-    an expert takes its first c rows in dispatch's order, the rest are dropped."""
+    """dispatch's rows [a, d] -> (capacity buffers [e, c, d], each row's expert, its place among the expert's rows
+    and whether it was kept): an expert takes its first c rows in dispatch's order, the rest are dropped."""
     e = sizes_e.shape[0]
     expert = jnp.sort(ids_tk.reshape(-1))
     pos = jnp.arange(rows_ad.shape[0]) - (jnp.cumsum(sizes_e) - sizes_e)[expert]
