@@ -524,28 +524,6 @@ def test_above_the_scheduling_limit_nothing_is_hidden():
     assert zero3.exposed_s["data"] == pytest.approx(cfg.num_micro_batches * per_micro)
 
 
-@pytest.mark.parametrize("sets,rows", [
-    (["model.moe_capacity_factor=1.25"], 2.5), (["model.moe_capacity_factor=null"], 8),
-    (["model.moe_capacity_factor=null", "parallel.expert_all_to_all=ragged", "parallel.expert_buffer_factor=1.5"], 3),
-    (["model.moe_capacity_factor=null", "parallel.sequence_parallel=true", "parallel.expert_tensor=1"], 4),
-    (["model.moe_capacity_factor=2.0", "parallel.sequence_parallel=true", "parallel.expert_tensor=1"], 2)],
-    ids=["capacity", "padded", "ragged-buffer", "folded", "folded-capacity"])
-def test_the_experts_rows_are_the_exchange_s_buffer(sets, rows):
-    """The memory model's rows a GPU's experts run for each token of a micro batch (`Layout.expert_rows`; tiny-moe:
-    8 experts, k 2, on 4 expert ranks) are the buffer the audit expects each all-to-all to move
-    (audit.expected_all_to_all, which test_audit checks against the compiled program's collectives): k x 1.25 in
-    capacity buffers; dropless, the padded blocks of the most a rank can get (4 ranks x min(k, 8 / 4) rows a
-    token) or the ragged exchange's receiving buffer (1.5 x k); folded over 'expert' x 'tensor' (8 ranks), a
-    tensor rank's half of the sequence (8 x min(k, 1) rows for each of its tokens; capacity 2: k x 2 for each)."""
-    from megajax import audit
-
-    cfg = config_io.load(ROOT / "configs/tiny-moe.yaml", ["parallel.data=4", "parallel.expert=4", "parallel.tensor=2",
-                                                          "model.compute_dtype=bfloat16", *sets]).for_devices(8)
-    L = layout_lib.Layout(cfg, 8)
-    assert L.expert_rows == rows
-    assert L.expert_rows * L.tokens * 2 * cfg.model.hidden_size == audit.expected_all_to_all(cfg)["buffer_bytes_each"]
-
-
 # (preset, --set): the layer kinds whose kept activations the model counts: GeLU and SwiGLU MLPs, grouped-query
 # attention, and MoE layers with a capacity and dropless.
 LAYER_KINDS = [("gpt2-1.3b", []), ("llama3-70b", ["parallel.schedule=1f1b", "parallel.virtual_stages=1"]),

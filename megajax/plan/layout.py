@@ -55,20 +55,6 @@ class Layout:
         self.vocab_ranks = self.t * (self.pp if self.plan.vocab_over_pipeline else 1)
         self.unfused = not kernel_choice.fused_attention(m.attention_impl, m.head_dim, m.attention_dropout > 0, "gpu")
 
-    @property
-    def expert_rows(self) -> float:
-        """Rows a GPU's experts run for each token of one micro batch (`tokens`): megajax.model.moe.buffer_rows (k x
-        the capacity factor in capacity buffers; dropless, k on one rank, and across the n ranks that hold experts
-        the receiving buffer: the most a rank can get, n x min(k, e / n) a token, or the ragged exchange's
-        parallel.expert_buffer_factor x k). Folded experts (parallel.expert_tensor=1) route each tensor rank's
-        sequence shard, over n = expert x tensor ranks."""
-        from megajax.model import moe
-
-        m, folds = self.model, self.plan.moe_folds
-        shard = self.tokens // folds  # the tokens one routing group holds
-        return moe.buffer_rows(shard, m.experts_per_token, m.num_experts, self.e * folds, m.moe_capacity_factor,
-                               self.plan.moe_buffer_factor) / self.tokens
-
 
 def local_parameters(L: Layout) -> dict:
     """Parameters on a GPU: its layers' matmuls over tensor (experts over expert x tensor; with a pipeline, as every

@@ -36,8 +36,9 @@ def layer_activation_bytes(L: Layout) -> dict:
     11 bytes each (the causal mask, two fp32 copies, the bf16 probabilities), which selective recomputation drops;
     the MLP's input to its activation and its output (SwiGLU: gate and up, 3 x ffn; GeLU 2 x ffn: the activations
     keep only their input, megajax.model.layers.gelu); a mask byte for each of the two residual dropouts. MoE
-    layers keep the same for each row their experts run (`Layout.expert_rows`: the capacity buffers, or the
-    receiving buffer of the expert-parallel exchange) and the routing's buffers (checked at expert 1 and tensor 1).
+    layers keep the same for each routed copy of a token (k x capacity factor) and the routing's buffers (counted
+    at expert 1 and tensor 1; the exchanges of expert parallelism and their receiving buffers are not: counting
+    them moved the planner's compiles for DeepSeek-V3 onto a slower layout, see docs/features/planner.md).
     Multi-latent attention's latent projections are not counted (a few percent)."""
     m, t, T = L.model, L.t, L.tokens
     h = m.hidden_size
@@ -53,13 +54,14 @@ def layer_activation_bytes(L: Layout) -> dict:
     mlp = (3 if m.arch == "llama" else 2) * B16
     dense = mlp * m.ffn_size / t
     if m.num_experts:
-        k, factor, folds = m.experts_per_token, m.moe_capacity_factor, L.plan.moe_folds
+        k, factor = m.experts_per_token, m.moe_capacity_factor
+        copies = k * (factor or 1.0)
         split = 1 if L.par.folded_experts else t
         # the experts' rows (with a capacity: the dispatched buffer and its copy), their MLPs, the shared experts';
-        # the routed copies sorted by expert and unsorted ([tokens x k, hidden], bf16 each; folded: of a tensor
-        # rank's sequence shard), the router's fp32 input and probabilities
-        moe = (L.expert_rows * (B16 * h * (2 if factor else 1) + mlp * m.moe_ffn_size / split)
-               + mlp * m.moe_shared_experts * m.moe_ffn_size / t + 2 * B16 * k * h / folds
+        # the routed copies sorted by expert and unsorted ([tokens x k, hidden], bf16 each), the router's fp32 input
+        # and probabilities
+        moe = (copies * (B16 * h * (2 if factor else 1) + mlp * m.moe_ffn_size / split)
+               + mlp * m.moe_shared_experts * m.moe_ffn_size / t + 2 * B16 * k * h
                + 4 * h + 4 * m.num_experts)
         per_token += L.moe_share * moe + (1 - L.moe_share) * dense
     else:
