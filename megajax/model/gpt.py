@@ -335,9 +335,12 @@ def head_apply(cfg: ModelConfig, params: dict, x_bsd: jax.Array, targets_bs: jax
     slice's)."""
     table = params["embed"]["embedding"] if cfg.tied else None
     logits = Head(cfg).apply({"params": params["head"]}, x_bsd, table)
-    vocab = cfg.vocab_size if shard is None else shard[2]
-    losses = cross_entropy(logits, targets_bs, vocab, None if shard is None else shard[:2])
-    return jnp.sum(losses * mask_bs)
+    return jnp.sum(cross_entropy(logits, targets_bs, *_vocabulary(cfg, shard)) * mask_bs)
+
+
+def _vocabulary(cfg: ModelConfig, shard) -> tuple:
+    """`head_apply`'s shard as `cross_entropy` takes it: (the whole vocabulary's size, the slice's shard or None)."""
+    return (cfg.vocab_size, None) if shard is None else (shard[2], shard[:2])
 
 
 def dropout_keys(cfg: ModelConfig, seed: int, sample_ids: jax.Array) -> jax.Array | None:
@@ -387,7 +390,6 @@ def head_loss(cfg: ModelConfig, params: dict, x_bsd: jax.Array, batch: dict, sid
         return loss
     assert (shard is None) == (ranks is None), "a vocabulary slice's modules run in its ranks' lock step"
     weight = params["embed"]["embedding"] if cfg.tied else params["head"]["output"]
-    vocab, reduce = (cfg.vocab_size, None) if shard is None else (shard[2], shard[:2])
     h, total = x_bsd, jnp.zeros((), jnp.float32)
     for k in range(1, cfg.mtp_num_layers + 1):
         mine = params[f"mtp_{k}"]
@@ -397,7 +399,7 @@ def head_loss(cfg: ModelConfig, params: dict, x_bsd: jax.Array, batch: dict, sid
             return MultiTokenPrediction(cfg, k).apply({"params": mine}, h, e, side)
 
         h, normed = block(h, e) if ranks is None else ranks.owned(block, h, e)
-        losses = cross_entropy(output_logits(cfg, normed, weight), batch[f"mtp_targets_{k}"], vocab, reduce)
+        losses = cross_entropy(output_logits(cfg, normed, weight), batch[f"mtp_targets_{k}"], *_vocabulary(cfg, shard))
         mask = batch[f"mtp_mask_{k}"]
         counted = jnp.stack([jnp.sum(losses * mask), jnp.sum(mask)])
         counted = counted if ranks is None else ranks.once(counted)
