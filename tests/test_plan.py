@@ -394,6 +394,10 @@ def test_the_config_s_own_layout_is_placed_against_the_best(capsys):
     assert plan_main(["--config", "configs/llama3-8b.yaml", "--target", "h100", "--gpus", "8", "--compile", "0"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("the config's own layout"))
     assert "(d2 p1 t4 sp tpo ogr zero1, mb 1, recompute selective)" in line and "against the best" in line
+    # a preset whose data size is null (what the other axes leave) is labelled with the size it takes
+    assert plan_main(["--config", "configs/gpt2-1.3b.yaml", "--target", "h100", "--gpus", "64", "--compile", "0"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("the config's own layout"))
+    assert "(d32 p1 t2 sp zero1, mb 4, recompute selective)" in line
 
 
 def test_every_key_fixed_scores_that_layout(capsys):
@@ -601,6 +605,31 @@ def test_compile_loop_learns_and_survives_failures(monkeypatch, capsys):
     # the third compile ran on the model's memory as the too-big one corrected it
     same = calls[2].settings["model.recompute"] == calls[1].settings["model.recompute"]
     assert calls[2].activation_scale == (calls[1].learned_scale() if same else 1.0)
+
+
+def test_a_slower_compile_does_not_crown_itself(monkeypatch, capsys):
+    """A compiled layout that XLA's program makes clearly slower than uncompiled predictions is not listed first
+    for being compiled: the faster predictions lead, and the plan says they are unsettled (the compiles stopped
+    before them) and how to settle them."""
+    import megajax.plan.__main__ as cli
+
+    calls = []
+
+    def fake(c, target):  # fits, but its program exposes a step's worth of communication more than the model
+        calls.append(c)
+        return {"peak_gib": c.estimate.memory["total"] / 2**30, "fits": True,
+                "exposed_s": c.model_exposed_s + c.estimate.step_s}
+
+    monkeypatch.setattr(cli, "compile_candidate", fake)
+    assert cli.main(["--config", "configs/gpt2-1.3b.yaml", "--target", "h100", "--gpus", "64", "--compile", "1",
+                     "--json", "-"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert len(calls) == 1 and not rows[0]["compiled"]
+    k = next(i for i, r in enumerate(rows) if r["compiled"])
+    assert all(r["predicted_step_s"] < rows[k]["predicted_step_s"] * 0.97 for r in rows[:k])
+    assert cli.main(["--config", "configs/gpt2-1.3b.yaml", "--target", "h100", "--gpus", "64", "--compile", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"unsettled: rows 1-{k} are the model's alone" in out and "(the model's, not compiled)" in out
 
 
 def test_rank_keeps_the_simplest_of_equals():

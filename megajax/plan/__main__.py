@@ -316,8 +316,29 @@ def _compile(result: dict, target: str, n: int, margin: float, budget: float) ->
             notes.append(f"  compiled {_label(c.settings)} mb {c.settings['train.micro_batch_size']}: XLA needs "
                          f"{c.memory_gib:.1f} GiB (the model said {c.estimate.memory['total'] / GIB:.1f}): too big")
         rank(ranked)
-        ranked.sort(key=lambda c: c.compiled is None)  # (compiled first: their numbers are the program's)
-    return notes
+        _order(ranked, margin)
+    return notes + _unsettled(ranked, margin)
+
+
+def _order(ranked: list[Candidate], margin: float) -> None:
+    """Compiled rows first (their numbers are the program's), except behind the uncompiled rows the model predicts
+    clearly (by `margin`) faster than the best of them: those are not crowned by a slower compile."""
+    best = min((c.step_s for c in ranked if c.compiled), default=None)
+    if best is not None:
+        ranked.sort(key=lambda c: (c.compiled is not None or c.step_s >= best * (1 - margin), c.compiled is None))
+
+
+def _unsettled(ranked: list[Candidate], margin: float) -> list[str]:
+    """A note where the first rows are the model's alone, predicted clearly faster than every compiled layout:
+    the compiles stopped (--compile's count, its budget, or failures) before reaching them."""
+    compiled = [i for i, c in enumerate(ranked, 1) if c.compiled]
+    if not compiled or compiled[0] == 1:
+        return []
+    k = compiled[0]
+    return [textwrap.fill(f"  unsettled: rows 1-{k - 1} are the model's alone, predicted more than {margin:.0%} faster than the "
+            f"best compiled layout (row {k}, {ranked[k - 1].step_s:.4g} s); the compiles stopped before them, and a "
+            "compile can move them (XLA's memory and exposed communication replace the model's): rerun with a larger "
+            "--compile or --compile-budget, or audit row 1 (python -m megajax.audit) before training on it", 118, subsequent_indent="  ")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -365,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
         print(textwrap.fill(_uncertainty(ranked, args.target), 118))
         print(f"\nbest: {_label(best.settings)}, micro batch {best.settings['train.micro_batch_size']}, recompute "
               f"{best.settings['model.recompute']}: {best.step_s:.4g} s a step, "
-              f"{rows[0]['tflops_per_gpu']:.0f} TFLOP/s a GPU, {best.memory_gib:.1f} GiB")
+              f"{rows[0]['tflops_per_gpu']:.0f} TFLOP/s a GPU, {best.memory_gib:.1f} GiB"
+              + (" (the model's, not compiled)" if args.compile > 0 and not best.compiled else ""))
         print("\n".join(_why(ranked, result["too_big"]) + notes))
         print(_own(own_layout(base, hw, args.gpus, args.gpus_per_node, args.memory_margin), best, ERROR[args.target]))
     if args.write:

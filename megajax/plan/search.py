@@ -264,7 +264,10 @@ def own_layout(base: Config, hw: Hardware, gpus: int, gpus_per_node: int, margin
     """The config's own layout (its values of KEYS) scored as the search scores a layout, on the schedule clock;
     None where it does not run on `gpus` (another GPU count, or an invalid combination there)."""
     settings = {key: getattr(getattr(base, key.split(".")[0]), key.split(".")[1]) for key in KEYS}
-    return _scored(base, hw, gpus, gpus_per_node, settings, margin, clock=True)
+    own = _scored(base, hw, gpus, gpus_per_node, settings, margin, clock=True)
+    if own is not None:  # (data: null takes what the other axes leave)
+        own.settings["parallel.data"] = own.cfg.parallel.data
+    return own
 
 
 def _complexity(s: dict) -> int:
