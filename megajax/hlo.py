@@ -419,11 +419,11 @@ def _grouped_gemm_flops(op) -> float:
 
 def _block_fp8_flops(op) -> float:
     """The FLOPs of one block-scaled FP8 kernel (megajax.kernels.block_fp8), 2 x m x k x n from its operands
-    a [m, k], its scales, b [k, n] and its scales (rows and columns padded to whole tiles)."""
+    a [m, k], its scales, b [k, n] (or [n, k]) and its scales [k / group, n] (rows and columns padded to tiles)."""
     dims = _kernel_operands(op, 'name = "block_fp8_matmul')
     if not dims or len(dims) != 4:
         return 0.0
-    (m, k), (_, n) = dims[0], dims[2]
+    (m, k), n = dims[0], dims[3][-1]
     return 2.0 * m * k * n
 
 

@@ -526,13 +526,50 @@ def test_block_fp8_kernel_matches_its_reference_and_lowers_to_triton_in_fp8():
     got = block_fp8.matmul(a, sa, b, sb, group, jnp.float32, block_fp8.Blocks(interpret=True))
     want = block_fp8.reference(a, sa, b, sb, group, jnp.float32)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+    # b given as [n, k] (a weight's blocks as they are, for its input gradient): the same product
+    got = block_fp8.matmul(a, sa, b.T, sb, group, jnp.float32, block_fp8.Blocks(interpret=True), b_nk=True)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+    np.testing.assert_array_equal(block_fp8.matmul(a, sa, b.T, sb, group, jnp.float32, b_nk=True), want)
     with pytest.raises(ValueError, match="multiple of the block"):
         block_fp8.matmul(a[:, :90], sa, b[:90], sb, group, jnp.float32)
-    exported = jax.export.export(jax.jit(lambda *ops: block_fp8.matmul(*ops, group, jnp.bfloat16)),
-                                 platforms=["cuda"], disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(
-                                     "__gpu$xla.gpu.triton")])(a, sa, b, sb)
-    text = exported.mlir_module()
-    assert 'name = "block_fp8_matmul"' in text and "tt.ptr<f8E4M3FN>" in text
+    for b_nk in (False, True):
+        exported = jax.export.export(jax.jit(lambda *ops: block_fp8.matmul(*ops, group, jnp.bfloat16, b_nk=b_nk)),
+                                     platforms=["cuda"], disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(
+                                         "__gpu$xla.gpu.triton")])(a, sa, b.T if b_nk else b, sb)
+        text = exported.mlir_module()
+        assert 'name = "block_fp8_matmul"' in text and "tt.ptr<f8E4M3FN>" in text
+
+
+@gpu
+def test_blockwise_products_ask_no_transposed_copy_of_a_loop_invariant_weight():
+    """In a loop over micro batches (a pipeline's ticks), a weight the loop reads whole (DeepSeek-V3's dense first
+    layers, held by every rank) is quantized every iteration. Its input gradient takes the weight's blocks as they
+    are (block_fp8.matmul's b_nk): a transposed operand there made XLA transpose the fp32 weight once before the
+    loop and hold that copy all step (6.5 GiB for DeepSeek-V3's dense layers on a pipeline rank)."""
+    from jax.sharding import SingleDeviceSharding
+
+    from megajax import audit
+
+    where = SingleDeviceSharding(audit._gpu_devices("h100", 8)[0])
+
+    def step(w, xs):  # two linear layers, so that the first's output gradient goes through the second's weight
+        def grads(x, w):
+            def loss(w):
+                y = fp8_blockwise.block_einsum("bsd,df->bsf", 128, (None, None), x, w[0].astype(jnp.bfloat16))
+                z = fp8_blockwise.block_einsum("bsf,fd->bsd", 128, (None, None), y, w[1].astype(jnp.bfloat16))
+                return jnp.square(z.astype(jnp.float32)).sum()
+            return jax.grad(loss)(w)
+        return jax.lax.scan(lambda g, x: (jax.tree.map(jnp.add, g, grads(x, w)), None),
+                            jax.tree.map(jnp.zeros_like, w), xs)[0]
+
+    w = (jax.ShapeDtypeStruct((256, 1024), jnp.float32, sharding=where),
+         jax.ShapeDtypeStruct((1024, 256), jnp.float32, sharding=where))
+    xs = jax.ShapeDtypeStruct((4, 1, 512, 256), jnp.bfloat16, sharding=where)
+    text = jax.jit(step).lower(w, xs).compile().as_text()
+    entry = text[text.index("ENTRY"):]
+    entry = entry[:entry.index("\n}")]
+    assert "while(" in entry
+    assert not [line for line in entry.splitlines() if "transpose" in line and "= f32[" in line], entry
 
 
 @pytest.mark.slow  # suite time (17 s; the einsum's tiles run by default)

@@ -55,12 +55,13 @@ class Blocks:
     interpret: bool | None = None  # None: interpret on CPU, compile elsewhere (launch.pallas_call)
 
 
-def _kernel(a_ref, sa_ref, b_ref, sb_ref, o_ref, *, group: int, blocks: int):
-    """One [block_m, block_n] tile: the blocks of k, each dequantized by its scales' outer product."""
+def _kernel(a_ref, sa_ref, b_ref, sb_ref, o_ref, *, group: int, blocks: int, b_nk: bool):
+    """One [block_m, block_n] tile: the blocks of k, each dequantized by its scales' outer product (b's tile
+    [block_n, k] where b_nk, else [k, block_n])."""
 
     def body(kb, acc):
         ks = pl.ds(kb * group, group)
-        part = dot(a_ref[:, ks], b_ref[ks, :], (1, 0))
+        part = dot(a_ref[:, ks], b_ref[:, ks], (1, 1)) if b_nk else dot(a_ref[:, ks], b_ref[ks, :], (1, 0))
         return acc + part * sa_ref[kb, :][:, None] * sb_ref[kb, :][None, :]
 
     o_ref[...] = lax.fori_loop(0, blocks, body, jnp.zeros(o_ref.shape, jnp.float32)).astype(o_ref.dtype)
@@ -75,27 +76,32 @@ def _tile(size: int, most: int) -> int:
 
 
 def matmul(a: jax.Array, sa: jax.Array, b: jax.Array, sb: jax.Array, group: int, out_dtype,
-           blocks: Blocks = Blocks()) -> jax.Array:
-    """[m, n] in out_dtype = a [m, k] (FP8) x b [k, n] (FP8), block kb of k dequantized by sa [k/group, m] and
-    sb [k/group, n] (fp32). On CPU, `reference` (the same products in XLA: the interpreted kernel would make a
-    CPU training run ten times slower) unless blocks.interpret says True (the kernel's tests)."""
+           blocks: Blocks = Blocks(), b_nk: bool = False) -> jax.Array:
+    """[m, n] in out_dtype = a [m, k] (FP8) x b [k, n] (FP8; b_nk: b given as [n, k], k contiguous), block kb of
+    k dequantized by sa [k/group, m] and sb [k/group, n] (fp32). b_nk takes a weight's blocks as they are for its
+    input gradient (dy . w^T), so no transpose of w is asked of XLA: one of a loop-invariant weight, XLA made once
+    in fp32 and held for the step. On CPU, `reference` (the same products in XLA: the interpreted kernel would make
+    a CPU training run ten times slower) unless blocks.interpret says True (the kernel's tests)."""
     _check(a.shape[1], group)
-    return _on_platform(blocks, lambda a, sa, b, sb, blocks: _call(a, sa, b, sb, group, out_dtype, blocks),
-                        lambda *ops: reference(*ops, group, out_dtype), a, sa, b, sb)
+    return _on_platform(blocks, lambda a, sa, b, sb, blocks: _call(a, sa, b, sb, group, out_dtype, blocks, b_nk),
+                        lambda a, sa, b, sb: reference(a, sa, b.T if b_nk else b, sb, group, out_dtype),
+                        a, sa, b, sb)
 
 
-def _call(a, sa, b, sb, group: int, out_dtype, blocks: Blocks) -> jax.Array:
+def _call(a, sa, b, sb, group: int, out_dtype, blocks: Blocks, b_nk: bool) -> jax.Array:
     """The kernel on operands padded to whole tiles."""
-    (m, k), n = a.shape, b.shape[1]
+    (m, k), n = a.shape, sb.shape[1]
     bm, bn = _tile(m, blocks.m), _tile(n, blocks.n)
     mp, np_ = _round_up(m, bm), _round_up(n, bn)
     a, sa = jnp.pad(a, ((0, mp - m), (0, 0))), jnp.pad(sa, ((0, 0), (0, mp - m)))
-    b, sb = jnp.pad(b, ((0, 0), (0, np_ - n))), jnp.pad(sb, ((0, 0), (0, np_ - n)))
+    b = jnp.pad(b, ((0, np_ - n), (0, 0)) if b_nk else ((0, 0), (0, np_ - n)))
+    sb = jnp.pad(sb, ((0, 0), (0, np_ - n)))
     kb = k // group
+    b_spec = pl.BlockSpec((bn, k), lambda i, j: (j, 0)) if b_nk else pl.BlockSpec((k, bn), lambda i, j: (0, j))
     out = pallas_call(
-        functools.partial(_kernel, group=group, blocks=kb), grid=(mp // bm, np_ // bn),
+        functools.partial(_kernel, group=group, blocks=kb, b_nk=b_nk), grid=(mp // bm, np_ // bn),
         in_specs=[pl.BlockSpec((bm, k), lambda i, j: (i, 0)), pl.BlockSpec((kb, bm), lambda i, j: (0, i)),
-                  pl.BlockSpec((k, bn), lambda i, j: (0, j)), pl.BlockSpec((kb, bn), lambda i, j: (0, j))],
+                  b_spec, pl.BlockSpec((kb, bn), lambda i, j: (0, j))],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype), **_params(blocks, NAME),
     )(a, sa.astype(jnp.float32), b, sb.astype(jnp.float32))

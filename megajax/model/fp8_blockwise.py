@@ -86,8 +86,8 @@ def _block_input_grad_local(nk: int, block: int, dy, wq, sw):
     """One shard's input gradient dy . w^T, dy in 1 x block tiles along w's free dims."""
     k = math.prod(wq.shape[:nk])
     dyq, sdy = _row_tiles(dy.reshape(-1, wq.size // k), block)
-    wt = _padded(wq.reshape(k, -1), block, block).T
-    dx = block_fp8.matmul(dyq, sdy, wt, jnp.repeat(sw.T, block, axis=1), block, dy.dtype)[:, :k]
+    w_nk = _padded(wq.reshape(k, -1), block, block)  # (w^T as the kernel's [n, k] operand: no transpose)
+    dx = block_fp8.matmul(dyq, sdy, w_nk, jnp.repeat(sw.T, block, axis=1), block, dy.dtype, b_nk=True)[:, :k]
     return dx.reshape(*dy.shape[:dy.ndim - (wq.ndim - nk)], *wq.shape[:nk])
 
 
@@ -96,7 +96,7 @@ def _block_weight_grad_local(w_shape: tuple, block: int, xt, sxt, dy, dtype=None
     (over tokens)."""
     k = xt.shape[0]
     dyt, sdyt = _column_tiles(dy.reshape(-1, math.prod(w_shape) // k), block)
-    return block_fp8.matmul(xt, sxt, dyt.T, sdyt, block, dtype or dy.dtype).reshape(w_shape)
+    return block_fp8.matmul(xt, sxt, dyt, sdyt, block, dtype or dy.dtype, b_nk=True).reshape(w_shape)
 
 
 def _block_names(spec: str, w_names) -> tuple:
