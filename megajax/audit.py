@@ -273,8 +273,8 @@ def compile_step(cfg, devices, compiler_options: dict | None = None):
 
     cfg, mesh, setup, state, batch = abstract_step(cfg, devices)
     setup = step_lib.later_steps(setup)  # (with delayed FP8 scaling a run's first step runs another program)
-    gpu = devices[0].platform != "cpu"  # (XLA's memory warning explained: megajax/quiet.py)
-    with jax.set_mesh(mesh), quiet.rewritten_stderr(quiet.explain_remat) if gpu else contextlib.nullcontext():
+    gpu = devices[0].platform != "cpu"  # (XLA's warnings explained: megajax/quiet.py)
+    with jax.set_mesh(mesh), quiet.rewritten_stderr(quiet.explain_xla) if gpu else contextlib.nullcontext():
         compiled = step_lib.jit_train_step(setup).lower(state, batch).compile(compiler_options)
     return cfg, mesh, compiled, setup
 

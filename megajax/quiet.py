@@ -1,5 +1,5 @@
 """What XLA's C++ side prints to stderr, made readable: no CUDA-driver noise on a machine without an NVIDIA GPU,
-and XLA's memory warning of a GPU compile explained.
+and the warnings of a GPU compile explained.
 
 With the CUDA plugin installed (the `gpu-audit` extra, for compile-only GPU programs), importing jax and starting
 its backends probe for a CUDA driver from C++, and each probe prints two lines to stderr ("All log messages before
@@ -30,12 +30,22 @@ def drop_noise(line: bytes) -> bytes:
 
 
 _REMAT = re.compile(rb"Can't reduce memory use below ([0-9.]+)GiB.*only reduced to ([0-9.]+)GiB")
+_SORT = b"Missing deviceless CUB scratch size data for sort"
+_SORT_ADVICE = b"To avoid this, compile with a GPU present, or add the deviceless CUB data"
 
 
-def explain_remat(line: bytes) -> bytes:
-    """XLA's rematerialization warning of a GPU compile, with what its numbers are: the first is XLA's scheduling
-    limit (0.95 x (80% of the device less the program's inputs and outputs), those added back), not the device; above
-    it XLA schedules the program for memory rather than for overlap."""
+def explain_xla(line: bytes) -> bytes:
+    """A line XLA's GPU compiler writes, made readable. Its rematerialization warning gets a note on what its
+    numbers are: the first is XLA's scheduling limit (0.95 x (80% of the device less the program's inputs and
+    outputs), those added back), not the device; above it XLA schedules the program for memory rather than for
+    overlap. Its sort warning (compiled without a GPU, it cannot size CUB's sort) and the advice after it, on XLA's
+    source tree, become one line on what that means for the audit. Every other line passes as it came."""
+    if _SORT_ADVICE in line:
+        return b""
+    if _SORT in line:
+        return (b"note: compiled without a GPU, XLA sorts (the router's token sort of a mixture of experts) with its "
+                b"own sort kernel rather than CUB's, which it uses on a GPU: the audit's program differs from a GPU's "
+                b"there, and the bytes it counts for the sort are the fallback's\n")
     m = _REMAT.search(line)
     if not m:
         return line

@@ -600,18 +600,26 @@ def test_cudnn_attention_compiles_under_every_layout_on_h100(layout):
         assert runs["__cudnn$fmhaSoftmax"] == runs["__cudnn$fmhaSoftmaxBackward"]
 
 
-def test_xla_memory_warning_is_explained_as_it_is_written(capfd):
-    """What the C++ side writes to file descriptor 2 during a GPU compile goes through quiet.explain_remat line by
-    line: XLA's rematerialization warning gets a note on what its figures are; other lines pass as they came."""
+def test_xla_warnings_are_explained_as_they_are_written(capfd):
+    """What the C++ side writes to file descriptor 2 during a GPU compile goes through quiet.explain_xla line by
+    line: XLA's rematerialization warning gets a note on what its figures are, its sort warning (no GPU to size
+    CUB's sort) one line on what it means; other lines pass as they came."""
     from megajax import quiet
 
     warning = (b"W1128 hlo_rematerialization.cc:3005] Can't reduce memory use below 60.67GiB (65147079554 bytes) by "
                b"rematerialization; only reduced to 65.41GiB (70232875960 bytes), down from 70.10GiB\n")
-    with quiet.rewritten_stderr(quiet.explain_remat):
+    with quiet.rewritten_stderr(quiet.explain_xla):
         os.write(2, b"an XLA line\n" + warning)
     err = capfd.readouterr().err
     assert err.startswith("an XLA line\n" + warning.decode())
     assert "note: XLA's 60.67 GiB above is its scheduling limit" in err and "needs about 65.41 GiB" in err
+    sort = (b"W1207 sort_rewriter.cc:792] Missing deviceless CUB scratch size data for sort. Using fallback sort "
+            b"algorithm rather than SortRewriter, which will be slower at runtime. \nTo avoid this, compile with a GPU "
+            b"present, or add the deviceless CUB data for your device and CUB version to xla/backends/gpu/libraries\n")
+    with quiet.rewritten_stderr(quiet.explain_xla):
+        os.write(2, sort + b"after\n")
+    err = capfd.readouterr().err.splitlines()
+    assert len(err) == 2 and err[0].startswith("note: compiled without a GPU, XLA sorts") and err[1] == "after"
 
 
 @gpu
