@@ -129,11 +129,10 @@ def _layer_gemm_s(hw: Hardware, L: Layout) -> float:
                  + hw.gemm_seconds(T, m.ffn_size // t, h, dt))
     if not m.num_experts:
         return s + dense_mlp
-    f, k, E = m.moe_ffn_size, m.experts_per_token, m.num_experts
-    factor = m.moe_capacity_factor or 1.0
+    f, E = m.moe_ffn_size, m.num_experts
     ranks = L.e * (t if L.par.folded_experts else 1)  # ranks the experts are spread over
     split = 1 if L.par.folded_experts else t  # each expert's width split by tensor parallelism
-    per_expert = max(1, int(T * k * factor * L.e / E))  # tokens an expert receives from the pooled ranks
+    per_expert = max(1, int(T * L.routed_copies * L.e / E))  # tokens an expert receives from the pooled ranks
     local = E / ranks
     experts = (hw.gemm_seconds(per_expert, h, (mats - 1) * f // split, dt, local)
                + hw.gemm_seconds(per_expert, f // split, h, dt, local))
@@ -194,7 +193,7 @@ def _layer_gemm_operands(L: Layout) -> tuple[float, float, float]:
     mlp_out = lambda f, split: T * ((mats - 1) * f / split + h)  # noqa: E731
     dense = (mlp_in(m.ffn_size, t), mlp_out(m.ffn_size, t), counts["mlp"] / t)
     if m.num_experts:
-        copies = m.experts_per_token * (m.moe_capacity_factor or 1.0)
+        copies = L.routed_copies
         split = 1 if L.par.folded_experts else t
         shared = m.moe_shared_experts * m.moe_ffn_size
         moe = (copies * mlp_in(m.moe_ffn_size, split) + mlp_in(shared, t),
@@ -327,7 +326,7 @@ def _expert_comm_s(hw: Hardware, L: Layout) -> float:
     if ranks == 1:
         return 0.0
     tokens = L.tokens // (L.t if L.par.folded_experts else 1)
-    nbytes = tokens * m.experts_per_token * m.hidden_size * B16 * (m.moe_capacity_factor or 1.0)
+    nbytes = tokens * L.routed_copies * m.hidden_size * B16
     stride = 1 if L.par.folded_experts else L.pp * L.c * L.t
     return 2 * _collective_s(nbytes, _ring(ranks), all_to_all_bandwidth(hw, ranks, stride, L.node))
 

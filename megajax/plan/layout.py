@@ -48,6 +48,8 @@ class Layout:
         self.tokens = self.b * m.seq_length // self.c  # one micro batch's tokens on this GPU's context shard
         self.layers = cfg.stage_split.busiest_rank_layers(p.pipeline)
         self.moe_share = m.moe_layers / m.num_layers if m.num_experts else 0.0
+        # the experts' rows a token makes, on average: its k routed copies, times the capacity factor's headroom
+        self.routed_copies = m.experts_per_token * (m.moe_capacity_factor or 1.0) if m.num_experts else 0.0
         self.sp = p.sequence_parallel and self.t > 1
         self.dtype = "float8" if m.fp8 != "none" else "bfloat16"
         # the ranks the embedding and output layer are split over (tensor, and the pipeline's with

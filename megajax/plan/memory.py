@@ -54,8 +54,7 @@ def layer_activation_bytes(L: Layout) -> dict:
     mlp = (3 if m.arch == "llama" else 2) * B16
     dense = mlp * m.ffn_size / t
     if m.num_experts:
-        k, factor = m.experts_per_token, m.moe_capacity_factor
-        copies = k * (factor or 1.0)
+        k, factor, copies = m.experts_per_token, m.moe_capacity_factor, L.routed_copies
         split = 1 if L.par.folded_experts else t
         # the experts' rows (with a capacity: the dispatched buffer and its copy), their MLPs, the shared experts';
         # the routed copies sorted by expert and unsorted ([tokens x k, hidden], bf16 each), the router's fp32 input
