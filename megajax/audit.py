@@ -450,18 +450,24 @@ def summary(report: dict) -> str:
     layout, mem = report["layout"], report["memory_per_device"]
     axes = " x ".join(f"{k} {layout[k]}" for k in ("data", "pipeline", "context", "tensor", "expert")
                       if layout.get(k, 1) > 1) or "one device"
-    lines = [f"audit: {report['devices']} {report['target']} devices ({axes}), {layout['micro_batches']} micro "
-             f"batches of {layout['micro_batch_size']}"]
+    n = layout["micro_batches"]
+    lines = [f"audit: {report['devices']} {report['target']} devices ({axes}), {n} micro batch{'es' if n != 1 else ''} "
+             f"of {layout['micro_batch_size']}"]
     capacity = mem.get("device_memory_gib")
     fits = "fits" if mem.get("fits") else "does not fit"
-    lines.append(f"memory: peak {mem['peak_estimate_gib']:.3g} GiB a device"
+    lines.append(f"memory: peak {mem['peak_estimate_gib']:.1f} GiB a device"
                  + (f" of {capacity:.1f}: {fits}" if capacity else ""))
     comm = report.get("communication")
     if comm:
-        lines.append(f"communication: {comm['comm_s'] * 1e3:.3g} ms a step, {comm['exposed_comm_s'] * 1e3:.3g} ms "
-                     f"of it exposed (not under a GEMM), against {comm['gemm_s_at_peak'] * 1e3:.3g} ms of GEMMs at peak; "
+        lines.append(f"communication: {_duration(comm['comm_s'])} a step, {_duration(comm['exposed_comm_s'])} of it "
+                     f"exposed (not under a GEMM), against {_duration(comm['gemm_s_at_peak'])} of GEMMs at peak; "
                      "per collective in the JSON's communication.groups")
     return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    """A time for a person: milliseconds under a second (3 figures), else seconds with two decimals."""
+    return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
 if __name__ == "__main__":

@@ -183,6 +183,20 @@ def test_distributed_optimizer_reduce_scatters_gradients_over_data():
     assert not [c for c in colls if c.kind == "all-reduce" and c.axes == ("data",) and c.bytes > 4096]
 
 
+def test_summary_reads_as_a_person_would_say_it():
+    """The audit's lines for a person: one micro batch is one, times under a second in ms and longer ones in
+    seconds (not 1.22e+04 ms), memory with one decimal."""
+    report = {"devices": 1024, "target": "h100", "layout": {"data": 512, "tensor": 2, "micro_batches": 1,
+                                                            "micro_batch_size": 2},
+              "memory_per_device": {"peak_estimate_gib": 58.0, "device_memory_gib": 79.1, "fits": True},
+              "communication": {"comm_s": 12.2, "exposed_comm_s": 0.0193, "gemm_s_at_peak": 5.87}}
+    assert audit.summary(report).splitlines() == [
+        "audit: 1024 h100 devices (data 512 x tensor 2), 1 micro batch of 2",
+        "memory: peak 58.0 GiB a device of 79.1: fits",
+        "communication: 12.20 s a step, 19.3 ms of it exposed (not under a GEMM), against 5.87 s of GEMMs at peak; "
+        "per collective in the JSON's communication.groups"]
+
+
 def test_cli_prints_json_with_memory_collectives_and_flops(tmp_path):
     hlo_file = tmp_path / "step.hlo"
     out = subprocess.run([sys.executable, "-m", "megajax.audit", "--config", "configs/tiny.yaml", "--devices", "8",
