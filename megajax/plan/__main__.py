@@ -335,10 +335,11 @@ def _unsettled(ranked: list[Candidate], margin: float) -> list[str]:
     if not compiled or compiled[0] == 1:
         return []
     k = compiled[0]
-    return [textwrap.fill(f"  unsettled: rows 1-{k - 1} are the model's alone, predicted more than {margin:.0%} faster than the "
+    note = (f"  unsettled: rows 1-{k - 1} are the model's alone, predicted more than {margin:.0%} faster than the "
             f"best compiled layout (row {k}, {ranked[k - 1].step_s:.4g} s); the compiles stopped before them, and a "
             "compile can move them (XLA's memory and exposed communication replace the model's): rerun with a larger "
-            "--compile or --compile-budget, or audit row 1 (python -m megajax.audit) before training on it", 118, subsequent_indent="  ")]
+            "--compile or --compile-budget, or audit row 1 (python -m megajax.audit) before training on it")
+    return [textwrap.fill(note, 118, subsequent_indent="  ")]
 
 
 def main(argv: list[str] | None = None) -> int:
