@@ -181,11 +181,10 @@ def expected_all_to_all(cfg) -> dict:
     m, p = cfg.model, cfg.parallel
     if not m.num_experts or (p.expert == 1 and not p.folded_experts):
         return {}
-    tokens = cfg.train.micro_batch_size * m.seq_length // (p.tensor if p.folded_experts else 1)
+    tokens = cfg.train.micro_batch_size * m.seq_length // p.expert_folds
     row = m.hidden_size * (2 if m.compute_dtype != "float32" else 4)
     k, e = m.experts_per_token, m.num_experts
-    ranks = p.expert * (p.tensor if p.folded_experts else 1)  # the ranks that hold experts
-    buffer = moe.buffer_rows(tokens, k, e, ranks, m.moe_capacity_factor, p.expert_buffer_factor) * row
+    buffer = moe.buffer_rows(tokens, k, e, p.expert_ranks, m.moe_capacity_factor, p.expert_buffer_factor) * row
     again = 1.0 if m.recompute == "full" else 0.0  # the share of chunk forwards run twice
     if m.recompute != "full" and p.pipeline > 1 and p.schedule != "gpipe":
         from megajax.parallel.pipeline import ticks
@@ -199,7 +198,7 @@ def expected_all_to_all(cfg) -> dict:
             "routed_bytes_each": tokens * k * row, "buffer_bytes_each": buffer,
             "exchange": "ragged-all-to-all" if ragged else "all-to-all",
             "bytes_each": min(tokens * k * row, buffer) if ragged else buffer,
-            "axes": [a for a, n in (("expert", p.expert), ("tensor", p.tensor if p.folded_experts else 1)) if n > 1]}
+            "axes": [a for a, n in (("expert", p.expert), ("tensor", p.expert_folds)) if n > 1]}
 
 
 def expected_context_exchange(cfg, plan) -> dict:

@@ -278,3 +278,13 @@ class ParallelConfig:
     def folded_experts(self) -> bool:
         """Whole experts spread over 'expert' x 'tensor' (parallel.expert_tensor=1 with parallel.tensor > 1)."""
         return self.expert_tensor == 1 and self.tensor > 1
+
+    @property
+    def expert_folds(self) -> int:
+        """The tensor ranks whole experts are folded over (`folded_experts`: each takes a sequence shard), else 1."""
+        return self.tensor if self.folded_experts else 1
+
+    @property
+    def expert_ranks(self) -> int:
+        """The ranks the experts are spread over, that the exchange crosses: expert x the folds."""
+        return self.expert * self.expert_folds

@@ -130,7 +130,7 @@ def _layer_gemm_s(hw: Hardware, L: Layout) -> float:
     if not m.num_experts:
         return s + dense_mlp
     f, E = m.moe_ffn_size, m.num_experts
-    ranks = L.e * (t if L.par.folded_experts else 1)  # ranks the experts are spread over
+    ranks = L.par.expert_ranks  # ranks the experts are spread over
     split = 1 if L.par.folded_experts else t  # each expert's width split by tensor parallelism
     per_expert = max(1, int(T * L.routed_copies * L.e / E))  # tokens an expert receives from the pooled ranks
     local = E / ranks
@@ -322,10 +322,10 @@ def _expert_comm_s(hw: Hardware, L: Layout) -> float:
     m = L.model
     if not m.num_experts:
         return 0.0
-    ranks = L.e * (L.t if L.par.folded_experts else 1)
+    ranks = L.par.expert_ranks
     if ranks == 1:
         return 0.0
-    tokens = L.tokens // (L.t if L.par.folded_experts else 1)
+    tokens = L.tokens // L.par.expert_folds
     nbytes = tokens * L.routed_copies * m.hidden_size * B16
     stride = 1 if L.par.folded_experts else L.pp * L.c * L.t
     return 2 * _collective_s(nbytes, _ring(ranks), all_to_all_bandwidth(hw, ranks, stride, L.node))
