@@ -445,14 +445,14 @@ def _block_fp8_grouped_flops(op) -> float:
 
 
 def _own_kernel_flops(op) -> float:
-    """An estimate of the matmul FLOPs of one flash-attention Pallas kernel (a Triton custom call that GEMM counting
-    cannot see): 4 x b x s x h x d x t from its q [b, s, h, d] and k [b, t, g, d] operands (twice that for the dk/dv
-    kernel, which also recomputes the probabilities), not halved for causal masking; or one of megajax's GEMM
-    kernels' (`_kernel_gemm_flops`). 0 for anything else."""
+    """Matmul FLOPs of a flash-attention kernel (q [b,s,h,d], k [b,t,g,d], v [b,t,g,d_v]; causal not halved): 2bsht
+    x (d + d_v) forward, 2d + d_v dq, 2(d + d_v) dk/dv (both recompute p); else a GEMM kernel's, or 0."""
     dims = _kernel_operands(op, "flash_attention")
-    if not dims or len(dims) < 2 or len(dims[0]) != 4 or len(dims[1]) != 4:
+    if not dims or len(dims) < 3 or any(len(x) != 4 for x in dims[:3]):
         return _kernel_gemm_flops(op)
-    return (8.0 if "flash_attention_dkv" in op[3] else 4.0) * math.prod(dims[0]) * dims[1][1]
+    d, dv, name = dims[0][3], dims[2][3], op[3]
+    width = 2 * (d + dv) if "flash_attention_dkv" in name else 2 * d + dv if "flash_attention_dq" in name else d + dv
+    return 2.0 * math.prod(dims[0][:3]) * dims[1][1] * width
 
 
 def _inclusive_flops(comps):

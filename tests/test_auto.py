@@ -25,7 +25,7 @@ from conftest import REPO, gpu, small_config
 ARCHS = {
     "gpt2": {},
     "llama": {"model.arch": "llama", "model.num_heads": 8, "model.num_kv_heads": 4},
-    # multi-latent attention: head dim 24 for queries and keys, values of 16 padded to it
+    # multi-latent attention: head dim 24 for queries and keys, values of 16
     "mla": {"model.arch": "llama", "model.num_heads": 4, "model.multi_latent_attention": True, "model.q_lora_rank": 32,
             "model.kv_lora_rank": 24, "model.qk_head_dim": 16, "model.qk_pos_emb_head_dim": 8, "model.v_head_dim": 16},
 }

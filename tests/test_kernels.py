@@ -90,6 +90,41 @@ def test_flash_attention_matches_reference(b, s, h, g, d, causal, segments, dtyp
         assert rel_err(x, y) < TOL[dtype], f"{name}: {rel_err(x, y):.3g}"
 
 
+# (head dim of queries and keys, of values): multi-latent attention's 192 (read as 128 + 64) with values of 128,
+# scaled down to 48 (32 + 16) and 32; a split head dim with values as wide; values narrower in one part.
+NARROW_VALUE_CASES = [(48, 32, jnp.float32, SMALL), (80, 80, jnp.bfloat16, None), (192, 128, jnp.float32, SMALL),
+                      (64, 16, jnp.float32, None)]
+
+
+@pytest.mark.parametrize("d,dv,dtype,blocks", NARROW_VALUE_CASES)
+def test_flash_attention_splits_head_dims_and_takes_narrower_values(d, dv, dtype, blocks):
+    """Queries and keys whose head dim is read in two power-of-2 parts, and values narrower than them (the output
+    as wide as the values): equal to the reference, every gradient too, with GQA, segments and a ragged length."""
+    q, k, _, _, seg = attention_case(1, 40, 4, 2, d, dtype, seed=d + dv, segments=True)
+    _, _, v, do, _ = attention_case(1, 40, 4, 2, dv, dtype, seed=d - dv, segments=False)
+    kernel = functools.partial(fa.flash_attention, causal=True, segment_ids=seg, block_sizes=blocks)
+    reference = functools.partial(kernels.attention_reference, causal=True, segment_ids=seg)
+    got = quick_jit(lambda *a: value_and_grads(kernel, *a))(q, k, v, do)
+    want = quick_jit(lambda *a: value_and_grads(reference, *a))(q, k, v, do)
+    for name, x, y in zip(["out", "dq", "dk", "dv"], got, want):
+        assert x.dtype == y.dtype and x.shape == y.shape, name
+        assert rel_err(x, y) < TOL[dtype], f"{name}: {rel_err(x, y):.3g}"
+
+
+def test_head_parts_cover_every_head_dim_with_power_of_2_tiles():
+    """Every head dim up to the largest: at most two contiguous power-of-2 parts of at least 16, covering it, never
+    wider than the power of 2 above it (what the kernels padded to before), and exact where two parts can be."""
+    for d in range(1, fa.MAX_HEAD_DIM + 1):
+        parts = fa.head_parts(d)
+        width = fa.head_width(d)
+        assert 1 <= len(parts) <= 2 and parts[0][0] == 0, d
+        assert all(n >= fa.MIN_BLOCK and n & (n - 1) == 0 for _, n in parts), d
+        assert all(o2 == o1 + n1 for (o1, n1), (o2, _) in zip(parts, parts[1:])), d
+        assert d <= width <= max(fa.MIN_BLOCK, 1 << (d - 1).bit_length()), d
+        assert fa.head_parts(width) == parts, d  # the padded arrays are read in the same parts
+    assert fa.head_parts(192) == ((0, 128), (128, 64)) and fa.head_width(100) == 128
+
+
 def test_attention_dispatch_and_scale():
     """impl="pallas" through the dispatch, with a non-default softmax scale."""
     q, k, v, _, _ = attention_case(1, 32, 4, 2, 16, jnp.float32, seed=3, segments=False)
@@ -108,7 +143,7 @@ def test_padded_positions_do_not_leak():
 
 @pytest.mark.parametrize("call, match", [
     (lambda: fa.flash_attention(jnp.zeros((1, 16, 2, 512)), jnp.zeros((1, 16, 2, 512)),
-                                jnp.zeros((1, 16, 2, 512))), "d=512"),
+                                jnp.zeros((1, 16, 2, 512))), "head dim 512"),
     (lambda: fa.flash_attention(jnp.zeros((1, 16, 3, 16)), jnp.zeros((1, 16, 2, 16)),
                                 jnp.zeros((1, 16, 2, 16))), "h=3 g=2"),
     (lambda: fa.flash_attention(jnp.zeros((1, 16, 2, 16)), jnp.zeros((1, 8, 2, 16)),
@@ -216,6 +251,17 @@ def test_model_pallas_sharded_d2_t4_sequence_parallel():
     """8 devices, data 2 x tensor 4 with sequence parallelism, against the single-device xla run."""
     got = run_steps(small_config(**GQA, **PALLAS, **SHARDED), 8, STEPS)
     np.testing.assert_allclose(got, xla_losses("gpt2"), rtol=1e-5)
+
+
+def test_model_pallas_multi_latent_attention_trains_as_xla():
+    """Multi-latent attention through the flash kernel: queries and keys 32 + 16 wide (two parts), values 32, the
+    values passed unpadded; the losses equal XLA's attention's on one device."""
+    mla = {"model.arch": "llama", "model.num_heads": 4, "model.multi_latent_attention": True, "model.q_lora_rank": 32,
+           "model.kv_lora_rank": 24, "model.qk_head_dim": 32, "model.qk_pos_emb_head_dim": 16, "model.v_head_dim": 32}
+    got = run_steps(small_config(**mla, **PALLAS), 1, STEPS)
+    want = run_steps(small_config(**mla), 1, STEPS)
+    assert want[-1] < want[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
 @pytest.mark.slow  # ~40 s: two more train-step compiles; RMSNorm's model path is otherwise unit-tested
@@ -377,7 +423,8 @@ def gpu_mesh(target: str):
 @pytest.mark.parametrize("target", ["h100", pytest.param("a100", marks=pytest.mark.slow)])  # suite time
 def test_kernels_compile_for_gpus(target):
     """XLA's GPU compiler (compile-only devices) compiles every BLOCK_TABLE entry's three attention kernels
-    and both norms at Llama-sized widths to PTX: tiles that overflow shared memory fail here."""
+    (the bf16 256 entry at multi-latent attention's 192-wide queries and keys, read in two parts, and 128-wide
+    values) and both norms at Llama-sized widths to PTX: tiles that overflow shared memory fail here."""
     mesh = gpu_mesh(target)
     spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
@@ -403,8 +450,10 @@ def test_kernels_compile_for_gpus(target):
     attention_inputs = []
     for d, nbytes in fa.BLOCK_TABLE:
         dtype = jnp.float32 if nbytes == 4 else jnp.bfloat16
+        dv = 128 if (d, nbytes) == (256, 2) else d  # multi-latent attention's shape: 192 (128 + 64) and values of 128
+        d = 192 if (d, nbytes) == (256, 2) else d
         attention_inputs.append((sds((1, 256, 4, d), dtype), sds((1, 256, 2, d), dtype),
-                                 sds((1, 256, 2, d), dtype), sds((1, 256), jnp.int32)))
+                                 sds((1, 256, 2, dv), dtype), sds((1, 256), jnp.int32)))
     norm_inputs = [sds((512, 768), jnp.bfloat16), sds((64, 8192), jnp.float32)]
     compiled = jax.jit(step).lower(attention_inputs, norm_inputs).compile()
     assert compiled.as_text().count("__gpu$xla.gpu.triton") >= 3 * len(fa.BLOCK_TABLE) + 8

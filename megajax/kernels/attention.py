@@ -2,7 +2,8 @@
 (impl="pallas", megajax/kernels/flash_attention.py), cuDNN (impl="cudnn"), or the fused kernel on GPUs and the
 reference on CPU (impl="auto", megajax/kernels/auto.py).
 
-q [b, s, h, k], k and v [b, s, g, k] with h a multiple of g (grouped-query attention).
+q [b, s, h, k], k [b, s, g, k] and v [b, s, g, k_v] with h a multiple of g (grouped-query attention); the values may
+be narrower than the queries and keys (multi-latent attention), and the output is [b, s, h, k_v].
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def attention_reference(
     scale: float | None = None,
     probs_dropout: Callable[[jax.Array], jax.Array] | None = None,
 ) -> jax.Array:
-    """softmax(q k^T * scale + mask) v in fp32, returned in q's dtype. [b,s,h,k] x [b,t,g,k] -> [b,s,h,k]."""
+    """softmax(q k^T * scale + mask) v in fp32, returned in q's dtype. [b,s,h,k] x [b,t,g,k], [b,t,g,k_v] ->
+    [b,s,h,k_v]."""
     b, s, h, d = q.shape
     t, g = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -49,7 +51,7 @@ def attention_reference(
     if probs_dropout is not None:  # the model's layout-independent dropout on [b, g, r, s, t]
         probs = probs_dropout(probs)
     out = jnp.einsum("bgrst,btgk->bsgrk", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(b, s, h, d).astype(q.dtype)
+    return out.reshape(b, s, h, v.shape[-1]).astype(q.dtype)
 
 
 def attention(
@@ -114,13 +116,13 @@ def _block_probs_logits(q, k, q_seg, k_seg, causal: bool, scale: float):
 
 
 def attention_block_forward(q, k, v, q_seg=None, k_seg=None, *, causal: bool, scale: float):
-    """(o [b, s, h, k] fp32, lse [b, h, s] fp32, natural log) of q over this block of keys alone."""
-    b, s, h, d = q.shape
+    """(o [b, s, h, k_v] fp32, lse [b, h, s] fp32, natural log) of q over this block of keys alone."""
+    b, s, h, _ = q.shape
     logits = _block_probs_logits(q, k, q_seg, k_seg, causal, scale)
     lse = jax.nn.logsumexp(logits, axis=-1)
     probs = jnp.exp(logits - lse[..., None])
     o = jnp.einsum("bgrst,btgk->bsgrk", probs, v.astype(jnp.float32))
-    return o.reshape(b, s, h, d), lse.reshape(b, h, s)
+    return o.reshape(b, s, h, v.shape[-1]), lse.reshape(b, h, s)
 
 
 def attention_block_backward(q, k, v, do, lse, delta, q_seg=None, k_seg=None, *, causal: bool, scale: float):
@@ -132,7 +134,7 @@ def attention_block_backward(q, k, v, do, lse, delta, q_seg=None, k_seg=None, *,
     rows = lambda x: x.reshape(b, g, h // g, s)[..., None]  # noqa: E731
     probs = jnp.exp(logits - rows(lse))
     qg = q.reshape(b, s, g, h // g, d).astype(jnp.float32)
-    dog = do.reshape(b, s, g, h // g, d).astype(jnp.float32)
+    dog = do.reshape(b, s, g, h // g, v.shape[-1]).astype(jnp.float32)
     dv = jnp.einsum("bgrst,bsgrk->btgk", probs, dog)
     ds = probs * (jnp.einsum("bsgrk,btgk->bgrst", dog, v.astype(jnp.float32)) - rows(delta))
     dq = jnp.einsum("bgrst,btgk->bsgrk", ds, k.astype(jnp.float32)) * scale

@@ -20,6 +20,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from megajax.kernels.launch import SHARDS, match_varying, shard_kernel, strip_varying
 from megajax.parallel.step_plan import varying_axes
@@ -89,5 +90,10 @@ sharded_core.defvjp(_forward, _backward)
 
 def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
                     scale: float | None = None) -> jax.Array:
-    """cuDNN's fused attention, [b, s, h, k] x [b, t, g, k] -> [b, s, h, k], shard by shard under any mesh."""
-    return sharded_core(CudnnCore(causal, scale), q, k, v)
+    """cuDNN's fused attention, [b, s, h, k] x [b, t, g, k], [b, t, g, k_v] -> [b, s, h, k_v], shard by shard under
+    any mesh. JAX's call takes values as wide as the keys: narrower ones (multi-latent attention's) are zero-padded
+    to the keys' width, and the output's padded columns dropped."""
+    dv = v.shape[-1]
+    if dv < k.shape[-1]:
+        v = jnp.pad(v, ((0, 0),) * 3 + ((0, k.shape[-1] - dv),))
+    return sharded_core(CudnnCore(causal, scale), q, k, v)[..., :dv]

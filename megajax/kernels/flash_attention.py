@@ -1,7 +1,8 @@
 """Flash attention (forward and backward) as Pallas kernels on the Triton backend.
 
-q [b, s, h, k], k and v [b, s, g, k], h a multiple of g (grouped-query attention: query head i reads kv head
-i // (h // g)). The jnp oracle is `megajax.kernels.attention.attention_reference`.
+q and k [b, s, h, k] and [b, s, g, k], v [b, s, g, k_v], h a multiple of g (grouped-query attention: query head i
+reads kv head i // (h // g)); the values may be narrower than the queries and keys (multi-latent attention: 192 and
+128). The jnp oracle is `megajax.kernels.attention.attention_reference`.
 
 Algorithm (FlashAttention-2). Forward: one program per (batch, head, block of block_q queries) keeps its
 queries in SRAM and streams the keys and values in blocks of block_k, with an online softmax (running max
@@ -22,8 +23,10 @@ ships its own Hopper attention in attention_mgpu.py), but it needs Hopper or new
 barriers do not run in interpret mode, so it could be tested only on a GPU. A Mosaic variant can sit
 beside this one behind the same custom_vjp once a GPU is at hand to test and time it.
 
-Shapes that do not fit the tiles are padded, never mis-computed: head dims are zero-padded to a power of 2
-(at least 16, a Triton dot minimum), sequences to a multiple of the blocks, and padded keys are masked.
+Shapes that do not fit the tiles are padded, never mis-computed: Triton loads and multiplies power-of-2 tiles (each
+dim at least 16), so a head dim is read in at most two power-of-2 parts (`head_parts`: 192 as 128 + 64, 80 as
+64 + 16), zero-padded only up to their sum (100 to 128); sequences are padded to a multiple of the blocks, and padded
+keys are masked.
 Head dims above 256 are rejected (the tiles would not fit in shared memory). Under a mesh every kernel runs
 per shard, heads over 'tensor' and batch over 'data' (launch.shard_kernel).
 """
@@ -110,6 +113,42 @@ def default_block_sizes(head_dim: int, dtype) -> BlockSizes:
     return BLOCK_TABLE[(bucket, 4 if jnp.dtype(dtype).itemsize >= 4 else 2)]
 
 
+def head_parts(d: int) -> tuple[tuple[int, int], ...]:
+    """(offset, width) of the power-of-2 parts (each >= MIN_BLOCK) a head dim of d is read and multiplied in: one
+    part where d is a power of 2, else two where they cover d with less padding than one (192: 128 + 64, 80:
+    64 + 16), else the power of 2 above d (100: 128). The arrays are zero-padded to the parts' sum (`head_width`),
+    which changes no logit and adds zero output columns."""
+    whole = max(MIN_BLOCK, next_power_of_2(d))
+    rest = max(MIN_BLOCK, next_power_of_2(d - whole // 2)) if d > whole // 2 else 0
+    if 0 < rest < whole // 2:
+        return (0, whole // 2), (whole // 2, rest)
+    return ((0, whole),)
+
+
+def head_width(d: int) -> int:
+    """The head dim the kernels run a head dim of d at: the sum of its `head_parts`."""
+    return sum(n for _, n in head_parts(d))
+
+
+def _sum_dots(a_parts, b_parts, contract: tuple[int, int]):
+    """sum_i dot(a_i, b_i): a product contracted over a head dim that both operands hold in the same parts."""
+    total = None
+    for a, b in zip(a_parts, b_parts):
+        total = dot(a, b, contract) if total is None else total + dot(a, b, contract)
+    return total
+
+
+def _load_parts(ref, *index):
+    """The head-dim parts of ref[*index, :] (its last dim the head dim)."""
+    return [ref[(*index, pl.ds(off, n))] for off, n in head_parts(ref.shape[-1])]
+
+
+def _store_parts(ref, parts, dtype, scale=None):
+    """ref[:, part i] = parts[i] (times scale), cast to dtype."""
+    for x, (off, n) in zip(parts, head_parts(ref.shape[-1])):
+        ref[:, pl.ds(off, n)] = (x if scale is None else x * scale).astype(dtype)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Kernels. Refs arrive as 2D tiles: the batch and head dims are squeezed out by the BlockSpecs.
 
@@ -140,7 +179,7 @@ def _forward_kernel(*refs, scale: float, causal: bool, kv_len: int, length_mask:
     (q_ref, k_ref, v_ref), sq_ref, sk_ref, (o_ref, lse_ref) = _split_refs(refs, has_segments, 3)
     block_q = q_ref.shape[0]
     qi = pl.program_id(2)
-    q = q_ref[...]
+    q = _load_parts(q_ref, slice(None))
     q_pos = qi * block_q + jnp.arange(block_q)
     q_seg = None if sq_ref is None else sq_ref[...]
 
@@ -148,22 +187,22 @@ def _forward_kernel(*refs, scale: float, causal: bool, kv_len: int, length_mask:
         acc, m, l = carry
         ks = pl.ds(j * block_k, block_k)
         k_seg = None if sk_ref is None else sk_ref[ks]
-        s = dot(q, k_ref[ks, :], (1, 1)) * (scale * LOG2E)
+        s = _sum_dots(q, _load_parts(k_ref, ks), (1, 1)) * (scale * LOG2E)
         s = _masked_logits(s, q_pos, j * block_k + jnp.arange(block_k), q_seg, k_seg, causal=causal,
                            kv_len=kv_len if length_mask else None)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp2(m - m_new)  # rescales what was accumulated under the old max
         p = jnp.exp2(s - m_new[:, None])
-        v = v_ref[ks, :]
-        acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, (1, 0))
+        v = _load_parts(v_ref, ks)
+        acc = tuple(a * alpha[:, None] + dot(p.astype(x.dtype), x, (1, 0)) for a, x in zip(acc, v))
         return acc, m_new, l * alpha + jnp.sum(p, axis=1)
 
     n_kv = pl.cdiv(kv_len, block_k)  # key blocks made only of padding are never read
     upper = jnp.minimum(lax.div((qi + 1) * block_q + block_k - 1, block_k), n_kv) if causal else n_kv
-    init = (jnp.zeros(q.shape, jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
-            jnp.zeros((block_q,), jnp.float32))
+    init = (tuple(jnp.zeros((block_q, n), jnp.float32) for _, n in head_parts(v_ref.shape[-1])),
+            jnp.full((block_q,), -jnp.inf, jnp.float32), jnp.zeros((block_q,), jnp.float32))
     acc, m, l = lax.fori_loop(0, upper, body, init)
-    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+    _store_parts(o_ref, [a / l[:, None] for a in acc], o_ref.dtype)
     lse_ref[...] = m + jnp.log2(l)
 
 
@@ -173,51 +212,52 @@ def _dq_kernel(*refs, scale: float, causal: bool, kv_len: int, length_mask: bool
         refs, has_segments, 6)
     block_q = q_ref.shape[0]
     qi = pl.program_id(2)
-    q, do = q_ref[...], do_ref[...]
+    q, do = _load_parts(q_ref, slice(None)), _load_parts(do_ref, slice(None))
     lse, delta = lse_ref[...], delta_ref[...]
     q_pos = qi * block_q + jnp.arange(block_q)
     q_seg = None if sq_ref is None else sq_ref[...]
 
     def body(j, dq):
         ks = pl.ds(j * block_k, block_k)
-        k = k_ref[ks, :]
+        k = _load_parts(k_ref, ks)
         k_seg = None if sk_ref is None else sk_ref[ks]
-        s = dot(q, k, (1, 1)) * (scale * LOG2E)
+        s = _sum_dots(q, k, (1, 1)) * (scale * LOG2E)
         s = _masked_logits(s, q_pos, j * block_k + jnp.arange(block_k), q_seg, k_seg, causal=causal,
                            kv_len=kv_len if length_mask else None)
         p = jnp.exp2(s - lse[:, None])
-        ds = p * (dot(do, v_ref[ks, :], (1, 1)) - delta[:, None])  # dL/dlogits
-        return dq + dot(ds.astype(k.dtype), k, (1, 0))
+        ds = (p * (_sum_dots(do, _load_parts(v_ref, ks), (1, 1)) - delta[:, None])).astype(k_ref.dtype)  # dL/dlogits
+        return tuple(a + dot(ds, kp, (1, 0)) for a, kp in zip(dq, k))
 
     n_kv = pl.cdiv(kv_len, block_k)
     upper = jnp.minimum(lax.div((qi + 1) * block_q + block_k - 1, block_k), n_kv) if causal else n_kv
-    dq = lax.fori_loop(0, upper, body, jnp.zeros(q.shape, jnp.float32))
-    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+    dq = lax.fori_loop(0, upper, body, tuple(jnp.zeros(x.shape, jnp.float32) for x in q))
+    _store_parts(dq_ref, dq, dq_ref.dtype, scale)
 
 
 def _dkv_kernel(*refs, scale: float, causal: bool, kv_len: int, q_len: int, length_mask: bool, block_q: int,
                 group: int, has_segments: bool):
-    """q, do: [s, group, k] (the query heads of this kv head); lse, delta: [group, s]; k, v: [block_k, k]."""
+    """q: [s, group, k], do: [s, group, k_v] (the query heads of this kv head); lse, delta: [group, s]; k: [block_k,
+    k], v: [block_k, k_v]."""
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), sq_ref, sk_ref, (dk_ref, dv_ref) = _split_refs(
         refs, has_segments, 6)
     block_k = k_ref.shape[0]
     ki = pl.program_id(2)
-    k, v = k_ref[...], v_ref[...]
+    k, v = _load_parts(k_ref, slice(None)), _load_parts(v_ref, slice(None))
     k_pos = ki * block_k + jnp.arange(block_k)
     k_seg = None if sk_ref is None else sk_ref[...]
 
     def q_block(i, carry, head):
         dk, dv = carry
         qs = pl.ds(i * block_q, block_q)
-        q, do = q_ref[qs, head, :], do_ref[qs, head, :]
+        q, do = _load_parts(q_ref, qs, head), _load_parts(do_ref, qs, head)
         q_seg = None if sq_ref is None else sq_ref[qs]
-        s = dot(q, k, (1, 1)) * (scale * LOG2E)
+        s = _sum_dots(q, k, (1, 1)) * (scale * LOG2E)
         s = _masked_logits(s, i * block_q + jnp.arange(block_q), k_pos, q_seg, k_seg, causal=causal,
                            kv_len=kv_len if length_mask else None)
         p = jnp.exp2(s - lse_ref[head, qs][:, None])
-        dv = dv + dot(p.astype(do.dtype), do, (0, 0))
-        ds = p * (dot(do, v, (1, 1)) - delta_ref[head, qs][:, None])
-        return dk + dot(ds.astype(q.dtype), q, (0, 0)), dv
+        dv = tuple(a + dot(p.astype(x.dtype), x, (0, 0)) for a, x in zip(dv, do))
+        ds = (p * (_sum_dots(do, v, (1, 1)) - delta_ref[head, qs][:, None])).astype(q_ref.dtype)
+        return tuple(a + dot(ds, x, (0, 0)) for a, x in zip(dk, q)), dv
 
     # Query blocks after the last real query only hold padding, whose do is zero: skip them.
     lower = lax.div(ki * block_k, block_q) if causal else 0
@@ -226,10 +266,10 @@ def _dkv_kernel(*refs, scale: float, causal: bool, kv_len: int, q_len: int, leng
     def one_head(head, carry):
         return lax.fori_loop(lower, n_q, functools.partial(q_block, head=head), carry)
 
-    zeros = jnp.zeros(k.shape, jnp.float32)
-    dk, dv = lax.fori_loop(0, group, one_head, (zeros, zeros))
-    dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
-    dv_ref[...] = dv.astype(dv_ref.dtype)
+    zeros = lambda parts: tuple(jnp.zeros(x.shape, jnp.float32) for x in parts)  # noqa: E731
+    dk, dv = lax.fori_loop(0, group, one_head, (zeros(k), zeros(v)))
+    _store_parts(dk_ref, dk, dk_ref.dtype, scale)
+    _store_parts(dv_ref, dv, dv_ref.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -280,42 +320,52 @@ def _dtype(st: _Static, like):
     return jnp.dtype(st.out_dtype) if st.out_dtype else like.dtype
 
 
+def _head_spec(rows: int, d: int, index):
+    """A [rows, d] tile of one head of a [b, s, h, d] array."""
+    return pl.BlockSpec((None, rows, None, d), index)
+
+
 def _forward(q, k, v, q_seg, k_seg, st: _Static):
-    b, s_pad, h, d = q.shape
+    b, s_pad, h, _ = q.shape
     group = h // k.shape[2]
     bq, bk = st.blocks.block_q, st.blocks.block_k
     seg_specs, seg_args = _segment_specs(q_seg, k_seg, bq, lambda bi, hi, qi: (bi, qi),
                                          lambda bi, hi, qi: (bi, 0))
     kernel = functools.partial(_forward_kernel, block_k=bk, **st.kernel_args(bk, bool(seg_args)))
-    q_spec = pl.BlockSpec((None, bq, None, d), lambda bi, hi, qi: (bi, qi, hi, 0))
-    kv_spec = pl.BlockSpec((None, k.shape[1], None, d), lambda bi, hi, qi: (bi, 0, hi // group, 0))
+    row = lambda bi, hi, qi: (bi, qi, hi, 0)  # noqa: E731
+    kv = lambda bi, hi, qi: (bi, 0, hi // group, 0)  # noqa: E731
+    o_spec = _head_spec(bq, v.shape[3], row)
     return pallas_call(
         kernel, grid=(b, h, s_pad // bq),
-        in_specs=[q_spec, kv_spec, kv_spec, *seg_specs],
-        out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda bi, hi, qi: (bi, hi, qi))],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, _dtype(st, q)), jax.ShapeDtypeStruct((b, h, s_pad), jnp.float32)],
+        in_specs=[_head_spec(bq, q.shape[3], row), _head_spec(k.shape[1], k.shape[3], kv),
+                  _head_spec(k.shape[1], v.shape[3], kv), *seg_specs],
+        out_specs=[o_spec, pl.BlockSpec((None, None, bq), lambda bi, hi, qi: (bi, hi, qi))],
+        out_shape=[jax.ShapeDtypeStruct((*q.shape[:3], v.shape[3]), _dtype(st, q)),
+                   jax.ShapeDtypeStruct((b, h, s_pad), jnp.float32)],
         **st.params("flash_attention_fwd"))(q, k, v, *seg_args)
 
 
 def _backward_dq(q, k, v, do, lse, delta, q_seg, k_seg, st: _Static):
-    b, s_pad, h, d = q.shape
+    b, s_pad, h, _ = q.shape
     group = h // k.shape[2]
     bq, bk = st.blocks.block_q_dq, st.blocks.block_k_dq
     seg_specs, seg_args = _segment_specs(q_seg, k_seg, bq, lambda bi, hi, qi: (bi, qi),
                                          lambda bi, hi, qi: (bi, 0))
     kernel = functools.partial(_dq_kernel, block_k=bk, **st.kernel_args(bk, bool(seg_args)))
-    q_spec = pl.BlockSpec((None, bq, None, d), lambda bi, hi, qi: (bi, qi, hi, 0))
-    kv_spec = pl.BlockSpec((None, k.shape[1], None, d), lambda bi, hi, qi: (bi, 0, hi // group, 0))
+    row = lambda bi, hi, qi: (bi, qi, hi, 0)  # noqa: E731
+    kv = lambda bi, hi, qi: (bi, 0, hi // group, 0)  # noqa: E731
+    q_spec = _head_spec(bq, q.shape[3], row)
     row_spec = pl.BlockSpec((None, None, bq), lambda bi, hi, qi: (bi, hi, qi))
     return pallas_call(
         kernel, grid=(b, h, s_pad // bq),
-        in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *seg_specs],
+        in_specs=[q_spec, _head_spec(k.shape[1], k.shape[3], kv), _head_spec(k.shape[1], v.shape[3], kv),
+                  _head_spec(bq, do.shape[3], row), row_spec, row_spec, *seg_specs],
         out_specs=q_spec, out_shape=jax.ShapeDtypeStruct(q.shape, _dtype(st, q)),
         **st.params("flash_attention_dq", backward=True))(q, k, v, do, lse, delta, *seg_args)
 
 
 def _backward_dkv(q, k, v, do, lse, delta, q_seg, k_seg, st: _Static):
-    b, s_pad, g, d = k.shape
+    b, s_pad, g, _ = k.shape
     group = q.shape[2] // g
     q_pad = q.shape[1]
     bq, bk = st.blocks.block_q_dkv, st.blocks.block_k_dkv
@@ -325,13 +375,14 @@ def _backward_dkv(q, k, v, do, lse, delta, q_seg, k_seg, st: _Static):
     seg_specs, seg_args = seg_specs[::-1], seg_args[::-1]
     kernel = functools.partial(_dkv_kernel, block_q=bq, group=group, **st.dkv_args(bk, bool(seg_args)))
     # Query head j of kv head gi is gi * group + j: a block of `group` heads at block index gi.
-    q_spec = pl.BlockSpec((None, q_pad, group, d), lambda bi, gi, ki: (bi, 0, gi, 0))
-    kv_spec = pl.BlockSpec((None, bk, None, d), lambda bi, gi, ki: (bi, ki, gi, 0))
+    heads = lambda d: pl.BlockSpec((None, q_pad, group, d), lambda bi, gi, ki: (bi, 0, gi, 0))  # noqa: E731
+    key = lambda bi, gi, ki: (bi, ki, gi, 0)  # noqa: E731
+    k_spec, v_spec = _head_spec(bk, k.shape[3], key), _head_spec(bk, v.shape[3], key)
     row_spec = pl.BlockSpec((None, group, q_pad), lambda bi, gi, ki: (bi, gi, 0))
     return pallas_call(
         kernel, grid=(b, g, s_pad // bk),
-        in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *seg_specs],
-        out_specs=[kv_spec, kv_spec],
+        in_specs=[heads(q.shape[3]), k_spec, v_spec, heads(do.shape[3]), row_spec, row_spec, *seg_specs],
+        out_specs=[k_spec, v_spec],
         out_shape=[jax.ShapeDtypeStruct(k.shape, _dtype(st, k)), jax.ShapeDtypeStruct(v.shape, _dtype(st, v))],
         **st.params("flash_attention_dkv", backward=True))(q, k, v, do, lse, delta, *seg_args)
 
@@ -392,15 +443,18 @@ def flash_attention(
     block_sizes: BlockSizes | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
-    """softmax(q k^T * scale + mask) v with flash attention kernels. [b,s,h,k] x [b,s,g,k] -> [b,s,h,k].
+    """softmax(q k^T * scale + mask) v with flash attention kernels. [b,s,h,k] x [b,s,g,k], [b,s,g,k_v] ->
+    [b,s,h,k_v].
 
     segment_ids [b, s] (int): tokens attend only within their segment (packed documents). scale defaults
-    to 1/sqrt(k). block_sizes defaults to BLOCK_TABLE's entry for the head dim and dtype. interpret=None
+    to 1/sqrt(k). block_sizes defaults to BLOCK_TABLE's entry for the wider head dim and dtype. interpret=None
     interprets on CPU and compiles on GPU. Differentiable (custom_vjp with the backward kernels).
     """
-    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
-        raise ValueError(f"expected q [b, s, h, k] and k, v [b, s, g, k]: {q.shape=} {k.shape=} {v.shape=}")
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"expected q [b, s, h, k], k [b, s, g, k] and v [b, s, g, k_v]: {q.shape=} {k.shape=} "
+                         f"{v.shape=}")
     b, s, h, d = q.shape
+    dv = v.shape[3]
     if k.shape[0] != b or k.shape[1] != s or k.shape[3] != d:
         raise ValueError(f"q and k/v must share batch, sequence (self-attention) and head dim: {q.shape=} "
                          f"{k.shape=}")
@@ -409,27 +463,23 @@ def flash_attention(
         raise ValueError(f"the query heads must be a multiple of the kv heads: {h=} {g=}")
     if q.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32) or not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"q, k, v must share one of bfloat16, float16, float32: {q.dtype=} {k.dtype=} {v.dtype=}")
-    if d > MAX_HEAD_DIM:
-        raise ValueError(f"head dim {d=} > {MAX_HEAD_DIM}: its tiles would not fit in shared memory; use "
+    if max(d, dv) > MAX_HEAD_DIM:
+        raise ValueError(f"head dim {max(d, dv)} > {MAX_HEAD_DIM}: its tiles would not fit in shared memory; use "
                          "impl='xla' or 'cudnn'")
     if segment_ids is not None and segment_ids.shape != (b, s):
         raise ValueError(f"segment_ids must be [b, s] = {(b, s)}: {segment_ids.shape=}")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    blocks = (block_sizes or default_block_sizes(d, q.dtype)).fit(s)
+    blocks = (block_sizes or default_block_sizes(max(d, dv), q.dtype)).fit(s)
 
-    # Pad the head dim to a power of 2 (zeros change no logit and give zero output columns) and the
+    # Pad the head dims to their parts' sum (zeros change no logit and give zero output columns) and the
     # sequence to a multiple of every block (padded keys are masked, padded query rows dropped).
-    d_pad = max(MIN_BLOCK, next_power_of_2(d))
     s_pad = -(-s // blocks.largest) * blocks.largest
-    if (d_pad, s_pad) != (d, s):
-        pad = lambda x: jnp.pad(x, ((0, 0), (0, s_pad - s), (0, 0), (0, d_pad - d)))  # noqa: E731
-        q, k, v = pad(q), pad(k), pad(v)
-        if segment_ids is not None:
-            segment_ids = jnp.pad(segment_ids, ((0, 0), (0, s_pad - s)))
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, s_pad - s), (0, 0), (0, head_width(x.shape[3]) - x.shape[3])))  # noqa
+    q, k, v = pad(q), pad(k), pad(v)
     if segment_ids is not None:
-        segment_ids = segment_ids.astype(jnp.int32)
+        segment_ids = jnp.pad(segment_ids, ((0, 0), (0, s_pad - s))).astype(jnp.int32)
     out = _flash(q, k, v, segment_ids, _Static(bool(causal), scale, s, blocks, interpret))
-    return out[:, :s, :, :d]
+    return out[:, :s, :, :dv]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -437,42 +487,43 @@ def flash_attention(
 # themselves; the ring's custom_vjp calls the backward. Queries and keys may differ in length when not causal.
 
 
-def _block_static(q, k, causal: bool, scale: float, block_sizes: BlockSizes | None, interpret: bool | None):
-    s, t, d = q.shape[1], k.shape[1], q.shape[3]
+def _block_static(q, k, v, causal: bool, scale: float, block_sizes: BlockSizes | None, interpret: bool | None):
+    s, t = q.shape[1], k.shape[1]
     if causal and s != t:
         raise ValueError(f"a causal block is a diagonal one: queries and keys of one length, got {s} and {t}")
-    blocks = (block_sizes or default_block_sizes(d, q.dtype)).fit(max(s, t))
+    blocks = (block_sizes or default_block_sizes(max(q.shape[3], v.shape[3]), q.dtype)).fit(max(s, t))
     return _Static(bool(causal), float(scale), t, blocks, interpret, q_len=s, out_dtype="float32")
 
 
-def _pad_block(x, length: int, d_pad: int):
+def _pad_block(x, length: int):
+    """x [b, s, ...] padded to `length` rows, and a head dim (of [b, s, h, k]) to its `head_width`."""
     if x is None:
         return None
     widths = [(0, 0), (0, length - x.shape[1])] + [(0, 0)] * (x.ndim - 2)
     if x.ndim == 4:
-        widths[3] = (0, d_pad - x.shape[3])
+        widths[3] = (0, head_width(x.shape[3]) - x.shape[3])
     return jnp.pad(x, widths) if any(w != (0, 0) for w in widths) else x
 
 
 def _block_pads(st: _Static, q, k):
     unit = st.blocks.largest
-    return (-(-q.shape[1] // unit) * unit, -(-k.shape[1] // unit) * unit,
-            max(MIN_BLOCK, next_power_of_2(q.shape[3])))
+    return -(-q.shape[1] // unit) * unit, -(-k.shape[1] // unit) * unit
 
 
 def flash_block_forward(q, k, v, q_seg=None, k_seg=None, *, causal: bool, scale: float,
                         block_sizes: BlockSizes | None = None, interpret: bool | None = None):
-    """(o [b, s, h, k] fp32, lse [b, h, s] fp32, natural log) of q [b, s, h, k] over the keys k, v [b, t, g, k]
-    alone, with the flash-attention forward kernel; causal only for a diagonal block (s == t)."""
-    st = _block_static(q, k, causal, scale, block_sizes, interpret)
-    s, d = q.shape[1], q.shape[3]
-    s_pad, t_pad, d_pad = _block_pads(st, q, k)
-    args = (_pad_block(q, s_pad, d_pad), _pad_block(k, t_pad, d_pad), _pad_block(v, t_pad, d_pad),
-            _pad_block(q_seg, s_pad, d_pad), _pad_block(k_seg, t_pad, d_pad))
+    """(o [b, s, h, k_v] fp32, lse [b, h, s] fp32, natural log) of q [b, s, h, k] over the keys k [b, t, g, k] and
+    values v [b, t, g, k_v] alone, with the flash-attention forward kernel; causal only for a diagonal block
+    (s == t)."""
+    st = _block_static(q, k, v, causal, scale, block_sizes, interpret)
+    s, dv = q.shape[1], v.shape[3]
+    s_pad, t_pad = _block_pads(st, q, k)
+    args = (_pad_block(q, s_pad), _pad_block(k, t_pad), _pad_block(v, t_pad), _pad_block(q_seg, s_pad),
+            _pad_block(k_seg, t_pad))
     seg_names = None if q_seg is None else SEGMENT_NAMES
     o, lse2 = shard_kernel(lambda q, k, v, qs, ks: _forward(q, k, v, qs, ks, st), args,
                            (Q_NAMES, KV_NAMES, KV_NAMES, seg_names, seg_names), (Q_NAMES, ROW_NAMES))
-    return o[:, :s, :, :d], lse2[:, :, :s] / LOG2E
+    return o[:, :s, :, :dv], lse2[:, :, :s] / LOG2E
 
 
 def flash_block_backward(q, k, v, do, lse, delta, q_seg=None, k_seg=None, *, causal: bool, scale: float,
@@ -480,18 +531,17 @@ def flash_block_backward(q, k, v, do, lse, delta, q_seg=None, k_seg=None, *, cau
     """(dq, dk, dv) in fp32 of this block's share of an attention whose log-sum-exp per query (natural log) is
     lse [b, h, s] and whose rowsum(o * do) is delta [b, h, s], both of the whole attention: the flash-attention
     dq and dk/dv kernels."""
-    st = _block_static(q, k, causal, scale, block_sizes, interpret)
-    s, t, d = q.shape[1], k.shape[1], q.shape[3]
-    s_pad, t_pad, d_pad = _block_pads(st, q, k)
+    st = _block_static(q, k, v, causal, scale, block_sizes, interpret)
+    s, t, d, dv = q.shape[1], k.shape[1], q.shape[3], v.shape[3]
+    s_pad, t_pad = _block_pads(st, q, k)
     rows = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, s_pad - s)))  # noqa: E731  padded queries: do = 0, no share
-    args = (_pad_block(q, s_pad, d_pad), _pad_block(k, t_pad, d_pad), _pad_block(v, t_pad, d_pad),
-            _pad_block(do.astype(q.dtype), s_pad, d_pad), rows(lse * LOG2E), rows(delta),
-            _pad_block(q_seg, s_pad, d_pad), _pad_block(k_seg, t_pad, d_pad))
+    args = (_pad_block(q, s_pad), _pad_block(k, t_pad), _pad_block(v, t_pad), _pad_block(do.astype(q.dtype), s_pad),
+            rows(lse * LOG2E), rows(delta), _pad_block(q_seg, s_pad), _pad_block(k_seg, t_pad))
 
     def grads(q, k, v, do, lse, delta, qs, ks):
         return (_backward_dq(q, k, v, do, lse, delta, qs, ks, st), *_backward_dkv(q, k, v, do, lse, delta, qs, ks, st))
 
     seg_names = None if q_seg is None else SEGMENT_NAMES
-    dq, dk, dv = shard_kernel(grads, args, (Q_NAMES, KV_NAMES, KV_NAMES, Q_NAMES, ROW_NAMES, ROW_NAMES, seg_names,
-                                            seg_names), (Q_NAMES, KV_NAMES, KV_NAMES))
-    return dq[:, :s, :, :d], dk[:, :t, :, :d], dv[:, :t, :, :d]
+    dq, dk, dv_ = shard_kernel(grads, args, (Q_NAMES, KV_NAMES, KV_NAMES, Q_NAMES, ROW_NAMES, ROW_NAMES, seg_names,
+                                             seg_names), (Q_NAMES, KV_NAMES, KV_NAMES))
+    return dq[:, :s, :, :d], dk[:, :t, :, :d], dv_[:, :t, :, :dv]

@@ -442,7 +442,9 @@ class Attention(nn.Module):
 
         def core(q, kk, v):
             if context.size() > 1:  # the whole sequence's keys and values, by a ring, an all-gather or all-to-alls
-                return context.attention(q, kk, v, segment_ids=segments, impl=cfg.attention_impl, scale=scale)
+                o = context.attention(q, kk, as_wide_as(v, kk), segment_ids=segments, impl=cfg.attention_impl,
+                                      scale=scale)
+                return o[..., :v.shape[-1]]
             return kernels.attention(q, kk, v, causal=True, segment_ids=segments, impl=cfg.attention_impl,
                                      probs_dropout=probs_dropout, scale=scale)
 
@@ -452,7 +454,7 @@ class Attention(nn.Module):
         if cache is None:
             o = core(q, kk, v)
         else:  # decoding: the new positions attend over the cache (no dropout, nothing to recompute)
-            o, cache = cached_attention(q, kk, v, cache, offset, scale)
+            o, cache = cached_attention(q, kk, as_wide_as(v, kk), cache, offset, scale)
         o = constrain(o[..., :cfg.value_dim], ("batch", None, "heads", "head_dim"))
 
         wo = param(self, "wo", (h, cfg.value_dim, d), WEIGHT_NAMES["wo"], out_std, pdt)
@@ -460,6 +462,14 @@ class Attention(nn.Module):
         if recipe(cfg).bias:
             y = y + param(self, "bo", (d,), ("embed",), 0, pdt).astype(cdt)
         return y if cache is None else (y, cache)
+
+
+def as_wide_as(v: jax.Array, k: jax.Array) -> jax.Array:
+    """Values [b, s, g, k_v] zero-padded to the keys' head dim (multi-latent attention's are narrower) for what
+    takes them only as wide: the KV cache and the context-parallel exchanges; the padding's output columns are
+    zero and are sliced off."""
+    extra = k.shape[-1] - v.shape[-1]
+    return jnp.pad(v, ((0, 0),) * 3 + ((0, extra),)) if extra else v
 
 
 def fused_qkv(module: nn.Module, x_bsd: jax.Array, side: Side, offset: jax.Array | int):
@@ -496,16 +506,16 @@ def latent_matmul(module: nn.Module, name: str, x: jax.Array, shape: tuple) -> j
 
 
 def latent_qkv(module: nn.Module, x_bsd: jax.Array, side: Side, offset: jax.Array | int):
-    """Multi-latent attention's queries and keys [b, s, h, n + r] and values [b, s, h, v] padded to n + r
-    (DeepSeek-V2, Megatron-Core's MLA; n = qk_head_dim, r = qk_pos_emb_head_dim, v = v_head_dim).
+    """Multi-latent attention's queries and keys [b, s, h, n + r] and values [b, s, h, v] (DeepSeek-V2,
+    Megatron-Core's MLA; n = qk_head_dim, r = qk_pos_emb_head_dim, v = v_head_dim).
 
     The residual stream is projected down to a latent c_kv [b, s, kv_lora_rank] and a RoPE key part [b, s, r]
     shared by all heads, and (with q_lora_rank) to a query latent; each latent is RMS-normalised, and the heads'
     keys' first n dimensions, their values and their queries are column-parallel up-projections of them. The
     down-projections run on the residual's sequence shards (their weights are small and whole on every tensor
     rank), so sequence parallelism gathers the latents, not the residual stream: kv_lora_rank + r (+ q_lora_rank)
-    wide instead of d, as Megatron's MLA does. The values are zero-padded to the query width so every attention
-    implementation (and the KV cache) takes them; the padding is sliced off the output before the projection."""
+    wide instead of d, as Megatron's MLA does. The values stay v wide: every attention implementation takes them so
+    (the flash kernel reads n + r = 192 as 128 + 64 and the values at 128; `as_wide_as` pads them where needed)."""
     cfg = module.cfg
     h, n, r, v, d = cfg.num_heads, cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim, cfg.hidden_size
     if cfg.q_lora_rank is None:
@@ -523,8 +533,7 @@ def latent_qkv(module: nn.Module, x_bsd: jax.Array, side: Side, offset: jax.Arra
     q = jnp.concatenate([q[..., :n], rotate(q[..., n:])], axis=-1)
     k_pe = jnp.broadcast_to(rotate(k_pe), (b, s, h, r))
     kk = jnp.concatenate([kv[..., :n], k_pe], axis=-1)
-    values = jnp.pad(kv[..., n:], ((0, 0), (0, 0), (0, 0), (0, n + r - v)))
-    return q, kk, values
+    return q, kk, kv[..., n:]
 
 
 @kernels.keeps_inputs
