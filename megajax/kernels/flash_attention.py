@@ -474,10 +474,9 @@ def flash_attention(
     # Pad the head dims to their parts' sum (zeros change no logit and give zero output columns) and the
     # sequence to a multiple of every block (padded keys are masked, padded query rows dropped).
     s_pad = -(-s // blocks.largest) * blocks.largest
-    pad = lambda x: jnp.pad(x, ((0, 0), (0, s_pad - s), (0, 0), (0, head_width(x.shape[3]) - x.shape[3])))  # noqa
-    q, k, v = pad(q), pad(k), pad(v)
+    q, k, v = (_pad_block(x, s_pad) for x in (q, k, v))
     if segment_ids is not None:
-        segment_ids = jnp.pad(segment_ids, ((0, 0), (0, s_pad - s))).astype(jnp.int32)
+        segment_ids = _pad_block(segment_ids, s_pad).astype(jnp.int32)
     out = _flash(q, k, v, segment_ids, _Static(bool(causal), scale, s, blocks, interpret))
     return out[:, :s, :, :dv]
 
