@@ -96,26 +96,10 @@ def _place(into: jax.Array, at, rows: jax.Array) -> jax.Array:
     return into.at[at].set(rows, mode="drop", unique_indices=True)
 
 
-@jax.custom_vjp
 def _take(rows: jax.Array, at) -> jax.Array:
-    """The rows at the unique indices `at` (zeros past the end): `_place`'s transpose. Its own transpose is a
-    scatter of unique indices (no atomic adds) into zeros made once the cotangent is there (`_zeros_after`):
-    JAX's transpose of the gather scattered into a copy of one zeros shared by the step, which XLA made early
-    and held (1.3 GiB of the DeepSeek-V3 preset's peak)."""
+    """The rows at the unique indices `at` (zeros past the end): `_place`'s transpose, which its own transposes
+    back into a scatter of unique indices (no atomic adds)."""
     return rows.at[at].get(mode="fill", fill_value=0, unique_indices=True)
-
-
-def _take_fwd(rows, at):
-    return _take(rows, at), (at, jnp.zeros((*rows.shape[:-1], 0), rows.dtype))  # (rows' shape and type, no bytes)
-
-
-def _take_bwd(res, ct):
-    at, like = res
-    zeros = _zeros_after((*like.shape[:-1], ct.shape[-1]), like.dtype, ct)
-    return _place(zeros, at, ct.astype(like.dtype)), None
-
-
-_take.defvjp(_take_fwd, _take_bwd)
 
 
 def dispatch(x_td: jax.Array, ids_tk: jax.Array, e: int,
@@ -276,11 +260,10 @@ def _ragged_all_to_all(*args, axes):
 
 
 def _zeros_after(shape: tuple, dtype, x: jax.Array) -> jax.Array:
-    """Zeros made once x is there: the exchange's receiving buffer, which it writes in place, and `_take`'s
-    transpose's. A plain jnp.zeros is one value to XLA wherever it appears, so every exchange of the step wrote into
-    a copy of one shared zeros, and XLA made the copies early and held them: 3.3 GiB of the DeepSeek-V3 preset's
-    peak. (The same for the layer's forward scatters into zeros saves 1.6 GiB more there, and moving every row by
-    gathers alone 7 GiB more, but XLA's schedule then leaves 0.4-2.0 s more of the exchange exposed.)"""
+    """Zeros made once x is there: the exchange's receiving buffer, which it writes in place. A plain jnp.zeros is
+    one value to XLA wherever it appears, so every exchange of the step wrote into a copy of one shared zeros, and
+    XLA made the copies early and held them: 3.3 GiB of the DeepSeek-V3 preset's peak. (The same for the layer's
+    scatters into zeros saves 1.6 GiB more there but leaves 0.4-0.7 s more of the exchange exposed.)"""
     return jax.lax.optimization_barrier((jnp.zeros(shape, dtype), x))[0]
 
 
