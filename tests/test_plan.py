@@ -632,6 +632,29 @@ def test_a_slower_compile_does_not_crown_itself(monkeypatch, capsys):
     assert f"unsettled: rows 1-{k} are the model's alone" in out and "(the model's, not compiled)" in out
 
 
+def test_the_own_layout_s_line_has_its_table_row_s_numbers(monkeypatch, capsys):
+    """Where the config's own layout is a row of the table, its line gives that row's step and memory (what the
+    compiles taught the model about neighbouring layouts included), not the bare model's: after a compile whose
+    program exposes more than the model, the line and the row agree."""
+    import megajax.plan.__main__ as cli
+
+    def fake(c, target):  # fits, and its program exposes twice the model's communication
+        return {"peak_gib": c.estimate.memory["total"] / 2**30, "fits": True, "exposed_s": 2 * c.model_exposed_s}
+
+    monkeypatch.setattr(cli, "compile_candidate", fake)
+    args = ["--config", "configs/gpt2-1.3b.yaml", "--target", "h100", "--gpus", "64", "--compile", "1", "--set",
+            "parallel.pipeline=1", "parallel.tensor=2", "parallel.data_parallel_sharding_strategy=optim",
+            "parallel.tp_comm_overlap=false"]
+    assert cli.main(args + ["--json", "-"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    own = search_lib.own_layout(config_io.load(ROOT / "configs/gpt2-1.3b.yaml"), hardware("h100"), 64, 8)
+    row = next(r for r in rows if r["settings"] == own.settings)
+    assert row["predicted_step_s"] != pytest.approx(own.step_s)  # (the compile moved it)
+    assert cli.main(args) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("the config's own layout"))
+    assert f": {row['predicted_step_s']:.4g} s a step " in line or line.endswith("is the best"), line
+
+
 def test_rank_keeps_the_simplest_of_equals():
     """Layouts the prediction cannot tell apart (the same time and memory) collapse to the simplest."""
     base = config_io.load(ROOT / "configs/gpt2-124m.yaml")

@@ -156,7 +156,8 @@ def _why(ranked: list[Candidate], too_big: list[Candidate]) -> list[str]:
 
 
 def _own(own: Candidate | None, best: Candidate, band: float = 0.0) -> str:
-    """Where the config's own layout stands against the best (the model's numbers for both, unless compiled)."""
+    """Where the config's own layout stands against the best, with the numbers its table row has where it has one
+    (compiled, or the model's with what the compiles taught it), else the model's alone."""
     if own is None:
         return "the config's own layout does not run on this many GPUs"
     s = own.settings
@@ -167,7 +168,8 @@ def _own(own: Candidate | None, best: Candidate, band: float = 0.0) -> str:
     if own.settings == best.settings:
         return f"{what} is the best"
     within = f", within the model's +-{band:.0%}" if band and _within(own, best, band) else ""
-    return (f"{what}: {own.step_s:.4g} s a step by the model, {own.step_s / best.step_s - 1:+.1%} against the "
+    how = "compiled" if own.compiled else "by the model"
+    return (f"{what}: {own.step_s:.4g} s a step {how}, {own.step_s / best.step_s - 1:+.1%} against the "
             f"best{within}, {own.memory_gib:.1f} GiB")
 
 
@@ -390,7 +392,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{rows[0]['tflops_per_gpu']:.0f} TFLOP/s a GPU, {best.memory_gib:.1f} GiB"
               + (" (the model's, not compiled)" if args.compile > 0 and not best.compiled else ""))
         print("\n".join(_why(ranked, result["too_big"]) + notes))
-        print(_own(own_layout(base, hw, args.gpus, args.gpus_per_node, args.memory_margin), best, ERROR[args.target]))
+        own = own_layout(base, hw, args.gpus, args.gpus_per_node, args.memory_margin)
+        own = next((c for c in ranked if own is not None and c.settings == own.settings), own)  # (as the table has it)
+        print(_own(own, best, ERROR[args.target]))
     if args.write:
         write_preset(args.write, raw, ranked[0], argv)
     return 0
