@@ -277,8 +277,11 @@ def test_model_pallas_llama_sharded():
 def cudnn_as_reference(monkeypatch):
     from megajax.kernels import cudnn_attention
 
-    monkeypatch.setattr(cudnn_attention.CudnnCore, "__call__", lambda self, q, k, v: kernels.attention_reference(
-        q, k, v, causal=self.causal, scale=self.scale))
+    def call(self, q, k, v):
+        assert k.shape == v.shape, "jax.nn.dot_product_attention: the value array must have the key array's shape"
+        return kernels.attention_reference(q, k, v, causal=self.causal, scale=self.scale)
+
+    monkeypatch.setattr(cudnn_attention.CudnnCore, "__call__", call)
 
 
 CUDNN_LAYOUTS = {
@@ -297,6 +300,19 @@ def test_cudnn_attention_sharded_trains_as_xla(cudnn_as_reference, layout):
     'tensor', batch over 'data', inside a pipeline's schedule, and over all-to-all context parallelism's heads."""
     cfg = small_config(**{**GQA, "model.attention_impl": "cudnn", **CUDNN_LAYOUTS[layout]})
     np.testing.assert_allclose(run_steps(cfg, 8, STEPS), xla_losses("gpt2"), rtol=1e-5)
+
+
+def test_cudnn_takes_values_narrower_than_the_keys(cudnn_as_reference):
+    """Multi-latent attention's values (narrower than the keys, which JAX's cuDNN call does not take) are padded
+    to the keys' width for the call and its output cut back: the output and gradients equal the reference's on
+    the narrow values."""
+    q, k, _, _, _ = attention_case(1, 32, 4, 2, 24, jnp.float32, seed=7, segments=False)
+    _, _, v, do, _ = attention_case(1, 32, 4, 2, 16, jnp.float32, seed=8, segments=False)
+    cudnn = functools.partial(kernels.attention, causal=True, impl="cudnn")
+    got = value_and_grads(cudnn, q, k, v, do)
+    want = value_and_grads(functools.partial(kernels.attention_reference, causal=True), q, k, v, do)
+    for name, x, y in zip(["out", "dq", "dk", "dv"], got, want):
+        assert x.shape == y.shape and rel_err(x, y) < 1e-5, name
 
 
 def test_cudnn_core_gradients_match_reference(cudnn_as_reference):
