@@ -442,9 +442,7 @@ class Attention(nn.Module):
 
         def core(q, kk, v):
             if context.size() > 1:  # the whole sequence's keys and values, by a ring, an all-gather or all-to-alls
-                o = context.attention(q, kk, as_wide_as(v, kk), segment_ids=segments, impl=cfg.attention_impl,
-                                      scale=scale)
-                return o[..., :v.shape[-1]]
+                return context.attention(q, kk, v, segment_ids=segments, impl=cfg.attention_impl, scale=scale)
             return kernels.attention(q, kk, v, causal=True, segment_ids=segments, impl=cfg.attention_impl,
                                      probs_dropout=probs_dropout, scale=scale)
 
@@ -465,9 +463,8 @@ class Attention(nn.Module):
 
 
 def as_wide_as(v: jax.Array, k: jax.Array) -> jax.Array:
-    """Values [b, s, g, k_v] zero-padded to the keys' head dim (multi-latent attention's are narrower) for what
-    takes them only as wide: the KV cache and the context-parallel exchanges; the padding's output columns are
-    zero and are sliced off."""
+    """Values [b, s, g, k_v] zero-padded to the keys' head dim (multi-latent attention's are narrower) for the KV
+    cache, which holds keys and values alike; the padding's output columns are zero and are sliced off."""
     extra = k.shape[-1] - v.shape[-1]
     return jnp.pad(v, ((0, 0),) * 3 + ((0, extra),)) if extra else v
 

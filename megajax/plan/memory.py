@@ -47,8 +47,6 @@ def layer_activation_bytes(L: Layout) -> dict:
     per_token = 2 * B16 * h * r + 2 * B16 * h * gemm_in
     heads, kv = m.num_heads / t, m.kv_heads / t
     per_token += B16 * (heads * (m.head_dim + m.value_dim) + kv * (m.head_dim + m.value_dim))
-    if m.multi_latent_attention and L.c > 1:  # the context exchanges take values (and give outputs) as wide as keys
-        per_token += B16 * heads * (m.head_dim - m.value_dim) * 2
     core = 11 * heads * m.seq_length if L.unfused else 4 * heads  # the scores, or the log-sum-exp
     per_token += 2 * h * r if m.dropout else 0.0
     mlp = (3 if m.arch == "llama" else 2) * B16
