@@ -31,8 +31,8 @@ STEPS = 2
 SIZE = {"model.num_layers": 4, "model.hidden_size": 64, "model.seq_length": 32, "train.global_batch_size": 8}
 ARCHS = {"gpt2": {"model.num_heads": 4},
          "llama": {"model.arch": "llama", "model.num_heads": 4, "model.num_kv_heads": 2},
-         # DeepSeek's multi-latent attention (values padded to the query width around the ring) with YaRN and its
-         # softmax scale
+         # DeepSeek's multi-latent attention (values narrower than the keys, unpadded around the ring) with YaRN and
+         # its softmax scale
          "deepseek": {"model.arch": "llama", "model.num_heads": 4, "model.multi_latent_attention": True,
                       "model.q_lora_rank": 16, "model.kv_lora_rank": 16, "model.qk_head_dim": 8,
                       "model.qk_pos_emb_head_dim": 8, "model.v_head_dim": 8, "model.rope_scaling": "yarn",
