@@ -38,6 +38,10 @@ ARCHS = {"gpt2": {"model.num_heads": 4},
                       "model.qk_pos_emb_head_dim": 8, "model.v_head_dim": 8, "model.rope_scaling": "yarn",
                       "model.rope_scaling_factor": 4.0, "model.rope_original_max_positions": 16,
                       "model.rope_yarn_mscale": 1.0, "model.rope_yarn_mscale_all_dim": 0.8}}
+# with DeepSeek's routed experts (dropless: a capacity is refused with context), the load-balancing loss and the
+# auxiliary-loss-free bias
+ARCHS["deepseek-moe"] = {**ARCHS["deepseek"], "model.num_experts": 4, "model.experts_per_token": 2,
+                         "model.moe_router_bias_update_rate": 0.01}
 
 
 def _chunk_ids(rank: int, c: int) -> tuple[int, int]:
@@ -183,7 +187,8 @@ def test_the_context_space_is_accepted():
      "multiple of 8"),
     ({"parallel.context": 2, "parallel.pipeline": 2, "parallel.context_comm": "ring"}, "context_comm=all_gather"),
     ({"parallel.context": 2, "model.attention_dropout": 0.1}, "attention_dropout=0"),
-    ({"parallel.context": 2, "model.num_experts": 4}, "parallel.context=1"),
+    ({"parallel.context": 2, "model.num_experts": 4, "model.moe_capacity_factor": 1.0}, "moe_capacity_factor=null"),
+    ({"parallel.context": 2, "parallel.pipeline": 2, "model.num_experts": 4}, "parallel.pipeline=1"),
     ({"parallel.context": 2, "model.attention_impl": "cudnn"}, "pallas or xla"),
     ({"parallel.context": 4, "parallel.tensor": 2, "parallel.context_comm": "a2a"}, "must divide by parallel.tensor"),
     ({"parallel.context": 2, "parallel.pipeline": 2, "parallel.context_comm": "a2a+ring"}, "context_comm=a2a or"),
@@ -216,6 +221,8 @@ LAYOUTS = {
     "gpt2-d2c2-packed-documents-pallas": ("gpt2", 4, {
         "parallel.data": 2, "parallel.context": 2, "model.seq_length": 64, "model.attention_impl": "pallas",
         "data.reset_attention_mask": True, "data.reset_position_ids": True}),
+    # the balancing loss at weight 1: each rank's chunk alone would balance it otherwise than one device (0.8%)
+    "deepseek-moe-c2-balance": ("deepseek-moe", 2, {"parallel.context": 2, "model.moe_aux_loss_coef": 1.0}),
     "llama-d2c2t2-sp-selective": ("llama", 8, {"parallel.data": 2, "parallel.context": 2, "parallel.tensor": 2,
                                                "parallel.sequence_parallel": True, "model.recompute": "selective"}),
     # the distributed optimizer sharded over context alone (data = 1)
@@ -287,6 +294,9 @@ SLOW_LAYOUTS = {
                                           "parallel.overlap_param_gather": True}),
     "gpt2-d2p2c2-1f1b-overlap": ("gpt2", 8, {"parallel.data": 2, "parallel.pipeline": 2, "parallel.context": 2,
                                              "parallel.overlap_grad_reduce": True, "train.micro_batch_size": 2}),
+    "deepseek-moe-d4e2c2-a2a-ragged": ("deepseek-moe", 8, {
+        "parallel.data": 4, "parallel.expert": 2, "parallel.context": 2, "parallel.context_comm": "a2a",
+        "parallel.expert_all_to_all": "ragged"}),
 }
 
 

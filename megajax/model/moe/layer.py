@@ -203,7 +203,7 @@ class MoE(nn.Module):
                 gate = jax.nn.sigmoid(jnp.einsum("bsd,d->bs", x_bsd.astype(jnp.float32), w_gate.astype(jnp.float32)))
                 shared = shared * gate[..., None].astype(shared.dtype)
             y = y + shared
-        balance = load_balancing_loss(probs, ids)
+        balance = load_balancing_loss(probs, ids, step_plan.in_force().context)
         if objective_scale is not None:
             y = attach_loss(y, cfg.moe_aux_loss_coef * balance + cfg.moe_z_loss_coef * z_loss(logits),
                             objective_scale * (b * s))

@@ -82,11 +82,16 @@ def route(logits_te: jax.Array, how: Routing,
     return top * how.scale if how.scale != 1.0 else top, ids, probs
 
 
-def load_balancing_loss(probs_te: jax.Array, ids_tk: jax.Array) -> jax.Array:
-    """Switch / GShard: E sum_e f_e P_e (1 when perfectly balanced)."""
+def load_balancing_loss(probs_te: jax.Array, ids_tk: jax.Array, context: int = 1) -> jax.Array:
+    """Switch / GShard: E sum_e f_e P_e (1 when perfectly balanced). With context parallelism (`context` ranks,
+    each holding part of every sequence) the assignments and probabilities are summed over 'context' first, so
+    that a sequence's tokens are balanced together, as on one device."""
     e = probs_te.shape[-1]
     counts = jnp.sum(jax.nn.one_hot(ids_tk, e, dtype=jnp.float32), axis=(0, 1))
-    return e * jnp.sum(counts / ids_tk.size * jnp.mean(probs_te, axis=0))
+    probs = jnp.sum(probs_te, axis=0)
+    if context > 1:
+        counts, probs = jax.lax.psum((counts, probs), "context")
+    return e * jnp.sum(counts / (ids_tk.size * context) * probs / (probs_te.shape[0] * context))
 
 
 def z_loss(logits_te: jax.Array) -> jax.Array:
