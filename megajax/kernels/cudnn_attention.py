@@ -88,12 +88,16 @@ def _backward(core, saved, do):
 sharded_core.defvjp(_forward, _backward)
 
 
+def as_wide_as_keys(v: jax.Array, k: jax.Array) -> jax.Array:
+    """Values [b, t, g, k_v] zero-padded to the keys' head dim: `jax.nn.dot_product_attention` (cuDNN's here, XLA's
+    for the KV cache) takes values only as wide as the keys, and multi-latent attention's are narrower. The
+    padding's output columns are zero; the caller slices them off."""
+    extra = k.shape[-1] - v.shape[-1]
+    return jnp.pad(v, ((0, 0),) * 3 + ((0, extra),)) if extra else v
+
+
 def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
                     scale: float | None = None) -> jax.Array:
     """cuDNN's fused attention, [b, s, h, k] x [b, t, g, k], [b, t, g, k_v] -> [b, s, h, k_v], shard by shard under
-    any mesh. JAX's call takes values as wide as the keys: narrower ones (multi-latent attention's) are zero-padded
-    to the keys' width, and the output's padded columns dropped."""
-    dv = v.shape[-1]
-    if dv < k.shape[-1]:
-        v = jnp.pad(v, ((0, 0),) * 3 + ((0, k.shape[-1] - dv),))
-    return sharded_core(CudnnCore(causal, scale), q, k, v)[..., :dv]
+    any mesh (values narrower than the keys through `as_wide_as_keys`)."""
+    return sharded_core(CudnnCore(causal, scale), q, k, as_wide_as_keys(v, k))[..., :v.shape[-1]]

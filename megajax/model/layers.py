@@ -452,7 +452,7 @@ class Attention(nn.Module):
         if cache is None:
             o = core(q, kk, v)
         else:  # decoding: the new positions attend over the cache (no dropout, nothing to recompute)
-            o, cache = cached_attention(q, kk, as_wide_as(v, kk), cache, offset, scale)
+            o, cache = cached_attention(q, kk, kernels.as_wide_as_keys(v, kk), cache, offset, scale)
         o = constrain(o[..., :cfg.value_dim], ("batch", None, "heads", "head_dim"))
 
         wo = param(self, "wo", (h, cfg.value_dim, d), WEIGHT_NAMES["wo"], out_std, pdt)
@@ -460,13 +460,6 @@ class Attention(nn.Module):
         if recipe(cfg).bias:
             y = y + param(self, "bo", (d,), ("embed",), 0, pdt).astype(cdt)
         return y if cache is None else (y, cache)
-
-
-def as_wide_as(v: jax.Array, k: jax.Array) -> jax.Array:
-    """Values [b, s, g, k_v] zero-padded to the keys' head dim (multi-latent attention's are narrower) for the KV
-    cache, which holds keys and values alike; the padding's output columns are zero and are sliced off."""
-    extra = k.shape[-1] - v.shape[-1]
-    return jnp.pad(v, ((0, 0),) * 3 + ((0, extra),)) if extra else v
 
 
 def fused_qkv(module: nn.Module, x_bsd: jax.Array, side: Side, offset: jax.Array | int):
@@ -512,7 +505,8 @@ def latent_qkv(module: nn.Module, x_bsd: jax.Array, side: Side, offset: jax.Arra
     down-projections run on the residual's sequence shards (their weights are small and whole on every tensor
     rank), so sequence parallelism gathers the latents, not the residual stream: kv_lora_rank + r (+ q_lora_rank)
     wide instead of d, as Megatron's MLA does. The values stay v wide: every attention implementation takes them so
-    (the flash kernel reads n + r = 192 as 128 + 64 and the values at 128; `as_wide_as` pads them where needed)."""
+    (the flash kernel reads n + r = 192 as 128 + 64 and the values at 128; `kernels.as_wide_as_keys` pads them
+    where needed)."""
     cfg = module.cfg
     h, n, r, v, d = cfg.num_heads, cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim, cfg.hidden_size
     if cfg.q_lora_rank is None:
