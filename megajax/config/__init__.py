@@ -165,9 +165,6 @@ class Config:
         )
         check(m.attention_dropout == 0, "model.attention_dropout is not supported with parallel.context > 1 (the "
               "ring attention has no dropout): set model.attention_dropout=0 or parallel.context=1")
-        check(m.num_experts == 0 or p.pipeline == 1,
-              "a mixture of experts under context parallelism is not supported with a pipeline yet: set "
-              "parallel.pipeline=1 or parallel.context=1")
         check(m.num_experts == 0 or m.moe_capacity_factor is None,
               "a capacity (model.moe_capacity_factor) drops tokens by their order within a routing group, a whole "
               "sequence's tokens, and with parallel.context > 1 each rank holds part of every sequence: set "

@@ -190,7 +190,7 @@ class ChunkActions:
         (w, at), (_, side) = self.chunk(row, prefix), self.micro(row, prefix)
         y, residuals = self.linearize(w, x, side, at)
         leaves, tree = jax.tree.flatten(residuals)
-        avals = [(leaf.shape, leaf.dtype) for leaf in leaves]
+        avals = [(leaf.shape, leaf.dtype, step_plan.varying_axes(leaf)) for leaf in leaves]
         if self._res_avals is None:
             self._res_avals = avals
         elif avals != self._res_avals:
@@ -201,17 +201,22 @@ class ChunkActions:
                 leaves, self._res_tree_final = jax.tree.flatten(self.linearize(w, x, side, at, reduce=True)[1])
                 return leaves
 
-            if [(a.shape, a.dtype) for a in jax.eval_shape(final_leaves)] != avals:
+            if [(a.shape, a.dtype) for a in jax.eval_shape(final_leaves)] != [a[:2] for a in avals]:
                 raise AssertionError("the reducing backward's residuals differ from the chunk's")
         return y, leaves
 
     def zero_res(self) -> list:
-        """Zeros shaped like the residuals (traced once, abstractly, to learn them)."""
+        """Zeros shaped like the residuals, each varying over the manual axes it does (traced once, abstractly, to
+        learn them; a row read from the schedule's table varies over 'pipeline', as the executor's does). The
+        residuals keep their own varying axes through the schedule's carry: the backward's transpose checks each
+        cotangent against its residual's (a balancing loss summed over 'context' is invariant there)."""
         if self._res_avals is None:
-            row = {k: jnp.zeros((), jnp.int32) for k in ("f_chunk", "f_micro")}
-            jax.eval_shape(lambda x: self.forward_keeping(row, "f_", vary(x))[1],
-                           jax.ShapeDtypeStruct(self.act_shape, self.act_dtype))
-        return [jnp.zeros(shape, dtype) for shape, dtype in self._res_avals]
+            def keep(x):
+                row = vary({k: jnp.zeros((), jnp.int32) for k in ("f_chunk", "f_micro")}, ("pipeline",))
+                return self.forward_keeping(row, "f_", vary(x))[1]
+
+            jax.eval_shape(keep, jax.ShapeDtypeStruct(self.act_shape, self.act_dtype))
+        return [vary(jnp.zeros(shape, dtype), axes) for shape, dtype, axes in self._res_avals]
 
     # -- the branches --------------------------------------------------------------------------------------
 
@@ -276,11 +281,11 @@ class ChunkActions:
             *res, row = rest
             zeros = jnp.zeros(self.act_shape, self.act_dtype)
             if kind == NONE:
-                return vary((res[0] if passes_on else self.zero_res(), zeros))
+                return res[0] if passes_on else self.zero_res(), vary(zeros)
             if kind == LAST_KEEP:
                 y, res = self.forward_keeping(row, "f_", x)
-                return vary((res, y.astype(self.act_dtype)))
-            return vary((self.forward_keeping(row, "r_", x)[1], zeros))
+                return res, vary(y.astype(self.act_dtype))
+            return self.forward_keeping(row, "r_", x)[1], vary(zeros)
 
         return run
 

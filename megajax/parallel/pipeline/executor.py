@@ -125,12 +125,12 @@ def _first_carry(acts, layers, shared, sched, act_shape, act_dtype, reductions, 
     carry = vary({
         "act": jnp.zeros((sched.act_slots, *act_shape), act_dtype),  # chunk inputs: stashes and arrivals
         "grad": jnp.zeros((sched.grad_slots, *act_shape), act_dtype),
-        "res": acts.zero_res(),
         # (ZeRO-2 sums the reduced shards in g_final and keeps no whole gradient)
         "g_layers": {} if every else jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), layers),
         "g_shared": jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), shared),
         "loss": jnp.zeros((), jnp.float32),
     })
+    carry["res"] = acts.zero_res()  # (each residual varying as it does: ChunkActions.zero_res)
     if sched.split_backward:
         carry["dys"] = vary(acts.zero_dys())
     if reductions is not None:
