@@ -229,21 +229,24 @@ def expected_context_exchange(cfg, plan) -> dict:
     recomputed = m.recompute == "full" or (m.recompute == "selective" and not kernel_choice.fused_attention(
         m.attention_impl, m.head_dim, m.attention_dropout > 0, platform))
     ring = lambda kv, c: kv * (2 * (c - 1) + (c - 2 if recomputed else 0) + c)  # noqa: E731
+    gathered = lambda kv, c: {"all-gather": 2 * c * kv, "reduce-scatter": c * kv}  # noqa: E731
     if comm == "ring":
         per_layer = {"collective-permute": ring(kv, c)}
-    elif comm in ("a2a", "a2a+ring"):
+    elif comm.startswith("a2a"):
         # the queries, keys, values and output each cross once in the forward, their gradients once in the backward,
         # and a recomputed core crosses again; keys and values whose heads do not divide are repeated to the queries'.
-        # a2a+ring: the same inside groups of n, then the ring over c / n groups on n times the tokens and 1 / n of
-        # the (moved) key-value heads
+        # a2a+ring (a2a+all_gather): the same inside groups of n, then the ring (the all-gather) over c / n groups on
+        # n times the tokens and 1 / n of the (moved) key-value heads
         t, n = p.tensor, plan.context_a2a
         groups = a2a_groups(m.num_heads, m.kv_heads, t * n)
         one = kv // (2 * (m.kv_heads // t))  # one head of this rank's tokens
         per_layer = {"all-to-all": one * 2 * (m.num_heads + groups) // t * (3 if recomputed else 2)}
-        if n < c:
+        if comm == "a2a+ring":
             per_layer["collective-permute"] = ring(kv * groups // m.kv_heads, c // n)
+        elif comm == "a2a+all_gather":
+            per_layer.update(gathered(kv * groups // m.kv_heads, c // n))
     else:
-        per_layer = {"all-gather": 2 * c * kv, "reduce-scatter": c * kv}
+        per_layer = gathered(kv, c)
     return {"exchange": comm, "kv_bytes_per_layer": kv, "bytes_per_step": {k: v * layers for k, v in per_layer.items()}}
 
 

@@ -90,7 +90,9 @@ def _ring(c: int, impl: str):
                                              (4, "pallas", "all_gather"), (4, "xla", "a2a"),
                                              pytest.param(2, "pallas", "a2a", marks=pytest.mark.slow),
                                              (4, "xla", "a2a+ring"), (8, "pallas", "a2a+ring"),
-                                             pytest.param(8, "xla", "a2a+ring", marks=pytest.mark.slow)])
+                                             pytest.param(8, "xla", "a2a+ring", marks=pytest.mark.slow),
+                                             (4, "xla", "a2a+all_gather"),
+                                             pytest.param(8, "pallas", "a2a+all_gather", marks=pytest.mark.slow)])
 def test_ring_attention_equals_whole_sequence_attention(c, impl, exchange):
     b, s, h, g, d = 2, 8 * c, 4, 2, 8
     keys = jax.random.split(jax.random.key(c), 5)
@@ -110,8 +112,8 @@ def test_ring_attention_equals_whole_sequence_attention(c, impl, exchange):
     # as in the train step: jitted, under the mesh the kernels' region reads and a step plan with 'context' manual
     # (a2a: 2 key-value heads over 4 context ranks, repeated to the 4 query heads; a2a+ring: all-to-alls in groups
     # of 2, a ring of c / 2 across them, or at c = 8 with the Pallas blocks groups of 4 and a ring of 2, the keys
-    # and values repeated)
-    n = {"a2a": c, "a2a+ring": 4 if impl == "pallas" else 2}.get(exchange, 1)
+    # and values repeated; a2a+all_gather: the same groups, an all-gather across them)
+    n = c if exchange == "a2a" else (4 if impl == "pallas" else 2) if exchange.startswith("a2a+") else 1
     plan = StepPlan(context=c, manual=("context",), context_comm=exchange, context_a2a=n)
     with jax.set_mesh(_mesh(c)), step_plan.use(plan):
         got = jax.jit(lambda *a: value_and_grads(ring, *a))(q, k, v, do)
@@ -156,17 +158,19 @@ def context_space() -> list[dict]:
         if c * d * p * t > 8:
             continue
         for arch, sp, comm, schedule in itertools.product(
-                ARCHS, (False, True) if t > 1 else (False,), ("auto", "ring", "all_gather", "a2a", "a2a+ring")
-                if p == 1 else ("auto", "all_gather", "a2a"),
+                ARCHS, (False, True) if t > 1 else (False,),
+                ("auto", "ring", "all_gather", "a2a", "a2a+ring", "a2a+all_gather") if p == 1
+                else ("auto", "all_gather", "a2a", "a2a+all_gather"),
                 ("1f1b", "interleaved", "zero_bubble", "gpipe") if p > 1 else ("1f1b",)):
-            groups = c if comm == "a2a" else 2 if comm == "a2a+ring" else 1
-            if ARCHS[arch]["model.num_heads"] % (groups * t) or (comm == "a2a+ring" and c == 2):
-                continue  # (the heads split over tensor x the all-to-all group; a2a+ring needs 2 groups or more)
+            hierarchical = comm.startswith("a2a+")
+            groups = c if comm == "a2a" else 2 if hierarchical else 1
+            if ARCHS[arch]["model.num_heads"] % (groups * t) or (hierarchical and c == 2):
+                continue  # (the heads split over tensor x the all-to-all group; a2a+ needs 2 groups or more)
             out.append({"arch": arch, "n": c * d * p * t, "sets": {
                 **SIZE, **ARCHS[arch], "model.seq_length": 64, "parallel.context": c, "parallel.data": d,
                 "parallel.pipeline": p, "parallel.tensor": t, "parallel.sequence_parallel": sp,
                 "parallel.context_comm": comm, "parallel.schedule": schedule,
-                "parallel.context_a2a_size": 2 if comm == "a2a+ring" else None,
+                "parallel.context_a2a_size": 2 if hierarchical else None,
                 "parallel.virtual_stages": 2 if schedule == "interleaved" else 1,
                 "train.micro_batch_size": 8 // (d * p) if p > 1 else 8 // d}})
     return out
@@ -190,8 +194,11 @@ def test_the_context_space_is_accepted():
     ({"parallel.context": 2, "model.num_experts": 4, "model.moe_capacity_factor": 1.0}, "moe_capacity_factor=null"),
     ({"parallel.context": 2, "model.attention_impl": "cudnn"}, "pallas or xla"),
     ({"parallel.context": 4, "parallel.tensor": 2, "parallel.context_comm": "a2a"}, "must divide by parallel.tensor"),
-    ({"parallel.context": 2, "parallel.pipeline": 2, "parallel.context_comm": "a2a+ring"}, "context_comm=a2a or"),
-    ({"parallel.context": 4, "parallel.context_a2a_size": 2}, "context_comm=a2a\\+ring: set that"),
+    ({"parallel.context": 4, "parallel.pipeline": 2, "parallel.context_comm": "a2a+ring"},
+     "context_comm=a2a\\+all_gather \\(the same groups"),
+    ({"parallel.context": 4, "parallel.context_a2a_size": 2}, "a2a\\+ring or a2a\\+all_gather: set one of those"),
+    ({"parallel.context": 4, "parallel.context_comm": "a2a+all_gather", "parallel.context_a2a_size": 4},
+     "1 is all_gather"),
     ({"parallel.context": 4, "parallel.context_comm": "a2a+ring", "parallel.context_a2a_size": 4}, "1 is ring"),
     ({"parallel.context": 8, "parallel.context_comm": "a2a+ring", "parallel.context_a2a_size": 3}, "must divide"),
     ({"parallel.context": 8, "parallel.context_comm": "a2a+ring", "parallel.context_a2a_size": 8, "model.num_heads": 8,
@@ -240,8 +247,25 @@ LAYOUTS = {
     # with tensor and sequence parallelism and the Pallas blocks, ZeRO-3 with MLA, groups of 4 with recomputation)
     "gpt2-c4-a2a+ring-packed-documents": ("gpt2", 4, {"parallel.context": 4, "parallel.context_comm": "a2a+ring",
                                                       "model.seq_length": 64, "data.reset_attention_mask": True}),
+    # the hierarchical form under a pipeline: all-to-alls in groups of 2, an all-gather across the 2 groups (-m
+    # slow: interleaved with the Pallas blocks and packed documents, DeepSeek's MoE on zero_bubble with ZeRO-3)
+    "gpt2-p2c4-a2a+all_gather-1f1b": ("gpt2", 8, {"parallel.pipeline": 2, "parallel.context": 4,
+                                                  "parallel.context_comm": "a2a+all_gather", "model.seq_length": 64,
+                                                  "train.micro_batch_size": 2}),
 }
 SLOW_LAYOUTS = {
+    "llama-p2c4-a2a+all_gather-interleaved-pallas-packed-documents": ("llama", 8, {
+        "parallel.pipeline": 2, "parallel.context": 4, "parallel.context_comm": "a2a+all_gather",
+        "parallel.schedule": "interleaved", "parallel.virtual_stages": 2, "model.attention_impl": "pallas",
+        "model.seq_length": 64, "train.micro_batch_size": 2, "data.reset_attention_mask": True,
+        "data.reset_position_ids": True}),
+    "deepseek-moe-p2c4-a2a+all_gather-zero_bubble-zero3": ("deepseek-moe", 8, {
+        "parallel.pipeline": 2, "parallel.context": 4, "parallel.context_comm": "a2a+all_gather",
+        "parallel.schedule": "zero_bubble", "parallel.data_parallel_sharding_strategy": "optim_grads_params",
+        "model.seq_length": 64, "train.micro_batch_size": 2}),
+    "gpt2-c4-a2a+all_gather-groups-of-2": ("gpt2", 4, {"parallel.context": 4,
+                                                       "parallel.context_comm": "a2a+all_gather",
+                                                       "model.seq_length": 64}),
     # (suite time, 10 s: dropout under context parallelism; packed documents run by default)
     "llama-c4-packed-documents-dropout": ("llama", 4, {
         "parallel.context": 4, "model.seq_length": 128, "model.dropout": 0.1, "data.reset_attention_mask": True,
@@ -332,7 +356,8 @@ def test_context_layout_matches_one_device(name):
     pytest.param("ring", "none", marks=pytest.mark.slow), ("ring", "selective"),
     pytest.param("all_gather", "full", marks=pytest.mark.slow), pytest.param("a2a", "full", marks=pytest.mark.slow),
     pytest.param("a2a+ring", "selective", marks=pytest.mark.slow),  # suite time
-    pytest.param("a2a+ring", "full", marks=pytest.mark.slow)])
+    pytest.param("a2a+ring", "full", marks=pytest.mark.slow),
+    pytest.param("a2a+all_gather", "selective", marks=pytest.mark.slow)])
 def test_the_exchange_on_h100_is_the_analytic_volume_and_the_ring_runs_under_the_kernels(exchange, recompute):
     """XLA's GPU program (compile-only H100s) moves exactly the analytic bytes over 'context' (audit's
     expected_context_exchange), and every ring hop has attention compute scheduled between its start and done."""
@@ -355,3 +380,5 @@ def test_the_exchange_on_h100_is_the_analytic_volume_and_the_ring_runs_under_the
         assert all(c.is_async for c in hops) and sum(c.flops_under == 0 for c in hops) == 1 < len(hops), [
             (c.name, c.flops_under) for c in hops]
         assert {c.group_size for c in colls if c.kind == "all-to-all"} == {2}
+    if exchange == "a2a+all_gather":  # the all-to-alls inside groups of 2, the all-gathers across the 2 groups
+        assert {(c.kind, c.group_size) for c in colls} == {("all-to-all", 2), ("all-gather", 2), ("reduce-scatter", 2)}

@@ -236,14 +236,16 @@ def test_search_space_enumerated():
     assert {r["parallel.num_distributed_optimizer_instances"] for r in flat} == {1, 128}
     assert {r["parallel.num_distributed_optimizer_instances"] for r in rows if r["parallel.tensor"] == 8} == {1}
     # context parallelism (8192-token sequences) by its auto exchange or the all-to-alls
-    # (a2a+ring without a pipeline: all-to-alls in groups of a node's context ranks, 8 / tensor of them at most)
+    # (hierarchical: all-to-alls in groups of a node's context ranks, 8 / tensor of them at most, a ring across
+    # them without a pipeline, an all-gather with one)
     cp = [r for r in rows if r["parallel.context"] > 1]
-    assert {r["parallel.context_comm"] for r in cp} == {"auto", "a2a", "a2a+ring"}
-    assert {r["parallel.context_comm"] for r in cp if r["parallel.pipeline"] > 1} == {"auto", "a2a"}
-    hierarchical = [r for r in cp if r["parallel.context_comm"] == "a2a+ring"]
+    assert {r["parallel.context_comm"] for r in cp} == {"auto", "a2a", "a2a+ring", "a2a+all_gather"}
+    assert {r["parallel.context_comm"] for r in cp if r["parallel.pipeline"] > 1} == {"auto", "a2a", "a2a+all_gather"}
+    assert {r["parallel.context_comm"] for r in cp if r["parallel.pipeline"] == 1} == {"auto", "a2a", "a2a+ring"}
+    hierarchical = [r for r in cp if r["parallel.context_comm"].startswith("a2a+")]
     assert all(1 < r["parallel.context_a2a_size"] < r["parallel.context"] and
                r["parallel.context_a2a_size"] * r["parallel.tensor"] <= 8 for r in hierarchical)
-    assert all(r["parallel.context_a2a_size"] is None for r in rows if r["parallel.context_comm"] != "a2a+ring")
+    assert all(r["parallel.context_a2a_size"] is None for r in rows if r not in hierarchical)
     assert {r["parallel.context_comm"] for r in rows if r["parallel.context"] == 1} == {"auto"}
 
 
@@ -288,6 +290,28 @@ def test_hierarchical_context_keeps_the_all_to_alls_in_a_node():
     # (the flat all-to-all's 15 / 16 of the bytes leave half of them through each GPU's NIC; at this length the
     # plain ring hides under attention too)
     assert step("a2a+ring") < step("a2a") / 5
+
+
+def test_hierarchical_context_under_a_pipeline_gathers_one_node_s_keys_across():
+    """With a pipeline (no ring: its permutes in the schedule's branches), a2a+all_gather keeps the all-to-alls in
+    the node and gathers the other node's keys and values for 1 / 8 of the heads, the ring's bytes; the flat
+    all-gather brings the 15 other ranks' over the node's links. Nothing hides an all-gather (the compiled H100
+    program has no compute under them), so both count exposed."""
+    hw = hardware("h100")
+    base = config_io.load(ROOT / "configs/llama3.2-1b-long.yaml", ["model.seq_length=131072"])
+    sets = {"parallel.context": 16, "parallel.data": 1, "parallel.pipeline": 2, "parallel.tensor": 1,
+            "parallel.sequence_parallel": False, "parallel.tp_comm_overlap": False, "train.global_batch_size": 8}
+    configure = lambda comm: search_lib.configure(base, {**sets, "parallel.context_comm": comm}, 32)  # noqa: E731
+    both = layout_lib.Layout(configure("a2a+all_gather"), 8)
+    assert both.plan.context_a2a == 8
+    m = base.model
+    kv = 2 * both.tokens * m.kv_heads * m.head_dim * 2
+    assert cost._context_comm_s(hw, both)[1] == pytest.approx(kv / hw.network_bytes_per_s)
+    exposed = lambda comm: cost.estimate(configure(comm), hw, 8).exposed_s["context"]  # noqa: E731
+    a2a, cross = cost._context_comm_s(hw, both)
+    layers = sum(both.plan.stage_split.layers) // both.pp
+    assert exposed("a2a+all_gather") >= layers * both.m * (2 * a2a + 3 * cross) * 0.99
+    assert exposed("a2a+all_gather") < exposed("all_gather") < exposed("a2a")
 
 
 def test_hybrid_sharding_trades_memory_for_the_network():

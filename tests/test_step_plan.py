@@ -18,7 +18,7 @@ from megajax.parallel.step_plan import MANUAL, StepPlan
 # The layout space: every mesh shape of up to 16 devices below, each with every setting that decides something
 # (alone, and the combinations that need each other); a layout the config refuses is skipped.
 SIZES = {"parallel.data": [1, 2, 4], "parallel.expert": [1, 2], "parallel.pipeline": [1, 2],
-         "parallel.context": [1, 2], "parallel.tensor": [1, 2]}
+         "parallel.context": [1, 2, 4], "parallel.tensor": [1, 2]}
 SETTINGS = [
     {},
     {"parallel.sequence_parallel": True},
@@ -28,6 +28,9 @@ SETTINGS = [
     {"parallel.expert_all_to_all": "ragged"},
     {"parallel.context_comm": "ring"},
     {"parallel.context_comm": "all_gather"},
+    {"parallel.context_comm": "a2a"},
+    {"parallel.context_comm": "a2a+ring"},
+    {"parallel.context_comm": "a2a+all_gather"},
     {"parallel.distributed_optimizer": True},
     {"parallel.overlap_grad_reduce": True},
     {"parallel.distributed_optimizer": True, "parallel.overlap_grad_reduce": True},
@@ -78,6 +81,8 @@ def test_every_layout_resolves_to_one_consistent_plan():
                                if par.overlap_grad_reduce and par.data > 1 else "plain")
         assert plan.context_comm == (par.context_comm if par.context_comm != "auto"
                                      else "all_gather" if par.pipeline > 1 else "ring")
+        assert plan.context_a2a == (par.context if plan.context_comm == "a2a" else cfg.context_a2a_size
+                                    if plan.context_comm in ("a2a+ring", "a2a+all_gather") else 1)
         assert plan.tp_overlap == (None if not par.tp_comm_overlap else "chunks" if par.pipeline > 1 else "ring")
         assert plan.moe_folds == (par.tensor if par.expert_tensor == 1 else 1)
         assert plan.gather_in_forward <= plan.reduce_in_backward
@@ -90,7 +95,8 @@ def test_every_layout_resolves_to_one_consistent_plan():
         overlaps.add(plan.tp_overlap)
     assert seen > 150, seen  # the space is really covered, not refused wholesale
     assert engines == {"plain", "overlapped", "sharded", "pipelined"}
-    assert comms == {"ring", "all_gather"} and overlaps == {None, "ring", "chunks"}
+    assert comms == {"ring", "all_gather", "a2a", "a2a+ring", "a2a+all_gather"}
+    assert overlaps == {None, "ring", "chunks"}
 
 
 def test_an_unresolved_config_is_refused():

@@ -33,7 +33,7 @@ import dataclasses
 
 from megajax.config.base import MODEL, RESUME, ConfigError, InputError, check, divisors, resumable
 from megajax.config.model import ModelConfig
-from megajax.config.parallel import ParallelConfig, context_a2a_sizes
+from megajax.config.parallel import HIERARCHICAL, ParallelConfig, context_a2a_sizes
 from megajax.config.run import FP16_MAX, CheckpointConfig, DataConfig, OptimConfig, TrainConfig
 from megajax.parallel.pipeline.split import StageSplit, pipeline_split
 
@@ -176,18 +176,19 @@ class Config:
         check(p.context_comm != "a2a+ring" or p.pipeline == 1,
               "parallel.context_comm=a2a+ring is not supported with a pipeline (its ring's collective-permutes would "
               "run inside the schedule's per-rank branches, where XLA's permute waits for every device): set "
-              "parallel.context_comm=a2a or all_gather")
-        check(p.context_a2a_size is None or p.context_comm == "a2a+ring",
+              "parallel.context_comm=a2a+all_gather (the same groups, an all-gather across them), a2a or all_gather")
+        hierarchical = p.context_comm in HIERARCHICAL
+        check(p.context_a2a_size is None or hierarchical,
               f"parallel.context_a2a_size={p.context_a2a_size} sizes the all-to-all groups of "
-              "parallel.context_comm=a2a+ring: set that (or parallel.context_a2a_size=null)")
-        if p.context_comm == "a2a+ring":
+              "parallel.context_comm=a2a+ring or a2a+all_gather: set one of those (or parallel.context_a2a_size=null)")
+        if hierarchical:
             n = self.context_a2a_size
             check(1 < n < c and c % n == 0,
                   f"parallel.context_a2a_size={n} must divide parallel.context={c} and lie between 1 and it (all of "
-                  "it is parallel.context_comm=a2a, 1 is ring)")
+                  f"it is parallel.context_comm=a2a, 1 is {p.context_comm.removeprefix('a2a+')})")
             check(m.num_heads % (p.tensor * n) == 0,
-                  f"parallel.context_comm=a2a+ring gives each rank of an all-to-all group num_heads / (tensor x "
-                  f"context_a2a_size) heads: model.num_heads={m.num_heads} must divide by {p.tensor * n} (set "
+                  f"parallel.context_comm={p.context_comm} gives each rank of an all-to-all group num_heads / (tensor "
+                  f"x context_a2a_size) heads: model.num_heads={m.num_heads} must divide by {p.tensor * n} (set "
                   f"parallel.context_a2a_size to a divisor of {c} that it does)")
         check(m.attention_impl != "cudnn" or p.context_comm == "a2a",
               "model.attention_impl=cudnn takes parallel.context > 1 only with parallel.context_comm=a2a (the ring "
@@ -243,10 +244,10 @@ class Config:
 
     @property
     def context_a2a_size(self) -> int | None:
-        """parallel.context_a2a_size resolved (context_comm=a2a+ring; else None): null takes the largest divisor of
-        parallel.context below it that keeps tensor x it within a node and splits the heads, or 2."""
+        """parallel.context_a2a_size resolved (context_comm a2a+ring or a2a+all_gather; else None): null takes the
+        largest divisor of parallel.context below it that keeps tensor x it within a node and splits the heads, or 2."""
         m, p = self.model, self.parallel
-        if p.context_comm != "a2a+ring":
+        if p.context_comm not in HIERARCHICAL:
             return None
         if p.context_a2a_size is not None:
             return p.context_a2a_size

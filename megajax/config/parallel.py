@@ -10,11 +10,13 @@ from typing import ClassVar, Literal
 from megajax.config.base import ConfigError, check, divisors
 
 NODE_GPUS = 8  # the GPUs of a node that share NVLink, on every target here (H100, H200, A100 HGX)
+HIERARCHICAL = ("a2a+ring", "a2a+all_gather")  # the context exchanges by all-to-alls in groups, and across them
 
 
 def context_a2a_sizes(context: int, tensor: int, num_heads: int, node_gpus: int = NODE_GPUS) -> list[int]:
-    """The all-to-all group sizes context_comm=a2a+ring can take: the divisors of `context` between 1 and it whose
-    group, with its tensor ranks, fits in a node of `node_gpus` and splits the heads."""
+    """The all-to-all group sizes the hierarchical context_comm (a2a+ring, a2a+all_gather) can take: the divisors of
+    `context` between 1 and it whose group, with its tensor ranks, fits in a node of `node_gpus` and splits the
+    heads."""
     return [n for n in divisors(context)[1:-1] if tensor * n <= node_gpus and num_heads % (tensor * n) == 0]
 
 
@@ -74,11 +76,12 @@ class ParallelConfig:
     # per-rank branches waits for every device of the mesh and deadlocks).
     # a2a+ring = both, as Megatron's hierarchical a2a+p2p and MaxText's usp: all-to-alls inside groups of
     # context_a2a_size adjacent context ranks (inside a node, with tensor) and a ring across the groups (between
-    # nodes), each group's tokens being two of the ring's 2 x context / context_a2a_size chunks.
-    context_comm: Literal["auto", "ring", "all_gather", "a2a", "a2a+ring"] = "auto"
-    # a2a+ring's all-to-all group: this many adjacent context ranks (Megatron's --hierarchical-context-parallel-sizes
-    # first entry); it divides context and is less than it. null: the largest that keeps tensor x it within a node
-    # of 8 GPUs and splits model.num_heads.
+    # nodes), each group's tokens being two of the ring's 2 x context / context_a2a_size chunks. a2a+all_gather =
+    # the same groups with an all-gather across them in place of the ring: the hierarchical form with a pipeline.
+    context_comm: Literal["auto", "ring", "all_gather", "a2a", "a2a+ring", "a2a+all_gather"] = "auto"
+    # The hierarchical forms' all-to-all group: this many adjacent context ranks (Megatron's
+    # --hierarchical-context-parallel-sizes first entry); it divides context and is less than it. null: the largest
+    # that keeps tensor x it within a node of 8 GPUs and splits model.num_heads.
     context_a2a_size: int | None = None
 
     virtual_stages: int = 1  # model chunks per pipeline stage (the interleaved or zero_bubble schedule)

@@ -40,7 +40,8 @@ c / n groups of n adjacent ranks (plan.context_a2a; with tensor, inside a node).
 group, and group j's tokens, put in token order, are exactly chunks j and 2 (c / n) - 1 - j of the sequence cut into
 2c / n: the ring layout above for c / n ranks. So the ring runs unchanged over the groups (ring rank j is 'context'
 index j n + i for each i < n, `_Static.stride`) on n times the tokens and 1 / n of the heads: its hops cross nodes,
-once per group, and the all-to-alls stay inside them.
+once per group, and the all-to-alls stay inside them. parallel.context_comm=a2a+all_gather runs the all-gather
+exchange over the same rings instead, the form that runs under a pipeline.
 """
 
 from __future__ import annotations
@@ -345,9 +346,9 @@ def a2a_groups(heads: int, groups: int, ranks: int) -> int:
 def a2a_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Array | None = None,
                   impl: str = "xla", scale: float | None = None) -> jax.Array:
     """Causal attention of this rank's queries over the whole sequence by all-to-alls over 'context' (see the
-    module docstring), or with the step plan's context_comm a2a+ring, all-to-alls inside groups of
-    context_a2a adjacent ranks and a ring across the groups: the arguments and result as `ring_attention`'s.
-    Inside the train step's manual region only."""
+    module docstring), or with the step plan's context_comm a2a+ring (a2a+all_gather), all-to-alls inside groups
+    of context_a2a adjacent ranks and a ring (an all-gather) across the groups: the arguments and result as
+    `ring_attention`'s. Inside the train step's manual region only."""
     plan = step_plan.in_force()
     c, t = size(), plan.tensor
     n = plan.context_a2a
@@ -366,16 +367,17 @@ def a2a_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.
     if n == c:
         o = kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl, scale=scale)
     else:  # the group's tokens are chunks j and 2 (c / n) - 1 - j of the sequence: ring j of c / n
-        o = _ring_over(q, k, v, segment_ids, impl, scale, _Static("", 0.0, c // n, "ring", stride=n))
+        across = plan.context_comm.removeprefix("a2a+")
+        o = _ring_over(q, k, v, segment_ids, impl, scale, _Static("", 0.0, c // n, across, stride=n))
     return _sequence_split(_ranks_order(o, n), n, c, t)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Array | None = None,
               impl: str = "xla", scale: float | None = None) -> jax.Array:
     """Context parallelism's causal attention, by the step plan's exchange (parallel.context_comm): all-to-alls
-    (`a2a_attention`; a2a+ring: in groups, with a ring across them), or a ring or an all-gather of the keys and
-    values (`ring_attention`)."""
-    if step_plan.in_force().context_comm in ("a2a", "a2a+ring"):
+    (`a2a_attention`; a2a+ring, a2a+all_gather: in groups, with a ring or an all-gather across them), or a ring or
+    an all-gather of the keys and values (`ring_attention`)."""
+    if step_plan.in_force().context_comm.startswith("a2a"):
         return a2a_attention(q, k, v, segment_ids=segment_ids, impl=impl, scale=scale)
     return ring_attention(q, k, v, segment_ids=segment_ids, impl=impl, scale=scale)
 

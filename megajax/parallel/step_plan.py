@@ -21,7 +21,7 @@ What the plan holds, and who reads it:
 | pipelined, engine, schedule, virtual_stages, micro_batches, stage_split | the gradient engine: a schedule, or a scan over micro batches; the layers of each pipeline chunk | engines, executor, gpipe, ticks |
 | vocab_over_pipeline | the embedding and output layer split over the pipeline ranks, run in lock step | `param_spec`, pipeline |
 | sequence_parallel | the residual stream sharded over 'tensor' (the activation rules) | `constrain` |
-| context_comm, context_a2a | how attention crosses the context ranks: ring, all_gather, a2a or a2a+ring (and its all-to-all groups) | model/context.py |
+| context_comm, context_a2a | how attention crosses the context ranks: ring, all_gather, a2a, a2a+ring or a2a+all_gather (and the all-to-all groups) | model/context.py |
 | tp_overlap | sequence parallelism's collectives as rings ("ring"), chunks ("chunks", in a pipeline) or plain (None) | model/collective_matmul.py |
 | moe_folds, moe_ragged, moe_buffer_factor | the experts' exchange (parallel folding, ragged all-to-all) | model/moe/exchange.py |
 | shard_optimizer, zero_stage | ZeRO-1: the optimizer state sharded over the data (and context) ranks of an instance ('replica': hybrid sharding); zero_stage 0-3 | step.build, ticks |
@@ -75,9 +75,9 @@ class StepPlan:
     stage_split: StageSplit | None = None  # the layers of each pipeline chunk (config.pipeline_split)
     vocab_over_pipeline: bool = False  # the embedding and output layer vocab-parallel over pipeline x tensor
     sequence_parallel: bool = False
-    context_comm: str = "ring"  # "ring", "all_gather", "a2a" or "a2a+ring" (parallel.context_comm's auto resolved)
+    context_comm: str = "ring"  # "ring", "all_gather", "a2a", "a2a+ring" or "a2a+all_gather" (auto resolved)
     # the adjacent context ranks of one all-to-all group: context under a2a, parallel.context_a2a_size under
-    # a2a+ring, 1 (none) under ring and all_gather
+    # a2a+ring and a2a+all_gather, 1 (none) under ring and all_gather
     context_a2a: int = 1
     tp_overlap: str | None = None  # "ring", "chunks" or None
     moe_folds: int = 1  # tensor ranks that route their own sequence shard and hold whole experts (expert_tensor=1)
@@ -156,7 +156,7 @@ class StepPlan:
                 _tables_outweigh_moves(cfg.model, cfg.train.micro_batch_size, cfg.num_micro_batches, par.tensor,
                                        par.context, par.sequence_parallel)),
             sequence_parallel=par.sequence_parallel,
-            context_comm=comm, context_a2a={"a2a": par.context, "a2a+ring": cfg.context_a2a_size}.get(comm, 1),
+            context_comm=comm, context_a2a=par.context if comm == "a2a" else cfg.context_a2a_size or 1,
             # a ppermute inside the pipeline's per-rank branches deadlocks: chunked collectives there
             tp_overlap=("chunks" if pipelined else "ring") if par.tp_comm_overlap and shape["tensor"] > 1 else None,
             moe_folds=shape["tensor"] if par.folded_experts else 1, moe_ragged=par.expert_all_to_all == "ragged",

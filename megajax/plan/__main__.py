@@ -90,8 +90,8 @@ def _label(s: dict) -> str:
     parts = [f"d{s['parallel.data']} p{s['parallel.pipeline']} t{s['parallel.tensor']}"]
     if s["parallel.context"] > 1:
         comm, n = s.get("parallel.context_comm"), s.get("parallel.context_a2a_size")
-        parts.append(f"c{s['parallel.context']}" + ("a2a" if comm == "a2a" else f"a2a{n}+ring" if comm == "a2a+ring"
-                                                     else ""))
+        across = {"a2a+ring": "ring", "a2a+all_gather": "ag"}.get(comm)
+        parts.append(f"c{s['parallel.context']}" + ("a2a" if comm == "a2a" else f"a2a{n}+{across}" if across else ""))
     if s["parallel.expert"] > 1:
         parts.append(f"e{s['parallel.expert']}")
     if s["parallel.pipeline"] > 1:
@@ -181,8 +181,8 @@ def _terms(c: Candidate) -> dict:
             **{f"{k} comm": v for k, v in e.exposed_s.items()}}
 
 
-LEGEND = ("layout: d data, p pipeline, t tensor, c context (a2a: parallel.context_comm=a2a; a2aN+ring: a2a+ring in "
-          "groups of N), e expert ranks; the "
+LEGEND = ("layout: d data, p pipeline, t tensor, c context (a2a: parallel.context_comm=a2a; a2aN+ring, a2aN+ag: "
+          "a2a+ring, a2a+all_gather in groups of N), e expert ranks; the "
           "pipeline's schedule, v its chunks a stage; sp sequence parallelism, tpo tensor-parallel collective "
           "matmuls (parallel.tp_comm_overlap), ogr the gradient reduction in the backward "
           "(parallel.overlap_grad_reduce), vp the embedding and output layer split over the pipeline ranks "

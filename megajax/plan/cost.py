@@ -257,7 +257,8 @@ def _context_comm_s(hw: Hardware, L: Layout) -> tuple[float, float]:
     this shard's keys and values c - 1 times (the backward: about twice that); the a2a exchange sends (c - 1) / c of
     the queries, keys, values (repeated to the query heads where theirs do not divide over tensor x context) and
     output, and as much in the backward; a2a+ring does that inside groups of n adjacent ranks and passes the
-    group's keys and values for 1 / n of the heads around a ring of c / n, n x t GPUs apart."""
+    group's keys and values for 1 / n of the heads around a ring of c / n, n x t GPUs apart (a2a+all_gather
+    gathers them over the same ranks: the same bytes)."""
     if L.c == 1:
         return 0.0, 0.0
     m = L.model
@@ -419,8 +420,9 @@ def _layer_comm_exposed_s(hw: Hardware, L: Layout, gemm_f: float, attn_f: float,
         tp *= group_bandwidth(hw, L.t, 1, L.node) / hw.network_bytes_per_s
     first = tp / L.t if L.t > 1 else 0.0
     tp_f, tp_b = _overlapped(tp, gemm_f, overlap_tp, first), _overlapped(tp, 2 * gemm_f, overlap_tp, first)
-    # (attention waits for its all-to-alls: nothing to hide them under; a ring's hops run under its blocks)
-    if packed:
+    # (attention waits for its all-to-alls: nothing to hide them under; a ring's hops run under its blocks, and in
+    # the compiled H100 program no compute runs under the all-gather exchange's gathers and reduce-scatters)
+    if packed or L.plan.context_comm in ("all_gather", "a2a+all_gather"):
         return tp_f, tp_b, a2a + cp, a2a + 2 * cp
     return tp_f, tp_b, a2a + max(cp - attn_f, 0.0), a2a + max(2 * cp - attn_b, 0.0)
 

@@ -164,10 +164,11 @@ def _inner(base: Config, fixed: dict, pick, d: int, p: int, t: int, c: int, e: i
     instances = [1] + ([d // in_node] if 2 <= in_node < d and d % in_node == 0 else [])
     rows = []
     comms = ["auto", "a2a"] if c > 1 and m.num_heads % (t * c) == 0 else ["auto"]
-    # hierarchical: all-to-alls inside a node, the ring across nodes (no pipeline: the ring's permutes)
+    # hierarchical: all-to-alls inside a node, the ring across nodes (with a pipeline, whose branches cannot hold
+    # the ring's permutes, an all-gather across them)
     a2a_sizes = context_a2a_sizes(c, t, m.num_heads, gpus_per_node)
-    if a2a_sizes and p == 1:
-        comms.append("a2a+ring")
+    if a2a_sizes:
+        comms.append("a2a+ring" if p == 1 else "a2a+all_gather")
     for (schedule, v), b, recompute, shard, tpo, ogr, r, comm in itertools.product(
             schedules, pick("train.micro_batch_size", micro), pick("model.recompute", ["none", "selective", "full"]),
             pick("parallel.data_parallel_sharding_strategy", sharding),
@@ -189,7 +190,7 @@ def _inner(base: Config, fixed: dict, pick, d: int, p: int, t: int, c: int, e: i
                "parallel.context_comm": comm,
                "parallel.vocab_over_pipeline": fixed.get("parallel.vocab_over_pipeline"),  # (null: `search` tries)
                "parallel.context_a2a_size": fixed.get("parallel.context_a2a_size", max(a2a_sizes, default=None))
-               if comm == "a2a+ring" else None,
+               if comm.startswith("a2a+") else None,
                "parallel.overlap_param_gather": fixed.get("parallel.overlap_param_gather",
                                                           ogr and shard == "optim")}
         if row["parallel.tp_comm_overlap"] and not row["parallel.sequence_parallel"]:
