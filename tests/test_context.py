@@ -38,8 +38,7 @@ ARCHS = {"gpt2": {"model.num_heads": 4},
                       "model.qk_pos_emb_head_dim": 8, "model.v_head_dim": 8, "model.rope_scaling": "yarn",
                       "model.rope_scaling_factor": 4.0, "model.rope_original_max_positions": 16,
                       "model.rope_yarn_mscale": 1.0, "model.rope_yarn_mscale_all_dim": 0.8}}
-# with DeepSeek's routed experts (dropless: a capacity is refused with context), the load-balancing loss and the
-# auxiliary-loss-free bias
+# with DeepSeek's routed experts (dropless), the load-balancing loss and the auxiliary-loss-free bias
 ARCHS["deepseek-moe"] = {**ARCHS["deepseek"], "model.num_experts": 4, "model.experts_per_token": 2,
                          "model.moe_router_bias_update_rate": 0.01}
 
@@ -191,7 +190,8 @@ def test_the_context_space_is_accepted():
      "multiple of 8"),
     ({"parallel.context": 2, "parallel.pipeline": 2, "parallel.context_comm": "ring"}, "context_comm=all_gather"),
     ({"parallel.context": 2, "model.attention_dropout": 0.1}, "attention_dropout=0"),
-    ({"parallel.context": 2, "model.num_experts": 4, "model.moe_capacity_factor": 1.0}, "moe_capacity_factor=null"),
+    ({"parallel.context": 2, "parallel.tensor": 2, "parallel.sequence_parallel": True, "parallel.expert_tensor": 1,
+      "model.num_experts": 4, "model.moe_capacity_factor": 1.0}, "set parallel.expert_tensor=null"),
     ({"parallel.context": 2, "model.attention_impl": "cudnn"}, "pallas or xla"),
     ({"parallel.context": 4, "parallel.tensor": 2, "parallel.context_comm": "a2a"}, "must divide by parallel.tensor"),
     ({"parallel.context": 4, "parallel.pipeline": 2, "parallel.context_comm": "a2a+ring"},
@@ -229,6 +229,9 @@ LAYOUTS = {
         "data.reset_attention_mask": True, "data.reset_position_ids": True}),
     # the balancing loss at weight 1: each rank's chunk alone would balance it otherwise than one device (0.8%)
     "deepseek-moe-c2-balance": ("deepseek-moe", 2, {"parallel.context": 2, "model.moe_aux_loss_coef": 1.0}),
+    # a capacity: the assignments one device keeps, decided on the whole sequences (by weight here; 0.5 drops many)
+    "deepseek-moe-c2-capacity-probs": ("deepseek-moe", 2, {"parallel.context": 2, "model.moe_capacity_factor": 0.5,
+                                                           "model.moe_token_drop_policy": "probs"}),
     # experts, context and a pipeline: the balancing loss, summed over 'context', is invariant there, and so are
     # residuals the schedule carries to the backward (ChunkActions.zero_res)
     "deepseek-moe-p2c2-1f1b": ("deepseek-moe", 4, {"parallel.pipeline": 2, "parallel.context": 2,
@@ -330,6 +333,10 @@ SLOW_LAYOUTS = {
         "parallel.data": 2, "parallel.expert": 2, "parallel.pipeline": 2, "parallel.context": 2,
         "parallel.context_comm": "a2a", "parallel.expert_all_to_all": "ragged", "parallel.schedule": "interleaved",
         "parallel.virtual_stages": 2, "train.micro_batch_size": 1, "model.moe_aux_loss_coef": 0.0}),
+    "deepseek-moe-d2e2p2c2-capacity-1f1b-a2a": ("deepseek-moe", 8, {
+        "parallel.data": 2, "parallel.expert": 2, "parallel.pipeline": 2, "parallel.context": 2,
+        "parallel.context_comm": "a2a", "model.moe_capacity_factor": 0.5, "train.micro_batch_size": 1,
+        "model.moe_aux_loss_coef": 0.0}),
     "deepseek-moe-d2p2c2-zero_bubble-zero3-full-recompute": ("deepseek-moe", 8, {
         "parallel.data": 2, "parallel.pipeline": 2, "parallel.context": 2, "parallel.schedule": "zero_bubble",
         "parallel.data_parallel_sharding_strategy": "optim_grads_params", "model.recompute": "full",
@@ -338,8 +345,9 @@ SLOW_LAYOUTS = {
 
 
 def _model_sets(arch: str, sets: dict) -> dict:
-    """The same model and data on one device."""
-    return {**SIZE, **ARCHS[arch], **{k: v for k, v in sets.items() if not k.startswith(("parallel.", "train.micro"))}}
+    """The same model and data on one device (with a capacity, which drops per micro batch, its micro batches)."""
+    left_out = ("parallel.",) if sets.get("model.moe_capacity_factor") else ("parallel.", "train.micro")
+    return {**SIZE, **ARCHS[arch], **{k: v for k, v in sets.items() if not k.startswith(left_out)}}
 
 
 @pytest.mark.parametrize("name", [*LAYOUTS, *(pytest.param(n, marks=pytest.mark.slow) for n in SLOW_LAYOUTS)])

@@ -165,9 +165,9 @@ class Config:
         )
         check(m.attention_dropout == 0, "model.attention_dropout is not supported with parallel.context > 1 (the "
               "ring attention has no dropout): set model.attention_dropout=0 or parallel.context=1")
-        check(m.num_experts == 0 or m.moe_capacity_factor is None,
-              "a capacity (model.moe_capacity_factor) drops tokens by their order within a routing group, a whole "
-              "sequence's tokens, and with parallel.context > 1 each rank holds part of every sequence: set "
+        check(m.num_experts == 0 or m.moe_capacity_factor is None or not p.folded_experts,
+              "a capacity (model.moe_capacity_factor) with folded experts (parallel.expert_tensor=1) drops tokens per "
+              "tensor rank's sequence shard, which parallel.context > 1 splits again: set parallel.expert_tensor=null, "
               "model.moe_capacity_factor=null (dropless) or parallel.context=1")
         check(p.context_comm != "ring" or p.pipeline == 1,
               "parallel.context_comm=ring is not supported with a pipeline (the ring's collective-permutes would run "

@@ -88,6 +88,15 @@ def split(x: jax.Array, axis: int = 1) -> jax.Array:
     return jnp.concatenate([first, second], axis)
 
 
+def gather(x: jax.Array) -> jax.Array:
+    """Every rank's two chunks of x [b, 2h, ...] put together: whole sequences [b, 2 c h, ...] in token order
+    (`split`'s inverse; x itself without context parallelism)."""
+    c = size()
+    if c == 1:
+        return x
+    return _token_order(jax.lax.all_gather(x, AXIS, axis=1, tiled=True), c)
+
+
 def split_batch(batch: dict) -> dict:
     """A batch of whole sequences ([b, s] fields; sample_ids [b] stays) cut to this rank's tokens."""
     return {k: split(v) if v.ndim >= 2 else v for k, v in batch.items()}

@@ -107,13 +107,31 @@ def dispatch(x_td: jax.Array, ids_tk: jax.Array, e: int,
     """Sorts the t k assignments by expert: (rows [a, d] grouped by expert, group sizes [e], the order a
     sorted position came from, to unsort). Within an expert in token order, or with weights_tk by descending
     weight (ties in token order)."""
+    order = _order(ids_tk, weights_tk)
+    sizes = jnp.bincount(ids_tk.reshape(-1), length=e).astype(jnp.int32)
+    return x_td[order // ids_tk.shape[1]], sizes, order
+
+
+def _order(ids_tk: jax.Array, weights_tk: jax.Array | None) -> jax.Array:
+    """dispatch's order of the t k assignments: by expert, within one in token order or by descending weight."""
     flat = ids_tk.reshape(-1)
     if weights_tk is None:
-        order = jnp.argsort(flat, stable=True)
-    else:
-        order = jnp.lexsort((-weights_tk.reshape(-1), flat))  # (stable: ties keep token order)
-    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-    return x_td[order // ids_tk.shape[1]], sizes, order
+        return jnp.argsort(flat, stable=True)
+    return jnp.lexsort((-weights_tk.reshape(-1), flat))  # (stable: ties keep token order)
+
+
+def _places(expert: jax.Array, sizes_e: jax.Array) -> jax.Array:
+    """Each sorted assignment's place among its expert's (expert: the sorted assignments' experts)."""
+    return jnp.arange(expert.shape[0]) - (jnp.cumsum(sizes_e) - sizes_e)[expert]
+
+
+def kept(ids_tk: jax.Array, e: int, c: int, weights_tk: jax.Array | None = None) -> jax.Array:
+    """Which of the t k assignments the experts keep at capacity c [t, k]: each expert its first c in dispatch's
+    order (by weight with weights_tk), as `to_buffers` places them."""
+    flat = ids_tk.reshape(-1)
+    order = _order(ids_tk, weights_tk)
+    keep = _places(flat[order], jnp.bincount(flat, length=e)) < c
+    return jnp.zeros(flat.shape, bool).at[order].set(keep, unique_indices=True).reshape(ids_tk.shape)
 
 
 def combine(y_ad: jax.Array, order: jax.Array, weights_tk: jax.Array) -> jax.Array:
@@ -145,7 +163,7 @@ def to_buffers(rows_ad: jax.Array, ids_tk: jax.Array, sizes_e: jax.Array, c: int
     and whether it was kept): an expert takes its first c rows in dispatch's order, the rest are dropped."""
     e = sizes_e.shape[0]
     expert = jnp.sort(ids_tk.reshape(-1))
-    pos = jnp.arange(rows_ad.shape[0]) - (jnp.cumsum(sizes_e) - sizes_e)[expert]
+    pos = _places(expert, sizes_e)
     keep = pos < c
     # a dropped row's slot is past c, each its own (a row's expert and position are unique), so the scatter drops it
     buf = _place(jnp.zeros((e, c, rows_ad.shape[1]), rows_ad.dtype), (expert, pos), rows_ad)

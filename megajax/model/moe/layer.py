@@ -8,7 +8,8 @@ of exchange.py), adds the always-on shared experts, and attaches the auxiliary l
 the gradient (routing.py's `attach_loss` and `report`). Dropless, each expert's matmuls run on its rows only
 (`expert_mlps`): the Pallas grouped GEMM of kernels/grouped_matmul.py where the step is compiled for a GPU,
 `jax.lax.ragged_dot` over the groups on CPU (`model.moe_grouped_gemm` forces one of them); with a capacity,
-batched matmuls over the [e, c, d] buffers.
+batched matmuls over the [e, c, d] buffers. Under context parallelism a capacity's drops are decided on the whole
+sequences (`kept_in_sequences`) and the kept rows run as dropless ones.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ import jax.numpy as jnp
 
 from megajax.config import ModelConfig
 from megajax.kernels.grouped_matmul import group_of_rows, grouped_matmul
-from megajax.model import fp8, fp8_blockwise
+from megajax.model import context, fp8, fp8_blockwise
 from megajax.model.layers import MLP, RESIDUAL, fp8_state, gather_sequence, gelu, param, swiglu
 from megajax.model.moe.exchange import (capacity, combine, dispatch, exchange_capacity, exchange_dropless,
                                         exchange_folded, exchange_folded_dropless, exchange_in_force,
-                                        expert_parallel_size, folds, from_buffers, to_buffers)
+                                        expert_parallel_size, folds, from_buffers, kept, to_buffers)
 from megajax.model.moe.routing import (ROUTER_BIAS, STATS, Routing, attach_loss, load_balancing_loss, report, route,
                                        z_loss)
 from megajax.model.recipe import recipe
@@ -112,19 +113,38 @@ def expert_mlps(cfg: ModelConfig, w: dict, meta, lead: str | None, xs: jax.Array
     return matmul(hidden, w["w_out"].astype(cdt), "w_out")
 
 
+def kept_in_sequences(ids_btk: jax.Array, weights_btk: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """With context parallelism, where each rank holds part of every sequence: which of this rank's assignments
+    [b, 2h, k] one device's capacity keeps, decided on the whole sequences (every rank's expert ids, and routing
+    weights for the "probs" policy, gathered over 'context' in token order; no gradient)."""
+    e, k = cfg.num_experts, cfg.experts_per_token
+    b, s = ids_btk.shape[0], ids_btk.shape[1] * context.size()
+    by_weight = cfg.moe_token_drop_policy == "probs"
+    ids = context.gather(ids_btk).reshape(b * s, k)
+    weights = context.gather(jax.lax.stop_gradient(weights_btk)).reshape(b * s, k) if by_weight else None
+    keep = kept(ids, e, capacity(b * s, k, e, cfg.moe_capacity_factor), weights)
+    return context.split(keep.reshape(b, s, k))
+
+
 def run_experts(x_gtd: jax.Array, ids_gtk: jax.Array, weights_gtk: jax.Array, cfg: ModelConfig, ep: int,
-                experts) -> tuple[jax.Array, jax.Array, jax.Array]:
+                experts, keep_gtk: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The routed tokens of g groups (x [g, t, d], expert ids and routing weights [g, t, k]) through `experts` and
     back, combined: (outputs [g, t, d], assignments per expert [e], dropped assignments). One group routes the
     whole sequence (rows to ep expert ranks); g > 1 groups are the tensor ranks' sequence shards with folded
-    experts (rows to ep x g ranks). Dropless, or with a capacity per group."""
+    experts (rows to ep x g ranks). Dropless, or with a capacity per group; or with keep_gtk (a capacity decided
+    over the whole sequences, `kept_in_sequences`) the kept assignments run as dropless rows and the others
+    contribute nothing."""
     e, k = cfg.num_experts, cfg.experts_per_token
     g, t, _ = x_gtd.shape
+    routed = None
+    if keep_gtk is not None:  # a dropped assignment goes to no expert (id e: sorted last, in no group) at weight 0
+        routed = jnp.bincount(ids_gtk.reshape(-1), length=e).astype(jnp.int32)
+        ids_gtk, weights_gtk = jnp.where(keep_gtk, ids_gtk, e), jnp.where(keep_gtk, weights_gtk, 0)
     by_weight = cfg.moe_capacity_factor is not None and cfg.moe_token_drop_policy == "probs"
     rows, sizes, order = jax.vmap(lambda x, i, w: dispatch(x, i, e, w if by_weight else None))(
         x_gtd, ids_gtk, weights_gtk)
-    if cfg.moe_capacity_factor is None:  # dropless: each expert's rows, as many as were routed to it (or as fit
-        # the ragged exchange's receiving buffer with parallel.expert_buffer_factor)
+    if cfg.moe_capacity_factor is None or keep_gtk is not None:  # dropless: each expert's rows, as many as were
+        # routed to it (or as fit the ragged exchange's receiving buffer with parallel.expert_buffer_factor)
         if g > 1:
             out, dropped = exchange_folded_dropless(rows, sizes, k, ep, experts, exchange_in_force())
         elif ep > 1:
@@ -141,6 +161,8 @@ def run_experts(x_gtd: jax.Array, ids_gtk: jax.Array, weights_gtk: jax.Array, cf
             buf = (experts(buf[0]) if ep == 1 else exchange_capacity(buf[0], ep, experts))[None]
         out = jax.vmap(from_buffers)(buf, placed)
         dropped = jnp.sum(~placed[2]).astype(jnp.float32)
+    if keep_gtk is not None:  # (the assignments routed to each expert, kept or not, as a capacity counts them)
+        sizes, dropped = routed[None], dropped + jnp.sum(~keep_gtk).astype(jnp.float32)
     return jax.vmap(combine)(out, order, weights_gtk), jnp.sum(sizes, axis=0), dropped
 
 
@@ -190,7 +212,11 @@ class MoE(nn.Module):
         state = (lambda name: fp8_state(self, name, el)) if fp8.delays(cfg) else None
         experts = functools.partial(expert_mlps, cfg, w, state, lead)
 
-        y, sizes, dropped = run_experts(x_gtd, ids.reshape(g, -1, k), weights.reshape(g, -1, k), cfg, ep, experts)
+        keep = None
+        if cfg.moe_capacity_factor is not None and context.size() > 1:  # (not folded: a config error)
+            keep = kept_in_sequences(ids.reshape(b, s, k), weights.reshape(b, s, k), cfg).reshape(g, -1, k)
+        y, sizes, dropped = run_experts(x_gtd, ids.reshape(g, -1, k), weights.reshape(g, -1, k), cfg, ep, experts,
+                                        keep)
         y = y.reshape(g, b, s // g, d).swapaxes(0, 1)  # group r back to sequence shard r
         if recipe(cfg).bias:
             y = y + param(self, "b_out", (d,), ("embed",), 0, pdt).astype(cdt)
