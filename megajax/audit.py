@@ -174,23 +174,19 @@ def expected_all_to_all(cfg) -> dict:
     `bytes_each`: what each all-to-all moves, the buffer, or with parallel.expert_all_to_all=ragged (dropless) the
     routed rows alone (at most the receiving buffer), the program's ragged all-to-alls. With
     folded experts (parallel.expert_tensor=1) over `axes` 'expert' x 'tensor', the tokens are a tensor rank's
-    sequence shard and n = expert x tensor. Without a pipeline, the multi-token prediction modules' layers count
-    (with a pipeline, the count is the ranks' mean of the stack's MoE layers)."""
+    sequence shard and n = expert x tensor; with context parallelism, a context rank's. Without a pipeline, the
+    multi-token prediction modules' layers count (with a pipeline, the count is the ranks' mean of the stack's MoE
+    layers)."""
     from megajax.model import moe
 
     m, p = cfg.model, cfg.parallel
     if not m.num_experts or (p.expert == 1 and not p.folded_experts):
         return {}
-    tokens = cfg.train.micro_batch_size * m.seq_length // p.expert_folds
+    tokens = cfg.train.micro_batch_size * m.seq_length // (p.expert_folds * p.context)  # (a rank's own tokens)
     row = m.hidden_size * (2 if m.compute_dtype != "float32" else 4)
     k, e = m.experts_per_token, m.num_experts
     buffer = moe.buffer_rows(tokens, k, e, p.expert_ranks, m.moe_capacity_factor, p.expert_buffer_factor) * row
-    again = 1.0 if m.recompute == "full" else 0.0  # the share of chunk forwards run twice
-    if m.recompute != "full" and p.pipeline > 1 and p.schedule != "gpipe":
-        from megajax.parallel.pipeline import ticks
-
-        table = ticks.plan(p.schedule, p.pipeline, p.virtual_stages, cfg.num_micro_batches)[1]
-        again = float((table["r_chunk"] >= 0).sum()) / (p.pipeline * p.virtual_stages * cfg.num_micro_batches)
+    again = _forwards_again(cfg, m.recompute == "full")
     ragged = m.moe_capacity_factor is None and p.expert_all_to_all == "ragged"
     # (the multi-token prediction modules' layers, MoE too, on the last pipeline rank)
     moe_layers = m.moe_layers // p.pipeline + (m.mtp_num_layers if p.pipeline == 1 else 0)
@@ -201,6 +197,19 @@ def expected_all_to_all(cfg) -> dict:
             "axes": [a for a, n in (("expert", p.expert), ("tensor", p.expert_folds)) if n > 1]}
 
 
+def _forwards_again(cfg, recomputed: bool) -> float:
+    """The share of chunk forwards run twice: a 1F1B, interleaved or zero_bubble pipeline recomputes a chunk before
+    its backward unless its forward kept the residuals, as the last chunk's does when its backward comes next (the
+    schedule's recomputes, averaged over the ranks); else 1 where the layers are `recomputed`, or 0."""
+    p = cfg.parallel
+    if p.pipeline == 1 or p.schedule == "gpipe":
+        return 1.0 if recomputed else 0.0
+    from megajax.parallel.pipeline import ticks
+
+    table = ticks.plan(p.schedule, p.pipeline, p.virtual_stages, cfg.num_micro_batches)[1]
+    return float((table["r_chunk"] >= 0).sum()) / (p.pipeline * p.virtual_stages * cfg.num_micro_batches)
+
+
 def expected_context_exchange(cfg, plan) -> dict:
     """What context parallelism's attention exchange moves over 'context' in one step, per device (analytic,
     compare with the program's collectives over 'context'). Per layer and micro batch, with KV = this device's
@@ -209,12 +218,14 @@ def expected_context_exchange(cfg, plan) -> dict:
     size) c times; the all_gather exchange gathers c x KV in the forward and again in the backward and
     reduce-scatters c x KV of gradients; the a2a exchange sends the queries, keys, values (repeated to the query
     heads where theirs do not divide over tensor x context) and the output once each way, and their gradients in the
-    backward; a2a+ring does that inside its groups of n and runs the ring over c / n of them. A forward run again
-    in the backward (full recomputation, or selective
-    where the attention core is not a fused kernel on `platform`, kernels.auto.fused_attention) sends its c - 1
-    ring hops again, except the first, which is the backward's own first hop (the same collective
-    on the same keys: XLA merges them), and its all-gather is the backward's. Exact for the H100 program without
-    a pipeline (tests/test_context.py); under a pipeline the program's counts are per tick for every branch."""
+    backward; a2a+ring (a2a+all_gather) does that inside its groups of n and runs the ring (the all-gather) over
+    c / n of them. A forward run again in the backward (full recomputation, or selective where the attention core
+    is not a fused kernel on `platform`, kernels.auto.fused_attention) sends its c - 1 ring hops again, except the
+    first, which is the backward's own first hop (the same collective on the same keys: XLA merges them), and its
+    all-gather is the backward's. Under a 1F1B, interleaved or zero_bubble pipeline the forwards run again are the
+    schedule's recomputes (`_forwards_again`, averaged over the ranks), whatever model.recompute says, and each
+    repeats its all-to-alls and all-gathers (in another tick, nothing merges them). Exact for the H100 program
+    (tests/test_context.py), under a pipeline with its branches counted as the schedule runs them."""
     from megajax.kernels import auto as kernel_choice
     from megajax.model.context import a2a_groups
 
@@ -228,8 +239,12 @@ def expected_context_exchange(cfg, plan) -> dict:
     comm, platform = plan.context_comm, plan.platform
     recomputed = m.recompute == "full" or (m.recompute == "selective" and not kernel_choice.fused_attention(
         m.attention_impl, m.head_dim, m.attention_dropout > 0, platform))
+    again = _forwards_again(cfg, recomputed)
+    # (a gather that a recomputed forward repeats is the backward's own without a pipeline: XLA merges the two; a
+    # pipeline recomputes in another tick)
+    gathers = 2 + (again if p.pipeline > 1 and p.schedule != "gpipe" else 0)
     ring = lambda kv, c: kv * (2 * (c - 1) + (c - 2 if recomputed else 0) + c)  # noqa: E731
-    gathered = lambda kv, c: {"all-gather": 2 * c * kv, "reduce-scatter": c * kv}  # noqa: E731
+    gathered = lambda kv, c: {"all-gather": gathers * c * kv, "reduce-scatter": c * kv}  # noqa: E731
     if comm == "ring":
         per_layer = {"collective-permute": ring(kv, c)}
     elif comm.startswith("a2a"):
@@ -240,7 +255,7 @@ def expected_context_exchange(cfg, plan) -> dict:
         t, n = p.tensor, plan.context_a2a
         groups = a2a_groups(m.num_heads, m.kv_heads, t * n)
         one = kv // (2 * (m.kv_heads // t))  # one head of this rank's tokens
-        per_layer = {"all-to-all": one * 2 * (m.num_heads + groups) // t * (3 if recomputed else 2)}
+        per_layer = {"all-to-all": one * 2 * (m.num_heads + groups) // t * (2 + again)}
         if comm == "a2a+ring":
             per_layer["collective-permute"] = ring(kv * groups // m.kv_heads, c // n)
         elif comm == "a2a+all_gather":

@@ -390,3 +390,36 @@ def test_the_exchange_on_h100_is_the_analytic_volume_and_the_ring_runs_under_the
         assert {c.group_size for c in colls if c.kind == "all-to-all"} == {2}
     if exchange == "a2a+all_gather":  # the all-to-alls inside groups of 2, the all-gathers across the 2 groups
         assert {(c.kind, c.group_size) for c in colls} == {("all-to-all", 2), ("all-gather", 2), ("reduce-scatter", 2)}
+
+
+@pytest.mark.parametrize("exchange,recompute,experts", [
+    ("a2a+all_gather", "full", False), pytest.param("all_gather", "none", False, marks=pytest.mark.slow),
+    pytest.param("a2a", "selective", True, marks=pytest.mark.slow)])
+def test_the_exchange_under_a_pipeline_on_h100_is_the_analytic_volume(exchange, recompute, experts):
+    """Under a 1F1B pipeline of 2 (4 micro batches), the H100 program, its branches counted as the schedule runs
+    them, moves the analytic bytes over 'context': the forwards the schedule recomputes (rank 0's, not the last
+    chunk's, which keeps its residuals) repeat their all-to-alls and all-gathers, whatever model.recompute says.
+    With experts (data 2 x expert 2, context 2), each expert all-to-all carries a context rank's tokens, as often as
+    audit.expected_all_to_all says."""
+    from megajax import audit, hlo
+    from megajax.parallel.pipeline import ticks
+
+    pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the gpu-audit extra (jax-cuda12-plugin)")
+    moe = {"model.num_experts": 4, "model.experts_per_token": 2, "parallel.data": 2, "parallel.expert": 2,
+           "parallel.context": 2} if experts else {"parallel.context": 4}
+    cfg = small_config(**{**SIZE, **ARCHS["llama"], "model.compute_dtype": "bfloat16", "model.attention_impl": "pallas",
+                          "parallel.pipeline": 2, "parallel.context_comm": exchange, "model.recompute": recompute,
+                          "train.micro_batch_size": 1, "model.seq_length": 64, **moe})
+    cfg, mesh, compiled, setup = audit.compile_step(cfg, audit._gpu_devices("h100", 8))
+    colls = hlo.parse(compiled.as_text(), dict(mesh.shape), audit.GPUS_PER_HOST,
+                      branch_runs=ticks.branch_runs(setup.plan, cfg.model))
+    moved = {}
+    for c in colls:
+        if c.axes == ("context",) and c.kind != "all-reduce":  # (not the loss's and the gradients' reductions)
+            moved[c.kind] = moved.get(c.kind, 0) + c.bytes * c.count
+    assert moved == audit.expected_context_exchange(cfg, setup.plan)["bytes_per_step"]
+    if experts:
+        want = audit.expected_all_to_all(cfg)
+        rows = [c for c in colls if c.kind == "all-to-all" and c.axes == ("expert",) and c.bytes > 64]
+        assert {c.bytes for c in rows} == {want["buffer_bytes_each"]}
+        assert sum(c.count for c in rows) == want["count"] == (4 + 2 * 0.5) * 2 * 4
