@@ -24,7 +24,9 @@ Blocks run with the Pallas flash-attention kernels (model.attention_impl=pallas,
 or the XLA reference (megajax/kernels/attention.py, one block of logits at a time: [2h, 2h] at most, never
 [s, s]). Each ring hop is tied to the block it runs under (optimization barriers), which is what makes XLA's GPU
 scheduler overlap it with that block's compute. `exchange` / parallel.context_comm=all_gather gathers every rank's
-keys at once instead (and reduce-scatters their gradients): the exchange that runs under a pipeline.
+keys and values instead (and reduce-scatters their gradients): the exchange that runs under a pipeline. It cuts
+the heads into parts and gathers part i + 1 under part i's blocks (and scatters part i's gradients under part
+i + 1's), so that only the first part's gather waits.
 
 All-to-all attention (`a2a_attention`, parallel.context_comm=a2a; DeepSpeed-Ulysses, Megatron's cp_comm_type=a2a).
 One all-to-all over 'context' trades the sequence split for a split of the heads: rank i sends each rank j its
@@ -196,11 +198,7 @@ def _take(tree, j):
 def _forward(st: _Static, q, k, v, seg):
     c = st.c
     if st.comm == "all_gather":
-        everyone = _gather((k, v, seg), st)
-        o, lse = _block_forward(st, q, k, v, seg, seg, causal=True)
-        for step in range(1, c):
-            o, lse = _merge(o, lse, *_step_forward(st, step, q, seg, *_take(everyone, _source(st, step))))
-        return o.astype(q.dtype), lse
+        return _gathered_forward(st, q, k, v, seg)
     # ring: each hop is issued before the block that does not need it and tied to that block's result, so that it
     # runs under the block's compute (without the tie XLA's scheduler sends every hop first, then computes)
     arriving = _pass((k, v, seg), st)
@@ -244,9 +242,9 @@ def _ring_bwd(st: _Static, res, do):
     q, k, v, seg, o, lse = res
     c = st.c
     delta = jnp.einsum("bshk,bshk->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
-    dq, dk, dv = _block_backward(st, q, k, v, do, lse, delta, seg, seg, causal=True)
     if st.comm == "all_gather":
-        return _gathered_backward(st, q, k, v, seg, do, lse, delta, dq, dk, dv)
+        return _gathered_backward(st, q, k, v, seg, do, lse, delta)
+    dq, dk, dv = _block_backward(st, q, k, v, do, lse, delta, seg, seg, causal=True)
     # As in the forward, every hop is tied to the block it runs under: the keys and values of the next step, and
     # the gradient buffer of this step's keys (it travels with them, one hop behind, and reaches their owner
     # after c hops), which the block does not need until it adds its share.
@@ -282,22 +280,114 @@ def _step_backward(st: _Static, step: int, q, do, lse, delta, seg, k_j, v_j, seg
     return jax.lax.cond(_source(st, step) < _rank(st), early, late)
 
 
-def _gathered_backward(st: _Static, q, k, v, seg, do, lse, delta, dq, dk, dv):
-    """The all_gather exchange's backward: every rank's keys gathered again, each block's dk, dv added at its
-    owner's index of a [c, ...] buffer, and one reduce-scatter over 'context' hands each owner the sum."""
-    c, i = st.c, _rank(st)
-    everyone = _gather((k, v, seg), st)
+def head_parts(local_heads: int) -> int:
+    """The parts the all_gather exchange cuts a tensor rank's `local_heads` key-value heads into (at most 4): the
+    keys and values of part i + 1 are gathered while part i attends, so only the first part's gather waits."""
+    return max(n for n in (1, 2, 3, 4) if local_heads % n == 0)
+
+
+def _head_parts(st: _Static, k) -> int:
+    """`head_parts` of k's heads on each tensor rank; 1 under a2a+all_gather, whose all-to-alls lost their overlap
+    to the parts' collectives (compile-only H100s, 32k tokens, groups of 2: 13.9 -> 17.2 ms exposed)."""
+    t = step_plan.in_force().tensor
+    return head_parts(k.shape[2] // t) if st.stride == 1 and k.shape[2] % t == 0 else 1
+
+
+def _part(x, i: int, n: int, axis: int = 2):
+    """Part i of n of x's heads on `axis` (q, k, v, o: 2; lse, delta: 1): each tensor rank's own heads cut n ways,
+    so that every part stays split over 'tensor' as the heads are."""
+    t = step_plan.in_force().tensor
+    if x is None or n == 1:
+        return x
+    shape = x.shape
+    y = x.reshape(*shape[:axis], t, n, shape[axis] // (t * n), *shape[axis + 1:])
+    y = constrain(y, tuple("heads" if a == axis else None for a in range(y.ndim)))
+    return jax.lax.index_in_dim(y, i, axis + 1, keepdims=False).reshape(*shape[:axis], -1, *shape[axis + 1:])
+
+
+def _joined(parts: list, axis: int = 2):
+    """`_part`'s inverse: the n parts back to x."""
+    t, n = step_plan.in_force().tensor, len(parts)
+    if n == 1:
+        return parts[0]
+    shape = parts[0].shape
+    ys = [p.reshape(*shape[:axis], t, shape[axis] // t, *shape[axis + 1:]) for p in parts]
+    y = constrain(jnp.stack(ys, axis + 1), tuple("heads" if a == axis else None for a in range(len(shape) + 2)))
+    return y.reshape(*shape[:axis], n * shape[axis], *shape[axis + 1:])
+
+
+def _by_parts(st: _Static, k, v, fn, after=lambda res: res) -> list:
+    """[after(fn(i, n, everyone's keys and values of head part i [c, ...])) for each head part i] (`_head_parts`),
+    part i + 1's all-gather issued once part i's keys have arrived and tied to part i's blocks, and after(part
+    i - 1's result) (the backward's reduce-scatter) tied to them too, so that both run under them, as the ring's
+    hops do. (Each gather is chained to the one before, and each scatter follows its part's blocks: XLA combines
+    independent gathers or scatters into one, which would wait for all of the parts.)"""
+    n, width = _head_parts(st, k), k.shape[-1]
+    # (the keys and values of a part as one array, one collective: XLA's GPU schedule keeps one in flight)
+    both = lambda i: jnp.concatenate([_part(k, i, n), _part(v, i, n).astype(k.dtype)], -1)  # noqa: E731
+    arriving = last = _gather(both(0), st)
+    out, pending = [], None
+    for i in range(n):
+        here, nxt = arriving, None
+        if i + 1 < n:  # (chained on the gathers alone, so that a recomputed forward's are the backward's own: XLA
+            # merges the two)
+            nxt, _ = jax.lax.optimization_barrier((both(i + 1), last))
+            nxt = last = _gather(nxt, st)
+        here = (here[..., :width], here[..., width:].astype(v.dtype))
+        arriving, res, done = jax.lax.optimization_barrier((nxt, fn(i, n, here), pending))
+        if i:
+            out.append(done)
+        pending = after(res)
+    return out + [pending]
+
+
+def _gathered_forward(st: _Static, q, k, v, seg):
+    """The all_gather exchange's forward: every ring rank's keys and values gathered (head part by head part,
+    `_by_parts`) and this rank's queries run against each rank's in turn, merged by their log-sum-exp."""
+    everyone_seg = _gather(seg, st)
+
+    def attend(i, n, everyone):
+        q_i, k_i, v_i = (_part(x, i, n) for x in (q, k, v))
+        o, lse = _block_forward(st, q_i, k_i, v_i, seg, seg, causal=True)
+        for step in range(1, st.c):
+            j = _source(st, step)
+            o, lse = _merge(o, lse, *_step_forward(st, step, q_i, seg, *_take(everyone, j), _take(everyone_seg, j)))
+        return o, lse
+
+    parts = _by_parts(st, k, v, attend)
+    return _joined([o for o, _ in parts]).astype(q.dtype), _joined([lse for _, lse in parts], 1)
+
+
+def _gathered_backward(st: _Static, q, k, v, seg, do, lse, delta):
+    """The all_gather exchange's backward: every rank's keys gathered again (head part by head part,
+    `_by_parts`), each block's dk, dv added at its owner's index of a [c, ...] buffer, and one reduce-scatter over
+    'context' per part hands each owner the sum (after the part's blocks, under the next part's)."""
+    c, me = st.c, _rank(st)
+    everyone_seg = _gather(seg, st)
     put = lambda buf, j, x: jax.lax.dynamic_update_index_in_dim(  # noqa: E731
         buf, jax.lax.dynamic_index_in_dim(buf, j, 0, keepdims=False) + x, j, 0)
-    dks = put(jnp.zeros((c, *k.shape), jnp.float32), i, dk)
-    dvs = put(jnp.zeros((c, *v.shape), jnp.float32), i, dv)
-    for step in range(1, c):
-        j = _source(st, step)
-        dq_b, dk_b, dv_b = _step_backward(st, step, q, do, lse, delta, seg, *_take(everyone, j))
-        dq, dks, dvs = dq + dq_b, put(dks, j, dk_b), put(dvs, j, dv_b)
-    scatter = lambda x, like: jax.lax.psum_scatter(x.astype(like.dtype), AXIS, scatter_dimension=0,  # noqa: E731
-                                                   tiled=True, axis_index_groups=_rings(st))[0]
-    return _cotangents(q, k, v, dq, scatter(dks, k), scatter(dvs, v))
+
+    def grads(i, n, everyone):
+        q_i, k_i, v_i, do_i = (_part(x, i, n) for x in (q, k, v, do))
+        lse_i, delta_i = (_part(x, i, n, axis=1) for x in (lse, delta))
+        dq, dk, dv = _block_backward(st, q_i, k_i, v_i, do_i, lse_i, delta_i, seg, seg, causal=True)
+        dks = put(jnp.zeros((c, *k_i.shape), jnp.float32), me, dk)
+        dvs = put(jnp.zeros((c, *v_i.shape), jnp.float32), me, dv)
+        for step in range(1, c):
+            j = _source(st, step)
+            dq_b, dk_b, dv_b = _step_backward(st, step, q_i, do_i, lse_i, delta_i, seg, *_take(everyone, j),
+                                              _take(everyone_seg, j))
+            dq, dks, dvs = dq + dq_b, put(dks, j, dk_b), put(dvs, j, dv_b)
+        return dq, dks, dvs
+
+    def scatter(res):  # each owner's sum of its keys' and values' gradients, in one reduce-scatter
+        dq, dks, dvs = res
+        both = jax.lax.psum_scatter(jnp.concatenate([dks, dvs], -1).astype(k.dtype), AXIS, scatter_dimension=0,
+                                    tiled=True, axis_index_groups=_rings(st))[0]
+        return dq, both[..., :k.shape[-1]], both[..., k.shape[-1]:].astype(v.dtype)
+
+    parts = _by_parts(st, k, v, grads, scatter)
+    return _cotangents(q, k, v, *(_joined([p[a] for p in parts]) for a in range(3)))
 
 
 def _cotangents(q, k, v, dq, dk, dv):
