@@ -14,6 +14,7 @@ import yaml
 
 from conftest import REPO
 from megajax.config import io as config_io
+from megajax.model import context
 from megajax.plan import checks, cost, layout as layout_lib, memory, search as search_lib
 from megajax.plan.__main__ import _label as plan_label, main as plan_main
 from megajax.plan.hardware import _H100_KERNELS, _H100_MATMUL, H100_ATTENTION, H100_NORM_BYTES_PER_S, H100_SQUARE_GEMM, hardware
@@ -292,26 +293,29 @@ def test_hierarchical_context_keeps_the_all_to_alls_in_a_node():
     assert step("a2a+ring") < step("a2a") / 5
 
 
-def test_hierarchical_context_under_a_pipeline_gathers_one_node_s_keys_across():
-    """With a pipeline (no ring: its permutes in the schedule's branches), a2a+all_gather keeps the all-to-alls in
-    the node and gathers the other node's keys and values for 1 / 8 of the heads, the ring's bytes; the flat
-    all-gather brings the 15 other ranks' over the node's links. Nothing hides an all-gather (the compiled H100
-    program has no compute under them), so both count exposed."""
+def test_context_under_a_pipeline_the_all_gathers_exposure():
+    """With a pipeline (no ring: its permutes in the schedule's branches), context 16 over two nodes: the flat
+    all-gather gathers its head parts each under the part before, so only the first part's gather (1 / 4 of the
+    bytes: 8 key-value heads) waits; a2a+all_gather keeps its all-to-alls in the node and gathers the other node's
+    keys and values for 1 / 8 of the heads (the ring's bytes) whole, nothing under them (the compiled H100
+    programs: benchmarks/2026-12-07-compile-only-context-all-gather-by-head-parts.md)."""
     hw = hardware("h100")
     base = config_io.load(ROOT / "configs/llama3.2-1b-long.yaml", ["model.seq_length=131072"])
     sets = {"parallel.context": 16, "parallel.data": 1, "parallel.pipeline": 2, "parallel.tensor": 1,
             "parallel.sequence_parallel": False, "parallel.tp_comm_overlap": False, "train.global_batch_size": 8}
     configure = lambda comm: search_lib.configure(base, {**sets, "parallel.context_comm": comm}, 32)  # noqa: E731
-    both = layout_lib.Layout(configure("a2a+all_gather"), 8)
-    assert both.plan.context_a2a == 8
-    m = base.model
-    kv = 2 * both.tokens * m.kv_heads * m.head_dim * 2
-    assert cost._context_comm_s(hw, both)[1] == pytest.approx(kv / hw.network_bytes_per_s)
     exposed = lambda comm: cost.estimate(configure(comm), hw, 8).exposed_s["context"]  # noqa: E731
+    m = base.model
+    flat, both = (layout_lib.Layout(configure(comm), 8) for comm in ("all_gather", "a2a+all_gather"))
+    layers = sum(flat.plan.stage_split.layers) // flat.pp * flat.m
+    assert both.plan.context_a2a == 8 and context.head_parts(m.kv_heads) == 4
+    kv = 2 * both.tokens * m.kv_heads * m.head_dim * 2
     a2a, cross = cost._context_comm_s(hw, both)
-    layers = sum(both.plan.stage_split.layers) // both.pp
-    assert exposed("a2a+all_gather") >= layers * both.m * (2 * a2a + 3 * cross) * 0.99
-    assert exposed("a2a+all_gather") < exposed("all_gather") < exposed("a2a")
+    assert cross == pytest.approx(kv / hw.network_bytes_per_s)
+    assert exposed("a2a+all_gather") >= layers * (2 * a2a + 3 * cross) * 0.99
+    first = cost._context_comm_s(hw, flat)[1] / 4
+    assert exposed("all_gather") == pytest.approx(layers * 2 * first, rel=0.01)
+    assert exposed("all_gather") < exposed("a2a+all_gather") < exposed("a2a")
 
 
 def test_hybrid_sharding_trades_memory_for_the_network():

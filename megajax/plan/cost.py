@@ -420,11 +420,15 @@ def _layer_comm_exposed_s(hw: Hardware, L: Layout, gemm_f: float, attn_f: float,
         tp *= group_bandwidth(hw, L.t, 1, L.node) / hw.network_bytes_per_s
     first = tp / L.t if L.t > 1 else 0.0
     tp_f, tp_b = _overlapped(tp, gemm_f, overlap_tp, first), _overlapped(tp, 2 * gemm_f, overlap_tp, first)
-    # (attention waits for its all-to-alls: nothing to hide them under; a ring's hops run under its blocks, and the
-    # compiled H100 programs hide little of the all-gather exchange: none at 32k tokens, with or without a pipeline)
-    if packed or L.plan.context_comm in ("all_gather", "a2a+all_gather"):
+    # (attention waits for its all-to-alls: nothing to hide them under; a ring's hops run under its blocks; the
+    # all-gather exchange's head parts each gather under the part before, the first part's waits; a2a+all_gather's
+    # gathers run whole, with nothing under them in the compiled H100 programs)
+    comm = L.plan.context_comm
+    if packed or comm == "a2a+all_gather":
         return tp_f, tp_b, a2a + cp, a2a + 2 * cp
-    return tp_f, tp_b, a2a + max(cp - attn_f, 0.0), a2a + max(2 * cp - attn_b, 0.0)
+    local = L.model.kv_heads // L.t if L.model.kv_heads % L.t == 0 else 1
+    first = cp / context.head_parts(local) if comm == "all_gather" else 0.0
+    return tp_f, tp_b, a2a + first + max(cp - first - attn_f, 0.0), a2a + first + max(2 * cp - first - attn_b, 0.0)
 
 
 def _optimizer_s(hw: Hardware, L: Layout, params: dict, framework: str) -> tuple[float, float]:
