@@ -185,7 +185,9 @@ def expected_all_to_all(cfg) -> dict:
     tokens = cfg.train.micro_batch_size * m.seq_length // (p.expert_folds * p.context)  # (a rank's own tokens)
     row = m.hidden_size * (2 if m.compute_dtype != "float32" else 4)
     k, e = m.experts_per_token, m.num_experts
-    buffer = moe.buffer_rows(tokens, k, e, p.expert_ranks, m.moe_capacity_factor, p.expert_buffer_factor) * row
+    # (under context parallelism a capacity's kept rows go as dropless ones: moe/layer.py's kept_in_sequences)
+    factor = m.moe_capacity_factor if p.context == 1 else None
+    buffer = moe.buffer_rows(tokens, k, e, p.expert_ranks, factor, p.expert_buffer_factor) * row
     again = _forwards_again(cfg, m.recompute == "full")
     ragged = m.moe_capacity_factor is None and p.expert_all_to_all == "ragged"
     # (the multi-token prediction modules' layers, MoE too, on the last pipeline rank)
