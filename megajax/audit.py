@@ -243,8 +243,8 @@ def expected_context_exchange(cfg, plan) -> dict:
         m.attention_impl, m.head_dim, m.attention_dropout > 0, platform))
     again = _forwards_again(cfg, recomputed)
     # (a gather that a recomputed forward repeats is the backward's own without a pipeline: XLA merges the two; a
-    # pipeline recomputes in another tick)
-    gathers = 2 + (again if p.pipeline > 1 and p.schedule != "gpipe" else 0)
+    # pipeline's schedule recomputes in another tick, whatever model.recompute says)
+    gathers = 2 + _forwards_again(cfg, recomputed=False)
     ring = lambda kv, c: kv * (2 * (c - 1) + (c - 2 if recomputed else 0) + c)  # noqa: E731
     gathered = lambda kv, c: {"all-gather": gathers * c * kv, "reduce-scatter": c * kv}  # noqa: E731
     if comm == "ring":

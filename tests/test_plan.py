@@ -308,7 +308,7 @@ def test_context_under_a_pipeline_the_all_gathers_exposure():
     m = base.model
     flat, both = (layout_lib.Layout(configure(comm), 8) for comm in ("all_gather", "a2a+all_gather"))
     layers = sum(flat.plan.stage_split.layers) // flat.pp * flat.m
-    assert both.plan.context_a2a == 8 and context.head_parts(m.kv_heads) == 4
+    assert both.plan.context_a2a == 8 and context.head_parts(m.kv_heads, 1) == 4
     kv = 2 * both.tokens * m.kv_heads * m.head_dim * 2
     a2a, cross = cost._context_comm_s(hw, both)
     assert cross == pytest.approx(kv / hw.network_bytes_per_s)

@@ -280,17 +280,18 @@ def _step_backward(st: _Static, step: int, q, do, lse, delta, seg, k_j, v_j, seg
     return jax.lax.cond(_source(st, step) < _rank(st), early, late)
 
 
-def head_parts(local_heads: int) -> int:
-    """The parts the all_gather exchange cuts a tensor rank's `local_heads` key-value heads into (at most 4): the
-    keys and values of part i + 1 are gathered while part i attends, so only the first part's gather waits."""
-    return max(n for n in (1, 2, 3, 4) if local_heads % n == 0)
+def head_parts(kv_heads: int, tensor: int) -> int:
+    """The parts the all_gather exchange cuts each tensor rank's share of `kv_heads` key-value heads into (at most
+    4; 1 where they do not divide over `tensor`): the keys and values of part i + 1 are gathered while part i
+    attends, so only the first part's gather waits."""
+    local = kv_heads // tensor if kv_heads % tensor == 0 else 1
+    return max(n for n in (1, 2, 3, 4) if local % n == 0)
 
 
 def _head_parts(st: _Static, k) -> int:
     """`head_parts` of k's heads on each tensor rank; 1 under a2a+all_gather, whose all-to-alls lost their overlap
     to the parts' collectives (compile-only H100s, 32k tokens, groups of 2: 13.9 -> 17.2 ms exposed)."""
-    t = step_plan.in_force().tensor
-    return head_parts(k.shape[2] // t) if st.stride == 1 and k.shape[2] % t == 0 else 1
+    return head_parts(k.shape[2], step_plan.in_force().tensor) if st.stride == 1 else 1
 
 
 def _part(x, i: int, n: int, axis: int = 2):

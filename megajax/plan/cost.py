@@ -426,8 +426,7 @@ def _layer_comm_exposed_s(hw: Hardware, L: Layout, gemm_f: float, attn_f: float,
     comm = L.plan.context_comm
     if packed or comm == "a2a+all_gather":
         return tp_f, tp_b, a2a + cp, a2a + 2 * cp
-    local = L.model.kv_heads // L.t if L.model.kv_heads % L.t == 0 else 1
-    first = cp / context.head_parts(local) if comm == "all_gather" else 0.0
+    first = cp / context.head_parts(L.model.kv_heads, L.t) if comm == "all_gather" else 0.0
     return tp_f, tp_b, a2a + first + max(cp - first - attn_f, 0.0), a2a + first + max(2 * cp - first - attn_b, 0.0)
 
 

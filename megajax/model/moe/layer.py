@@ -140,7 +140,8 @@ def run_experts(x_gtd: jax.Array, ids_gtk: jax.Array, weights_gtk: jax.Array, cf
     if keep_gtk is not None:  # a dropped assignment goes to no expert (id e: sorted last, in no group) at weight 0
         routed = jnp.bincount(ids_gtk.reshape(-1), length=e).astype(jnp.int32)
         ids_gtk, weights_gtk = jnp.where(keep_gtk, ids_gtk, e), jnp.where(keep_gtk, weights_gtk, 0)
-    by_weight = cfg.moe_capacity_factor is not None and cfg.moe_token_drop_policy == "probs"
+    # (the order within an expert decides a capacity's drops; kept rows run dropless, in any order)
+    by_weight = cfg.moe_capacity_factor is not None and cfg.moe_token_drop_policy == "probs" and keep_gtk is None
     rows, sizes, order = jax.vmap(lambda x, i, w: dispatch(x, i, e, w if by_weight else None))(
         x_gtd, ids_gtk, weights_gtk)
     if cfg.moe_capacity_factor is None or keep_gtk is not None:  # dropless: each expert's rows, as many as were
