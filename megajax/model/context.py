@@ -23,10 +23,11 @@ dq locally and its dk, dv to a buffer that travels with the keys and values and 
 Blocks run with the Pallas flash-attention kernels (model.attention_impl=pallas, megajax/kernels/flash_attention.py)
 or the XLA reference (megajax/kernels/attention.py, one block of logits at a time: [2h, 2h] at most, never
 [s, s]). Each ring hop is tied to the block it runs under (optimization barriers), which is what makes XLA's GPU
-scheduler overlap it with that block's compute. `exchange` / parallel.context_comm=all_gather gathers every rank's
-keys and values instead (and reduce-scatters their gradients): the exchange that runs under a pipeline. It cuts
-the heads into parts and gathers part i + 1 under part i's blocks (and scatters part i's gradients under part
-i + 1's), so that only the first part's gather waits.
+scheduler overlap it with that block's compute, and moves the keys and values (or their gradients) as one array
+(`_hop`), so that no more hops are in flight than the scheduler allows. `exchange` /
+parallel.context_comm=all_gather gathers every rank's keys and values instead (and reduce-scatters their
+gradients): the exchange that runs under a pipeline. It cuts the heads into parts and gathers part i + 1 under part
+i's blocks (and scatters part i's gradients under part i + 1's), so that only the first part's gather waits.
 
 All-to-all attention (`a2a_attention`, parallel.context_comm=a2a; DeepSpeed-Ulysses, Megatron's cp_comm_type=a2a).
 One all-to-all over 'context' trades the sequence split for a split of the heads: rank i sends each rank j its
@@ -176,6 +177,16 @@ def _pass(tree, st: _Static):
                         is_leaf=lambda x: x is None)
 
 
+def _hop(k, v, seg, st: _Static):
+    """The keys, values (and segment ids) one hop along the ring, the keys and values joined on their last axis
+    into one ppermute: XLA's GPU scheduler keeps at most two collectives in flight at once (xla_flags' overlap
+    limit), so a backward step's four (keys, values and their gradient buffer's two) left two waiting before the
+    block they run under. Also the gradient buffer's (dk, dv)."""
+    width = k.shape[-1]
+    joined, seg = _pass((jnp.concatenate([k, v.astype(k.dtype)], -1), seg), st)
+    return joined[..., :width], joined[..., width:].astype(v.dtype), seg
+
+
 def _merge(o, lse, o_b, lse_b):
     """Two partial attention results over disjoint keys -> the result over both (o [b, s, h, k] fp32, lse
     [b, h, s] natural log)."""
@@ -201,13 +212,13 @@ def _forward(st: _Static, q, k, v, seg):
         return _gathered_forward(st, q, k, v, seg)
     # ring: each hop is issued before the block that does not need it and tied to that block's result, so that it
     # runs under the block's compute (without the tie XLA's scheduler sends every hop first, then computes)
-    arriving = _pass((k, v, seg), st)
+    arriving = _hop(k, v, seg, st)
     o, lse = _block_forward(st, q, k, v, seg, seg, causal=True)
     arriving, (o, lse) = jax.lax.optimization_barrier((arriving, (o, lse)))
     for step in range(1, c):
         here = arriving
         if step < c - 1:
-            arriving = _pass(here, st)
+            arriving = _hop(*here, st)
         o_b, lse_b = _step_forward(st, step, q, seg, *here)
         if step < c - 1:
             arriving, (o_b, lse_b) = jax.lax.optimization_barrier((arriving, (o_b, lse_b)))
@@ -248,20 +259,20 @@ def _ring_bwd(st: _Static, res, do):
     # As in the forward, every hop is tied to the block it runs under: the keys and values of the next step, and
     # the gradient buffer of this step's keys (it travels with them, one hop behind, and reaches their owner
     # after c hops), which the block does not need until it adds its share.
-    arriving = _pass((k, v, seg), st)
+    arriving = _hop(k, v, seg, st)
     arriving, (dq, dk, dv) = jax.lax.optimization_barrier((arriving, (dq, dk, dv)))
     dkv = (dk.astype(k.dtype), dv.astype(v.dtype))
     for step in range(1, c):
         here = arriving  # the keys and values of rank i - step
         if step < c - 1:
-            arriving = _pass(here, st)
-        moving = _pass(dkv, st)  # their gradient buffer, with the shares of ranks i - step .. i - 1
+            arriving = _hop(*here, st)
+        moving = _hop(*dkv, None, st)  # their gradient buffer, with the shares of ranks i - step .. i - 1
         grads = _step_backward(st, step, q, do, lse, delta, seg, *here)
         (arriving, moving), (dq_b, dk_b, dv_b) = jax.lax.optimization_barrier(((arriving, moving), grads))
         dq = dq + dq_b
         dkv = ((moving[0].astype(jnp.float32) + dk_b).astype(k.dtype),
                (moving[1].astype(jnp.float32) + dv_b).astype(v.dtype))
-    dk, dv = _pass(dkv, st)  # the last hop takes each buffer home
+    dk, dv, _ = _hop(*dkv, None, st)  # the last hop takes each buffer home
     return _cotangents(q, k, v, dq, dk, dv)
 
 
