@@ -93,7 +93,17 @@ def _ring(c: int, impl: str):
                                              (4, "xla", "a2a+all_gather"),
                                              pytest.param(8, "pallas", "a2a+all_gather", marks=pytest.mark.slow)])
 def test_ring_attention_equals_whole_sequence_attention(c, impl, exchange):
-    b, s, h, g, d = 2, 8 * c, 4, 2, 8
+    _exchange_equals_whole_sequence_attention(c, impl, exchange)
+
+
+@pytest.mark.parametrize("c,impl", [(2, "xla"), pytest.param(4, "pallas", marks=pytest.mark.slow)])
+def test_the_all_to_all_by_head_parts_equals_whole_sequence_attention(c, impl):
+    """8 key-value heads over 2 (4) context ranks: the all-to-all exchange in 4 (2) head parts."""
+    _exchange_equals_whole_sequence_attention(c, impl, "a2a", heads=8, groups=8)
+
+
+def _exchange_equals_whole_sequence_attention(c: int, impl: str, exchange: str, heads: int = 4, groups: int = 2):
+    b, s, h, g, d = 2, 8 * c, heads, groups, 8
     keys = jax.random.split(jax.random.key(c), 5)
     q = jax.random.normal(keys[0], (b, s, h, d))
     k, v = (jax.random.normal(key, (b, s, g, d)) for key in keys[1:3])
