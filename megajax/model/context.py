@@ -465,7 +465,7 @@ def _a2a_by_parts(q, k, v, attend, c: int, t: int):
     """The all-to-all exchange head part by head part (`head_parts` of the key-value heads each rank receives, when
     more than one): part i + 1's all-to-all (q, k, v as one, `_a2a_joined`) runs under part i's attention beside
     part i - 1's output all-to-all, so only the first part's waits (compile-only H100s, Llama 3.2 1B at 32k on
-    data 2 x context 4: 18.8 -> 15.9 ms exposed in 2 parts, 32.0 -> 19.0 ms with 32 key-value heads in 4; the
+    data 2 x context 4: 18.8 -> 16.1 ms exposed in 2 parts, 32.2 -> 18.8 ms with 32 key-value heads in 4; the
     same q, k, v apart in each part: 20.0 and 22.0). In one part the three separate all-to-alls of before overlap
     more (128k on context 8: 83.5 ms exposed against 100.2 joined)."""
     n = head_parts(k.shape[2], t * c)
