@@ -135,7 +135,7 @@ def test_a_ring_hop_is_one_ppermute():
     """The keys and values go around the ring as one array, and so do their gradients: XLA's GPU scheduler keeps
     two collectives in flight (xla_flags), so a backward step's hops must be two to run under its block (four, the
     keys, values and the two gradients apart, left two waiting: at 128k on context 8, 66.8 ms of the hops exposed
-    against 9.6; XLA's combiner joins them only when small). c = 4: the forward's 3 hops; the backward's 3 of the
+    against 9.5; XLA's combiner joins them only when small). c = 4: the forward's 3 hops; the backward's 3 of the
     keys and values and 4 of their gradients (the last home)."""
     c, b, s, h, d = 4, 1, 32, 4, 8
     q, k, v = (jnp.ones((b, s, h, d)) for _ in range(3))

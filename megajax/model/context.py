@@ -506,6 +506,7 @@ def a2a_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.
         raise ValueError(f"all-to-all attention splits the {heads} heads over tensor x {n} context ranks = {t * n}")
     if a2a_groups(heads, groups, t * n) != groups:  # (grouped-query keys and values: each repeated to its heads)
         k, v = (jnp.repeat(x, heads // groups, axis=2) for x in (k, v))
+
     def gathered(segment_ids):
         return None if segment_ids is None else _token_order(jax.lax.all_gather(
             segment_ids.astype(jnp.int32), AXIS, axis=1, tiled=True, axis_index_groups=_a2a_groups(n, c)), n)
