@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 
 import jax
@@ -179,14 +180,24 @@ def _pass(tree, st: _Static):
                         is_leaf=lambda x: x is None)
 
 
+def _side_by_side(*xs) -> jax.Array:
+    """xs joined on their last axis in the first's dtype, so that one collective moves them all (`_apart` parts
+    them again): XLA's GPU scheduler keeps at most two collectives in flight at once (xla_flags' overlap limit)."""
+    return jnp.concatenate([x.astype(xs[0].dtype) for x in xs], -1)
+
+
+def _apart(joined: jax.Array, *likes) -> tuple:
+    """`_side_by_side`'s inverse: the pieces of `joined` as wide as `likes` on the last axis, in their dtypes."""
+    edges = [0, *itertools.accumulate(like.shape[-1] for like in likes)]
+    return tuple(joined[..., a:b].astype(like.dtype) for a, b, like in zip(edges, edges[1:], likes))
+
+
 def _hop(k, v, seg, st: _Static):
-    """The keys, values (and segment ids) one hop along the ring, the keys and values joined on their last axis
-    into one ppermute: XLA's GPU scheduler keeps at most two collectives in flight at once (xla_flags' overlap
-    limit), so a backward step's four (keys, values and their gradient buffer's two) left two waiting before the
-    block they run under. Also the gradient buffer's (dk, dv)."""
-    width = k.shape[-1]
-    joined, seg = _pass((jnp.concatenate([k, v.astype(k.dtype)], -1), seg), st)
-    return joined[..., :width], joined[..., width:].astype(v.dtype), seg
+    """The keys, values (and segment ids) one hop along the ring, the keys and values one ppermute
+    (`_side_by_side`): a backward step's four apart (keys, values and their gradient buffer's two) left two waiting
+    before the block they run under. Also the gradient buffer's (dk, dv)."""
+    joined, seg = _pass((_side_by_side(k, v), seg), st)
+    return (*_apart(joined, k, v), seg)
 
 
 def _merge(o, lse, o_b, lse_b):
@@ -336,9 +347,9 @@ def _by_parts(st: _Static, k, v, fn, after=lambda res: res) -> list:
     i - 1's result) (the backward's reduce-scatter) tied to them too, so that both run under them, as the ring's
     hops do. (Each gather is chained to the one before, and each scatter follows its part's blocks: XLA combines
     independent gathers or scatters into one, which would wait for all of the parts.)"""
-    n, width = _head_parts(st, k), k.shape[-1]
+    n = _head_parts(st, k)
     # (the keys and values of a part as one array, one collective: XLA's GPU schedule keeps one in flight)
-    both = lambda i: jnp.concatenate([_part(k, i, n), _part(v, i, n).astype(k.dtype)], -1)  # noqa: E731
+    both = lambda i: _side_by_side(_part(k, i, n), _part(v, i, n))  # noqa: E731
     arriving = last = _gather(both(0), st)
     out, pending = [], None
     for i in range(n):
@@ -347,7 +358,7 @@ def _by_parts(st: _Static, k, v, fn, after=lambda res: res) -> list:
             # merges the two)
             nxt, _ = jax.lax.optimization_barrier((both(i + 1), last))
             nxt = last = _gather(nxt, st)
-        here = (here[..., :width], here[..., width:].astype(v.dtype))
+        here = _apart(here, k, v)
         arriving, res, done = jax.lax.optimization_barrier((nxt, fn(i, n, here), pending))
         if i:
             out.append(done)
@@ -396,9 +407,9 @@ def _gathered_backward(st: _Static, q, k, v, seg, do, lse, delta):
 
     def scatter(res):  # each owner's sum of its keys' and values' gradients, in one reduce-scatter
         dq, dks, dvs = res
-        both = jax.lax.psum_scatter(jnp.concatenate([dks, dvs], -1).astype(k.dtype), AXIS, scatter_dimension=0,
+        both = jax.lax.psum_scatter(_side_by_side(dks, dvs).astype(k.dtype), AXIS, scatter_dimension=0,
                                     tiled=True, axis_index_groups=_rings(st))[0]
-        return dq, both[..., :k.shape[-1]], both[..., k.shape[-1]:].astype(v.dtype)
+        return (dq, *_apart(both, k, v))
 
     parts = _by_parts(st, k, v, grads, scatter)
     return _cotangents(q, k, v, *(_joined([p[a] for p in parts]) for a in range(3)))
@@ -454,11 +465,9 @@ def _a2a_joined(q, k, v, c: int, t: int):
     """One all-to-all of q, k and v (`_heads_split`): each key-value head's queries side by side with its key and
     value on the last axis, so that a head's group goes to one rank with them."""
     b, s, m, d = q.shape
-    g, dk = k.shape[2], k.shape[-1]
-    joined = jnp.concatenate([q.reshape(b, s, g, (m // g) * d), k.astype(q.dtype), v.astype(q.dtype)], -1)
-    x = _token_order(_heads_split(joined, c, c, t), c)
-    q2 = x[..., :(m // g) * d].reshape(b, c * s, m // c, d)
-    return q2, x[..., (m // g) * d:(m // g) * d + dk].astype(k.dtype), x[..., (m // g) * d + dk:].astype(v.dtype)
+    grouped = q.reshape(b, s, k.shape[2], -1)  # [b, s, g, the g-th head's queries]
+    q, k, v = _apart(_token_order(_heads_split(_side_by_side(grouped, k, v), c, c, t), c), grouped, k, v)
+    return q.reshape(b, c * s, m // c, d), k, v
 
 
 def _a2a_by_parts(q, k, v, attend, c: int, t: int):
