@@ -240,7 +240,7 @@ def expected_context_exchange(cfg, plan) -> dict:
     layers = _busiest_rank_layers(cfg) * cfg.num_micro_batches
     comm, platform = plan.context_comm, plan.platform
     recomputed = m.recompute == "full" or (m.recompute == "selective" and not kernel_choice.fused_attention(
-        m.attention_impl, m.head_dim, m.attention_dropout > 0, platform))
+        m.attention_impl, m.head_dim, platform))
     again = _forwards_again(cfg, recomputed)
     # (a gather that a recomputed forward repeats is the backward's own without a pipeline: XLA merges the two; a
     # pipeline's schedule recomputes in another tick, whatever model.recompute says)

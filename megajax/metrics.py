@@ -54,7 +54,7 @@ def step_flops(cfg: ModelConfig, tokens: int, pipelined: bool = False, platform:
     if cfg.recompute == "full" or pipelined:
         hardware += layer_fwd * tokens
     if cfg.recompute == "selective" and not kernel_choice.fused_attention(
-            cfg.attention_impl, cfg.head_dim, cfg.attention_dropout > 0, platform):
+            cfg.attention_impl, cfg.head_dim, platform):
         hardware += layers * core * tokens
     return {"model_flops": float(model), "hardware_flops": float(hardware)}
 

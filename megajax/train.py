@@ -276,7 +276,7 @@ def _instances(p) -> str:
 def _kernels_line(m, plan) -> str:
     """The attention and norm implementations the step runs, and its layer loop (the auto choices resolved)."""
     kernels_now = kernel_choice.summary(m.attention_impl, m.norm_impl, head_dim=m.head_dim, width=m.hidden_size,
-                                        dropout=m.attention_dropout > 0, platform=plan.platform)
+                                        platform=plan.platform)
     how = "unrolled" if plan.unroll_layers else "a loop"
     return f"{kernels_now}; layers {how}{' (model.scan_layers auto)' if m.scan_layers is None else ''}"
 

@@ -92,7 +92,7 @@ def ran(m, plan) -> dict:
     """What the step ran where the config says auto: its attention and norm implementations, and whether its
     layers were unrolled (the planner's checks read this back, megajax.plan.checks)."""
     kernels = kernel_choice.chosen(m.attention_impl, m.norm_impl, head_dim=m.head_dim, width=m.hidden_size,
-                                   dropout=m.attention_dropout > 0, platform=plan.platform)
+                                   platform=plan.platform)
     return {what: impl for what, (impl, _) in kernels.items()} | {"unroll_layers": plan.unroll_layers}
 
 

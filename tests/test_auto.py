@@ -76,25 +76,28 @@ def test_auto_kernels_are_the_fused_ones_on_gpus(arch):
     assert _count(jaxpr, "pallas_call", "flash_attention_fwd") == 1  # one layer's body: not run again
 
 @gpu
-def test_auto_takes_xla_attention_where_the_kernel_cannot_and_says_so():
-    """Attention dropout: the flash kernel takes none, so auto runs XLA's attention (recomputed under selective)
-    and keeps the fused norms; the train log's kernels line names the reason. An explicit pallas raises instead."""
-    cfg = small_config(**BF16, **{"model.attention_dropout": 0.1})
+def test_auto_takes_the_flash_kernels_with_dropout_and_xla_where_they_cannot():
+    """Attention dropout: the flash kernels draw the entries XLA's attention drops (kernels/dropout.py), so auto runs
+    them. A head dim above 256: auto runs XLA's attention and keeps the fused norms, and the train log's kernels line
+    names the reason; an explicit pallas raises instead."""
+    _, jaxpr = _step_jaxpr(small_config(**BF16, **{"model.attention_dropout": 0.1}), audit._gpu_devices("h100", 1))
+    assert _kernels(jaxpr) == {"flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv", "layer_norm_fwd",
+                               "layer_norm_bwd"}
+    wide = {"model.hidden_size": 576, "model.num_heads": 2}  # head dim 288
+    cfg = small_config(**BF16, **wide)
     _, jaxpr = _step_jaxpr(cfg, audit._gpu_devices("h100", 1))
     assert _kernels(jaxpr) == {"layer_norm_fwd", "layer_norm_bwd"}
     m = cfg.model
     line = kernel_choice.summary(m.attention_impl, m.norm_impl, head_dim=m.head_dim, width=m.hidden_size,
-                                 dropout=True, platform="gpu")
-    assert line == ("attention xla (auto: the flash kernel takes no attention dropout (model.attention_dropout > 0)),"
-                    " norms pallas (auto on gpu)")
-    with pytest.raises(ValueError, match="model.attention_dropout=0 or model.attention_impl=xla"):
-        _step_jaxpr(small_config(**BF16, **{"model.attention_dropout": 0.1, "model.attention_impl": "pallas"}),
-                    audit._gpu_devices("h100", 1))
+                                 platform="gpu")
+    assert line == "attention xla (auto: head dim 288 > 256, the flash kernel's largest), norms pallas (auto on gpu)"
+    with pytest.raises(ValueError, match="head dim 288 > 256"):
+        _step_jaxpr(small_config(**BF16, **wide, **{"model.attention_impl": "pallas"}), audit._gpu_devices("h100", 1))
 
 
 def test_kernel_choice_fallbacks():
-    assert kernel_choice.attention_fallback(256, dropout=False) is None
-    assert "257 > 256" in kernel_choice.attention_fallback(257, dropout=False)
+    assert kernel_choice.attention_fallback(256) is None
+    assert "257 > 256" in kernel_choice.attention_fallback(257)
     assert kernel_choice.norm_fallback(25600) is None and "40000" in kernel_choice.norm_fallback(40000)
     assert kernel_choice.resolve("auto", None, None) == "pallas"  # lowered later, for a GPU as far as is known
     assert kernel_choice.resolve("cudnn", "any", "cpu") == "cudnn"  # an explicit choice is never changed

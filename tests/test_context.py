@@ -23,6 +23,7 @@ from conftest import run_steps, small_config
 from megajax import config as config_lib
 from megajax import kernels, model
 from megajax.data import datasets
+from megajax.kernels.dropout import AttentionDropout
 from megajax.model import context
 from megajax.parallel import step_plan
 from megajax.parallel.step_plan import StepPlan
@@ -66,12 +67,12 @@ def _mesh(c: int):
     return jax.make_mesh((c, 1), ("context", "tensor"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:c])
 
 
-def _ring(c: int, impl: str):
+def _ring(c: int, impl: str, drop=None):
     """context.attention (the step plan's exchange) over a 'context' mesh of c devices, taking and returning whole
     sequences in token order."""
     def local(q, k, v, seg):
         q, k, v, seg = (context.split(x) for x in (q, k, v, seg))
-        o = context.attention(q, k, v, segment_ids=seg, impl=impl)
+        o = context.attention(q, k, v, segment_ids=seg, impl=impl, probs_dropout=drop)
         # back to token order: every rank's rows scattered into a whole sequence, summed over the ranks
         full = jnp.zeros((o.shape[0], o.shape[1] * c, *o.shape[2:]), o.dtype)
         h = o.shape[1] // 2
@@ -102,17 +103,33 @@ def test_the_all_to_all_by_head_parts_equals_whole_sequence_attention(c, impl):
     _exchange_equals_whole_sequence_attention(c, impl, "a2a", heads=8, groups=8)
 
 
-def _exchange_equals_whole_sequence_attention(c: int, impl: str, exchange: str, heads: int = 4, groups: int = 2):
+@pytest.mark.parametrize("c,impl,exchange,heads", [
+    (4, "xla", "ring", 4), (4, "xla", "all_gather", 8), (2, "xla", "a2a", 8), (4, "xla", "a2a", 4),
+    (4, "xla", "a2a+ring", 4), (4, "xla", "a2a+all_gather", 4), (2, "pallas", "ring", 4),
+    pytest.param(4, "pallas", "all_gather", 8, marks=pytest.mark.slow),
+    pytest.param(8, "pallas", "a2a+ring", 8, marks=pytest.mark.slow)])
+def test_attention_dropout_under_context_drops_what_one_device_drops(c, impl, exchange, heads):
+    """The dropped probabilities are a hash of their heads and positions (kernels/dropout.py), so every exchange
+    drops one device's: the ring's blocks, the all-gather's head parts (8 heads: 2 parts), the all-to-all's
+    heads (8 over 2 ranks: 4 parts; 4 over 4: the key-value heads repeated), the hierarchical groups."""
+    _exchange_equals_whole_sequence_attention(c, impl, exchange, heads=heads, groups=heads // 2, dropout=0.25)
+
+
+def _exchange_equals_whole_sequence_attention(c: int, impl: str, exchange: str, heads: int = 4, groups: int = 2,
+                                              dropout: float = 0.0):
     b, s, h, g, d = 2, 8 * c, heads, groups, 8
     keys = jax.random.split(jax.random.key(c), 5)
     q = jax.random.normal(keys[0], (b, s, h, d))
     k, v = (jax.random.normal(key, (b, s, g, d)) for key in keys[1:3])
     do = jax.random.normal(keys[3], (b, s, h, d))
     seg = jnp.sort(jax.random.randint(keys[4], (b, s), 0, 3), axis=1)  # packed documents
-    ring = _ring(c, impl)
+    drop = None
+    if dropout:
+        drop = AttentionDropout.of(jax.random.split(jax.random.key(7), b), 5, dropout, h)
+    ring = _ring(c, impl, drop)
 
     def reference(q, k, v, seg):
-        return kernels.attention_reference(q, k, v, causal=True, segment_ids=seg)
+        return kernels.attention_reference(q, k, v, causal=True, segment_ids=seg, probs_dropout=drop)
 
     def value_and_grads(fn, q, k, v, do):
         out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, seg), q, k, v)
@@ -219,7 +236,6 @@ def test_the_context_space_is_accepted():
     ({"parallel.context": 2, "parallel.tensor": 4, "parallel.sequence_parallel": True, "model.seq_length": 12},
      "multiple of 8"),
     ({"parallel.context": 2, "parallel.pipeline": 2, "parallel.context_comm": "ring"}, "context_comm=all_gather"),
-    ({"parallel.context": 2, "model.attention_dropout": 0.1}, "attention_dropout=0"),
     ({"parallel.context": 2, "parallel.tensor": 2, "parallel.sequence_parallel": True, "parallel.expert_tensor": 1,
       "model.num_experts": 4, "model.moe_capacity_factor": 1.0}, "set parallel.expert_tensor=null"),
     ({"parallel.context": 2, "model.attention_impl": "cudnn"}, "pallas or xla"),
@@ -266,6 +282,11 @@ LAYOUTS = {
     # residuals the schedule carries to the backward (ChunkActions.zero_res)
     "deepseek-moe-p2c2-1f1b": ("deepseek-moe", 4, {"parallel.pipeline": 2, "parallel.context": 2,
                                                    "train.micro_batch_size": 2}),
+    # attention dropout: the entries one device drops, by their heads' and positions' hash, over the all-to-all's
+    # heads and tensor ranks (-m slow: the ring's blocks, Pallas ones with packed documents)
+    "llama-c2t2-a2a-sp-dropout": ("llama", 4, {"parallel.context": 2, "parallel.tensor": 2,
+                                               "parallel.context_comm": "a2a", "parallel.sequence_parallel": True,
+                                               "model.dropout": 0.1, "model.attention_dropout": 0.1}),
     "llama-d2c2t2-sp-selective": ("llama", 8, {"parallel.data": 2, "parallel.context": 2, "parallel.tensor": 2,
                                                "parallel.sequence_parallel": True, "model.recompute": "selective"}),
     # the distributed optimizer sharded over context alone (data = 1)
@@ -300,9 +321,9 @@ SLOW_LAYOUTS = {
                                                        "parallel.context_comm": "a2a+all_gather",
                                                        "model.seq_length": 64}),
     # (suite time, 10 s: dropout under context parallelism; packed documents run by default)
-    "llama-c4-packed-documents-dropout": ("llama", 4, {
-        "parallel.context": 4, "model.seq_length": 128, "model.dropout": 0.1, "data.reset_attention_mask": True,
-        "data.reset_position_ids": True}),
+    "llama-c4-packed-documents-dropout-pallas": ("llama", 4, {
+        "parallel.context": 4, "model.seq_length": 128, "model.dropout": 0.1, "model.attention_dropout": 0.1,
+        "model.attention_impl": "pallas", "data.reset_attention_mask": True, "data.reset_position_ids": True}),
     "llama-c4t2-a2a+ring-sp-pallas": ("llama", 8, {
         "parallel.context": 4, "parallel.tensor": 2, "parallel.context_comm": "a2a+ring",
         "parallel.sequence_parallel": True, "model.attention_impl": "pallas"}),
@@ -334,7 +355,7 @@ SLOW_LAYOUTS = {
     "deepseek-c2-pallas": ("deepseek", 2, {"parallel.context": 2, "model.attention_impl": "pallas"}),
     "gpt2-p2c2t2-1f1b": ("gpt2", 8, {"parallel.pipeline": 2, "parallel.context": 2, "parallel.tensor": 2,
                                      "train.micro_batch_size": 2}),
-    "llama-c4-dropout": ("llama", 4, {"parallel.context": 4, "model.dropout": 0.1}),
+    "llama-c4-dropout": ("llama", 4, {"parallel.context": 4, "model.dropout": 0.1, "model.attention_dropout": 0.1}),
     "gpt2-c8": ("gpt2", 8, {"parallel.context": 8, "model.seq_length": 64}),
     "llama-c4-all_gather": ("llama", 4, {"parallel.context": 4, "parallel.context_comm": "all_gather"}),
     "llama-c2-pallas": ("llama", 2, {"parallel.context": 2, "model.attention_impl": "pallas"}),

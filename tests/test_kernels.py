@@ -16,6 +16,7 @@ from conftest import run_steps, shared_across_workers, small_config
 from megajax import kernels
 from megajax.kernels import flash_attention as fa
 from megajax.kernels import fused_norm
+from megajax.kernels.dropout import AttentionDropout
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 2e-2}
 SMALL = fa.BlockSizes(16, 16, 16, 16, 16, 16)  # many blocks even at s = 64: exercises the causal skipping
@@ -84,10 +85,28 @@ def test_flash_attention_matches_reference(b, s, h, g, d, causal, segments, dtyp
     assert_kernel_matches_reference(q, k, v, do, seg, causal, blocks)
 
 
-def assert_kernel_matches_reference(q, k, v, do, seg, causal: bool, blocks):
+# Attention dropout: the kernels drop the entries the reference drops (a hash of heads and positions), so they
+# agree as without it, forward and backward: GQA, segments, a ragged length, causal or not, fp32 and bf16.
+DROPOUT_CASES = [(1, 64, 4, 2, 32, True, True, jnp.float32, SMALL), (2, 37, 4, 4, 16, False, False, jnp.float32, SMALL),
+                 (1, 50, 8, 2, 64, True, False, jnp.bfloat16, None)]
+
+
+@pytest.mark.parametrize("b,s,h,g,d,causal,segments,dtype,blocks", DROPOUT_CASES,
+                         ids=lambda x: getattr(x, "__name__", None) if isinstance(x, type) else None)
+def test_flash_attention_drops_what_the_reference_drops(b, s, h, g, d, causal, segments, dtype, blocks):
+    q, k, v, do, seg = attention_case(b, s, h, g, d, dtype, seed=s + d, segments=segments)
+    drop = AttentionDropout.of(jax.random.split(jax.random.key(s), b), 3, 0.3, h)
+    assert_kernel_matches_reference(q, k, v, do, seg, causal, blocks, drop)
+    kept = quick_jit(functools.partial(kernels.attention_reference, causal=causal, segment_ids=seg))(q, k, v)
+    assert rel_err(kept, quick_jit(functools.partial(kernels.attention_reference, causal=causal, segment_ids=seg,
+                                                     probs_dropout=drop))(q, k, v)) > 0.1  # it drops
+
+
+def assert_kernel_matches_reference(q, k, v, do, seg, causal: bool, blocks, drop=None):
     """The flash kernel's output and its gradients against the reference's, within TOL of q's dtype."""
-    kernel = functools.partial(fa.flash_attention, causal=causal, segment_ids=seg, block_sizes=blocks)
-    reference = functools.partial(kernels.attention_reference, causal=causal, segment_ids=seg)
+    kernel = functools.partial(fa.flash_attention, causal=causal, segment_ids=seg, block_sizes=blocks,
+                               probs_dropout=drop)
+    reference = functools.partial(kernels.attention_reference, causal=causal, segment_ids=seg, probs_dropout=drop)
     got = quick_jit(lambda *a: value_and_grads(kernel, *a))(q, k, v, do)
     want = quick_jit(lambda *a: value_and_grads(reference, *a))(q, k, v, do)
     for name, x, y in zip(["out", "dq", "dk", "dv"], got, want):
@@ -250,6 +269,17 @@ def test_model_pallas_sharded_d2_t4_sequence_parallel():
     """8 devices, data 2 x tensor 4 with sequence parallelism, against the single-device xla run."""
     got = run_steps(small_config(**GQA, **PALLAS, **SHARDED), 8, STEPS)
     np.testing.assert_allclose(got, xla_losses("gpt2"), rtol=1e-5)
+
+
+def test_model_pallas_attention_dropout_sharded_trains_as_xla():
+    """Attention dropout inside the flash kernels, run shard by shard (heads over 'tensor', batch over 'data', the
+    dropout's row words split as the heads): the losses of XLA's attention on one device, which drops the same
+    entries."""
+    drop = {"model.dropout": 0.1, "model.attention_dropout": 0.1}
+    got = run_steps(small_config(**GQA, **PALLAS, **SHARDED, **drop), 8, STEPS)
+    want = run_steps(small_config(**GQA, **drop), 1, STEPS)
+    assert abs(want[0] - xla_losses("gpt2")[0]) > 1e-4, "dropout should change the loss"
+    np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
 def test_model_pallas_multi_latent_attention_trains_as_xla():
@@ -437,9 +467,10 @@ def gpu_mesh(target: str):
 
 @pytest.mark.parametrize("target", ["h100", pytest.param("a100", marks=pytest.mark.slow)])  # suite time
 def test_kernels_compile_for_gpus(target):
-    """XLA's GPU compiler (compile-only devices) compiles every BLOCK_TABLE entry's three attention kernels
-    (the bf16 256 entry at multi-latent attention's 192-wide queries and keys, read in two parts, and 128-wide
-    values) and both norms at Llama-sized widths to PTX: tiles that overflow shared memory fail here."""
+    """XLA's GPU compiler (compile-only devices) compiles every BLOCK_TABLE entry's three attention kernels, without
+    and with attention dropout (the bf16 256 entry at multi-latent attention's 192-wide queries and keys, read in
+    two parts, and 128-wide values) and both norms at Llama-sized widths to PTX: tiles that overflow shared memory
+    fail here."""
     mesh = gpu_mesh(target)
     spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
@@ -448,12 +479,14 @@ def test_kernels_compile_for_gpus(target):
 
     table = list(fa.BLOCK_TABLE.items())
 
-    def step(attention_inputs, norm_inputs):
+    def step(attention_inputs, norm_inputs, seeds):
         out = []
         for ((d, nbytes), blocks), (q, k, v, seg) in zip(table, attention_inputs):
-            f = functools.partial(fa.flash_attention, causal=True, segment_ids=seg, block_sizes=blocks)
-            o, vjp = jax.vjp(f, q, k, v)
-            out.append(vjp(o))
+            for drop in (None, AttentionDropout(seeds, jnp.arange(4, dtype=jnp.int32), 0.1)):
+                f = functools.partial(fa.flash_attention, causal=True, segment_ids=seg, block_sizes=blocks,
+                                      probs_dropout=drop)
+                o, vjp = jax.vjp(f, q, k, v)
+                out.append(vjp(o))
         for x in norm_inputs:
             w = jnp.ones(x.shape[-1])
             out.append(jax.grad(lambda x, w: fused_norm.layer_norm_pallas(x, w, w, out_dtype=x.dtype).sum(),
@@ -470,5 +503,5 @@ def test_kernels_compile_for_gpus(target):
         attention_inputs.append((sds((1, 256, 4, d), dtype), sds((1, 256, 2, d), dtype),
                                  sds((1, 256, 2, dv), dtype), sds((1, 256), jnp.int32)))
     norm_inputs = [sds((512, 768), jnp.bfloat16), sds((64, 8192), jnp.float32)]
-    compiled = jax.jit(step).lower(attention_inputs, norm_inputs).compile()
-    assert compiled.as_text().count("__gpu$xla.gpu.triton") >= 3 * len(fa.BLOCK_TABLE) + 8
+    compiled = jax.jit(step).lower(attention_inputs, norm_inputs, sds((1, 2), jnp.uint32)).compile()
+    assert compiled.as_text().count("__gpu$xla.gpu.triton") >= 6 * len(fa.BLOCK_TABLE) + 8

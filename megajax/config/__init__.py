@@ -163,8 +163,6 @@ class Config:
             f"sequence parallelism shards each context rank's {m.seq_length} / {c} tokens over parallel.tensor="
             f"{p.tensor}: make model.seq_length a multiple of {c * p.tensor}",
         )
-        check(m.attention_dropout == 0, "model.attention_dropout is not supported with parallel.context > 1 (the "
-              "ring attention has no dropout): set model.attention_dropout=0 or parallel.context=1")
         check(m.num_experts == 0 or m.moe_capacity_factor is None or not p.folded_experts,
               "a capacity (model.moe_capacity_factor) with folded experts (parallel.expert_tensor=1) drops tokens per "
               "tensor rank's sequence shard, which parallel.context > 1 splits again: set parallel.expert_tensor=null, "

@@ -29,8 +29,8 @@ class ParallelConfig:
     stay data-parallel over both, the experts are sharded over 'expert' and data-parallel over 'data'.
 
     context: the context-parallel size (Megatron's --context-parallel-size). Every sequence is split over the
-    'context' ranks for every layer (rank i holds chunks i and 2c - 1 - i of 2c) and attention passes keys and
-    values around them in a ring (megajax/model/context.py)."""
+    'context' ranks for every layer (rank i holds chunks i and 2c - 1 - i of 2c) and attention reaches the other
+    ranks' keys and values by all-to-alls, a ring or an all-gather (megajax/model/context.py, ring.py)."""
 
     # The keys by concern: each title, and the field it starts at (megajax/config/base.py `concerns`)
     CONCERNS: ClassVar[tuple[tuple[str, str], ...]] = (

@@ -6,8 +6,8 @@ same on every rank. Outside a step (the model's init, generation, a module appli
 backend's, where that code runs. Where the fused kernel cannot run a case, auto takes XLA's instead and `summary`
 says why (the train log's "kernels:" line); an explicit `pallas` raises on that case instead.
 
-- Attention: the flash kernel takes no dropout on the probabilities and head dims up to MAX_HEAD_DIM (multi-latent
-  attention's 192 included); segment masks (packed documents) and grouped-query heads it takes.
+- Attention: the flash kernel takes head dims up to MAX_HEAD_DIM (multi-latent attention's 192 included), segment
+  masks (packed documents), grouped-query heads and dropout on the probabilities (the entries XLA's drops).
 - Norms: rows up to MAX_DIM wide.
 """
 
@@ -19,10 +19,8 @@ from megajax.kernels.flash_attention import MAX_HEAD_DIM
 from megajax.kernels.fused_norm import MAX_DIM
 from megajax.parallel import step_plan
 
-def attention_fallback(head_dim: int, dropout: bool) -> str | None:
+def attention_fallback(head_dim: int) -> str | None:
     """Why auto runs XLA's attention on a GPU for this case, or None where the flash kernel runs it."""
-    if dropout:
-        return "the flash kernel takes no attention dropout (model.attention_dropout > 0)"
     if head_dim > MAX_HEAD_DIM:
         return f"head dim {head_dim} > {MAX_HEAD_DIM}, the flash kernel's largest"
     return None
@@ -57,29 +55,29 @@ def resolve(impl: str, fallback: str | None, platform: str | None) -> str:
     return "xla" if platform == "cpu" or fallback else "pallas"
 
 
-def fused_attention(attention_impl: str, head_dim: int, dropout: bool, platform: str | None) -> bool:
+def fused_attention(attention_impl: str, head_dim: int, platform: str | None) -> bool:
     """Whether the attention core runs a fused kernel (pallas or cudnn, chosen or by auto). Such a core keeps no
     [s, s] scores for the backward, only its output and log-sum-exp: model.recompute=selective, whose point is
     dropping the scores, does not recompute it (model/layers.py)."""
-    return resolve(attention_impl, attention_fallback(head_dim, dropout), platform) != "xla"
+    return resolve(attention_impl, attention_fallback(head_dim), platform) != "xla"
 
 
-def chosen(attention_impl: str, norm_impl: str, *, head_dim: int, width: int, dropout: bool,
+def chosen(attention_impl: str, norm_impl: str, *, head_dim: int, width: int,
            platform: str | None) -> dict[str, tuple[str, str | None]]:
     """{"attention": (implementation, fallback), "norms": (...)}: what the step runs on `platform`, and why auto
     would take XLA's on a GPU (None where the fused kernel runs the case)."""
-    whys = {"attention": attention_fallback(head_dim, dropout), "norms": norm_fallback(width)}
+    whys = {"attention": attention_fallback(head_dim), "norms": norm_fallback(width)}
     impls = {"attention": attention_impl, "norms": norm_impl}
     return {what: (resolve(impls[what], why, platform), why) for what, why in whys.items()}
 
 
-def summary(attention_impl: str, norm_impl: str, *, head_dim: int, width: int, dropout: bool,
+def summary(attention_impl: str, norm_impl: str, *, head_dim: int, width: int,
             platform: str | None) -> str:
     """One line for the train log: the attention and norm implementations the step runs, and why auto took XLA's
     where it did."""
     parts = []
     impls = {"attention": attention_impl, "norms": norm_impl}
-    for what, (got, why) in chosen(attention_impl, norm_impl, head_dim=head_dim, width=width, dropout=dropout,
+    for what, (got, why) in chosen(attention_impl, norm_impl, head_dim=head_dim, width=width,
                                    platform=platform).items():
         note = ""
         if impls[what] == "auto":

@@ -44,6 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from megajax.kernels.dropout import AttentionDropout, column_words, mix, threshold
 from megajax.kernels.launch import dot, match_varying, next_power_of_2, pallas_call, shard_kernel
 from megajax.parallel.step_plan import varying_axes
 
@@ -167,21 +168,34 @@ def _masked_logits(s, q_pos, k_pos, q_seg, k_seg, *, causal: bool, kv_len: int |
     return s if mask is None else jnp.where(mask, s, MASK_VALUE)
 
 
-def _split_refs(refs, has_segments: bool, n_in: int):
-    """(inputs, q segment ids ref, kv segment ids ref, outputs); the segment refs are None without them."""
-    if has_segments:
-        return refs[:n_in], refs[n_in], refs[n_in + 1], refs[n_in + 2:]
-    return refs[:n_in], None, None, refs[n_in:]
+def _split_refs(refs, has_segments: bool, n_in: int, rate: float = 0.0):
+    """(inputs, q segment ids ref, kv segment ids ref, dropout's row words ref, its column words ref, outputs);
+    the segment refs are None without segments, the words' without attention dropout (rate 0)."""
+    refs = list(refs)
+    inputs, refs = refs[:n_in], refs[n_in:]
+    sq, sk = (refs.pop(0), refs.pop(0)) if has_segments else (None, None)
+    rw, cw = (refs.pop(0), refs.pop(0)) if rate else (None, None)
+    return inputs, sq, sk, rw, cw, refs
+
+
+def _dropped(x, rows, columns, rate: float):
+    """A tile x [rows, columns] with attention dropout's dropped entries zeroed, the rest scaled by 1 / (1 - rate)
+    (kernels/dropout.py: the same entries as XLA's reference drops); x itself at rate 0."""
+    if not rate:
+        return x
+    keep = mix(rows[:, None] ^ columns[None, :]) < threshold(rate)
+    return jnp.where(keep, x * (1.0 / (1.0 - rate)), 0.0)
 
 
 def _forward_kernel(*refs, scale: float, causal: bool, kv_len: int, length_mask: bool, block_k: int,
-                    has_segments: bool):
-    (q_ref, k_ref, v_ref), sq_ref, sk_ref, (o_ref, lse_ref) = _split_refs(refs, has_segments, 3)
+                    has_segments: bool, rate: float):
+    (q_ref, k_ref, v_ref), sq_ref, sk_ref, rw_ref, cw_ref, (o_ref, lse_ref) = _split_refs(refs, has_segments, 3, rate)
     block_q = q_ref.shape[0]
     qi = pl.program_id(2)
     q = _load_parts(q_ref, slice(None))
     q_pos = qi * block_q + jnp.arange(block_q)
     q_seg = None if sq_ref is None else sq_ref[...]
+    rows = None if rw_ref is None else rw_ref[...]
 
     def body(j, carry):
         acc, m, l = carry
@@ -194,7 +208,8 @@ def _forward_kernel(*refs, scale: float, causal: bool, kv_len: int, length_mask:
         alpha = jnp.exp2(m - m_new)  # rescales what was accumulated under the old max
         p = jnp.exp2(s - m_new[:, None])
         v = _load_parts(v_ref, ks)
-        acc = tuple(a * alpha[:, None] + dot(p.astype(x.dtype), x, (1, 0)) for a, x in zip(acc, v))
+        kept = _dropped(p, rows, None if cw_ref is None else cw_ref[ks], rate)  # (the sum l is of all of p)
+        acc = tuple(a * alpha[:, None] + dot(kept.astype(x.dtype), x, (1, 0)) for a, x in zip(acc, v))
         return acc, m_new, l * alpha + jnp.sum(p, axis=1)
 
     n_kv = pl.cdiv(kv_len, block_k)  # key blocks made only of padding are never read
@@ -207,9 +222,10 @@ def _forward_kernel(*refs, scale: float, causal: bool, kv_len: int, length_mask:
 
 
 def _dq_kernel(*refs, scale: float, causal: bool, kv_len: int, length_mask: bool, block_k: int,
-               has_segments: bool):
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), sq_ref, sk_ref, (dq_ref,) = _split_refs(
-        refs, has_segments, 6)
+               has_segments: bool, rate: float):
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), sq_ref, sk_ref, rw_ref, cw_ref, (dq_ref,) = _split_refs(
+        refs, has_segments, 6, rate)
+    rows = None if rw_ref is None else rw_ref[...]
     block_q = q_ref.shape[0]
     qi = pl.program_id(2)
     q, do = _load_parts(q_ref, slice(None)), _load_parts(do_ref, slice(None))
@@ -225,7 +241,8 @@ def _dq_kernel(*refs, scale: float, causal: bool, kv_len: int, length_mask: bool
         s = _masked_logits(s, q_pos, j * block_k + jnp.arange(block_k), q_seg, k_seg, causal=causal,
                            kv_len=kv_len if length_mask else None)
         p = jnp.exp2(s - lse[:, None])
-        ds = (p * (_sum_dots(do, _load_parts(v_ref, ks), (1, 1)) - delta[:, None])).astype(k_ref.dtype)  # dL/dlogits
+        dp = _dropped(_sum_dots(do, _load_parts(v_ref, ks), (1, 1)), rows, None if cw_ref is None else cw_ref[ks], rate)
+        ds = (p * (dp - delta[:, None])).astype(k_ref.dtype)  # dL/dlogits
         return tuple(a + dot(ds, kp, (1, 0)) for a, kp in zip(dq, k))
 
     n_kv = pl.cdiv(kv_len, block_k)
@@ -235,11 +252,12 @@ def _dq_kernel(*refs, scale: float, causal: bool, kv_len: int, length_mask: bool
 
 
 def _dkv_kernel(*refs, scale: float, causal: bool, kv_len: int, q_len: int, length_mask: bool, block_q: int,
-                group: int, has_segments: bool):
-    """q: [s, group, k], do: [s, group, k_v] (the query heads of this kv head); lse, delta: [group, s]; k: [block_k,
-    k], v: [block_k, k_v]."""
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), sq_ref, sk_ref, (dk_ref, dv_ref) = _split_refs(
-        refs, has_segments, 6)
+                group: int, has_segments: bool, rate: float):
+    """q: [s, group, k], do: [s, group, k_v] (the query heads of this kv head); lse, delta and dropout's row words:
+    [group, s]; k: [block_k, k], v: [block_k, k_v]; dropout's column words: [block_k]."""
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), sq_ref, sk_ref, rw_ref, cw_ref, (dk_ref, dv_ref) = _split_refs(
+        refs, has_segments, 6, rate)
+    columns = None if cw_ref is None else cw_ref[...]
     block_k = k_ref.shape[0]
     ki = pl.program_id(2)
     k, v = _load_parts(k_ref, slice(None)), _load_parts(v_ref, slice(None))
@@ -255,8 +273,11 @@ def _dkv_kernel(*refs, scale: float, causal: bool, kv_len: int, q_len: int, leng
         s = _masked_logits(s, i * block_q + jnp.arange(block_q), k_pos, q_seg, k_seg, causal=causal,
                            kv_len=kv_len if length_mask else None)
         p = jnp.exp2(s - lse_ref[head, qs][:, None])
-        dv = tuple(a + dot(p.astype(x.dtype), x, (0, 0)) for a, x in zip(dv, do))
-        ds = (p * (_sum_dots(do, v, (1, 1)) - delta_ref[head, qs][:, None])).astype(q_ref.dtype)
+        rows = None if rw_ref is None else rw_ref[head, qs]
+        kept = _dropped(p, rows, columns, rate)
+        dv = tuple(a + dot(kept.astype(x.dtype), x, (0, 0)) for a, x in zip(dv, do))
+        dp = _dropped(_sum_dots(do, v, (1, 1)), rows, columns, rate)
+        ds = (p * (dp - delta_ref[head, qs][:, None])).astype(q_ref.dtype)
         return tuple(a + dot(ds, x, (0, 0)) for a, x in zip(dk, q)), dv
 
     # Query blocks after the last real query only hold padding, whose do is zero: skip them.
@@ -288,6 +309,7 @@ class _Static:
     interpret: bool | None
     q_len: int | None = None  # real (unpadded) query length; None: kv_len (self-attention)
     out_dtype: str | None = None  # of the output (forward) and the gradients (backward); None: the inputs'
+    rate: float = 0.0  # attention dropout's (kernels/dropout.py; its row and column words come as operands)
 
     def params(self, name: str, backward: bool = False) -> dict:
         b = self.blocks
@@ -301,7 +323,7 @@ class _Static:
         # Padded keys need their own mask only without causality (which already hides them from every real
         # query) and only when the last key block is part padding (whole padding blocks are not visited).
         return dict(scale=self.scale, causal=self.causal, kv_len=self.kv_len, has_segments=has_segments,
-                    length_mask=not self.causal and self.kv_len % key_block != 0)
+                    length_mask=not self.causal and self.kv_len % key_block != 0, rate=self.rate)
 
     def dkv_args(self, key_block: int, has_segments: bool) -> dict:
         return dict(self.kernel_args(key_block, has_segments), q_len=self.kv_len if self.q_len is None else self.q_len)
@@ -316,6 +338,12 @@ def _segment_specs(row_seg, full_seg, row_block: int, row_index, full_index) -> 
             [row_seg, full_seg])
 
 
+def _word_specs(st: _Static, rw, cw, row_spec, column_spec) -> tuple[list, list]:
+    """(specs, arrays) passing attention dropout's row words (this program's, as its log-sum-exp) and column words;
+    none without dropout."""
+    return ([row_spec, column_spec], [rw, cw]) if st.rate else ([], [])
+
+
 def _dtype(st: _Static, like):
     return jnp.dtype(st.out_dtype) if st.out_dtype else like.dtype
 
@@ -325,12 +353,14 @@ def _head_spec(rows: int, d: int, index):
     return pl.BlockSpec((None, rows, None, d), index)
 
 
-def _forward(q, k, v, q_seg, k_seg, st: _Static):
+def _forward(q, k, v, q_seg, k_seg, rw, cw, st: _Static):
     b, s_pad, h, _ = q.shape
     group = h // k.shape[2]
     bq, bk = st.blocks.block_q, st.blocks.block_k
     seg_specs, seg_args = _segment_specs(q_seg, k_seg, bq, lambda bi, hi, qi: (bi, qi),
                                          lambda bi, hi, qi: (bi, 0))
+    row_spec = pl.BlockSpec((None, None, bq), lambda bi, hi, qi: (bi, hi, qi))
+    word_specs, word_args = _word_specs(st, rw, cw, row_spec, pl.BlockSpec((k.shape[1],), lambda bi, hi, qi: (0,)))
     kernel = functools.partial(_forward_kernel, block_k=bk, **st.kernel_args(bk, bool(seg_args)))
     row = lambda bi, hi, qi: (bi, qi, hi, 0)  # noqa: E731
     kv = lambda bi, hi, qi: (bi, 0, hi // group, 0)  # noqa: E731
@@ -338,14 +368,14 @@ def _forward(q, k, v, q_seg, k_seg, st: _Static):
     return pallas_call(
         kernel, grid=(b, h, s_pad // bq),
         in_specs=[_head_spec(bq, q.shape[3], row), _head_spec(k.shape[1], k.shape[3], kv),
-                  _head_spec(k.shape[1], v.shape[3], kv), *seg_specs],
-        out_specs=[o_spec, pl.BlockSpec((None, None, bq), lambda bi, hi, qi: (bi, hi, qi))],
+                  _head_spec(k.shape[1], v.shape[3], kv), *seg_specs, *word_specs],
+        out_specs=[o_spec, row_spec],
         out_shape=[jax.ShapeDtypeStruct((*q.shape[:3], v.shape[3]), _dtype(st, q)),
                    jax.ShapeDtypeStruct((b, h, s_pad), jnp.float32)],
-        **st.params("flash_attention_fwd"))(q, k, v, *seg_args)
+        **st.params("flash_attention_fwd"))(q, k, v, *seg_args, *word_args)
 
 
-def _backward_dq(q, k, v, do, lse, delta, q_seg, k_seg, st: _Static):
+def _backward_dq(q, k, v, do, lse, delta, q_seg, k_seg, rw, cw, st: _Static):
     b, s_pad, h, _ = q.shape
     group = h // k.shape[2]
     bq, bk = st.blocks.block_q_dq, st.blocks.block_k_dq
@@ -356,15 +386,16 @@ def _backward_dq(q, k, v, do, lse, delta, q_seg, k_seg, st: _Static):
     kv = lambda bi, hi, qi: (bi, 0, hi // group, 0)  # noqa: E731
     q_spec = _head_spec(bq, q.shape[3], row)
     row_spec = pl.BlockSpec((None, None, bq), lambda bi, hi, qi: (bi, hi, qi))
+    word_specs, word_args = _word_specs(st, rw, cw, row_spec, pl.BlockSpec((k.shape[1],), lambda bi, hi, qi: (0,)))
     return pallas_call(
         kernel, grid=(b, h, s_pad // bq),
         in_specs=[q_spec, _head_spec(k.shape[1], k.shape[3], kv), _head_spec(k.shape[1], v.shape[3], kv),
-                  _head_spec(bq, do.shape[3], row), row_spec, row_spec, *seg_specs],
+                  _head_spec(bq, do.shape[3], row), row_spec, row_spec, *seg_specs, *word_specs],
         out_specs=q_spec, out_shape=jax.ShapeDtypeStruct(q.shape, _dtype(st, q)),
-        **st.params("flash_attention_dq", backward=True))(q, k, v, do, lse, delta, *seg_args)
+        **st.params("flash_attention_dq", backward=True))(q, k, v, do, lse, delta, *seg_args, *word_args)
 
 
-def _backward_dkv(q, k, v, do, lse, delta, q_seg, k_seg, st: _Static):
+def _backward_dkv(q, k, v, do, lse, delta, q_seg, k_seg, rw, cw, st: _Static):
     b, s_pad, g, _ = k.shape
     group = q.shape[2] // g
     q_pad = q.shape[1]
@@ -379,12 +410,13 @@ def _backward_dkv(q, k, v, do, lse, delta, q_seg, k_seg, st: _Static):
     key = lambda bi, gi, ki: (bi, ki, gi, 0)  # noqa: E731
     k_spec, v_spec = _head_spec(bk, k.shape[3], key), _head_spec(bk, v.shape[3], key)
     row_spec = pl.BlockSpec((None, group, q_pad), lambda bi, gi, ki: (bi, gi, 0))
+    word_specs, word_args = _word_specs(st, rw, cw, row_spec, pl.BlockSpec((bk,), lambda bi, gi, ki: (ki,)))
     return pallas_call(
         kernel, grid=(b, g, s_pad // bk),
-        in_specs=[heads(q.shape[3]), k_spec, v_spec, heads(do.shape[3]), row_spec, row_spec, *seg_specs],
+        in_specs=[heads(q.shape[3]), k_spec, v_spec, heads(do.shape[3]), row_spec, row_spec, *seg_specs, *word_specs],
         out_specs=[k_spec, v_spec],
         out_shape=[jax.ShapeDtypeStruct(k.shape, _dtype(st, k)), jax.ShapeDtypeStruct(v.shape, _dtype(st, v))],
-        **st.params("flash_attention_dkv", backward=True))(q, k, v, do, lse, delta, *seg_args)
+        **st.params("flash_attention_dkv", backward=True))(q, k, v, do, lse, delta, *seg_args, *word_args)
 
 
 # Logical axis names of the operands: shard_kernel splits batch and heads over the mesh.
@@ -392,41 +424,56 @@ Q_NAMES = ("batch", None, "heads", None)
 KV_NAMES = ("batch", None, "kv_heads", None)
 ROW_NAMES = ("batch", "heads", None)  # lse and delta, [b, h, s]
 SEGMENT_NAMES = ("batch", None)
+COLUMN_NAMES = (None,)  # attention dropout's column words [t]
 
 
-def _sharded_forward(q, k, v, segment_ids, st: _Static):
-    seg_names = None if segment_ids is None else SEGMENT_NAMES
-    return shard_kernel(lambda q, k, v, seg: _forward(q, k, v, seg, seg, st), (q, k, v, segment_ids),
-                        (Q_NAMES, KV_NAMES, KV_NAMES, seg_names), (Q_NAMES, ROW_NAMES))
+def _names(segments, words) -> tuple:
+    """The logical names of the optional operands: segment ids (twice) and dropout's row and column words."""
+    seg = None if segments is None else SEGMENT_NAMES
+    return (seg, seg, *((None, None) if words is None else (ROW_NAMES, COLUMN_NAMES)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(q, k, v, segment_ids, st: _Static):
-    return _sharded_forward(q, k, v, segment_ids, st)[0]
+def _sharded_forward(q, k, v, q_seg, k_seg, words, st: _Static):
+    """(o, lse in log2): the forward kernel shard by shard."""
+    rw, cw = (None, None) if words is None else words
+    return shard_kernel(lambda q, k, v, qs, ks, rw, cw: _forward(q, k, v, qs, ks, rw, cw, st),
+                        (q, k, v, q_seg, k_seg, rw, cw),
+                        (Q_NAMES, KV_NAMES, KV_NAMES, *_names(q_seg, words)), (Q_NAMES, ROW_NAMES))
 
 
-def _flash_fwd(q, k, v, segment_ids, st: _Static):
-    o, lse = _sharded_forward(q, k, v, segment_ids, st)
-    return o, (q, k, v, segment_ids, o, lse)
+def _sharded_backward(q, k, v, do, lse, delta, q_seg, k_seg, words, st: _Static):
+    """(dq, dk, dv): the dq and dk/dv kernels shard by shard."""
+    rw, cw = (None, None) if words is None else words
+
+    def grads(q, k, v, do, lse, delta, qs, ks, rw, cw):
+        dq = _backward_dq(q, k, v, do, lse, delta, qs, ks, rw, cw, st)
+        return (dq, *_backward_dkv(q, k, v, do, lse, delta, qs, ks, rw, cw, st))
+
+    return shard_kernel(grads, (q, k, v, do, lse, delta, q_seg, k_seg, rw, cw),
+                        (Q_NAMES, KV_NAMES, KV_NAMES, Q_NAMES, ROW_NAMES, ROW_NAMES, *_names(q_seg, words)),
+                        (Q_NAMES, KV_NAMES, KV_NAMES))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q, k, v, segment_ids, words, st: _Static):
+    return _sharded_forward(q, k, v, segment_ids, segment_ids, words, st)[0]
+
+
+def _flash_fwd(q, k, v, segment_ids, words, st: _Static):
+    o, lse = _sharded_forward(q, k, v, segment_ids, segment_ids, words, st)
+    return o, (q, k, v, segment_ids, words, o, lse)
 
 
 def _flash_bwd(st: _Static, res, do):
-    q, k, v, segment_ids, o, lse = res
+    q, k, v, segment_ids, words, o, lse = res
     # delta_i = sum_k o_ik do_ik = sum_j p_ij dp_ij: one memory-bound pass XLA fuses; doing it in the dq
-    # kernel would leave the dk/dv kernel without it.
+    # kernel would leave the dk/dv kernel without it. (With dropout o is the dropped output, and the identity
+    # holds with dp the dropped one.)
     delta = jnp.einsum("bshk,bshk->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
-
-    def grads(q, k, v, do, lse, delta, seg):
-        dq = _backward_dq(q, k, v, do, lse, delta, seg, seg, st)
-        return (dq, *_backward_dkv(q, k, v, do, lse, delta, seg, seg, st))
-
-    seg_names = None if segment_ids is None else SEGMENT_NAMES
-    dq, dk, dv = shard_kernel(grads, (q, k, v, do, lse, delta, segment_ids),
-                              (Q_NAMES, KV_NAMES, KV_NAMES, Q_NAMES, ROW_NAMES, ROW_NAMES, seg_names),
-                              (Q_NAMES, KV_NAMES, KV_NAMES))
+    dq, dk, dv = _sharded_backward(q, k, v, do, lse, delta, segment_ids, segment_ids, words, st)
     # Each cotangent typed as its primal (inside the pipeline's shard_map: varying over 'data').
     return (match_varying(dq, varying_axes(q)), match_varying(dk, varying_axes(k)),
-            match_varying(dv, varying_axes(v)), None)
+            match_varying(dv, varying_axes(v)), None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -442,13 +489,15 @@ def flash_attention(
     scale: float | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool | None = None,
+    probs_dropout: AttentionDropout | None = None,
 ) -> jax.Array:
     """softmax(q k^T * scale + mask) v with flash attention kernels. [b,s,h,k] x [b,s,g,k], [b,s,g,k_v] ->
     [b,s,h,k_v].
 
     segment_ids [b, s] (int): tokens attend only within their segment (packed documents). scale defaults
     to 1/sqrt(k). block_sizes defaults to BLOCK_TABLE's entry for the wider head dim and dtype. interpret=None
-    interprets on CPU and compiles on GPU. Differentiable (custom_vjp with the backward kernels).
+    interprets on CPU and compiles on GPU. probs_dropout: attention dropout, the entries XLA's reference drops
+    (kernels/dropout.py). Differentiable (custom_vjp with the backward kernels).
     """
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]:
         raise ValueError(f"expected q [b, s, h, k], k [b, s, g, k] and v [b, s, g, k_v]: {q.shape=} {k.shape=} "
@@ -477,21 +526,33 @@ def flash_attention(
     q, k, v = (_pad_block(x, s_pad) for x in (q, k, v))
     if segment_ids is not None:
         segment_ids = _pad_block(segment_ids, s_pad).astype(jnp.int32)
-    out = _flash(q, k, v, segment_ids, _Static(bool(causal), scale, s, blocks, interpret))
+    words, rate = None, 0.0
+    if probs_dropout is not None:
+        positions = jnp.arange(s_pad)
+        words, rate = (probs_dropout.row_words(positions), column_words(positions)), probs_dropout.rate
+    out = _flash(q, k, v, segment_ids, words, _Static(bool(causal), scale, s, blocks, interpret, rate=rate))
     return out[:, :s, :, :dv]
 
 
 # ----------------------------------------------------------------------------------------------------
-# One block of a blockwise attention (the context-parallel ring, megajax/model/context.py): not differentiable
+# One block of a blockwise attention (the context-parallel ring, megajax/model/ring.py): not differentiable
 # themselves; the ring's custom_vjp calls the backward. Queries and keys may differ in length when not causal.
 
 
-def _block_static(q, k, v, causal: bool, scale: float, block_sizes: BlockSizes | None, interpret: bool | None):
+def _block_static(q, k, v, causal: bool, scale: float, block_sizes: BlockSizes | None, interpret: bool | None,
+                  drop):
     s, t = q.shape[1], k.shape[1]
     if causal and s != t:
         raise ValueError(f"a causal block is a diagonal one: queries and keys of one length, got {s} and {t}")
     blocks = (block_sizes or default_block_sizes(max(q.shape[3], v.shape[3]), q.dtype)).fit(max(s, t))
-    return _Static(bool(causal), float(scale), t, blocks, interpret, q_len=s, out_dtype="float32")
+    return _Static(bool(causal), float(scale), t, blocks, interpret, q_len=s, out_dtype="float32",
+                   rate=0.0 if drop is None else drop[2])
+
+
+def _block_words(drop, s_pad: int, t_pad: int):
+    """A block's dropout words (rows [b, h, s], columns [t]) padded to its padded queries and keys; None without."""
+    return None if drop is None else (jnp.pad(drop[0], ((0, 0), (0, 0), (0, s_pad - drop[0].shape[2]))),
+                                      jnp.pad(drop[1], (0, t_pad - drop[1].shape[0])))
 
 
 def _pad_block(x, length: int):
@@ -510,37 +571,29 @@ def _block_pads(st: _Static, q, k):
 
 
 def flash_block_forward(q, k, v, q_seg=None, k_seg=None, *, causal: bool, scale: float,
-                        block_sizes: BlockSizes | None = None, interpret: bool | None = None):
+                        block_sizes: BlockSizes | None = None, interpret: bool | None = None, drop=None):
     """(o [b, s, h, k_v] fp32, lse [b, h, s] fp32, natural log) of q [b, s, h, k] over the keys k [b, t, g, k] and
     values v [b, t, g, k_v] alone, with the flash-attention forward kernel; causal only for a diagonal block
-    (s == t)."""
-    st = _block_static(q, k, v, causal, scale, block_sizes, interpret)
+    (s == t). drop: attention dropout's (row words, column words, rate) of the block (kernels/attention.py)."""
+    st = _block_static(q, k, v, causal, scale, block_sizes, interpret, drop)
     s, dv = q.shape[1], v.shape[3]
     s_pad, t_pad = _block_pads(st, q, k)
-    args = (_pad_block(q, s_pad), _pad_block(k, t_pad), _pad_block(v, t_pad), _pad_block(q_seg, s_pad),
-            _pad_block(k_seg, t_pad))
-    seg_names = None if q_seg is None else SEGMENT_NAMES
-    o, lse2 = shard_kernel(lambda q, k, v, qs, ks: _forward(q, k, v, qs, ks, st), args,
-                           (Q_NAMES, KV_NAMES, KV_NAMES, seg_names, seg_names), (Q_NAMES, ROW_NAMES))
+    o, lse2 = _sharded_forward(_pad_block(q, s_pad), _pad_block(k, t_pad), _pad_block(v, t_pad),
+                               _pad_block(q_seg, s_pad), _pad_block(k_seg, t_pad), _block_words(drop, s_pad, t_pad), st)
     return o[:, :s, :, :dv], lse2[:, :, :s] / LOG2E
 
 
 def flash_block_backward(q, k, v, do, lse, delta, q_seg=None, k_seg=None, *, causal: bool, scale: float,
-                         block_sizes: BlockSizes | None = None, interpret: bool | None = None):
+                         block_sizes: BlockSizes | None = None, interpret: bool | None = None, drop=None):
     """(dq, dk, dv) in fp32 of this block's share of an attention whose log-sum-exp per query (natural log) is
     lse [b, h, s] and whose rowsum(o * do) is delta [b, h, s], both of the whole attention: the flash-attention
     dq and dk/dv kernels."""
-    st = _block_static(q, k, v, causal, scale, block_sizes, interpret)
+    st = _block_static(q, k, v, causal, scale, block_sizes, interpret, drop)
     s, t, d, dv = q.shape[1], k.shape[1], q.shape[3], v.shape[3]
     s_pad, t_pad = _block_pads(st, q, k)
     rows = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, s_pad - s)))  # noqa: E731  padded queries: do = 0, no share
-    args = (_pad_block(q, s_pad), _pad_block(k, t_pad), _pad_block(v, t_pad), _pad_block(do.astype(q.dtype), s_pad),
-            rows(lse * LOG2E), rows(delta), _pad_block(q_seg, s_pad), _pad_block(k_seg, t_pad))
-
-    def grads(q, k, v, do, lse, delta, qs, ks):
-        return (_backward_dq(q, k, v, do, lse, delta, qs, ks, st), *_backward_dkv(q, k, v, do, lse, delta, qs, ks, st))
-
-    seg_names = None if q_seg is None else SEGMENT_NAMES
-    dq, dk, dv_ = shard_kernel(grads, args, (Q_NAMES, KV_NAMES, KV_NAMES, Q_NAMES, ROW_NAMES, ROW_NAMES, seg_names,
-                                             seg_names), (Q_NAMES, KV_NAMES, KV_NAMES))
+    dq, dk, dv_ = _sharded_backward(
+        _pad_block(q, s_pad), _pad_block(k, t_pad), _pad_block(v, t_pad), _pad_block(do.astype(q.dtype), s_pad),
+        rows(lse * LOG2E), rows(delta), _pad_block(q_seg, s_pad), _pad_block(k_seg, t_pad),
+        _block_words(drop, s_pad, t_pad), st)
     return dq[:, :s, :, :d], dk[:, :t, :, :d], dv_[:, :t, :, :dv]

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from megajax import kernels
 from megajax.config import ModelConfig
 from megajax.kernels import auto as kernel_choice
+from megajax.kernels.dropout import AttentionDropout
 from megajax.model import collective_matmul, context, fp8, fp8_blockwise
 from megajax.model.recipe import recipe
 from megajax.parallel import step_plan
@@ -435,18 +436,19 @@ class Attention(nn.Module):
 
         probs_dropout = None
         if cfg.attention_dropout > 0 and side.keys is not None:
-            probs_dropout = functools.partial(dropout, rate=cfg.attention_dropout, keys=side.keys, salt=1 + 4 * layer)
+            probs_dropout = AttentionDropout.of(side.keys, 1 + 4 * layer, cfg.attention_dropout, h)
         segments = side.segment_ids  # packed documents attend within their own
 
         scale = softmax_scale(cfg, q.shape[-1])
 
         def core(q, kk, v):
             if context.size() > 1:  # the whole sequence's keys and values, by a ring, an all-gather or all-to-alls
-                return context.attention(q, kk, v, segment_ids=segments, impl=cfg.attention_impl, scale=scale)
+                return context.attention(q, kk, v, segment_ids=segments, impl=cfg.attention_impl, scale=scale,
+                                         probs_dropout=probs_dropout)
             return kernels.attention(q, kk, v, causal=True, segment_ids=segments, impl=cfg.attention_impl,
                                      probs_dropout=probs_dropout, scale=scale)
 
-        fused = kernel_choice.fused_attention(cfg.attention_impl, cfg.head_dim, cfg.attention_dropout > 0,
+        fused = kernel_choice.fused_attention(cfg.attention_impl, cfg.head_dim,
                                               kernel_choice.platform())
         core = recomputed_core(cfg, core, fused)
         if cache is None:

@@ -21,7 +21,7 @@ What the plan holds, and who reads it:
 | pipelined, engine, schedule, virtual_stages, micro_batches, stage_split | the gradient engine: a schedule, or a scan over micro batches; the layers of each pipeline chunk | engines, executor, gpipe, ticks |
 | vocab_over_pipeline | the embedding and output layer split over the pipeline ranks, run in lock step | `param_spec`, pipeline |
 | sequence_parallel | the residual stream sharded over 'tensor' (the activation rules) | `constrain` |
-| context_comm, context_a2a | how attention crosses the context ranks: ring, all_gather, a2a, a2a+ring or a2a+all_gather (and the all-to-all groups) | model/context.py |
+| context_comm, context_a2a | how attention crosses the context ranks: ring, all_gather, a2a, a2a+ring or a2a+all_gather (and the all-to-all groups) | model/context.py, model/ring.py |
 | tp_overlap | sequence parallelism's collectives as rings ("ring"), chunks ("chunks", in a pipeline) or plain (None) | model/collective_matmul.py |
 | moe_folds, moe_ragged, moe_buffer_factor | the experts' exchange (parallel folding, ragged all-to-all) | model/moe/exchange.py |
 | shard_optimizer, zero_stage | ZeRO-1: the optimizer state sharded over the data (and context) ranks of an instance ('replica': hybrid sharding); zero_stage 0-3 | step.build, ticks |

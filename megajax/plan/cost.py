@@ -55,7 +55,8 @@ MEGATRON_SCORES_BYTES = (6, 8)
 # Dropout (model.attention_dropout, on the unfused attention's probabilities; model.dropout, on each block's two
 # residual branches), per element: forward, the input read and the output written in bf16 and a mask byte (5),
 # backward the gradient read and written and the mask read (5); on a residual branch the dropout rides in the
-# bias-and-residual-add fusion, adding its mask byte each way. (The random bits' generation is not counted.)
+# bias-and-residual-add fusion, adding its mask byte each way. (The random bits' generation is not counted, nor
+# the flash kernels' dropout, a hash per probability inside the tile: not measured on a GPU.)
 DROPOUT_BYTES, RESIDUAL_DROPOUT_BYTES = 5, 2
 # The share of ZeRO-2/3's per-micro-batch gathers and reduce-scatters that XLA's scheduled program hides under
 # GEMMs at best (benchmarks/2026-11-26-compile-only-fsdp.md: 89% and 82%, Llama 3 8B on 8 H100s): what stays

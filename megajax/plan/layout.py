@@ -55,7 +55,7 @@ class Layout:
         # the ranks the embedding and output layer are split over (tensor, and the pipeline's with
         # StepPlan.vocab_over_pipeline)
         self.vocab_ranks = self.t * (self.pp if self.plan.vocab_over_pipeline else 1)
-        self.unfused = not kernel_choice.fused_attention(m.attention_impl, m.head_dim, m.attention_dropout > 0, "gpu")
+        self.unfused = not kernel_choice.fused_attention(m.attention_impl, m.head_dim, "gpu")
 
 
 def local_parameters(L: Layout) -> dict:

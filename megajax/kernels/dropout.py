@@ -1,0 +1,82 @@
+"""Attention dropout by position (model.attention_dropout): whether the probability of query position i for key
+position j in head h of sample b is kept is a hash of (the sample's seed for the layer, h, i, j), never of the
+array that holds it. So every piece of the attention draws its own piece of one mask, and draws it the same: XLA's
+reference over the whole [s, s], the flash kernels tile by tile, a context-parallel ring block by block, an
+all-to-all's heads, on any layout; the backward draws it again instead of keeping it.
+
+The hash comes in two words: a row word per (sample, head, query position) [b, h, s] (`row_words`, computed once
+per attention, as wide as its log-sum-exp) and a column word per key position [t] (`column_words`); an entry is
+kept where mix(row ^ column) < (1 - rate) 2^32 (`kept`): one 32-bit mix per probability, which fuses into the
+softmax (XLA) or the tile (Pallas). mix is a 32-bit avalanche finalizer (Wellons' lowbias32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_M1, _M2 = np.uint32(0x7FEB352D), np.uint32(0x846CA68B)
+_GOLDEN, _COLUMN = np.uint32(0x9E3779B9), np.uint32(0x632BE5AB)
+
+
+def mix(x: jax.Array) -> jax.Array:
+    """A uint32 avalanche: every output bit depends on every input bit (jnp, and inside Pallas kernels)."""
+    x = x ^ (x >> 16)
+    x = x * _M1
+    x = x ^ (x >> 15)
+    x = x * _M2
+    return x ^ (x >> 16)
+
+
+def threshold(rate: float) -> np.uint32:
+    """The uint32 below which a hashed entry is kept: (1 - rate) of the range."""
+    return np.uint32(min(round((1.0 - rate) * 2.0**32), 2**32 - 1))
+
+
+def column_words(positions: jax.Array) -> jax.Array:
+    """The column word [t] uint32 of each key position."""
+    return mix(positions.astype(jnp.uint32) * _GOLDEN + _COLUMN)
+
+
+def kept(rows: jax.Array, columns: jax.Array, rate: float) -> jax.Array:
+    """Whether each entry of rows x columns is kept: [..., s] x [t] -> bool [..., s, t]."""
+    return mix(rows[..., None] ^ columns) < threshold(rate)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionDropout:
+    """One layer's attention dropout: each sample's seed words [b, 2] uint32 (`seeds`) and the global index of each
+    head the attention holds [h] int32 (0 .. h - 1 on one device; an all-to-all's ranks hold other heads)."""
+
+    seeds: jax.Array
+    heads: jax.Array
+    rate: float = dataclasses.field(metadata=dict(static=True), default=0.0)
+
+    @staticmethod
+    def of(keys: jax.Array, salt: int, rate: float, heads: int) -> AttentionDropout:
+        """The dropout of the site `salt` from each sample's key [b] (typed PRNG keys) over `heads` heads."""
+        seeds = jax.vmap(lambda key: jax.random.key_data(jax.random.fold_in(key, salt)))(keys)
+        return AttentionDropout(seeds.astype(jnp.uint32), jnp.arange(heads, dtype=jnp.int32), rate)
+
+    def with_heads(self, heads: jax.Array) -> AttentionDropout:
+        return dataclasses.replace(self, heads=heads)
+
+    def row_words(self, positions: jax.Array) -> jax.Array:
+        """The row word [b, h, s] uint32 of each (sample, head, query position)."""
+        s0, s1 = self.seeds[:, 0, None], self.seeds[:, 1, None]
+        head = mix(s0 ^ mix(self.heads.astype(jnp.uint32) + s1))  # [b, h]
+        return mix(head[..., None] + mix(positions.astype(jnp.uint32) ^ _GOLDEN))
+
+
+
+def dropped(probs: jax.Array, rows: jax.Array, columns: jax.Array, rate: float) -> jax.Array:
+    """probs [b, g, r, s, t] (head g r + i at [:, g, i]) with the dropped entries zeroed and the rest scaled by
+    1 / (1 - rate); rows [b, g r, s] (`row_words`), columns [t] (`column_words`). Also the gradient of what was
+    dropped so."""
+    b, g, r, s, _ = probs.shape
+    keep = kept(rows.reshape(b, g, r, s), columns, rate)
+    return jnp.where(keep, probs * (1.0 / (1.0 - rate)), jnp.zeros_like(probs))
