@@ -16,7 +16,7 @@ from conftest import run_steps, shared_across_workers, small_config
 from megajax import kernels
 from megajax.kernels import flash_attention as fa
 from megajax.kernels import fused_norm
-from megajax.kernels.dropout import AttentionDropout
+from megajax.kernels.dropout import AttentionDropout, kept_features, seeds
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 2e-2}
 SMALL = fa.BlockSizes(16, 16, 16, 16, 16, 16)  # many blocks even at s = 64: exercises the causal skipping
@@ -100,6 +100,26 @@ def test_flash_attention_drops_what_the_reference_drops(b, s, h, g, d, causal, s
     kept = quick_jit(functools.partial(kernels.attention_reference, causal=causal, segment_ids=seg))(q, k, v)
     assert rel_err(kept, quick_jit(functools.partial(kernels.attention_reference, causal=causal, segment_ids=seg,
                                                      probs_dropout=drop))(q, k, v)) > 0.1  # it drops
+
+
+def test_dropout_masks_keep_the_rate_and_follow_positions_not_arrays():
+    """The hashed masks keep 1 - rate of the elements with no pattern across neighbours, and a piece of a mask drawn
+    at the piece's positions is the whole mask's piece (what lets a context rank, a kernel tile or a ring block draw
+    its own); samples and sites differ."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    whole = kept_features(seeds(keys, 3), jnp.arange(512), 256, 0.1)
+    assert abs(float(whole.mean()) - 0.9) < 2e-3
+    x = np.asarray(whole, np.float32)
+    assert abs(np.corrcoef(x[:, :, 1:].ravel(), x[:, :, :-1].ravel())[0, 1]) < 0.01
+    assert abs(np.corrcoef(x[:, 1:].ravel(), x[:, :-1].ravel())[0, 1]) < 0.01
+    piece = kept_features(seeds(keys, 3), jnp.arange(96, 160), 256, 0.1)
+    np.testing.assert_array_equal(piece, whole[:, 96:160])
+    assert float(jnp.mean(whole[0] == whole[1])) < 0.85 and float(jnp.mean(
+        whole == kept_features(seeds(keys, 4), jnp.arange(512), 256, 0.1))) < 0.85
+    drop = AttentionDropout.of(keys, 5, 0.25, 8)
+    probs = drop.row_words(jnp.arange(64))
+    block = drop.with_heads(jnp.arange(2, 6, dtype=jnp.int32)).row_words(jnp.arange(16, 48))
+    np.testing.assert_array_equal(block, probs[:, 2:6, 16:48])
 
 
 def assert_kernel_matches_reference(q, k, v, do, seg, causal: bool, blocks, drop=None):

@@ -1,13 +1,16 @@
-"""Attention dropout by position (model.attention_dropout): whether the probability of query position i for key
-position j in head h of sample b is kept is a hash of (the sample's seed for the layer, h, i, j), never of the
-array that holds it. So every piece of the attention draws its own piece of one mask, and draws it the same: XLA's
-reference over the whole [s, s], the flash kernels tile by tile, a context-parallel ring block by block, an
-all-to-all's heads, on any layout; the backward draws it again instead of keeping it.
+"""Dropout by position. Whether an element is kept is a hash of where it lies, never of the array that holds it:
+on the residual branches (model.dropout) of (the sample's seed for the site, the token's position in the sequence,
+the feature: `kept_features`); on the attention probabilities (model.attention_dropout) of (the sample's seed for
+the layer, the head, the query position, the key position: `AttentionDropout`). So every piece of an activation
+draws its own piece of one mask, and draws it the same, on any layout: a context rank its tokens, XLA's attention
+the whole [s, s], the flash kernels tile by tile, a context-parallel ring block by block, an all-to-all's heads;
+a backward draws it again instead of keeping it.
 
-The hash comes in two words: a row word per (sample, head, query position) [b, h, s] (`row_words`, computed once
-per attention, as wide as its log-sum-exp) and a column word per key position [t] (`column_words`); an entry is
-kept where mix(row ^ column) < (1 - rate) 2^32 (`kept`): one 32-bit mix per probability, which fuses into the
-softmax (XLA) or the tile (Pallas). mix is a 32-bit avalanche finalizer (Wellons' lowbias32).
+The hash comes in two words: a row word per (sample, token) [b, s] or (sample, head, query position) [b, h, s]
+(attention's, computed once per attention, as wide as its log-sum-exp) and a column word per feature or key
+position (`column_words`); an element is kept where mix(row ^ column) < (1 - rate) 2^32 (`kept`): one 32-bit mix
+per element, which fuses into the neighbouring fusion (XLA) or the tile (Pallas). mix is a 32-bit avalanche
+finalizer (Wellons' lowbias32).
 """
 
 from __future__ import annotations
@@ -46,6 +49,17 @@ def kept(rows: jax.Array, columns: jax.Array, rate: float) -> jax.Array:
     return mix(rows[..., None] ^ columns) < threshold(rate)
 
 
+def seeds(keys: jax.Array, salt: int | jax.Array) -> jax.Array:
+    """Each sample's seed words [b, 2] uint32 for the site `salt`, from its key [b] (typed PRNG keys)."""
+    return jax.vmap(lambda key: jax.random.key_data(jax.random.fold_in(key, salt)))(keys).astype(jnp.uint32)
+
+
+def kept_features(seeds_b2: jax.Array, positions: jax.Array, width: int, rate: float) -> jax.Array:
+    """Whether each feature of each token is kept, bool [b, s, width]: tokens at `positions` [s] in the sequence."""
+    rows = mix(mix(seeds_b2[:, 0, None] ^ mix(positions.astype(jnp.uint32) ^ _GOLDEN)) + seeds_b2[:, 1, None])
+    return kept(rows, column_words(jnp.arange(width)), rate)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AttentionDropout:
@@ -57,10 +71,9 @@ class AttentionDropout:
     rate: float = dataclasses.field(metadata=dict(static=True), default=0.0)
 
     @staticmethod
-    def of(keys: jax.Array, salt: int, rate: float, heads: int) -> AttentionDropout:
+    def of(keys: jax.Array, salt: int | jax.Array, rate: float, heads: int) -> AttentionDropout:
         """The dropout of the site `salt` from each sample's key [b] (typed PRNG keys) over `heads` heads."""
-        seeds = jax.vmap(lambda key: jax.random.key_data(jax.random.fold_in(key, salt)))(keys)
-        return AttentionDropout(seeds.astype(jnp.uint32), jnp.arange(heads, dtype=jnp.int32), rate)
+        return AttentionDropout(seeds(keys, salt), jnp.arange(heads, dtype=jnp.int32), rate)
 
     def with_heads(self, heads: jax.Array) -> AttentionDropout:
         return dataclasses.replace(self, heads=heads)

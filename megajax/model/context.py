@@ -7,10 +7,10 @@ split would give the last rank c times the attention work of the first; with thi
 work: chunk i's queries see i + 1 key chunks, chunk 2c - 1 - i's see 2c - i, 2c + 1 in all on every rank.
 
 Everything outside attention is per token and runs on the local tokens as it is: embeddings (at the tokens'
-global `positions`), norms, the MLP, the loss (summed over 'context' like over 'data'). Dropout masks are drawn
-for the whole sequence and the local rows taken (`split`), so they follow the original token order; attention
-dropout's are a hash of each probability's head and positions (megajax/kernels/dropout.py), so every exchange drops
-the entries one device drops.
+global `positions`), norms, the MLP, the loss (summed over 'context' like over 'data'). Dropout masks are a hash of
+where each element lies (a token's global position and feature; a probability's head and query and key positions:
+megajax/kernels/dropout.py), so each rank draws its own tokens' alone and every exchange drops the entries one
+device drops.
 
 Ring attention (`ring_attention`, parallel.context_comm=ring) and the all-gather exchange (all_gather) pass or
 gather the keys and values and attend block by block: megajax/model/ring.py.

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from megajax import kernels
 from megajax.config import ModelConfig
 from megajax.kernels import auto as kernel_choice
-from megajax.kernels.dropout import AttentionDropout
+from megajax.kernels.dropout import AttentionDropout, kept_features, seeds
 from megajax.model import collective_matmul, context, fp8, fp8_blockwise
 from megajax.model.recipe import recipe
 from megajax.parallel import step_plan
@@ -193,20 +193,16 @@ def param(module: nn.Module, name: str, shape, names, std: float | None, dtype):
 
 
 def dropout(x: jax.Array, rate: float, keys: jax.Array | None, salt: int | jax.Array) -> jax.Array:
-    """Dropout whose mask depends only on (sample key, salt), never on the mesh or the micro batch split.
+    """Dropout on x [b, s, d] whose mask is a hash of (sample key, salt, token position, feature)
+    (kernels/dropout.py), never of the mesh, the micro batch split or the context split: a context rank draws the
+    mask of its own tokens (at their global `context.positions`).
 
     keys: [b] typed PRNG keys, one per sample (derived from the seed and the global sample index), or None
     for no dropout. salt separates the sites (layer and position in the layer).
     """
     if rate == 0.0 or keys is None:
         return x
-    c = context.size()  # context parallelism: the whole sequence's mask, and this rank's rows of it
-
-    def mask(key):
-        shape = (x.shape[1] * c, *x.shape[2:])
-        return context.split(jax.random.bernoulli(jax.random.fold_in(key, salt), 1.0 - rate, shape), axis=0)
-
-    keep = jax.vmap(mask)(keys)
+    keep = kept_features(seeds(keys, salt), context.positions(x.shape[1]), x.shape[2], rate)
     return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
 
 
