@@ -86,10 +86,10 @@ class AttentionDropout:
 
 
 
-def dropped(probs: jax.Array, rows: jax.Array, columns: jax.Array, rate: float) -> jax.Array:
-    """probs [b, g, r, s, t] (head g r + i at [:, g, i]) with the dropped entries zeroed and the rest scaled by
-    1 / (1 - rate); rows [b, g r, s] (`row_words`), columns [t] (`column_words`). Also the gradient of what was
-    dropped so."""
-    b, g, r, s, _ = probs.shape
-    keep = kept(rows.reshape(b, g, r, s), columns, rate)
-    return jnp.where(keep, probs * (1.0 / (1.0 - rate)), jnp.zeros_like(probs))
+def dropped(x: jax.Array, rows: jax.Array, columns: jax.Array, rate: float) -> jax.Array:
+    """x [..., s, t] with the dropped entries zeroed and the rest scaled by 1 / (1 - rate): rows (`row_words`)
+    holding x's leading elements, as [b, g r, s] for probabilities [b, g, r, s, t] (head g r + i at [:, g, i]) or a
+    kernel tile's [s]; columns [t] (`column_words`). Also the gradient of what was dropped so (jnp, and inside
+    Pallas kernels)."""
+    keep = kept(rows.reshape(x.shape[:-1]), columns, rate)
+    return jnp.where(keep, x * (1.0 / (1.0 - rate)), 0.0)

@@ -44,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from megajax.kernels.dropout import AttentionDropout, column_words, mix, threshold
+from megajax.kernels.dropout import AttentionDropout, column_words, dropped
 from megajax.kernels.launch import dot, match_varying, next_power_of_2, pallas_call, shard_kernel
 from megajax.parallel.step_plan import varying_axes
 
@@ -181,10 +181,7 @@ def _split_refs(refs, has_segments: bool, n_in: int, rate: float = 0.0):
 def _dropped(x, rows, columns, rate: float):
     """A tile x [rows, columns] with attention dropout's dropped entries zeroed, the rest scaled by 1 / (1 - rate)
     (kernels/dropout.py: the same entries as XLA's reference drops); x itself at rate 0."""
-    if not rate:
-        return x
-    keep = mix(rows[:, None] ^ columns[None, :]) < threshold(rate)
-    return jnp.where(keep, x * (1.0 / (1.0 - rate)), 0.0)
+    return dropped(x, rows, columns, rate) if rate else x
 
 
 def _forward_kernel(*refs, scale: float, causal: bool, kv_len: int, length_mask: bool, block_k: int,
