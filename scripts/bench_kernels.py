@@ -5,8 +5,9 @@
 
 On a GPU, for attention at GPT-2 and Llama shapes it times forward + backward of impl="xla" (the jnp
 reference), impl="pallas" (megajax's flash kernels), impl="cudnn", and jax.experimental.pallas.ops.gpu's
-Triton flash attention (`mha`, no grouped-query support: kv heads are repeated for it), and prints TFLOP/s
-and the fraction of the device's dense peak. For LayerNorm and RMSNorm it prints GB/s against the HBM
+Triton flash attention (`mha`, no grouped-query support: kv heads are repeated for it), and xla and pallas with
+attention dropout 0.1 (the hashed mask's cost beside the same kernel without it), and prints TFLOP/s and the
+fraction of the device's dense peak. For LayerNorm and RMSNorm it prints GB/s against the HBM
 bandwidth (norms are memory-bound). Attention FLOPs are the flash-attention convention: 4 b h s^2 k
 forward (halved when causal), backward 2.5x the forward.
 
@@ -35,6 +36,7 @@ import numpy as np  # noqa: E402
 from megajax import kernels  # noqa: E402
 from megajax.kernels import flash_attention as fa  # noqa: E402
 from megajax.kernels import fused_norm  # noqa: E402
+from megajax.kernels.dropout import AttentionDropout  # noqa: E402
 from megajax.metrics import PEAK_FLOPS  # noqa: E402
 
 HBM_BYTES_PER_S = {"A100": 2.04e12, "H100": 3.35e12, "H200": 4.8e12}  # SXM datasheets
@@ -85,6 +87,17 @@ def jax_ops_mha(q, k, v, *, causal: bool):
     return jax_attention.mha(q, k, v, None, sm_scale=1.0 / np.sqrt(q.shape[-1]), causal=causal)
 
 
+def with_dropout(impl: str, rate: float = 0.1) -> Callable:
+    """megajax's attention by `impl` with attention dropout at `rate` (the hashed mask of kernels/dropout.py): its
+    cost beside the same impl without, in one run."""
+    def attend(q, k, v):
+        keys = jax.random.split(jax.random.key(1), q.shape[0])
+        drop = AttentionDropout.of(keys, 1, rate, q.shape[2])
+        return kernels.attention(q, k, v, causal=True, impl=impl, probs_dropout=drop)
+
+    return attend
+
+
 def attention_impls() -> dict[str, Callable]:
     causal = True
     return {
@@ -92,6 +105,8 @@ def attention_impls() -> dict[str, Callable]:
         "pallas": functools.partial(kernels.attention, causal=causal, impl="pallas"),
         "cudnn": functools.partial(kernels.attention, causal=causal, impl="cudnn"),
         "jax-pallas-ops": functools.partial(jax_ops_mha, causal=causal),
+        "xla dropout 0.1": with_dropout("xla"),
+        "pallas dropout 0.1": with_dropout("pallas"),
     }
 
 
