@@ -53,6 +53,7 @@ def test_defaults_and_overrides_are_typed():
     (["model.make_vocab_size_divisible_by=2", "model.vocab_size=257", "parallel.tensor=4"],
      "padded vocabulary 258 is not divisible by parallel.tensor=4"),
     (["model.hidden_size=130"], "not divisible by model.num_heads"),
+    (["model.attention_impl=cudnn", "model.attention_dropout=0.1"], "use model.attention_impl=auto, pallas or xla"),
     (["data.split=90,abc"], "data.split"),
     (["model.multi_latent_attention=true"], "set model.arch=llama"),
     (["model.multi_latent_attention=true", "model.arch=llama", "model.num_kv_heads=2"], "unset model.num_kv_heads"),

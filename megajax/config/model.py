@@ -140,6 +140,10 @@ class ModelConfig:
         )
         for name in ("dropout", "attention_dropout"):
             check(0.0 <= getattr(self, name) < 1.0, f"model.{name} must be in [0, 1), got {getattr(self, name)}")
+        check(self.attention_impl != "cudnn" or self.attention_dropout == 0,
+              "model.attention_dropout needs megajax's own dropout mask (the same entries on every layout), which "
+              "model.attention_impl=cudnn does not take: use model.attention_impl=auto, pallas or xla, or set "
+              "model.attention_dropout=0")
         check(self.make_vocab_size_divisible_by > 0, "model.make_vocab_size_divisible_by must be positive")
         if self.num_experts:
             check(self.num_experts > 0, f"model.num_experts must be >= 0 (0: dense), got {self.num_experts}")
