@@ -40,13 +40,22 @@ def threshold(rate: float) -> np.uint32:
 
 
 def column_words(positions: jax.Array) -> jax.Array:
-    """The column word [t] uint32 of each key position."""
+    """The column word [t] uint32 of each key position (attention) or feature (the residual branches)."""
     return mix(positions.astype(jnp.uint32) * _GOLDEN + _COLUMN)
 
 
 def kept(rows: jax.Array, columns: jax.Array, rate: float) -> jax.Array:
     """Whether each entry of rows x columns is kept: [..., s] x [t] -> bool [..., s, t]."""
     return mix(rows[..., None] ^ columns) < threshold(rate)
+
+
+def dropped(x: jax.Array, rows: jax.Array, columns: jax.Array, rate: float) -> jax.Array:
+    """x [..., s, t] with the dropped entries zeroed and the rest scaled by 1 / (1 - rate): rows (`row_words`)
+    holding x's leading elements, as [b, g r, s] for probabilities [b, g, r, s, t] (head g r + i at [:, g, i]) or a
+    kernel tile's [s]; columns [t] (`column_words`). Also the gradient of what was dropped so (jnp, and inside
+    Pallas kernels)."""
+    keep = kept(rows.reshape(x.shape[:-1]), columns, rate)
+    return jnp.where(keep, x * (1.0 / (1.0 - rate)), 0.0)
 
 
 def seeds(keys: jax.Array, salt: int | jax.Array) -> jax.Array:
@@ -83,13 +92,3 @@ class AttentionDropout:
         s0, s1 = self.seeds[:, 0, None], self.seeds[:, 1, None]
         head = mix(s0 ^ mix(self.heads.astype(jnp.uint32) + s1))  # [b, h]
         return mix(head[..., None] + mix(positions.astype(jnp.uint32) ^ _GOLDEN))
-
-
-
-def dropped(x: jax.Array, rows: jax.Array, columns: jax.Array, rate: float) -> jax.Array:
-    """x [..., s, t] with the dropped entries zeroed and the rest scaled by 1 / (1 - rate): rows (`row_words`)
-    holding x's leading elements, as [b, g r, s] for probabilities [b, g, r, s, t] (head g r + i at [:, g, i]) or a
-    kernel tile's [s]; columns [t] (`column_words`). Also the gradient of what was dropped so (jnp, and inside
-    Pallas kernels)."""
-    keep = kept(rows.reshape(x.shape[:-1]), columns, rate)
-    return jnp.where(keep, x * (1.0 / (1.0 - rate)), 0.0)
