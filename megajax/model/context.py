@@ -137,13 +137,18 @@ def _a2a_joined(q, k, v, c: int, t: int):
     return q.reshape(b, c * s, m // c, d), k, v
 
 
-def _group_heads(heads: jax.Array, n: int, t: int) -> jax.Array:
-    """The global indices of the heads `_heads_split` gives this rank, from those of x's heads [m]."""
+def _group_dropout(drop: AttentionDropout | None, n: int, t: int, i: int = 0,
+                   parts: int = 1) -> AttentionDropout | None:
+    """Attention dropout over the heads this rank attends to: head part i of `parts` (`part`), then its group of
+    `_heads_split`'s (the global head indices follow the queries'); None without dropout."""
+    if drop is None:
+        return None
     mine = jax.lax.axis_index(AXIS) % n
-    return jax.lax.dynamic_index_in_dim(heads.reshape(t, n, -1), mine, 1, keepdims=False).reshape(-1)
+    heads = part(drop.heads, i, parts, axis=0).reshape(t, n, -1)
+    return drop.with_heads(jax.lax.dynamic_index_in_dim(heads, mine, 1, keepdims=False).reshape(-1))
 
 
-def _a2a_by_parts(q, k, v, attend, c: int, t: int, heads: jax.Array):
+def _a2a_by_parts(q, k, v, attend, c: int, t: int, drop: AttentionDropout | None):
     """The all-to-all exchange head part by head part (`head_parts` of the key-value heads each rank receives, when
     more than one): part i + 1's all-to-all (q, k, v as one, `_a2a_joined`) runs under part i's attention beside
     part i - 1's output all-to-all, so only the first part's waits (compile-only H100s, Llama 3.2 1B at 32k on
@@ -157,7 +162,7 @@ def _a2a_by_parts(q, k, v, attend, c: int, t: int, heads: jax.Array):
         here, nxt = arriving, None
         if i + 1 < n:
             nxt = send(i + 1)
-        o = attend(*here, _group_heads(part(heads, i, n, axis=0), c, t))
+        o = attend(*here, _group_dropout(drop, c, t, i, n))
         arriving, o, done = jax.lax.optimization_barrier((nxt, o, pending))
         if i:
             out.append(done)
@@ -194,22 +199,19 @@ def a2a_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.
         return None if segment_ids is None else _token_order(jax.lax.all_gather(
             segment_ids.astype(jnp.int32), AXIS, axis=1, tiled=True, axis_index_groups=_a2a_groups(n, c)), n)
 
-    def attend(q, k, v, segment_ids, heads):  # (heads: the global index of each of q's, for attention dropout)
-        drop = None if probs_dropout is None else probs_dropout.with_heads(heads)
+    def attend(q, k, v, segment_ids, drop):
         return kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl, scale=scale,
                                  probs_dropout=drop)
 
-    heads = jnp.arange(q.shape[2], dtype=jnp.int32) if probs_dropout is None else probs_dropout.heads
     if n == c and head_parts(k.shape[2], t * c) > 1:
         segment_ids = gathered(segment_ids)
-        return _a2a_by_parts(q, k, v, lambda q, k, v, heads: attend(q, k, v, segment_ids, heads), c, t, heads)
+        return _a2a_by_parts(q, k, v, lambda q, k, v, drop: attend(q, k, v, segment_ids, drop), c, t, probs_dropout)
     q, k, v = (_token_order(_heads_split(x, n, c, t), n) for x in (q, k, v))
-    segment_ids, heads = gathered(segment_ids), _group_heads(heads, n, t)
+    segment_ids, drop = gathered(segment_ids), _group_dropout(probs_dropout, n, t)
     if n == c:
-        o = attend(q, k, v, segment_ids, heads)
+        o = attend(q, k, v, segment_ids, drop)
     else:  # the group's tokens are chunks j and 2 (c / n) - 1 - j of the sequence: ring j of c / n
         across = plan.context_comm.removeprefix("a2a+")
-        drop = None if probs_dropout is None else probs_dropout.with_heads(heads)
         o = ring_over(q, k, v, segment_ids, impl, scale, Ring("", 0.0, c // n, across, stride=n), drop)
     return _sequence_split(_ranks_order(o, n), n, c, t)
 
