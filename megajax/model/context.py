@@ -42,8 +42,8 @@ import jax.numpy as jnp
 
 from megajax import kernels
 from megajax.kernels.dropout import AttentionDropout
-from megajax.model.ring import (AXIS, Ring, apart, head_parts, joined, part, ring_attention, ring_over,
-                                side_by_side)
+from megajax.model.ring import (AXIS, Ring, apart, chunk_positions, head_parts, joined, part, ring_attention,
+                                ring_over, side_by_side)
 from megajax.parallel import step_plan
 from megajax.parallel.step_plan import constrain
 
@@ -61,8 +61,7 @@ def positions(s_local: int) -> jax.Array:
     c = size()
     if c == 1:
         return jnp.arange(s_local)
-    h, i = s_local // 2, jax.lax.axis_index(AXIS)
-    return jnp.concatenate([i * h + jnp.arange(h), (2 * c - 1 - i) * h + jnp.arange(h)])
+    return chunk_positions(jax.lax.axis_index(AXIS), c, s_local // 2)
 
 
 def split(x: jax.Array, axis: int = 1) -> jax.Array:

@@ -102,9 +102,10 @@ def _source(st: Ring, step: int):
     return (_rank(st) - step) % st.c
 
 
-def _chunk_positions(st: Ring, j, h: int) -> jax.Array:
-    """The global positions [2h] of ring rank j's tokens: its chunks j and 2c - 1 - j of h tokens."""
-    return jnp.concatenate([j * h + jnp.arange(h), (2 * st.c - 1 - j) * h + jnp.arange(h)])
+def chunk_positions(j, c: int, h: int) -> jax.Array:
+    """The global positions [2h] of the tokens of rank j of c (context ranks, or a ring's): its chunks j and
+    2c - 1 - j of h tokens."""
+    return jnp.concatenate([j * h + jnp.arange(h), (2 * c - 1 - j) * h + jnp.arange(h)])
 
 
 def _words(st: Ring, q, drop: AttentionDropout | None):
@@ -113,7 +114,7 @@ def _words(st: Ring, q, drop: AttentionDropout | None):
     if drop is None:
         return None, lambda j: None
     h = q.shape[1] // 2
-    return drop.row_words(_chunk_positions(st, _rank(st), h)), lambda j: column_words(_chunk_positions(st, j, h))
+    return drop.row_words(chunk_positions(_rank(st), st.c, h)), lambda j: column_words(chunk_positions(j, st.c, h))
 
 
 def _rings(st: Ring) -> list[list[int]] | None:
