@@ -356,6 +356,9 @@ SLOW_LAYOUTS = {
     "gpt2-p2c2t2-1f1b": ("gpt2", 8, {"parallel.pipeline": 2, "parallel.context": 2, "parallel.tensor": 2,
                                      "train.micro_batch_size": 2}),
     "llama-c4-dropout": ("llama", 4, {"parallel.context": 4, "model.dropout": 0.1, "model.attention_dropout": 0.1}),
+    # both dropouts on a pipeline: the keys travel with the micro batches through the schedule's ticks
+    "gpt2-p2c2-1f1b-dropout": ("gpt2", 4, {"parallel.pipeline": 2, "parallel.context": 2, "model.dropout": 0.1,
+                                           "model.attention_dropout": 0.1, "train.micro_batch_size": 2}),
     "gpt2-c8": ("gpt2", 8, {"parallel.context": 8, "model.seq_length": 64}),
     "llama-c4-all_gather": ("llama", 4, {"parallel.context": 4, "parallel.context_comm": "all_gather"}),
     "llama-c2-pallas": ("llama", 2, {"parallel.context": 2, "model.attention_impl": "pallas"}),
