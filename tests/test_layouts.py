@@ -10,12 +10,13 @@ dropless experts, top 2) with every expert-parallel size dividing data, and with
 collective matmuls of parallel.tp_comm_overlap (rings; chunks on a pipeline) on and off,
 and with data > 1 the gradient reduction overlapped with the backward (parallel.overlap_grad_reduce: without a
 pipeline, or inside the schedule with 1f1b and interleaved) on and off, and with the distributed optimizer the
-weights gathered under the forward too (parallel.overlap_param_gather). `test_the_space_is_accepted` checks the
-whole space against the config (cheap); `test_layout_matches_one_device` trains each layout for two steps
-and compares the losses and gradient norms with one device (fp32, relative 1e-4). The default run covers
-every (d, p, t) triple once but a few whose every feature another default case has (SLOW_TRIPLES), with the
-features rotated so that each appears on and off (data = 1 with tensor > 1 with and without sequence parallelism,
-and with a pipeline, among them); `-m slow` runs the rest.
+weights gathered under the forward too (parallel.overlap_param_gather), and dropout on the residual branches and
+the attention probabilities (a hash of each element's position: the same entries dropped on every layout) or none.
+`test_the_space_is_accepted` checks the whole space against the config (cheap); `test_layout_matches_one_device`
+trains each layout for two steps and compares the losses and gradient norms with one device (fp32, relative 1e-4).
+The default run covers every (d, p, t) triple once but a few whose every feature another default case has
+(SLOW_TRIPLES), with the features rotated so that each appears on and off (data = 1 with tensor > 1 with and
+without sequence parallelism, and with a pipeline, among them); `-m slow` runs the rest.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ MOE = {"model.num_experts": 8, "model.experts_per_token": 2, "model.moe_ffn_hidd
 MOE_MICRO_BATCH = 3
 # DeepSeek's MoE model has a dense first layer before the 24 the pipeline splits
 MOE_EXTRA = {"deepseek": {"model.num_layers": 25, "model.moe_first_dense_layers": 1}}
+DROPOUT = {"model.dropout": 0.1, "model.attention_dropout": 0.1}
 
 
 def triples() -> list[tuple[int, int, int]]:
@@ -145,7 +147,7 @@ def instances(d: int, ep: int, zero: int) -> tuple[int, ...]:
 
 
 def case(arch, d, p, t, sp, zero, schedule, v, ep=0, ring=False, overlap=0, fold=0, ragged=False, split=None,
-         vocab=True, replicas=1) -> dict:
+         vocab=True, replicas=1, dropout=False) -> dict:
     # p micro batches through a pipeline (the fewest every schedule takes); without one, 2 or 3 per data
     # rank, so gradient accumulation runs on every layout too. MoE: micro batches of MOE_MICRO_BATCH where the
     # layout's data and pipeline allow it (one reference for them: the balancing loss is per micro batch)
@@ -153,7 +155,8 @@ def case(arch, d, p, t, sp, zero, schedule, v, ep=0, ring=False, overlap=0, fold
     if ep and (BATCH // d) % MOE_MICRO_BATCH == 0 and BATCH // d // MOE_MICRO_BATCH >= p:
         mb = MOE_MICRO_BATCH
     return {"arch": arch, "moe": ep > 0, "n": d * p * t, "sets": {
-        **ARCHS[arch], **(MOE if ep else {}), **(MOE_EXTRA.get(arch, {}) if ep else {}), **FOLD.get(fold, {}),
+        **ARCHS[arch], **(DROPOUT if dropout else {}), **(MOE if ep else {}), **(MOE_EXTRA.get(arch, {}) if ep else {}),
+        **FOLD.get(fold, {}),
         **({"parallel.expert_all_to_all": "ragged"} if ragged else {}), **(split or {}),
         "train.global_batch_size": BATCH, "train.micro_batch_size": mb,
         "parallel.data": d, "parallel.pipeline": p, "parallel.tensor": t, "parallel.expert": max(ep, 1),
@@ -185,11 +188,11 @@ def space() -> list[dict]:
                 continue
             for ring, overlap, fold in itertools.product((False, True) if sp else (False,),
                                                          overlaps(d, p, schedule, zero), folds(ep, t, sp)):
-                for ragged, split, vocab, r in itertools.product(
+                for ragged, split, vocab, r, dropout in itertools.product(
                         exchanges(ep, fold, ring), splits(arch, p, v, ep), (True, False) if p > 1 else (True,),
-                        instances(d, ep, zero)):
+                        instances(d, ep, zero), (False, True)):
                     out.append(case(arch, d, p, t, sp, zero, schedule, v, ep, ring, overlap, fold, ragged, split,
-                                    vocab, r))
+                                    vocab, r, dropout))
     return out
 
 
@@ -240,6 +243,11 @@ DEFAULT_WHOLE_VOCAB = {(2, 2, 2), (1, 2, 2), (2, 3, 1), (2, 4, 1)}
 # instance, ZeRO-3 with tensor parallelism, and ZeRO-1 gathering under the forward on an interleaved pipeline with
 # experts over the two data ranks of an instance.
 DEFAULT_INSTANCES = {(6, 1, 1): 2, (4, 1, 2): 2, (4, 2, 1): 2}
+# Dropout (DROPOUT) on every schedule (a mask follows its layer's global index and its token's position, not the
+# slot, rank or micro batch that holds them): on uneven stages, with the tables over the pipeline and whole, with
+# DeepSeek's latent attention and the collective matmuls' rings (GPipe), and MoE folded over 'tensor' with ZeRO-3 and
+# over the expert ranks of an interleaved pipeline. (Suite time: the rest, e.g. DeepSeek's on 1F1B, +17 s, -m slow.)
+DEFAULT_DROPOUT = {(1, 4, 1), (2, 1, 2), (4, 2, 1), (1, 2, 4), (2, 4, 1)}
 # Suite time (the default run within its budget, docs/development.md): tensor 6 and 6 stages alone (the other sizes'
 # code paths), and MoE without expert parallelism, folded over 'tensor' on a 1F1B pipeline (48 s; test_moe's folded
 # experts route per sequence shard by default, and the default run here trains folded experts without a pipeline).
@@ -268,7 +276,8 @@ def default_cases() -> list[dict]:
                         overlap=0 if i % 3 == 2 or len(levels) == 1 else levels[1 + (i // 7) % (len(levels) - 1)],
                         fold=folds(ep, t, sp)[:2][-1], ragged=(d, p, t) in DEFAULT_RAGGED, split=split,
                         vocab=(d, p, t) not in DEFAULT_WHOLE_VOCAB,
-                        replicas=DEFAULT_INSTANCES.get((d, p, t), 1) if zero else 1))
+                        replicas=DEFAULT_INSTANCES.get((d, p, t), 1) if zero else 1,
+                        dropout=(d, p, t) in DEFAULT_DROPOUT))
     return [c for c in out if triple(c) not in SLOW_TRIPLES]
 
 
@@ -298,6 +307,7 @@ def name(c: dict) -> str:
             + ("-whole" if s.get("parallel.vocab_over_pipeline") is False else "")
             + (f"-hsdp{s['parallel.num_distributed_optimizer_instances']}"
                if s.get("parallel.num_distributed_optimizer_instances", 1) > 1 else "")
+            + ("-dropout" if s.get("model.dropout") else "")
             + (f"-{s['parallel.schedule']}v{s['parallel.virtual_stages']}" if p > 1 else ""))
 
 
@@ -365,6 +375,13 @@ def test_the_space_is_accepted():
     assert any(c["sets"]["parallel.pipeline"] > 1 and c["moe"] for c in hybrid), "... on a pipeline, with experts"
     assert any(c["sets"]["parallel.overlap_grad_reduce"] for c in hybrid), "... reduced in the backward"
     assert {c["arch"] for c in DEFAULT} == set(ARCHS)
+    dropped = [c for c in DEFAULT if c["sets"].get("model.dropout")]
+    assert {c["sets"]["parallel.schedule"] for c in dropped if c["sets"]["parallel.pipeline"] > 1} == {
+        "gpipe", "1f1b", "interleaved", "zero_bubble"}, "dropout on every schedule"
+    assert {c["arch"] for c in dropped} == set(ARCHS) and {c["moe"] for c in dropped} == {False, True}
+    assert any(not small_config(**c["sets"]).stage_split.even for c in dropped), "dropout on uneven stages"
+    assert {c["sets"]["parallel.vocab_over_pipeline"] for c in dropped} == {None, False, True}
+    assert any(c["sets"]["parallel.tp_comm_overlap"] for c in dropped), "dropout with the collective matmuls"
     moe = [c["sets"] for c in DEFAULT if c["moe"]]
     ep = lambda s: s["parallel.expert"]  # noqa: E731
     assert all(ep(s) > 1 for s in moe) and any(c["moe"] and c["sets"]["parallel.expert"] == 1 for c in SPACE), \
@@ -391,13 +408,26 @@ def test_the_space_is_accepted():
                                                                                 for s in ragged), "ragged exchange"
 
 
+def test_the_docs_give_the_space_s_size():
+    """The docs state how many layouts the matrix holds and trains by default."""
+    import pathlib
+
+    text_path = pathlib.Path(__file__).parents[1] / "docs" / "features" / "parallelism.md"
+    text = text_path.read_text()
+    moe = sum(c["moe"] for c in SPACE)
+    assert f"That makes {len(SPACE):,} layouts of one 24-layer model ({moe:,} of them MoE)" in text
+    assert f"trains {len(DEFAULT)} layouts, one per triple and one that once hung" in text
+    assert f"holds {moe:,} MoE layouts" in (pathlib.Path(text_path).parent / "moe.md").read_text()
+
+
 @shared_across_workers
-def reference(arch: str, moe_micro_batch: int | None, layers: int | None = None
+def reference(arch: str, moe_micro_batch: int | None, layers: int | None = None, dropout: bool = False
               ) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """One device's losses and gradient norms: dense, or MoE with the layout's micro batch size (the balancing
     loss is a function of each micro batch, so one device splits the batch as the layout does); the model's
-    layers cut to `layers` where given."""
-    sets = {**ARCHS[arch], "train.global_batch_size": BATCH, **({"model.num_layers": layers} if layers else {})}
+    layers cut to `layers` where given; with DROPOUT or without."""
+    sets = {**ARCHS[arch], "train.global_batch_size": BATCH, **({"model.num_layers": layers} if layers else {}),
+            **(DROPOUT if dropout else {})}
     if moe_micro_batch:
         sets.update(MOE, **MOE_EXTRA.get(arch, {}), **{"train.micro_batch_size": moe_micro_batch})
     norms = []
@@ -421,7 +451,8 @@ def _marks(c: dict) -> list:
 def test_layout_matches_one_device(c):
     norms = []
     got = run_steps(small_config(**c["sets"]), c["n"], STEPS, grad_norms=norms)
-    ref_losses, ref_norms = reference(c["arch"], c["sets"]["train.micro_batch_size"] if c["moe"] else None)
+    ref_losses, ref_norms = reference(c["arch"], c["sets"]["train.micro_batch_size"] if c["moe"] else None,
+                                      None, "model.dropout" in c["sets"])
     np.testing.assert_allclose(got, ref_losses, rtol=1e-4)
     np.testing.assert_allclose(norms, ref_norms, rtol=1e-4)
 
@@ -501,12 +532,13 @@ def test_unrolled_layers_match_one_device(what):
 # every combination of schedule (or none), tensor parallelism (without and with sequence parallelism), what the data
 # ranks shard (ZeRO-0 to 3), the overlapped reduction and gather, and a dense or mixture-of-experts model, as the
 # config accepts them; and of the layouts that add conditionals or collectives of their own: sequence parallelism's
-# collective matmuls (collectives over a manual 'tensor'), context parallelism's ring and all-gather (a conditional
-# on the context rank), uneven pipeline stages (a conditional on each layer slot), folded experts and the ragged
-# exchange. Traced only, never compiled or run: a tiny model (one layer per pipeline chunk), 8 devices. A trace
-# takes 1-4 s (a pipeline's per-rank branches are most of it): the default run traces, for each schedule, every
-# (ZeRO, overlap) and every (tensor, sequence parallelism, MoE) it accepts, rotated against each other
-# (`guard_default`, 41 of the 163); -m slow traces the rest of the product.
+# collective matmuls (collectives over a manual 'tensor'), context parallelism's ring, all-gather and all-to-all (a
+# conditional on the context rank; with dropout too), uneven pipeline stages (a conditional on each layer slot),
+# folded experts and the ragged exchange, the tables split over the pipeline or whole, multi-token prediction and
+# hybrid sharding. Traced only, never compiled or run: a tiny model (one layer per pipeline chunk), 8 devices. A
+# trace takes 1-4 s (a pipeline's per-rank branches are most of it): the default run traces, for each schedule, every
+# (ZeRO, overlap) and every (tensor, sequence parallelism, MoE) it accepts, rotated against each other, and the
+# layouts above (`guard_default`, 52 of the 196); -m slow traces the rest of the product.
 GUARD_SIZE = {"model.num_layers": 4, "model.hidden_size": 32, "model.num_heads": 4, "model.seq_length": 16,
               "model.ffn_hidden_size": 64, "train.global_batch_size": 8, "train.micro_batch_size": 2}
 GUARD_MOE = {"model.num_experts": 4, "model.experts_per_token": 2, "model.moe_ffn_hidden_size": 16,
@@ -541,6 +573,10 @@ def guard_space() -> dict[str, dict]:
         "context-all-gather-pipeline": guard_case("1f1b", 1, False, 1, 1, False, **{"parallel.context": 2}),
         "context-a2a-pipeline": guard_case("interleaved", 1, False, 1, 1, False, **{
             "parallel.context": 2, "parallel.context_comm": "a2a"}),
+        # dropout under context parallelism: the ring's blocks and the all-to-all's heads draw their own entries
+        "context-ring-dropout": guard_case(None, 2, True, 1, 1, False, **{"parallel.context": 2, **DROPOUT}),
+        "context-a2a-pipeline-dropout": guard_case("1f1b", 1, False, 1, 1, False, **{
+            "parallel.context": 2, "parallel.context_comm": "a2a", **DROPOUT}),
         "uneven-1f1b": guard_case("1f1b", 1, False, 1, 1, False, **{
             "model.num_layers": 5, "parallel.decoder_first_pipeline_num_layers": 2}),
         "uneven-interleaved-moe": guard_case("interleaved", 2, True, 1, 1, True, **{
