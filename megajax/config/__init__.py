@@ -29,7 +29,8 @@ a checkpoint holds.
 from __future__ import annotations
 
 import dataclasses
-
+import functools
+import typing
 
 from megajax.config.base import MODEL, RESUME, ConfigError, InputError, check, divisors, resumable
 from megajax.config.model import ModelConfig
@@ -291,12 +292,17 @@ class Config:
 
 
 def _to_dict(obj) -> dict:
-    out = {}
-    for f in dataclasses.fields(obj):
-        v = getattr(obj, f.name)
-        key = {a: k for k, a in KEY_ALIASES.items()}.get(f.name, f.name)
-        out[key] = _to_dict(v) if dataclasses.is_dataclass(v) else v
-    return out
+    return {key: _to_dict(getattr(obj, name)) if section else getattr(obj, name)
+            for name, key, section in _keys(type(obj))}
+
+
+@functools.lru_cache(maxsize=None)
+def _keys(cls) -> tuple[tuple[str, str, bool], ...]:
+    """(attribute, key, whether it is a section) of each field of a config section (a config is built for every
+    layout the planner or the layout matrix enumerates)."""
+    spelled, hints = {a: k for k, a in KEY_ALIASES.items()}, typing.get_type_hints(cls)
+    return tuple((f.name, spelled.get(f.name, f.name), dataclasses.is_dataclass(hints[f.name]))
+                 for f in dataclasses.fields(cls))
 
 
 def may_change_on_resume(key: str) -> bool:

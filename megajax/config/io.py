@@ -73,9 +73,8 @@ def _unknown_key(path: str, key: str, known: list[str], what: str) -> str:
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Checks (and gently converts) `value` to the annotated type `tp`. (Each message is formatted only on a failure:
     a config is built for every layout a planner or a test enumerates.)"""
-    origin = typing.get_origin(tp)
+    origin, args = _parts(tp)
     if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
         errors = []
@@ -88,7 +87,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 errors.append(str(e))
         raise ConfigError(errors[0] if errors else f"{where}: bad value {short(value)}")
     if origin is Literal:
-        choices = typing.get_args(tp)
+        choices = args
         if value not in choices:
             raise ConfigError(f"{where}={short(value)} is not one of {', '.join(map(str, choices))}")
         return value
@@ -123,17 +122,25 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
 
 
 @functools.lru_cache(maxsize=None)
-def _hints(cls) -> dict:
-    """typing.get_type_hints of a config section (evaluating the annotations is most of building a config)."""
-    return typing.get_type_hints(cls)
+def _parts(tp) -> tuple[Any, tuple]:
+    """(typing.get_origin, typing.get_args) of an annotation."""
+    return typing.get_origin(tp), typing.get_args(tp)
+
+
+@functools.lru_cache(maxsize=None)
+def _section(cls) -> tuple[dict, frozenset, frozenset]:
+    """(typing.get_type_hints, the field names, those that are sections) of a config section: evaluating the
+    annotations is most of building a config, and one is built for every layout the planner enumerates."""
+    hints = typing.get_type_hints(cls)
+    names = frozenset(f.name for f in dataclasses.fields(cls))
+    return hints, names, frozenset(n for n in names if dataclasses.is_dataclass(hints[n]))
 
 
 def _build(cls, data: dict, where: str):
     if not isinstance(data, dict):
         raise ConfigError(f"{where or 'the config'} must be a mapping, got {short(data)}")
     data = _read_old_keys(data, where)
-    hints = _hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    hints, names, sections = _section(cls)
     kwargs = {}
     for key, value in data.items():
         name = KEY_ALIASES.get(key, key)
@@ -141,11 +148,10 @@ def _build(cls, data: dict, where: str):
         if name not in names:
             known = sorted({k for k, a in KEY_ALIASES.items() if a in names} | names - set(KEY_ALIASES.values()))
             raise ConfigError(_unknown_key(path, key, known, "sections" if not where else "keys here"))
-        tp = hints[name]
-        if dataclasses.is_dataclass(tp):
-            kwargs[name] = _build(tp, value, path)
+        if name in sections:
+            kwargs[name] = _build(hints[name], value, path)
         else:
-            kwargs[name] = _coerce(value, tp, path)
+            kwargs[name] = _coerce(value, hints[name], path)
     return cls(**kwargs)
 
 
@@ -248,7 +254,7 @@ def keys_help() -> list[tuple[str, str, str, str]]:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
             if kind.startswith("Literal["):  # (Literal[...] | None: the literal's values, then null)
-                hint = _hints(cls)[f.name]
+                hint = _section(cls)[0][f.name]
                 parts = [a for a in typing.get_args(hint) if a is not type(None)]
                 literal = parts[0] if len(parts) == 1 and typing.get_origin(parts[0]) is typing.Literal else hint
                 kind = "|".join(typing.get_args(literal)) + ("|null" if literal is not hint else "")
