@@ -44,6 +44,13 @@ ARCHS["deepseek-moe"] = {**ARCHS["deepseek"], "model.num_experts": 4, "model.exp
                          "model.moe_router_bias_update_rate": 0.01}
 
 
+# folded experts with a capacity under context 2 x tensor 2 (0.5: many assignments dropped; no balancing loss, which
+# each micro batch balances on its own)
+FOLDED_CAPACITY = {"parallel.context": 2, "parallel.tensor": 2, "parallel.sequence_parallel": True,
+                   "parallel.expert_tensor": 1, "model.moe_capacity_factor": 0.5, "model.moe_aux_loss_coef": 0.0,
+                   "train.micro_batch_size": 4}
+
+
 def _chunk_ids(rank: int, c: int) -> tuple[int, int]:
     """The two sequence chunks (of 2c) context rank `rank` holds (context.split's layout)."""
     return rank, 2 * c - 1 - rank
@@ -236,8 +243,6 @@ def test_the_context_space_is_accepted():
     ({"parallel.context": 2, "parallel.tensor": 4, "parallel.sequence_parallel": True, "model.seq_length": 12},
      "multiple of 8"),
     ({"parallel.context": 2, "parallel.pipeline": 2, "parallel.context_comm": "ring"}, "context_comm=all_gather"),
-    ({"parallel.context": 2, "parallel.tensor": 2, "parallel.sequence_parallel": True, "parallel.expert_tensor": 1,
-      "model.num_experts": 4, "model.moe_capacity_factor": 1.0}, "set parallel.expert_tensor=null"),
     ({"parallel.context": 2, "model.attention_impl": "cudnn"}, "pallas or xla"),
     ({"parallel.context": 4, "parallel.tensor": 2, "parallel.context_comm": "a2a"}, "must divide by parallel.tensor"),
     ({"parallel.context": 4, "parallel.pipeline": 2, "parallel.context_comm": "a2a+ring"},
@@ -391,11 +396,34 @@ SLOW_LAYOUTS = {
         "parallel.data": 2, "parallel.expert": 2, "parallel.pipeline": 2, "parallel.context": 2,
         "parallel.context_comm": "a2a", "model.moe_capacity_factor": 0.5, "train.micro_batch_size": 1,
         "model.moe_aux_loss_coef": 0.0}),
+    # folded experts with a capacity: the drops decided on the whole sequences too, with the all-to-all exchange, on
+    # a pipeline, and over expert 2 x tensor 2 with data
+    "deepseek-moe-c2t2-sp-foldcap-a2a": ("deepseek-moe", 4, {**FOLDED_CAPACITY, "parallel.context_comm": "a2a"}),
+    "deepseek-moe-p2c2t2-sp-foldcap-1f1b": ("deepseek-moe", 8, {**FOLDED_CAPACITY, "parallel.pipeline": 2}),
+    "deepseek-moe-d2e2c2t2-sp-foldcap": ("deepseek-moe", 8, {**FOLDED_CAPACITY, "parallel.data": 2,
+                                                             "parallel.expert": 2}),
     "deepseek-moe-d2p2c2-zero_bubble-zero3-full-recompute": ("deepseek-moe", 8, {
         "parallel.data": 2, "parallel.pipeline": 2, "parallel.context": 2, "parallel.schedule": "zero_bubble",
         "parallel.data_parallel_sharding_strategy": "optim_grads_params", "model.recompute": "full",
         "train.micro_batch_size": 1, "model.moe_aux_loss_coef": 0.0}),
 }
+
+
+def test_folded_experts_with_a_capacity_drop_under_context_what_one_device_drops():
+    """Folded experts (parallel.expert_tensor=1) with a capacity under context 2 x tensor 2: every rank decides its
+    drops on the whole sequences, as unfolded experts do (moe.kept_in_sequences), so the layout equals one device,
+    which drops half of the assignments here (without context each tensor rank would drop within its own
+    sequence shard)."""
+    ref_norms, norms, ref_stats, stats = [], [], [], []
+    want = run_steps(small_config(**_model_sets("deepseek-moe", FOLDED_CAPACITY)), 1, STEPS, grad_norms=ref_norms,
+                     stats=ref_stats)
+    got = run_steps(small_config(**{**SIZE, **ARCHS["deepseek-moe"], **FOLDED_CAPACITY}), 4, STEPS, grad_norms=norms,
+                    stats=stats)
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-4)
+    dropped = [s["moe_dropped_fraction"] for s in stats]
+    np.testing.assert_allclose(dropped, [s["moe_dropped_fraction"] for s in ref_stats], rtol=1e-5)
+    assert min(dropped) > 0.1, dropped
 
 
 def _model_sets(arch: str, sets: dict) -> dict:

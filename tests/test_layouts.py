@@ -534,11 +534,11 @@ def test_unrolled_layers_match_one_device(what):
 # config accepts them; and of the layouts that add conditionals or collectives of their own: sequence parallelism's
 # collective matmuls (collectives over a manual 'tensor'), context parallelism's ring, all-gather and all-to-all (a
 # conditional on the context rank; with dropout too), uneven pipeline stages (a conditional on each layer slot),
-# folded experts and the ragged exchange, the tables split over the pipeline or whole, multi-token prediction and
-# hybrid sharding. Traced only, never compiled or run: a tiny model (one layer per pipeline chunk), 8 devices. A
-# trace takes 1-4 s (a pipeline's per-rank branches are most of it): the default run traces, for each schedule, every
-# (ZeRO, overlap) and every (tensor, sequence parallelism, MoE) it accepts, rotated against each other, and the
-# layouts above (`guard_default`, 52 of the 196); -m slow traces the rest of the product.
+# folded experts (with a capacity under context too) and the ragged exchange, the tables split over the pipeline
+# or whole, multi-token prediction and hybrid sharding. Traced only, never compiled or run: a tiny model (one layer
+# per pipeline chunk), 8 devices. A trace takes 1-4 s (a pipeline's per-rank branches are most of it): the default
+# run traces, for each schedule, every (ZeRO, overlap) and every (tensor, sequence parallelism, MoE) it accepts,
+# rotated against each other, and the layouts above (`guard_default`, 53 of the 197); -m slow traces the rest.
 GUARD_SIZE = {"model.num_layers": 4, "model.hidden_size": 32, "model.num_heads": 4, "model.seq_length": 16,
               "model.ffn_hidden_size": 64, "train.global_batch_size": 8, "train.micro_batch_size": 2}
 GUARD_MOE = {"model.num_experts": 4, "model.experts_per_token": 2, "model.moe_ffn_hidden_size": 16,
@@ -577,6 +577,11 @@ def guard_space() -> dict[str, dict]:
         "context-ring-dropout": guard_case(None, 2, True, 1, 1, False, **{"parallel.context": 2, **DROPOUT}),
         "context-a2a-pipeline-dropout": guard_case("1f1b", 1, False, 1, 1, False, **{
             "parallel.context": 2, "parallel.context_comm": "a2a", **DROPOUT}),
+        # folded experts with a capacity under context on a pipeline: the expert ids gathered over 'context' inside
+        # the pipeline rank's branches
+        "context-foldcap-pipeline": guard_case("1f1b", 2, True, 1, 0, True, **{
+            "parallel.context": 2, "parallel.data": 1, "parallel.expert": 1, "parallel.expert_tensor": 1,
+            "model.moe_capacity_factor": 1.0}),
         "uneven-1f1b": guard_case("1f1b", 1, False, 1, 1, False, **{
             "model.num_layers": 5, "parallel.decoder_first_pipeline_num_layers": 2}),
         "uneven-interleaved-moe": guard_case("interleaved", 2, True, 1, 1, True, **{

@@ -164,10 +164,6 @@ class Config:
             f"sequence parallelism shards each context rank's {m.seq_length} / {c} tokens over parallel.tensor="
             f"{p.tensor}: make model.seq_length a multiple of {c * p.tensor}",
         )
-        check(m.num_experts == 0 or m.moe_capacity_factor is None or not p.folded_experts,
-              "a capacity (model.moe_capacity_factor) with folded experts (parallel.expert_tensor=1) drops tokens per "
-              "tensor rank's sequence shard, which parallel.context > 1 splits again: set parallel.expert_tensor=null, "
-              "model.moe_capacity_factor=null (dropless) or parallel.context=1")
         check(p.context_comm != "ring" or p.pipeline == 1,
               "parallel.context_comm=ring is not supported with a pipeline (the ring's collective-permutes would run "
               "inside the schedule's per-rank branches, where XLA's permute waits for every device): set "

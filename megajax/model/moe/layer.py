@@ -214,7 +214,7 @@ class MoE(nn.Module):
         experts = functools.partial(expert_mlps, cfg, w, state, lead)
 
         keep = None
-        if cfg.moe_capacity_factor is not None and context.size() > 1:  # (not folded: a config error)
+        if cfg.moe_capacity_factor is not None and context.size() > 1:  # (folded too: the whole sequences decide)
             keep = kept_in_sequences(ids.reshape(b, s, k), weights.reshape(b, s, k), cfg).reshape(g, -1, k)
         y, sizes, dropped = run_experts(x_gtd, ids.reshape(g, -1, k), weights.reshape(g, -1, k), cfg, ep, experts,
                                         keep)
