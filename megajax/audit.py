@@ -441,6 +441,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lower-for", choices=("cuda", "rocm"),
                         help="only export the train step for this platform and report its kernel custom calls")
     args = parser.parse_args(argv)
+    if args.devices is not None and args.devices < 1:
+        print(f"error: --devices {args.devices}: the count must be 1 or more (or leave it out: the host's devices, "
+              "8 for GPUs)", file=sys.stderr)
+        return 2
 
     jax = compile_only_backend()
     if args.target == "cpu" and args.devices:

@@ -197,6 +197,15 @@ def test_summary_reads_as_a_person_would_say_it():
         "per collective in the JSON's communication.groups"]
 
 
+def test_a_device_count_below_one_is_an_error(capsys):
+    """--devices 0 once audited the default count (8 for GPUs) without a word."""
+    from megajax.audit import main
+
+    assert main(["--config", "configs/tiny.yaml", "--target", "h100", "--devices", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --devices 0: the count must be 1 or more"), err
+
+
 def test_cli_prints_json_with_memory_collectives_and_flops(tmp_path):
     hlo_file = tmp_path / "step.hlo"
     out = subprocess.run([sys.executable, "-m", "megajax.audit", "--config", "configs/tiny.yaml", "--devices", "8",

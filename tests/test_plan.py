@@ -411,6 +411,13 @@ def test_paper_models_answer_on_a100(capsys):
     assert "is not a multiple of" not in out
 
 
+@pytest.mark.parametrize("flags", [["--gpus", "0"], ["--gpus", "8", "--gpus-per-node", "0"]])
+def test_a_gpu_count_below_one_is_named(flags, capsys):
+    assert plan_main(["--config", "configs/tiny.yaml", "--target", "h100", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the count must be 1 or more" in err[0] and flags[-2] in err[0], err
+
+
 def test_an_odd_gpu_count_is_named(capsys):
     assert plan_main(["--config", "configs/llama3-8b.yaml", "--target", "h100", "--gpus", "7", "--compile", "0"]) == 0
     out = capsys.readouterr().out

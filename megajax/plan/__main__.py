@@ -22,6 +22,7 @@ from pathlib import Path
 import yaml
 
 from megajax.config import Config, InputError
+from megajax.config.base import check
 from megajax.plan.checks import ERROR, ERROR_SOURCE
 from megajax.plan.hardware import GIB, hardware
 from megajax.plan.search import KEYS, Candidate, compile_candidate, own_layout, rank, search
@@ -348,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
     try:
+        for flag, value in (("--gpus", args.gpus), ("--gpus-per-node", args.gpus_per_node)):
+            check(value >= 1, f"{flag} {value}: the count must be 1 or more (e.g. --gpus 64 --gpus-per-node 8)")
         base, raw, fixed = _base(args)
         hw = hardware(args.target)
         result = search(base, hw, args.gpus, args.gpus_per_node, fixed, margin=args.memory_margin)
