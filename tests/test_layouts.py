@@ -22,6 +22,7 @@ without sequence parallelism, and with a pipeline, among them); `-m slow` runs t
 from __future__ import annotations
 
 import itertools
+import pathlib
 
 import numpy as np
 import pytest
@@ -410,8 +411,6 @@ def test_the_space_is_accepted():
 
 def test_the_docs_give_the_space_s_size():
     """The docs state how many layouts the matrix holds and trains by default."""
-    import pathlib
-
     text_path = pathlib.Path(__file__).parents[1] / "docs" / "features" / "parallelism.md"
     text = text_path.read_text()
     moe = sum(c["moe"] for c in SPACE)
@@ -652,6 +651,8 @@ def test_the_guard_covers_the_combinations():
         assert {(c[1], c[2], c[5]) for c in chosen} == {(c[1], c[2], c[5]) for c in mine}
     for c in GUARD.values():
         small_config(**c["sets"]).for_devices(c["n"])  # (the config accepts it)
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "design" / "collectives.md").read_text()
+    assert f"That is {len(GUARD)} traced steps, {len(GUARD_DEFAULT)} of them in the default suite" in text
 
 
 @pytest.mark.parametrize("key", [k if k in GUARD_DEFAULT else pytest.param(k, marks=pytest.mark.slow) for k in GUARD])
