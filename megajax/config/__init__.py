@@ -39,11 +39,12 @@ from megajax.config.run import FP16_MAX, CheckpointConfig, DataConfig, OptimConf
 from megajax.parallel.pipeline.split import StageSplit, pipeline_split
 
 __all__ = ["FP16_MAX", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "InputError", "KEY_ALIASES",
-           "ModelConfig", "OptimConfig", "ParallelConfig", "StageSplit", "TrainConfig", "may_change_on_resume",
-           "model_defining_fields", "pipeline_split"]
+           "ModelConfig", "OptimConfig", "ParallelConfig", "SPELLED", "SectionFields", "StageSplit", "TrainConfig",
+           "may_change_on_resume", "model_defining_fields", "pipeline_split", "section_fields"]
 
 # YAML keys that are Python keywords map onto attribute names with a trailing underscore.
 KEY_ALIASES = {"async": "async_"}
+SPELLED = {attr: key for key, attr in KEY_ALIASES.items()}  # attribute name -> its key where the two differ
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,17 +289,29 @@ class Config:
 
 
 def _to_dict(obj) -> dict:
-    return {key: _to_dict(getattr(obj, name)) if section else getattr(obj, name)
-            for name, key, section in _keys(type(obj))}
+    section = section_fields(type(obj))
+    return {key: _to_dict(getattr(obj, name)) if name in section.sections else getattr(obj, name)
+            for name, key in section.keys}
+
+
+@dataclasses.dataclass(frozen=True)
+class SectionFields:
+    """What building or writing a config section reads of its class: `typing.get_type_hints`, (attribute, key) per
+    field, the attribute names, and those that are sections themselves."""
+
+    hints: dict
+    keys: tuple[tuple[str, str], ...]
+    names: frozenset
+    sections: frozenset
 
 
 @functools.lru_cache(maxsize=None)
-def _keys(cls) -> tuple[tuple[str, str, bool], ...]:
-    """(attribute, key, whether it is a section) of each field of a config section (a config is built for every
-    layout the planner or the layout matrix enumerates)."""
-    spelled, hints = {a: k for k, a in KEY_ALIASES.items()}, typing.get_type_hints(cls)
-    return tuple((f.name, spelled.get(f.name, f.name), dataclasses.is_dataclass(hints[f.name]))
-                 for f in dataclasses.fields(cls))
+def section_fields(cls) -> SectionFields:
+    """`SectionFields` of a config section class, computed once: evaluating the annotations is most of building a
+    config, and one is built for every layout the planner or the layout matrix enumerates."""
+    hints, names = typing.get_type_hints(cls), tuple(f.name for f in dataclasses.fields(cls))
+    return SectionFields(hints, tuple((n, SPELLED.get(n, n)) for n in names), frozenset(names),
+                         frozenset(n for n in names if dataclasses.is_dataclass(hints[n])))
 
 
 def may_change_on_resume(key: str) -> bool:

@@ -17,11 +17,10 @@ from typing import Any, Literal
 
 import yaml
 
-from megajax.config import KEY_ALIASES, Config, ConfigError
+from megajax.config import KEY_ALIASES, SPELLED, Config, ConfigError, section_fields
 from megajax.config.base import check, concerns, short
 
 log = logging.getLogger("megajax.config")
-SPELLED = {attr: key for key, attr in KEY_ALIASES.items()}  # attribute name -> its key where the two differ
 
 # Renamed keys: old key -> (the key that decides now, the old value as the new key's). Where both are set, the new
 # key decides and the old one is not read (as before the rename).
@@ -127,20 +126,12 @@ def _parts(tp) -> tuple[Any, tuple]:
     return typing.get_origin(tp), typing.get_args(tp)
 
 
-@functools.lru_cache(maxsize=None)
-def _section(cls) -> tuple[dict, frozenset, frozenset]:
-    """(typing.get_type_hints, the field names, those that are sections) of a config section: evaluating the
-    annotations is most of building a config, and one is built for every layout the planner enumerates."""
-    hints = typing.get_type_hints(cls)
-    names = frozenset(f.name for f in dataclasses.fields(cls))
-    return hints, names, frozenset(n for n in names if dataclasses.is_dataclass(hints[n]))
-
-
 def _build(cls, data: dict, where: str):
     if not isinstance(data, dict):
         raise ConfigError(f"{where or 'the config'} must be a mapping, got {short(data)}")
     data = _read_old_keys(data, where)
-    hints, names, sections = _section(cls)
+    section = section_fields(cls)
+    hints, names = section.hints, section.names
     kwargs = {}
     for key, value in data.items():
         name = KEY_ALIASES.get(key, key)
@@ -148,7 +139,7 @@ def _build(cls, data: dict, where: str):
         if name not in names:
             known = sorted({k for k, a in KEY_ALIASES.items() if a in names} | names - set(KEY_ALIASES.values()))
             raise ConfigError(_unknown_key(path, key, known, "sections" if not where else "keys here"))
-        if name in sections:
+        if name in section.sections:
             kwargs[name] = _build(hints[name], value, path)
         else:
             kwargs[name] = _coerce(value, hints[name], path)
@@ -254,7 +245,7 @@ def keys_help() -> list[tuple[str, str, str, str]]:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
             if kind.startswith("Literal["):  # (Literal[...] | None: the literal's values, then null)
-                hint = _section(cls)[0][f.name]
+                hint = section_fields(cls).hints[f.name]
                 parts = [a for a in typing.get_args(hint) if a is not type(None)]
                 literal = parts[0] if len(parts) == 1 and typing.get_origin(parts[0]) is typing.Literal else hint
                 kind = "|".join(typing.get_args(literal)) + ("|null" if literal is not hint else "")
