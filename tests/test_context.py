@@ -400,6 +400,14 @@ SLOW_LAYOUTS = {
     # a pipeline, and over expert 2 x tensor 2 with data
     "deepseek-moe-c2t2-sp-foldcap-a2a": ("deepseek-moe", 4, {**FOLDED_CAPACITY, "parallel.context_comm": "a2a"}),
     "deepseek-moe-p2c2t2-sp-foldcap-1f1b": ("deepseek-moe", 8, {**FOLDED_CAPACITY, "parallel.pipeline": 2}),
+    # ... and on the other schedules: the ids' gathers inside their ticks' branches
+    "deepseek-moe-p2c2t2-sp-foldcap-interleaved": ("deepseek-moe", 8, {
+        **FOLDED_CAPACITY, "parallel.pipeline": 2, "parallel.schedule": "interleaved", "parallel.virtual_stages": 2,
+        "train.micro_batch_size": 1}),
+    "deepseek-moe-p2c2t2-sp-foldcap-zero_bubble": ("deepseek-moe", 8, {
+        **FOLDED_CAPACITY, "parallel.pipeline": 2, "parallel.schedule": "zero_bubble", "train.micro_batch_size": 1}),
+    "deepseek-moe-p2c2t2-sp-foldcap-gpipe": ("deepseek-moe", 8, {
+        **FOLDED_CAPACITY, "parallel.pipeline": 2, "parallel.schedule": "gpipe", "train.micro_batch_size": 1}),
     "deepseek-moe-d2e2c2t2-sp-foldcap": ("deepseek-moe", 8, {**FOLDED_CAPACITY, "parallel.data": 2,
                                                              "parallel.expert": 2}),
     "deepseek-moe-d2p2c2-zero_bubble-zero3-full-recompute": ("deepseek-moe", 8, {

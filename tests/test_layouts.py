@@ -537,7 +537,7 @@ def test_unrolled_layers_match_one_device(what):
 # or whole, multi-token prediction and hybrid sharding. Traced only, never compiled or run: a tiny model (one layer
 # per pipeline chunk), 8 devices. A trace takes 1-4 s (a pipeline's per-rank branches are most of it): the default
 # run traces, for each schedule, every (ZeRO, overlap) and every (tensor, sequence parallelism, MoE) it accepts,
-# rotated against each other, and the layouts above (`guard_default`, 53 of the 197); -m slow traces the rest.
+# rotated against each other, and the layouts above (`guard_default`, 55 of the 199); -m slow traces the rest.
 GUARD_SIZE = {"model.num_layers": 4, "model.hidden_size": 32, "model.num_heads": 4, "model.seq_length": 16,
               "model.ffn_hidden_size": 64, "train.global_batch_size": 8, "train.micro_batch_size": 2}
 GUARD_MOE = {"model.num_experts": 4, "model.experts_per_token": 2, "model.moe_ffn_hidden_size": 16,
@@ -578,9 +578,9 @@ def guard_space() -> dict[str, dict]:
             "parallel.context": 2, "parallel.context_comm": "a2a", **DROPOUT}),
         # folded experts with a capacity under context on a pipeline: the expert ids gathered over 'context' inside
         # the pipeline rank's branches
-        "context-foldcap-pipeline": guard_case("1f1b", 2, True, 1, 0, True, **{
+        **{f"context-foldcap-{schedule}": guard_case(schedule, 2, True, 1, 0, True, **{
             "parallel.context": 2, "parallel.data": 1, "parallel.expert": 1, "parallel.expert_tensor": 1,
-            "model.moe_capacity_factor": 1.0}),
+            "model.moe_capacity_factor": 1.0}) for schedule in ("1f1b", "interleaved", "zero_bubble")},
         "uneven-1f1b": guard_case("1f1b", 1, False, 1, 1, False, **{
             "model.num_layers": 5, "parallel.decoder_first_pipeline_num_layers": 2}),
         "uneven-interleaved-moe": guard_case("interleaved", 2, True, 1, 1, True, **{
