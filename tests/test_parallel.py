@@ -37,7 +37,9 @@ def test_dropout_is_layout_independent():
     got = run_steps(small_config(**drop, **{"parallel.data": 2, "parallel.tensor": 4,
                                             "parallel.sequence_parallel": True}), 8, 2)
     np.testing.assert_allclose(got, ref, rtol=1e-4)
-    assert abs(ref[0] - reference("gpt2")[0]) > 1e-4, "dropout should change the loss"
+    # (at initialisation the first loss moves by chance amounts either way; the step after trains on dropped
+    # activations)
+    assert max(abs(a - b) for a, b in zip(ref, reference("gpt2"))) > 1e-3, "dropout should change the losses"
 
 
 # The overlapped gradient reduction (parallel.overlap_grad_reduce, megajax/parallel/overlap.py) over its space: one micro
