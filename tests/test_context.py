@@ -285,7 +285,7 @@ LAYOUTS = {
                                                            "model.moe_token_drop_policy": "probs"}),
     # experts, context and a pipeline: the balancing loss, summed over 'context', is invariant there, and so are
     # residuals the schedule carries to the backward (ChunkActions.zero_res)
-    # (two micro batches: each one more adds XLA's unrolled ticks to compile, 22 s -> 34 s at four)
+    # (two micro batches: at four, 34 s here against 22)
     "deepseek-moe-p2c2-1f1b": ("deepseek-moe", 4, {"parallel.pipeline": 2, "parallel.context": 2,
                                                    "train.micro_batch_size": 4}),
     # attention dropout: the entries one device drops, by their heads' and positions' hash, over the all-to-all's
