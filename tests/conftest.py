@@ -229,33 +229,3 @@ def read_metrics(out_dir) -> dict[int, dict]:
             if "loss" in rec:
                 out[rec["step"]] = rec
     return out
-
-
-# The tests that take 10-40 s each on the 2-core CI machine (`--durations`): layouts trained against one device,
-# multi-process runs, the CLI's checkpoint runs and the larger compile-only GPU programs.
-HEAVY = frozenset({
-    "test_layout_matches_one_device", "test_context_layout_matches_one_device",
-    "test_folded_experts_with_a_capacity_drop_under_context_what_one_device_drops",
-    "test_processes_match_one_process_and_checkpoints_move_between_them",
-    "test_a_stalled_process_is_named_by_the_watchdog_and_the_launcher", "test_a_dead_process_stops_the_others",
-    "test_a_checkpoint_from_before_the_model_state_split_resumes", "test_resume_after_kill_is_bitwise",
-    "test_a_crash_mid_save_never_damages_earlier_steps", "test_fsdp_weights_move_between_layouts_and_data_sizes",
-    "test_the_exchange_under_a_pipeline_on_h100_is_the_analytic_volume",
-    "test_the_compiled_ticks_copy_no_layer_gradients",
-    "test_h100_program_multiplies_blockwise_in_block_scaled_fp8_kernels",
-    "test_fp8_layout_matches_one_device", "test_fsdp_matches_one_device", "test_written_preset_fine_tunes_as_it_is",
-    "test_a_layout_with_the_modules_matches_one_device", "test_pipeline_gradients_equal_plain_gradients",
-    "test_unrolled_layers_match_one_device", "test_the_space_is_accepted"})
-
-
-@pytest.hookimpl(trylast=True)  # (after the markers' deselection and pytest-randomly's shuffle)
-def pytest_collection_modifyitems(config, items):
-    """The heavy tests first in each pytest-xdist worker's share. The work-stealing scheduler hands each worker a
-    contiguous half of the collection and steals from the end of the busier one's queue, so with the heavy tests
-    dealt alternately to the front of both halves a run ends on short tests, not on one worker's 30-s layout while
-    the other waits. The order is otherwise pytest-randomly's (the same on every worker)."""
-    heavy = [i for i in items if i.originalname in HEAVY]
-    rest = [i for i in items if i.originalname not in HEAVY]
-    half = (len(items) + 1) // 2
-    first, second = heavy[0::2], heavy[1::2]
-    items[:] = first + rest[:half - len(first)] + second + rest[half - len(first):]
